@@ -1,0 +1,52 @@
+"""Every metadata key mpgraph writes, in one place.
+
+Passes talk to each other and to the audit through these keys (on ``node.metadata_props``
+and ``model.metadata_props``), so Netron shows them and a saved model carries its decisions.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "NODE_PRECISION",
+    "NODE_REASON",
+    "NODE_INSERTED",
+    "NODE_ROLE",
+    "MODEL_POLICY",
+    "MODEL_DTYPE",
+    "MODEL_EMULATED",
+    "MODEL_WEIGHT_BYTES_BEFORE",
+    "MODEL_INIT_RANGE",
+    "MODEL_LOSS_SCALING",
+    "MODEL_STATE_PAIRS",
+    "MODEL_TRAINING",
+    "ROLES",
+]
+
+#: Final compute precision of a node: a dtype name (``float32``, ``float16``, ``bfloat16``)
+#: or ``none`` for nodes that touch no float tensor.
+NODE_PRECISION = "mpgraph.precision"
+#: The rule or phase that decided ``NODE_PRECISION``, in words.
+NODE_REASON = "mpgraph.reason"
+#: Set on nodes mpgraph created: ``cast`` (policy boundary), ``round`` (emulation rounding).
+NODE_INSERTED = "mpgraph.inserted"
+#: Role of a node in a training graph: one of ``ROLES``.
+NODE_ROLE = "mpgraph.role"
+
+#: Name (or path) of the policy a model was converted with.
+MODEL_POLICY = "mpgraph.policy"
+#: Target low dtype of the conversion.
+MODEL_DTYPE = "mpgraph.dtype"
+#: ``true`` when the model is the CPU-emulated lowering.
+MODEL_EMULATED = "mpgraph.emulated"
+#: Bytes of float weights before conversion (the audit compares with after).
+MODEL_WEIGHT_BYTES_BEFORE = "mpgraph.weight_bytes_before"
+#: JSON list of initializer range events (overflow/underflow), one record per initializer.
+MODEL_INIT_RANGE = "mpgraph.initializer_range"
+#: JSON of the loss-scaling section of the policy.
+MODEL_LOSS_SCALING = "mpgraph.loss_scaling"
+#: JSON list of ``[state input, updated output]`` pairs of a training step graph.
+MODEL_STATE_PAIRS = "mpgraph.state_pairs"
+#: ``true`` on a training step graph built by ``train-graph``.
+MODEL_TRAINING = "mpgraph.training"
+
+ROLES = ("forward", "backward", "loss", "optimizer")
