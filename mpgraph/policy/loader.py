@@ -1,0 +1,364 @@
+"""Read and validate YAML policies.
+
+Every error names the file, the line, the key path, the bad value and the valid choices::
+
+    policies/mine.yaml:4: ops.allow.MatMull: unknown op type 'MatMull' (did you mean 'MatMul'?)
+
+Schema (all keys optional except ``dtype``)::
+
+    name: my-policy                 # defaults to the file stem
+    extends: bf16                   # start from a preset or another file, then override
+    description: one paragraph
+    dtype: bfloat16                 # float16 | bfloat16 | float32 (aliases fp16, bf16, fp32)
+    default: deny                   # category of unlisted ops: allow | infer | clear | deny
+    ops:                            # category -> {op type: reason} (or a plain list of op types)
+      allow: {MatMul: tensor cores, Gemm: tensor cores}
+      infer: [Add, Relu]
+      clear: [Reshape]
+      deny: {Softmax: exp overflows in fp16}
+    overrides:                      # first match wins
+      - {match: "/head/*", precision: float32, reason: keep the head exact}
+    pins:
+      - {op: Resize, inputs: [1, 2], reason: roi and scales are coordinates}
+    keep_io_types: true             # or a list of input/output names
+    initializers: {overflow: keep_fp32, underflow: keep}
+    loss_scaling: {mode: dynamic, init: 65536, growth_interval: 2000, growth_factor: 2.0,
+                   backoff_factor: 0.5, min: 1.0, max: 16777216}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib.resources
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import onnx
+import yaml
+
+from mpgraph.errors import PolicyError
+from mpgraph.policy.schema import (
+    CATEGORIES,
+    DTYPES,
+    LOSS_SCALING_MODES,
+    OVERFLOW_ACTIONS,
+    UNDERFLOW_ACTIONS,
+    InitializerRange,
+    LossScaling,
+    Override,
+    Pin,
+    Policy,
+)
+
+__all__ = ["load_policy", "list_presets", "preset_path", "parse_policy"]
+
+_TOP_KEYS = (
+    "name",
+    "extends",
+    "description",
+    "dtype",
+    "default",
+    "ops",
+    "overrides",
+    "pins",
+    "keep_io_types",
+    "initializers",
+    "loss_scaling",
+)
+_LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossScaling))
+_INIT_KEYS = tuple(f.name for f in dataclasses.fields(InitializerRange))
+
+
+def _presets_dir() -> Path:
+    # A source checkout keeps presets in the top-level rules/; a wheel ships them as mpgraph.rules.
+    checkout = Path(__file__).resolve().parents[2] / "rules"
+    if checkout.is_dir():
+        return checkout
+    return Path(str(importlib.resources.files("mpgraph.rules")))
+
+
+def list_presets() -> list[str]:
+    """Names of the presets shipped in ``rules/``."""
+    return sorted(p.stem for p in _presets_dir().glob("*.yaml"))
+
+
+def preset_path(name: str) -> Path:
+    """Path of a preset's YAML file; raises ``PolicyError`` for an unknown name."""
+    path = _presets_dir() / f"{name}.yaml"
+    if not path.is_file():
+        raise PolicyError(
+            f"unknown preset '{name}'{_suggest(name, list_presets())}; "
+            f"valid presets: {', '.join(list_presets())} (or a path to a .yaml file)"
+        )
+    return path
+
+
+def load_policy(spec: str | os.PathLike[str] | Policy) -> Policy:
+    """Load a policy from a preset name, a YAML path, or pass a ``Policy`` through.
+
+    Example:
+        >>> load_policy("bf16").dtype.name
+        'BFLOAT16'
+    """
+    if isinstance(spec, Policy):
+        return spec
+    text = os.fspath(spec)
+    looks_like_path = text.endswith((".yaml", ".yml")) or os.sep in text or Path(text).is_file()
+    path = Path(text) if looks_like_path else preset_path(text)
+    return _load_file(str(path.resolve()) if looks_like_path else str(path), ())
+
+
+def _load_file(path: str, chain: tuple[str, ...]) -> Policy:
+    if path in chain:
+        raise PolicyError(f"{path}: extends: cycle {' -> '.join((*chain, path))}")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise PolicyError(f"{path}: policy file not found") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise PolicyError(f"{path}: cannot read policy file ({e})") from None
+    return parse_policy(text, path, _chain=(*chain, path))
+
+
+class _Doc:
+    """A parsed YAML document that remembers the line of every key path."""
+
+    def __init__(self, text: str, path: str) -> None:
+        self.path = path
+        self.lines: dict[tuple[str, ...], int] = {}
+        try:
+            node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            line = f":{mark.line + 1}" if mark is not None else ""
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise PolicyError(f"{path}{line}: invalid YAML: {problem}") from None
+        self.data = self._build(node, ()) if node is not None else None
+
+    def _build(self, node: yaml.Node, keypath: tuple[str, ...]) -> Any:
+        self.lines.setdefault(keypath, node.start_mark.line + 1)
+        if isinstance(node, yaml.MappingNode):
+            out: dict[str, Any] = {}
+            for knode, vnode in node.value:
+                key = str(knode.value)
+                if key in out:
+                    self.lines[(*keypath, key)] = knode.start_mark.line + 1
+                    self.fail((*keypath, key), "duplicate key")
+                self.lines[(*keypath, key)] = knode.start_mark.line + 1
+                out[key] = self._build(vnode, (*keypath, key))
+            return out
+        if isinstance(node, yaml.SequenceNode):
+            return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
+        return yaml.SafeLoader(None).construct_object(node)  # type: ignore[arg-type]
+
+    def fail(self, keypath: tuple[str, ...], message: str) -> PolicyError:
+        line = ""
+        for i in range(len(keypath), -1, -1):
+            if keypath[:i] in self.lines:
+                line = f":{self.lines[keypath[:i]]}"
+                break
+        where = ".".join(keypath) or "<top>"
+        raise PolicyError(f"{self.path}{line}: {where}: {message}")
+
+
+def _suggest(bad: str, valid: Iterator[str] | list[str] | tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(bad, list(valid), n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _choice(doc: _Doc, keypath: tuple[str, ...], value: Any, valid: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in valid:
+        doc.fail(
+            keypath,
+            f"invalid value {value!r}{_suggest(str(value), valid)}; valid: {', '.join(valid)}",
+        )
+    return value
+
+
+def _check_keys(doc: _Doc, keypath: tuple[str, ...], mapping: Any, valid: tuple[str, ...]) -> None:
+    if not isinstance(mapping, dict):
+        doc.fail(keypath, f"expected a mapping with keys {', '.join(valid)}, got {mapping!r}")
+    for key in mapping:
+        if key not in valid:
+            doc.fail((*keypath, key), f"unknown key{_suggest(key, valid)}; valid: {', '.join(valid)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _known_op_types() -> frozenset[str]:
+    return frozenset(s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx"))
+
+
+def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = False) -> float:
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok:
+        kind = "an integer" if integer else "a number"
+        doc.fail(keypath, f"invalid value {value!r}; expected {kind}")
+    return value
+
+
+def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] = ()) -> Policy:
+    """Parse and validate a policy from YAML text.
+
+    Args:
+        text: YAML source.
+        path: Shown in errors; also the default ``name`` (its stem).
+
+    Raises:
+        PolicyError: Naming file, line, key path, bad value and the valid choices.
+    """
+    doc = _Doc(text, path)
+    data = doc.data
+    if not isinstance(data, dict):
+        doc.fail((), f"a policy is a YAML mapping with keys {', '.join(_TOP_KEYS)}")
+    _check_keys(doc, (), data, _TOP_KEYS)
+
+    base: Policy | None = None
+    if "extends" in data:
+        parent = data["extends"]
+        if not isinstance(parent, str):
+            doc.fail(("extends",), f"invalid value {parent!r}; expected a preset name or path")
+        try:
+            if parent.endswith((".yaml", ".yml")):
+                parent_path = Path(parent)
+                if not parent_path.is_absolute():
+                    parent_path = Path(path).parent / parent_path
+                base = _load_file(str(parent_path.resolve()), _chain)
+            else:
+                base = _load_file(str(preset_path(parent)), _chain)
+        except PolicyError as e:
+            doc.fail(("extends",), str(e))
+
+    if "dtype" in data:
+        dtype = DTYPES[_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
+    elif base is not None:
+        dtype = base.dtype
+    else:
+        doc.fail(("dtype",), f"missing required key; valid: {', '.join(DTYPES)}")
+
+    default = base.default_category if base else "deny"
+    if "default" in data:
+        default = _choice(doc, ("default",), data["default"], CATEGORIES)
+
+    ops: dict[str, tuple[str, str]] = dict(base.ops) if base else {}
+    if "ops" in data:
+        _check_keys(doc, ("ops",), data["ops"], CATEGORIES)
+        seen: dict[str, str] = {}
+        for category, entries in data["ops"].items():
+            kp = ("ops", category)
+            if entries is None:
+                continue
+            if isinstance(entries, list):
+                entries = {str(e): "" for e in entries}
+            if not isinstance(entries, dict):
+                doc.fail(kp, f"expected a mapping of op type to reason or a list, got {entries!r}")
+            for op_type, reason in entries.items():
+                okp = (*kp, op_type)
+                if "." not in op_type and op_type not in _known_op_types():
+                    doc.fail(
+                        okp,
+                        f"unknown op type '{op_type}'{_suggest(op_type, sorted(_known_op_types()))}"
+                        "; use 'domain.Op' for ops outside the default ONNX domain",
+                    )
+                if op_type in seen:
+                    doc.fail(okp, f"op type listed twice (also in ops.{seen[op_type]})")
+                seen[op_type] = category
+                ops[op_type] = (category, str(reason) if reason is not None else "")
+
+    overrides = list(base.overrides) if base else []
+    if "overrides" in data:
+        if not isinstance(data["overrides"], list):
+            doc.fail(("overrides",), "expected a list of {match, precision, reason}")
+        for i, entry in enumerate(data["overrides"]):
+            kp = ("overrides", str(i))
+            _check_keys(doc, kp, entry, ("match", "precision", "reason"))
+            if not isinstance(entry.get("match"), str):
+                doc.fail((*kp, "match"), "missing or non-string node-name pattern")
+            precision = _choice(doc, (*kp, "precision"), entry.get("precision"), ("low", "float32"))
+            overrides.append(Override(entry["match"], precision, str(entry.get("reason", ""))))
+
+    pins = list(base.pins) if base else []
+    if "pins" in data:
+        if not isinstance(data["pins"], list):
+            doc.fail(("pins",), "expected a list of {op, inputs, reason}")
+        for i, entry in enumerate(data["pins"]):
+            kp = ("pins", str(i))
+            _check_keys(doc, kp, entry, ("op", "inputs", "reason"))
+            op_type = entry.get("op")
+            if not isinstance(op_type, str):
+                doc.fail((*kp, "op"), "missing or non-string op type")
+            slots = entry.get("inputs")
+            if not isinstance(slots, list) or not all(
+                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots
+            ):
+                doc.fail((*kp, "inputs"), f"invalid value {slots!r}; expected a list of input indices >= 0")
+            pins.append(Pin(op_type, tuple(slots), str(entry.get("reason", ""))))
+
+    keep_io: bool | tuple[str, ...] = base.keep_io_types if base else True
+    if "keep_io_types" in data:
+        value = data["keep_io_types"]
+        if isinstance(value, bool):
+            keep_io = value
+        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+            keep_io = tuple(value)
+        else:
+            doc.fail(("keep_io_types",), f"invalid value {value!r}; expected true, false or a list of names")
+
+    init_range = base.initializers if base else InitializerRange()
+    if "initializers" in data:
+        _check_keys(doc, ("initializers",), data["initializers"], _INIT_KEYS)
+        section = data["initializers"]
+        init_range = InitializerRange(
+            overflow=_choice(doc, ("initializers", "overflow"), section.get("overflow", init_range.overflow), OVERFLOW_ACTIONS),
+            underflow=_choice(doc, ("initializers", "underflow"), section.get("underflow", init_range.underflow), UNDERFLOW_ACTIONS),
+        )
+
+    loss = base.loss_scaling if base else LossScaling()
+    if "loss_scaling" in data:
+        section = data["loss_scaling"]
+        _check_keys(doc, ("loss_scaling",), section, _LOSS_KEYS)
+        values = dataclasses.asdict(loss)
+        for key, value in section.items():
+            kp = ("loss_scaling", key)
+            if key == "mode":
+                values[key] = _choice(doc, kp, value, LOSS_SCALING_MODES)
+            elif key == "growth_interval":
+                values[key] = int(_number(doc, kp, value, integer=True))
+                if values[key] < 1:
+                    doc.fail(kp, f"invalid value {value!r}; expected an integer >= 1")
+            else:
+                values[key] = float(_number(doc, kp, value))
+        loss = LossScaling(**values)
+        _validate_loss_scaling(doc, loss)
+
+    name = data.get("name", Path(path).stem)
+    description = data.get("description", base.description if base else "")
+    return Policy(
+        name=str(name),
+        dtype=dtype,
+        ops=ops,
+        default_category=default,
+        overrides=tuple(overrides),
+        pins=tuple(pins),
+        keep_io_types=keep_io,
+        initializers=init_range,
+        loss_scaling=loss,
+        description=str(description).strip(),
+    )
+
+
+def _validate_loss_scaling(doc: _Doc, loss: LossScaling) -> None:
+    kp = ("loss_scaling",)
+    if not loss.init > 0:
+        doc.fail((*kp, "init"), f"invalid value {loss.init!r}; expected > 0")
+    if not loss.growth_factor > 1:
+        doc.fail((*kp, "growth_factor"), f"invalid value {loss.growth_factor!r}; expected > 1")
+    if not 0 < loss.backoff_factor < 1:
+        doc.fail((*kp, "backoff_factor"), f"invalid value {loss.backoff_factor!r}; expected in (0, 1)")
+    if not 0 < loss.min <= loss.max:
+        doc.fail((*kp, "min"), f"invalid bounds min={loss.min!r}, max={loss.max!r}; expected 0 < min <= max")
+    if not loss.min <= loss.init <= loss.max:
+        doc.fail((*kp, "init"), f"invalid value {loss.init!r}; expected within [min, max] = [{loss.min}, {loss.max}]")

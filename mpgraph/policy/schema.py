@@ -1,0 +1,190 @@
+"""Precision policies as frozen dataclasses.
+
+A policy says, per ONNX op type, whether the op may run in the low dtype. Categories follow
+TensorFlow's automatic mixed precision:
+
+* ``allow``: numerically safe and fast in low precision (MatMul, Conv); always lowered.
+* ``infer``: follows its inputs (Add, Relu); lowered when it sits between or after allow ops.
+* ``clear``: dtype-neutral data movement (Reshape, Transpose); lowered next to low ops.
+* ``deny``: must stay float32 (Softmax, reductions, losses); deny spreads forward through
+  infer/clear ops.
+
+Ops the policy does not list get ``default_category`` (``deny`` unless the policy says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from collections.abc import Mapping
+
+import onnx_ir as ir
+
+__all__ = [
+    "CATEGORIES",
+    "DTYPES",
+    "LOSS_SCALING_MODES",
+    "OVERFLOW_ACTIONS",
+    "UNDERFLOW_ACTIONS",
+    "InitializerRange",
+    "LossScaling",
+    "Override",
+    "Pin",
+    "Policy",
+]
+
+CATEGORIES = ("allow", "infer", "clear", "deny")
+
+#: Accepted spellings of each target dtype.
+DTYPES: Mapping[str, ir.DataType] = {
+    "float16": ir.DataType.FLOAT16,
+    "fp16": ir.DataType.FLOAT16,
+    "half": ir.DataType.FLOAT16,
+    "bfloat16": ir.DataType.BFLOAT16,
+    "bf16": ir.DataType.BFLOAT16,
+    "float32": ir.DataType.FLOAT,
+    "fp32": ir.DataType.FLOAT,
+    "float": ir.DataType.FLOAT,
+}
+
+LOSS_SCALING_MODES = ("none", "static", "dynamic")
+OVERFLOW_ACTIONS = ("keep_fp32", "clamp", "error")
+UNDERFLOW_ACTIONS = ("keep", "keep_fp32", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaling:
+    """Loss-scaling settings; defaults are ``torch.amp.GradScaler``'s.
+
+    Attributes:
+        mode: ``none``, ``static`` (multiply by ``init`` forever) or ``dynamic``.
+        init: Initial (or, for static, the fixed) scale.
+        growth_interval: Finite steps in a row before the scale grows.
+        growth_factor: Multiplier applied on growth (> 1).
+        backoff_factor: Multiplier applied on overflow (in (0, 1)).
+        min: Lower bound of the scale.
+        max: Upper bound of the scale.
+    """
+
+    mode: str = "none"
+    init: float = 65536.0
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min: float = 1.0
+    max: float = 2.0**24
+
+
+@dataclasses.dataclass(frozen=True)
+class InitializerRange:
+    """What to do with initializer values the low dtype cannot hold.
+
+    Attributes:
+        overflow: ``keep_fp32`` keeps the consuming ops in float32, ``clamp`` clamps to the
+            largest finite value (recorded), ``error`` refuses to convert.
+        underflow: ``keep`` lowers anyway and records how many nonzeros flush to zero,
+            ``keep_fp32`` keeps the consuming ops in float32, ``error`` refuses.
+    """
+
+    overflow: str = "keep_fp32"
+    underflow: str = "keep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Override:
+    """Force the precision of nodes whose name matches an fnmatch ``pattern``.
+
+    Attributes:
+        pattern: fnmatch pattern over node names (``*`` matches ``/``).
+        precision: ``low`` (the policy's dtype) or ``float32``.
+        reason: Why, shown in the audit.
+    """
+
+    pattern: str
+    precision: str
+    reason: str = ""
+
+    def matches(self, node_name: str) -> bool:
+        return fnmatch.fnmatchcase(node_name, self.pattern)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pin:
+    """Keep input slots of an op type in float32.
+
+    A pinned slot whose type is tied to the op's compute type keeps the whole node float32.
+
+    Attributes:
+        op_type: ONNX op type (``domain.Op`` for other domains).
+        inputs: Input slot indices.
+        reason: Why, shown in the audit.
+    """
+
+    op_type: str
+    inputs: tuple[int, ...]
+    reason: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """A precision policy.
+
+    Attributes:
+        name: Preset name or file path.
+        dtype: Target low dtype (``FLOAT`` means the identity policy).
+        ops: Op type -> (category, reason).
+        default_category: Category of ops the policy does not list.
+        overrides: Per-node overrides, first match wins.
+        pins: Per-op input-slot float32 pins.
+        keep_io_types: ``True`` keeps every graph input/output float32; a tuple names the ones
+            to keep; ``False`` lets inputs/outputs take the low dtype.
+        initializers: Range handling for weights.
+        loss_scaling: Loss-scale settings for training graphs.
+        description: One paragraph for ``policy show``.
+    """
+
+    name: str
+    dtype: ir.DataType
+    ops: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+    default_category: str = "deny"
+    overrides: tuple[Override, ...] = ()
+    pins: tuple[Pin, ...] = ()
+    keep_io_types: bool | tuple[str, ...] = True
+    initializers: InitializerRange = InitializerRange()
+    loss_scaling: LossScaling = LossScaling()
+    description: str = ""
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the policy lowers nothing (dtype float32)."""
+        return self.dtype == ir.DataType.FLOAT
+
+    def category(self, op_type: str, domain: str = "") -> tuple[str, str]:
+        """Category and reason for an op type; unlisted ops get ``default_category``."""
+        key = op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
+        if key in self.ops:
+            return self.ops[key]
+        return self.default_category, f"not listed (default {self.default_category})"
+
+    def override_for(self, node_name: str) -> Override | None:
+        """The first override whose pattern matches ``node_name``."""
+        for override in self.overrides:
+            if override.matches(node_name):
+                return override
+        return None
+
+    def pinned_slots(self, op_type: str, domain: str = "") -> dict[int, str]:
+        """Input slot -> reason for the op type's pins."""
+        key = op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
+        slots: dict[int, str] = {}
+        for pin in self.pins:
+            if pin.op_type == key:
+                for i in pin.inputs:
+                    slots[i] = pin.reason or f"pinned by policy ({key} input {i})"
+        return slots
+
+    def keeps_io(self, name: str) -> bool:
+        """Whether the graph input/output ``name`` must stay float32."""
+        if isinstance(self.keep_io_types, bool):
+            return self.keep_io_types
+        return name in self.keep_io_types
