@@ -153,7 +153,7 @@ class _Doc:
             return out
         if isinstance(node, yaml.SequenceNode):
             return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
-        return yaml.SafeLoader(None).construct_object(node)  # type: ignore[arg-type]
+        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
 
     def fail(self, keypath: tuple[str, ...], message: str) -> PolicyError:
         line = ""
@@ -221,16 +221,19 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
         parent = data["extends"]
         if not isinstance(parent, str):
             doc.fail(("extends",), f"invalid value {parent!r}; expected a preset name or path")
-        try:
-            if parent.endswith((".yaml", ".yml")):
-                parent_path = Path(parent)
-                if not parent_path.is_absolute():
-                    parent_path = Path(path).parent / parent_path
-                base = _load_file(str(parent_path.resolve()), _chain)
-            else:
-                base = _load_file(str(preset_path(parent)), _chain)
-        except PolicyError as e:
-            doc.fail(("extends",), str(e))
+        if parent.endswith((".yaml", ".yml")):
+            parent_path = Path(parent)
+            if not parent_path.is_absolute():
+                parent_path = Path(path).parent / parent_path
+            base = _load_file(str(parent_path.resolve()), _chain)
+        elif parent in list_presets():
+            base = _load_file(str(preset_path(parent)), _chain)
+        else:
+            doc.fail(
+                ("extends",),
+                f"unknown preset {parent!r}{_suggest(parent, list_presets())}; "
+                f"valid: {', '.join(list_presets())} (or a path ending in .yaml)",
+            )
 
     if "dtype" in data:
         dtype = DTYPES[_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
