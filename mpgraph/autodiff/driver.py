@@ -1,0 +1,365 @@
+"""Reverse-mode differentiation of an onnx-ir graph.
+
+The driver walks the graph backwards from a scalar loss and asks each node's gradient rule
+(``registry.py``) for its input gradients. Everything that is not math lives here:
+
+1. **Pruning.** Only nodes on a path from a trainable value to the loss are differentiated;
+   non-differentiable ops and non-float values stop the path.
+2. **Fan-in.** A value used by several nodes gets the sum of its gradient contributions,
+   computed once, named ``grad/<value>``.
+3. **Un-broadcasting.** Gradients of broadcasting ops are summed back to the input's shape,
+   statically where shapes allow, else with runtime ``Shape`` ops (the batch dim stays dynamic).
+4. **Naming.** Every node and value the driver or a rule creates is named
+   ``grad/<forward node>/<op>`` (deterministic, scoped) and carries the role ``backward``.
+5. **Errors.** A node on the path without a rule raises ``GradientError`` naming op, opset and
+   node, before the graph is modified.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph.autodiff import registry
+from mpgraph.errors import GradientError
+from mpgraph.metadata import NODE_ROLE
+
+__all__ = ["GradContext", "differentiate", "FLOAT_TYPES"]
+
+logger = logging.getLogger(__name__)
+
+FLOAT_TYPES = frozenset(
+    {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
+)
+_INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
+_BOOL_OUT = frozenset(
+    {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "IsNaN", "IsInf"}
+)
+
+
+def _is_float(value: ir.Value | None) -> bool:
+    return value is not None and value.dtype in FLOAT_TYPES
+
+
+class GradContext:
+    """Builder handed to gradient rules: creates nodes, constants and shape helpers.
+
+    Args:
+        graph: The graph that receives the backward nodes (appended at the end).
+        role: Value of the ``NODE_ROLE`` metadata on every created node.
+        scope: Prefix of generated names.
+    """
+
+    def __init__(self, graph: ir.Graph, role: str = "backward", scope: str = "grad") -> None:
+        self.graph = graph
+        self.role = role
+        self.scope = scope
+        self.node: ir.Node | None = None
+        self.needed: Sequence[bool] = ()
+        self._names: set[str] = {v.name for v in _all_values(graph) if v.name}
+        self._names |= {n.name for n in graph if n.name}
+        self._consts: dict[tuple[Any, ...], ir.Value] = {}
+
+    # -- naming -------------------------------------------------------------------------
+    def unique(self, name: str) -> str:
+        """Return ``name`` or ``name_<k>``, unused so far in the graph."""
+        candidate, k = name, 1
+        while candidate in self._names:
+            candidate = f"{name}_{k}"
+            k += 1
+        self._names.add(candidate)
+        return candidate
+
+    # -- node building ----------------------------------------------------------------------
+    def op(self, op_type: str, *inputs: ir.Value | None, **attrs: Any) -> ir.Value:
+        """Append a single-output node; ``attrs`` are Python values (ints, floats, lists)."""
+        return self.op_multi(op_type, *inputs, num_outputs=1, **attrs)[0]
+
+    def op_multi(
+        self, op_type: str, *inputs: ir.Value | None, num_outputs: int, **attrs: Any
+    ) -> list[ir.Value]:
+        """Append a node with ``num_outputs`` outputs and return them."""
+        where = self.node.name if self.node is not None else "step"
+        name = self.unique(f"{self.scope}/{where}/{op_type}")
+        attributes = ir.convenience.convert_attributes(
+            {k: v for k, v in attrs.items() if v is not None}
+        )
+        node = ir.Node(
+            "", op_type, list(inputs), attributes, num_outputs=num_outputs, name=name,
+            metadata_props={NODE_ROLE: self.role},
+        )
+        for i, out in enumerate(node.outputs):
+            out.name = name if num_outputs == 1 else self.unique(f"{name}:{i}")
+            out.dtype = _guess_dtype(op_type, inputs, attrs)
+        self.graph.append(node)
+        return list(node.outputs)
+
+    def const(self, array: Any, dtype: ir.DataType | None = None) -> ir.Value:
+        """A constant initializer (deduplicated by dtype, shape and bytes)."""
+        arr = np.asarray(array, dtype=dtype.numpy() if dtype is not None else None)
+        key = (arr.dtype.str, arr.shape, arr.tobytes())
+        if key not in self._consts:
+            name = self.unique(f"{self.scope}/const")
+            value = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
+            value.dtype = ir.DataType.from_numpy(arr.dtype)
+            value.shape = ir.Shape(arr.shape)
+            self.graph.register_initializer(value)
+            self._consts[key] = value
+        return self._consts[key]
+
+    def scalar(self, number: float, like: ir.Value) -> ir.Value:
+        """A rank-0 constant with the dtype of ``like``."""
+        return self.const(number, like.dtype or ir.DataType.FLOAT)
+
+    def ints(self, values: Sequence[int]) -> ir.Value:
+        """A 1-D int64 constant."""
+        return self.const(np.asarray(list(values), dtype=np.int64))
+
+    # -- node inspection -------------------------------------------------------------------
+    def attr(self, name: str, default: Any = None) -> Any:
+        """Attribute of the current forward node as a Python value."""
+        assert self.node is not None
+        a = self.node.attributes.get(name)
+        if a is None:
+            return default
+        v = a.value
+        return list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+
+    def needs(self, index: int) -> bool:
+        """Whether input ``index`` of the current node needs a gradient."""
+        return index < len(self.needed) and self.needed[index]
+
+    def const_ints(self, value: ir.Value | None) -> list[int] | None:
+        """Integer values of a constant input, or ``None`` when not constant."""
+        if value is None:
+            return None
+        tensor = ir.convenience.get_const_tensor(value)
+        return None if tensor is None else [int(x) for x in tensor.numpy().reshape(-1)]
+
+    def const_float(self, value: ir.Value | None) -> float | None:
+        """Scalar value of a constant float input, or ``None``."""
+        tensor = None if value is None else ir.convenience.get_const_tensor(value)
+        return None if tensor is None else float(tensor.numpy().reshape(-1)[0])
+
+    def rank(self, value: ir.Value) -> int:
+        """Static rank of a forward value; ``GradientError`` when unknown."""
+        if value.shape is None:
+            raise GradientError(
+                f"rank of '{value.name}' (input of node '{self.node.name if self.node else '?'}') "
+                "is unknown; run shape inference or give the model static ranks"
+            )
+        return len(value.shape)
+
+    def dims(self, value: ir.Value) -> list[int | None]:
+        """Static dims of a forward value (``None`` for dynamic ones)."""
+        return [d if isinstance(d, int) else None for d in (value.shape or ())]
+
+    def shape(self, value: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:
+        """Runtime ``Shape`` of a value (optionally sliced)."""
+        return self.op("Shape", value, start=start, end=end)
+
+    def zeros_like(self, value: ir.Value) -> ir.Value:
+        """Runtime zeros with the shape and dtype of ``value``."""
+        zero = ir.tensor(np.zeros((1,), dtype=(value.dtype or ir.DataType.FLOAT).numpy()))
+        return self.op("ConstantOfShape", self.shape(value), value=zero)
+
+    def count_ratio(self, big: ir.Value, small: ir.Value, like: ir.Value) -> ir.Value:
+        """``Size(big) / Size(small)`` as a scalar of ``like``'s dtype (e.g. a mean's count)."""
+        ratio = self.op("Div", self.op("Size", big), self.op("Size", small))
+        return self.op("Cast", ratio, to=like.dtype or ir.DataType.FLOAT)
+
+    def unbroadcast(
+        self, grad: ir.Value, target: ir.Value, grad_shape: ir.Shape | None
+    ) -> ir.Value:
+        """Sum ``grad`` (of shape ``grad_shape``) down to the shape of ``target``.
+
+        Static axes when both shapes are known; otherwise a runtime axis mask built from
+        ``Shape`` ops so dynamic dims (the batch) stay dynamic.
+        """
+        xs, gs = target.shape, grad_shape
+        if xs is not None and gs is not None and len(xs) <= len(gs):
+            lead = len(gs) - len(xs)
+            axes, dynamic = list(range(lead)), False
+            for i, xd in enumerate(xs):
+                gd = gs[lead + i]
+                if xd == 1:
+                    if gd != 1:
+                        axes.append(lead + i)
+                elif isinstance(xd, int) or (getattr(xd, "value", None) is not None and xd == gd):
+                    continue
+                else:
+                    dynamic = True
+            if not dynamic:
+                if not axes:
+                    return grad
+                if len(axes) == lead:
+                    return self.op("ReduceSum", grad, self.ints(axes), keepdims=0)
+                summed = self.op("ReduceSum", grad, self.ints(axes), keepdims=1)
+                return self.op("Squeeze", summed, self.ints(range(lead))) if lead else summed
+        if xs is None or gs is None:
+            raise GradientError(
+                f"cannot un-broadcast the gradient of '{target.name}' at node "
+                f"'{self.node.name if self.node else '?'}': unknown rank"
+            )
+        lead = len(gs) - len(xs)
+        xshape = self.shape(target)
+        if lead:
+            xshape_padded = self.op("Concat", self.ints([1] * lead), xshape, axis=0)
+        else:
+            xshape_padded = xshape
+        one = self.ints([1])
+        mask = self.op(
+            "And",
+            self.op("Equal", xshape_padded, one),
+            self.op("Not", self.op("Equal", self.shape(grad), one)),
+        )
+        axes_v = self.op("Reshape", self.op("NonZero", mask), self.ints([-1]))
+        summed = self.op("ReduceSum", grad, axes_v, keepdims=1, noop_with_empty_axes=1)
+        return self.op("Reshape", summed, xshape)
+
+
+def _guess_dtype(
+    op_type: str, inputs: Sequence[ir.Value | None], attrs: dict[str, Any]
+) -> ir.DataType | None:
+    if op_type in _INT64_OUT:
+        return ir.DataType.INT64
+    if op_type in _BOOL_OUT:
+        return ir.DataType.BOOL
+    if op_type == "Cast":
+        return ir.DataType(attrs["to"])
+    if op_type in ("ConstantOfShape", "Constant"):
+        v = attrs.get("value")
+        return v.dtype if v is not None else ir.DataType.FLOAT
+    if op_type == "Where":
+        inputs = inputs[1:]
+    for v in inputs:
+        if v is not None and v.dtype is not None:
+            return v.dtype
+    return None
+
+
+def _all_values(graph: ir.Graph) -> list[ir.Value]:
+    values = list(graph.inputs) + list(graph.initializers.values())
+    for node in graph:
+        values.extend(node.outputs)
+    return values
+
+
+def differentiate(
+    graph: ir.Graph,
+    loss: ir.Value,
+    wrt: Sequence[ir.Value],
+    *,
+    opset: int,
+    seed: ir.Value | None = None,
+) -> dict[str, ir.Value]:
+    """Append the backward pass of ``loss`` with respect to ``wrt`` to ``graph``.
+
+    Args:
+        graph: A topologically sorted graph holding ``loss`` and ``wrt``.
+        loss: The value to differentiate (any shape; its gradient seed is ones).
+        wrt: Float values (graph inputs or initializers) to differentiate with respect to.
+        opset: The model's default-domain opset version.
+        seed: Optional gradient of ``loss`` (e.g. a loss scale); ones when omitted.
+
+    Returns:
+        ``{name of wrt value: gradient value}``; a value the loss does not depend on gets zeros.
+
+    Raises:
+        GradientError: Empty ``wrt``, non-float loss, or a node on the path without a rule.
+    """
+    if not wrt:
+        raise GradientError("nothing to differentiate: no trainable parameters")
+    if not _is_float(loss):
+        raise GradientError(f"loss '{loss.name}' is not a float tensor (dtype {loss.dtype})")
+    nodes = list(graph)
+
+    # 1. Pruning: forward activity from wrt, then backward need from the loss.
+    active: set[ir.Value] = set(wrt)
+    for node in nodes:
+        if any(v in active for v in node.inputs if v is not None):
+            if registry.is_non_differentiable(node.domain, node.op_type):
+                continue
+            active.update(o for o in node.outputs if _is_float(o))
+    if loss not in active:
+        raise GradientError(
+            f"loss '{loss.name}' does not depend on any trainable parameter; check --freeze"
+        )
+    needed: set[ir.Value] = {loss}
+    path: list[tuple[ir.Node, registry.GradientRule]] = []
+    for node in reversed(nodes):
+        if not any(o in needed for o in node.outputs):
+            continue
+        rule = registry.lookup_rule(
+            node.domain, node.op_type, graph.opset_imports.get(node.domain or "", opset),
+            node.name or node.op_type,
+        )
+        if rule == registry.NON_DIFFERENTIABLE:
+            continue
+        assert isinstance(rule, registry.GradientRule)
+        path.append((node, rule))
+        needed.update(v for v in node.inputs if v is not None and v in active)
+
+    ctx = GradContext(graph)
+    # Optional forward outputs some rules need (Dropout mask, MaxPool indices, ...).
+    for node, rule in path:
+        if rule.outputs > len(node.outputs):
+            old = len(node.outputs)
+            node.resize_outputs(rule.outputs)
+            for i in range(old, rule.outputs):
+                node.outputs[i].name = ctx.unique(f"{node.name}/output_{i}")
+
+    # 2-4. Reverse sweep.
+    contributions: dict[ir.Value, list[ir.Value]] = {}
+    totals: dict[ir.Value, ir.Value] = {}
+
+    def total(value: ir.Value) -> ir.Value | None:
+        if value in totals:
+            return totals[value]
+        parts = contributions.get(value)
+        if not parts:
+            return None
+        if len(parts) == 1:
+            result = parts[0]
+        else:
+            name = ctx.unique(f"grad/{value.name}")
+            node = ir.Node("", "Sum", parts, name=name, metadata_props={NODE_ROLE: "backward"})
+            node.outputs[0].name = name
+            node.outputs[0].dtype = value.dtype
+            graph.append(node)
+            result = node.outputs[0]
+        totals[value] = result
+        return result
+
+    ctx.node = None
+    if seed is None:
+        if loss.shape is not None and len(loss.shape) == 0:
+            seed = ctx.scalar(1.0, loss)
+        else:
+            one = ir.tensor(np.ones((1,), dtype=(loss.dtype or ir.DataType.FLOAT).numpy()))
+            seed = ctx.op("ConstantOfShape", ctx.shape(loss), value=one)
+    contributions[loss] = [seed]
+    for node, rule in path:
+        dys = [total(o) for o in node.outputs]
+        if all(d is None for d in dys):
+            continue
+        ctx.node = node
+        ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
+        grads = rule.fn(ctx, node, *dys)
+        for i, (inp, grad) in enumerate(zip(node.inputs, grads, strict=False)):
+            if grad is None or not ctx.needed[i]:
+                continue
+            if rule.broadcast:
+                grad = ctx.unbroadcast(grad, inp, node.outputs[0].shape)
+            contributions.setdefault(inp, []).append(grad)
+    ctx.node = None
+    result: dict[str, ir.Value] = {}
+    for value in wrt:
+        grad = total(value)
+        result[value.name] = grad if grad is not None else ctx.zeros_like(value)
+    logger.debug("differentiated %d nodes for %d values", len(path), len(wrt))
+    return result

@@ -1,0 +1,236 @@
+"""Gradient rules for elementwise arithmetic and activations (the driver un-broadcasts)."""
+
+from __future__ import annotations
+
+import math
+
+import onnx_ir as ir
+
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.autodiff.registry import register
+
+__all__: list[str] = []
+
+V = ir.Value
+Ctx = GradContext
+
+
+@register("Add", broadcast=True)
+def add(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return dy, dy
+
+
+@register("Sum", broadcast=True)
+def sum_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return tuple(dy for _ in node.inputs)
+
+
+@register("Sub", broadcast=True)
+def sub(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return dy, ctx.op("Neg", dy) if ctx.needs(1) else None
+
+
+@register("Mul", broadcast=True)
+def mul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    a, b = node.inputs
+    return (
+        ctx.op("Mul", dy, b) if ctx.needs(0) else None,
+        ctx.op("Mul", dy, a) if ctx.needs(1) else None,
+    )
+
+
+@register("Div", broadcast=True)
+def div(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    _, b = node.inputs
+    da = ctx.op("Div", dy, b)
+    # d(a/b)/db = -(a/b)/b = -y/b, reusing the forward output.
+    return da, ctx.op("Neg", ctx.op("Mul", da, node.outputs[0])) if ctx.needs(1) else None
+
+
+@register("Neg")
+def neg(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (ctx.op("Neg", dy),)
+
+
+@register("Pow", broadcast=True)
+def pow_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    a, b = node.inputs
+    bf = b if b.dtype == a.dtype else ctx.op("Cast", b, to=a.dtype)
+    da = db = None
+    if ctx.needs(0):
+        if ctx.const_float(b) == 2.0 and b.shape is not None and len(b.shape) == 0:
+            da = ctx.op("Mul", dy, ctx.op("Mul", a, ctx.scalar(2.0, a)))
+        else:
+            pw = ctx.op("Pow", a, ctx.op("Sub", bf, ctx.scalar(1.0, a)))
+            da = ctx.op("Mul", dy, ctx.op("Mul", bf, pw))
+    if ctx.needs(1):
+        db = ctx.op("Mul", dy, ctx.op("Mul", node.outputs[0], ctx.op("Log", a)))
+    return da, db
+
+
+@register("Reciprocal")
+def reciprocal(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    return (ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Mul", y, y))),)
+
+
+@register("Sqrt")
+def sqrt(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    return (ctx.op("Div", ctx.op("Mul", dy, ctx.scalar(0.5, y)), y),)
+
+
+@register("Exp")
+def exp(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (ctx.op("Mul", dy, node.outputs[0]),)
+
+
+@register("Log")
+def log(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (ctx.op("Div", dy, node.inputs[0]),)
+
+
+@register("Tanh")
+def tanh(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    return (ctx.op("Mul", dy, ctx.op("Sub", ctx.scalar(1.0, y), ctx.op("Mul", y, y))),)
+
+
+@register("Sigmoid")
+def sigmoid(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    return (ctx.op("Mul", dy, ctx.op("Mul", y, ctx.op("Sub", ctx.scalar(1.0, y), y))),)
+
+
+@register("Erf")
+def erf(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    e = ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))
+    return (ctx.op("Mul", dy, ctx.op("Mul", e, ctx.scalar(2.0 / math.sqrt(math.pi), x))),)
+
+
+@register("Abs")
+def abs_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (ctx.op("Mul", dy, ctx.op("Sign", node.inputs[0])),)
+
+
+@register("Relu")
+def relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
+    return (ctx.op("Where", positive, dy, ctx.scalar(0.0, x)),)
+
+
+@register("LeakyRelu")
+def leaky_relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    alpha = ctx.attr("alpha", 0.01)
+    positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
+    return (ctx.op("Where", positive, dy, ctx.op("Mul", dy, ctx.scalar(alpha, x))),)
+
+
+@register("PRelu", broadcast=True)
+def prelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x, slope = node.inputs
+    positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
+    zero = ctx.scalar(0.0, x)
+    dx = ctx.op("Where", positive, dy, ctx.op("Mul", dy, slope)) if ctx.needs(0) else None
+    dslope = ctx.op("Where", positive, zero, ctx.op("Mul", dy, x)) if ctx.needs(1) else None
+    return dx, dslope
+
+
+@register("Elu")
+def elu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x, y = node.inputs[0], node.outputs[0]
+    negative = ctx.op("Add", y, ctx.scalar(ctx.attr("alpha", 1.0), x))
+    positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
+    return (ctx.op("Where", positive, dy, ctx.op("Mul", dy, negative)),)
+
+
+@register("Selu")
+def selu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x, y = node.inputs[0], node.outputs[0]
+    alpha, gamma = ctx.attr("alpha", 1.67326319217681884765625), ctx.attr("gamma", 1.05070102214813232421875)
+    negative = ctx.op("Add", y, ctx.scalar(alpha * gamma, x))
+    positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
+    return (ctx.op("Where", positive, ctx.op("Mul", dy, ctx.scalar(gamma, x)), ctx.op("Mul", dy, negative)),)
+
+
+@register("Softplus")
+def softplus(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (ctx.op("Mul", dy, ctx.op("Sigmoid", node.inputs[0])),)
+
+
+@register("Gelu", opsets=(20, None))
+def gelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    half = ctx.scalar(0.5, x)
+    if ctx.attr("approximate", "none") == "tanh":
+        c, k = math.sqrt(2.0 / math.pi), 0.044715
+        x2 = ctx.op("Mul", x, x)
+        inner = ctx.op("Mul", x, ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(c * k, x))))
+        t = ctx.op("Tanh", inner)
+        dinner = ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(3 * c * k, x)))
+        sech2 = ctx.op("Sub", ctx.scalar(1.0, x), ctx.op("Mul", t, t))
+        left = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), t))
+        grad = ctx.op("Add", left, ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Mul", sech2, dinner)))
+    else:
+        cdf = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", ctx.op("Mul", x, ctx.scalar(math.sqrt(0.5), x)))))
+        pdf = ctx.op("Mul", ctx.op("Exp", ctx.op("Mul", ctx.op("Mul", x, x), ctx.scalar(-0.5, x))), ctx.scalar(1.0 / math.sqrt(2 * math.pi), x))
+        grad = ctx.op("Add", cdf, ctx.op("Mul", x, pdf))
+    return (ctx.op("Mul", dy, grad),)
+
+
+@register("Clip", opsets=(11, None))
+def clip(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    lo = node.inputs[1] if len(node.inputs) > 1 else None
+    hi = node.inputs[2] if len(node.inputs) > 2 else None
+    inside = None
+    for bound, op in ((lo, "GreaterOrEqual"), (hi, "LessOrEqual")):
+        if bound is not None:
+            test = ctx.op(op, x, bound)
+            inside = test if inside is None else ctx.op("And", inside, test)
+    return (dy if inside is None else ctx.op("Where", inside, dy, ctx.scalar(0.0, x)), None, None)
+
+
+@register("Where", broadcast=True)
+def where(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    cond, x, _ = node.inputs
+    zero = ctx.scalar(0.0, x)
+    return (
+        None,
+        ctx.op("Where", cond, dy, zero) if ctx.needs(1) else None,
+        ctx.op("Where", cond, zero, dy) if ctx.needs(2) else None,
+    )
+
+
+@register("Expand", broadcast=True)
+def expand(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return dy, None
+
+
+@register("Identity")
+def identity(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    return (dy,)
+
+
+@register("Cast")
+def cast(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    x = node.inputs[0]
+    return (dy if x.dtype == node.outputs[0].dtype else ctx.op("Cast", dy, to=x.dtype),)
+
+
+@register("Dropout", opsets=(12, None), outputs=2)
+def dropout(ctx: Ctx, node: ir.Node, dy: V, dmask: V | None = None) -> tuple:
+    ratio = node.inputs[1] if len(node.inputs) > 1 else None
+    training = node.inputs[2] if len(node.inputs) > 2 else None
+    if training is None or ctx.const_ints(training) == [0]:
+        return dy, None, None
+    keep = ctx.op("Cast", node.outputs[1], to=dy.dtype)
+    if ratio is None:
+        scale = ctx.scalar(2.0, node.inputs[0])
+    else:
+        one = ctx.scalar(1.0, node.inputs[0])
+        scale = ctx.op("Div", one, ctx.op("Sub", one, ratio))
+    return ctx.op("Mul", ctx.op("Mul", dy, keep), scale), None, None

@@ -1,0 +1,81 @@
+"""Gradient rules for Softmax, LogSoftmax, LayerNormalization and BatchNormalization."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.autodiff.registry import register
+
+__all__: list[str] = []
+
+V = ir.Value
+Ctx = GradContext
+
+
+@register("Softmax", opsets=(13, None))
+def softmax(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    axis = ctx.ints([ctx.attr("axis", -1)])
+    dot = ctx.op("ReduceSum", ctx.op("Mul", dy, y), axis, keepdims=1)
+    return (ctx.op("Mul", y, ctx.op("Sub", dy, dot)),)
+
+
+@register("LogSoftmax", opsets=(13, None))
+def log_softmax(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    y = node.outputs[0]
+    total = ctx.op("ReduceSum", dy, ctx.ints([ctx.attr("axis", -1)]), keepdims=1)
+    return (ctx.op("Sub", dy, ctx.op("Mul", ctx.op("Exp", y), total)),)
+
+
+@register("LayerNormalization", opsets=(17, None), outputs=3)
+def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
+    x, scale = node.inputs[0], node.inputs[1]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    rank = ctx.rank(x)
+    axes = ctx.ints(range(ctx.attr("axis", -1) % rank, rank))
+    mean, inv_std = node.outputs[1], node.outputs[2]
+    if mean.dtype != x.dtype:  # stash_type keeps the statistics in fp32
+        mean, inv_std = ctx.op("Cast", mean, to=x.dtype), ctx.op("Cast", inv_std, to=x.dtype)
+    xhat = ctx.op("Mul", ctx.op("Sub", x, mean), inv_std)
+    dxhat = ctx.op("Mul", dy, scale)
+    dx = None
+    if ctx.needs(0):
+        m1 = ctx.op("ReduceMean", dxhat, axes, keepdims=1)
+        m2 = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), axes, keepdims=1)
+        centered = ctx.op("Sub", ctx.op("Sub", dxhat, m1), ctx.op("Mul", xhat, m2))
+        dx = ctx.op("Mul", inv_std, centered)
+    dscale = ctx.unbroadcast(ctx.op("Mul", dy, xhat), scale, x.shape) if ctx.needs(1) else None
+    dbias = ctx.unbroadcast(dy, bias, x.shape) if bias is not None and ctx.needs(2) else None
+    return dx, dscale, dbias
+
+
+@register("BatchNormalization", opsets=(15, None))
+def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
+    x, scale, _, mean_in, var_in = node.inputs[:5]
+    rank = ctx.rank(x)
+    axes = ctx.ints([0, *range(2, rank)])
+    column = ctx.ints([-1] + [1] * (rank - 2))
+    eps = ctx.scalar(ctx.attr("epsilon", 1e-5), x)
+    training = ctx.attr("training_mode", 0)
+    if training:  # batch statistics, recomputed (ONNX has no saved-statistics outputs)
+        mean = ctx.op("ReduceMean", x, axes, keepdims=1)
+        centered = ctx.op("Sub", x, mean)
+        var = ctx.op("ReduceMean", ctx.op("Mul", centered, centered), axes, keepdims=1)
+    else:
+        centered = ctx.op("Sub", x, ctx.op("Reshape", mean_in, column))
+        var = ctx.op("Reshape", var_in, column)
+    inv_std = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", var, eps)))
+    xhat = ctx.op("Mul", centered, inv_std)
+    dy_xhat = ctx.op("Mul", dy, xhat)
+    gain = ctx.op("Mul", ctx.op("Reshape", scale, column), inv_std)
+    dx = None
+    if ctx.needs(0) and training:
+        m1 = ctx.op("ReduceMean", dy, axes, keepdims=1)
+        m2 = ctx.op("ReduceMean", dy_xhat, axes, keepdims=1)
+        dx = ctx.op("Mul", gain, ctx.op("Sub", ctx.op("Sub", dy, m1), ctx.op("Mul", xhat, m2)))
+    elif ctx.needs(0):
+        dx = ctx.op("Mul", dy, gain)
+    dscale = ctx.op("ReduceSum", dy_xhat, axes, keepdims=0) if ctx.needs(1) else None
+    dbias = ctx.op("ReduceSum", dy, axes, keepdims=0) if ctx.needs(2) else None
+    return dx, dscale, dbias, None, None

@@ -1,0 +1,140 @@
+"""``mpgraph.convert``: compile a precision policy onto an ONNX graph."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import onnx
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.dtypes import is_float
+from mpgraph.errors import MpgraphError
+from mpgraph.io import load_model, save_model
+from mpgraph.passes.assign_precision import AssignPrecisionPass
+from mpgraph.passes.emulate_precision import EmulatePrecisionPass
+from mpgraph.passes.fold_casts import FoldCastsPass
+from mpgraph.passes.infer_types import InferTypesPass
+from mpgraph.passes.insert_casts import InsertCastsPass
+from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
+from mpgraph.policy import Policy, load_policy
+
+__all__ = ["convert", "convert_file", "build_pipeline", "float_weight_bytes"]
+
+logger = logging.getLogger(__name__)
+
+ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
+
+
+def build_pipeline(policy: Policy, *, emulate: bool = False, validate: bool = True) -> list[ir.passes.PassBase]:
+    """The passes ``convert`` runs, in order, as data."""
+    passes: list[ir.passes.PassBase] = [InferTypesPass(), AssignPrecisionPass(policy)]
+    if not policy.is_identity:
+        passes += [InsertCastsPass(policy), FoldCastsPass()]
+        if emulate:
+            passes += [EmulatePrecisionPass(policy.dtype), FoldCastsPass()]
+    if validate:
+        passes.append(ValidateModelPass())
+    return passes
+
+
+def float_weight_bytes(model: ir.Model) -> int:
+    """Bytes held by float initializers (weights) of the main graph."""
+    return sum(
+        v.const_value.nbytes
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and is_float(v.dtype)
+    )
+
+
+def _as_model(model: ModelLike) -> ir.Model:
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    return load_model(model)
+
+
+def convert(
+    model: ModelLike,
+    policy: str | os.PathLike | Policy = "bf16",
+    *,
+    emulate: bool = False,
+    validate: bool = True,
+) -> ir.Model:
+    """Rewrite ``model`` so it computes per ``policy``; the input object is modified in place.
+
+    Args:
+        model: An ``onnx_ir.Model``, an ``onnx.ModelProto`` or a path.
+        policy: A preset name (``bf16``), a YAML path, or a ``Policy``.
+        emulate: Produce the CPU emulation (float32 compute, low-precision rounding) instead
+            of the native lowering.
+        validate: Run ``onnx.checker`` (full), strict shape inference and the precision
+            invariants on the result.
+
+    Returns:
+        The rewritten model, with every node's decision in its metadata.
+
+    Example:
+        >>> import onnx
+        >>> from onnx import helper as h, TensorProto as T
+        >>> g = h.make_graph([h.make_node("MatMul", ["x", "w"], ["y"], name="allow1")], "g",
+        ...     [h.make_tensor_value_info("x", T.FLOAT, [2, 3]), h.make_tensor_value_info("w", T.FLOAT, [3, 4])],
+        ...     [h.make_tensor_value_info("y", T.FLOAT, [2, 4])])
+        >>> m = convert(h.make_model(g, opset_imports=[h.make_opsetid("", 18)]), "bf16")
+        >>> [n.op_type for n in m.graph]
+        ['Cast', 'Cast', 'MatMul', 'Cast']
+        >>> m.graph.node("allow1").metadata_props["mpgraph.precision"]
+        'bfloat16'
+    """
+    pol = load_policy(policy)
+    ir_model = _as_model(model)
+    props = ir_model.metadata_props
+    if props.get(md.MODEL_EMULATED) == "true":
+        if emulate and props.get(md.MODEL_POLICY) == pol.name:
+            logger.info("model is already the emulated lowering of policy %s; nothing to do", pol.name)
+            return ir_model
+        raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
+    props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
+    for p in build_pipeline(pol, emulate=emulate, validate=validate):
+        p(ir_model)
+    props[md.MODEL_POLICY] = pol.name
+    props[md.MODEL_DTYPE] = pol.dtype.name.lower()
+    props[md.MODEL_LOSS_SCALING] = json.dumps(
+        {k: getattr(pol.loss_scaling, k) for k in pol.loss_scaling.__dataclass_fields__}, sort_keys=True
+    )
+    return ir_model
+
+
+def convert_file(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    policy: str | os.PathLike | Policy = "bf16",
+    *,
+    emulate: bool = False,
+    validate: bool = True,
+    overwrite_input: bool = False,
+) -> ir.Model:
+    """Convert the model at ``src`` and write it atomically to ``dst``.
+
+    Raises:
+        MpgraphError: Bad input, bad policy, invalid result, or ``dst`` is ``src`` without
+            ``overwrite_input``.
+    """
+    src_p, dst_p = Path(src), Path(dst)
+    if dst_p.exists() and src_p.exists() and dst_p.resolve() == src_p.resolve() and not overwrite_input:
+        raise MpgraphError(f"{dst_p}: output is the input file; pass a different -o (or --overwrite-input)")
+    pol = load_policy(policy)
+    model = convert(load_model(src_p), pol, emulate=emulate, validate=validate)
+    save_model(model, dst_p)
+    if validate and float_weight_bytes(model) >= PROTO_LIMIT:
+        # Too large for an in-memory proto: the pipeline checked invariants only; check the file.
+        try:
+            check_onnx(str(dst_p))
+        except MpgraphError:
+            dst_p.unlink(missing_ok=True)
+            raise
+    return model

@@ -1,0 +1,551 @@
+"""Export a PyTorch module to an ONNX model that mpgraph can compile and train.
+
+The exported model follows one contract that the rest of mpgraph relies on:
+
+1. Data inputs come first (named after the parameters of ``module.forward``), then the
+   optional ``label``, then one graph input per parameter, named exactly as
+   ``module.named_parameters()`` names it (``fc1.weight``; the dots stay).
+2. Every parameter input has an fp32 initializer of the same name holding the parameter's
+   current value, so the file runs standalone in ONNX Runtime and a training graph can read
+   the initial weights. Graph inputs backed by an initializer are the trainable parameters;
+   initializers that are not graph inputs (buffers such as BatchNorm running statistics,
+   folded constants) are constants.
+3. The batch dimension (dim 0 of every data input, of the label and of the outputs) is the
+   symbolic dimension ``batch``.
+4. Outputs: ``logits`` without a loss; ``loss`` (a scalar, mean reduction) then ``logits``
+   with one.
+5. Default-domain opset ``opset`` (18 to 22), IR version 10, no functions, no other domains;
+   the model passes ``onnx.checker.check_model(full_check=True)``.
+
+Why the parameters are inputs: the dynamo exporter treats parameters as constants, so its
+optimizer folds ``Transpose(weight)`` into a pre-transposed initializer and merges
+parameters that happen to hold equal values (two fresh LayerNorm weights become one
+tensor). Exporting ``torch.func.functional_call(module, params, inputs)`` with the
+parameters as arguments keeps every parameter a distinct, untransformed tensor.
+
+Why BatchNorm needs help: torchlib (onnxscript) lowers train-mode
+``aten._native_batch_norm_legit_functional`` to an *inference* ``BatchNormalization``
+(it hard-codes ``training = False``), so a module exported in train mode silently
+normalises with its running statistics. ``export_module`` registers its own lowering that
+emits ``BatchNormalization(training_mode=1)`` when the module is in train mode, so the
+graph normalises with batch statistics exactly as torch does. The node's running-statistics
+outputs are left unconnected: the exported graph does not update running statistics.
+
+The exporter is ``torch.onnx.export(dynamo=True)`` (``torch.export`` in non-strict mode,
+then torchlib and the onnxscript optimizer). The legacy TorchScript exporter is not used.
+Output is deterministic: exporting the same module with the same values twice gives the
+same bytes (node metadata such as source stack traces, which embed file paths, is dropped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from mpgraph.errors import ModelSaveError, MpgraphError
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ExportError",
+    "LossKind",
+    "LOSS_KINDS",
+    "BATCH_DIM",
+    "LABEL_NAME",
+    "LOGITS_NAME",
+    "LOSS_NAME",
+    "export_module",
+]
+
+logger = logging.getLogger(__name__)
+
+LossKind = Literal["cross_entropy", "mse"]
+LOSS_KINDS: tuple[str, ...] = ("cross_entropy", "mse")
+BATCH_DIM = "batch"
+LABEL_NAME = "label"
+LOGITS_NAME = "logits"
+LOSS_NAME = "loss"
+
+_MIN_OPSET = 18
+_MAX_OPSET = 22  # opset 23 needs IR version 11; we promise IR <= 10.
+_IR_VERSION = 10
+
+
+class ExportError(MpgraphError):
+    """A PyTorch module cannot be exported (bad arguments or an unsupported module)."""
+
+
+def export_module(
+    module: torch.nn.Module,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    path: str | os.PathLike[str] | None = None,
+    *,
+    loss: LossKind | None = None,
+    label_shape: Sequence[int] | None = None,
+    dynamic_batch: bool = True,
+    opset: int = 18,
+    input_names: Sequence[str] | None = None,
+) -> onnx.ModelProto:
+    """Export ``module`` to ONNX with its parameters as explicit, initialised graph inputs.
+
+    The module is exported in its current mode: a module in train mode gives a graph with
+    train-mode semantics (BatchNorm normalises with batch statistics), one in eval mode an
+    inference graph. The module and its buffers are not modified.
+
+    Args:
+        module: The module. ``forward`` takes tensors and returns one tensor, the logits
+            (class scores in the last dimension).
+        example_inputs: One tensor or a sequence of tensors passed to ``forward``. Their
+            shapes fix every dimension of the graph except the batch dimension.
+        path: Where to write the model (atomically, one file, no external data). ``None``
+            only returns it.
+        loss: ``None``; ``"cross_entropy"`` (adds an int64 ``label`` input of class indices
+            shaped like the logits without their last dimension; logits with more than two
+            dimensions, such as a language model's ``[batch, seq, vocab]``, are flattened to
+            ``[-1, classes]`` first); or ``"mse"`` (a float ``label`` shaped like the logits).
+            The loss is the mean over all elements and becomes output ``loss``.
+        label_shape: The label's shape without the batch dimension; defaults to the shape
+            implied by ``loss`` as described above.
+        dynamic_batch: Make dim 0 of inputs, label and outputs the symbolic dim ``batch``.
+            Needs an example batch of at least 2 (torch specialises sizes 0 and 1).
+        opset: Default-domain opset, 18 to 22.
+        input_names: Names of the data inputs; defaults to the names of ``forward``'s
+            parameters.
+
+    Returns:
+        The model: IR version 10, checked with ``onnx.checker.check_model(full_check=True)``.
+
+    Raises:
+        ExportError: A bad argument, or torch cannot export the module.
+        ModelSaveError: ``path`` cannot be written.
+    """
+    torch = _import_torch()
+    if loss is not None and loss not in LOSS_KINDS:
+        raise ExportError(f"unknown loss {loss!r}; valid choices: {', '.join(LOSS_KINDS)}")
+    if not _MIN_OPSET <= opset <= _MAX_OPSET:
+        raise ExportError(f"opset {opset} is not supported; use {_MIN_OPSET} to {_MAX_OPSET}")
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"expected a torch.nn.Module, got {type(module).__name__}")
+    inputs = _as_tensor_tuple(torch, example_inputs)
+    names = _data_input_names(module, len(inputs), input_names)
+    if dynamic_batch:
+        for name, tensor in zip(names, inputs):
+            if tensor.dim() == 0 or tensor.shape[0] < 2:
+                raise ExportError(
+                    f"input {name!r} needs a batch dimension of size >= 2 to export a dynamic"
+                    f" batch; got shape {tuple(tensor.shape)}"
+                )
+
+    params = dict(module.named_parameters())
+    buffers = dict(module.named_buffers())
+    taken = [*names, LABEL_NAME, LOGITS_NAME, LOSS_NAME]
+    clash = sorted(set(taken) & (set(params) | set(buffers)))
+    if clash or len(set(names)) != len(names):
+        raise ExportError(f"input, parameter or buffer names collide: {clash or names}")
+    for name, param in params.items():
+        if not param.dtype.is_floating_point:
+            raise ExportError(f"parameter {name!r} has dtype {param.dtype}; expected a float")
+    param_values = tuple(p.detach().to(torch.float32) for p in params.values())
+    buffer_values = tuple(b.detach() for b in buffers.values())
+
+    # Cloned buffers: a train-mode forward must not update the module's running statistics.
+    state = {name: buffer.clone() for name, buffer in buffers.items()}
+    with torch.no_grad():
+        logits = torch.func.functional_call(module, state, inputs)
+    if not isinstance(logits, torch.Tensor):
+        raise ExportError(
+            f"forward must return one tensor (the logits); got {type(logits).__name__}"
+        )
+
+    label: tuple[torch.Tensor, ...] = ()
+    if loss is not None:
+        label = (_example_label(torch, loss, logits, label_shape),)
+
+    wrapper = _make_wrapper(torch, module, len(inputs), list(params), list(buffers), loss)
+    args = (*inputs, *label, *param_values, *buffer_values)
+    data_names = [*names, *([LABEL_NAME] if label else [])]
+    output_names = [LOSS_NAME, LOGITS_NAME] if loss else [LOGITS_NAME]
+
+    dynamic: list[dict[int, Any] | None] = [None] * len(args)
+    if dynamic_batch:
+        batch = torch.export.Dim(BATCH_DIM)
+        for i in range(len(data_names)):
+            dynamic[i] = {0: batch}
+
+    arg_names = [*data_names, *params, *buffers]
+    model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset)
+    _finish(model, params, buffers, dynamic_batch)
+    proto = ir.serde.serialize_model(model)
+    _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
+    if path is not None:
+        _save_atomic(proto, path)
+    return proto
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ExportError(
+            "exporting needs PyTorch; install it with `pip install mpgraph[torch]`"
+        ) from e
+    return torch
+
+
+def _as_tensor_tuple(torch: Any, example_inputs: Any) -> tuple[Any, ...]:
+    items = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else example_inputs
+    try:
+        items = tuple(items)
+    except TypeError:
+        items = (example_inputs,)
+    if not items or not all(isinstance(t, torch.Tensor) for t in items):
+        raise ExportError("example_inputs must be a tensor or a non-empty sequence of tensors")
+    return items
+
+
+def _data_input_names(
+    module: Any, count: int, input_names: Sequence[str] | None
+) -> list[str]:
+    if input_names is not None:
+        names = list(input_names)
+        if len(names) != count:
+            raise ExportError(f"got {len(names)} input names for {count} example inputs")
+        return names
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    try:
+        signature = inspect.signature(module.forward)
+        names = [p.name for p in signature.parameters.values() if p.kind in kinds]
+    except (TypeError, ValueError):
+        names = []
+    if len(names) < count:
+        return ["input"] if count == 1 else [f"input{i}" for i in range(count)]
+    return names[:count]
+
+
+def _example_label(
+    torch: Any, loss: str, logits: Any, label_shape: Sequence[int] | None
+) -> Any:
+    batch = logits.shape[0]
+    generator = torch.Generator().manual_seed(0)
+    if loss == "cross_entropy":
+        if logits.dim() < 2:
+            raise ExportError(
+                f"cross_entropy needs logits of rank >= 2; got shape {tuple(logits.shape)}"
+            )
+        shape = tuple(label_shape) if label_shape is not None else tuple(logits.shape[1:-1])
+        classes = int(logits.shape[-1])
+        return torch.randint(0, classes, (batch, *shape), generator=generator)
+    shape = tuple(label_shape) if label_shape is not None else tuple(logits.shape[1:])
+    return torch.randn((batch, *shape), generator=generator, dtype=logits.dtype)
+
+
+def _make_wrapper(
+    torch: Any,
+    module: Any,
+    num_inputs: int,
+    param_names: list[str],
+    buffer_names: list[str],
+    loss: str | None,
+) -> Any:
+    """Builds the module torch exports: data, label, parameters and buffers in; loss, logits out.
+
+    Buffers are arguments too, so the exporter's optimizer cannot fold or merge them (two
+    fresh BatchNorms hold equal running statistics); ``_finish`` turns them back into
+    constants. They are cloned before use because a train-mode forward updates running
+    statistics in place, and torch.export refuses to mutate a user input.
+    """
+    functional_call = torch.func.functional_call
+    functional = torch.nn.functional
+    num_params = len(param_names)
+    has_label = loss is not None
+
+    class Wrapper(torch.nn.Module):  # type: ignore[misc,name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            # Not a registered submodule: its own parameters would become dead initializers.
+            self.__dict__["inner"] = module
+            # Not self.train(): that would reset the modes of the user's submodules.
+            self.training = module.training
+
+        def forward(self, *args: Any) -> Any:
+            inputs = args[:num_inputs]
+            label = args[num_inputs] if has_label else None
+            rest = args[num_inputs + int(has_label) :]
+            state = dict(zip(param_names, rest[:num_params]))
+            state.update((n, b.clone()) for n, b in zip(buffer_names, rest[num_params:]))
+            logits = functional_call(self.inner, state, tuple(inputs))
+            if loss is None:
+                return logits
+            if loss == "cross_entropy":
+                classes = logits.shape[-1]
+                value = functional.cross_entropy(logits.reshape(-1, classes), label.reshape(-1))
+            else:
+                value = functional.mse_loss(logits, label)
+            return value, logits
+
+    return Wrapper()
+
+
+def _batch_norm_translation(torch: Any) -> dict[Any, Callable[..., Any]]:
+    """Lowerings of aten's batch norm ops that honour ``training`` (torchlib ignores it)."""
+    from onnxscript import opset18 as op
+
+    def lower(
+        input: Any,
+        weight: Any = None,
+        bias: Any = None,
+        running_mean: Any = None,
+        running_var: Any = None,
+        training: bool = False,
+        momentum: float = 0.1,
+        eps: float = 1e-5,
+    ) -> tuple[Any, ...]:
+        channels = op.Shape(input, start=1, end=2)
+        if weight is None:
+            weight = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+        if bias is None:
+            bias = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+        axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
+        mean = op.ReduceMean(input, axes, keepdims=False)
+        centered = op.Sub(input, op.ReduceMean(input, axes))
+        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=False)
+        if running_mean is None:
+            # Without running statistics these inputs only feed the unused running outputs.
+            running_mean = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
+        if running_var is None:
+            running_var = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+        if not training:
+            norm = op.BatchNormalization(
+                input, weight, bias, running_mean, running_var, epsilon=eps, training_mode=0
+            )
+            invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
+            return norm, running_mean, invstd, running_mean, running_var
+        norm, new_mean, _ = op.BatchNormalization(
+            input,
+            weight,
+            bias,
+            running_mean,
+            running_var,
+            epsilon=eps,
+            momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
+            training_mode=1,
+        )
+        invstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(eps, input))))
+        # torch updates the running variance with the unbiased batch variance.
+        count = op.CastLike(op.Div(op.Size(input), op.Squeeze(channels)), input)
+        unbiased = op.Mul(var, op.Div(count, op.Sub(count, op.CastLike(1.0, input))))
+        new_var = op.Add(
+            op.Mul(op.CastLike(momentum, input), unbiased),
+            op.Mul(op.CastLike(1.0 - momentum, input), running_var),
+        )
+        return norm, mean, invstd, new_mean, new_var
+
+    def lower_legit(
+        input: Any,
+        weight: Any,
+        bias: Any,
+        running_mean: Any,
+        running_var: Any,
+        training: bool,
+        momentum: float,
+        eps: float,
+    ) -> tuple[Any, ...]:
+        return lower(input, weight, bias, running_mean, running_var, training, momentum, eps)[:3]
+
+    def lower_no_stats(
+        input: Any, weight: Any, bias: Any, training: bool, momentum: float, eps: float
+    ) -> tuple[Any, ...]:
+        return lower(input, weight, bias, None, None, training, momentum, eps)[:3]
+
+    aten = torch.ops.aten
+    return {
+        aten._native_batch_norm_legit_functional.default: lower,
+        aten._native_batch_norm_legit.default: lower_legit,
+        aten._native_batch_norm_legit.no_stats: lower_no_stats,
+        aten.native_batch_norm.default: lower_legit,
+    }
+
+
+def _torch_export(
+    torch: Any,
+    wrapper: Any,
+    args: tuple[Any, ...],
+    arg_names: list[str],
+    output_names: list[str],
+    dynamic: list[dict[int, Any] | None],
+    opset: int,
+) -> ir.Model:
+    # torch.onnx prints progress, warns about train mode and logs about torchvision;
+    # the library stays quiet.
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet_torch():
+        warnings.simplefilter("ignore")
+        try:
+            program = torch.export.export(
+                wrapper, args, dynamic_shapes=(tuple(dynamic),), strict=False
+            )
+        except Exception as e:
+            raise ExportError(f"torch.export failed: {_first_line(e)}") from e
+        try:
+            onnx_program = torch.onnx.export(
+                program,
+                (),
+                dynamo=True,
+                input_names=arg_names,
+                output_names=output_names,
+                opset_version=opset,
+                custom_translation_table=_batch_norm_translation(torch),
+                optimize=True,
+                verbose=False,
+            )
+        except Exception as e:
+            raise ExportError(f"torch.onnx.export failed: {_first_line(e)}") from e
+    return onnx_program.model
+
+
+@contextlib.contextmanager
+def _quiet_torch() -> Iterator[None]:
+    quiet = [logging.getLogger(name) for name in ("torch.onnx", "torch.export")]
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _finish(
+    model: ir.Model, params: dict[str, Any], buffers: dict[str, Any], dynamic_batch: bool
+) -> None:
+    """Attaches parameter initializers, turns buffers into constants, names the batch dim."""
+    graph = model.graph
+    batch_symbol = None
+    if dynamic_batch and graph.inputs and graph.inputs[0].shape:
+        first = graph.inputs[0].shape[0]
+        if isinstance(first, ir.SymbolicDim) and first.value:
+            batch_symbol = first.value
+    inputs = {value.name: value for value in graph.inputs}
+    for name, param in params.items():
+        value = inputs.get(name)
+        if value is None:
+            raise ExportError(f"parameter {name!r} is missing from the exported graph inputs")
+        array = param.detach().float().cpu().numpy()
+        value.const_value = ir.tensor(np.ascontiguousarray(array), name=name)
+        graph.register_initializer(value)
+    for name, buffer in buffers.items():
+        value = inputs.get(name)
+        if value is None:
+            raise ExportError(f"buffer {name!r} is missing from the exported graph inputs")
+        graph.inputs.remove(value)
+        if not value.uses():
+            continue
+        array = buffer.detach().to("cpu").numpy()
+        value.const_value = ir.tensor(np.ascontiguousarray(array), name=name)
+        graph.register_initializer(value)
+
+    if batch_symbol is not None:
+        _rename_symbol(graph, batch_symbol, BATCH_DIM)
+
+    model.ir_version = _IR_VERSION
+    model.doc_string = None
+    model.metadata_props.clear()
+    graph.metadata_props.clear()
+    graph.doc_string = None
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        node.metadata_props.clear()
+        node.doc_string = None
+        for output in node.outputs:
+            output.metadata_props.clear()
+            output.doc_string = None
+    for value in [*graph.inputs, *graph.outputs, *graph.initializers.values()]:
+        value.metadata_props.clear()
+        value.doc_string = None
+
+
+def _rename_symbol(graph: ir.Graph, old: str, new: str) -> None:
+    """Renames a symbolic dimension everywhere, also inside expressions such as ``16*s0``."""
+    pattern = re.compile(rf"\b{re.escape(old)}\b")
+    values = [*graph.inputs, *graph.initializers.values()]
+    values += [out for node in graph for out in node.outputs]
+    for value in values:
+        shape = value.shape
+        if shape is None:
+            continue
+        dims = [
+            ir.SymbolicDim(pattern.sub(new, dim.value))
+            if isinstance(dim, ir.SymbolicDim) and dim.value
+            else dim
+            for dim in shape
+        ]
+        if dims != list(shape):
+            value.shape = ir.Shape(dims)
+
+
+def _validate(
+    proto: onnx.ModelProto,
+    arg_names: list[str],
+    output_names: list[str],
+    dynamic_batch: bool,
+    num_batched_inputs: int,
+) -> None:
+    graph = proto.graph
+    actual_inputs = [value.name for value in graph.input]
+    if actual_inputs != arg_names:
+        raise ExportError(f"exported inputs {actual_inputs} differ from expected {arg_names}")
+    actual_outputs = [value.name for value in graph.output]
+    if actual_outputs != output_names:
+        raise ExportError(
+            f"exported outputs {actual_outputs} differ from expected {output_names}"
+        )
+    domains = {opset.domain for opset in proto.opset_import} - {"", "ai.onnx"}
+    if domains or proto.functions:
+        raise ExportError(f"export used non-standard domains or functions: {sorted(domains)}")
+    if dynamic_batch:
+        batched = [*graph.input[:num_batched_inputs], *graph.output[-1:]]
+        for value in batched:
+            dims = value.type.tensor_type.shape.dim
+            if not dims or dims[0].dim_param != BATCH_DIM:
+                raise ExportError(
+                    f"torch specialised the batch dimension of {value.name!r};"
+                    " the module's forward depends on the batch size"
+                )
+    try:
+        onnx.checker.check_model(proto, full_check=True)
+    except onnx.checker.ValidationError as e:
+        raise ExportError(f"exported model fails the ONNX checker: {_first_line(e)}") from e
+
+
+def _save_atomic(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    target = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(target))
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".mpgraph-", suffix=".onnx.tmp", dir=directory)
+    except OSError as e:
+        raise ModelSaveError(f"cannot write {target}: {e.strerror or e}") from e
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(proto.SerializeToString(deterministic=True))
+        os.replace(tmp, target)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise ModelSaveError(f"cannot write {target}: {e.strerror or e}") from e

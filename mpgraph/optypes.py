@@ -1,0 +1,155 @@
+"""What an op's schema says about the types of its inputs and outputs.
+
+The precision passes need, per node, which input and output slots share the op's *compute*
+type variable (the ``T`` that ties ``MatMul``'s A, B and Y together) and whether the low dtype is
+a legal binding for it in the model's opset. Slots with a fixed type (Resize's ``scales`` is
+always ``tensor(float)``) or with an input-only type variable (Pow's exponent ``T1``) keep
+their dtype when the node is lowered.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import onnx
+import onnx_ir as ir
+
+from mpgraph.dtypes import is_float
+
+__all__ = [
+    "NodeTyping",
+    "SHAPE_SLOTS",
+    "CONTROL_FLOW_OPS",
+    "node_typing",
+    "opset_version",
+    "type_string",
+]
+
+#: Input slots that carry shapes, sizes, indices or coordinates. A float tensor feeding one of
+#: them (and everything that computes it) is never lowered.
+SHAPE_SLOTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,),
+    "Expand": (1,),
+    "Range": (0, 1, 2),
+    "Slice": (1, 2, 3, 4),
+    "Resize": (1, 2, 3),
+    "Upsample": (1,),
+    "ConstantOfShape": (0,),
+    "Tile": (1,),
+    "Pad": (1,),
+    "TopK": (1,),
+    "OneHot": (1,),
+    "Squeeze": (1,),
+    "Unsqueeze": (1,),
+    "Split": (1,),
+    "CenterCropPad": (1,),
+    "RoiAlign": (1,),
+    "GridSample": (1,),
+    "AffineGrid": (0, 1),
+}
+
+CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
+
+_DTYPE_TYPE_STR = {
+    ir.DataType.FLOAT: "tensor(float)",
+    ir.DataType.FLOAT16: "tensor(float16)",
+    ir.DataType.BFLOAT16: "tensor(bfloat16)",
+    ir.DataType.DOUBLE: "tensor(double)",
+}
+
+
+def type_string(dtype: ir.DataType) -> str:
+    """ONNX schema spelling of a tensor type: ``tensor(bfloat16)``."""
+    return _DTYPE_TYPE_STR.get(dtype, f"tensor({dtype.name.lower()})")
+
+
+def opset_version(node: ir.Node, opset_imports: dict[str, int]) -> int | None:
+    """The opset version a node resolves against."""
+    if node.version is not None:
+        return node.version
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    return opset_imports.get(domain)
+
+
+@functools.lru_cache(maxsize=4096)
+def _schema(op_type: str, version: int, domain: str) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTyping:
+    """Type facts of one node.
+
+    Attributes:
+        schema: The op schema, or ``None`` for ops ONNX does not define.
+        input_vars: Type variable of each actual input (``None``: fixed type or unknown).
+        output_vars: Type variable of each actual output.
+        compute_vars: Type variables that appear in an output and are bound to a float dtype
+            here; lowering the node rebinds exactly these.
+        allowed: Type variable -> allowed type strings in this opset.
+        bound: Type variable -> the dtype it is bound to in this node.
+    """
+
+    schema: onnx.defs.OpSchema | None
+    input_vars: tuple[str | None, ...]
+    output_vars: tuple[str | None, ...]
+    compute_vars: frozenset[str]
+    allowed: dict[str, frozenset[str]]
+    bound: dict[str, ir.DataType]
+
+    def compute_inputs(self) -> list[int]:
+        """Indices of inputs typed by a compute variable."""
+        return [i for i, v in enumerate(self.input_vars) if v in self.compute_vars]
+
+    def compute_outputs(self) -> list[int]:
+        """Indices of outputs typed by a compute variable."""
+        return [i for i, v in enumerate(self.output_vars) if v in self.compute_vars]
+
+    def allows(self, dtype: ir.DataType) -> bool:
+        """Whether every compute variable may be bound to ``dtype`` in this opset."""
+        want = type_string(dtype)
+        return all(want in self.allowed[v] for v in self.compute_vars)
+
+
+def _slot_vars(formals: list, count: int) -> list[str | None]:
+    out: list[str | None] = []
+    for i in range(count):
+        if i < len(formals):
+            formal = formals[i]
+        elif formals and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
+            formal = formals[-1]
+        else:
+            out.append(None)
+            continue
+        out.append(formal.type_str)
+    return out
+
+
+def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
+    """Type facts of ``node`` from its schema and the dtypes of its values."""
+    version = opset_version(node, opset_imports)
+    domain = "" if node.domain == "ai.onnx" else node.domain
+    schema = _schema(node.op_type, version, domain) if version is not None else None
+    if schema is None:
+        return NodeTyping(None, (None,) * len(node.inputs), (None,) * len(node.outputs), frozenset(), {}, {})
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    in_strs = _slot_vars(list(schema.inputs), len(node.inputs))
+    out_strs = _slot_vars(list(schema.outputs), len(node.outputs))
+    in_vars = tuple(s if s in allowed else None for s in in_strs)
+    out_vars = tuple(s if s in allowed else None for s in out_strs)
+    bound: dict[str, ir.DataType] = {}
+    for var, value in (*zip(in_vars, node.inputs), *zip(out_vars, node.outputs)):
+        if var is not None and value is not None and value.dtype is not None:
+            if isinstance(value.type, ir.TensorType):
+                bound.setdefault(var, value.dtype)
+    input_var_set = {v for v in in_vars if v is not None}
+    compute = frozenset(
+        v
+        for v in out_vars
+        if v is not None and v in input_var_set and is_float(bound.get(v))
+    )
+    return NodeTyping(schema, in_vars, out_vars, compute, allowed, bound)

@@ -1,0 +1,104 @@
+"""EmulatePrecisionPass: compute in float32, round like the low dtype at every boundary."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.dtypes import short_name
+from mpgraph.passes.assign_precision import constant_tensor
+from mpgraph.passes.naming import NameScope
+
+__all__ = ["EmulatePrecisionPass"]
+
+
+class EmulatePrecisionPass(ir.passes.InPlacePass):
+    """Turns a lowered graph into one ONNX Runtime's CPU provider runs with the same rounding.
+
+    ORT's CPU provider has no bfloat16 kernels and runs float16 ops as float32 behind casts it
+    inserts (and may drop). The emulated graph computes every op in float32 but keeps every
+    value that the lowered graph holds in the low dtype *rounded* to it, with an explicit
+    ``Cast(to=low) -> Cast(to=float)`` pair, which ORT keeps (a test checks an fp16 underflow
+    gives zeros). Runs after ``InsertCastsPass``; ``FoldCastsPass`` afterwards removes the
+    casts back to float32 that became identities.
+
+    Rules:
+        1. A low value produced by a ``Cast(to=low)`` gets a ``Cast(to=float)`` named
+           ``round/<value>``; readers read that.
+        2. A low value produced by any other node is recomputed in float32 and rounded by a
+           ``Cast(to=low)``/``Cast(to=float)`` pair (``round/<value>_<bf16>``, ``round/<value>``).
+        3. A low constant is stored back as float32; its values are already rounded.
+        4. A low graph input stays low and is widened once; low graph outputs become float32
+           holding rounded values.
+    """
+
+    def __init__(self, low: ir.DataType) -> None:
+        super().__init__()
+        self.low = low
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        low = self.low
+        names = NameScope(model)
+        modified = False
+        values: list[ir.Value] = [v for v in graph.inputs if v.dtype == low]
+        for node in list(graph):
+            values.extend(v for v in node.outputs if v.dtype == low)
+        for value in values:
+            tensor = constant_tensor(value)
+            if tensor is not None:
+                widened = ir.tensor(tensor.numpy().astype(np.float32), name=value.name)
+                producer = value.producer()
+                if producer is not None and producer.op_type == "Constant":
+                    producer.attributes["value"] = ir.AttrTensor("value", widened)
+                else:
+                    value.const_value = widened
+                value.dtype = ir.DataType.FLOAT
+                modified = True
+                continue
+            producer = value.producer()
+            is_cast = producer is not None and producer.op_type == "Cast"
+            rounded = value
+            new_nodes: list[ir.Node] = []
+            if not is_cast and producer is not None:
+                value.dtype = ir.DataType.FLOAT
+                down = _cast(names.fresh(f"round/{value.name}_{short_name(low)}"), value, low)
+                new_nodes.append(down)
+                rounded = down.outputs[0]
+            up = _cast(names.fresh(f"round/{value.name}"), rounded, ir.DataType.FLOAT)
+            new_nodes.append(up)
+            final = up.outputs[0]
+            for use in list(value.uses()):
+                if use.node is not new_nodes[0]:
+                    use.node.replace_input_with(use.idx, final)
+            if value.is_graph_output():
+                index = list(graph.outputs).index(value)
+                name = value.name
+                value.name = names.fresh(f"{name}_unrounded")
+                final.name = name
+                graph.outputs[index] = final
+            if producer is not None and producer.graph is graph:
+                graph.insert_after(producer, new_nodes)
+            else:
+                first = next(iter(graph))
+                graph.insert_before(first, new_nodes)
+            modified = True
+        model.metadata_props[md.MODEL_EMULATED] = "true"
+        return ir.passes.PassResult(model, modified)
+
+
+def _cast(name: str, value: ir.Value, to: ir.DataType) -> ir.Node:
+    return ir.Node(
+        "",
+        "Cast",
+        [value],
+        [ir.AttrInt64("to", to)],
+        name=name,
+        outputs=[ir.Value(name=name, type=ir.TensorType(to), shape=value.shape)],
+        metadata_props={
+            md.NODE_INSERTED: "round",
+            md.NODE_PRECISION: "none",
+            md.NODE_REASON: f"emulation: round to {short_name(to) if to != ir.DataType.FLOAT else 'the low dtype'}",
+        },
+    )

@@ -1,0 +1,218 @@
+"""InsertCastsPass: rewrite types and insert Casts where the decided precision changes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.dtypes import finite_max, short_name, smallest_subnormal
+from mpgraph.errors import MpgraphError
+from mpgraph.optypes import NodeTyping, node_typing, type_string
+from mpgraph.passes.assign_precision import constant_tensor
+from mpgraph.passes.naming import NameScope
+from mpgraph.policy.schema import Policy
+
+__all__ = ["InsertCastsPass"]
+
+logger = logging.getLogger(__name__)
+
+
+class InsertCastsPass(ir.passes.InPlacePass):
+    """Applies the recorded precision decisions to the graph's types.
+
+    Requires ``AssignPrecisionPass`` to have run (``mpgraph.precision`` on every node).
+
+    Rules:
+        1. A low node's compute-typed outputs take the low dtype; its compute-typed float32
+           inputs are replaced by their low version.
+        2. The low version of a float32 value is one ``Cast`` named ``cast/<value>_<bf16|fp16>``,
+           created once per (tensor, dtype) and placed right after the producer.
+        3. A constant (initializer or ``Constant``) whose every use is a compute slot of a low
+           node is stored in the low dtype instead (weights shrink); values out of range are
+           handled per ``policy.initializers`` and recorded in ``mpgraph.initializer_range``.
+        4. A low value read by a float32 node, a fixed-type slot, or a control-flow body gets
+           one ``Cast`` back to float32 (``cast/<value>_fp32``). Input-only type variables
+           that admit the low dtype (``Shape``, ``Cast``'s input) read the low value directly.
+        5. With ``keep_io_types``, graph inputs and outputs keep their names and float32 type:
+           a low output is computed under ``<name>_<bf16|fp16>`` and cast to ``<name>``.
+           Without it, an input read only by low nodes becomes a low input, and low outputs
+           stay low.
+    """
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__()
+        self.policy = policy
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        policy = self.policy
+        if policy.is_identity:
+            return ir.passes.PassResult(model, False)
+        low = policy.dtype
+        low_name = low.name.lower()
+        graph = model.graph
+        opsets = dict(model.opset_imports)
+        names = NameScope(model)
+        nodes = [n for n in graph if md.NODE_INSERTED not in n.metadata_props]
+        typings = {n: node_typing(n, opsets) for n in nodes}
+        is_low = {n: n.metadata_props.get(md.NODE_PRECISION) == low_name for n in nodes}
+        first_node = next(iter(graph), None)
+        modified = False
+        to_low: dict[ir.Value, ir.Value] = {}
+        to_f32: dict[ir.Value, ir.Value] = {}
+        events: list[dict[str, object]] = json.loads(model.metadata_props.get(md.MODEL_INIT_RANGE, "[]"))
+
+        def low_use(node: ir.Node, index: int) -> bool:
+            typing = typings.get(node)
+            return bool(typing and is_low[node] and typing.input_vars[index] in typing.compute_vars)
+
+        def add_cast(value: ir.Value, dtype: ir.DataType, why: str) -> ir.Value:
+            name = names.fresh(f"cast/{value.name}_{short_name(dtype)}")
+            node = ir.Node(
+                "",
+                "Cast",
+                [value],
+                [ir.AttrInt64("to", dtype)],
+                name=name,
+                outputs=[ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape)],
+                metadata_props={md.NODE_INSERTED: "cast", md.NODE_PRECISION: "none", md.NODE_REASON: why},
+            )
+            producer = value.producer()
+            if producer is not None and producer.graph is graph:
+                graph.insert_after(producer, node)
+            elif first_node is not None:
+                graph.insert_before(first_node, node)
+            else:
+                graph.append(node)
+            return node.outputs[0]
+
+        # Rule 3: constants used only by low compute slots are stored low.
+        for value in _float32_constants(graph, nodes):
+            uses = list(value.uses())
+            if uses and not value.is_graph_output() and all(low_use(u.node, u.idx) for u in uses if u.node in typings) and all(u.node in typings for u in uses):
+                events.extend(_store_low(value, low, policy))
+                modified = True
+        # Rule 5, inputs: without keep_io_types an input read only by low nodes becomes low.
+        for value in graph.inputs:
+            if value.dtype != ir.DataType.FLOAT or policy.keeps_io(value.name or "") or value.is_initializer():
+                continue
+            uses = list(value.uses())
+            if uses and all(u.node in typings and low_use(u.node, u.idx) for u in uses):
+                value.dtype = low
+                modified = True
+        # Rule 1: retype low outputs.
+        lowered: list[ir.Value] = []
+        for node in nodes:
+            if not is_low[node]:
+                continue
+            for i in typings[node].compute_outputs():
+                out = node.outputs[i]
+                if out.dtype == ir.DataType.FLOAT:
+                    out.dtype = low
+                    lowered.append(out)
+                    modified = True
+        # Rule 5, outputs: keep names and float32.
+        for index, out in enumerate(list(graph.outputs)):
+            if out in lowered and policy.keeps_io(out.name or ""):
+                original = out.name or ""
+                out.name = names.fresh(f"{original}_{short_name(low)}")
+                cast = add_cast(out, ir.DataType.FLOAT, "graph output keeps float32 (keep_io_types)")
+                cast.name = original
+                graph.outputs[index] = cast
+                to_f32[out] = cast
+        # Rule 1-2: low inputs of low nodes.
+        for node in nodes:
+            if not is_low[node]:
+                continue
+            for i in typings[node].compute_inputs():
+                value = node.inputs[i]
+                if value is None or value.dtype != ir.DataType.FLOAT:
+                    continue
+                if value not in to_low:
+                    to_low[value] = add_cast(value, low, f"to {low_name} for low-precision consumers")
+                    if constant_tensor(value) is not None:
+                        events.extend(_range_events(value, low, "cast at run time (also read in float32)"))
+                node.replace_input_with(i, to_low[value])
+                modified = True
+        # Rule 4: low values read in float32.
+        for value in [*lowered, *(v for v in graph.inputs if v.dtype == low)]:
+            for use in list(value.uses()):
+                node, idx = use.node, use.idx
+                if md.NODE_INSERTED in node.metadata_props and node.graph is graph:
+                    continue
+                if node in typings and (low_use(node, idx) or _reads_any_float(typings[node], idx, low)):
+                    continue
+                if value not in to_f32:
+                    to_f32[value] = add_cast(value, ir.DataType.FLOAT, "back to float32 for float32 consumers")
+                node.replace_input_with(idx, to_f32[value])
+                modified = True
+        if events:
+            model.metadata_props[md.MODEL_INIT_RANGE] = json.dumps(events, sort_keys=True)
+        return ir.passes.PassResult(model, modified)
+
+
+def _reads_any_float(typing: NodeTyping, index: int, low: ir.DataType) -> bool:
+    """True for an input-only type variable that admits ``low`` (the node reads it as is)."""
+    var = typing.input_vars[index] if index < len(typing.input_vars) else None
+    if var is None or var in typing.output_vars:
+        return False
+    return type_string(low) in typing.allowed.get(var, ())
+
+
+def _float32_constants(graph: ir.Graph, nodes: list[ir.Node]) -> list[ir.Value]:
+    seen: dict[ir.Value, None] = {}
+    for node in nodes:
+        for value in node.inputs:
+            if value is not None and value.dtype == ir.DataType.FLOAT and constant_tensor(value) is not None:
+                seen.setdefault(value, None)
+    return list(seen)
+
+
+def _range_events(value: ir.Value, low: ir.DataType, action: str) -> list[dict[str, object]]:
+    tensor = constant_tensor(value)
+    assert tensor is not None
+    array = np.abs(tensor.numpy().astype(np.float64))
+    overflow = int((np.isfinite(array) & (array > finite_max(low))).sum())
+    underflow = int(((array > 0) & (array < smallest_subnormal(low) / 2)).sum())
+    if not overflow and not underflow:
+        return []
+    return [{"name": value.name, "overflow": overflow, "underflow": underflow, "action": action}]
+
+
+def _store_low(value: ir.Value, low: ir.DataType, policy: Policy) -> list[dict[str, object]]:
+    """Re-store a float32 constant in the low dtype, applying the range policy."""
+    tensor = constant_tensor(value)
+    assert tensor is not None
+    array = tensor.numpy().astype(np.float32)
+    ranges = policy.initializers
+    events = _range_events(value, low, "stored low")
+    if events:
+        event = events[0]
+        if event["overflow"]:
+            if ranges.overflow == "error":
+                raise MpgraphError(
+                    f"constant '{value.name}' has {event['overflow']} values beyond {low.name.lower()} range; "
+                    "set initializers.overflow to keep_fp32 or clamp in the policy"
+                )
+            if ranges.overflow == "clamp":
+                limit = finite_max(low)
+                array = np.clip(array, -limit, limit)
+                event["action"] = f"clamped to +-{limit:.6g}"
+            else:
+                event["action"] = "stored low (overflows to inf; override requested low)"
+        if event["underflow"] and ranges.underflow == "error":
+            raise MpgraphError(
+                f"constant '{value.name}' has {event['underflow']} nonzeros that flush to zero in "
+                f"{low.name.lower()}; set initializers.underflow to keep or keep_fp32 in the policy"
+            )
+    new_tensor = ir.tensor(array.astype(low.numpy()), dtype=low, name=value.name)
+    producer = value.producer()
+    if producer is not None and producer.op_type == "Constant":
+        producer.attributes["value"] = ir.AttrTensor("value", new_tensor)
+    else:
+        value.const_value = new_tensor
+    value.dtype = low
+    return events

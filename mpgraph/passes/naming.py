@@ -1,0 +1,43 @@
+"""Deterministic, collision-free names for values and nodes a pass creates."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+__all__ = ["NameScope"]
+
+
+class NameScope:
+    """Every value and node name of a model (subgraphs included), handing out fresh ones.
+
+    ``fresh("cast/x_bf16")`` returns the name itself when unused, else ``cast/x_bf16_1``,
+    ``cast/x_bf16_2``... so re-running a pass never collides with names it made before.
+    """
+
+    def __init__(self, model: ir.Model) -> None:
+        self._used: set[str] = set()
+        graph = model.graph
+        for value in (*graph.inputs, *graph.outputs, *graph.initializers.values()):
+            if value.name:
+                self._used.add(value.name)
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            if node.name:
+                self._used.add(node.name)
+            for value in (*node.inputs, *node.outputs):
+                if value is not None and value.name:
+                    self._used.add(value.name)
+
+    def fresh(self, base: str) -> str:
+        name, i = base, 0
+        while name in self._used:
+            i += 1
+            name = f"{base}_{i}"
+        self._used.add(name)
+        return name
+
+    def release(self, name: str) -> None:
+        """Forget ``name`` so it can be handed out again (after a rename)."""
+        self._used.discard(name)
+
+    def reserve(self, name: str) -> None:
+        self._used.add(name)
