@@ -1,0 +1,61 @@
+"""Gradient rules for NegativeLogLikelihoodLoss and SoftmaxCrossEntropyLoss.
+
+SoftmaxCrossEntropyLoss is NLL of LogSoftmax, so its rule chains the two: the NLL gradient
+with respect to the log-probabilities, then the LogSoftmax gradient along the class axis.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.autodiff.registry import register
+
+__all__: list[str] = []
+
+V = ir.Value
+Ctx = GradContext
+
+
+def _nll_grad(ctx: Ctx, node: ir.Node, log_prob: V, dloss: V) -> V:
+    """d loss / d log_prob for NLL with optional class weights, ignore_index and reduction."""
+    labels = node.inputs[1]
+    weights = node.inputs[2] if len(node.inputs) > 2 else None
+    ignore = ctx.attr("ignore_index")
+    weight = None
+    safe = labels
+    if ignore is not None:
+        keep = ctx.op("Not", ctx.op("Equal", labels, ctx.const(np.asarray(ignore, dtype=labels.dtype.numpy()))))
+        safe = ctx.op("Where", keep, labels, ctx.const(np.zeros((), dtype=labels.dtype.numpy())))
+        weight = ctx.op("Cast", keep, to=log_prob.dtype)
+    if weights is not None:
+        picked = ctx.op("Gather", weights, safe)
+        weight = picked if weight is None else ctx.op("Mul", weight, picked)
+    on_off = ctx.const(np.asarray([0.0, 1.0]), log_prob.dtype)
+    one_hot = ctx.op("OneHot", safe, ctx.shape(log_prob, 1, 2), on_off, axis=1)
+    scale = dloss
+    if ctx.attr("reduction", "mean") == "mean":
+        count = (ctx.op("ReduceSum", weight, keepdims=0) if weight is not None
+                 else ctx.op("Cast", ctx.op("Size", labels), to=log_prob.dtype))
+        scale = ctx.op("Div", dloss, count)
+    if weight is not None:
+        scale = ctx.op("Mul", scale, weight)
+    if ctx.attr("reduction", "mean") == "none" or weight is not None:
+        scale = ctx.op("Unsqueeze", scale, ctx.ints([1]))
+    return ctx.op("Neg", ctx.op("Mul", one_hot, scale))
+
+
+@register("NegativeLogLikelihoodLoss", opsets=(13, None))
+def nll_loss(ctx: Ctx, node: ir.Node, dloss: V) -> tuple:
+    return _nll_grad(ctx, node, node.inputs[0], dloss), None, None
+
+
+@register("SoftmaxCrossEntropyLoss", opsets=(13, None), outputs=2)
+def softmax_cross_entropy(ctx: Ctx, node: ir.Node, dloss: V | None, dlog_prob: V | None = None) -> tuple:
+    log_prob = node.outputs[1]
+    dlp = _nll_grad(ctx, node, log_prob, dloss) if dloss is not None else None
+    if dlog_prob is not None:
+        dlp = dlog_prob if dlp is None else ctx.op("Add", dlp, dlog_prob)
+    total = ctx.op("ReduceSum", dlp, ctx.ints([1]), keepdims=1)
+    return ctx.op("Sub", dlp, ctx.op("Mul", ctx.op("Exp", log_prob), total)), None, None
