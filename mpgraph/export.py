@@ -45,7 +45,7 @@ import io
 import logging
 import os
 import re
-import tempfile
+import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -535,17 +535,16 @@ def _validate(
 
 
 def _save_atomic(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
-    target = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(target))
+    """Writes next to ``path`` and renames, so a reader never sees half a file."""
+    target = os.path.abspath(os.fspath(path))
+    directory, base = os.path.split(target)
+    # open() rather than mkstemp(): the file gets the umask's permissions, not 0600.
+    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".mpgraph-", suffix=".onnx.tmp", dir=directory)
-    except OSError as e:
-        raise ModelSaveError(f"cannot write {target}: {e.strerror or e}") from e
-    try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(proto.SerializeToString(deterministic=True))
         os.replace(tmp, target)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
-        raise ModelSaveError(f"cannot write {target}: {e.strerror or e}") from e
+        raise ModelSaveError(f"cannot write {os.fspath(path)}: {e.strerror or e}") from e
