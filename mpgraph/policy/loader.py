@@ -33,6 +33,7 @@ import difflib
 import functools
 import importlib.resources
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -153,7 +154,11 @@ class _Doc:
             return out
         if isinstance(node, yaml.SequenceNode):
             return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
-        return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+        try:
+            return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise PolicyError(f"{self.path}:{node.start_mark.line + 1}: invalid YAML: {problem}") from None
 
     def fail(self, keypath: tuple[str, ...], message: str) -> PolicyError:
         line = ""
@@ -192,7 +197,22 @@ def _known_op_types() -> frozenset[str]:
     return frozenset(s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx"))
 
 
+def _check_op_type(doc: _Doc, keypath: tuple[str, ...], op_type: str) -> None:
+    if "." not in op_type and op_type not in _known_op_types():
+        doc.fail(
+            keypath,
+            f"unknown op type '{op_type}'{_suggest(op_type, sorted(_known_op_types()))}"
+            "; use 'domain.Op' for ops outside the default ONNX domain",
+        )
+
+
+# YAML 1.2 floats that PyYAML (YAML 1.1) leaves as strings: 1e9 (no dot), 1.5e3 (no exponent sign).
+_FLOAT_RE = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
+
+
 def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = False) -> float:
+    if not integer and isinstance(value, str) and _FLOAT_RE.fullmatch(value):
+        value = float(value)
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
     if isinstance(value, bool) or not ok:
         kind = "an integer" if integer else "a number"
@@ -225,7 +245,12 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
             parent_path = Path(parent)
             if not parent_path.is_absolute():
                 parent_path = Path(path).parent / parent_path
-            base = _load_file(str(parent_path.resolve()), _chain)
+            resolved = str(parent_path.resolve())
+            if resolved in _chain:
+                doc.fail(("extends",), f"cycle {' -> '.join((*_chain, resolved))}")
+            if not Path(resolved).is_file():
+                doc.fail(("extends",), f"policy file not found: {resolved}")
+            base = _load_file(resolved, _chain)
         elif parent in list_presets():
             base = _load_file(str(preset_path(parent)), _chain)
         else:
@@ -260,12 +285,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
                 doc.fail(kp, f"expected a mapping of op type to reason or a list, got {entries!r}")
             for op_type, reason in entries.items():
                 okp = (*kp, op_type)
-                if "." not in op_type and op_type not in _known_op_types():
-                    doc.fail(
-                        okp,
-                        f"unknown op type '{op_type}'{_suggest(op_type, sorted(_known_op_types()))}"
-                        "; use 'domain.Op' for ops outside the default ONNX domain",
-                    )
+                _check_op_type(doc, okp, op_type)
                 if op_type in seen:
                     doc.fail(okp, f"op type listed twice (also in ops.{seen[op_type]})")
                 seen[op_type] = category
@@ -293,6 +313,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
             op_type = entry.get("op")
             if not isinstance(op_type, str):
                 doc.fail((*kp, "op"), "missing or non-string op type")
+            _check_op_type(doc, (*kp, "op"), op_type)
             slots = entry.get("inputs")
             if not isinstance(slots, list) or not all(
                 isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots
