@@ -16,7 +16,7 @@ Schema (all keys optional except ``dtype``)::
       infer: [Add, Relu]
       clear: [Reshape]
       deny: {Softmax: exp overflows in fp16}
-    overrides:                      # first match wins
+    overrides:                      # first match wins; an extending file's come first
       - {match: "/head/*", precision: float32, reason: keep the head exact}
     pins:
       - {op: Resize, inputs: [1, 2], reason: roi and scales are coordinates}
@@ -291,7 +291,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
                 seen[op_type] = category
                 ops[op_type] = (category, str(reason) if reason is not None else "")
 
-    overrides = list(base.overrides) if base else []
+    overrides: list[Override] = []
     if "overrides" in data:
         if not isinstance(data["overrides"], list):
             doc.fail(("overrides",), "expected a list of {match, precision, reason}")
@@ -302,6 +302,8 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
                 doc.fail((*kp, "match"), "missing or non-string node-name pattern")
             precision = _choice(doc, (*kp, "precision"), entry.get("precision"), ("low", "float32"))
             overrides.append(Override(entry["match"], precision, str(entry.get("reason", ""))))
+    # First match wins, so the extending file's overrides go before its parent's.
+    overrides += base.overrides if base else ()
 
     pins = list(base.pins) if base else []
     if "pins" in data:
