@@ -40,6 +40,14 @@ _BOOL_OUT = frozenset(
     {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "IsNaN", "IsInf"}
 )
 
+# dtypes of optional outputs that the driver adds, where they differ from the first input's.
+_EXTRA_OUTPUT_DTYPES = {
+    ("Dropout", 1): ir.DataType.BOOL,
+    ("MaxPool", 1): ir.DataType.INT64,
+    ("LayerNormalization", 1): ir.DataType.FLOAT,
+    ("LayerNormalization", 2): ir.DataType.FLOAT,
+}
+
 
 def _is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in FLOAT_TYPES
@@ -236,6 +244,8 @@ def _guess_dtype(
         return v.dtype if v is not None else ir.DataType.FLOAT
     if op_type == "Where":
         inputs = inputs[1:]
+    if op_type == "OneHot":
+        inputs = inputs[2:]
     for v in inputs:
         if v is not None and v.dtype is not None:
             return v.dtype
@@ -308,10 +318,14 @@ def differentiate(
     # Optional forward outputs some rules need (Dropout mask, MaxPool indices, ...).
     for node, rule in path:
         if rule.outputs > len(node.outputs):
-            old = len(node.outputs)
             node.resize_outputs(rule.outputs)
-            for i in range(old, rule.outputs):
-                node.outputs[i].name = ctx.unique(f"{node.name}/output_{i}")
+        for i, out in enumerate(node.outputs):
+            if not out.name:
+                out.name = ctx.unique(f"{node.name}/output_{i}")
+            if out.dtype is None:
+                out.dtype = _EXTRA_OUTPUT_DTYPES.get(
+                    (node.op_type, i), node.inputs[0].dtype if node.inputs[0] is not None else None
+                )
 
     # 2-4. Reverse sweep.
     contributions: dict[ir.Value, list[ir.Value]] = {}

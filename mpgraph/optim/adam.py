@@ -1,0 +1,81 @@
+"""Adam and AdamW with bias correction, as ``torch.optim.Adam`` / ``torch.optim.AdamW``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.optim.base import OPTIMIZERS, StateFactory
+
+__all__ = ["Adam", "AdamW"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Adam:
+    """``torch.optim.Adam`` (L2 weight decay folded into the gradient).
+
+    Attributes:
+        beta1: First-moment decay.
+        beta2: Second-moment decay.
+        eps: Denominator epsilon (added after the bias-corrected square root).
+        weight_decay: L2 penalty (Adam) or decoupled decay (AdamW).
+    """
+
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    decoupled = False
+
+    def build(
+        self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
+        state: StateFactory,
+    ) -> tuple[dict[str, ir.Value], list[tuple[ir.Value, ir.Value]]]:
+        """Emit the update (see ``Optimizer.build``)."""
+        ctx.node = None
+        step = state("optim/step", None, 0.0)
+        t = ctx.op("Add", step, ctx.scalar(1.0, step))
+        pairs = [(step, t)]
+        # Bias corrections in float64, as torch computes them on Python floats.
+        t64 = ctx.op("Cast", t, to=ir.DataType.DOUBLE)
+        one = ctx.scalar(1.0, t64)
+        bc1 = ctx.op("Sub", one, ctx.op("Pow", ctx.scalar(self.beta1, t64), t64))
+        bc2 = ctx.op("Sub", one, ctx.op("Pow", ctx.scalar(self.beta2, t64), t64))
+        lr64 = ctx.op("Cast", lr, to=ir.DataType.DOUBLE)
+        step_size = ctx.op("Cast", ctx.op("Div", lr64, bc1), to=ir.DataType.FLOAT)
+        bc2_sqrt = ctx.op("Cast", ctx.op("Sqrt", bc2), to=ir.DataType.FLOAT)
+        decay = None
+        if self.decoupled and self.weight_decay:
+            decay = ctx.op("Sub", ctx.scalar(1.0, lr), ctx.op("Mul", lr, ctx.scalar(self.weight_decay, lr)))
+        updated = {}
+        for p, g in params:
+            if self.weight_decay and not self.decoupled:
+                g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
+            if decay is not None:
+                p_decayed = ctx.op("Mul", p, decay)
+            else:
+                p_decayed = p
+            m = state(f"optim/{p.name}/m", p, 0.0)
+            v = state(f"optim/{p.name}/v", p, 0.0)
+            m_new = ctx.op("Add", m, ctx.op("Mul", ctx.op("Sub", g, m), ctx.scalar(1 - self.beta1, p)))
+            v_new = ctx.op("Add", ctx.op("Mul", v, ctx.scalar(self.beta2, p)),
+                           ctx.op("Mul", ctx.op("Mul", g, g), ctx.scalar(1 - self.beta2, p)))
+            denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", v_new), bc2_sqrt), ctx.scalar(self.eps, p))
+            update = ctx.op("Mul", ctx.op("Div", m_new, denom), step_size)
+            updated[p.name] = ctx.op("Sub", p_decayed, update)
+            pairs += [(m, m_new), (v, v_new)]
+        return updated, pairs
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW(Adam):
+    """``torch.optim.AdamW``: decoupled weight decay ``p *= 1 - lr * weight_decay`` first."""
+
+    weight_decay: float = 1e-2
+    decoupled = True
+
+
+OPTIMIZERS["adam"] = Adam
+OPTIMIZERS["adamw"] = AdamW

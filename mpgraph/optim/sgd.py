@@ -1,0 +1,59 @@
+"""SGD with momentum, dampening, Nesterov and L2 weight decay, as ``torch.optim.SGD``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import onnx_ir as ir
+
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.optim.base import OPTIMIZERS, StateFactory
+
+__all__ = ["SGD"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SGD:
+    """``torch.optim.SGD``: ``buf = m*buf + (1-dampening)*g`` (``buf = g`` on step 1).
+
+    Attributes:
+        momentum: Momentum factor (0 disables the buffer).
+        dampening: Dampening of the momentum update.
+        nesterov: Nesterov momentum.
+        weight_decay: L2 penalty added to the gradient.
+    """
+
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    weight_decay: float = 0.0
+
+    def build(
+        self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
+        state: StateFactory,
+    ) -> tuple[dict[str, ir.Value], list[tuple[ir.Value, ir.Value]]]:
+        """Emit the update (see ``Optimizer.build``)."""
+        pairs: list[tuple[ir.Value, ir.Value]] = []
+        first = None
+        if self.momentum and self.dampening:  # torch starts the buffer at g, undamped
+            step = state("optim/step", None, 0.0)
+            pairs.append((step, ctx.op("Add", step, ctx.scalar(1.0, step))))
+            first = ctx.op("Equal", step, ctx.scalar(0.0, step))
+        updated = {}
+        for p, g in params:
+            ctx.node = None
+            if self.weight_decay:
+                g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
+            if self.momentum:
+                buf = state(f"optim/{p.name}/momentum", p, 0.0)
+                new = ctx.op("Add", ctx.op("Mul", buf, ctx.scalar(self.momentum, p)),
+                             g if not self.dampening else ctx.op("Mul", g, ctx.scalar(1 - self.dampening, p)))
+                if first is not None:
+                    new = ctx.op("Where", first, g, new)
+                pairs.append((buf, new))
+                g = ctx.op("Add", g, ctx.op("Mul", new, ctx.scalar(self.momentum, p))) if self.nesterov else new
+            updated[p.name] = ctx.op("Sub", p, ctx.op("Mul", g, lr))
+        return updated, pairs
+
+
+OPTIMIZERS["sgd"] = SGD

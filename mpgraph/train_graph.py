@@ -1,0 +1,401 @@
+"""Turn a forward ONNX model into one training-step graph in standard ONNX ops.
+
+``build_training_graph`` runs these phases on an onnx-ir copy of the model:
+
+1. **Normalize.** Shape inference; opsets below 18 are upgraded to 18; unnamed nodes get
+   deterministic names; ``ConstantOfShape`` weights with a constant shape (as in compressed
+   "light" model files) become initializers.
+2. **Loss.** Use a loss output of the graph (``loss=None`` picks an output named ``loss``;
+   ``loss="<output name>"`` picks another), or attach ``cross_entropy`` / ``mse`` to the first
+   float output with a new label input.
+3. **Training mode.** BatchNormalization runs in training mode; its running statistics
+   become state inputs paired with the updated statistics (ONNX semantics: the running variance
+   is updated with the biased batch variance).
+4. **Parameters.** When the model marks parameters explicitly (float graph inputs with
+   same-named initializers, as ``torch.onnx`` with parameters as inputs produces), those are
+   the parameters; otherwise every float initializer of rank >= 1. ``freeze`` patterns
+   (fnmatch) keep some fixed; a pattern that matches nothing is an error.
+5. **Backward** (``mpgraph.autodiff``), then the **optimizer** (``mpgraph.optim``) with the
+   learning rate as an input ``lr`` and fp32 state inputs (step counter, moments).
+6. **Outputs and metadata.** Outputs: the loss, updated parameters (``<param>/updated``) and
+   updated state; ``MODEL_STATE_PAIRS`` pairs every state input with its output;
+   every node carries a role; the result passes the full checker and strict shape inference.
+
+Every state input (parameters included) also has a same-named initializer holding its
+initial value, so the saved step graph is self-contained.
+
+Example:
+    >>> import onnx_ir as ir, numpy as np
+    >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 3]))
+    >>> w = ir.Value(name="w", const_value=ir.tensor(np.ones((3, 2), np.float32), name="w"))
+    >>> mm = ir.Node("", "MatMul", [x, w], name="mm")
+    >>> mm.outputs[0].name = "y"
+    >>> g = ir.Graph([x], [mm.outputs[0]], nodes=[mm], initializers=[w], opset_imports={"": 18})
+    >>> step = build_training_graph(ir.Model(g, ir_version=8), optimizer="sgd", loss="mse")
+    >>> [v.name for v in step.graph.outputs]
+    ['loss', 'w/updated']
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from mpgraph.autodiff import differentiate
+from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
+from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
+from mpgraph.metadata import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE
+from mpgraph.optim import make_optimizer
+
+__all__ = ["build_training_graph", "BUILTIN_LOSSES", "MIN_OPSET", "LR_INPUT", "state_pairs"]
+
+logger = logging.getLogger(__name__)
+
+BUILTIN_LOSSES = ("cross_entropy", "mse")
+MIN_OPSET = 18
+LR_INPUT = "lr"
+_LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+_DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
+
+
+def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
+    """``[(state input, updated output)]`` recorded on a training step graph."""
+    raw = model.metadata_props.get(MODEL_STATE_PAIRS)
+    return [] if raw is None else [(a, b) for a, b in json.loads(raw)]
+
+
+def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ir.Model:
+    if isinstance(model, (str, os.PathLike)):
+        proto = onnx.load(str(model))
+    elif isinstance(model, ir.Model):
+        proto = ir.to_proto(model)
+    else:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    if any(n.op_type in ("If", "Loop", "Scan") for n in proto.graph.node):
+        raise UnsupportedModelError("control flow (If/Loop/Scan) is not supported by train-graph")
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    if opset < MIN_OPSET:
+        proto.ir_version = max(proto.ir_version, 8)
+        _inputs_for_initializers(proto)
+        try:
+            proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
+        except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
+            raise UnsupportedModelError(f"cannot upgrade opset {opset} to {MIN_OPSET}: {str(e).splitlines()[0]}") from None
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("shape inference failed (%s); continuing with partial shapes", e)
+    return ir.from_proto(proto)
+
+
+def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
+    """Old IR versions list initializers as inputs; newer converters reject the mismatch."""
+    names = {i.name for i in proto.graph.input}
+    for init in proto.graph.initializer:
+        if init.name not in names:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+
+
+def _name_nodes(graph: ir.Graph) -> None:
+    used = {n.name for n in graph if n.name}
+    for i, node in enumerate(graph):
+        if not node.name:
+            name = f"{node.op_type}_{i}"
+            while name in used:
+                name += "_"
+            node.name = name
+            used.add(name)
+        for k, out in enumerate(node.outputs):
+            if not out.name:
+                out.name = f"{node.name}/output_{k}"
+
+
+def _materialize_constant_weights(graph: ir.Graph) -> None:
+    for node in list(graph):
+        if node.op_type != "ConstantOfShape" or node.outputs[0].is_graph_output():
+            continue
+        dims = ir.convenience.get_const_tensor(node.inputs[0]) if node.inputs[0] is not None else None
+        if dims is None:
+            continue
+        attr = node.attributes.get("value")
+        fill = attr.value.numpy().reshape(-1) if attr is not None else np.zeros(1, np.float32)
+        if fill.dtype.kind != "f" or dims.numpy().size == 0:
+            continue
+        out = node.outputs[0]
+        array = np.full([int(d) for d in dims.numpy()], fill[0], dtype=fill.dtype)
+        value = ir.Value(name=out.name, const_value=ir.tensor(array, name=out.name),
+                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), shape=ir.Shape(array.shape))
+        out.name = None
+        out.replace_all_uses_with(value)
+        graph.remove(node, safe=True)
+        graph.register_initializer(value)
+
+
+def _set_role(nodes: Sequence[ir.Node], role: str) -> None:
+    for node in nodes:
+        node.metadata_props[NODE_ROLE] = role
+
+
+def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[ir.Value, list[ir.Node]]:
+    outputs = {v.name: v for v in graph.outputs}
+    if loss is None:
+        if "loss" not in outputs:
+            raise GradientError(
+                "no loss: the model has no output named 'loss'; pass loss='cross_entropy', "
+                f"'mse' or one of its outputs ({', '.join(outputs)})"
+            )
+        loss = "loss"
+    if loss in outputs:
+        value = outputs[loss]
+        if value.dtype not in FLOAT_TYPES:
+            raise GradientError(f"loss output '{loss}' is {value.dtype}, not a float tensor")
+        return value, []
+    if loss not in BUILTIN_LOSSES:
+        raise GradientError(
+            f"unknown loss '{loss}'; choose cross_entropy, mse or an output name ({', '.join(outputs)})"
+        )
+    logits = next((v for v in graph.outputs if v.dtype in FLOAT_TYPES), None)
+    if logits is None:
+        raise GradientError("cannot attach a loss: the model has no float output")
+    rank = len(logits.shape) if logits.shape is not None else None
+    before = len(graph)
+    label_name = ctx.unique("label")
+    if loss == "cross_entropy":
+        if rank is None or rank < 2:
+            raise GradientError(f"cross_entropy needs logits of rank >= 2; '{logits.name}' has rank {rank}")
+        dims = [logits.shape[0], *list(logits.shape)[2:]]
+        label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(dims))
+        value = ctx.op("SoftmaxCrossEntropyLoss", logits, label, reduction="mean")
+    else:
+        label = ir.Value(name=label_name, type=ir.TensorType(logits.dtype), shape=logits.shape)
+        diff = ctx.op("Sub", logits, label)
+        value = ctx.op("ReduceMean", ctx.op("Mul", diff, diff), keepdims=0)
+    graph.inputs.append(label)
+    value.name = ctx.unique("loss")
+    return value, list(graph)[before:]
+
+
+def _loss_nodes(graph: ir.Graph, loss: ir.Value) -> list[ir.Node]:
+    """The loss op that produces ``loss`` and the nodes between it and the loss output."""
+    chain, node = [], loss.producer()
+    while node is not None:
+        chain.append(node)
+        if node.op_type in _LOSS_OPS:
+            return chain
+        floats = [v for v in node.inputs if v is not None and v.dtype in FLOAT_TYPES]
+        node = floats[0].producer() if len(floats) == 1 else None
+    return chain[:1]
+
+
+def _prune(graph: ir.Graph) -> None:
+    live: set[ir.Value] = set(graph.outputs)
+    for node in reversed(list(graph)):
+        if any(o in live for o in node.outputs):
+            live.update(v for v in node.inputs if v is not None)
+        else:
+            graph.remove(node, safe=False)
+    for name, value in list(graph.initializers.items()):
+        if value not in live and not value.is_graph_input():
+            del graph.initializers[name]
+
+
+def build_training_graph(
+    model: ir.Model | onnx.ModelProto | str | os.PathLike[str],
+    *,
+    optimizer: str | None = "adamw",
+    loss: str | None = None,
+    freeze: Sequence[str] = (),
+    lr: float | None = None,
+    optimizer_options: dict[str, Any] | None = None,
+    batchnorm: str = "train",
+    trainable_inputs: Sequence[str] = (),
+    validate: bool = True,
+) -> ir.Model:
+    """Build the training step graph of a forward model.
+
+    Args:
+        model: The forward model (onnx-ir, protobuf or a path).
+        optimizer: ``sgd``, ``adam``, ``adamw``, or ``None`` for a gradient graph whose
+            outputs are the loss and ``grad/<param>`` for every parameter.
+        loss: ``None`` (the output named ``loss``), an output name, ``cross_entropy`` or ``mse``.
+        freeze: fnmatch patterns of parameters to keep fixed.
+        lr: Default learning rate (initializer of the ``lr`` input).
+        optimizer_options: Hyperparameters (``momentum``, ``nesterov``, ``dampening``,
+            ``weight_decay``, ``beta1``, ``beta2``, ``eps``), as in ``torch.optim``.
+        batchnorm: ``train`` (batch statistics, running statistics as state) or ``eval``.
+        trainable_inputs: fnmatch patterns of float graph inputs without initializers to
+            differentiate as parameters (for models whose weights are runtime inputs).
+        validate: Run the ONNX checker (full) and strict shape inference on the result.
+
+    Returns:
+        The training step model (ir_version <= 10).
+
+    Raises:
+        GradientError: No loss, nothing trainable, bad freeze pattern, op without a rule.
+        UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
+    """
+    if batchnorm not in ("train", "eval"):
+        raise GradientError(f"batchnorm must be 'train' or 'eval', got '{batchnorm}'")
+    opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
+    m = _normalize(model)
+    graph = m.graph
+    graph.opset_imports[""] = opset = max(graph.opset_imports.get("", MIN_OPSET), MIN_OPSET)
+    _name_nodes(graph)
+    _materialize_constant_weights(graph)
+    _set_role(list(graph), "forward")
+    fwd = GradContext(graph, role="loss", scope="loss")
+    loss_value, attached = _attach_loss(graph, loss, fwd)
+    _set_role(attached or _loss_nodes(graph, loss_value), "loss")
+
+    state: list[tuple[ir.Value, ir.Value]] = []
+    _training_mode(graph, batchnorm, state, fwd)
+
+    params = _select_params(graph, freeze, trainable_inputs, {s.name for s, _ in state})
+    graph.outputs.clear()
+    graph.outputs.append(loss_value)
+    _prune(graph)
+    _infer_shapes(m)
+    grads = differentiate(graph, loss_value, params, opset=opset)
+
+    ctx = GradContext(graph, role="optimizer", scope="optim")
+    new_inputs: list[ir.Value] = []
+
+    def make_state(name: str, like: ir.Value | None, init: float) -> ir.Value:
+        shape = ir.Shape([]) if like is None else like.shape
+        array = np.full([int(d) for d in shape], init, dtype=np.float32)
+        value = ir.Value(name=ctx.unique(name), type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(array.shape),
+                         const_value=ir.tensor(array))
+        value.const_value.name = value.name
+        new_inputs.append(value)
+        graph.register_initializer(value)
+        return value
+
+    outputs: list[ir.Value] = []
+    if opt is None:
+        for p in params:
+            g = grads[p.name]
+            out = ctx.op("Identity", g) if g.name != f"grad/{p.name}" or g.is_graph_output() else g
+            out.name = f"grad/{p.name}" if out is not g else out.name
+            out.metadata_props[NODE_ROLE] = "backward"
+            outputs.append(out)
+    else:
+        lr_value = ir.Value(name=LR_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                            const_value=ir.tensor(np.float32(lr if lr is not None else _DEFAULT_LR[optimizer.lower()]), name=LR_INPUT))
+        graph.inputs.append(lr_value)
+        graph.register_initializer(lr_value)
+        updated, opt_state = opt.build(ctx, [(p, grads[p.name]) for p in params], lr_value, make_state)
+        state = [(p, updated[p.name]) for p in params] + state + opt_state
+    for inp, out in state:
+        if out.is_graph_output() or out.is_graph_input() or out.is_initializer():
+            out = ctx.op("Identity", out)
+        out.name = _rename(graph, out, f"{inp.name}/updated")
+        outputs.append(out)
+    graph.inputs.extend(new_inputs)
+    graph.outputs.extend(outputs)
+    for node in graph:
+        node.metadata_props.setdefault(NODE_ROLE, "forward")
+    m.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
+    m.metadata_props[MODEL_TRAINING] = "true"
+    graph.name = graph.name or "train_step"
+    m.ir_version = 8 if opset <= 18 else 9 if opset <= 20 else 10
+    if opset > 22:
+        raise UnsupportedModelError(f"opset {opset} needs ir_version 11; train-graph writes ir_version <= 10")
+    _infer_shapes(m)
+    for inp, out in state:
+        if out.shape is None:
+            out.shape = inp.shape
+    if validate:
+        _validate(m)
+    return m
+
+
+def _rename(graph: ir.Graph, value: ir.Value, name: str) -> str:
+    taken = {v.name for v in graph.inputs} | set(graph.initializers)
+    assert name not in taken, name
+    return name
+
+
+def _training_mode(graph: ir.Graph, batchnorm: str, state: list[tuple[ir.Value, ir.Value]],
+                   ctx: GradContext) -> None:
+    """BatchNormalization: training mode with running statistics as state (or eval mode)."""
+    for node in list(graph):
+        if node.op_type != "BatchNormalization":
+            continue
+        if batchnorm == "eval":
+            node.attributes["training_mode"] = ir.AttrInt64("training_mode", 0)
+            if len(node.outputs) > 1 and not any(o.uses() or o.is_graph_output() for o in node.outputs[1:]):
+                node.resize_outputs(1)
+            continue
+        node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
+        if len(node.outputs) < 3:
+            node.resize_outputs(3)
+        for k, stat in ((1, node.inputs[3]), (2, node.inputs[4])):
+            out = node.outputs[k]
+            if not out.name:
+                out.name = ctx.unique(f"{node.name}/output_{k}")
+            if stat.is_initializer() and stat.const_value is not None and not stat.is_graph_input():
+                graph.inputs.append(stat)
+            if stat.is_graph_input():
+                state.append((stat, out))
+
+
+def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Sequence[str],
+                   exclude: set[str]) -> list[ir.Value]:
+    floats = {n: v for n, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and n not in exclude}
+    explicit = [v for v in graph.inputs if v.name in floats]
+    if explicit:
+        candidates = explicit
+    else:
+        candidates = [v for v in floats.values() if v.shape is not None and len(v.shape) >= 1]
+    for pattern in trainable_inputs:
+        matched = [v for v in graph.inputs if fnmatch.fnmatchcase(v.name, pattern)
+                   and v.dtype in FLOAT_TYPES and v not in candidates and v.name not in exclude]
+        if not matched:
+            raise GradientError(f"trainable input pattern '{pattern}' matches no float graph input")
+        candidates += matched
+    for pattern in freeze:
+        if not any(fnmatch.fnmatchcase(v.name, pattern) for v in candidates):
+            raise GradientError(
+                f"freeze pattern '{pattern}' matches no parameter (parameters: "
+                f"{', '.join(v.name for v in candidates[:8])}{', ...' if len(candidates) > 8 else ''})"
+            )
+    params = [v for v in candidates if not any(fnmatch.fnmatchcase(v.name, p) for p in freeze)]
+    for v in candidates:
+        if v not in params and v.is_graph_input() and v.is_initializer():
+            graph.inputs.remove(v)  # a frozen parameter is a constant
+    for v in params:
+        if not v.is_graph_input():
+            graph.inputs.append(v)
+    if not params:
+        raise GradientError(
+            "nothing to train: the model has no float parameters (or all are frozen); "
+            "pass trainable_inputs to differentiate with respect to graph inputs"
+        )
+    return params
+
+
+def _infer_shapes(model: ir.Model) -> None:
+    try:
+        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("shape inference failed (%s); continuing with partial shapes", e)
+
+
+def _validate(model: ir.Model) -> None:
+    proto = ir.to_proto(model)
+    try:
+        if proto.ByteSize() < 1_500_000_000:
+            onnx.checker.check_model(proto, full_check=True)
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - checker errors are many types
+        raise ValidationError(f"internal error: the training graph is invalid: {str(e).splitlines()[0]}") from e
