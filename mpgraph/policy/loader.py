@@ -36,7 +36,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import onnx
 import yaml
@@ -160,7 +160,7 @@ class _Doc:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise PolicyError(f"{self.path}:{node.start_mark.line + 1}: invalid YAML: {problem}") from None
 
-    def fail(self, keypath: tuple[str, ...], message: str) -> PolicyError:
+    def fail(self, keypath: tuple[str, ...], message: str) -> NoReturn:
         line = ""
         for i in range(len(keypath), -1, -1):
             if keypath[:i] in self.lines:
