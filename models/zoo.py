@@ -41,7 +41,7 @@ import torch
 from torch import nn
 from torch.nn import functional
 
-from mpgraph.export import export_module
+from mpgraph.export import LossKind, export_module
 
 __all__ = [
     "ZOO",
@@ -105,6 +105,8 @@ class NatureDQN(nn.Module):
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention written with explicit matmuls and softmax."""
+
+    causal: torch.Tensor
 
     def __init__(self, d_model: int, heads: int, seq: int) -> None:
         super().__init__()
@@ -218,7 +220,7 @@ class ZooEntry:
 
     constructor: Callable[[], nn.Module]
     input_shape: tuple[int, ...]
-    loss: str
+    loss: LossKind
     vocab: int | None = None
 
     def build(self, seed: int = 0) -> nn.Module:

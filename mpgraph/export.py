@@ -45,7 +45,6 @@ import io
 import logging
 import os
 import re
-import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal
@@ -54,7 +53,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph.errors import ModelSaveError, MpgraphError
+from mpgraph.errors import MpgraphError
+from mpgraph.io import save_model
 
 if TYPE_CHECKING:
     import torch
@@ -142,7 +142,7 @@ def export_module(
     inputs = _as_tensor_tuple(torch, example_inputs)
     names = _data_input_names(module, len(inputs), input_names)
     if dynamic_batch:
-        for name, tensor in zip(names, inputs):
+        for name, tensor in zip(names, inputs, strict=True):
             if tensor.dim() == 0 or tensor.shape[0] < 2:
                 raise ExportError(
                     f"input {name!r} needs a batch dimension of size >= 2 to export a dynamic"
@@ -170,7 +170,7 @@ def export_module(
             f"forward must return one tensor (the logits); got {type(logits).__name__}"
         )
 
-    label: tuple[torch.Tensor, ...] = ()
+    label: tuple[Any, ...] = ()
     if loss is not None:
         label = (_example_label(torch, loss, logits, label_shape),)
 
@@ -191,7 +191,7 @@ def export_module(
     proto = ir.serde.serialize_model(model)
     _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
     if path is not None:
-        _save_atomic(proto, path)
+        save_model(model, path, external_data=False)
     return proto
 
 
@@ -216,9 +216,7 @@ def _as_tensor_tuple(torch: Any, example_inputs: Any) -> tuple[Any, ...]:
     return items
 
 
-def _data_input_names(
-    module: Any, count: int, input_names: Sequence[str] | None
-) -> list[str]:
+def _data_input_names(module: Any, count: int, input_names: Sequence[str] | None) -> list[str]:
     if input_names is not None:
         names = list(input_names)
         if len(names) != count:
@@ -235,9 +233,7 @@ def _data_input_names(
     return names[:count]
 
 
-def _example_label(
-    torch: Any, loss: str, logits: Any, label_shape: Sequence[int] | None
-) -> Any:
+def _example_label(torch: Any, loss: str, logits: Any, label_shape: Sequence[int] | None) -> Any:
     batch = logits.shape[0]
     generator = torch.Generator().manual_seed(0)
     if loss == "cross_entropy":
@@ -282,10 +278,12 @@ def _make_wrapper(
 
         def forward(self, *args: Any) -> Any:
             inputs = args[:num_inputs]
-            label = args[num_inputs] if has_label else None
+            label: Any = args[num_inputs] if has_label else None
             rest = args[num_inputs + int(has_label) :]
-            state = dict(zip(param_names, rest[:num_params]))
-            state.update((n, b.clone()) for n, b in zip(buffer_names, rest[num_params:]))
+            state = dict(zip(param_names, rest[:num_params], strict=True))
+            state.update(
+                (n, b.clone()) for n, b in zip(buffer_names, rest[num_params:], strict=True)
+            )
             logits = functional_call(self.inner, state, tuple(inputs))
             if loss is None:
                 return logits
@@ -301,7 +299,10 @@ def _make_wrapper(
 
 def _batch_norm_translation(torch: Any) -> dict[Any, Callable[..., Any]]:
     """Lowerings of aten's batch norm ops that honour ``training`` (torchlib ignores it)."""
-    from onnxscript import opset18 as op
+    from onnxscript import opset18
+
+    # Traced, not type-checked: onnxscript's opset stubs do not accept python scalars.
+    op: Any = opset18
 
     def lower(
         input: Any,
@@ -424,7 +425,7 @@ def _quiet_torch() -> Iterator[None]:
     try:
         yield
     finally:
-        for log, level in zip(quiet, levels):
+        for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
 
 
@@ -513,9 +514,7 @@ def _validate(
         raise ExportError(f"exported inputs {actual_inputs} differ from expected {arg_names}")
     actual_outputs = [value.name for value in graph.output]
     if actual_outputs != output_names:
-        raise ExportError(
-            f"exported outputs {actual_outputs} differ from expected {output_names}"
-        )
+        raise ExportError(f"exported outputs {actual_outputs} differ from expected {output_names}")
     domains = {opset.domain for opset in proto.opset_import} - {"", "ai.onnx"}
     if domains or proto.functions:
         raise ExportError(f"export used non-standard domains or functions: {sorted(domains)}")
@@ -532,19 +531,3 @@ def _validate(
         onnx.checker.check_model(proto, full_check=True)
     except onnx.checker.ValidationError as e:
         raise ExportError(f"exported model fails the ONNX checker: {_first_line(e)}") from e
-
-
-def _save_atomic(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
-    """Writes next to ``path`` and renames, so a reader never sees half a file."""
-    target = os.path.abspath(os.fspath(path))
-    directory, base = os.path.split(target)
-    # open() rather than mkstemp(): the file gets the umask's permissions, not 0600.
-    tmp = os.path.join(directory, f".{base}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "xb") as f:
-            f.write(proto.SerializeToString(deterministic=True))
-        os.replace(tmp, target)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise ModelSaveError(f"cannot write {os.fspath(path)}: {e.strerror or e}") from e
