@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_ir as ir
 
@@ -14,7 +16,9 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
+from mpgraph.optypes import node_typing, type_string
 from mpgraph.passes.assign_precision import AssignPrecisionPass
+from mpgraph.passes.calibrate_range import CalibrateRangePass, load_feeds, random_feeds
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
@@ -29,9 +33,18 @@ logger = logging.getLogger(__name__)
 ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
 
 
-def build_pipeline(policy: Policy, *, emulate: bool = False, validate: bool = True) -> list[ir.passes.PassBase]:
+def build_pipeline(
+    policy: Policy,
+    *,
+    emulate: bool = False,
+    validate: bool = True,
+    calibration: Mapping[str, np.ndarray] | None = None,
+) -> list[ir.passes.PassBase]:
     """The passes ``convert`` runs, in order, as data."""
-    passes: list[ir.passes.PassBase] = [InferTypesPass(), AssignPrecisionPass(policy)]
+    passes: list[ir.passes.PassBase] = [InferTypesPass()]
+    if calibration is not None and not policy.is_identity:
+        passes.append(CalibrateRangePass(calibration))
+    passes.append(AssignPrecisionPass(policy))
     if not policy.is_identity:
         passes += [InsertCastsPass(policy), FoldCastsPass()]
         if emulate:
@@ -64,6 +77,8 @@ def convert(
     *,
     emulate: bool = False,
     validate: bool = True,
+    calibrate: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    upgrade_opset: bool = True,
 ) -> ir.Model:
     """Rewrite ``model`` so it computes per ``policy``; the input object is modified in place.
 
@@ -74,6 +89,12 @@ def convert(
             of the native lowering.
         validate: Run ``onnx.checker`` (full), strict shape inference and the precision
             invariants on the result.
+        calibrate: Sample inputs (a mapping, an ``.npz`` path, or ``"random"`` for seeded
+            random inputs): ops whose float32 activations exceed the low dtype's range on
+            them stay float32.
+        upgrade_opset: When the model's opset predates the low dtype in op schemas (bfloat16
+            arrived in opset 13), upgrade it with ``onnx.version_converter`` first (recorded
+            in ``mpgraph.opset_upgraded``); if the upgrade fails, those ops stay float32.
 
     Returns:
         The rewritten model, with every node's decision in its metadata.
@@ -99,7 +120,17 @@ def convert(
             return ir_model
         raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
     props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
-    for p in build_pipeline(pol, emulate=emulate, validate=validate):
+    if upgrade_opset and not pol.is_identity:
+        ir_model = _upgrade_opset(ir_model, pol)
+        props = ir_model.metadata_props
+    feeds: Mapping[str, np.ndarray] | None = None
+    if isinstance(calibrate, str) and calibrate == "random":
+        feeds = random_feeds(ir_model)
+    elif isinstance(calibrate, (str, os.PathLike)):
+        feeds = load_feeds(calibrate)
+    elif calibrate is not None:
+        feeds = calibrate
+    for p in build_pipeline(pol, emulate=emulate, validate=validate, calibration=feeds):
         p(ir_model)
     props[md.MODEL_POLICY] = pol.name
     props[md.MODEL_DTYPE] = pol.dtype.name.lower()
@@ -107,6 +138,58 @@ def convert(
         {k: getattr(pol.loss_scaling, k) for k in pol.loss_scaling.__dataclass_fields__}, sort_keys=True
     )
     return ir_model
+
+
+def _needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
+    """Lowest opset at which every non-deny float op of the model admits the low dtype."""
+    want = type_string(policy.dtype)
+    latest = onnx.defs.onnx_opset_version()
+    needed = current
+    for node in model.graph:
+        if node.domain not in ("", "ai.onnx") or policy.category(node.op_type)[0] == "deny":
+            continue
+        typing = node_typing(node, {"": current})
+        if typing.schema is None or not typing.compute_vars or typing.allows(policy.dtype):
+            continue
+        for version in range(max(current, needed) + 1, latest + 1):
+            try:
+                schema = onnx.defs.get_schema(node.op_type, version, "")
+            except onnx.defs.SchemaError:
+                break
+            allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
+            if all(want in allowed.get(v, ()) for v in typing.compute_vars):
+                needed = max(needed, version)
+                break
+    return needed
+
+
+def _upgrade_opset(model: ir.Model, policy: Policy) -> ir.Model:
+    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
+    if current is None or md.MODEL_POLICY in model.metadata_props:
+        return model
+    target = _needed_opset(model, policy, current)
+    if target <= current:
+        return model
+    from onnx import version_converter
+
+    try:
+        upgraded = version_converter.convert_version(ir.to_proto(model), target)
+        upgraded.ir_version = max(
+            upgraded.ir_version, onnx.helper.find_min_ir_version_for(list(upgraded.opset_import), True)
+        )
+        new = ir.from_proto(upgraded)
+    except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
+        logger.warning(
+            "opset %d -> %d upgrade failed (%s); ops without %s stay float32",
+            current,
+            target,
+            str(e).splitlines()[0] if str(e) else type(e).__name__,
+            policy.dtype.name.lower(),
+        )
+        return model
+    new.metadata_props[md.MODEL_OPSET_UPGRADED] = f"{current}->{target}"
+    logger.info("upgraded opset %d -> %d so ops admit %s", current, target, policy.dtype.name.lower())
+    return new
 
 
 def convert_file(
@@ -117,6 +200,8 @@ def convert_file(
     emulate: bool = False,
     validate: bool = True,
     overwrite_input: bool = False,
+    calibrate: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    upgrade_opset: bool = True,
 ) -> ir.Model:
     """Convert the model at ``src`` and write it atomically to ``dst``.
 
@@ -128,7 +213,9 @@ def convert_file(
     if dst_p.exists() and src_p.exists() and dst_p.resolve() == src_p.resolve() and not overwrite_input:
         raise MpgraphError(f"{dst_p}: output is the input file; pass a different -o (or --overwrite-input)")
     pol = load_policy(policy)
-    model = convert(load_model(src_p), pol, emulate=emulate, validate=validate)
+    model = convert(
+        load_model(src_p), pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset
+    )
     save_model(model, dst_p)
     if validate and float_weight_bytes(model) >= PROTO_LIMIT:
         # Too large for an in-memory proto: the pipeline checked invariants only; check the file.

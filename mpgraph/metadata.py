@@ -19,6 +19,7 @@ __all__ = [
     "MODEL_LOSS_SCALING",
     "MODEL_STATE_PAIRS",
     "MODEL_TRAINING",
+    "MODEL_OPSET_UPGRADED",
     "ROLES",
 ]
 
@@ -48,5 +49,8 @@ MODEL_LOSS_SCALING = "mpgraph.loss_scaling"
 MODEL_STATE_PAIRS = "mpgraph.state_pairs"
 #: ``true`` on a training step graph built by ``train-graph``.
 MODEL_TRAINING = "mpgraph.training"
+
+#: ``<old>-><new>`` when convert upgraded the opset so ops admit the low dtype.
+MODEL_OPSET_UPGRADED = "mpgraph.opset_upgraded"
 
 ROLES = ("forward", "backward", "loss", "optimizer")

@@ -18,9 +18,13 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import CONTROL_FLOW_OPS, SHAPE_SLOTS, NodeTyping, node_typing, opset_version
+from mpgraph.passes.calibrate_range import ABSMAX_META
 from mpgraph.policy.schema import Policy
 
-__all__ = ["AssignPrecisionPass", "constant_tensor"]
+__all__ = ["AssignPrecisionPass", "constant_tensor", "CALIBRATION_MARGIN"]
+
+#: Activations must stay below the low dtype's max / this factor on calibration data.
+CALIBRATION_MARGIN = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +53,9 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
        type set by an attribute, a schema that does not admit the low dtype in this opset,
        a float input feeding shape arithmetic (``Reshape``'s shape, ``Resize``'s scales, …,
        and everything computing it), a policy pin on a compute-typed slot, or a constant
-       input outside the low dtype's range when the policy says ``keep_fp32``. Node-name
-       overrides apply here too.
+       input outside the low dtype's range when the policy says ``keep_fp32``, or (after
+       ``CalibrateRangePass``) an activation beyond the low dtype's range / 2 on sample
+       inputs. Node-name overrides apply here too.
        Example: ``MatMul`` in an opset-9 model has no ``tensor(bfloat16)`` -> float32.
     1. **Allow.** ``allow`` ops become low. Example: every ``MatMul``/``Conv``.
     2. **Deny spreads forward.** From every ``deny`` op, forward through ``infer``/``clear``
@@ -250,7 +255,19 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
         override = self.policy.override_for(node.name or "")
         if override is not None and override.precision == "low":
             return None
-        return self._range_reason(node, typing)
+        return self._range_reason(node, typing) or self._activation_reason(node, typing)
+
+    def _activation_reason(self, node: ir.Node, typing: NodeTyping) -> tuple[str, str] | None:
+        limit = finite_max(self.policy.dtype) / CALIBRATION_MARGIN
+        slots = [node.inputs[i] for i in typing.compute_inputs()] + [node.outputs[i] for i in typing.compute_outputs()]
+        for value in slots:
+            absmax = value.meta.get(ABSMAX_META) if value is not None else None
+            if absmax is not None and absmax > limit:
+                return _FP32, (
+                    f"calibration: '{value.name}' reaches |x| = {absmax:.4g}, beyond "
+                    f"{self.policy.dtype.name.lower()}'s range / {CALIBRATION_MARGIN:g}"
+                )
+        return None
 
     def _range_reason(self, node: ir.Node, typing: NodeTyping) -> tuple[str, str] | None:
         ranges = self.policy.initializers

@@ -89,10 +89,15 @@ class CpuRunner:
             lr: Learning rate for this step (``None``: the graph's default).
         """
         binding = self.session.io_binding()
+        # Inputs that have initializers (lr, state) are bound as OrtValues: ORT's
+        # bind_cpu_input only knows inputs without initializers.
+        keep = []
         for name, value in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(value))
+            keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
+            binding.bind_ortvalue_input(name, keep[-1])
         if lr is not None:
-            binding.bind_cpu_input("lr", np.asarray(lr, dtype=np.float32))
+            keep.append(ort.OrtValue.ortvalue_from_numpy(np.asarray(lr, dtype=np.float32)))
+            binding.bind_ortvalue_input("lr", keep[-1])
         for name, value in self._state.items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(self.loss_name, "cpu")

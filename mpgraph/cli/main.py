@@ -1,0 +1,234 @@
+"""The ``mpgraph`` command line. Only this package prints; the library logs."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mpgraph.errors import MpgraphError
+
+__all__ = ["app", "main", "handle_errors"]
+
+app = typer.Typer(
+    name="mpgraph",
+    help="Compile precision policies onto ONNX graphs; train and audit the result.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+policy_app = typer.Typer(help="Show and check precision policies.", no_args_is_help=True)
+app.add_typer(policy_app, name="policy")
+
+console = Console()
+err_console = Console(stderr=True)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def handle_errors(fn: F) -> F:
+    """Turn ``MpgraphError`` into a one-line message and exit code 2."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MpgraphError as e:
+            err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            err_console.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _human_bytes(n: int | None) -> str:
+    if n is None:
+        return "?"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+@app.command()
+@handle_errors
+def convert(
+    model: Annotated[Path, typer.Argument(help="Input .onnx model (inference or training graph).")],
+    policy: Annotated[str, typer.Option("--policy", "-p", help="Preset name (fp32, fp16, bf16, torch-autocast, tf-amp) or a YAML file.")] = "bf16",
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.<policy>.onnx.")] = None,
+    emulate: Annotated[bool, typer.Option("--emulate", help="CPU emulation: compute float32, round like the low dtype at every policy boundary.")] = False,
+    calibrate: Annotated[str | None, typer.Option("--calibrate", help="Keep ops float32 whose float32 activations exceed the low dtype's range on sample inputs: 'random' or an .npz of inputs.")] = None,
+    no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip onnx.checker and strict shape inference.")] = False,
+    overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
+) -> None:
+    """Rewrite MODEL per a precision policy (casts inserted, decisions recorded)."""
+    from mpgraph.audit import audit
+    from mpgraph.convert import convert_file
+    from mpgraph.policy import load_policy
+
+    pol = load_policy(policy)
+    out = output or model.with_name(f"{model.stem}.{pol.name}{'.emulated' if emulate else ''}.onnx")
+    start = time.perf_counter()
+    with console.status(f"converting {model} with policy {pol.name}", spinner="dots") if not quiet else _null():
+        result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input, calibrate=calibrate)
+    elapsed = time.perf_counter() - start
+    if quiet:
+        return
+    report = audit(result)
+    low = sum(c for ops in report.ops.values() for p in ops.values() for d, c in p.items() if d == pol.dtype.name.lower())
+    total = sum(c for ops in report.ops.values() for p in ops.values() for c in p.values())
+    console.print(
+        f"wrote [bold]{out}[/] in {elapsed:.2f}s: {low}/{total} ops in {pol.dtype.name.lower()}, "
+        f"{report.casts_inserted} casts inserted, weights {_human_bytes(report.weight_bytes_before)} -> "
+        f"{_human_bytes(report.weight_bytes_after)}"
+        + (f", {report.rounds_inserted} emulation roundings" if emulate else "")
+    )
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@app.command("audit")
+@handle_errors
+def audit_cmd(
+    model: Annotated[Path, typer.Argument(help="A model written by `mpgraph convert`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    nodes: Annotated[bool, typer.Option("--nodes", help="Also list every node with its precision and reason.")] = False,
+) -> None:
+    """Show which ops run in which precision, the casts inserted, and weight bytes."""
+    from mpgraph.audit import audit
+    from mpgraph.io import load_model
+
+    report = audit(load_model(model))
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+        return
+    if report.policy is None:
+        console.print(f"[yellow]{model} was not converted by mpgraph (no decisions recorded)[/]")
+    console.print(
+        f"[bold]{model}[/]  policy={report.policy}  dtype={report.dtype}"
+        + ("  [cyan](CPU emulation)[/]" if report.emulated else "")
+    )
+    for role, ops in report.ops.items():
+        precisions = sorted({p for counts in ops.values() for p in counts})
+        table = Table(title=None if role == "all" else f"role: {role}", show_footer=True)
+        table.add_column("op type", footer="total")
+        for p in precisions:
+            table.add_column(p, justify="right", footer=str(sum(c.get(p, 0) for c in ops.values())))
+        for op_type, counts in ops.items():
+            table.add_row(op_type, *(str(counts.get(p, "")) for p in precisions))
+        console.print(table)
+    console.print(
+        f"casts inserted: {report.casts_inserted}   emulation roundings: {report.rounds_inserted}   "
+        f"Cast nodes in graph: {report.casts_total}"
+    )
+    console.print(
+        f"float weights: {_human_bytes(report.weight_bytes_before)} before -> {_human_bytes(report.weight_bytes_after)} after"
+    )
+    for event in report.initializer_range:
+        console.print(
+            f"[yellow]range:[/] {event['name']}: {event['overflow']} overflow, {event['underflow']} underflow -> {event['action']}"
+        )
+    reasons = Table(title="why (nodes per reason)")
+    reasons.add_column("nodes", justify="right")
+    reasons.add_column("reason")
+    for reason, count in list(report.reasons.items())[:15]:
+        reasons.add_row(str(count), reason)
+    console.print(reasons)
+    if nodes:
+        detail = Table(title="nodes")
+        for col in ("name", "op_type", "role", "precision", "reason"):
+            detail.add_column(col)
+        for rec in report.nodes:
+            detail.add_row(*(rec[c] for c in ("name", "op_type", "role", "precision", "reason")))
+        console.print(detail)
+
+
+@policy_app.command("show")
+@handle_errors
+def policy_show(name: Annotated[str, typer.Argument(help="Preset name or YAML path.")]) -> None:
+    """Print a policy (preset or file), fully resolved."""
+    from mpgraph.policy import load_policy
+
+    pol = load_policy(name)
+    console.print(f"[bold]{pol.name}[/]: dtype {pol.dtype.name.lower()}, unlisted ops: {pol.default_category}")
+    if pol.description:
+        console.print(pol.description)
+    table = Table()
+    for col in ("category", "op type", "reason"):
+        table.add_column(col)
+    for category in ("allow", "infer", "clear", "deny"):
+        for op_type, (cat, reason) in sorted(pol.ops.items()):
+            if cat == category:
+                table.add_row(category, op_type, reason)
+    if pol.ops:
+        console.print(table)
+    for override in pol.overrides:
+        console.print(f"override {override.pattern!r} -> {override.precision}: {override.reason}")
+    for pin in pol.pins:
+        console.print(f"pin {pin.op_type} inputs {list(pin.inputs)}: {pin.reason}")
+    console.print(f"keep_io_types: {pol.keep_io_types}   initializers: {pol.initializers}")
+    console.print(f"loss_scaling: {pol.loss_scaling}")
+
+
+@policy_app.command("list")
+@handle_errors
+def policy_list() -> None:
+    """List the presets."""
+    from mpgraph.policy import list_presets, load_policy
+
+    for name in list_presets():
+        pol = load_policy(name)
+        console.print(f"{name:16s} {pol.dtype.name.lower():9s} loss scaling: {pol.loss_scaling.mode}")
+
+
+@policy_app.command("check")
+@handle_errors
+def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]) -> None:
+    """Validate a policy file; errors name file, line, key path, bad value and valid choices."""
+    from mpgraph.policy import load_policy
+
+    if not path.exists():
+        raise MpgraphError(f"{path}: policy file not found")
+    pol = load_policy(str(path) if str(path).endswith((".yaml", ".yml")) else f"./{path}")
+    console.print(f"{path}: ok ({pol.dtype.name.lower()}, {len(pol.ops)} ops listed)")
+
+
+def _register_plugins() -> None:
+    for module in ("mpgraph.cli.train_graph_cmd", "mpgraph.cli.export_cmd", "mpgraph.cli.train_cmd"):
+        try:
+            mod = __import__(module, fromlist=["register"])
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue
+        mod.register(app)
+
+
+_register_plugins()
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":
+    main()
