@@ -43,6 +43,7 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
         names = NameScope(model)
         modified = False
         values: list[ir.Value] = [v for v in graph.inputs if v.dtype == low]
+        values.extend(v for v in graph.initializers.values() if v.dtype == low and v not in values)
         for node in list(graph):
             values.extend(v for v in node.outputs if v.dtype == low)
         for value in values:

@@ -16,6 +16,14 @@ def _cast_target(node: ir.Node) -> ir.DataType | None:
     return ir.DataType(attr.value) if attr is not None else None
 
 
+def _dtype(value: ir.Value) -> ir.DataType | None:
+    """A value's dtype, read from its producing Cast when type inference left it unset."""
+    if value.dtype is not None:
+        return value.dtype
+    producer = value.producer()
+    return _cast_target(producer) if producer is not None else None
+
+
 class FoldCastsPass(ir.passes.InPlacePass):
     """Folds cast chains that are lossless and merges duplicate Casts.
 
@@ -46,12 +54,13 @@ class FoldCastsPass(ir.passes.InPlacePass):
                 first_to = _cast_target(first) if first is not None else None
                 if first is not None and first_to is not None and first.inputs[0] is not None:
                     origin = first.inputs[0]
-                    if is_float(origin.dtype) and is_lossless(origin.dtype, first_to) and is_float(to):
+                    origin_dtype = _dtype(origin)
+                    if origin_dtype is not None and is_float(origin_dtype) and is_lossless(origin_dtype, first_to) and is_float(to):
                         node.replace_input_with(0, origin)
                         src = origin
                         changed = True
                 # Rule 1: identity.
-                if src.dtype == to and not out.is_graph_output():
+                if _dtype(src) == to and not out.is_graph_output():
                     out.replace_all_uses_with(src)
                     changed = True
                 # Rule 3: duplicates.

@@ -1,0 +1,32 @@
+"""Small graph builders shared by the tests (raw protobuf is fine at the test boundary)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto as T
+from onnx import helper as h
+
+
+def make_model(nodes, inputs, outputs, initializers=(), opset=18, ir_version=9) -> onnx.ModelProto:
+    graph = h.make_graph(list(nodes), "g", list(inputs), list(outputs), initializer=list(initializers))
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", opset)])
+    model.ir_version = ir_version
+    return model
+
+
+def vi(name, shape, dtype=T.FLOAT):
+    return h.make_tensor_value_info(name, dtype, shape)
+
+
+def init(name, array):
+    return onnx.numpy_helper.from_array(np.asarray(array), name)
+
+
+def run(model, feeds):
+    proto = model if isinstance(model, onnx.ModelProto) else __import__("onnx_ir").to_proto(model)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
