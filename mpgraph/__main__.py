@@ -1,0 +1,5 @@
+"""``python -m mpgraph`` runs the CLI."""
+
+from mpgraph.cli.main import main
+
+main()

@@ -1,0 +1,118 @@
+"""The CLI as a user meets it: real processes, exit codes, one-line errors, files on disk."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import onnx
+import pytest
+
+from tests.test_passes import mlp_model
+
+
+def mpgraph(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True, cwd=cwd, timeout=120
+    )
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def model_path(tmp_path: Path) -> Path:
+    path = tmp_path / "mlp.onnx"
+    onnx.save(mlp_model(), path)
+    return path
+
+
+def test_convert_then_audit_json(model_path: Path, tmp_path: Path):
+    out = tmp_path / "mlp.bf16.onnx"
+    before = digest(model_path)
+    result = mpgraph("convert", str(model_path), "--policy", "bf16", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "4/6 ops in bfloat16" in result.stdout
+    assert digest(model_path) == before
+    report = json.loads(mpgraph("audit", str(out), "--json").stdout)
+    assert report["policy"] == "bf16" and report["casts_inserted"] == 2
+    assert report["ops"]["all"]["MatMul"] == {"bfloat16": 2}
+    assert report["weight_bytes_before"] == 2 * report["weight_bytes_after"]
+    table = mpgraph("audit", str(out))
+    assert table.returncode == 0 and "MatMul" in table.stdout and "casts inserted: 2" in table.stdout
+
+
+def test_policy_show_and_check(tmp_path: Path):
+    shown = mpgraph("policy", "show", "bf16")
+    assert shown.returncode == 0 and "MatMul" in shown.stdout and "bfloat16" in shown.stdout
+    good = tmp_path / "mine.yaml"
+    good.write_text("extends: bf16\noverrides:\n  - {match: 'head*', precision: float32}\n")
+    assert mpgraph("policy", "check", str(good)).returncode == 0
+
+
+def _bad_policy(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+BAD_CASES = {
+    "truncated": lambda m, t: ("convert", str(_truncated(m, t)), "-o", str(t / "out.onnx")),
+    "not_onnx": lambda m, t: ("convert", str(_text_file(t)), "-o", str(t / "out.onnx")),
+    "missing": lambda m, t: ("convert", str(t / "nope.onnx"), "-o", str(t / "out.onnx")),
+    "invalid_yaml": lambda m, t: ("convert", str(m), "-p", _bad_policy(t, "dtype: [bf16\n"), "-o", str(t / "out.onnx")),
+    "unknown_key": lambda m, t: ("convert", str(m), "-p", _bad_policy(t, "dtype: bf16\nlos_scaling: {}\n"), "-o", str(t / "out.onnx")),
+    "bad_dtype": lambda m, t: ("convert", str(m), "-p", _bad_policy(t, "dtype: fp8\n"), "-o", str(t / "out.onnx")),
+    "unknown_preset": lambda m, t: ("convert", str(m), "-p", "bf17", "-o", str(t / "out.onnx")),
+    "unwritable": lambda m, t: ("convert", str(m), "-o", str(t / "no" / "such" / "dir" / "out.onnx")),
+    "output_is_input": lambda m, t: ("convert", str(m), "-o", str(m)),
+    "audit_not_onnx": lambda m, t: ("audit", str(_text_file(t))),
+    "check_bad_policy": lambda m, t: ("policy", "check", _bad_policy(t, "dtype: bf16\nops: {allow: [MatMull]}\n")),
+}
+EXPECTED = {
+    "truncated": "not a valid ONNX model",
+    "not_onnx": "not a valid ONNX model",
+    "missing": "no such file",
+    "invalid_yaml": "invalid YAML",
+    "unknown_key": "unknown key (did you mean 'loss_scaling'?)",
+    "bad_dtype": "invalid value 'fp8'",
+    "unknown_preset": "unknown preset 'bf17' (did you mean 'bf16'?)",
+    "unwritable": "cannot write",
+    "output_is_input": "output is the input file",
+    "audit_not_onnx": "not a valid ONNX model",
+    "check_bad_policy": "did you mean 'MatMul'",
+}
+
+
+def _truncated(model: Path, tmp: Path) -> Path:
+    data = model.read_bytes()
+    path = tmp / "truncated.onnx"
+    path.write_bytes(data[: len(data) // 2])
+    return path
+
+
+def _text_file(tmp: Path) -> Path:
+    path = tmp / "notes.onnx"
+    path.write_text("this is not a model\n")
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(BAD_CASES))
+def test_bad_input_one_line_exit_2_no_output(case: str, model_path: Path, tmp_path: Path):
+    before = digest(model_path)
+    listing_before = sorted(p.name for p in tmp_path.iterdir())
+    result = mpgraph(*BAD_CASES[case](model_path, tmp_path))
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and EXPECTED[case] in lines[0], lines[0]
+    assert digest(model_path) == before
+    created = sorted(p.name for p in tmp_path.iterdir())
+    assert "out.onnx" not in created
+    assert not [name for name in created if name.startswith(".out.onnx") or name.startswith(".mlp.onnx")]
+    assert set(created) - set(listing_before) <= {"bad.yaml", "truncated.onnx", "notes.onnx"}
