@@ -23,13 +23,18 @@ parameters that happen to hold equal values (two fresh LayerNorm weights become 
 tensor). Exporting ``torch.func.functional_call(module, params, inputs)`` with the
 parameters as arguments keeps every parameter a distinct, untransformed tensor.
 
-Why BatchNorm needs help: torchlib (onnxscript) lowers train-mode
+Why BatchNorm needs help: torchlib (onnxscript 0.7) lowers train-mode
 ``aten._native_batch_norm_legit_functional`` to an *inference* ``BatchNormalization``
 (it hard-codes ``training = False``), so a module exported in train mode silently
-normalises with its running statistics. ``export_module`` registers its own lowering that
-emits ``BatchNormalization(training_mode=1)`` when the module is in train mode, so the
-graph normalises with batch statistics exactly as torch does. The node's running-statistics
-outputs are left unconnected: the exported graph does not update running statistics.
+normalises with its running statistics. ``export_module`` registers its own lowering. By
+default (``batch_norm="ops"``) a train-mode BatchNorm becomes explicit ops over the batch
+statistics: ``ReduceMean``, ``Sub``, ``Mul``, ``ReduceMean``, ``Add(eps)``, ``Sqrt``,
+``Reciprocal``, ``Mul``, then the affine ``Mul``/``Add``. ``BatchNormalization(training_mode=1)``
+(``batch_norm="node"``) is correct on ONNX Runtime's CPU provider but ONNX Runtime 1.31's
+CUDA provider refuses it ("Training mode does not support BN opset 14 (or higher) yet"),
+so it is opt-in. Either way the graph does not update running statistics (it has no
+outputs for them). An eval-mode BatchNorm is an inference ``BatchNormalization`` over the
+running statistics, which stay constants named after their buffers (``bn.running_mean``).
 
 The exporter is ``torch.onnx.export(dynamo=True)`` (``torch.export`` in non-strict mode,
 then torchlib and the onnxscript optimizer). The legacy TorchScript exporter is not used.
@@ -62,6 +67,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ExportError",
     "LossKind",
+    "BatchNormLowering",
     "LOSS_KINDS",
     "BATCH_DIM",
     "LABEL_NAME",
@@ -73,6 +79,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 LossKind = Literal["cross_entropy", "mse"]
+BatchNormLowering = Literal["ops", "node"]
 LOSS_KINDS: tuple[str, ...] = ("cross_entropy", "mse")
 BATCH_DIM = "batch"
 LABEL_NAME = "label"
@@ -98,6 +105,7 @@ def export_module(
     dynamic_batch: bool = True,
     opset: int = 18,
     input_names: Sequence[str] | None = None,
+    batch_norm: BatchNormLowering = "ops",
 ) -> onnx.ModelProto:
     """Export ``module`` to ONNX with its parameters as explicit, initialised graph inputs.
 
@@ -124,6 +132,10 @@ def export_module(
         opset: Default-domain opset, 18 to 22.
         input_names: Names of the data inputs; defaults to the names of ``forward``'s
             parameters.
+        batch_norm: How a train-mode BatchNorm is written: ``"ops"`` (ReduceMean, Sub, Mul,
+            Sqrt, Reciprocal, Add: the same numbers on every runtime) or ``"node"``
+            (``BatchNormalization(training_mode=1)``). Eval-mode BatchNorm is always an
+            inference ``BatchNormalization``.
 
     Returns:
         The model: IR version 10, checked with ``onnx.checker.check_model(full_check=True)``.
@@ -135,6 +147,8 @@ def export_module(
     torch = _import_torch()
     if loss is not None and loss not in LOSS_KINDS:
         raise ExportError(f"unknown loss {loss!r}; valid choices: {', '.join(LOSS_KINDS)}")
+    if batch_norm not in ("ops", "node"):
+        raise ExportError(f"unknown batch_norm {batch_norm!r}; valid choices: ops, node")
     if not _MIN_OPSET <= opset <= _MAX_OPSET:
         raise ExportError(f"opset {opset} is not supported; use {_MIN_OPSET} to {_MAX_OPSET}")
     if not isinstance(module, torch.nn.Module):
@@ -186,7 +200,7 @@ def export_module(
             dynamic[i] = {0: batch}
 
     arg_names = [*data_names, *params, *buffers]
-    model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset)
+    model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset, batch_norm)
     _finish(model, params, buffers, dynamic_batch)
     proto = ir.serde.serialize_model(model)
     _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
@@ -297,7 +311,7 @@ def _make_wrapper(
     return Wrapper()
 
 
-def _batch_norm_translation(torch: Any) -> dict[Any, Callable[..., Any]]:
+def _batch_norm_translation(torch: Any, batch_norm: str) -> dict[Any, Callable[..., Any]]:
     """Lowerings of aten's batch norm ops that honour ``training`` (torchlib ignores it)."""
     from onnxscript import opset18
 
@@ -314,40 +328,64 @@ def _batch_norm_translation(torch: Any) -> dict[Any, Callable[..., Any]]:
         momentum: float = 0.1,
         eps: float = 1e-5,
     ) -> tuple[Any, ...]:
+        rank = len(input.shape)
         channels = op.Shape(input, start=1, end=2)
-        if weight is None:
-            weight = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
-        if bias is None:
-            bias = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
-        axes = op.Constant(value_ints=[0, *range(2, len(input.shape))])
-        mean = op.ReduceMean(input, axes, keepdims=False)
-        centered = op.Sub(input, op.ReduceMean(input, axes))
-        var = op.ReduceMean(op.Mul(centered, centered), axes, keepdims=False)
-        if running_mean is None:
-            # Without running statistics these inputs only feed the unused running outputs.
-            running_mean = op.Expand(op.CastLike(op.Constant(value_float=0.0), input), channels)
-        if running_var is None:
-            running_var = op.Expand(op.CastLike(op.Constant(value_float=1.0), input), channels)
+        axes = op.Constant(value_ints=[0, *range(2, rank)])
         if not training:
-            norm = op.BatchNormalization(
-                input, weight, bias, running_mean, running_var, epsilon=eps, training_mode=0
-            )
-            invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
-            return norm, running_mean, invstd, running_mean, running_var
-        norm, new_mean, _ = op.BatchNormalization(
-            input,
-            weight,
-            bias,
-            running_mean,
-            running_var,
-            epsilon=eps,
-            momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
-            training_mode=1,
-        )
+            if running_mean is None or running_var is None:
+                training = True  # no running statistics: torch normalises with batch ones
+            else:
+                if weight is None:
+                    weight = op.Expand(op.CastLike(1.0, input), channels)
+                if bias is None:
+                    bias = op.Expand(op.CastLike(0.0, input), channels)
+                norm = op.BatchNormalization(
+                    input, weight, bias, running_mean, running_var, epsilon=eps
+                )
+                invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
+                return norm, running_mean, invstd, running_mean, running_var
+
+        mean = op.ReduceMean(input, axes)  # keepdims: [1, C, 1, ...]
+        centered = op.Sub(input, mean)
+        var = op.ReduceMean(op.Mul(centered, centered), axes)
         invstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(eps, input))))
-        # torch updates the running variance with the unbiased batch variance.
+        if batch_norm == "node":
+            if weight is None:
+                weight = op.Expand(op.CastLike(1.0, input), channels)
+            if bias is None:
+                bias = op.Expand(op.CastLike(0.0, input), channels)
+            # Without running statistics these inputs only feed the unused running outputs.
+            stats_mean = running_mean if running_mean is not None else op.Squeeze(mean, axes)
+            stats_var = running_var if running_var is not None else op.Squeeze(var, axes)
+            norm, _, _ = op.BatchNormalization(
+                input,
+                weight,
+                bias,
+                stats_mean,
+                stats_var,
+                epsilon=eps,
+                momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
+                training_mode=1,
+            )
+        else:
+            norm = op.Mul(centered, invstd)
+            column = op.Constant(value_ints=[-1, *([1] * (rank - 2))])
+            if weight is not None:
+                norm = op.Mul(norm, op.Reshape(weight, column) if rank > 2 else weight)
+            if bias is not None:
+                norm = op.Add(norm, op.Reshape(bias, column) if rank > 2 else bias)
+        mean = op.Squeeze(mean, axes)
+        var = op.Squeeze(var, axes)
+        invstd = op.Squeeze(invstd, axes)
+        if running_mean is None or running_var is None:
+            return norm, mean, invstd, mean, var
+        # The running statistics torch would store (unused: the graph does not output them).
         count = op.CastLike(op.Div(op.Size(input), op.Squeeze(channels)), input)
         unbiased = op.Mul(var, op.Div(count, op.Sub(count, op.CastLike(1.0, input))))
+        new_mean = op.Add(
+            op.Mul(op.CastLike(momentum, input), mean),
+            op.Mul(op.CastLike(1.0 - momentum, input), running_mean),
+        )
         new_var = op.Add(
             op.Mul(op.CastLike(momentum, input), unbiased),
             op.Mul(op.CastLike(1.0 - momentum, input), running_var),
@@ -388,6 +426,7 @@ def _torch_export(
     output_names: list[str],
     dynamic: list[dict[int, Any] | None],
     opset: int,
+    batch_norm: str,
 ) -> ir.Model:
     # torch.onnx prints progress, warns about train mode and logs about torchvision;
     # the library stays quiet.
@@ -407,7 +446,7 @@ def _torch_export(
                 input_names=arg_names,
                 output_names=output_names,
                 opset_version=opset,
-                custom_translation_table=_batch_norm_translation(torch),
+                custom_translation_table=_batch_norm_translation(torch, batch_norm),
                 optimize=True,
                 verbose=False,
             )

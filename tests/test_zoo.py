@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:  # `models` is a folder of the repository, not an 
     sys.path.insert(0, str(ROOT))
 
 from models.zoo import ZOO, export_zoo_model, zoo_filename  # noqa: E402
-from mpgraph.export import BATCH_DIM, ExportError, export_module  # noqa: E402
+from mpgraph.export import BATCH_DIM, BatchNormLowering, ExportError, export_module  # noqa: E402
 
 ONNX_DIR = ROOT / "models" / "onnx"
 CASES = [(name, with_loss) for name in ZOO for with_loss in (False, True)]
@@ -178,12 +178,13 @@ def test_gpt_layernorms_keep_distinct_parameters() -> None:
 
 
 def test_resnet_batchnorm_uses_batch_statistics() -> None:
+    """Train-mode BatchNorm is explicit ops over the batch (ORT CUDA refuses training_mode=1)."""
     model = committed("resnet", False)
-    batch_norms = [node for node in model.graph.node if node.op_type == "BatchNormalization"]
-    assert len(batch_norms) == 9
-    for node in batch_norms:
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        assert attributes.get("training_mode") == 1, node.name
+    op_types = [node.op_type for node in model.graph.node]
+    assert "BatchNormalization" not in op_types
+    assert op_types.count("ReduceMean") == 2 * 9 + 1  # mean and variance per BN, then the pool
+    initializers = {t.name for t in model.graph.initializer}
+    assert not any("running" in name for name in initializers)  # unused in train mode
     entry = ZOO["resnet"]
     x = entry.example_input(5, seed=5)
     (actual,) = committed_session("resnet", False).run(None, {"x": x.numpy()})
@@ -209,8 +210,12 @@ class _BatchNormNet(torch.nn.Module):
         return self.fc(self.bn_stateless(x.mean(dim=(2, 3))))
 
 
-@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_export_batchnorm_follows_module_mode(train: bool) -> None:
+@pytest.mark.parametrize(
+    ("train", "lowering"),
+    [(True, "ops"), (True, "node"), (False, "ops")],
+    ids=["train-ops", "train-node", "eval"],
+)
+def test_export_batchnorm_follows_module_mode(train: bool, lowering: BatchNormLowering) -> None:
     """Non-trivial running statistics make train and eval mode disagree; each must match."""
     torch.manual_seed(0)
     module = _BatchNormNet()
@@ -220,7 +225,7 @@ def test_export_batchnorm_follows_module_mode(train: bool) -> None:
         bn.running_var.uniform_(0.5, 2.0)
     module.train(train)
     before = copy.deepcopy(module.state_dict())
-    model = export_module(module, torch.randn(2, 3, 8, 8), loss="mse")
+    model = export_module(module, torch.randn(2, 3, 8, 8), loss="mse", batch_norm=lowering)
     for key, value in module.state_dict().items():  # exporting must not touch the buffers
         assert torch.equal(value, before[key]), key
     x, label = torch.randn(5, 3, 8, 8), torch.randn(5, 2)
@@ -230,8 +235,21 @@ def test_export_batchnorm_follows_module_mode(train: bool) -> None:
     np.testing.assert_allclose(logits, expected.numpy(), rtol=RTOL, atol=ATOL)
     expected_loss = torch.nn.functional.mse_loss(expected, label)
     np.testing.assert_allclose(loss, expected_loss.numpy(), rtol=RTOL)
-    initializers = {t.name for t in model.graph.initializer}
-    assert {"bn.running_mean", "bn_plain.running_var"} <= initializers
+    batch_norms = [node for node in model.graph.node if node.op_type == "BatchNormalization"]
+    if train and lowering == "ops":
+        assert not batch_norms
+    else:
+        assert len(batch_norms) == (3 if train else 2)  # eval: bn_stateless uses batch stats
+        modes = {
+            onnx.helper.get_attribute_value(a)
+            for n in batch_norms
+            for a in n.attribute
+            if a.name == "training_mode"
+        }
+        assert modes == ({1} if train else set())
+    if not train:  # running statistics are constants named after their buffers
+        initializers = {t.name for t in model.graph.initializer}
+        assert {"bn.running_mean", "bn_plain.running_var"} <= initializers
 
 
 def test_export_errors_are_mpgraph_errors() -> None:
@@ -239,6 +257,8 @@ def test_export_errors_are_mpgraph_errors() -> None:
     x = torch.randn(2, 4)
     with pytest.raises(ExportError, match="unknown loss 'hinge'"):
         export_module(module, x, loss="hinge")  # type: ignore[arg-type]
+    with pytest.raises(ExportError, match="unknown batch_norm 'fused'"):
+        export_module(module, x, batch_norm="fused")  # type: ignore[arg-type]
     with pytest.raises(ExportError, match="opset 17"):
         export_module(module, x, opset=17)
     with pytest.raises(ExportError, match="batch dimension of size >= 2"):
