@@ -261,7 +261,9 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
         limit = finite_max(self.policy.dtype) / CALIBRATION_MARGIN
         slots = [node.inputs[i] for i in typing.compute_inputs()] + [node.outputs[i] for i in typing.compute_outputs()]
         for value in slots:
-            absmax = value.meta.get(ABSMAX_META) if value is not None else None
+            if value is None:
+                continue
+            absmax = value.meta.get(ABSMAX_META)
             if absmax is not None and absmax > limit:
                 return _FP32, (
                     f"calibration: '{value.name}' reaches |x| = {absmax:.4g}, beyond "
@@ -276,7 +278,9 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
         low = self.policy.dtype
         for i in typing.compute_inputs():
             value = node.inputs[i]
-            tensor = constant_tensor(value) if value is not None else None
+            if value is None:
+                continue
+            tensor = constant_tensor(value)
             if tensor is None or not is_float(tensor.dtype):
                 continue
             array = np.abs(tensor.numpy().astype(np.float64))
@@ -294,7 +298,7 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
 
 
 def _float_inputs(node: ir.Node, typing: NodeTyping) -> list[ir.Value]:
-    return [node.inputs[i] for i in typing.compute_inputs() if node.inputs[i] is not None]
+    return [v for v in (node.inputs[i] for i in typing.compute_inputs()) if v is not None]
 
 
 def _input_source(value: ir.Value) -> ir.Node | str:

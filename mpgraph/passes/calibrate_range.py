@@ -26,7 +26,7 @@ def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np
     rng = np.random.default_rng(seed)
     feeds: dict[str, np.ndarray] = {}
     for value in model.graph.inputs:
-        if value.is_initializer() or value.dtype is None or value.shape is None:
+        if value.is_initializer() or value.dtype is None or value.shape is None or not value.name:
             continue
         shape = [d if isinstance(d, int) else batch for d in value.shape]
         np_dtype = value.dtype.numpy()

@@ -128,9 +128,10 @@ class InsertCastsPass(ir.passes.InPlacePass):
             if not is_low[node]:
                 continue
             for i in typings[node].compute_inputs():
-                value = node.inputs[i]
-                if value is None or value.dtype != ir.DataType.FLOAT:
+                maybe = node.inputs[i]
+                if maybe is None or maybe.dtype != ir.DataType.FLOAT:
                     continue
+                value = maybe
                 if value not in to_low:
                     to_low[value] = add_cast(value, low, f"to {low_name} for low-precision consumers")
                     if constant_tensor(value) is not None:

@@ -23,9 +23,9 @@ class NameScope:
         for node in ir.traversal.RecursiveGraphIterator(graph):
             if node.name:
                 self._used.add(node.name)
-            for value in (*node.inputs, *node.outputs):
-                if value is not None and value.name:
-                    self._used.add(value.name)
+            for maybe in (*node.inputs, *node.outputs):
+                if maybe is not None and maybe.name:
+                    self._used.add(maybe.name)
 
     def fresh(self, base: str) -> str:
         name, i = base, 0

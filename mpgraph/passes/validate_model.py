@@ -40,7 +40,7 @@ def check_precision_invariants(model: ir.Model) -> None:
         typing = node_typing(node, opsets)
         for i in typing.compute_inputs():
             value = node.inputs[i]
-            if value is not None and is_float(value.dtype) and value.dtype != ir.DataType.FLOAT:
+            if value is not None and value.dtype is not None and is_float(value.dtype) and value.dtype != ir.DataType.FLOAT:
                 raise ValidationError(
                     f"{node.op_type} '{node.name}' is decided float32 but input {i} "
                     f"'{value.name}' is {value.dtype.name.lower()}"
