@@ -32,7 +32,8 @@ class FoldCastsPass(ir.passes.InPlacePass):
         2. ``Cast(Cast(x: a -> b) -> c)`` reads ``x`` directly when ``a -> b`` is lossless
            (``b`` holds every value of ``a``). ``fp16 -> fp32 -> fp16`` folds;
            ``fp32 -> fp16 -> fp32`` does not (it rounds).
-        3. Two Casts of one tensor to one dtype become one.
+        3. Two Casts of one tensor to one dtype become one (the one that is a graph output,
+           if either is).
         4. A Cast left without readers is removed.
     """
 
@@ -68,6 +69,14 @@ class FoldCastsPass(ir.passes.InPlacePass):
                 twin = seen.get(key)
                 if twin is not None and not out.is_graph_output():
                     out.replace_all_uses_with(twin.outputs[0])
+                    changed = True
+                elif twin is not None and not twin.outputs[0].is_graph_output():
+                    # The graph output keeps its name: this Cast takes the twin's place (so
+                    # the twin's readers still come after it) and the twin's readers.
+                    graph.remove(node)
+                    graph.insert_before(twin, node)
+                    twin.outputs[0].replace_all_uses_with(out)
+                    seen[key] = node
                     changed = True
                 elif twin is None:
                     seen[key] = node
