@@ -4,7 +4,9 @@
 dimension, loss kind). Every entry is exported twice by ``models/build_zoo.py`` into
 ``models/onnx/``: ``<name>.onnx`` (output ``logits``) and ``<name>.loss.onnx`` (outputs
 ``loss`` and ``logits``, extra input ``label``). All modules are exported in train mode, so
-the resnet's BatchNorm normalises with batch statistics.
+the resnet's BatchNorm normalises with batch statistics: it is
+``BatchNormalization(training_mode=1)``, which ONNX Runtime's CPU provider runs and its CUDA
+provider (1.31) refuses; see ``mpgraph.export``.
 
 ========  =====================================================================  =============
 name      what                                                                   loss

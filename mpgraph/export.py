@@ -26,15 +26,22 @@ parameters as arguments keeps every parameter a distinct, untransformed tensor.
 Why BatchNorm needs help: torchlib (onnxscript 0.7) lowers train-mode
 ``aten._native_batch_norm_legit_functional`` to an *inference* ``BatchNormalization``
 (it hard-codes ``training = False``), so a module exported in train mode silently
-normalises with its running statistics. ``export_module`` registers its own lowering. By
-default (``batch_norm="ops"``) a train-mode BatchNorm becomes explicit ops over the batch
-statistics: ``ReduceMean``, ``Sub``, ``Mul``, ``ReduceMean``, ``Add(eps)``, ``Sqrt``,
-``Reciprocal``, ``Mul``, then the affine ``Mul``/``Add``. ``BatchNormalization(training_mode=1)``
-(``batch_norm="node"``) is correct on ONNX Runtime's CPU provider but ONNX Runtime 1.31's
-CUDA provider refuses it ("Training mode does not support BN opset 14 (or higher) yet"),
-so it is opt-in. Either way the graph does not update running statistics (it has no
-outputs for them). An eval-mode BatchNorm is an inference ``BatchNormalization`` over the
-running statistics, which stay constants named after their buffers (``bn.running_mean``).
+normalises with its running statistics. ``export_module`` registers its own lowering:
+
+- ``batch_norm="node"`` (default): ``BatchNormalization(training_mode=1)``, fed by the
+  running statistics as constants named after their buffers (``bn.running_mean``), so
+  ``mpgraph.train_graph`` can carry them as training state. ONNX Runtime's CPU provider
+  runs it with batch statistics, exactly as torch does. ONNX Runtime 1.31's CUDA provider
+  refuses it when the session is created ("Training mode does not support BN opset 14 (or
+  higher) yet"), loudly, never silently; a graph meant for CUDA needs it decomposed.
+- ``batch_norm="ops"``: explicit ops over the batch statistics (``ReduceMean``, ``Sub``,
+  ``Mul``, ``ReduceMean``, ``Add(eps)``, ``Sqrt``, ``Reciprocal``, ``Mul``, then the affine
+  ``Mul``/``Add``), which every provider runs (checked on CPU and on CUDA, 2e-7 from
+  torch); the running statistics are dropped.
+
+The exported forward graph never updates running statistics (it has no outputs for
+them). An eval-mode BatchNorm is an inference ``BatchNormalization`` over the running
+statistics.
 
 The exporter is ``torch.onnx.export(dynamo=True)`` (``torch.export`` in non-strict mode,
 then torchlib and the onnxscript optimizer). The legacy TorchScript exporter is not used.
@@ -105,7 +112,7 @@ def export_module(
     dynamic_batch: bool = True,
     opset: int = 18,
     input_names: Sequence[str] | None = None,
-    batch_norm: BatchNormLowering = "ops",
+    batch_norm: BatchNormLowering = "node",
 ) -> onnx.ModelProto:
     """Export ``module`` to ONNX with its parameters as explicit, initialised graph inputs.
 
@@ -132,10 +139,11 @@ def export_module(
         opset: Default-domain opset, 18 to 22.
         input_names: Names of the data inputs; defaults to the names of ``forward``'s
             parameters.
-        batch_norm: How a train-mode BatchNorm is written: ``"ops"`` (ReduceMean, Sub, Mul,
-            Sqrt, Reciprocal, Add: the same numbers on every runtime) or ``"node"``
-            (``BatchNormalization(training_mode=1)``). Eval-mode BatchNorm is always an
-            inference ``BatchNormalization``.
+        batch_norm: How a train-mode BatchNorm is written: ``"node"``
+            (``BatchNormalization(training_mode=1)``; ORT's CUDA provider refuses it) or
+            ``"ops"`` (ReduceMean, Sub, Mul, Sqrt, Reciprocal, Add; runs everywhere, drops
+            the running statistics). Eval-mode BatchNorm is always an inference
+            ``BatchNormalization``.
 
     Returns:
         The model: IR version 10, checked with ``onnx.checker.check_model(full_check=True)``.
