@@ -1,0 +1,1 @@
+"""Model zoo: PyTorch definitions (``models.zoo``), the builder script and ``onnx/`` files."""

@@ -185,8 +185,11 @@ def export_module(
 
     # Cloned buffers: a train-mode forward must not update the module's running statistics.
     state = {name: buffer.clone() for name, buffer in buffers.items()}
-    with torch.no_grad():
-        logits = torch.func.functional_call(module, state, inputs)
+    try:
+        with torch.no_grad():
+            logits = torch.func.functional_call(module, state, inputs)
+    except Exception as e:
+        raise ExportError(f"forward fails on the example inputs: {_first_line(e)}") from e
     if not isinstance(logits, torch.Tensor):
         raise ExportError(
             f"forward must return one tensor (the logits); got {type(logits).__name__}"
@@ -212,6 +215,7 @@ def export_module(
     _finish(model, params, buffers, dynamic_batch)
     proto = ir.serde.serialize_model(model)
     _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
+    logger.debug("exported %s: %d nodes", type(module).__name__, len(proto.graph.node))
     if path is not None:
         save_model(model, path, external_data=False)
     return proto
@@ -436,9 +440,15 @@ def _torch_export(
     opset: int,
     batch_norm: str,
 ) -> ir.Model:
-    # torch.onnx prints progress, warns about train mode and logs about torchvision;
-    # the library stays quiet.
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), _quiet_torch():
+    # torch.onnx prints progress, warns about train mode and logs about torchvision, and a
+    # failing torch.export prints the traced graph to stderr; the library stays quiet (a
+    # failure becomes an ExportError).
+    with (
+        warnings.catch_warnings(),
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        _quiet_torch(),
+    ):
         warnings.simplefilter("ignore")
         try:
             program = torch.export.export(
@@ -465,7 +475,8 @@ def _torch_export(
 
 @contextlib.contextmanager
 def _quiet_torch() -> Iterator[None]:
-    quiet = [logging.getLogger(name) for name in ("torch.onnx", "torch.export")]
+    names = ("torch", "torch.onnx", "torch.export", "torch.fx", "torch._dynamo")
+    quiet = [logging.getLogger(name) for name in names]
     levels = [log.level for log in quiet]
     for log in quiet:
         log.setLevel(logging.ERROR)

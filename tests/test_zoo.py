@@ -272,6 +272,21 @@ def test_export_errors_are_mpgraph_errors() -> None:
 
     with pytest.raises(ExportError, match="must return one tensor"):
         export_module(TwoOutputs(), x)
+    with pytest.raises(ExportError, match="forward fails on the example inputs"):
+        export_module(module, torch.randn(2, 5))
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x if x.sum() > 0 else -x
+
+    with pytest.raises(ExportError, match="torch.export failed"):
+        export_module(DataDependent(), x)
+
+
+def test_export_writes_the_returned_model(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.onnx"
+    model = export_module(ZOO["tiny_mlp"].build(), torch.randn(2, 4), path, loss="cross_entropy")
+    assert onnx.load(path) == model
 
 
 @pytest.mark.parametrize(("name", "with_loss"), CASES, ids=CASE_IDS)
