@@ -281,13 +281,16 @@ def build_training_graph(
         return value
 
     outputs: list[ir.Value] = []
+    shaped_like: list[tuple[ir.Value, ir.Value]] = []
     if opt is None:
+        gctx = GradContext(graph, role="backward", scope="grad")
         for p in params:
             g = grads[p.name]
-            out = ctx.op("Identity", g) if g.name != f"grad/{p.name}" or g.is_graph_output() else g
-            out.name = f"grad/{p.name}" if out is not g else out.name
-            out.metadata_props[NODE_ROLE] = "backward"
-            outputs.append(out)
+            if g.name != f"grad/{p.name}" or g.is_graph_output() or g.producer() is None:
+                g = gctx.op("Identity", g)
+                g.name = f"grad/{p.name}"
+            outputs.append(g)
+            shaped_like.append((p, g))
     else:
         lr_value = ir.Value(name=LR_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
                             const_value=ir.tensor(np.float32(lr if lr is not None else _DEFAULT_LR[optimizer.lower()]), name=LR_INPUT))
@@ -295,11 +298,13 @@ def build_training_graph(
         graph.register_initializer(lr_value)
         updated, opt_state = opt.build(ctx, [(p, grads[p.name]) for p in params], lr_value, make_state)
         state = [(p, updated[p.name]) for p in params] + state + opt_state
-    for inp, out in state:
+    for i, (inp, out) in enumerate(state):
         if out.is_graph_output() or out.is_graph_input() or out.is_initializer():
             out = ctx.op("Identity", out)
+            state[i] = (inp, out)
         out.name = _rename(graph, out, f"{inp.name}/updated")
         outputs.append(out)
+        shaped_like.append((inp, out))
     graph.inputs.extend(new_inputs)
     graph.outputs.extend(outputs)
     for node in graph:
@@ -311,7 +316,7 @@ def build_training_graph(
     if opset > 22:
         raise UnsupportedModelError(f"opset {opset} needs ir_version 11; train-graph writes ir_version <= 10")
     _infer_shapes(m)
-    for inp, out in state:
+    for inp, out in shaped_like:
         if out.shape is None:
             out.shape = inp.shape
     if validate:

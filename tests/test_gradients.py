@@ -1,0 +1,370 @@
+"""One test table for every gradient rule.
+
+Each case builds a one-op model, attaches ``loss = sum_k sum(y_k * c_k)`` with fixed random
+cotangents ``c_k``, builds its gradient graph with ``build_training_graph(optimizer=None)``
+and checks the gradients two ways:
+
+1. central finite differences of the loss along a random direction (the directional
+   derivative ``<grad, d>``), and
+2. ``torch.autograd`` on the same inputs (torch computes in float64).
+
+Cases run in float64 where ORT CPU has float64 kernels for every op of the forward and the
+backward graph; the others run in float32 with looser tolerances, and say why in ``note``.
+``test_every_rule_has_a_case`` fails when a registered rule has no case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from mpgraph.autodiff import lookup_rule, registered_rules
+from mpgraph.train_graph import build_training_graph
+
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+
+
+@dataclasses.dataclass(frozen=True)
+class Var:
+    """A differentiable float input of the given shape (``"N"`` marks a dynamic dim)."""
+
+    shape: tuple[Any, ...]
+    positive: bool = False
+    grad: bool = True
+
+
+@dataclasses.dataclass
+class Case:
+    """One row of the table.
+
+    Attributes:
+        id: Test id.
+        op: ONNX op type.
+        inputs: ``Var`` (float input), ``np.ndarray`` (constant initializer) or ``None``
+            (omitted optional input).
+        attrs: Node attributes.
+        torch_fn: Same function in torch, taking the inputs (Vars as tensors, arrays as
+            tensors) and returning the outputs the loss uses.
+        dtype: ``float64`` or ``float32``.
+        note: Why the case is not float64, when it is not.
+        outputs: Number of node outputs; ``used`` lists those the loss uses.
+        opset: Model opset.
+        rtol: Tolerance of both checks (defaults per dtype).
+    """
+
+    id: str
+    op: str
+    inputs: Sequence[Any]
+    attrs: dict[str, Any]
+    torch_fn: Callable[..., Any]
+    dtype: str = "float64"
+    note: str = ""
+    outputs: int = 1
+    used: tuple[int, ...] = (0,)
+    opset: int = 18
+    rtol: float | None = None
+    build: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+FP32_CONV = "ORT CPU has no float64 Conv/ConvTranspose kernels"
+FP32_POOL = "ORT CPU has no float64 AveragePool/ConvTranspose kernels"
+R = np.random.default_rng(1234)
+
+
+def ints(*v: int) -> np.ndarray:
+    return np.asarray(v, dtype=np.int64)
+
+
+def _binary_cases() -> list[Case]:
+    shapes = [((3, 4), (3, 4)), ((3, 4), (4,)), ((3, 4), (1, 4)), ((3, 1), (1, 4)), ((2, 3, 4), (3, 1)),
+              ((4,), (2, 3, 4)), ((3, 4), ()), (("N", 4), (4,)), (("N", 1), ("N", 4))]
+    fns = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Div": torch.div, "Pow": torch.pow}
+    cases = []
+    for op, fn in fns.items():
+        for a, b in shapes:
+            positive = op in ("Div", "Pow")
+            cases.append(Case(f"{op}-{a}-{b}", op, [Var(a, positive), Var(b, positive)], {}, fn))
+    return cases
+
+
+def _where(c, x, y):
+    return torch.where(c, x, y)
+
+
+CASES: list[Case] = _binary_cases() + [
+    Case("Sum-3-broadcast", "Sum", [Var((3, 4)), Var((4,)), Var((3, 1))], {}, lambda a, b, c: a + b + c),
+    Case("Where-broadcast", "Where", [R.random((3, 4)) > 0.5, Var((3, 1)), Var((4,))], {}, _where),
+    Case("PRelu-channel", "PRelu", [Var((2, 3, 4)), Var((3, 1))], {}, lambda x, s: torch.where(x > 0, x, s * x)),
+    Case("Pow-const-2", "Pow", [Var((3, 4)), np.asarray(2.0)], {}, lambda x, e: x**e),
+    Case("Pow-const-3", "Pow", [Var((3, 4)), np.asarray(3.0)], {}, lambda x, e: x**e),
+    Case("Neg", "Neg", [Var((3, 4))], {}, torch.neg),
+    Case("Reciprocal", "Reciprocal", [Var((3, 4), positive=True)], {}, torch.reciprocal),
+    Case("Sqrt", "Sqrt", [Var((3, 4), positive=True)], {}, torch.sqrt),
+    Case("Exp", "Exp", [Var((3, 4))], {}, torch.exp),
+    Case("Log", "Log", [Var((3, 4), positive=True)], {}, torch.log),
+    Case("Tanh", "Tanh", [Var((3, 4))], {}, torch.tanh),
+    Case("Sigmoid", "Sigmoid", [Var((3, 4))], {}, torch.sigmoid),
+    Case("Erf", "Erf", [Var((3, 4))], {}, torch.erf, dtype="float32", note="ORT CPU Erf is float32 only"),
+    Case("Abs", "Abs", [Var((3, 4))], {}, torch.abs),
+    Case("Relu", "Relu", [Var(("N", 4))], {}, torch.relu),
+    Case("LeakyRelu", "LeakyRelu", [Var((3, 4))], {"alpha": 0.2}, lambda x: F.leaky_relu(x, 0.2)),
+    Case("Elu", "Elu", [Var((3, 4))], {"alpha": 0.7}, lambda x: F.elu(x, 0.7)),
+    Case("Selu", "Selu", [Var((3, 4))], {}, F.selu),
+    Case("Softplus", "Softplus", [Var((3, 4))], {}, F.softplus),
+    Case("Clip", "Clip", [Var((3, 4)), np.asarray(-0.5), np.asarray(0.6)], {}, lambda x, lo, hi: torch.clamp(x, lo, hi)),
+    Case("Clip-min-only", "Clip", [Var((3, 4)), np.asarray(-0.5)], {}, lambda x, lo: torch.clamp(x, min=lo)),
+    Case("Gelu-erf", "Gelu", [Var((3, 4))], {}, F.gelu, opset=20, dtype="float32", note="ORT CPU Gelu is float32 only"),
+    Case("Gelu-tanh", "Gelu", [Var((3, 4))], {"approximate": "tanh"}, lambda x: F.gelu(x, approximate="tanh"),
+         opset=20, dtype="float32", note="ORT CPU Gelu is float32 only"),
+    Case("Identity", "Identity", [Var((3, 4))], {}, lambda x: x),
+    Case("Cast-f32-f64", "Cast", [Var((3, 4))], {"to": TensorProto.DOUBLE}, lambda x: x.double(),
+         dtype="float32", note="the input of a widening Cast is float32 by construction"),
+    Case("Expand", "Expand", [Var((3, 1)), ints(2, 3, 4)], {}, lambda x, s: x.expand(2, 3, 4)),
+    Case("Dropout-train-p0", "Dropout", [Var((3, 4)), np.asarray(0.0), np.asarray(True)], {},
+         lambda x, r, t: F.dropout(x, 0.0, True), outputs=2),
+    Case("Dropout-eval", "Dropout", [Var((3, 4))], {}, lambda x: x),
+    # linear algebra
+    Case("MatMul-2d", "MatMul", [Var((3, 4)), Var((4, 5))], {}, torch.matmul),
+    Case("MatMul-3d-2d", "MatMul", [Var(("N", 3, 4)), Var((4, 5))], {}, torch.matmul),
+    Case("MatMul-batched", "MatMul", [Var((2, 3, 4)), Var((2, 4, 5))], {}, torch.matmul),
+    Case("MatMul-broadcast", "MatMul", [Var((2, 1, 3, 4)), Var((3, 4, 5))], {}, torch.matmul),
+    Case("MatMul-1d-left", "MatMul", [Var((4,)), Var((2, 4, 5))], {}, torch.matmul),
+    Case("MatMul-1d-right", "MatMul", [Var((3, 4)), Var((4,))], {}, torch.matmul),
+    Case("Gemm", "Gemm", [Var(("N", 4)), Var((4, 5)), Var((5,))], {}, lambda a, b, c: a @ b + c),
+    Case("Gemm-tA-tB-alpha-beta", "Gemm", [Var((4, 3)), Var((5, 4)), Var((1, 5))],
+         {"transA": 1, "transB": 1, "alpha": 0.5, "beta": 2.0}, lambda a, b, c: 0.5 * a.T @ b.T + 2.0 * c),
+    Case("Gemm-tB-C-full", "Gemm", [Var((3, 4)), Var((5, 4)), Var((3, 5))], {"transB": 1}, lambda a, b, c: a @ b.T + c),
+    Case("Gemm-tA-noC", "Gemm", [Var((4, 3)), Var((4, 5))], {"transA": 1}, lambda a, b: a.T @ b),
+    # convolution and pooling
+    Case("Conv1d", "Conv", [Var(("N", 2, 9)), Var((3, 2, 3)), Var((3,))], {"pads": [1, 1]},
+         lambda x, w, b: F.conv1d(x, w, b, padding=1), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-stride-pad-dil", "Conv", [Var((2, 3, 9, 8)), Var((4, 3, 3, 2)), Var((4,))],
+         {"strides": [2, 1], "pads": [1, 0, 1, 0], "dilations": [1, 2]},
+         lambda x, w, b: F.conv2d(x, w, b, stride=(2, 1), padding=(1, 0), dilation=(1, 2)),
+         dtype="float32", note=FP32_CONV),
+    Case("Conv2d-stride-remainder", "Conv", [Var((2, 2, 10, 9)), Var((3, 2, 3, 3))], {"strides": [3, 2]},
+         lambda x, w: F.conv2d(x, w, stride=(3, 2)), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-groups", "Conv", [Var((2, 4, 7, 7)), Var((6, 2, 3, 3)), Var((6,))], {"group": 2, "pads": [1, 1, 1, 1]},
+         lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=2), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-depthwise-stride", "Conv", [Var(("N", 3, 8, 8)), Var((3, 1, 3, 3))], {"group": 3, "strides": [2, 2]},
+         lambda x, w: F.conv2d(x, w, stride=2, groups=3), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-asym-pads", "Conv", [Var((1, 2, 6, 6)), Var((2, 2, 3, 3))], {"pads": [0, 1, 2, 0]},
+         lambda x, w: F.conv2d(F.pad(x, (1, 0, 0, 2)), w), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-same-upper", "Conv", [Var((1, 2, 7, 7)), Var((2, 2, 3, 3))], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
+         lambda x, w: F.conv2d(F.pad(x, (1, 1, 1, 1)), w, stride=2), dtype="float32", note=FP32_CONV),
+    Case("MaxPool2d", "MaxPool", [Var(("N", 2, 6, 6))], {"kernel_shape": [2, 2], "strides": [2, 2]},
+         lambda x: F.max_pool2d(x, 2, 2)),
+    Case("MaxPool2d-overlap-pad", "MaxPool", [Var((2, 2, 7, 7))], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+         lambda x: F.max_pool2d(x, 3, 2, 1)),
+    Case("MaxPool1d", "MaxPool", [Var((2, 3, 9))], {"kernel_shape": [3], "strides": [2]}, lambda x: F.max_pool1d(x, 3, 2)),
+    Case("AveragePool2d", "AveragePool", [Var(("N", 2, 6, 6))], {"kernel_shape": [2, 2], "strides": [2, 2]},
+         lambda x: F.avg_pool2d(x, 2, 2), dtype="float32", note=FP32_POOL),
+    Case("AveragePool2d-pad-exclude", "AveragePool", [Var((2, 2, 7, 7))],
+         {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
+         lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=False), dtype="float32", note=FP32_POOL),
+    Case("AveragePool2d-pad-include", "AveragePool", [Var((2, 2, 7, 7))],
+         {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "count_include_pad": 1},
+         lambda x: F.avg_pool2d(x, 3, 2, 1, count_include_pad=True), dtype="float32", note=FP32_POOL),
+    Case("GlobalAveragePool", "GlobalAveragePool", [Var(("N", 3, 4, 5))], {}, lambda x: x.mean((2, 3), keepdim=True),
+         dtype="float32", note="ORT CPU GlobalAveragePool is float32 only"),
+    # normalization and softmax
+    Case("Softmax", "Softmax", [Var(("N", 5))], {}, lambda x: torch.softmax(x, -1)),
+    Case("Softmax-axis1", "Softmax", [Var((2, 3, 4))], {"axis": 1}, lambda x: torch.softmax(x, 1)),
+    Case("LogSoftmax", "LogSoftmax", [Var((3, 5))], {}, lambda x: torch.log_softmax(x, -1)),
+    Case("LayerNormalization", "LayerNormalization", [Var(("N", 3, 6)), Var((6,)), Var((6,))], {},
+         lambda x, s, b: F.layer_norm(x, (6,), s, b, eps=1e-5), outputs=3,
+         dtype="float32", note="ORT CPU LayerNormalization statistics are float32 (stash_type)"),
+    Case("LayerNormalization-axis1", "LayerNormalization", [Var((2, 3, 4)), Var((3, 4)), Var((3, 4))], {"axis": 1},
+         lambda x, s, b: F.layer_norm(x, (3, 4), s, b, eps=1e-5), outputs=3,
+         dtype="float32", note="ORT CPU LayerNormalization statistics are float32 (stash_type)"),
+    Case("BatchNormalization-train", "BatchNormalization",
+         [Var(("N", 3, 4, 5)), Var((3,)), Var((3,)), np.zeros(3), np.ones(3)], {"training_mode": 1},
+         lambda x, s, b, m, v: F.batch_norm(x, None, None, s, b, training=True, eps=1e-5), outputs=3,
+         dtype="float32", note="ORT CPU BatchNormalization training mode is float32 only"),
+    Case("BatchNormalization-eval", "BatchNormalization",
+         [Var((2, 3, 4)), Var((3,)), Var((3,)), R.standard_normal(3), R.random(3) + 0.5], {},
+         lambda x, s, b, m, v: F.batch_norm(x, m, v, s, b, training=False, eps=1e-5), build={"batchnorm": "eval"}),
+    # data movement
+    Case("Reshape", "Reshape", [Var((2, 3, 4)), ints(6, 4)], {}, lambda x, s: x.reshape(6, 4)),
+    Case("Flatten", "Flatten", [Var(("N", 3, 4))], {"axis": 1}, lambda x: x.flatten(1)),
+    Case("Transpose", "Transpose", [Var((2, 3, 4))], {"perm": [2, 0, 1]}, lambda x: x.permute(2, 0, 1)),
+    Case("Squeeze", "Squeeze", [Var((3, 1, 4)), ints(1)], {}, lambda x, a: x.squeeze(1)),
+    Case("Unsqueeze", "Unsqueeze", [Var((3, 4)), ints(0, 2)], {}, lambda x, a: x.unsqueeze(0).unsqueeze(2)),
+    Case("Concat", "Concat", [Var(("N", 2)), Var(("N", 3)), Var(("N", 1))], {"axis": 1}, lambda a, b, c: torch.cat([a, b, c], 1)),
+    Case("Split-num-outputs", "Split", [Var((3, 6))], {"axis": 1, "num_outputs": 2},
+         lambda x: torch.split(x, 3, 1), outputs=2, used=(0, 1)),
+    Case("Split-sizes-one-used", "Split", [Var((5, 3)), ints(2, 3)], {"axis": 0},
+         lambda x, s: torch.split(x, [2, 3], 0)[1:], outputs=2, used=(1,)),
+    Case("Slice-unit-step", "Slice", [Var(("N", 6, 5)), ints(1, 0), ints(4, 3), ints(1, 2)], {},
+         lambda x, s, e, a: x[:, 1:4, 0:3]),
+    Case("Slice-negative-step", "Slice", [Var((6, 5)), ints(-1, 1), ints(-100, 5), ints(0, 1), ints(-2, 2)], {},
+         lambda x, s, e, a, st: torch.flip(x, [0])[::2, 1:5:2]),
+    Case("Gather-embedding", "Gather", [Var((5, 3)), ints(0, 2, 2, 4, -1, 0).reshape(2, 3)], {},
+         lambda w, i: w[i]),
+    Case("Gather-axis1", "Gather", [Var((2, 5, 3)), ints(4, 1, 1)], {"axis": 1}, lambda w, i: w[:, i]),
+    Case("Pad-constant", "Pad", [Var(("N", 3, 4)), ints(0, 1, 2, 0, 0, 1)], {},
+         lambda x, p: F.pad(x, (2, 1, 1, 0))),
+    Case("ReduceSum", "ReduceSum", [Var(("N", 3, 4)), ints(1)], {"keepdims": 0}, lambda x, a: x.sum(1)),
+    Case("ReduceSum-all", "ReduceSum", [Var((3, 4))], {}, lambda x: x.sum().reshape(1, 1)),
+    Case("ReduceMean", "ReduceMean", [Var(("N", 3, 4)), ints(-1, 1)], {}, lambda x, a: x.mean((1, 2), keepdim=True)),
+    Case("ReduceMean-all-nokeep", "ReduceMean", [Var((3, 4))], {"keepdims": 0}, lambda x: x.mean()),
+    Case("ReduceMax", "ReduceMax", [Var((3, 4, 5)), ints(1)], {"keepdims": 0}, lambda x, a: x.amax(1)),
+    Case("ReduceMax-all", "ReduceMax", [Var((3, 4))], {}, lambda x: x.amax().reshape(1, 1)),
+    # losses
+    Case("SoftmaxCrossEntropyLoss-mean", "SoftmaxCrossEntropyLoss", [Var(("N", 5)), ints(0, 3, 4)], {},
+         lambda s, y: F.cross_entropy(s, y), dtype="float32", note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
+    Case("SoftmaxCrossEntropyLoss-weights-ignore-logprob", "SoftmaxCrossEntropyLoss",
+         [Var((4, 5, 2)), ints(0, 3, 4, 1, 2, 2, 0, 1).reshape(4, 2), R.random(5) + 0.5], {"ignore_index": 1},
+         lambda s, y, w: (F.cross_entropy(s, y, w, ignore_index=1), torch.log_softmax(s, 1)), outputs=2, used=(0, 1),
+         dtype="float32", note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
+    Case("SoftmaxCrossEntropyLoss-none", "SoftmaxCrossEntropyLoss", [Var((3, 4)), ints(0, 3, 2)], {"reduction": "none"},
+         lambda s, y: F.cross_entropy(s, y, reduction="none"), dtype="float32", note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
+    Case("NegativeLogLikelihoodLoss-sum", "NegativeLogLikelihoodLoss", [Var((3, 4)), ints(0, 3, 2)], {"reduction": "sum"},
+         lambda s, y: F.nll_loss(s, y, reduction="sum"), dtype="float32", note="ORT CPU NegativeLogLikelihoodLoss is float32 only"),
+    Case("NegativeLogLikelihoodLoss-weights", "NegativeLogLikelihoodLoss", [Var((3, 4, 2)), ints(0, 3, 2, 1, 1, 0).reshape(3, 2), R.random(4) + 0.5],
+         {}, lambda s, y, w: F.nll_loss(s, y, w), dtype="float32", note="ORT CPU NegativeLogLikelihoodLoss is float32 only"),
+]
+
+
+def _np_dtype(dtype: str) -> Any:
+    return np.float64 if dtype == "float64" else np.float32
+
+
+def _build(case: Case) -> tuple[onnx.ModelProto, dict[str, np.ndarray], list[str]]:
+    """The one-op model with its loss, the random feeds, and the names of the Var inputs."""
+    rng = np.random.default_rng(abs(hash(case.id)) % 2**32)
+    ftype = TensorProto.DOUBLE if case.dtype == "float64" else TensorProto.FLOAT
+    npf = _np_dtype(case.dtype)
+    inputs, inits, feeds, names, var_names = [], [], {}, [], []
+    for i, spec in enumerate(case.inputs):
+        name = f"in{i}"
+        if spec is None:
+            names.append("")
+            continue
+        names.append(name)
+        if isinstance(spec, Var):
+            concrete = [3 if d == "N" else d for d in spec.shape]
+            value = rng.standard_normal(concrete)
+            if spec.positive:
+                value = np.abs(value) + 0.5
+            feeds[name] = np.asarray(value, dtype=npf)
+            inputs.append(helper.make_tensor_value_info(name, ftype, list(spec.shape)))
+            var_names.append(name)
+        else:
+            arr = np.asarray(spec)
+            if arr.dtype.kind == "f":
+                arr = arr.astype(npf)
+            inits.append(numpy_helper.from_array(arr, name))
+    outs = [f"y{k}" for k in range(case.outputs)]
+    nodes = [helper.make_node(case.op, names, outs, name="op", **case.attrs)]
+    probe = helper.make_model(helper.make_graph(nodes, "g", inputs, [helper.make_empty_tensor_value_info(o) for o in outs], inits),
+                              opset_imports=[helper.make_opsetid("", case.opset)], ir_version=8)
+    inferred = onnx.shape_inference.infer_shapes(probe, strict_mode=True)
+    types = {v.name: v.type.tensor_type for v in list(inferred.graph.output) + list(inferred.graph.value_info)}
+    session = ort.InferenceSession(inferred.SerializeToString(), providers=["CPUExecutionProvider"])
+    values = dict(zip(outs, session.run(None, feeds), strict=True))
+    terms = []
+    for k in case.used:
+        y = outs[k]
+        c = rng.standard_normal(values[y].shape).astype(values[y].dtype)
+        inits.append(numpy_helper.from_array(c, f"c{k}"))
+        nodes += [helper.make_node("Mul", [y, f"c{k}"], [f"p{k}"]), helper.make_node("ReduceSum", [f"p{k}"], [f"s{k}"], keepdims=0)]
+        term = f"s{k}"
+        if types[y].elem_type != ftype:
+            nodes.append(helper.make_node("Cast", [term], [f"t{k}"], to=ftype))
+            term = f"t{k}"
+        terms.append(term)
+    nodes.append(helper.make_node("Sum", terms, ["loss"]))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("loss", ftype, [])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", case.opset)], ir_version=8 if case.opset <= 18 else 9)
+    return model, feeds, var_names
+
+
+def _tolerance(case: Case) -> float:
+    return case.rtol if case.rtol is not None else (1e-6 if case.dtype == "float64" else 2e-3)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_gradient(case: Case) -> None:
+    model, feeds, var_names = _build(case)
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=var_names, **case.build)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    out_names = [o.name for o in session.get_outputs()]
+    result = dict(zip(out_names, session.run(None, feeds), strict=True))
+    grads = {n: result[f"grad/{n}"].astype(np.float64) for n in var_names}
+    tol = _tolerance(case)
+
+    # 1. Central differences along a random direction.
+    rng = np.random.default_rng(7)
+    direction = {n: rng.standard_normal(feeds[n].shape) for n in var_names}
+    eps = 1e-6 if case.dtype == "float64" else 1e-3
+
+    def loss_at(sign: float) -> float:
+        shifted = {**feeds, **{n: np.asarray(feeds[n] + sign * eps * direction[n], dtype=feeds[n].dtype) for n in var_names}}
+        return float(session.run(["loss"], shifted)[0])
+
+    numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * eps)
+    analytic = sum(float(np.vdot(grads[n], direction[n])) for n in var_names)
+    fd_tol = tol if case.dtype == "float64" else 1e-2
+    assert abs(numeric - analytic) <= fd_tol * max(1.0, abs(numeric)), (numeric, analytic)
+
+    # 2. torch.autograd in float64 on the same inputs and cotangents.
+    tensors, leaves = [], {}
+    for i, spec in enumerate(case.inputs):
+        if spec is None:
+            continue
+        if isinstance(spec, Var):
+            t = torch.tensor(feeds[f"in{i}"].astype(np.float64), requires_grad=True)
+            leaves[f"in{i}"] = t
+        else:
+            arr = np.asarray(spec)
+            t = torch.tensor(arr.astype(np.float64) if arr.dtype.kind == "f" else arr)
+        tensors.append(t)
+    ys = case.torch_fn(*tensors)
+    ys = list(ys) if isinstance(ys, (tuple, list)) else [ys]
+    cots = {init.name: numpy_helper.to_array(init) for init in model.graph.initializer if init.name.startswith("c")}
+    loss = sum((y.double() * torch.tensor(cots[f"c{k}"].astype(np.float64))).sum() for k, y in zip(case.used, ys, strict=True))
+    loss.backward()
+    for n in var_names:
+        expected = leaves[n].grad.numpy()
+        err = np.linalg.norm(grads[n] - expected) / max(np.linalg.norm(expected), 1e-12)
+        assert err <= tol, (n, err)
+
+
+def test_dropout_training_mask_routes_gradient() -> None:
+    """ratio 0.5 in training mode: each gradient entry is 0 or 2 * cotangent (the mask)."""
+    case = Case("Dropout-train", "Dropout", [Var((64, 32)), np.asarray(0.5, np.float32), np.asarray(True)], {},
+                lambda *a: None, dtype="float32", outputs=2)
+    model, feeds, names = _build(case)
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=names)
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
+    grad = session.run(["grad/in0"], feeds)[0]
+    cot = numpy_helper.to_array(next(i for i in model.graph.initializer if i.name == "c0"))
+    ratio = grad / cot
+    kept = np.isclose(ratio, 2.0)
+    assert np.all(kept | np.isclose(ratio, 0.0))
+    assert 0.35 < kept.mean() < 0.65
+
+
+def test_every_rule_has_a_case() -> None:
+    covered = {lookup_rule("", c.op, c.opset).key for c in CASES}
+    covered.add(lookup_rule("", "Dropout", 18).key)
+    missing = sorted(r.key for r in registered_rules() if r.key not in covered)
+    assert not missing, f"gradient rules without a test case: {missing}"
+
+
+def test_broadcast_shapes_enumerated_for_binary_ops() -> None:
+    for op in ("Add", "Sub", "Mul", "Div", "Pow"):
+        shapes = {tuple(tuple(v.shape) for v in c.inputs) for c in CASES if c.op == op and all(isinstance(v, Var) for v in c.inputs)}
+        assert len(shapes) >= 8, op
