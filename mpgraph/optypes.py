@@ -115,17 +115,34 @@ class NodeTyping:
         return all(want in self.allowed[v] for v in self.compute_vars)
 
 
-def _slot_vars(formals: list, count: int) -> list[str | None]:
+@functools.lru_cache(maxsize=4096)
+def _schema_facts(
+    op_type: str, version: int, domain: str
+) -> tuple[onnx.defs.OpSchema, dict[str, frozenset[str]], tuple, tuple] | None:
+    """Schema, allowed types and formal (type_str, variadic) pairs, read once per op schema.
+
+    Reading these through the pybind schema object costs more than the rest of
+    ``node_typing``; graphs repeat a few dozen op types thousands of times.
+    """
+    schema = _schema(op_type, version, domain)
+    if schema is None:
+        return None
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
+    variadic = onnx.defs.OpSchema.FormalParameterOption.Variadic
+    ins = tuple((f.type_str, f.option == variadic) for f in schema.inputs)
+    outs = tuple((f.type_str, f.option == variadic) for f in schema.outputs)
+    return schema, allowed, ins, outs
+
+
+def _slot_vars(formals: tuple[tuple[str, bool], ...], count: int) -> list[str | None]:
     out: list[str | None] = []
     for i in range(count):
         if i < len(formals):
-            formal = formals[i]
-        elif formals and formals[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
-            formal = formals[-1]
+            out.append(formals[i][0])
+        elif formals and formals[-1][1]:
+            out.append(formals[-1][0])
         else:
             out.append(None)
-            continue
-        out.append(formal.type_str)
     return out
 
 
@@ -133,12 +150,12 @@ def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
     """Type facts of ``node`` from its schema and the dtypes of its values."""
     version = opset_version(node, opset_imports)
     domain = "" if node.domain == "ai.onnx" else node.domain
-    schema = _schema(node.op_type, version, domain) if version is not None else None
-    if schema is None:
+    facts = _schema_facts(node.op_type, version, domain) if version is not None else None
+    if facts is None:
         return NodeTyping(None, (None,) * len(node.inputs), (None,) * len(node.outputs), frozenset(), {}, {})
-    allowed = {c.type_param_str: frozenset(c.allowed_type_strs) for c in schema.type_constraints}
-    in_strs = _slot_vars(list(schema.inputs), len(node.inputs))
-    out_strs = _slot_vars(list(schema.outputs), len(node.outputs))
+    schema, allowed, in_formals, out_formals = facts
+    in_strs = _slot_vars(in_formals, len(node.inputs))
+    out_strs = _slot_vars(out_formals, len(node.outputs))
     in_vars = tuple(s if s in allowed else None for s in in_strs)
     out_vars = tuple(s if s in allowed else None for s in out_strs)
     bound: dict[str, ir.DataType] = {}
