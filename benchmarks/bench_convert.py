@@ -1,0 +1,224 @@
+"""Conversion speed on a >10,000-node transformer: mpgraph next to onnxconverter-common.
+
+Builds an ONNX graph of N pre-LN transformer blocks (LayerNormalization, q/k/v MatMul + bias,
+Reshape/Transpose into heads, scaled QK^T, Softmax, attention MatMul, output projection,
+residual Add, LayerNormalization, 4x MLP with erf-form GELU, residual Add) with random float32
+weights (d=64, 4 heads, seq 16), then times, in one run, best of ``--repeat``:
+
+* ``mpgraph.convert(model, bf16|fp16, validate=True|False)`` (native lowering; the time
+  includes reading the ModelProto into onnx-ir, not serialising the result);
+* ``onnxconverter_common.float16.convert_float_to_float16(model, keep_io_types=True)``;
+
+and prints a table with the ratio to onnxconverter-common, plus whether each result loads and
+runs in ONNX Runtime's CPU provider. ``--profile`` adds a cProfile of the slowest mpgraph
+configuration.
+
+Usage:
+    .venv/bin/python benchmarks/bench_convert.py [--blocks 310] [--repeat 3] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import logging
+import os
+import platform
+import pstats
+import time
+import warnings
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort  # type: ignore[import-untyped]
+from onnx import TensorProto as T
+from onnx import helper as h
+from onnx import numpy_helper
+
+from mpgraph.convert import convert
+
+D_MODEL, HEADS, SEQ = 64, 4, 16
+HEAD_DIM = D_MODEL // HEADS
+
+
+def build_transformer(blocks: int, seed: int = 0) -> onnx.ModelProto:
+    """``blocks`` pre-LN transformer blocks on x: [batch, SEQ, D_MODEL] (opset 18)."""
+    rng = np.random.default_rng(seed)
+    nodes: list[onnx.NodeProto] = []
+    inits: list[onnx.TensorProto] = []
+
+    def const(name: str, array: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(array, name))
+        return name
+
+    def weight(name: str, *shape: int) -> str:
+        return const(name, (rng.standard_normal(shape) * 0.02).astype(np.float32))
+
+    def node(op: str, inputs: list[str], name: str, **attrs: object) -> str:
+        nodes.append(h.make_node(op, inputs, [name], name=name, **attrs))
+        return name
+
+    heads_shape = const("shape/heads", np.array([0, SEQ, HEADS, HEAD_DIM], np.int64))
+    merged_shape = const("shape/merged", np.array([0, SEQ, D_MODEL], np.int64))
+    scale = const("const/scale", np.array(1.0 / np.sqrt(HEAD_DIM), np.float32))
+    sqrt2 = const("const/sqrt2", np.array(np.sqrt(2.0), np.float32))
+    one = const("const/one", np.array(1.0, np.float32))
+    half = const("const/half", np.array(0.5, np.float32))
+    x = "x"
+    for b in range(blocks):
+        p = f"b{b}"
+        ln1 = node(
+            "LayerNormalization",
+            [x, weight(f"{p}.ln1.g", D_MODEL), weight(f"{p}.ln1.b", D_MODEL)],
+            f"{p}/ln1",
+            axis=-1,
+        )
+        heads = {}
+        for t in "qkv":
+            proj = node("MatMul", [ln1, weight(f"{p}.{t}.w", D_MODEL, D_MODEL)], f"{p}/{t}")
+            biased = node("Add", [proj, weight(f"{p}.{t}.b", D_MODEL)], f"{p}/{t}_bias")
+            split = node("Reshape", [biased, heads_shape], f"{p}/{t}_heads")
+            perm = [0, 2, 3, 1] if t == "k" else [0, 2, 1, 3]
+            heads[t] = node("Transpose", [split], f"{p}/{t}_t", perm=perm)
+        scores = node("MatMul", [heads["q"], heads["k"]], f"{p}/scores")
+        scaled = node("Mul", [scores, scale], f"{p}/scaled")
+        probs = node("Softmax", [scaled], f"{p}/probs", axis=-1)
+        attn = node("MatMul", [probs, heads["v"]], f"{p}/attn")
+        attn_t = node("Transpose", [attn], f"{p}/attn_t", perm=[0, 2, 1, 3])
+        merged = node("Reshape", [attn_t, merged_shape], f"{p}/merged")
+        out = node("MatMul", [merged, weight(f"{p}.o.w", D_MODEL, D_MODEL)], f"{p}/o")
+        out_b = node("Add", [out, weight(f"{p}.o.b", D_MODEL)], f"{p}/o_bias")
+        x = node("Add", [x, out_b], f"{p}/res1")
+        ln2 = node(
+            "LayerNormalization",
+            [x, weight(f"{p}.ln2.g", D_MODEL), weight(f"{p}.ln2.b", D_MODEL)],
+            f"{p}/ln2",
+            axis=-1,
+        )
+        fc = node("MatMul", [ln2, weight(f"{p}.fc.w", D_MODEL, 4 * D_MODEL)], f"{p}/fc")
+        fc_b = node("Add", [fc, weight(f"{p}.fc.b", 4 * D_MODEL)], f"{p}/fc_bias")
+        # GELU, erf form: 0.5 * x * (1 + erf(x / sqrt(2))).
+        div = node("Div", [fc_b, sqrt2], f"{p}/gelu_div")
+        erf = node("Erf", [div], f"{p}/gelu_erf")
+        plus = node("Add", [erf, one], f"{p}/gelu_add")
+        mul = node("Mul", [fc_b, plus], f"{p}/gelu_mul")
+        gelu = node("Mul", [mul, half], f"{p}/gelu")
+        down = node("MatMul", [gelu, weight(f"{p}.down.w", 4 * D_MODEL, D_MODEL)], f"{p}/down")
+        down_b = node("Add", [down, weight(f"{p}.down.b", D_MODEL)], f"{p}/down_bias")
+        x = node("Add", [x, down_b], f"{p}/res2")
+    nodes.append(h.make_node("Identity", [x], ["y"], name="output"))
+    graph = h.make_graph(
+        nodes,
+        "transformer",
+        [h.make_tensor_value_info("x", T.FLOAT, ["batch", SEQ, D_MODEL])],
+        [h.make_tensor_value_info("y", T.FLOAT, ["batch", SEQ, D_MODEL])],
+        initializer=inits,
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    model.ir_version = 9
+    return model
+
+
+def best_of(repeat: int, fn, model: onnx.ModelProto) -> tuple[float, object]:
+    best, result = float("inf"), None
+    for _ in range(repeat):
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        start = time.perf_counter()
+        result = fn(copy)
+        best = min(best, time.perf_counter() - start)
+    return best, result
+
+
+def ort_status(model: onnx.ModelProto | ir.Model, feed: np.ndarray) -> str:
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        session = ort.InferenceSession(
+            proto.SerializeToString(), options, providers=["CPUExecutionProvider"]
+        )
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        return "no: " + str(e).strip().splitlines()[0][:70]
+    try:
+        inp = session.get_inputs()[0]
+        y = session.run(
+            None,
+            {inp.name: feed.astype(np.float16 if inp.type == "tensor(float16)" else np.float32)},
+        )[0]
+    except Exception as e:  # noqa: BLE001
+        return "loads, run fails: " + str(e).strip().splitlines()[0][:60]
+    return "loads+runs" + ("" if np.isfinite(y).all() else " (NaN/inf)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--blocks", type=int, default=310)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--profile", action="store_true")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore")  # onnxconverter-common warns about truncated weights
+
+    from onnxconverter_common import __version__ as occ_version
+    from onnxconverter_common import float16
+
+    model = build_transformer(args.blocks)
+    feed = np.random.default_rng(1).standard_normal((2, SEQ, D_MODEL)).astype(np.float32)
+    print(
+        f"model: {args.blocks} pre-LN transformer blocks, {len(model.graph.node)} nodes, "
+        f"{len(model.graph.initializer)} initializers, {model.ByteSize() / 1e6:.1f} MB"
+    )
+    print(
+        f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus; "
+        f"onnx {onnx.__version__}, onnx-ir {ir.__version__}, onnxruntime {ort.__version__}, "
+        f"onnxconverter-common {occ_version}; best of {args.repeat}\n"
+    )
+    baseline, occ_model = best_of(
+        args.repeat, lambda m: float16.convert_float_to_float16(m, keep_io_types=True), model
+    )
+    rows = [("onnxconverter-common fp16 (keep_io_types)", baseline, ort_status(occ_model, feed))]  # type: ignore[arg-type]
+    timings: dict[tuple[str, bool], float] = {}
+    for policy in ("bf16", "fp16"):
+        for validate in (True, False):
+            seconds, result = best_of(
+                args.repeat, lambda m, p=policy, v=validate: convert(m, p, validate=v), model
+            )
+            timings[(policy, validate)] = seconds
+            rows.append(
+                (
+                    f"mpgraph {policy}, validate={'on' if validate else 'off'}",
+                    seconds,
+                    ort_status(result, feed),
+                )
+            )  # type: ignore[arg-type]
+    width = max(len(r[0]) for r in rows)
+    print(f"{'converter':<{width}}  {'seconds':>8}  {'vs occ':>7}  ORT CPU")
+    for label, seconds, status in rows:
+        print(f"{label:<{width}}  {seconds:8.3f}  {seconds / baseline:6.2f}x  {status}")
+    print(
+        "\n(bf16 native has no ORT CPU compute kernels, so 'no: ... NOT_IMPLEMENTED' is expected there.)"
+    )
+    slowest = max(timings, key=timings.__getitem__)
+    print(
+        f"mpgraph target < 2 s: slowest configuration {slowest[0]} validate={slowest[1]} took {timings[slowest]:.2f} s"
+    )
+    if args.profile:
+        copy = onnx.ModelProto()
+        copy.CopyFrom(model)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        convert(copy, slowest[0], validate=slowest[1])
+        profiler.disable()
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(25)
+        print(
+            f"\ncProfile of mpgraph {slowest[0]} validate={slowest[1]} (top 25 by cumulative time):"
+        )
+        print("\n".join(line for line in out.getvalue().splitlines() if line.strip())[:6000])
+
+
+if __name__ == "__main__":
+    main()
