@@ -20,6 +20,13 @@ __all__ = [
     "MODEL_STATE_PAIRS",
     "MODEL_TRAINING",
     "MODEL_OPSET_UPGRADED",
+    "MODEL_GRADIENTS",
+    "MODEL_GRAD_SEED",
+    "MODEL_LOSS",
+    "NODE_GRAD_OF",
+    "LOSS_SCALE",
+    "GROWTH_TRACKER",
+    "FOUND_INF",
     "ROLES",
 ]
 
@@ -52,5 +59,22 @@ MODEL_TRAINING = "mpgraph.training"
 
 #: ``<old>-><new>`` when convert upgraded the opset so ops admit the low dtype.
 MODEL_OPSET_UPGRADED = "mpgraph.opset_upgraded"
+
+#: JSON list of ``[parameter input, gradient value]`` pairs of a training step graph: the
+#: gradients the optimizer reads (loss scaling unscales and checks exactly these).
+MODEL_GRADIENTS = "mpgraph.gradients"
+#: Name of the value seeding reverse mode (dloss/dloss = 1); loss scaling multiplies it.
+MODEL_GRAD_SEED = "mpgraph.grad_seed"
+#: Name of the scalar loss value of a training step graph.
+MODEL_LOSS = "mpgraph.loss"
+#: On backward nodes: the name of the forward node whose gradient rule emitted them.
+NODE_GRAD_OF = "mpgraph.grad_of"
+
+#: Graph state input holding the current loss scale (fp32 scalar) when loss scaling is on.
+LOSS_SCALE = "loss_scale"
+#: Graph state input counting finite steps since the last scale change (fp32 scalar).
+GROWTH_TRACKER = "loss_scale/growth_tracker"
+#: Bool scalar graph output: true when a gradient was inf/NaN and the update was skipped.
+FOUND_INF = "found_inf"
 
 ROLES = ("forward", "backward", "loss", "optimizer")
