@@ -1,0 +1,707 @@
+"""Train a step graph on ONNX Runtime (CPU or CUDA) with state resident on the device.
+
+A ``Trainer`` owns one ORT session of a training step graph (``build_training_graph``,
+optionally converted by ``mpgraph.convert``). Every state input of ``MODEL_STATE_PAIRS``
+(parameters, optimizer moments, step counter, running statistics and, with loss scaling,
+``loss_scale`` and its growth tracker) lives in an ``OrtValue`` on the provider's device.
+Two buffer sets and two prebuilt ``IOBinding`` objects alternate: binding A reads set 1 and
+writes set 2, binding B the reverse. A step binds only the batch, runs, and copies back the
+loss (and ``found_inf``/the loss scale when the graph has them), nothing else.
+
+Rules the trainer enforces before the first step:
+
+1. The provider must be available in this ORT build (``cuda`` needs onnxruntime-gpu).
+2. A native float16/bfloat16 lowering (``mpgraph.dtype`` set, ``mpgraph.emulated`` not
+   ``true``) does not run on the CPU provider; convert with ``--emulate`` for CPU.
+3. On CUDA, session-level fallback is disabled (a CUDA failure is an error, not a silent CPU
+   session), and no float-producing node may be assigned to the CPU provider unless
+   ``allow_cpu_fallback=True``. Integer/bool shape arithmetic that ORT places on CPU on
+   purpose is allowed. ``node_providers()`` returns the assignment.
+
+Checkpoints (``save_checkpoint``) hold every state buffer, the step count, the data stream
+position, the metrics so far and a fingerprint of the graph (inputs, outputs and nodes,
+initializer values excluded); ``load_checkpoint`` refuses one from another graph, and
+continuing after it reproduces the uninterrupted run bit for bit on CPU.
+
+Accuracy (``evaluate``): the forward part of the step graph is cut out (from the data
+inputs and parameters to the value named ``logits``, or else the first input of the loss op)
+into an inference session on the same provider, whose parameter inputs are bound to the
+trainer's state buffers, so evaluation copies no weights.
+
+Example:
+    >>> from mpgraph.train_graph import build_training_graph
+    >>> from mpgraph.data import load_dataset
+    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx")  # doctest: +SKIP
+    >>> trainer = Trainer(step, provider="cpu")  # doctest: +SKIP
+    >>> metrics = trainer.fit(dataset, steps=100, lr=1e-3)  # doctest: +SKIP
+    >>> trainer.save_checkpoint("run.ckpt.npz")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import io
+import json
+import logging
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from mpgraph import metadata as md
+from mpgraph.data import Batches, Dataset, InputSpec
+from mpgraph.errors import MpgraphError
+
+__all__ = [
+    "Trainer",
+    "StepResult",
+    "Metrics",
+    "plot_losses",
+    "graph_fingerprint",
+    "PROVIDERS",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Short provider names -> ORT execution providers.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+_LR = "lr"
+_LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+_CHECKPOINT_FORMAT = 1
+_ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+    "tensor(uint8)": np.uint8, "tensor(int8)": np.int8,
+}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step reports.
+
+    Attributes:
+        loss: The step's loss (float32 graph output, as a Python float).
+        loss_scale: The loss scale this step used (``None`` without loss scaling).
+        skipped: True when the graph found inf/NaN gradients and skipped the update.
+        seconds: Wall time of the step (binding, run, reading the loss).
+    """
+
+    loss: float
+    loss_scale: float | None
+    skipped: bool
+    seconds: float
+
+
+@dataclass
+class Metrics:
+    """Per-step records of a run: ``step`` (1-based), ``loss``, ``loss_scale``, ``skipped``,
+    ``seconds``. Written as CSV or JSON; ``plot_losses`` draws several runs."""
+
+    step: list[int] = field(default_factory=list)
+    loss: list[float] = field(default_factory=list)
+    loss_scale: list[float | None] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+
+    def append(self, step: int, result: StepResult) -> None:
+        self.step.append(step)
+        self.loss.append(result.loss)
+        self.loss_scale.append(result.loss_scale)
+        self.skipped.append(result.skipped)
+        self.seconds.append(result.seconds)
+
+    def __len__(self) -> int:
+        return len(self.step)
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """Columns as lists; non-finite floats become ``None`` (valid JSON)."""
+
+        def clean(x: float | None) -> float | None:
+            return None if x is None or not math.isfinite(x) else x
+
+        return {
+            "step": list(self.step),
+            "loss": [clean(x) for x in self.loss],
+            "loss_scale": [clean(x) for x in self.loss_scale],
+            "skipped": list(self.skipped),
+            "seconds": list(self.seconds),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
+        return cls(
+            [int(s) for s in d["step"]],
+            [math.nan if x is None else float(x) for x in d["loss"]],
+            [None if x is None else float(x) for x in d["loss_scale"]],
+            [bool(x) for x in d["skipped"]],
+            [float(x) for x in d["seconds"]],
+        )
+
+    def summary(self) -> dict[str, Any]:
+        """Steps, first/last loss, skipped steps, final scale, median steps per second."""
+        secs = sorted(self.seconds)
+        return {
+            "steps": len(self),
+            "first_loss": self.loss[0] if self.loss else None,
+            "last_loss": self.loss[-1] if self.loss else None,
+            "skipped": int(sum(self.skipped)),
+            "loss_scale": self.loss_scale[-1] if self.loss_scale else None,
+            "steps_per_s": 1.0 / secs[len(secs) // 2] if secs and secs[len(secs) // 2] > 0 else None,
+        }
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write ``step,loss,loss_scale,skipped,seconds`` rows (atomically)."""
+        buf = io.StringIO()
+        w = csv.writer(buf, lineterminator="\n")
+        w.writerow(["step", "loss", "loss_scale", "skipped", "seconds"])
+        for row in zip(self.step, self.loss, self.loss_scale, self.skipped, self.seconds):
+            s, loss, scale, skipped, secs = row
+            w.writerow([s, repr(loss), "" if scale is None else repr(scale), int(skipped), f"{secs:.6g}"])
+        _write_atomic(path, buf.getvalue().encode())
+
+    def to_json(self, path: str | os.PathLike[str]) -> None:
+        """Write ``{"summary": ..., "metrics": {column: [...]}}`` (atomically)."""
+        doc = {"summary": self.summary(), "metrics": self.to_dict()}
+        _write_atomic(path, (json.dumps(doc, allow_nan=False) + "\n").encode())
+
+
+def _write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    target = Path(path)
+    if target.is_dir():
+        raise MpgraphError(f"{target}: is a directory")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise MpgraphError(f"{target}: folder {folder} does not exist")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def graph_fingerprint(model: ir.Model | onnx.ModelProto) -> str:
+    """SHA-256 of a graph's interface and nodes, ignoring initializer values, docs and metadata.
+
+    Two step graphs share a fingerprint when their inputs, outputs (names, types, shapes),
+    opsets and nodes (op, domain, inputs, outputs, attributes) are equal, so a checkpoint
+    taken on one can be resumed on the other.
+    """
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    h = hashlib.sha256()
+    for op in sorted((o.domain, o.version) for o in proto.opset_import):
+        h.update(repr(op).encode())
+    for group in (proto.graph.input, proto.graph.output):
+        for v in group:
+            h.update(v.name.encode() + b"\0" + v.type.SerializeToString(deterministic=True))
+        h.update(b"\1")
+    for node in proto.graph.node:
+        n = onnx.NodeProto()
+        n.CopyFrom(node)
+        n.ClearField("doc_string")
+        n.ClearField("metadata_props")
+        h.update(n.SerializeToString(deterministic=True))
+    return h.hexdigest()[:32]
+
+
+def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) -> ir.Model:
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, bytes):
+        return ir.from_proto(onnx.load_from_string(model))
+    from mpgraph.io import load_model
+
+    return load_model(model)
+
+
+class Trainer:
+    """Runs a training step graph on ORT with its state kept on the device.
+
+    Args:
+        model: A training step graph (onnx-ir, protobuf, bytes or path).
+        provider: ``cpu`` or ``cuda``.
+        device_id: CUDA device ordinal.
+        threads: Intra-op threads (``None``: ORT's default).
+        allow_cpu_fallback: On CUDA, accept float nodes that ORT assigns to the CPU provider.
+        track_scale: Read the loss scale back every step (one fp32 scalar) for the metrics.
+        state: Initial state values overriding the graph's initializers.
+
+    Raises:
+        MpgraphError: Not a step graph, provider unavailable, a native low-precision graph on
+            CPU, or (CUDA) float nodes falling back to CPU.
+    """
+
+    def __init__(
+        self,
+        model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str],
+        provider: str = "cpu",
+        *,
+        device_id: int = 0,
+        threads: int | None = None,
+        allow_cpu_fallback: bool = False,
+        track_scale: bool = True,
+        state: Mapping[str, np.ndarray] | None = None,
+    ) -> None:
+        self.model = _load(model)
+        props = self.model.metadata_props
+        raw = props.get(md.MODEL_STATE_PAIRS)
+        if raw is None:
+            raise MpgraphError("not a training step graph (no mpgraph.state_pairs metadata); build one with `mpgraph train-graph`")
+        self.pairs: list[tuple[str, str]] = [(a, b) for a, b in json.loads(raw)]
+        if provider not in PROVIDERS:
+            raise MpgraphError(f"unknown provider '{provider}'; valid: {', '.join(PROVIDERS)}")
+        ep = PROVIDERS[provider]
+        if ep not in ort.get_available_providers():
+            raise MpgraphError(
+                f"provider '{provider}' ({ep}) is not available in this onnxruntime build "
+                f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda"
+            )
+        dtype = props.get(md.MODEL_DTYPE)
+        if provider == "cpu" and dtype in ("float16", "bfloat16") and props.get(md.MODEL_EMULATED) != "true":
+            raise MpgraphError(
+                f"this graph is a native {dtype} lowering, which ORT's CPU provider cannot run "
+                f"(no {dtype} compute kernels); convert the fp32 step graph with --emulate for CPU, or use --provider cuda"
+            )
+        self.provider = provider
+        self.device = "cuda" if provider == "cuda" else "cpu"
+        self.device_id = device_id if provider == "cuda" else 0
+        self.fingerprint = graph_fingerprint(self.model)
+
+        state_names = {a for a, _ in self.pairs}
+        proto = ir.to_proto(self.model)
+        inits = {t.name: t for t in proto.graph.initializer}
+        missing = [a for a in state_names if a not in inits and (state is None or a not in state)]
+        if missing:
+            raise MpgraphError(f"state input(s) {', '.join(missing[:5])} have no initial value (initializer)")
+        initial = {a: (np.asarray(state[a]) if state is not None and a in state else onnx.numpy_helper.to_array(inits[a]))
+                   for a, _ in self.pairs}
+        lr_init = inits.get(_LR)
+        self.default_lr = float(onnx.numpy_helper.to_array(lr_init)) if lr_init is not None else None
+        # State initial values live in the trainer's buffers; the session gets no copy.
+        kept = [t for t in proto.graph.initializer if t.name not in state_names]
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
+
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        if threads is not None:
+            options.intra_op_num_threads = threads
+        providers: list[Any] = [ep] if provider == "cpu" else [(ep, {"device_id": str(device_id)}), "CPUExecutionProvider"]
+        try:
+            self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
+            raise MpgraphError(f"onnxruntime cannot load the step graph on {provider}: {str(e).splitlines()[0]}") from None
+        if provider == "cuda":
+            self.session.disable_fallback()
+            if ep not in self.session.get_providers():
+                raise MpgraphError(f"onnxruntime did not start {ep} for this graph")
+            self._check_fallback(allow_cpu_fallback)
+
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.loss_name = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else next(iter(outputs)))
+        self.found_inf_name = md.FOUND_INF if md.FOUND_INF in outputs else None
+        self.has_loss_scale = md.LOSS_SCALE in state_names
+        self.track_scale = track_scale
+        state_outs = {b for _, b in self.pairs}
+        self._extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
+        graph_inputs = {v.name: v for v in self.model.graph.inputs}
+        self.data_inputs = [
+            InputSpec(name, np.dtype(v.dtype.numpy() if v.dtype is not None else np.float32),
+                      tuple(d if isinstance(d, int) else str(d) for d in v.shape) if v.shape is not None else None)
+            for name, v in graph_inputs.items() if name not in state_names and name != _LR
+        ]
+        self._has_lr = _LR in graph_inputs
+        self._loss_out = self._host_scalar(outputs[self.loss_name].type)
+        self._found_out = self._host_scalar(outputs[self.found_inf_name].type) if self.found_inf_name else None
+        self._lr_value: float | None = None
+        self._lr_buf: ort.OrtValue | None = None
+        self._set_state(initial)
+        self.steps = 0
+        self.metrics = Metrics()
+        self._batches: Batches | None = None
+        self._batches_source: Any = None
+        self._pending_position: tuple[int, int] | None = None
+        self._eval: tuple[ort.InferenceSession, str, list[str]] | None = None
+
+    # -- buffers -------------------------------------------------------------------------
+
+    @staticmethod
+    def _host_scalar(type_str: str) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.zeros((), _ORT_TYPES.get(type_str, np.float32)))
+
+    def _device_value(self, array: np.ndarray) -> ort.OrtValue:
+        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
+
+    def _set_state(self, values: Mapping[str, np.ndarray]) -> None:
+        """Upload ``values`` into fresh device buffers, allocate the spare set, prebind both ways."""
+        self._state: dict[str, ort.OrtValue] = {}
+        self._spare: dict[str, ort.OrtValue] = {}
+        for name, _ in self.pairs:
+            array = np.array(values[name], copy=True, order="C")
+            self._state[name] = self._device_value(array)
+            self._spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                list(array.shape), array.dtype, self.device, self.device_id
+            )
+        self._bindings = [self._make_binding(self._state, self._spare), self._make_binding(self._spare, self._state)]
+        self._parity = 0
+
+    def _make_binding(self, read: Mapping[str, ort.OrtValue], write: Mapping[str, ort.OrtValue]) -> ort.IOBinding:
+        binding = self.session.io_binding()
+        for name, out in self.pairs:
+            binding.bind_ortvalue_input(name, read[name])
+            binding.bind_ortvalue_output(out, write[name])
+        binding.bind_ortvalue_output(self.loss_name, self._loss_out)
+        if self.found_inf_name is not None and self._found_out is not None:
+            binding.bind_ortvalue_output(self.found_inf_name, self._found_out)
+        for name in self._extra_outputs:
+            binding.bind_output(name, self.device, self.device_id)
+        if self._lr_buf is not None:
+            binding.bind_ortvalue_input(_LR, self._lr_buf)
+        return binding
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """Current state values (host copies), by state input name."""
+        return {name: self._state[name].numpy().copy() for name, _ in self.pairs}
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The current loss scale, or ``None`` without loss scaling."""
+        return float(self._state[md.LOSS_SCALE].numpy()) if self.has_loss_scale else None
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def _bind_lr(self, lr: float | None) -> None:
+        if not self._has_lr:
+            if lr is not None:
+                raise MpgraphError("this step graph has no 'lr' input (built without an optimizer?)")
+            return
+        value = lr if lr is not None else self.default_lr
+        if value is None or value == self._lr_value:
+            return
+        self._lr_buf = ort.OrtValue.ortvalue_from_numpy(np.asarray(value, dtype=np.float32))
+        self._lr_value = value
+        for binding in self._bindings:
+            binding.bind_ortvalue_input(_LR, self._lr_buf)
+
+    def step(self, batch: Mapping[str, np.ndarray], lr: float | None = None) -> StepResult:
+        """Run one training step on ``batch`` (data input name -> array).
+
+        Args:
+            batch: Arrays for every data input (``x``, ``label``, ...).
+            lr: Learning rate (``None``: the graph's default).
+        """
+        start = time.perf_counter()
+        self._bind_lr(lr)
+        binding = self._bindings[self._parity]
+        keep = []
+        for spec in self.data_inputs:
+            if spec.name not in batch:
+                raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[spec.name]))
+            keep.append(value)
+            binding.bind_ortvalue_input(spec.name, value)
+        scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
+        self.session.run_with_iobinding(binding)
+        self._state, self._spare = self._spare, self._state
+        self._parity ^= 1
+        self.steps += 1
+        loss = float(self._loss_out.numpy())
+        skipped = bool(self._found_out.numpy()) if self._found_out is not None else False
+        result = StepResult(loss, scale, skipped, time.perf_counter() - start)
+        self.metrics.append(self.steps, result)
+        return result
+
+    def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
+        source = data.train if isinstance(data, Dataset) else data
+        b = self._batches
+        if b is None or self._batches_source is not source or b.batch_size != min(batch_size, b.n) or b.seed != seed:
+            position = self._pending_position or (0, 0)
+            b = self._batches = Batches(source, batch_size, seed, position)
+            self._batches_source = source
+            self._pending_position = None
+        return b
+
+    def fit(
+        self,
+        data: Dataset | Mapping[str, np.ndarray] | Iterable[Mapping[str, np.ndarray]],
+        steps: int,
+        lr: float | None = None,
+        *,
+        batch_size: int = 64,
+        seed: int = 0,
+        progress: bool = False,
+        callback: Callable[[int, StepResult], None] | None = None,
+    ) -> Metrics:
+        """Run ``steps`` steps and return all metrics so far (also ``self.metrics``).
+
+        Args:
+            data: A ``Dataset`` (its train split) or arrays by input name: batched in a seeded
+                order whose position checkpoints keep; or any iterable of ready batches.
+            steps: Steps to run now.
+            lr: Learning rate (``None``: the graph's default).
+            batch_size: Samples per batch.
+            seed: Shuffle seed.
+            progress: Log the loss at INFO level about every tenth of the run.
+            callback: Called after every step with the step number and its result.
+        """
+        if steps < 0:
+            raise MpgraphError(f"steps must be >= 0, got {steps}")
+        it: Iterator[Mapping[str, np.ndarray]]
+        if isinstance(data, (Dataset, Mapping)):
+            it = self._batches_for(data, batch_size, seed)
+        else:
+            it = iter(data)
+        every = max(steps // 10, 1)
+        for i in range(steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            result = self.step(batch, lr)
+            if callback is not None:
+                callback(self.steps, result)
+            if progress and ((i + 1) % every == 0 or i + 1 == steps):
+                logger.info("step %d: loss %.5g%s%s", self.steps, result.loss,
+                            f", scale {result.loss_scale:g}" if result.loss_scale is not None else "",
+                            ", skipped" if result.skipped else "")
+        return self.metrics
+
+    # -- checkpoints ---------------------------------------------------------------------
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write all state, the step count, data position, metrics and the graph fingerprint
+        to ``path`` (an ``.npz``), atomically: a reader never sees a partial file."""
+        meta = {
+            "format": _CHECKPOINT_FORMAT,
+            "fingerprint": self.fingerprint,
+            "steps": self.steps,
+            "names": [name for name, _ in self.pairs],
+            "data": self._batches.state() if self._batches is not None else None,
+            "lr": self._lr_value,
+            "metrics": self.metrics.to_dict(),
+        }
+        arrays = {f"s{i}": self._state[name].numpy() for i, (name, _) in enumerate(self.pairs)}
+        buf = io.BytesIO()
+        np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
+        _write_atomic(path, buf.getvalue())
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by ``save_checkpoint`` for this same graph.
+
+        Raises:
+            MpgraphError: Missing/unreadable file, or a checkpoint of a different graph.
+        """
+        p = Path(path)
+        if not p.exists():
+            raise MpgraphError(f"{p}: no such checkpoint")
+        try:
+            with np.load(p, allow_pickle=False) as z:
+                meta = json.loads(z["__meta__"].tobytes().decode())
+                arrays = {name: z[f"s{i}"] for i, name in enumerate(meta["names"])}
+        except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError) as e:
+            raise MpgraphError(f"{p}: not an mpgraph checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        if meta.get("format") != _CHECKPOINT_FORMAT:
+            raise MpgraphError(f"{p}: checkpoint format {meta.get('format')} is not {_CHECKPOINT_FORMAT}")
+        if meta["fingerprint"] != self.fingerprint:
+            raise MpgraphError(
+                f"{p}: checkpoint is from a different graph (fingerprint {meta['fingerprint']}, this graph "
+                f"{self.fingerprint}); resume with the step graph it was saved from"
+            )
+        current = {name: self._state[name] for name, _ in self.pairs}
+        for name, array in arrays.items():
+            want = current[name]
+            if list(array.shape) != list(want.shape()):
+                raise MpgraphError(f"{p}: state '{name}' has shape {list(array.shape)}, the graph wants {want.shape()}")
+        self._set_state(arrays)
+        self.steps = int(meta["steps"])
+        self.metrics = Metrics.from_dict(meta["metrics"])
+        data = meta.get("data")
+        self._batches = None
+        self._pending_position = (int(data["epoch"]), int(data["index"])) if data else None
+        self._lr_value = None
+        self._lr_buf = None
+        if meta.get("lr") is not None:
+            self._bind_lr(float(meta["lr"]))
+
+    # -- inspection ----------------------------------------------------------------------
+
+    def node_providers(self) -> dict[str, str]:
+        """Node name -> execution provider ORT assigned it (empty if this ORT cannot say)."""
+        get = getattr(self.session, "get_provider_graph_assignment_info", None)
+        if get is None:
+            return {}
+        out: dict[str, str] = {}
+        for sub in get():
+            for node in sub.get_nodes():
+                out[node.name] = sub.ep_name
+        return out
+
+    def _check_fallback(self, allow: bool) -> None:
+        assignment = self.node_providers()
+        if not assignment:
+            logger.warning("this onnxruntime does not report node placement; CPU fallback not checked")
+            return
+        nodes = {n.name: n for n in self.model.graph}
+        bad = []
+        for name, ep in assignment.items():
+            node = nodes.get(name)
+            if ep != "CPUExecutionProvider" or node is None:
+                continue
+            if any(o.dtype is not None and o.dtype.is_floating_point() for o in node.outputs):
+                bad.append(f"{name} ({node.op_type})")
+        if bad and not allow:
+            raise MpgraphError(
+                f"{len(bad)} float node(s) fall back to CPU on cuda, e.g. {', '.join(bad[:4])}; "
+                "pass --allow-cpu-fallback to run anyway"
+            )
+        if bad:
+            logger.warning("%d float nodes run on CPU: %s", len(bad), ", ".join(bad[:8]))
+
+    # -- evaluation ----------------------------------------------------------------------
+
+    def _logits_name(self) -> str:
+        values = {v.name for n in self.model.graph for v in n.outputs}
+        if "logits" in values:
+            return "logits"
+        for node in self.model.graph:
+            if node.op_type in _LOSS_OPS and node.inputs[0] is not None and node.inputs[0].name:
+                return node.inputs[0].name
+        raise MpgraphError("cannot evaluate: the step graph has no 'logits' value and no SoftmaxCrossEntropyLoss/NLL loss op")
+
+    def forward_model(self) -> onnx.ModelProto:
+        """The forward part of the step graph: data inputs and parameters -> ``logits``."""
+        proto = ir.to_proto(self.model)
+        target = self._logits_name()
+        needed = {target}
+        keep = []
+        for node in reversed(proto.graph.node):
+            if any(o in needed for o in node.output):
+                keep.append(node)
+                needed.update(i for i in node.input if i)
+        keep.reverse()
+        state_names = {a for a, _ in self.pairs}
+        g = proto.graph
+        logits = next((v for n in self.model.graph for v in n.outputs if v.name == target), None)
+        elem = logits.dtype.value if logits is not None and logits.dtype is not None else onnx.TensorProto.FLOAT
+        graph = onnx.helper.make_graph(
+            keep, "forward",
+            [i for i in g.input if i.name in needed],
+            [onnx.helper.make_tensor_value_info(target, elem, None)],
+            initializer=[t for t in g.initializer if t.name in needed and t.name not in state_names],
+        )
+        fwd = onnx.helper.make_model(graph, opset_imports=list(proto.opset_import))
+        fwd.ir_version = proto.ir_version
+        return fwd
+
+    def _eval_session(self) -> tuple[ort.InferenceSession, str, list[str]]:
+        if self._eval is None:
+            fwd = self.forward_model()
+            options = ort.SessionOptions()
+            options.log_severity_level = 3
+            providers = self.session.get_providers()
+            session = ort.InferenceSession(fwd.SerializeToString(), options, providers=providers)
+            self._eval = (session, fwd.graph.output[0].name, [i.name for i in fwd.graph.input])
+        return self._eval
+
+    def predict(self, arrays: Mapping[str, np.ndarray], batch_size: int = 512) -> np.ndarray:
+        """Logits of the forward model on ``arrays`` with the current parameters."""
+        session, out_name, inputs = self._eval_session()
+        state_names = {a for a, _ in self.pairs}
+        data = [n for n in inputs if n not in state_names]
+        n = len(next(iter(arrays.values())))
+        parts = []
+        for start in range(0, n, batch_size):
+            binding = session.io_binding()
+            keep = []
+            for name in inputs:
+                if name in state_names:
+                    binding.bind_ortvalue_input(name, self._state[name])
+                else:
+                    if name not in arrays:
+                        raise MpgraphError(f"evaluation data has no array for input '{name}'")
+                    keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arrays[name][start:start + batch_size])))
+                    binding.bind_ortvalue_input(name, keep[-1])
+            binding.bind_output(out_name, "cpu")
+            session.run_with_iobinding(binding)
+            parts.append(binding.get_outputs()[0].numpy())
+        del data
+        return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
+
+    def evaluate(self, arrays: Mapping[str, np.ndarray], *, label: str = "label", batch_size: int = 512) -> dict[str, float]:
+        """Classification accuracy of the current parameters on ``arrays`` (e.g. a test split).
+
+        Logits ``[..., C]`` are compared with integer labels position by position (a language
+        model's ``[N*T, C]`` logits with ``[N, T]`` labels work too). A training-mode
+        BatchNormalization in the step graph normalises with batch statistics here as well.
+        """
+        if label not in arrays or np.asarray(arrays[label]).dtype.kind not in "iu":
+            raise MpgraphError(f"cannot evaluate accuracy: no integer '{label}' array")
+        logits = self.predict(arrays, batch_size)
+        labels = np.asarray(arrays[label]).reshape(-1)
+        pred = logits.reshape(-1, logits.shape[-1]).argmax(-1)
+        if pred.shape != labels.shape:
+            raise MpgraphError(f"cannot evaluate: {pred.size} predictions for {labels.size} labels")
+        return {"accuracy": float((pred == labels).mean()), "samples": float(labels.size)}
+
+
+def plot_losses(runs: Mapping[str, Metrics | Mapping[str, Any]], path: str | os.PathLike[str], *,
+                title: str | None = None) -> None:
+    """Draw the loss curves of several runs in one PNG (skipped steps marked with x).
+
+    Args:
+        runs: Label -> ``Metrics`` (or its ``to_dict()``).
+        path: Output ``.png`` (written atomically).
+        title: Figure title.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise MpgraphError("plotting needs matplotlib: pip install 'mpgraph[data]'") from None
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
+    positive = True
+    try:
+        for label, m in runs.items():
+            d = m.to_dict() if isinstance(m, Metrics) else m
+            steps = np.asarray(d["step"])
+            loss = np.asarray([math.nan if x is None else x for x in d["loss"]], dtype=np.float64)
+            positive = positive and bool(np.all(loss[np.isfinite(loss)] > 0))
+            line, = ax.plot(steps, loss, label=label, linewidth=1.2)
+            skipped = np.asarray(d["skipped"], dtype=bool)
+            if skipped.any():
+                y = np.where(np.isfinite(loss[skipped]), loss[skipped], np.nanmax(loss) if np.isfinite(loss).any() else 1.0)
+                ax.scatter(steps[skipped], y, marker="x", color=line.get_color(), s=16, label=f"{label}: skipped")
+        if positive:
+            ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss")
+        if title:
+            ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    _write_atomic(path, buf.getvalue())
