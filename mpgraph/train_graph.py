@@ -73,7 +73,9 @@ def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
     return [] if raw is None else [(a, b) for a, b in json.loads(raw)]
 
 
-def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ir.Model:
+def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> tuple[ir.Model, bool]:
+    """The model as onnx-ir at opset >= 18 with inferred shapes, and whether its graph inputs
+    can mark parameters (IR < 4 lists every initializer as an input, so they cannot)."""
     if isinstance(model, (str, os.PathLike)):
         proto = onnx.load(str(model))
     elif isinstance(model, ir.Model):
@@ -84,6 +86,9 @@ def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ir
     if any(n.op_type in ("If", "Loop", "Scan") for n in proto.graph.node):
         raise UnsupportedModelError("control flow (If/Loop/Scan) is not supported by train-graph")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    inputs_mark_params = proto.ir_version >= 4
+    if opset < 7:
+        _legacy_prelu_slopes(proto)
     if opset < MIN_OPSET:
         proto.ir_version = max(proto.ir_version, 8)
         _inputs_for_initializers(proto)
@@ -95,7 +100,25 @@ def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ir
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as e:  # noqa: BLE001
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
-    return ir.from_proto(proto)
+    return ir.from_proto(proto), inputs_mark_params
+
+
+def _legacy_prelu_slopes(proto: onnx.ModelProto) -> None:
+    """Before opset 7 a 1-D PRelu slope applied per channel; make that explicit ([C, 1, ...])."""
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(inferred.graph.input) + list(inferred.graph.value_info)}
+    inits = {t.name: t for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "PRelu" or node.input[1] not in inits:
+            continue
+        slope, rank = inits[node.input[1]], ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            new_dims = [slope.dims[0]] + [1] * (rank - 2)
+            del slope.dims[:]
+            slope.dims.extend(new_dims)
+            for value in proto.graph.input:
+                if value.name == slope.name:
+                    value.type.tensor_type.shape.CopyFrom(onnx.helper.make_tensor_type_proto(slope.data_type, new_dims).tensor_type.shape)
 
 
 def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
@@ -247,7 +270,7 @@ def build_training_graph(
     if batchnorm not in ("train", "eval"):
         raise GradientError(f"batchnorm must be 'train' or 'eval', got '{batchnorm}'")
     opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
-    m = _normalize(model)
+    m, inputs_mark_params = _normalize(model)
     graph = m.graph
     graph.opset_imports[""] = opset = max(graph.opset_imports.get("", MIN_OPSET), MIN_OPSET)
     _name_nodes(graph)
@@ -260,7 +283,7 @@ def build_training_graph(
     state: list[tuple[ir.Value, ir.Value]] = []
     _training_mode(graph, batchnorm, state, fwd)
 
-    params = _select_params(graph, freeze, trainable_inputs, {s.name for s, _ in state})
+    params = _select_params(graph, freeze, trainable_inputs, {s.name for s, _ in state}, inputs_mark_params)
     graph.outputs.clear()
     graph.outputs.append(loss_value)
     _prune(graph)
@@ -355,9 +378,9 @@ def _training_mode(graph: ir.Graph, batchnorm: str, state: list[tuple[ir.Value, 
 
 
 def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Sequence[str],
-                   exclude: set[str]) -> list[ir.Value]:
+                   exclude: set[str], inputs_mark_params: bool) -> list[ir.Value]:
     floats = {n: v for n, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and n not in exclude}
-    explicit = [v for v in graph.inputs if v.name in floats]
+    explicit = [v for v in graph.inputs if v.name in floats] if inputs_mark_params else []
     if explicit:
         candidates = explicit
     else:

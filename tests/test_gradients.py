@@ -165,6 +165,8 @@ CASES: list[Case] = _binary_cases() + [
          lambda x: F.max_pool2d(x, 2, 2)),
     Case("MaxPool2d-overlap-pad", "MaxPool", [Var((2, 2, 7, 7))], {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1]},
          lambda x: F.max_pool2d(x, 3, 2, 1)),
+    Case("MaxPool1d-dilation-pad", "MaxPool", [Var((2, 2, 40))], {"kernel_shape": [5], "strides": [3], "pads": [2, 2], "dilations": [2]},
+         lambda x: F.max_pool1d(x, 5, 3, 2, dilation=2)),
     Case("MaxPool1d", "MaxPool", [Var((2, 3, 9))], {"kernel_shape": [3], "strides": [2]}, lambda x: F.max_pool1d(x, 3, 2)),
     Case("AveragePool2d", "AveragePool", [Var(("N", 2, 6, 6))], {"kernel_shape": [2, 2], "strides": [2, 2]},
          lambda x: F.avg_pool2d(x, 2, 2), dtype="float32", note=FP32_POOL),
