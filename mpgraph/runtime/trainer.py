@@ -183,7 +183,10 @@ def _write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     if not folder.is_dir():
         raise MpgraphError(f"{target}: folder {folder} does not exist")
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
+    mask = os.umask(0)
+    os.umask(mask)
     try:
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file ordinary permissions
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -1,0 +1,143 @@
+"""``mpgraph train``: run a training step graph on a dataset with a progress bar.
+
+Everything that can fail before the first step (model, provider, dtype on that provider,
+dataset, resume checkpoint, output folders) is checked first, so a run that cannot start
+writes nothing and leaves an existing checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from mpgraph.errors import MpgraphError
+
+__all__ = ["register", "train"]
+
+
+def _vocab(trainer: object, token_input: str) -> int | None:
+    """Rows of the embedding table a token input indexes (a Gather on it), if any."""
+    for node in trainer.model.graph:  # type: ignore[attr-defined]
+        if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None \
+                and node.inputs[1].name == token_input and node.inputs[0] is not None \
+                and node.inputs[0].shape is not None and isinstance(node.inputs[0].shape[0], int):
+            return int(node.inputs[0].shape[0])
+    return None
+
+
+def _check_folder(path: Path | None, what: str) -> None:
+    if path is None:
+        return
+    if path.is_dir():
+        raise MpgraphError(f"--{what} {path}: is a directory")
+    folder = path.parent
+    if not folder.is_dir():
+        raise MpgraphError(f"--{what} {path}: folder {folder} does not exist")
+
+
+def train(
+    step: Annotated[Path, typer.Argument(help="Training step graph (.onnx from `mpgraph train-graph`, optionally converted).")],
+    data: Annotated[str, typer.Option("--data", "-d", help="digits, sequence, or a .npz whose keys are graph input names (test_<name> for the test split).")] = "digits",
+    steps: Annotated[int, typer.Option("--steps", "-n", help="Steps to run (after --resume: steps more).")] = 1000,
+    lr: Annotated[float | None, typer.Option("--lr", help="Learning rate; default: the graph's lr initializer.")] = None,
+    batch: Annotated[int, typer.Option("--batch", "-b", help="Batch size.")] = 64,
+    provider: Annotated[str, typer.Option("--provider", help="cpu or cuda.")] = "cpu",
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Write a checkpoint (.npz) here at the end (and every --checkpoint-every steps).")] = None,
+    checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Also checkpoint every N steps (0: only at the end).")] = 0,
+    resume: Annotated[Path | None, typer.Option("--resume", help="Continue from this checkpoint (must come from the same graph).")] = None,
+    metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-step metrics: .csv, or .json with a summary.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", help="PNG of the loss curve.")] = None,
+    seed: Annotated[int, typer.Option("--seed", help="Data shuffle (and generated data) seed.")] = 0,
+    threads: Annotated[int | None, typer.Option("--threads", help="ORT intra-op threads.")] = None,
+    allow_cpu_fallback: Annotated[bool, typer.Option("--allow-cpu-fallback", help="cuda: run even if float nodes are placed on CPU.")] = False,
+    evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Report test accuracy at the end (classification data).")] = True,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the summary line.")] = False,
+) -> None:
+    """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
+    from mpgraph.cli.main import console
+    from mpgraph.data import dataset_for_model
+    from mpgraph.runtime.trainer import Trainer, plot_losses
+
+    if steps < 0:
+        raise MpgraphError(f"--steps must be >= 0, got {steps}")
+    if batch < 1:
+        raise MpgraphError(f"--batch must be >= 1, got {batch}")
+    for path, what in ((checkpoint, "checkpoint"), (metrics, "metrics"), (plot, "plot")):
+        _check_folder(path, what)
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise MpgraphError(f"--plot {plot}: must end in .png")
+
+    trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback)
+    tokens = next((s.name for s in trainer.data_inputs if s.dtype.kind in "iu" and s.name != "label"), None)
+    vocab = _vocab(trainer, tokens) if tokens is not None else None
+    dataset = dataset_for_model(data, trainer.data_inputs, seed=seed, vocab=vocab)
+    if resume is not None:
+        trainer.load_checkpoint(resume)
+    start_step = trainer.steps
+
+    def save() -> None:
+        if checkpoint is not None:
+            trainer.save_checkpoint(checkpoint)
+
+    columns = (
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+    )
+    began = time.perf_counter()
+    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        task = bar.add_task("train", total=steps, info="")
+        skipped = 0
+
+        def on_step(n: int, result: object) -> None:
+            nonlocal skipped
+            skipped += bool(result.skipped)  # type: ignore[attr-defined]
+            done = n - start_step
+            if done % 10 == 0 or done == steps:
+                rate = done / max(time.perf_counter() - began, 1e-9)
+                scale = result.loss_scale  # type: ignore[attr-defined]
+                info = f"loss {result.loss:.4g}" + (f"  scale {scale:g}" if scale is not None else "")  # type: ignore[attr-defined]
+                bar.update(task, completed=done, info=f"{info}  skipped {skipped}  {rate:.0f} steps/s")
+            if checkpoint_every and n % checkpoint_every == 0:
+                save()
+
+        try:
+            trainer.fit(dataset, steps, lr, batch_size=batch, seed=seed, callback=on_step)
+        except KeyboardInterrupt:
+            save()
+            raise
+    elapsed = time.perf_counter() - began
+    save()
+    if metrics is not None:
+        if metrics.suffix.lower() == ".json":
+            trainer.metrics.to_json(metrics)
+        else:
+            trainer.metrics.to_csv(metrics)
+    if plot is not None:
+        plot_losses({step.stem: trainer.metrics}, plot, title=f"{step.name} on {data}")
+    summary = trainer.metrics.summary()
+    run = trainer.steps - start_step
+    parts = [f"{run} steps in {elapsed:.1f}s ({run / max(elapsed, 1e-9):.0f} steps/s) on {provider}"]
+    if summary["last_loss"] is not None:
+        parts.append(f"loss {summary['first_loss']:.4g} -> {summary['last_loss']:.4g}")
+    if summary["loss_scale"] is not None:
+        parts.append(f"scale {summary['loss_scale']:g}")
+    parts.append(f"skipped {summary['skipped']}")
+    if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
+        try:
+            acc = trainer.evaluate(dataset.test)
+            parts.append(f"test accuracy {acc['accuracy']:.3f}")
+        except MpgraphError as e:
+            parts.append(f"no accuracy ({e})")
+    written = [str(p) for p in (checkpoint, metrics, plot) if p is not None]
+    console.print(", ".join(parts) + (f"; wrote {', '.join(written)}" if written else ""), highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``train`` to the ``mpgraph`` app."""
+    from mpgraph.cli.main import handle_errors
+
+    app.command("train")(handle_errors(train))
