@@ -1,0 +1,83 @@
+"""ORT CPU step time of mpgraph training graphs next to torch eager CPU, per zoo model.
+
+Both sides run the same model, batch, loss and AdamW step on the same number of threads; the
+ORT side is one ``CpuRunner.step`` (state stays in OrtValues), the torch side is
+``zero_grad; forward; loss; backward; step``. Prints the median step time of each and the
+ratio (target: ORT <= 1.5x torch).
+
+Run: ``.venv/bin/python benchmarks/bench_train_step.py [--threads 2] [--steps 30]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from models.zoo import ZOO  # noqa: E402
+
+from mpgraph.runtime.cpu_runner import CpuRunner  # noqa: E402
+from mpgraph.train_graph import build_training_graph  # noqa: E402
+
+BATCH = {"tiny_mlp": 64, "wide_mlp": 256, "dqn_cnn": 32, "gpt": 8, "resnet": 32}
+
+
+def _loss(entry, logits, label):
+    if entry.loss == "cross_entropy":
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2), label.flatten())
+    return torch.nn.functional.mse_loss(logits, label)
+
+
+def _median_ms(fn, steps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--models", default=",".join(ZOO))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for name in args.models.split(","):
+        entry, batch = ZOO[name], BATCH[name]
+        x, label = entry.example_input(batch), entry.example_label(batch)
+        step = build_training_graph(ROOT / "models" / "onnx" / f"{name}.loss.onnx", optimizer="adamw", lr=1e-4)
+        runner = CpuRunner(step, threads=args.threads)
+        feeds = {"tokens" if entry.vocab else "x": x.numpy(), "label": label.numpy()}
+        ort_ms = _median_ms(lambda: runner.step(feeds), args.steps, args.warmup)
+
+        module = entry.build()
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+        def torch_step() -> None:
+            opt.zero_grad(set_to_none=True)
+            _loss(entry, module(x), label).backward()
+            opt.step()
+
+        torch_ms = _median_ms(torch_step, args.steps, args.warmup)
+        rows.append((name, batch, len(step.graph), ort_ms, torch_ms))
+    print(f"threads={args.threads} steps={args.steps} (median ms/step, AdamW)")
+    print(f"{'model':<10} {'batch':>5} {'nodes':>6} {'ort':>9} {'torch':>9} {'ratio':>6}")
+    for name, batch, nodes, ort_ms, torch_ms in rows:
+        print(f"{name:<10} {batch:>5} {nodes:>6} {ort_ms:>9.3f} {torch_ms:>9.3f} {ort_ms / torch_ms:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""``mpgraph train-graph``: forward model in, one training-step graph out."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from mpgraph.errors import MpgraphError
+
+__all__ = ["register", "train_graph_command"]
+
+
+def train_graph_command(
+    model: Annotated[Path, typer.Argument(help="Forward .onnx model.")],
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.train.onnx.")] = None,
+    optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, adam or adamw.")] = "adamw",
+    loss: Annotated[str | None, typer.Option("--loss", help="cross_entropy, mse, or the name of a loss output (default: the output named 'loss').")] = None,
+    freeze: Annotated[list[str] | None, typer.Option("--freeze", help="fnmatch pattern of parameters to keep fixed (repeatable).")] = None,
+    lr: Annotated[float | None, typer.Option("--lr", help="Default learning rate (the graph input 'lr' overrides it per step).")] = None,
+    momentum: Annotated[float | None, typer.Option("--momentum", help="SGD momentum.")] = None,
+    nesterov: Annotated[bool, typer.Option("--nesterov", help="SGD Nesterov momentum.")] = False,
+    weight_decay: Annotated[float | None, typer.Option("--weight-decay", help="Weight decay (L2 for sgd/adam, decoupled for adamw).")] = None,
+    batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics) or eval.")] = "train",
+    overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
+) -> None:
+    """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
+    from mpgraph.io import load_model, save_model
+    from mpgraph.train_graph import build_training_graph, state_pairs
+
+    out = output or model.with_suffix(".train.onnx")
+    if out.resolve() == model.resolve() and not overwrite_input:
+        raise MpgraphError(f"{out}: refusing to overwrite the input model (pass --overwrite-input)")
+    options = {"momentum": momentum, "weight_decay": weight_decay}
+    if nesterov:
+        options["nesterov"] = True
+    if optimizer.lower() != "sgd":
+        options.pop("momentum")
+        if nesterov:
+            raise MpgraphError("--nesterov applies to --optimizer sgd only")
+    step = build_training_graph(
+        load_model(model), optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
+        optimizer_options=options, batchnorm=batchnorm,
+    )
+    save_model(step, out)
+    pairs = state_pairs(step)
+    typer.echo(f"{out}: {len(step.graph)} nodes, {len(pairs)} state inputs paired with updated outputs "
+               f"(parameters, optimizer state, running statistics), optimizer {optimizer}")
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``train-graph`` command to ``app``."""
+    command = train_graph_command
+    try:  # the shared wrapper turns MpgraphError into one line and exit code 2
+        from mpgraph.cli.main import handle_errors
+
+        command = handle_errors(command)
+    except ImportError:
+        pass
+    app.command("train-graph")(command)
