@@ -133,7 +133,7 @@ def train(
         except MpgraphError as e:
             parts.append(f"no accuracy ({e})")
     written = [str(p) for p in (checkpoint, metrics, plot) if p is not None]
-    console.print(", ".join(parts) + (f"; wrote {', '.join(written)}" if written else ""), highlight=False)
+    console.print(", ".join(parts) + (f"; wrote {', '.join(written)}" if written else ""), highlight=False, soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -351,14 +351,15 @@ class Trainer:
         return ort.OrtValue.ortvalue_from_numpy(np.zeros((), _ORT_TYPES.get(type_str, np.float32)))
 
     def _device_value(self, array: np.ndarray) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), self.device, self.device_id)
+        # Not np.ascontiguousarray: it turns a scalar into shape [1].
+        return ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), self.device, self.device_id)
 
     def _set_state(self, values: Mapping[str, np.ndarray]) -> None:
         """Upload ``values`` into fresh device buffers, allocate the spare set, prebind both ways."""
         self._state: dict[str, ort.OrtValue] = {}
         self._spare: dict[str, ort.OrtValue] = {}
         for name, _ in self.pairs:
-            array = np.array(values[name], copy=True, order="C")
+            array = np.asarray(values[name])
             self._state[name] = self._device_value(array)
             self._spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
                 list(array.shape), array.dtype, self.device, self.device_id
@@ -388,7 +389,7 @@ class Trainer:
     @property
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` without loss scaling."""
-        return float(self._state[md.LOSS_SCALE].numpy()) if self.has_loss_scale else None
+        return float(self._state[md.LOSS_SCALE].numpy().reshape(-1)[0]) if self.has_loss_scale else None
 
     # -- stepping ------------------------------------------------------------------------
 

@@ -1,0 +1,356 @@
+"""The trainer, datasets and ``mpgraph train`` on ORT CPU (CUDA tests are marked ``gpu``)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from mpgraph import metadata as md
+from mpgraph.data import Batches, InputSpec, dataset_for_model, fit_to_inputs, load_dataset
+from mpgraph.errors import MpgraphError
+from mpgraph.io import save_model
+from mpgraph.runtime.cpu_runner import CpuRunner
+from mpgraph.runtime.trainer import Metrics, Trainer, graph_fingerprint, plot_losses
+from mpgraph.train_graph import build_training_graph
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def digits_loss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 64-32-10 MLP with a cross-entropy loss, exported from torch."""
+    torch = pytest.importorskip("torch")
+    from mpgraph.export import export_module
+
+    class DigitsMLP(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc1 = torch.nn.Linear(64, 32)
+            self.fc2 = torch.nn.Linear(32, 10)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc2(torch.relu(self.fc1(x)))
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("digits") / "digits_mlp.loss.onnx"
+    export_module(DigitsMLP(), torch.randn(4, 64), path, loss="cross_entropy")
+    return path
+
+
+@pytest.fixture(scope="module")
+def step_path(digits_loss: Path) -> Path:
+    path = digits_loss.with_name("digits_mlp.adamw.onnx")
+    save_model(build_training_graph(digits_loss, optimizer="adamw"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def sgd_step_path(digits_loss: Path) -> Path:
+    path = digits_loss.with_name("digits_mlp.sgd.onnx")
+    save_model(build_training_graph(digits_loss, optimizer="sgd"), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def digits(step_path: Path):
+    return dataset_for_model("digits", Trainer(step_path).data_inputs)
+
+
+def _batches(dataset, n: int, batch: int = 32, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    it = Batches(dataset.train, batch, seed)
+    return [next(it) for _ in range(n)]
+
+
+# -- training ----------------------------------------------------------------------------
+
+
+def test_digits_mlp_trains_and_evaluates(step_path: Path, digits):
+    trainer = Trainer(step_path, threads=1)
+    metrics = trainer.fit(digits, steps=150, lr=1e-2, batch_size=64)
+    assert len(metrics) == 150 and trainer.steps == 150
+    assert np.mean(metrics.loss[-20:]) < 0.25 * np.mean(metrics.loss[:20])
+    assert not any(metrics.skipped) and all(s is None for s in metrics.loss_scale)
+    assert trainer.evaluate(digits.test)["accuracy"] > 0.9
+
+
+def test_iobinding_keeps_state_like_cpu_runner(step_path: Path, digits):
+    batches = _batches(digits, 8)
+    trainer, runner = Trainer(step_path), CpuRunner(step_path)
+    assert [trainer.step(b, 1e-2).loss for b in batches] == [runner.step(b, lr=1e-2) for b in batches]
+    ours, theirs = trainer.state, runner.state
+    assert all(ours[k].tobytes() == theirs[k].tobytes() for k in theirs)  # CpuRunner keeps scalars as [1]
+    assert ours["optim/step"] == 8  # state carried across steps, not reset
+
+
+def test_user_state_is_not_modified(step_path: Path, digits):
+    init = {"fc1.weight": np.zeros((32, 64), np.float32)}
+    Trainer(step_path, state=init).fit(digits, 3, 1e-2)
+    assert not init["fc1.weight"].any()
+
+
+def test_sequence_task_trains_a_gpt():
+    step = build_training_graph("models/onnx/gpt.loss.onnx", optimizer="adamw")
+    trainer = Trainer(step)
+    tokens = next(s for s in trainer.data_inputs if s.dtype.kind == "i" and s.name != "label")
+    ds = dataset_for_model("sequence", trainer.data_inputs, size=256)
+    assert ds.train[tokens.name].shape == (256, 16) and ds.train["label"].max() < 64
+    metrics = trainer.fit(ds, 30, 3e-3, batch_size=16)
+    assert np.mean(metrics.loss[-5:]) < np.mean(metrics.loss[:5])
+    assert 0.0 <= trainer.evaluate(ds.test)["accuracy"] <= 1.0
+
+
+# -- checkpoints -------------------------------------------------------------------------
+
+
+def test_resume_is_bit_identical(step_path: Path, digits, tmp_path: Path):
+    full = Trainer(step_path, threads=1)
+    full.fit(digits, 24, 1e-2, batch_size=32, seed=3)
+
+    first = Trainer(step_path, threads=1)
+    first.fit(digits, 11, 1e-2, batch_size=32, seed=3)
+    ckpt = tmp_path / "run.ckpt.npz"
+    first.save_checkpoint(ckpt)
+    assert not list(tmp_path.glob(".*.tmp"))
+
+    resumed = Trainer(step_path, threads=1)
+    resumed.load_checkpoint(ckpt)
+    assert resumed.steps == 11
+    resumed.fit(digits, 13, 1e-2, batch_size=32, seed=3)
+    assert resumed.metrics.loss == full.metrics.loss  # exact floats, history included
+    assert resumed.metrics.step == list(range(1, 25))
+    a, b = full.state, resumed.state
+    assert all(a[k].tobytes() == b[k].tobytes() for k in a)
+
+
+def test_checkpoint_from_another_graph_is_refused(step_path: Path, sgd_step_path: Path, tmp_path: Path):
+    ckpt = tmp_path / "adamw.npz"
+    Trainer(step_path).save_checkpoint(ckpt)
+    assert graph_fingerprint(ir.load(str(step_path))) != graph_fingerprint(ir.load(str(sgd_step_path)))
+    with pytest.raises(MpgraphError, match="different graph"):
+        Trainer(sgd_step_path).load_checkpoint(ckpt)
+    with pytest.raises(MpgraphError, match="no such checkpoint"):
+        Trainer(step_path).load_checkpoint(tmp_path / "missing.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(MpgraphError, match="not an mpgraph checkpoint"):
+        Trainer(step_path).load_checkpoint(tmp_path / "junk.npz")
+
+
+# -- loss scaling state, providers, dtypes -----------------------------------------------
+
+
+def _with_fake_loss_scaling(path: Path) -> onnx.ModelProto:
+    """The step graph plus loss-scale state and ``found_inf`` in the shape the convert pass
+    writes them; the scale halves every step and a step is 'skipped' while scale > 40000."""
+    proto = onnx.load(str(path))
+    g = proto.graph
+    for name, value in ((md.LOSS_SCALE, 65536.0), (md.GROWTH_TRACKER, 0.0)):
+        g.input.append(h.make_tensor_value_info(name, T.FLOAT, []))
+        g.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
+    g.initializer.extend([onnx.numpy_helper.from_array(np.array(v, np.float32), n)
+                          for n, v in (("ls/half", 0.5), ("ls/one", 1.0), ("ls/limit", 40000.0))])
+    g.node.extend([
+        h.make_node("Mul", [md.LOSS_SCALE, "ls/half"], ["loss_scale/updated"], name="ls/mul"),
+        h.make_node("Add", [md.GROWTH_TRACKER, "ls/one"], ["loss_scale/growth_tracker/updated"], name="ls/add"),
+        h.make_node("Greater", [md.LOSS_SCALE, "ls/limit"], [md.FOUND_INF], name="ls/found_inf"),
+    ])
+    g.output.extend([h.make_tensor_value_info("loss_scale/updated", T.FLOAT, []),
+                     h.make_tensor_value_info("loss_scale/growth_tracker/updated", T.FLOAT, []),
+                     h.make_tensor_value_info(md.FOUND_INF, T.BOOL, [])])
+    props = {p.key: p for p in proto.metadata_props}
+    pairs = json.loads(props[md.MODEL_STATE_PAIRS].value)
+    pairs += [[md.LOSS_SCALE, "loss_scale/updated"], [md.GROWTH_TRACKER, "loss_scale/growth_tracker/updated"]]
+    props[md.MODEL_STATE_PAIRS].value = json.dumps(pairs)
+    return proto
+
+
+def test_loss_scale_and_found_inf_are_reported(step_path: Path, digits, tmp_path: Path):
+    trainer = Trainer(_with_fake_loss_scaling(step_path))
+    assert trainer.has_loss_scale and trainer.found_inf_name == md.FOUND_INF
+    results = [trainer.step(b, 1e-2) for b in _batches(digits, 3)]
+    assert [r.loss_scale for r in results] == [65536.0, 32768.0, 16384.0]
+    assert [r.skipped for r in results] == [True, False, False]
+    assert trainer.loss_scale == 8192.0 and trainer.state[md.GROWTH_TRACKER] == 3
+    ckpt = tmp_path / "scaled.npz"
+    trainer.save_checkpoint(ckpt)
+    again = Trainer(_with_fake_loss_scaling(step_path))
+    again.load_checkpoint(ckpt)
+    assert again.loss_scale == 8192.0 and again.metrics.skipped == [True, False, False]
+
+
+def test_native_low_precision_on_cpu_is_refused(step_path: Path):
+    model = ir.load(str(step_path))
+    model.metadata_props[md.MODEL_DTYPE] = "bfloat16"
+    with pytest.raises(MpgraphError, match="--emulate"):
+        Trainer(model)
+    model.metadata_props[md.MODEL_EMULATED] = "true"
+    Trainer(model)  # the emulated lowering runs on CPU
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="CUDA is available here")
+def test_unavailable_provider_is_one_line(step_path: Path):
+    with pytest.raises(MpgraphError, match="not available") as err:
+        Trainer(step_path, provider="cuda")
+    assert "\n" not in str(err.value)
+    with pytest.raises(MpgraphError, match="unknown provider"):
+        Trainer(step_path, provider="tpu")
+
+
+def test_not_a_step_graph_is_refused(digits_loss: Path):
+    with pytest.raises(MpgraphError, match="not a training step graph"):
+        Trainer(digits_loss)
+
+
+def test_node_providers_on_cpu(step_path: Path):
+    placement = Trainer(step_path).node_providers()
+    if hasattr(ort.InferenceSession, "get_provider_graph_assignment_info"):
+        assert placement and set(placement.values()) == {"CPUExecutionProvider"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDAExecutionProvider")
+def test_cuda_matches_cpu_and_stays_on_gpu(step_path: Path, digits):
+    batches = _batches(digits, 5)
+    cpu, gpu = Trainer(step_path), Trainer(step_path, provider="cuda")
+    lc = [cpu.step(b, 1e-2).loss for b in batches]
+    lg = [gpu.step(b, 1e-2).loss for b in batches]
+    np.testing.assert_allclose(lg, lc, rtol=1e-3, atol=1e-4)
+    assert gpu._state["fc1.weight"].device_name().lower() == "cuda"
+    placement = gpu.node_providers()
+    assert placement and "CUDAExecutionProvider" in placement.values()
+
+
+# -- data --------------------------------------------------------------------------------
+
+
+def test_unknown_and_missing_datasets(tmp_path: Path):
+    with pytest.raises(MpgraphError, match=r"unknown dataset 'foo'; valid: digits, sequence, or a path to \.npz"):
+        load_dataset("foo")
+    with pytest.raises(MpgraphError, match="no such dataset file"):
+        load_dataset(tmp_path / "missing.npz")
+    (tmp_path / "bad.npz").write_bytes(b"garbage")
+    with pytest.raises(MpgraphError, match="not a readable .npz"):
+        load_dataset(tmp_path / "bad.npz")
+
+
+def test_npz_dataset_keys_are_input_names(step_path: Path, tmp_path: Path):
+    rng = np.random.default_rng(0)
+    path = tmp_path / "mine.npz"
+    np.savez(path, x=rng.standard_normal((40, 64)), label=rng.integers(0, 10, 40),
+             test_x=rng.standard_normal((8, 64)), test_label=rng.integers(0, 10, 8))
+    trainer = Trainer(step_path)
+    ds = dataset_for_model(path, trainer.data_inputs)
+    assert ds.train["x"].dtype == np.float32 and ds.test["label"].shape == (8,)
+    trainer.fit(ds, 3, 1e-3, batch_size=16)
+    np.savez(tmp_path / "wrong.npz", x=np.zeros((4, 64), np.float32))
+    with pytest.raises(MpgraphError, match="no array for graph input.*'label'"):
+        dataset_for_model(tmp_path / "wrong.npz", trainer.data_inputs)
+
+
+def test_digits_split_and_cnn_layout():
+    ds = load_dataset("digits")
+    assert ds.train["x"].shape == (1438, 64) and ds.test["x"].shape == (359, 64)
+    assert abs(float(ds.train["x"].mean())) < 1e-4
+    again = load_dataset("digits")
+    assert np.array_equal(ds.test["label"], again.test["label"])
+    cnn = fit_to_inputs(ds, [InputSpec("image", np.dtype(np.float32), ("batch", 1, 8, 8)),
+                             InputSpec("label", np.dtype(np.int64), ("batch",))])
+    assert cnn.train["image"].shape == (1438, 1, 8, 8)
+
+
+def test_sequence_labels_are_next_tokens():
+    ds = load_dataset("sequence", seq_len=12, vocab=32, size=64, seed=1)
+    tok, lab = ds.train["tokens"], ds.train["label"]
+    assert tok.shape == lab.shape == (64, 12) and tok.dtype == np.int64
+    assert np.array_equal(tok[:, 1:], lab[:, :-1])
+    assert np.array_equal(tok, load_dataset("sequence", seq_len=12, vocab=32, size=64, seed=1).train["tokens"])
+
+
+def test_batches_are_seeded_and_resumable():
+    arrays = {"a": np.arange(10)}
+    first = Batches(arrays, 4, seed=5)
+    seen = [next(first)["a"] for _ in range(5)]
+    resumed = Batches(arrays, 4, seed=5, position=Batches(arrays, 4, seed=5).position)
+    assert all(np.array_equal(s, next(resumed)["a"]) for s in seen)
+    mid = Batches(arrays, 4, seed=5)
+    for _ in range(3):
+        next(mid)
+    cont = Batches(arrays, 4, seed=5, position=mid.position)
+    assert np.array_equal(next(cont)["a"], seen[3])
+    assert sorted(np.concatenate(seen[:2]).tolist()) != list(range(8))  # shuffled
+
+
+# -- metrics and plots -------------------------------------------------------------------
+
+
+def test_metrics_csv_json_and_plot(step_path: Path, digits, tmp_path: Path):
+    trainer = Trainer(step_path)
+    metrics = trainer.fit(digits, 12, 1e-2)
+    metrics.to_csv(tmp_path / "m.csv")
+    metrics.to_json(tmp_path / "m.json")
+    lines = (tmp_path / "m.csv").read_text().splitlines()
+    assert lines[0] == "step,loss,loss_scale,skipped,seconds" and len(lines) == 13
+    doc = json.loads((tmp_path / "m.json").read_text())
+    assert doc["summary"]["steps"] == 12 and doc["metrics"]["loss"] == metrics.loss
+    other = Metrics.from_dict(doc["metrics"])
+    other.loss = [x * 2 for x in other.loss]
+    other.loss[3] = float("nan")
+    other.skipped[3] = True
+    plot_losses({"adamw": metrics, "doubled": other}, tmp_path / "loss.png", title="two runs")
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads(json.dumps(other.to_dict()))["loss"][3] is None
+
+
+# -- the CLI -----------------------------------------------------------------------------
+
+
+def _mpgraph(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=120)
+
+
+def _digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_cli_train_resume_and_refusals(step_path: Path, sgd_step_path: Path, tmp_path: Path):
+    ckpt, metrics, plot = tmp_path / "c.npz", tmp_path / "m.json", tmp_path / "p.png"
+    run = _mpgraph("train", str(step_path), "--data", "digits", "--steps", "40", "--lr", "1e-2",
+                   "--batch", "32", "--checkpoint", str(ckpt), "--metrics", str(metrics), "--plot", str(plot),
+                   "--seed", "0", "--quiet", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert "40 steps" in run.stdout and "test accuracy" in run.stdout
+    assert json.loads(metrics.read_text())["summary"]["steps"] == 40 and plot.stat().st_size > 0
+
+    more = _mpgraph("train", str(step_path), "--resume", str(ckpt), "--checkpoint", str(ckpt),
+                    "--steps", "5", "--lr", "1e-2", "--batch", "32", "--metrics", str(tmp_path / "m.csv"),
+                    "--quiet", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr
+    assert len((tmp_path / "m.csv").read_text().splitlines()) == 1 + 45
+
+    before = _digest(ckpt)
+    bad = _mpgraph("train", str(sgd_step_path), "--resume", str(ckpt), "--checkpoint", str(ckpt),
+                   "--steps", "5", cwd=tmp_path)
+    assert bad.returncode == 2 and "different graph" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    assert _digest(ckpt) == before
+
+    for args, message in (
+        (["--data", "foo"], "unknown dataset 'foo'"),
+        (["--provider", "tpu"], "unknown provider"),
+        (["--plot", str(tmp_path / "nowhere" / "p.png")], "does not exist"),
+    ):
+        res = _mpgraph("train", str(step_path), "--steps", "1", "--checkpoint", str(ckpt), *args, cwd=tmp_path)
+        assert res.returncode == 2 and message in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1
+        assert _digest(ckpt) == before
