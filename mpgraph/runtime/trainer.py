@@ -325,11 +325,11 @@ class Trainer:
         self.track_scale = track_scale
         state_outs = {b for _, b in self.pairs}
         self._extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
-        graph_inputs = {v.name: v for v in self.model.graph.inputs}
+        graph_inputs = {v.name or "": v for v in self.model.graph.inputs}
         self.data_inputs = [
             InputSpec(name, np.dtype(v.dtype.numpy() if v.dtype is not None else np.float32),
                       tuple(d if isinstance(d, int) else str(d) for d in v.shape) if v.shape is not None else None)
-            for name, v in graph_inputs.items() if name not in state_names and name != _LR
+            for name, v in graph_inputs.items() if name and name not in state_names and name != _LR
         ]
         self._has_lr = _LR in graph_inputs
         self._loss_out = self._host_scalar(outputs[self.loss_name].type)
