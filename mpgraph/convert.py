@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -130,8 +131,16 @@ def convert(
         feeds = load_feeds(calibrate)
     elif calibrate is not None:
         feeds = calibrate
-    for p in build_pipeline(pol, emulate=emulate, validate=validate, calibration=feeds):
-        p(ir_model)
+    # The passes allocate hundreds of thousands of short-lived IR objects; pausing the cyclic
+    # collector during the pipeline saves about a third of the time on 10k-node graphs.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        for p in build_pipeline(pol, emulate=emulate, validate=validate, calibration=feeds):
+            p(ir_model)
+    finally:
+        if collecting:
+            gc.enable()
     props[md.MODEL_POLICY] = pol.name
     props[md.MODEL_DTYPE] = pol.dtype.name.lower()
     props[md.MODEL_LOSS_SCALING] = json.dumps(

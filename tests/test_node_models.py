@@ -38,22 +38,8 @@ from mpgraph.errors import MpgraphError, ValidationError
 
 NODE_DIR = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data" / "node"
 
-_SEQUENCE = "onnx-ir 1.1 ShapeInferencePass copies only the dtype of inferred types, so a sequence-typed value becomes a tensor (even with the fp32 preset)"
 KNOWN_INVALID: dict[str, str] = {
-    "test_mvn": "the input model already fails strict shape inference (Constant in the MVN function body); the message blames the rewritten model",
-    "test_if_opt": _SEQUENCE,
-    "test_loop16_seq_none": _SEQUENCE,
-    **{
-        f"test_sequence_map_{n}_expanded": _SEQUENCE
-        for n in (
-            "add_1_sequence_1_tensor",
-            "add_2_sequences",
-            "extract_shapes",
-            "identity_1_sequence_1_tensor",
-            "identity_1_sequence",
-            "identity_2_sequences",
-        )
-    },
+    "test_mvn": "the input model already fails strict shape inference (Constant in the MVN function body); the error says so",
     "test_linear_attention_fp16_expanded": (
         "the input already computes in float16 and feeds a Scan: the invariant check flags the Scan "
         "(decided float32 as control flow, reading float16), and the emulation retypes the input's own "

@@ -21,7 +21,7 @@ from mpgraph.optypes import CONTROL_FLOW_OPS, SHAPE_SLOTS, NodeTyping, node_typi
 from mpgraph.passes.calibrate_range import ABSMAX_META
 from mpgraph.policy.schema import Policy
 
-__all__ = ["AssignPrecisionPass", "constant_tensor", "CALIBRATION_MARGIN"]
+__all__ = ["AssignPrecisionPass", "constant_tensor", "constant_range", "CALIBRATION_MARGIN"]
 
 #: Activations must stay below the low dtype's max / this factor on calibration data.
 CALIBRATION_MARGIN = 2.0
@@ -29,6 +29,26 @@ CALIBRATION_MARGIN = 2.0
 logger = logging.getLogger(__name__)
 
 _LOW, _FP32, _NONE = "low", "float32", "none"
+
+
+def constant_range(value: ir.Value, low: ir.DataType) -> tuple[float, int, int]:
+    """``(max finite |x|, values beyond low's range, nonzeros that flush to zero)`` of a constant.
+
+    Computed once per (constant, dtype) and kept in ``value.meta`` (never saved).
+    """
+    key = f"mpgraph.range.{low.name}"
+    cached = value.meta.get(key)
+    if cached is not None:
+        return cached
+    tensor = constant_tensor(value)
+    assert tensor is not None
+    array = np.abs(tensor.numpy().astype(np.float32, copy=False))
+    finite = array[np.isfinite(array)] if not np.isfinite(array).all() else array
+    absmax = float(finite.max()) if finite.size else 0.0
+    overflow = int((finite > finite_max(low)).sum()) if absmax > finite_max(low) else 0
+    underflow = int(((finite > 0) & (finite < smallest_subnormal(low) / 2)).sum())
+    value.meta[key] = result = (absmax, overflow, underflow)
+    return result
 
 
 def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
@@ -283,15 +303,13 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             tensor = constant_tensor(value)
             if tensor is None or not is_float(tensor.dtype):
                 continue
-            array = np.abs(tensor.numpy().astype(np.float64))
-            finite = array[np.isfinite(array)]
-            if ranges.overflow == "keep_fp32" and finite.size and finite.max() > finite_max(low):
+            absmax, overflow, tiny = constant_range(value, low)
+            if ranges.overflow == "keep_fp32" and overflow:
                 return _FP32, (
                     f"constant '{value.name}' exceeds {low.name.lower()} range "
-                    f"(max |x| = {finite.max():.4g} > {finite_max(low):.4g})"
+                    f"(max |x| = {absmax:.4g} > {finite_max(low):.4g})"
                 )
             if ranges.underflow == "keep_fp32":
-                tiny = int(((finite > 0) & (finite < smallest_subnormal(low) / 2)).sum())
                 if tiny:
                     return _FP32, f"constant '{value.name}' has {tiny} nonzeros that flush to zero in {low.name.lower()}"
         return None

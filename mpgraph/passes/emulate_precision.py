@@ -49,7 +49,7 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
         for value in values:
             tensor = constant_tensor(value)
             if tensor is not None:
-                widened = ir.tensor(tensor.numpy().astype(np.float32), name=value.name)
+                widened = ir.Tensor(tensor.numpy().astype(np.float32), name=value.name)
                 producer = value.producer()
                 if producer is not None and producer.op_type == "Constant":
                     producer.attributes["value"] = ir.AttrTensor("value", widened)

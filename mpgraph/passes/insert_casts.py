@@ -9,10 +9,10 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph import metadata as md
-from mpgraph.dtypes import finite_max, short_name, smallest_subnormal
+from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing, type_string
-from mpgraph.passes.assign_precision import constant_tensor
+from mpgraph.passes.assign_precision import constant_range, constant_tensor
 from mpgraph.passes.naming import NameScope
 from mpgraph.policy.schema import Policy
 
@@ -173,11 +173,7 @@ def _float32_constants(graph: ir.Graph, nodes: list[ir.Node]) -> list[ir.Value]:
 
 
 def _range_events(value: ir.Value, low: ir.DataType, action: str) -> list[dict[str, object]]:
-    tensor = constant_tensor(value)
-    assert tensor is not None
-    array = np.abs(tensor.numpy().astype(np.float64))
-    overflow = int((np.isfinite(array) & (array > finite_max(low))).sum())
-    underflow = int(((array > 0) & (array < smallest_subnormal(low) / 2)).sum())
+    _, overflow, underflow = constant_range(value, low)
     if not overflow and not underflow:
         return []
     return [{"name": value.name, "overflow": overflow, "underflow": underflow, "action": action}]
@@ -209,7 +205,7 @@ def _store_low(value: ir.Value, low: ir.DataType, policy: Policy) -> list[dict[s
                 f"constant '{value.name}' has {event['underflow']} nonzeros that flush to zero in "
                 f"{low.name.lower()}; set initializers.underflow to keep or keep_fp32 in the policy"
             )
-    new_tensor = ir.tensor(array.astype(low.numpy()), dtype=low, name=value.name)
+    new_tensor = ir.Tensor(array.astype(low.numpy()), dtype=low, name=value.name)
     producer = value.producer()
     if producer is not None and producer.op_type == "Constant":
         producer.attributes["value"] = ir.AttrTensor("value", new_tensor)

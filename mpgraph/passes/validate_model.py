@@ -9,6 +9,7 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing
+from mpgraph.passes.infer_types import INPUT_INVALID_META
 
 __all__ = ["ValidateModelPass", "check_onnx", "check_precision_invariants"]
 
@@ -16,16 +17,22 @@ __all__ = ["ValidateModelPass", "check_onnx", "check_precision_invariants"]
 PROTO_LIMIT = 2_000_000_000
 
 
-def check_onnx(proto_or_path: onnx.ModelProto | str) -> None:
-    """``onnx.checker`` (full) and strict shape inference; raises ``ValidationError``."""
+def check_onnx(proto_or_path: onnx.ModelProto | str, input_problem: str | None = None) -> None:
+    """``onnx.checker`` with ``full_check`` (which runs strict, type-checked shape inference).
+
+    Raises:
+        ValidationError: Naming the first problem, and the input's own strict-inference
+            failure when there was one (the rewrite did not cause it).
+    """
     try:
         onnx.checker.check_model(proto_or_path, full_check=True)
-        if isinstance(proto_or_path, str):
-            onnx.shape_inference.infer_shapes_path(proto_or_path, proto_or_path + ".inferred", strict_mode=True, check_type=True)
-        else:
-            onnx.shape_inference.infer_shapes(proto_or_path, strict_mode=True, check_type=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if input_problem is not None:
+            raise ValidationError(
+                f"rewritten model is invalid ONNX: {first} (the input model already fails strict "
+                f"shape inference: {input_problem})"
+            ) from None
         raise ValidationError(f"rewritten model is invalid ONNX: {first}") from None
 
 
@@ -61,5 +68,5 @@ class ValidateModelPass(ir.passes.InPlacePass):
         check_precision_invariants(model)
         proto = ir.to_proto(model)
         if proto.ByteSize() < PROTO_LIMIT:
-            check_onnx(proto)
+            check_onnx(proto, model.meta.get(INPUT_INVALID_META))
         return ir.passes.PassResult(model, False)

@@ -1,0 +1,165 @@
+"""ScaleLossPass: loss scaling inside the training step graph, in standard ONNX ops."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.errors import MpgraphError
+from mpgraph.passes.naming import NameScope
+from mpgraph.policy.schema import LossScaling
+
+__all__ = ["ScaleLossPass"]
+
+
+class _Builder:
+    """Appends nodes with a role and scoped, fresh names."""
+
+    def __init__(self, graph: ir.Graph, names: NameScope, role: str) -> None:
+        self.graph, self.names, self.role = graph, names, role
+        self.nodes: list[ir.Node] = []
+
+    def op(self, op_type: str, *inputs: ir.Value, name: str, **attrs: object) -> ir.Value:
+        fresh = self.names.fresh(f"loss_scale/{name}")
+        node = ir.Node(
+            "",
+            op_type,
+            list(inputs),
+            ir.convenience.convert_attributes(attrs),
+            name=fresh,
+            outputs=[ir.Value(name=fresh)],
+            metadata_props={md.NODE_ROLE: self.role},
+        )
+        self.graph.append(node)
+        self.nodes.append(node)
+        return node.outputs[0]
+
+    def const(self, value: float | bool, name: str) -> ir.Value:
+        array = np.array(value, dtype=np.bool_ if isinstance(value, bool) else np.float32)
+        return self.op("Constant", name=name, value=ir.tensor(array, name=self.names.fresh(f"loss_scale/{name}_value")))
+
+
+class ScaleLossPass(ir.passes.InPlacePass):
+    """Scales the loss gradient, unscales, checks finiteness and skips bad steps.
+
+    Requires a training step graph from ``train-graph`` (metadata ``mpgraph.gradients``,
+    ``mpgraph.grad_seed``, ``mpgraph.state_pairs``). Runs before precision assignment, so
+    every node it adds is float32 (role ``optimizer``; the seed product is ``backward``).
+
+    Rules, for ``mode: static`` and ``mode: dynamic`` (``none`` changes nothing):
+        1. The gradient seed ``dloss/dloss = 1`` becomes ``seed * loss_scale``; the loss output
+           itself stays unscaled.
+        2. Each gradient the optimizer reads becomes ``Cast(g, float) * (1 / loss_scale)``.
+        3. ``found_inf = IsNaN(sum_i ReduceSum(g_i * 0))``: ``x * 0`` is NaN exactly for
+           inf/NaN, so the check is exact and cheap. ``found_inf`` is a graph output.
+        4. Every state output written by the optimizer (parameters, moments, step counter)
+           becomes ``Where(found_inf, old, new)``: a skipped step leaves them bit-identical.
+           BatchNorm running statistics update as in PyTorch (the forward ran).
+        5. Dynamic mode adds state ``loss_scale`` and ``loss_scale/growth_tracker`` updated as
+           ``torch.amp.GradScaler``: on overflow ``scale = max(scale * backoff, min)`` and the
+           tracker resets; after ``growth_interval`` finite steps in a row
+           ``scale = min(scale * growth, max)``. Static mode keeps ``loss_scale`` a constant.
+    """
+
+    def __init__(self, settings: LossScaling) -> None:
+        super().__init__()
+        self.settings = settings
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        s = self.settings
+        props = model.metadata_props
+        if s.mode == "none" or props.get(md.MODEL_TRAINING) != "true":
+            return ir.passes.PassResult(model, False)
+        if md.LOSS_SCALE in {v.name for v in model.graph.inputs} or any(
+            v.name == md.FOUND_INF for v in model.graph.outputs
+        ):
+            return ir.passes.PassResult(model, False)  # already scaled
+        graph = model.graph
+        missing = [k for k in (md.MODEL_GRADIENTS, md.MODEL_GRAD_SEED, md.MODEL_STATE_PAIRS) if k not in props]
+        if missing:
+            raise MpgraphError(
+                f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
+                f"(missing metadata {', '.join(missing)})"
+            )
+        values = {v.name: v for n in graph for v in n.outputs} | {v.name: v for v in graph.inputs}
+        values |= dict(graph.initializers)
+        seed = values.get(props[md.MODEL_GRAD_SEED])
+        grads = [(p, values.get(g)) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
+        if seed is None or any(g is None for _, g in grads):
+            raise MpgraphError("loss scaling: the gradient seed or a gradient named in the metadata is missing")
+        names = NameScope(model)
+        bwd = _Builder(graph, names, "backward")
+        opt = _Builder(graph, names, "optimizer")
+        pairs: list[list[str]] = json.loads(props[md.MODEL_STATE_PAIRS])
+
+        if s.mode == "dynamic":
+            scale = _state_input(graph, md.LOSS_SCALE, s.init)
+            tracker = _state_input(graph, md.GROWTH_TRACKER, 0.0)
+        else:
+            scale = opt.const(float(s.init), "static_scale")
+        # Rule 1: scaled seed.
+        seed_uses = list(seed.uses())
+        scaled_seed = bwd.op("Mul", seed, scale, name="scaled_seed")
+        for use in seed_uses:
+            use.node.replace_input_with(use.idx, scaled_seed)
+        # Rule 2-3: unscale in fp32, finite check.
+        inv = opt.op("Reciprocal", scale, name="inv_scale")
+        zero = opt.const(0.0, "zero")
+        total: ir.Value | None = None
+        for param, grad in grads:
+            assert grad is not None
+            uses = list(grad.uses())
+            g32 = opt.op("Cast", grad, to=ir.DataType.FLOAT, name=f"{param}/grad_fp32")
+            unscaled = opt.op("Mul", g32, inv, name=f"{param}/unscaled")
+            for use in uses:
+                use.node.replace_input_with(use.idx, unscaled)
+            probe = opt.op("ReduceSum", opt.op("Mul", unscaled, zero, name=f"{param}/nan_probe"), keepdims=0, name=f"{param}/nan_sum")
+            total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/nan_total")
+        assert total is not None
+        found_inf = opt.op("IsNaN", total, name="found_inf_check")
+        # Rule 4: skip the optimizer's writes.
+        outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
+        inputs = {v.name: v for v in graph.inputs}
+        for state_in, state_out in pairs:
+            index, new = outputs[state_out]
+            producer = new.producer()
+            if producer is None or producer.metadata_props.get(md.NODE_ROLE) != "optimizer":
+                continue
+            new.name = names.fresh(f"{state_out}/unguarded")
+            guarded = opt.op("Where", found_inf, inputs[state_in], new, name=f"{state_in}/skip")
+            guarded.name = state_out
+            graph.outputs[index] = guarded
+        # Rule 5: dynamic scale update.
+        if s.mode == "dynamic":
+            one = opt.const(1.0, "one")
+            grown_count = opt.op("Add", tracker, one, name="tracker_plus_one")
+            grow = opt.op("GreaterOrEqual", grown_count, opt.const(float(s.growth_interval), "growth_interval"), name="grow")
+            grown = opt.op("Min", opt.op("Mul", scale, opt.const(s.growth_factor, "growth_factor"), name="scale_grown"), opt.const(s.max, "max"), name="scale_grown_capped")
+            backed = opt.op("Max", opt.op("Mul", scale, opt.const(s.backoff_factor, "backoff_factor"), name="scale_backoff"), opt.const(s.min, "min"), name="scale_backoff_floored")
+            finite_scale = opt.op("Where", grow, grown, scale, name="finite_scale")
+            finite_count = opt.op("Where", grow, zero, grown_count, name="finite_tracker")
+            new_scale = opt.op("Where", found_inf, backed, finite_scale, name="new_scale")
+            new_count = opt.op("Where", found_inf, zero, finite_count, name="new_tracker")
+            new_scale.name = names.fresh(f"{md.LOSS_SCALE}/updated")
+            new_count.name = names.fresh(f"{md.GROWTH_TRACKER}/updated")
+            graph.outputs.extend([new_scale, new_count])
+            pairs += [[md.LOSS_SCALE, new_scale.name], [md.GROWTH_TRACKER, new_count.name]]
+        flag = opt.op("Identity", found_inf, name="found_inf")
+        flag.name = md.FOUND_INF
+        graph.outputs.append(flag)
+        for value in (*bwd.nodes, *opt.nodes):
+            for out in value.outputs:
+                out.type = ir.TensorType(ir.DataType.BOOL if out in (found_inf, flag) or out.producer().op_type in ("IsNaN", "GreaterOrEqual") else ir.DataType.FLOAT)
+        props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        return ir.passes.PassResult(model, True)
+
+
+def _state_input(graph: ir.Graph, name: str, init: float) -> ir.Value:
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                     const_value=ir.tensor(np.array(init, dtype=np.float32), name=name))
+    graph.inputs.append(value)
+    graph.register_initializer(value)
+    return value
