@@ -195,6 +195,10 @@ CASES: list[Case] = _binary_cases() + [
     Case("BatchNormalization-eval", "BatchNormalization",
          [Var((2, 3, 4)), Var((3,)), Var((3,)), R.standard_normal(3), R.random(3) + 0.5], {},
          lambda x, s, b, m, v: F.batch_norm(x, m, v, s, b, training=False, eps=1e-5), build={"batchnorm": "eval"}),
+    Case("LRN", "LRN", [Var(("N", 7, 3, 2))], {"size": 3, "alpha": 0.3, "beta": 0.75, "bias": 2.0},
+         lambda x: F.local_response_norm(x, 3, 0.3, 0.75, 2.0), dtype="float32", note="ORT CPU LRN and Conv are float32 only"),
+    Case("LRN-size5", "LRN", [Var((2, 6, 4, 1))], {"size": 5, "alpha": 0.5, "beta": 0.6},
+         lambda x: F.local_response_norm(x, 5, 0.5, 0.6, 1.0), dtype="float32", note="ORT CPU LRN and Conv are float32 only"),
     # data movement
     Case("Reshape", "Reshape", [Var((2, 3, 4)), ints(6, 4)], {}, lambda x, s: x.reshape(6, 4)),
     Case("Flatten", "Flatten", [Var(("N", 3, 4))], {"axis": 1}, lambda x: x.flatten(1)),

@@ -1,7 +1,8 @@
-"""Gradient rules for Softmax, LogSoftmax, LayerNormalization and BatchNormalization."""
+"""Gradient rules for Softmax, LogSoftmax, LayerNormalization, BatchNormalization and LRN."""
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
@@ -79,3 +80,26 @@ def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
     dscale = ctx.op("ReduceSum", dy_xhat, axes, keepdims=0) if ctx.needs(1) else None
     dbias = ctx.op("ReduceSum", dy, axes, keepdims=0) if ctx.needs(2) else None
     return dx, dscale, dbias, None, None
+
+
+def _channel_window_sum(ctx: Ctx, x: V, size: int, before: int, channels: int) -> V:
+    """sum over channels c-before .. c-before+size-1 of x, as a Conv over [N, 1, C, rest]."""
+    folded = ctx.op("Reshape", x, ctx.ints([0, 1, channels, -1]))
+    ones = ctx.const(np.ones((1, 1, size, 1)), x.dtype)
+    summed = ctx.op("Conv", folded, ones, pads=[before, 0, size - 1 - before, 0])
+    return ctx.op("Reshape", summed, ctx.shape(x))
+
+
+@register("LRN", opsets=(13, None))
+def lrn(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """y = x * s^-beta, s = bias + alpha/size * window_sum(x^2)."""
+    x = node.inputs[0]
+    size, channels = ctx.attr("size"), ctx.dims(x)[1]
+    alpha, beta, bias = ctx.attr("alpha", 1e-4), ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
+    before = (size - 1) // 2
+    s = ctx.op("Add", ctx.scalar(bias, x), ctx.op(
+        "Mul", _channel_window_sum(ctx, ctx.op("Mul", x, x), size, before, channels), ctx.scalar(alpha / size, x)))
+    direct = ctx.op("Mul", dy, ctx.op("Pow", s, ctx.scalar(-beta, x)))
+    term = ctx.op("Mul", ctx.op("Mul", dy, x), ctx.op("Pow", s, ctx.scalar(-beta - 1.0, x)))
+    spread = _channel_window_sum(ctx, term, size, size - 1 - before, channels)  # the adjoint window
+    return (ctx.op("Sub", direct, ctx.op("Mul", x, ctx.op("Mul", spread, ctx.scalar(2 * alpha * beta / size, x)))),)
