@@ -354,3 +354,21 @@ def test_cli_train_resume_and_refusals(step_path: Path, sgd_step_path: Path, tmp
         assert res.returncode == 2 and message in res.stderr, res.stderr
         assert len(res.stderr.strip().splitlines()) == 1
         assert _digest(ckpt) == before
+
+
+def test_convert_loss_scaling_skips_overflowing_steps(digits_loss: Path, tmp_path: Path):
+    """With the convert pass's dynamic loss scaling and an init scale that overflows fp16, the
+    first steps are skipped and the scale backs off until steps go through."""
+    import mpgraph
+
+    policy = tmp_path / "fp16-hot.yaml"
+    policy.write_text("extends: fp16\nname: fp16-hot\nloss_scaling: {mode: dynamic, init: 16777216}\n")
+    step = mpgraph.convert(build_training_graph(digits_loss, optimizer="adamw"), str(policy), emulate=True)
+    pairs = json.loads(step.metadata_props[md.MODEL_STATE_PAIRS])
+    if not any(a == md.LOSS_SCALE for a, _ in pairs):
+        pytest.skip("this convert does not add loss-scale state yet")
+    trainer = Trainer(step)
+    metrics = trainer.fit(dataset_for_model("digits", trainer.data_inputs), 30, 1e-2)
+    assert metrics.skipped[0] and not all(metrics.skipped)
+    assert metrics.loss_scale[0] == 16777216.0 and trainer.loss_scale < 16777216.0
+    assert np.mean(metrics.loss[-5:]) < np.mean(metrics.loss[:5])
