@@ -332,8 +332,9 @@ class Trainer:
             for name, v in graph_inputs.items() if name and name not in state_names and name != _LR
         ]
         self._has_lr = _LR in graph_inputs
-        self._loss_out = self._host_scalar(outputs[self.loss_name].type)
-        self._found_out = self._host_scalar(outputs[self.found_inf_name].type) if self.found_inf_name else None
+        self._loss_out = self._host_buffer(outputs[self.loss_name])
+        self._found_out = self._host_buffer(outputs[self.found_inf_name]) if self.found_inf_name else None
+        self._keep: list[ort.OrtValue] = []
         self._lr_value: float | None = None
         self._lr_buf: ort.OrtValue | None = None
         self._set_state(initial)
@@ -347,8 +348,10 @@ class Trainer:
     # -- buffers -------------------------------------------------------------------------
 
     @staticmethod
-    def _host_scalar(type_str: str) -> ort.OrtValue:
-        return ort.OrtValue.ortvalue_from_numpy(np.zeros((), _ORT_TYPES.get(type_str, np.float32)))
+    def _host_buffer(output: Any) -> ort.OrtValue:
+        """A host buffer for a small output (the loss, ``found_inf``), shaped as declared."""
+        shape = output.shape if output.shape and all(isinstance(d, int) for d in output.shape) else []
+        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, _ORT_TYPES.get(output.type, np.float32)))
 
     def _device_value(self, array: np.ndarray) -> ort.OrtValue:
         # Not np.ascontiguousarray: it turns a scalar into shape [1].
@@ -416,20 +419,21 @@ class Trainer:
         start = time.perf_counter()
         self._bind_lr(lr)
         binding = self._bindings[self._parity]
-        keep = []
+        # The binding points into these arrays' memory: hold them until the next step.
+        self._keep = []
         for spec in self.data_inputs:
             if spec.name not in batch:
                 raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
             value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[spec.name]))
-            keep.append(value)
+            self._keep.append(value)
             binding.bind_ortvalue_input(spec.name, value)
         scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
         self.session.run_with_iobinding(binding)
         self._state, self._spare = self._spare, self._state
         self._parity ^= 1
         self.steps += 1
-        loss = float(self._loss_out.numpy())
-        skipped = bool(self._found_out.numpy()) if self._found_out is not None else False
+        loss = float(self._loss_out.numpy().reshape(-1)[0])
+        skipped = bool(self._found_out.numpy().reshape(-1)[0]) if self._found_out is not None else False
         result = StepResult(loss, scale, skipped, time.perf_counter() - start)
         self.metrics.append(self.steps, result)
         return result
@@ -630,7 +634,6 @@ class Trainer:
         """Logits of the forward model on ``arrays`` with the current parameters."""
         session, out_name, inputs = self._eval_session()
         state_names = {a for a, _ in self.pairs}
-        data = [n for n in inputs if n not in state_names]
         n = len(next(iter(arrays.values())))
         parts = []
         for start in range(0, n, batch_size):
@@ -647,7 +650,6 @@ class Trainer:
             binding.bind_output(out_name, "cpu")
             session.run_with_iobinding(binding)
             parts.append(binding.get_outputs()[0].numpy())
-        del data
         return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
 
     def evaluate(self, arrays: Mapping[str, np.ndarray], *, label: str = "label", batch_size: int = 512) -> dict[str, float]:
