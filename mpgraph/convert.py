@@ -24,6 +24,7 @@ from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
 from mpgraph.passes.insert_casts import InsertCastsPass
+from mpgraph.passes.scale_loss import ScaleLossPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
 from mpgraph.policy import Policy, load_policy
 
@@ -45,6 +46,9 @@ def build_pipeline(
     passes: list[ir.passes.PassBase] = [InferTypesPass()]
     if calibration is not None and not policy.is_identity:
         passes.append(CalibrateRangePass(calibration))
+    if not policy.is_identity:
+        # Training step graphs only; the loss-scale nodes it adds are float32 optimizer nodes.
+        passes.append(ScaleLossPass(policy.loss_scaling))
     passes.append(AssignPrecisionPass(policy))
     if not policy.is_identity:
         passes += [InsertCastsPass(policy), FoldCastsPass()]

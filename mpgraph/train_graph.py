@@ -53,7 +53,14 @@ import onnx_ir.passes.common
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
-from mpgraph.metadata import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE
+from mpgraph.metadata import (
+    MODEL_GRAD_SEED,
+    MODEL_GRADIENTS,
+    MODEL_LOSS,
+    MODEL_STATE_PAIRS,
+    MODEL_TRAINING,
+    NODE_ROLE,
+)
 from mpgraph.optim import make_optimizer
 
 __all__ = ["build_training_graph", "BUILTIN_LOSSES", "MIN_OPSET", "LR_INPUT", "state_pairs"]
@@ -288,7 +295,10 @@ def build_training_graph(
     graph.outputs.append(loss_value)
     _prune(graph)
     _infer_shapes(m)
-    grads = differentiate(graph, loss_value, params, opset=opset)
+    seed = _gradient_seed(graph, loss_value)
+    grads = differentiate(graph, loss_value, params, opset=opset, seed=seed)
+    m.metadata_props[MODEL_GRAD_SEED] = seed.name
+    m.metadata_props[MODEL_LOSS] = loss_value.name
 
     ctx = GradContext(graph, role="optimizer", scope="optim")
     new_inputs: list[ir.Value] = []
@@ -320,6 +330,7 @@ def build_training_graph(
         graph.inputs.append(lr_value)
         graph.register_initializer(lr_value)
         updated, opt_state = opt.build(ctx, [(p, grads[p.name]) for p in params], lr_value, make_state)
+        m.metadata_props[MODEL_GRADIENTS] = json.dumps([[p.name, grads[p.name].name] for p in params])
         state = [(p, updated[p.name]) for p in params] + state + opt_state
     for i, (inp, out) in enumerate(state):
         if out.is_graph_output() or out.is_graph_input() or out.is_initializer():
@@ -345,6 +356,26 @@ def build_training_graph(
     if validate:
         _validate(m)
     return m
+
+
+def _gradient_seed(graph: ir.Graph, loss: ir.Value) -> ir.Value:
+    """A dedicated ``dloss/dloss = 1`` value named ``grad/seed`` (loss scaling multiplies it)."""
+    dtype = loss.dtype or ir.DataType.FLOAT
+    if loss.shape is not None and len(loss.shape) == 0:
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(1.0, dtype=dtype.numpy())))],
+                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
+    else:
+        shape = ir.Node("", "Shape", [loss], name="grad/seed_shape", metadata_props={NODE_ROLE: "backward"})
+        graph.append(shape)
+        one = ir.tensor(np.ones((1,), dtype=dtype.numpy()))
+        node = ir.Node("", "ConstantOfShape", [shape.outputs[0]], [ir.AttrTensor("value", one)],
+                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
+        shape.outputs[0].name = "grad/seed_shape"
+    node.outputs[0].name = "grad/seed"
+    node.outputs[0].dtype = dtype
+    node.outputs[0].shape = loss.shape
+    graph.append(node)
+    return node.outputs[0]
 
 
 def _rename(graph: ir.Graph, value: ir.Value, name: str) -> str:

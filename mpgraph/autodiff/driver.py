@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from mpgraph.autodiff import registry
 from mpgraph.errors import GradientError
-from mpgraph.metadata import NODE_ROLE
+from mpgraph.metadata import NODE_GRAD_OF, NODE_ROLE
 
 __all__ = ["GradContext", "differentiate", "FLOAT_TYPES"]
 
@@ -96,9 +96,13 @@ class GradContext:
         attributes = ir.convenience.convert_attributes(
             {k: v for k, v in attrs.items() if v is not None}
         )
+        props = {NODE_ROLE: self.role}
+        if self.node is not None and self.node.name:
+            # Which forward node's rule emitted this: policies keep backward of deny ops fp32.
+            props[NODE_GRAD_OF] = self.node.name
         node = ir.Node(
             "", op_type, list(inputs), attributes, num_outputs=num_outputs, name=name,
-            metadata_props={NODE_ROLE: self.role},
+            metadata_props=props,
         )
         for i, out in enumerate(node.outputs):
             out.name = name if num_outputs == 1 else self.unique(f"{name}:{i}")

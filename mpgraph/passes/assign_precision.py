@@ -89,12 +89,17 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
     5. **Clear backward.** ``clear`` ops whose every float consumer is a low op become low,
        so data movement happens in the low dtype. Example: ``x -> Reshape -> MatMul``.
 
+    Training graphs (nodes carry ``mpgraph.role``): optimizer nodes stay float32, and backward
+    nodes emitted for a ``deny`` forward op (``mpgraph.grad_of``) stay float32, in phase 0;
+    backward MatMul/Gemm/Conv are ``allow`` ops like their forward twins.
+
     Everything else stays float32 with the reason (``infer op with float32 inputs``, …).
     """
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
         self.policy = policy
+        self._deny_forward: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         policy = self.policy
@@ -123,6 +128,14 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
                 state[node] = _LOW if recorded == low.name.lower() else (_NONE if recorded == "none" else _FP32)
                 reason[node] = node.metadata_props.get(md.NODE_REASON, "recorded earlier")
         protected = _shape_protected_nodes(nodes)
+        # Training graphs: backward nodes of deny ops (norms, softmax, losses) stay float32.
+        self._deny_forward = {
+            n.name: n.op_type
+            for n in nodes
+            if n.name
+            and n.metadata_props.get(md.NODE_ROLE, "forward") in ("forward", "loss")
+            and policy.category(n.op_type, n.domain)[0] == "deny"
+        }
 
         # Phase 0: fixed decisions and overrides.
         for node in nodes:
@@ -262,6 +275,11 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             return _FP32, f"computes in {'/'.join(sorted(bound))}; only float32 ops are lowered"
         if self.policy.is_identity:
             return None
+        if node.metadata_props.get(md.NODE_ROLE) == "optimizer":
+            return _FP32, "optimizer step and its state stay float32"
+        twin = node.metadata_props.get(md.NODE_GRAD_OF)
+        if twin is not None and twin in self._deny_forward:
+            return _FP32, f"backward of deny op {self._deny_forward[twin]} '{twin}' stays float32"
         if node in protected:
             return _FP32, protected[node]
         for slot, why in self.policy.pinned_slots(node.op_type, node.domain).items():

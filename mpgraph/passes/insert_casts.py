@@ -60,6 +60,12 @@ class InsertCastsPass(ir.passes.InPlacePass):
         typings = {n: node_typing(n, opsets) for n in nodes}
         is_low = {n: n.metadata_props.get(md.NODE_PRECISION) == low_name for n in nodes}
         first_node = next(iter(graph), None)
+        # A training step's inputs and outputs are master weights and state: always float32.
+        training = model.metadata_props.get(md.MODEL_TRAINING) == "true"
+
+        def keeps_io(name: str) -> bool:
+            return training or policy.keeps_io(name)
+
         modified = False
         to_low: dict[ir.Value, ir.Value] = {}
         to_f32: dict[ir.Value, ir.Value] = {}
@@ -97,7 +103,7 @@ class InsertCastsPass(ir.passes.InPlacePass):
                 modified = True
         # Rule 5, inputs: without keep_io_types an input read only by low nodes becomes low.
         for value in graph.inputs:
-            if value.dtype != ir.DataType.FLOAT or policy.keeps_io(value.name or "") or value.is_initializer():
+            if value.dtype != ir.DataType.FLOAT or keeps_io(value.name or "") or value.is_initializer():
                 continue
             uses = list(value.uses())
             if uses and all(u.node in typings and low_use(u.node, u.idx) for u in uses):
@@ -116,7 +122,7 @@ class InsertCastsPass(ir.passes.InPlacePass):
                     modified = True
         # Rule 5, outputs: keep names and float32.
         for index, out in enumerate(list(graph.outputs)):
-            if out in lowered and policy.keeps_io(out.name or ""):
+            if out in lowered and keeps_io(out.name or ""):
                 original = out.name or ""
                 out.name = names.fresh(f"{original}_{short_name(low)}")
                 cast = add_cast(out, ir.DataType.FLOAT, "graph output keeps float32 (keep_io_types)")

@@ -131,6 +131,7 @@ class ScaleLossPass(ir.passes.InPlacePass):
             new.name = names.fresh(f"{state_out}/unguarded")
             guarded = opt.op("Where", found_inf, inputs[state_in], new, name=f"{state_in}/skip")
             guarded.name = state_out
+            guarded.shape = new.shape or inputs[state_in].shape
             graph.outputs[index] = guarded
         # Rule 5: dynamic scale update.
         if s.mode == "dynamic":
@@ -153,7 +154,10 @@ class ScaleLossPass(ir.passes.InPlacePass):
         for value in (*bwd.nodes, *opt.nodes):
             for out in value.outputs:
                 out.type = ir.TensorType(ir.DataType.BOOL if out in (found_inf, flag) or out.producer().op_type in ("IsNaN", "GreaterOrEqual") else ir.DataType.FLOAT)
+        for scalar in (found_inf, flag, total, *(() if s.mode != "dynamic" else (new_scale, new_count))):
+            scalar.shape = ir.Shape([])
         props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        graph.sort()  # the seed product and the unscales were appended after their readers
         return ir.passes.PassResult(model, True)
 
 

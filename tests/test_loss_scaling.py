@@ -1,0 +1,157 @@
+"""Loss scaling inside the step graph: underflow, overflow skip, GradScaler's scale sequence."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+import torch
+from onnx import TensorProto as T
+from onnx import helper as h
+
+import mpgraph
+from mpgraph import metadata as md
+from mpgraph.policy import parse_policy
+from mpgraph.runtime.cpu_runner import CpuRunner
+from mpgraph.runtime.trainer import Trainer
+from mpgraph.train_graph import build_training_graph
+from tests.helpers import init, make_model, vi
+
+RNG = np.random.default_rng(0)
+
+
+def tiny_gradient_model() -> ir.Model:
+    """y = x @ W; loss = 1e-8 * mean((y - t)^2): dloss/dy ~ 1e-8, below fp16's smallest subnormal."""
+    nodes = [
+        h.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
+        h.make_node("Sub", ["y", "t"], ["d"], name="sub"),
+        h.make_node("Mul", ["d", "d"], ["sq"], name="square"),
+        h.make_node("ReduceMean", ["sq"], ["mean"], name="mean", keepdims=0),
+        h.make_node("Mul", ["mean", "tiny"], ["loss"], name="scale_down"),
+    ]
+    model = make_model(
+        nodes,
+        [vi("x", ["N", 16]), vi("t", ["N", 4]), vi("W", [16, 4])],
+        [vi("loss", [])],
+        [init("W", np.zeros((16, 4), np.float32)), init("tiny", np.array(1e-8, np.float32))],
+    )
+    return build_training_graph(model, optimizer="sgd", lr=1.0)
+
+
+def sgd_gradient(step: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    """One SGD step with lr=1 from W=0: the new W is exactly -grad."""
+    runner = CpuRunner(step)
+    runner.step(feeds, lr=1.0)
+    return -runner.state["W"]
+
+
+def policy(text: str):
+    return parse_policy(text, "test.yaml")
+
+
+def test_fp16_underflow_without_scaling_and_recovery_with_dynamic_scaling():
+    feeds = {"x": RNG.standard_normal((8, 16)).astype(np.float32), "t": RNG.standard_normal((8, 4)).astype(np.float32)}
+    step = tiny_gradient_model()
+    ref = sgd_gradient(step, feeds)
+    assert 1e-10 < np.abs(ref).mean() < 1e-7  # the gradients really are ~1e-8
+    unscaled = mpgraph.convert(tiny_gradient_model(), policy("extends: fp16\nloss_scaling: {mode: none}\n"), emulate=True)
+    lost = sgd_gradient(unscaled, feeds)
+    zero_fraction = float(np.mean(lost == 0))
+    print(f"fp16 without loss scaling: {zero_fraction:.1%} of gradients are zero")
+    assert zero_fraction > 0.9
+    scaled = mpgraph.convert(tiny_gradient_model(), "fp16", emulate=True)
+    assert md.LOSS_SCALE in {v.name for v in scaled.graph.inputs}
+    got = sgd_gradient(scaled, feeds)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=1e-3 * np.abs(ref).max())
+    bf16 = mpgraph.convert(tiny_gradient_model(), "bf16", emulate=True)
+    assert md.LOSS_SCALE not in {v.name for v in bf16.graph.inputs}
+    np.testing.assert_allclose(sgd_gradient(bf16, feeds), ref, rtol=5e-2, atol=1e-2 * np.abs(ref).max())
+
+
+def _step_model(growth_interval: int) -> ir.Model:
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adam")
+    pol = policy(f"extends: fp16\nloss_scaling: {{mode: dynamic, init: 1024, growth_interval: {growth_interval}}}\n")
+    return mpgraph.convert(step, pol, emulate=True)
+
+
+def _batch(bad: bool) -> dict[str, np.ndarray]:
+    x = RNG.standard_normal((6, 4)).astype(np.float32)
+    if bad:
+        x[0, 0] = np.inf
+    return {"x": x, "label": RNG.integers(0, 2, 6).astype(np.int64)}
+
+
+def test_overflow_skips_step_bit_identical_and_halves_scale():
+    model = _step_model(growth_interval=2000)
+    trainer = Trainer(model, provider="cpu")
+    assert not trainer.step(_batch(False), lr=1e-3).skipped
+    before = trainer.state
+    assert trainer.step(_batch(True), lr=1e-3).skipped
+    after = trainer.state
+    for name, value in before.items():
+        if name in (md.LOSS_SCALE, md.GROWTH_TRACKER):
+            continue
+        assert np.array_equal(after[name], value), name
+    assert float(after[md.LOSS_SCALE]) == float(before[md.LOSS_SCALE]) * 0.5
+    assert float(after[md.GROWTH_TRACKER]) == 0.0
+
+
+def test_scale_sequence_equals_torch_gradscaler():
+    pattern = [False, False, True, False, False, False, True, True, False, False, False, False]
+    interval = 3
+    trainer = Trainer(_step_model(growth_interval=interval), provider="cpu")
+    ours = []
+    for bad in pattern:
+        assert trainer.step(_batch(bad), lr=1e-3).skipped == bad
+        ours.append(float(np.asarray(trainer.state[md.LOSS_SCALE]).reshape(())))
+    param = torch.nn.Parameter(torch.ones(1))
+    optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=interval)
+    theirs = []
+    for bad in pattern:
+        optimizer.zero_grad()
+        scaler.scale((param * (float("inf") if bad else 1.0)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        theirs.append(float(scaler.get_scale()))
+    assert ours == theirs
+
+
+def test_training_graph_policy_roles():
+    step = build_training_graph("models/onnx/gpt.loss.onnx", optimizer="adamw")
+    m = mpgraph.convert(step, "bf16")
+    by_role: dict[str, dict[str, int]] = {}
+    for node in m.graph:
+        role = node.metadata_props.get(md.NODE_ROLE)
+        precision = node.metadata_props.get(md.NODE_PRECISION)
+        if role and precision:
+            by_role.setdefault(role, {}).setdefault(precision, 0)
+            by_role[role][precision] += 1
+    assert by_role["optimizer"].get("bfloat16", 0) == 0
+    assert by_role["backward"].get("bfloat16", 0) > 0
+    low_backward = {n.op_type for n in m.graph if n.metadata_props.get(md.NODE_ROLE) == "backward"
+                    and n.metadata_props.get(md.NODE_PRECISION) == "bfloat16"}
+    assert "MatMul" in low_backward or "Gemm" in low_backward
+    reasons = {n.metadata_props.get(md.NODE_REASON, "") for n in m.graph}
+    assert any(r.startswith("backward of deny op LayerNormalization") for r in reasons)
+    assert any(r.startswith("backward of deny op Softmax") for r in reasons)
+    # Parameters and state stay float32 graph inputs/outputs.
+    pairs = json.loads(m.metadata_props[md.MODEL_STATE_PAIRS])
+    inputs = {v.name: v for v in m.graph.inputs}
+    outputs = {v.name: v for v in m.graph.outputs}
+    for state_in, state_out in pairs:
+        assert inputs[state_in].dtype == ir.DataType.FLOAT
+        assert outputs[state_out].dtype == ir.DataType.FLOAT
+
+
+@pytest.mark.parametrize("mode", ["static", "dynamic"])
+def test_loss_scaling_modes_build(mode):
+    pol = policy(f"extends: fp16\nloss_scaling: {{mode: {mode}, init: 256}}\n")
+    m = mpgraph.convert(build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="sgd"), pol, emulate=True)
+    names = {v.name for v in m.graph.inputs}
+    assert (md.LOSS_SCALE in names) == (mode == "dynamic")
+    assert md.FOUND_INF in {v.name for v in m.graph.outputs}
+    again = mpgraph.convert(m, pol, emulate=True)
+    assert ir.to_proto(again).SerializeToString() == ir.to_proto(m).SerializeToString()
