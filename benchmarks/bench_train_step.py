@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.zoo import ZOO  # noqa: E402
-
 from mpgraph.runtime.cpu_runner import CpuRunner  # noqa: E402
 from mpgraph.train_graph import build_training_graph  # noqa: E402
 
@@ -46,6 +45,26 @@ def _median_ms(fn, steps: int, warmup: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def _bench(name: str, args: argparse.Namespace) -> tuple[str, int, int, float, float]:
+    entry, batch = ZOO[name], BATCH[name]
+    x, label = entry.example_input(batch), entry.example_label(batch)
+    step = build_training_graph(ROOT / "models" / "onnx" / f"{name}.loss.onnx", optimizer="adamw", lr=1e-4)
+    runner = CpuRunner(step, threads=args.threads)
+    feeds = {"tokens" if entry.vocab else "x": x.numpy(), "label": label.numpy()}
+    ort_ms = _median_ms(lambda: runner.step(feeds), args.steps, args.warmup)
+
+    module = entry.build()
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
+
+    def torch_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        _loss(entry, module(x), label).backward()
+        opt.step()
+
+    torch_ms = _median_ms(torch_step, args.steps, args.warmup)
+    return name, batch, len(step.graph), ort_ms, torch_ms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -54,25 +73,7 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(ZOO))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    rows = []
-    for name in args.models.split(","):
-        entry, batch = ZOO[name], BATCH[name]
-        x, label = entry.example_input(batch), entry.example_label(batch)
-        step = build_training_graph(ROOT / "models" / "onnx" / f"{name}.loss.onnx", optimizer="adamw", lr=1e-4)
-        runner = CpuRunner(step, threads=args.threads)
-        feeds = {"tokens" if entry.vocab else "x": x.numpy(), "label": label.numpy()}
-        ort_ms = _median_ms(lambda: runner.step(feeds), args.steps, args.warmup)
-
-        module = entry.build()
-        opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
-
-        def torch_step() -> None:
-            opt.zero_grad(set_to_none=True)
-            _loss(entry, module(x), label).backward()
-            opt.step()
-
-        torch_ms = _median_ms(torch_step, args.steps, args.warmup)
-        rows.append((name, batch, len(step.graph), ort_ms, torch_ms))
+    rows = [_bench(name, args) for name in args.models.split(",")]
     print(f"threads={args.threads} steps={args.steps} (median ms/step, AdamW)")
     print(f"{'model':<10} {'batch':>5} {'nodes':>6} {'ort':>9} {'torch':>9} {'ratio':>6}")
     for name, batch, nodes, ort_ms, torch_ms in rows:

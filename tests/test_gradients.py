@@ -305,6 +305,7 @@ def test_gradient(case: Case) -> None:
     step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=var_names, **case.build)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
     out_names = [o.name for o in session.get_outputs()]
     result = dict(zip(out_names, session.run(None, feeds), strict=True))

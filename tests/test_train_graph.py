@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ def _session(model: ir.Model) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = 2
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
@@ -121,7 +121,7 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
     error of all parameters (concatenated) at the end."""
     entry = _zoo(name)
     step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options, lr=lr)
-    runner = CpuRunner(step, threads=2)
+    runner = CpuRunner(step, threads=2, spin=False)
     module = entry.build()
     opt = _torch_optimizer(kind, module.parameters(), options, lr)
     batches = [(entry.example_input(batch, seed=s), entry.example_label(batch, seed=s)) for s in range(4)]
@@ -167,6 +167,12 @@ def test_sgd_variants_track_torch(options: dict) -> None:
     assert _track("tiny_mlp", "sgd", options, 0.1, steps=20) <= 1e-4
 
 
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+def test_unpacked_optimizer_tracks_torch(kind: str) -> None:
+    options = {**OPTIMIZERS[kind], "pack": False}
+    assert _track("tiny_mlp", kind, options, LEARNING_RATES[kind], steps=20) <= 1e-4
+
+
 def test_adam_weight_decay_tracks_torch() -> None:
     assert _track("tiny_mlp", "adam", dict(weight_decay=1e-2), 1e-3, steps=20) <= 1e-4
 
@@ -186,7 +192,10 @@ def test_step_graph_structure() -> None:
         assert state_in in inputs and state_out in outputs
         assert inputs[state_in].dtype == ir.DataType.FLOAT
     names = {a for a, _ in pairs}
-    assert {"optim/step", "fc.weight", "optim/fc.weight/m", "optim/fc.weight/v", "bn.running_mean"} <= names
+    # Small parameters (all of this ResNet's) are updated as one flat vector.
+    assert {"optim/step", "fc.weight", "optim/flat/m", "optim/flat/v", "bn.running_mean"} <= names
+    unpacked = build_training_graph(ZOO_DIR / "resnet.loss.onnx", optimizer="adamw", optimizer_options={"pack": False})
+    assert "optim/fc.weight/m" in {a for a, _ in json.loads(unpacked.metadata_props[MODEL_STATE_PAIRS])}
     assert inputs["lr"].shape == ir.Shape([])
     assert [v.name for v in step.graph.outputs][0] == "loss"
     roles = {n.metadata_props.get(NODE_ROLE) for n in step.graph}

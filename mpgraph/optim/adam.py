@@ -7,7 +7,7 @@ import dataclasses
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
-from mpgraph.optim.base import OPTIMIZERS, StateFactory
+from mpgraph.optim.base import OPTIMIZERS, StateFactory, pack, unpack
 
 __all__ = ["Adam", "AdamW"]
 
@@ -21,12 +21,14 @@ class Adam:
         beta2: Second-moment decay.
         eps: Denominator epsilon (added after the bias-corrected square root).
         weight_decay: L2 penalty (Adam) or decoupled decay (AdamW).
+        pack: Update small parameters together as one flat vector (see ``optim.base.pack``).
     """
 
     beta1: float = 0.9
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    pack: bool = True
     decoupled = False
 
     def build(
@@ -49,22 +51,20 @@ class Adam:
         decay = None
         if self.decoupled and self.weight_decay:
             decay = ctx.op("Sub", ctx.scalar(1.0, lr), ctx.op("Mul", lr, ctx.scalar(self.weight_decay, lr)))
-        updated = {}
-        for p, g in params:
+        updated: dict[str, ir.Value] = {}
+        for slot in pack(ctx, params) if self.pack else pack(ctx, params, threshold=0):
+            p, g = slot.param, slot.grad
             if self.weight_decay and not self.decoupled:
                 g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
-            if decay is not None:
-                p_decayed = ctx.op("Mul", p, decay)
-            else:
-                p_decayed = p
-            m = state(f"optim/{p.name}/m", p, 0.0)
-            v = state(f"optim/{p.name}/v", p, 0.0)
+            p_decayed = ctx.op("Mul", p, decay) if decay is not None else p
+            m = state(f"optim/{slot.name}/m", p, 0.0)
+            v = state(f"optim/{slot.name}/v", p, 0.0)
             m_new = ctx.op("Add", m, ctx.op("Mul", ctx.op("Sub", g, m), ctx.scalar(1 - self.beta1, p)))
             v_new = ctx.op("Add", ctx.op("Mul", v, ctx.scalar(self.beta2, p)),
                            ctx.op("Mul", ctx.op("Mul", g, g), ctx.scalar(1 - self.beta2, p)))
             denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", v_new), bc2_sqrt), ctx.scalar(self.eps, p))
             update = ctx.op("Mul", ctx.op("Div", m_new, denom), step_size)
-            updated[p.name] = ctx.op("Sub", p_decayed, update)
+            updated.update(unpack(ctx, slot, ctx.op("Sub", p_decayed, update)))
             pairs += [(m, m_new), (v, v_new)]
         return updated, pairs
 

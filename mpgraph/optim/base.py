@@ -60,3 +60,61 @@ def make_optimizer(name: str, **options: Any) -> Optimizer:
     if bad:
         raise GradientError(f"optimizer '{name}' has no option {bad[0]}; valid: {', '.join(sorted(fields))}")
     return cls(**given)
+
+
+#: Parameters with fewer elements than this are updated together as one flat vector.
+PACK_BELOW = 1 << 16
+
+
+@dataclasses.dataclass
+class Slot:
+    """What an optimizer updates: one parameter, or several small ones packed flat.
+
+    Packing trades one Concat/Split copy for running each elementwise op of the update once
+    instead of once per parameter: small models are bound by per-node overhead, not bytes.
+
+    Attributes:
+        name: ``<param>`` or ``flat`` (state is named ``optim/<name>/<slot state>``).
+        param: Current value (a parameter, or the flat concatenation).
+        grad: Its gradient.
+        members: The packed parameters, or ``None`` for a single parameter.
+    """
+
+    name: str
+    param: ir.Value
+    grad: ir.Value
+    members: list[ir.Value] | None = None
+
+
+def _numel(value: ir.Value) -> int | None:
+    dims = list(value.shape) if value.shape is not None else None
+    if dims is None or not all(isinstance(d, int) for d in dims):
+        return None
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def pack(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], threshold: int = PACK_BELOW) -> list[Slot]:
+    """Group small static-shape parameters into one flat slot; large ones stay separate."""
+    small = [(p, g) for p, g in params if (_numel(p) or threshold) < threshold]
+    if len(small) < 2:
+        small = []
+    slots = [Slot(p.name, p, g) for p, g in params if (p, g) not in small]
+    if small:
+        flat = ctx.ints([-1])
+        param = ctx.op("Concat", *[ctx.op("Reshape", p, flat) for p, _ in small], axis=0)
+        grad = ctx.op("Concat", *[ctx.op("Reshape", g, flat) for _, g in small], axis=0)
+        param.shape = ir.Shape([sum(_numel(p) or 0 for p, _ in small)])
+        slots.append(Slot("flat", param, grad, [p for p, _ in small]))
+    return slots
+
+
+def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
+    """``{param name: updated value}`` of a slot."""
+    if slot.members is None:
+        return {slot.name: new_param}
+    sizes = [_numel(p) or 0 for p in slot.members]
+    parts = ctx.op_multi("Split", new_param, ctx.ints(sizes), axis=0, num_outputs=len(sizes))
+    return {p.name: ctx.op("Reshape", part, ctx.ints(list(p.shape))) for p, part in zip(slot.members, parts, strict=True)}

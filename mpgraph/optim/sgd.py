@@ -7,7 +7,7 @@ import dataclasses
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
-from mpgraph.optim.base import OPTIMIZERS, StateFactory
+from mpgraph.optim.base import OPTIMIZERS, StateFactory, pack, unpack
 
 __all__ = ["SGD"]
 
@@ -21,12 +21,14 @@ class SGD:
         dampening: Dampening of the momentum update.
         nesterov: Nesterov momentum.
         weight_decay: L2 penalty added to the gradient.
+        pack: Update small parameters together as one flat vector (see ``optim.base.pack``).
     """
 
     momentum: float = 0.0
     dampening: float = 0.0
     nesterov: bool = False
     weight_decay: float = 0.0
+    pack: bool = True
 
     def build(
         self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
@@ -39,20 +41,20 @@ class SGD:
             step = state("optim/step", None, 0.0)
             pairs.append((step, ctx.op("Add", step, ctx.scalar(1.0, step))))
             first = ctx.op("Equal", step, ctx.scalar(0.0, step))
-        updated = {}
-        for p, g in params:
-            ctx.node = None
+        updated: dict[str, ir.Value] = {}
+        for slot in pack(ctx, params) if self.pack else pack(ctx, params, threshold=0):
+            p, g = slot.param, slot.grad
             if self.weight_decay:
                 g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
             if self.momentum:
-                buf = state(f"optim/{p.name}/momentum", p, 0.0)
+                buf = state(f"optim/{slot.name}/momentum", p, 0.0)
                 new = ctx.op("Add", ctx.op("Mul", buf, ctx.scalar(self.momentum, p)),
                              g if not self.dampening else ctx.op("Mul", g, ctx.scalar(1 - self.dampening, p)))
                 if first is not None:
                     new = ctx.op("Where", first, g, new)
                 pairs.append((buf, new))
                 g = ctx.op("Add", g, ctx.op("Mul", new, ctx.scalar(self.momentum, p))) if self.nesterov else new
-            updated[p.name] = ctx.op("Sub", p, ctx.op("Mul", g, lr))
+            updated.update(unpack(ctx, slot, ctx.op("Sub", p, ctx.op("Mul", g, lr))))
         return updated, pairs
 
 

@@ -37,6 +37,8 @@ class CpuRunner:
         model: A training step graph (onnx-ir model, serialized bytes or path).
         threads: Intra-op threads (``None``: ORT's default).
         state: Initial state values overriding the model's initializers.
+        spin: Let ORT's worker threads spin between steps (fastest when ORT owns the cores;
+            turn off when other work, such as a torch reference, shares them).
     """
 
     def __init__(
@@ -45,6 +47,7 @@ class CpuRunner:
         *,
         threads: int | None = None,
         state: Mapping[str, np.ndarray] | None = None,
+        spin: bool = True,
     ) -> None:
         if isinstance(model, (str, os.PathLike)):
             model = ir.load(str(model))
@@ -60,6 +63,8 @@ class CpuRunner:
         options.log_severity_level = 3
         if threads is not None:
             options.intra_op_num_threads = threads
+        if not spin:
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         self.session = ort.InferenceSession(
             ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"]
         )
