@@ -1,6 +1,7 @@
 """Gradient rules for Conv and pooling.
 
-Data gradients are ``ConvTranspose`` (the adjoint of a strided convolution); the weight
+Data gradients are ``ConvTranspose`` (the adjoint of a strided convolution, and vice versa for
+ConvTranspose); the weight
 gradient is a convolution of the input with the output gradient, batch and channels swapped
 (stride and dilation swap roles); MaxPool routes gradients through its indices output.
 """
@@ -61,13 +62,13 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
     return ctx.op("Pad", dx, pads_v, None, ctx.ints(range(2, n + 2)))
 
 
-def _weight_grad(ctx: Ctx, node: ir.Node, dy: V, kernel: list[int], group: int) -> V:
-    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o], as one grouped Conv."""
-    x, w = node.inputs[0], node.inputs[1]
-    strides, pads, dilations = _geometry(ctx, node, kernel)
+def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
+    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of a convolution from x to
+    dy's shape, as one grouped Conv (batch and channels swapped; stride and dilation swap)."""
+    strides, pads, dilations = geometry
     n = len(strides)
     spatial = list(range(3, n + 3))
-    m, cg = ctx.dims(w)[0], ctx.dims(w)[1]
+    m, cg = ctx.dims(w)[0], ctx.dims(w)[1]  # (out, in per group) of the convolution x -> dy
     if group == 1:
         xt = ctx.op("Transpose", x, perm=[1, 0, *range(2, n + 2)])
         dyt = ctx.op("Transpose", dy, perm=[1, 0, *range(2, n + 2)])
@@ -79,13 +80,8 @@ def _weight_grad(ctx: Ctx, node: ir.Node, dy: V, kernel: list[int], group: int) 
         dyt = ctx.op("Reshape", ctx.op("Transpose", dyg, perm=[1, 2, 0, *spatial]),
                      ctx.op("Concat", ctx.ints([m, -1]), ctx.shape(dy, 2), axis=0))
     full = ctx.op("Conv", xt, dyt, strides=dilations, dilations=strides, pads=pads, group=group)
-    dw = ctx.op("Transpose", full, perm=[1, 0, *range(2, n + 2)])
-    xs, ys = ctx.dims(x)[2:], ctx.dims(node.outputs[0])[2:]
-    if all(v is not None for v in xs + ys):
-        got = [(xs[i] + pads[i] + pads[n + i] - strides[i] * (ys[i] - 1) - 1) // dilations[i] + 1 for i in range(n)]
-        if got == kernel:
-            return dw
-    return ctx.op("Slice", dw, ctx.ints([0] * n), ctx.ints(kernel), ctx.ints(range(2, n + 2)))
+    return ctx.op("Slice", ctx.op("Transpose", full, perm=[1, 0, *range(2, n + 2)]),
+                  ctx.ints([0] * n), ctx.ints(kernel), ctx.ints(range(2, n + 2)))
 
 
 @register("Conv", opsets=(11, None))
@@ -96,7 +92,26 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
         raise GradientError(f"Conv node '{node.name}': kernel shape must be static")
     group = ctx.attr("group", 1)
     dx = _data_grad(ctx, node, dy, w, kernel, group) if ctx.needs(0) else None
-    dw = _weight_grad(ctx, node, dy, kernel, group) if ctx.needs(1) else None
+    geometry = _geometry(ctx, node, kernel)
+    dw = _weight_grad(ctx, x, dy, w, geometry, kernel, group) if ctx.needs(1) else None
+    db = None
+    if len(node.inputs) > 2 and ctx.needs(2):
+        db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
+    return dx, dw, db
+
+
+@register("ConvTranspose", opsets=(11, None))
+def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """The adjoint of Conv: dX is a Conv of dY, dW the Conv weight gradient with x and dy swapped."""
+    x, w = node.inputs[0], node.inputs[1]
+    kernel = ctx.attr("kernel_shape") or ctx.dims(w)[2:]
+    if ctx.attr("auto_pad", "NOTSET") != "NOTSET" or ctx.attr("output_shape") or any(k is None for k in kernel):
+        raise GradientError(f"ConvTranspose node '{node.name}': only explicit pads and static kernels are supported")
+    group = ctx.attr("group", 1)
+    strides, pads, dilations = _geometry(ctx, node, kernel)
+    attrs = dict(strides=strides, pads=pads, dilations=dilations, group=group)
+    dx = ctx.op("Conv", dy, w, **attrs) if ctx.needs(0) else None
+    dw = _weight_grad(ctx, dy, x, w, (strides, pads, dilations), kernel, group) if ctx.needs(1) else None
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
