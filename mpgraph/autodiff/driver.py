@@ -123,8 +123,9 @@ class GradContext:
             self._consts[key] = value
         return self._consts[key]
 
-    def scalar(self, number: float, like: ir.Value) -> ir.Value:
+    def scalar(self, number: float, like: ir.Value | None) -> ir.Value:
         """A rank-0 constant with the dtype of ``like``."""
+        assert like is not None
         return self.const(number, like.dtype or ir.DataType.FLOAT)
 
     def ints(self, values: Sequence[int]) -> ir.Value:
@@ -157,8 +158,9 @@ class GradContext:
         tensor = None if value is None else ir.convenience.get_const_tensor(value)
         return None if tensor is None else float(tensor.numpy().reshape(-1)[0])
 
-    def rank(self, value: ir.Value) -> int:
+    def rank(self, value: ir.Value | None) -> int:
         """Static rank of a forward value; ``GradientError`` when unknown."""
+        assert value is not None
         if value.shape is None:
             raise GradientError(
                 f"rank of '{value.name}' (input of node '{self.node.name if self.node else '?'}') "
@@ -166,32 +168,35 @@ class GradContext:
             )
         return len(value.shape)
 
-    def dims(self, value: ir.Value) -> list[int | None]:
+    def dims(self, value: ir.Value | None) -> list[int | None]:
         """Static dims of a forward value (``None`` for dynamic ones)."""
+        assert value is not None
         return [d if isinstance(d, int) else None for d in (value.shape or ())]
 
-    def shape(self, value: ir.Value, start: int | None = None, end: int | None = None) -> ir.Value:
+    def shape(self, value: ir.Value | None, start: int | None = None, end: int | None = None) -> ir.Value:
         """Runtime ``Shape`` of a value (optionally sliced)."""
         return self.op("Shape", value, start=start, end=end)
 
-    def zeros_like(self, value: ir.Value) -> ir.Value:
+    def zeros_like(self, value: ir.Value | None) -> ir.Value:
         """Runtime zeros with the shape and dtype of ``value``."""
+        assert value is not None
         zero = ir.tensor(np.zeros((1,), dtype=(value.dtype or ir.DataType.FLOAT).numpy()))
         return self.op("ConstantOfShape", self.shape(value), value=zero)
 
-    def count_ratio(self, big: ir.Value, small: ir.Value, like: ir.Value) -> ir.Value:
+    def count_ratio(self, big: ir.Value | None, small: ir.Value | None, like: ir.Value | None) -> ir.Value:
         """``Size(big) / Size(small)`` as a scalar of ``like``'s dtype (e.g. a mean's count)."""
         ratio = self.op("Div", self.op("Size", big), self.op("Size", small))
-        return self.op("Cast", ratio, to=like.dtype or ir.DataType.FLOAT)
+        return self.op("Cast", ratio, to=(like.dtype if like is not None else None) or ir.DataType.FLOAT)
 
     def unbroadcast(
-        self, grad: ir.Value, target: ir.Value, grad_shape: ir.Shape | None
+        self, grad: ir.Value, target: ir.Value | None, grad_shape: ir.Shape | None
     ) -> ir.Value:
         """Sum ``grad`` (of shape ``grad_shape``) down to the shape of ``target``.
 
         Static axes when both shapes are known; otherwise a runtime axis mask built from
         ``Shape`` ops so dynamic dims (the batch) stay dynamic.
         """
+        assert target is not None
         xs, gs = target.shape, grad_shape
         if xs is not None and gs is not None and len(xs) <= len(gs):
             lead = len(gs) - len(xs)
