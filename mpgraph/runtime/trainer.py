@@ -610,10 +610,15 @@ class Trainer:
         g = proto.graph
         logits = next((v for n in self.model.graph for v in n.outputs if v.name == target), None)
         elem = logits.dtype.value if logits is not None and logits.dtype is not None else onnx.TensorProto.FLOAT
+        output = target
+        if elem != onnx.TensorProto.FLOAT:
+            # Native low-precision logits: numpy has no bfloat16, so read them as float32.
+            output = f"{target}/float32"
+            keep.append(onnx.helper.make_node("Cast", [target], [output], name=output, to=onnx.TensorProto.FLOAT))
         graph = onnx.helper.make_graph(
             keep, "forward",
             [i for i in g.input if i.name in needed],
-            [onnx.helper.make_tensor_value_info(target, elem, None)],
+            [onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)],
             initializer=[t for t in g.initializer if t.name in needed and t.name not in state_names],
         )
         fwd = onnx.helper.make_model(graph, opset_imports=list(proto.opset_import))
