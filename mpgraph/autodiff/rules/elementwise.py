@@ -118,7 +118,8 @@ def abs_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 def relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x = node.inputs[0]
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
-    return (ctx.op("Where", positive, dy, ctx.scalar(0.0, x)),)
+    # Mul by the 0/1 mask: ORT's Where with a scalar branch is several times slower.
+    return (ctx.op("Mul", dy, ctx.op("Cast", positive, to=x.dtype)),)
 
 
 @register("LeakyRelu")

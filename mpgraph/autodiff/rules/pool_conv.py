@@ -22,6 +22,9 @@ __all__: list[str] = []
 V = ir.Value
 Ctx = GradContext
 
+#: Emit unit-stride data gradients as a Conv with the flipped kernel (else ConvTranspose).
+UNIT_STRIDE_AS_CONV = True
+
 
 def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
     """Strides, explicit pads (begin..., end...) and dilations of a conv/pool node."""
@@ -46,12 +49,23 @@ def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], li
 
 
 def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: int) -> V:
-    """ConvTranspose of ``dy``, sized back to the forward input (output_padding or end Pad)."""
+    """The adjoint of the convolution of ``node`` applied to ``dy``: a Conv with the flipped
+    kernel for unit strides, else ConvTranspose sized back to the input (output_padding or Pad)."""
     x, y = node.inputs[0], node.outputs[0]
     strides, pads, dilations = _geometry(ctx, node, kernel)
     n = len(strides)
     xs, ys = ctx.dims(x)[2:], ctx.dims(y)[2:]
     attrs = dict(strides=strides, pads=pads, dilations=dilations, group=group)
+    m, cg = ctx.dims(w)[0], ctx.dims(w)[1]
+    full = [(kernel[i % n] - 1) * dilations[i % n] - pads[i] for i in range(2 * n)]
+    if UNIT_STRIDE_AS_CONV and all(s == 1 for s in strides) and m is not None and cg is not None and min(full) >= 0:
+        # Unit stride: a plain Conv with the kernel flipped and in/out channels swapped per
+        # group (ORT's Conv is much faster than its ConvTranspose).
+        spatial = list(range(3, n + 3))
+        swapped = ctx.op("Transpose", ctx.op("Reshape", w, ctx.ints([group, m // group, cg, *kernel])), perm=[0, 2, 1, *spatial])
+        flipped = ctx.op("Slice", ctx.op("Reshape", swapped, ctx.ints([group * cg, m // group, *kernel])),
+                         ctx.ints([-1] * n), ctx.ints([-(2**62)] * n), ctx.ints(range(2, n + 2)), ctx.ints([-1] * n))
+        return ctx.op("Conv", dy, flipped, pads=full, dilations=dilations, group=group)
     if all(v is not None for v in xs + ys):
         extra = [xs[i] - ((ys[i] - 1) * strides[i] - pads[i] - pads[n + i] + dilations[i] * (kernel[i] - 1) + 1) for i in range(n)]
         if all(0 <= e < max(strides[i], dilations[i]) for i, e in enumerate(extra)):
@@ -63,25 +77,30 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
 
 
 def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
-    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of a convolution from x to
-    dy's shape, as one grouped Conv (batch and channels swapped; stride and dilation swap)."""
+    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of the convolution x -> dy.
+
+    im2col as a Conv with a one-hot kernel (``cols[n, c*K + j, o] = x[n, c, o*s + j*d - p]``),
+    then one batched MatMul per group against dy and a sum over the batch: GEMM-shaped work
+    that ORT runs fast, where a convolution with dy as its kernel is not.
+    """
     strides, pads, dilations = geometry
-    n = len(strides)
-    spatial = list(range(3, n + 3))
     m, cg = ctx.dims(w)[0], ctx.dims(w)[1]  # (out, in per group) of the convolution x -> dy
-    if group == 1:
-        xt = ctx.op("Transpose", x, perm=[1, 0, *range(2, n + 2)])
-        dyt = ctx.op("Transpose", dy, perm=[1, 0, *range(2, n + 2)])
-    else:  # channels (g, c) -> batch c, channels (g, n): one grouped conv
-        xg = ctx.op("Reshape", x, ctx.op("Concat", ctx.shape(x, 0, 1), ctx.ints([group, cg]), ctx.shape(x, 2), axis=0))
-        xt = ctx.op("Reshape", ctx.op("Transpose", xg, perm=[2, 1, 0, *spatial]),
-                    ctx.op("Concat", ctx.ints([cg, -1]), ctx.shape(x, 2), axis=0))
-        dyg = ctx.op("Reshape", dy, ctx.op("Concat", ctx.shape(dy, 0, 1), ctx.ints([group, m // group]), ctx.shape(dy, 2), axis=0))
-        dyt = ctx.op("Reshape", ctx.op("Transpose", dyg, perm=[1, 2, 0, *spatial]),
-                     ctx.op("Concat", ctx.ints([m, -1]), ctx.shape(dy, 2), axis=0))
-    full = ctx.op("Conv", xt, dyt, strides=dilations, dilations=strides, pads=pads, group=group)
-    return ctx.op("Slice", ctx.op("Transpose", full, perm=[1, 0, *range(2, n + 2)]),
-                  ctx.ints([0] * n), ctx.ints(kernel), ctx.ints(range(2, n + 2)))
+    taps = int(np.prod(kernel))
+    channels = cg * group
+    if taps == 1 and not any(pads) and all(s == 1 for s in strides):
+        cols = x
+    else:
+        one_hot = np.zeros([channels * taps, 1, *kernel])
+        for c in range(channels):
+            for j in range(taps):
+                one_hot[(c * taps + j, 0, *np.unravel_index(j, kernel))] = 1.0
+        cols = ctx.op("Conv", x, ctx.const(one_hot, x.dtype if x.dtype is not None else None), strides=strides,
+                      pads=pads, dilations=dilations, group=channels)
+    dy_g = ctx.op("Reshape", dy, ctx.ints([0, group, m // group, -1]))
+    cols_g = ctx.op("Reshape", cols, ctx.ints([0, group, cg * taps, -1]))
+    per_sample = ctx.op("MatMul", dy_g, ctx.op("Transpose", cols_g, perm=[0, 1, 3, 2]))
+    summed = ctx.op("ReduceSum", per_sample, ctx.ints([0]), keepdims=0)
+    return ctx.op("Reshape", summed, ctx.ints([m, cg, *kernel]))
 
 
 @register("Conv", opsets=(11, None))
