@@ -142,7 +142,8 @@ def underflow_table(provider: str, emulate: bool) -> dict[str, object]:
     for label, pol in policies.items():
         step = build_training_graph(model, optimizer="sgd", lr=1.0)
         converted = mpgraph.convert(step, pol, emulate=emulate and pol != "fp32")
-        trainer = Trainer(converted, provider=provider)
+        # ORT puts the scalar Cast(Size) of ReduceMean's backward on CPU as shape math: allow it.
+        trainer = Trainer(converted, provider=provider, allow_cpu_fallback=True)
         trainer.step(feeds, lr=1.0)
         grads[label] = -np.asarray(trainer.state["W"], dtype=np.float64)
     ref = grads["fp32"]
