@@ -8,7 +8,6 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from onnx import TensorProto as T
 from onnx import helper as h
 
 import mpgraph

@@ -161,6 +161,46 @@ def audit_cmd(
         console.print(detail)
 
 
+@app.command("compare")
+@handle_errors
+def compare_cmd(
+    reference: Annotated[Path, typer.Argument(help="The float32 model.")],
+    candidate: Annotated[Path, typer.Argument(help="The converted model (--emulate for bf16 on CPU).")],
+    inputs: Annotated[Path | None, typer.Option("--inputs", help=".npz of inputs keyed by input name; default: seeded random.")] = None,
+    threshold: Annotated[float, typer.Option("--threshold", help="Relative error at which a value counts as diverged.")] = 1e-2,
+    top: Annotated[int, typer.Option("--top", help="How many of the worst values to list.")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Run both models on the same inputs and show where the numbers diverge, value by value."""
+    from mpgraph.audit import compare
+    from mpgraph.io import load_model
+
+    report = compare(load_model(reference), load_model(candidate), inputs, threshold=threshold)
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+        return
+    table = Table(title="graph outputs")
+    for col in ("output", "rel error", "max |diff|", "non-finite"):
+        table.add_column(col)
+    for v in report.outputs:
+        table.add_row(v.name, f"{v.rel_error:.3g}", f"{v.max_abs_error:.3g}", str(v.nonfinite))
+    console.print(table)
+    if report.first_divergence is None:
+        console.print(f"no value diverges beyond {threshold:g} ({len(report.values)} values compared)")
+    else:
+        v = report.first_divergence
+        console.print(
+            f"[bold]first divergence[/] (rel error > {threshold:g}, topological order): value '{v.name}' "
+            f"from {v.producer} [{v.precision}]: rel error {v.rel_error:.3g}, non-finite {v.nonfinite}"
+        )
+    worst = Table(title=f"worst {top} of {len(report.values)} values")
+    for col in ("value", "producer", "precision", "rel error", "non-finite"):
+        worst.add_column(col)
+    for v in report.worst(top):
+        worst.add_row(v.name, v.producer, v.precision, f"{v.rel_error:.3g}", str(v.nonfinite))
+    console.print(worst)
+
+
 @policy_app.command("show")
 @handle_errors
 def policy_show(name: Annotated[str, typer.Argument(help="Preset name or YAML path.")]) -> None:

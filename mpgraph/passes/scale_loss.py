@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -22,7 +23,7 @@ class _Builder:
         self.graph, self.names, self.role = graph, names, role
         self.nodes: list[ir.Node] = []
 
-    def op(self, op_type: str, *inputs: ir.Value, name: str, **attrs: object) -> ir.Value:
+    def op(self, op_type: str, *inputs: ir.Value, name: str, **attrs: Any) -> ir.Value:
         fresh = self.names.fresh(f"loss_scale/{name}")
         node = ir.Node(
             "",
@@ -38,7 +39,7 @@ class _Builder:
         return node.outputs[0]
 
     def const(self, value: float | bool, name: str) -> ir.Value:
-        array = np.array(value, dtype=np.bool_ if isinstance(value, bool) else np.float32)
+        array: np.ndarray = np.array(value, dtype=np.bool_ if isinstance(value, bool) else np.float32)
         return self.op("Constant", name=name, value=ir.tensor(array, name=self.names.fresh(f"loss_scale/{name}_value")))
 
 
@@ -84,8 +85,10 @@ class ScaleLossPass(ir.passes.InPlacePass):
                 f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
                 f"(missing metadata {', '.join(missing)})"
             )
-        values = {v.name: v for n in graph for v in n.outputs} | {v.name: v for v in graph.inputs}
-        values |= dict(graph.initializers)
+        values: dict[str, ir.Value] = {}
+        for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
+            if value.name:
+                values.setdefault(value.name, value)
         seed = values.get(props[md.MODEL_GRAD_SEED])
         grads = [(p, values.get(g)) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
         if seed is None or any(g is None for _, g in grads):
@@ -151,9 +154,10 @@ class ScaleLossPass(ir.passes.InPlacePass):
         flag = opt.op("Identity", found_inf, name="found_inf")
         flag.name = md.FOUND_INF
         graph.outputs.append(flag)
-        for value in (*bwd.nodes, *opt.nodes):
-            for out in value.outputs:
-                out.type = ir.TensorType(ir.DataType.BOOL if out in (found_inf, flag) or out.producer().op_type in ("IsNaN", "GreaterOrEqual") else ir.DataType.FLOAT)
+        boolean = {"IsNaN", "GreaterOrEqual"}
+        for node in (*bwd.nodes, *opt.nodes):
+            is_bool = node.op_type in boolean or (node.op_type == "Identity" and node.inputs[0] is found_inf)
+            node.outputs[0].type = ir.TensorType(ir.DataType.BOOL if is_bool else ir.DataType.FLOAT)
         for scalar in (found_inf, flag, total, *(() if s.mode != "dynamic" else (new_scale, new_count))):
             scalar.shape = ir.Shape([])
         props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)

@@ -1,0 +1,159 @@
+"""Where do a converted model's numbers leave the float32 model's? Value by value.
+
+Both models run once in ONNX Runtime (CPU) on the same inputs with every float intermediate
+value exposed as an output; values are matched by name (mpgraph keeps the names of the values
+it lowers), and each gets a relative error. The first value in the candidate's topological
+order whose error crosses the threshold is where the divergence starts: no more bisecting by
+hand for the node that turned fp16 outputs into NaN.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.dtypes import is_float
+from mpgraph.errors import MpgraphError
+from mpgraph.passes.calibrate_range import load_feeds, random_feeds
+
+__all__ = ["ValueDivergence", "CompareReport", "compare"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueDivergence:
+    """Error of one value of the candidate against the reference.
+
+    Attributes:
+        name: Value name.
+        producer: ``op_type 'node name'`` of the candidate's producer.
+        precision: The producer's recorded precision.
+        rel_error: ``||cand - ref|| / ||ref||`` over finite reference entries.
+        max_abs_error: Largest absolute difference.
+        nonfinite: Entries that are inf/NaN in the candidate but finite in the reference.
+    """
+
+    name: str
+    producer: str
+    precision: str
+    rel_error: float
+    max_abs_error: float
+    nonfinite: int
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareReport:
+    """Outputs and intermediate values compared, in the candidate's topological order."""
+
+    outputs: list[ValueDivergence]
+    values: list[ValueDivergence]
+    threshold: float
+    first_divergence: ValueDivergence | None
+
+    def worst(self, k: int = 10) -> list[ValueDivergence]:
+        return sorted(self.values, key=lambda v: (v.nonfinite, v.rel_error), reverse=True)[:k]
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2)
+
+
+def _run_all(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    proto = ir.to_proto(model)
+    present = {o.name for o in proto.graph.output}
+    for node in model.graph:
+        for value in node.outputs:
+            # Untyped values (no value_info in the file) are exposed too; numpy reads no bfloat16.
+            if value.name and value.name not in present and (value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16)):
+                proto.graph.output.append(onnx.ValueInfoProto(name=value.name))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        wanted = {i.name for i in session.get_inputs()}
+        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    except Exception as e:  # noqa: BLE001 - ORT raises its own types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        hint = ""
+        if model.metadata_props.get(md.MODEL_DTYPE) == "bfloat16" and model.metadata_props.get(md.MODEL_EMULATED) != "true":
+            hint = " (a native bfloat16 model cannot run on ORT CPU: compare the --emulate conversion)"
+        raise MpgraphError(f"cannot run model in ONNX Runtime CPU: {first}{hint}") from None
+    return {n: r for n, r in zip(names, results) if isinstance(r, np.ndarray)}
+
+
+def _error(name: str, ref: np.ndarray, cand: np.ndarray, producer: str, precision: str) -> ValueDivergence | None:
+    if ref.shape != cand.shape or ref.dtype.kind != "f" or cand.dtype.kind != "f":
+        return None
+    r = ref.astype(np.float64)
+    c = cand.astype(np.float64)
+    finite = np.isfinite(r)
+    nonfinite = int((finite & ~np.isfinite(c)).sum())
+    diff = np.where(finite & np.isfinite(c), c - r, 0.0)
+    norm = float(np.linalg.norm(np.where(finite, r, 0.0)))
+    rel = float(np.linalg.norm(diff) / norm) if norm > 0 else float(np.linalg.norm(diff) > 0)
+    if nonfinite:
+        rel = float("inf")
+    return ValueDivergence(name, producer, precision, rel, float(np.abs(diff).max()) if diff.size else 0.0, nonfinite)
+
+
+def compare(
+    reference: ir.Model,
+    candidate: ir.Model,
+    feeds: Mapping[str, np.ndarray] | str | os.PathLike | None = None,
+    *,
+    threshold: float = 1e-2,
+    seed: int = 0,
+) -> CompareReport:
+    """Compare ``candidate`` (e.g. an emulated conversion) with ``reference`` value by value.
+
+    Args:
+        reference: The float32 model.
+        candidate: The converted model (emulated, or native float16).
+        feeds: Inputs (mapping or ``.npz``); seeded random inputs when ``None``.
+        threshold: Relative error at which a value counts as diverged.
+        seed: Seed of the random inputs.
+    """
+    if feeds is None:
+        inputs = random_feeds(reference, seed=seed)
+    elif isinstance(feeds, (str, os.PathLike)):
+        inputs = load_feeds(feeds)
+    else:
+        inputs = dict(feeds)
+    ref = _run_all(reference, inputs)
+    cand = _run_all(candidate, inputs)
+    values: list[ValueDivergence] = []
+    for node in candidate.graph:
+        if node.metadata_props.get(md.NODE_INSERTED):
+            continue
+        label = f"{node.op_type} '{node.name}'"
+        precision = node.metadata_props.get(md.NODE_PRECISION, "?")
+        for value in node.outputs:
+            name = value.name or ""
+            # Lowered graph outputs are computed under <name>_<bf16|fp16> (emulated: <name>_unrounded).
+            base = name
+            for suffix in ("_bf16", "_fp16", "_unrounded"):
+                if base not in ref and base.endswith(suffix):
+                    base = base[: -len(suffix)]
+            # An emulated graph holds a low value as round/<name> (rounded to the low dtype).
+            held = f"round/{name}" if f"round/{name}" in cand else name
+            if base in ref and held in cand:
+                err = _error(base, ref[base], cand[held], label, precision)
+                if err is not None:
+                    values.append(err)
+    outputs = []
+    for out_ref, out_cand in zip(reference.graph.outputs, candidate.graph.outputs):
+        if out_ref.name in ref and out_cand.name in cand:
+            err = _error(out_ref.name, ref[out_ref.name], cand[out_cand.name], "graph output", "-")
+            if err is not None:
+                outputs.append(err)
+    first = next((v for v in values if v.rel_error > threshold), None)
+    return CompareReport(outputs, values, threshold, first)
