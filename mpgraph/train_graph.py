@@ -6,8 +6,9 @@
    deterministic names; ``ConstantOfShape`` weights with a constant shape (as in compressed
    "light" model files) become initializers.
 2. **Loss.** Use a loss output of the graph (``loss=None`` picks an output named ``loss``;
-   ``loss="<output name>"`` picks another), or attach ``cross_entropy`` / ``mse`` to the first
-   float output with a new label input.
+   ``loss="<output name>"`` picks another), or attach ``cross_entropy`` (classes on the last
+   axis, int64 label shaped like the output without it) / ``mse`` (float target shaped like
+   the output) to the first float output, with a new input ``label``.
 3. **Training mode.** BatchNormalization runs in training mode; its running statistics
    become state inputs paired with the updated statistics (ONNX semantics: the running variance
    is updated with the biased batch variance).
@@ -203,9 +204,14 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
     if loss == "cross_entropy":
         if rank is None or rank < 2:
             raise GradientError(f"cross_entropy needs logits of rank >= 2; '{logits.name}' has rank {rank}")
-        dims = [logits.shape[0], *list(logits.shape)[2:]]
-        label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(dims))
-        value = ctx.op("SoftmaxCrossEntropyLoss", logits, label, reduction="mean")
+        # Classes on the last axis (torch/Keras convention: [batch, ..., classes]); the label
+        # holds one class index per position, shaped like the logits without that axis.
+        label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(list(logits.shape)[:-1]))
+        scores, target = logits, label
+        if rank > 2:
+            scores = ctx.op("Flatten", logits, axis=rank - 1)
+            target = ctx.op("Reshape", label, ctx.ints([-1]))
+        value = ctx.op("SoftmaxCrossEntropyLoss", scores, target, reduction="mean")
     else:
         label = ir.Value(name=label_name, type=ir.TensorType(logits.dtype), shape=logits.shape)
         diff = ctx.op("Sub", logits, label)

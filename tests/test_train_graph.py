@@ -209,6 +209,23 @@ def test_step_graph_structure() -> None:
     assert str(step.graph.inputs[0].shape[0]) == "batch"
 
 
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_attached_builtin_loss_matches_exported_loss(name: str) -> None:
+    """The forward-only zoo model with the built-in loss gives the exported loss's gradients."""
+    entry = _zoo(name)
+    if not (ZOO_DIR / f"{name}.onnx").exists():
+        pytest.skip("forward model missing")
+    ours = _session(build_training_graph(ZOO_DIR / f"{name}.onnx", optimizer=None, loss=entry.loss))
+    theirs = _session(build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=None))
+    x, label = entry.example_input(3), entry.example_label(3)
+    a = dict(zip([o.name for o in ours.get_outputs()], ours.run(None, _feeds(ours, x, label)), strict=True))
+    b = dict(zip([o.name for o in theirs.get_outputs()], theirs.run(None, _feeds(theirs, x, label)), strict=True))
+    assert abs(float(a["loss"]) - float(b["loss"])) <= 1e-6 * max(1.0, abs(float(b["loss"])))
+    for key, value in b.items():
+        if key.startswith("grad/"):
+            assert _rel(a[key], value) <= 1e-5, key
+
+
 def test_mlp_backward_has_no_transpose() -> None:
     _zoo("wide_mlp")
     step = build_training_graph(ZOO_DIR / "wide_mlp.loss.onnx", optimizer="sgd")
