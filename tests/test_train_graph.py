@@ -405,3 +405,30 @@ def test_zz_real_model_summary() -> None:
     for k, v in sorted(bad.items()):
         print(f"  {k}: {v}")
     assert len(ok) + len(bad) == len(OUTCOMES)
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+def test_cli_train_graph(tmp_path: Path) -> None:
+    typer = pytest.importorskip("typer")
+    from typer.testing import CliRunner
+
+    from mpgraph.cli.train_graph_cmd import register
+
+    _zoo("tiny_mlp")
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # keep typer in multi-command mode
+    runner = CliRunner()
+    out = tmp_path / "tiny.train.onnx"
+    ok = runner.invoke(app, ["train-graph", str(ZOO_DIR / "tiny_mlp.loss.onnx"), "-o", str(out),
+                             "--optimizer", "sgd", "--momentum", "0.9", "--freeze", "fc1.*"])
+    assert ok.exit_code == 0, ok.output
+    saved = onnx.load(str(out))
+    onnx.checker.check_model(saved, full_check=True)
+    assert {p.key: p.value for p in saved.metadata_props}[MODEL_TRAINING] == "true"
+    bad = runner.invoke(app, ["train-graph", str(ZOO_DIR / "tiny_mlp.onnx"), "-o", str(tmp_path / "x.onnx")])
+    assert bad.exit_code == 2 and "no loss" in bad.output and bad.output.strip().count("\n") == 0
