@@ -56,14 +56,8 @@ def slice_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
         pads = ctx.op("Concat", begin, ctx.op("Sub", grown, begin), axis=0)
         return (ctx.op("Pad", dy, pads, None, idx),) + (None,) * (len(node.inputs) - 1)
     # General case (negative or runtime starts, strides): scatter into the flat positions.
-    flat = ctx.op("Range", ctx.const(np.int64(0)), ctx.op("Size", x), ctx.const(np.int64(1)))
-    positions = ctx.op("Slice", ctx.op("Reshape", flat, ctx.shape(x)), *node.inputs[1:])
-    zeros = ctx.op("ConstantOfShape", ctx.op("Reshape", ctx.op("Size", x), ctx.ints([1])),
-                   value=ir.tensor(np.zeros((1,), dtype=x.dtype.numpy())))
-    minus1 = ctx.ints([-1])
-    scattered = ctx.op("ScatterElements", zeros, ctx.op("Reshape", positions, minus1),
-                       ctx.op("Reshape", dy, minus1), reduction="add")
-    return (ctx.op("Reshape", scattered, ctx.shape(x)),) + (None,) * (len(node.inputs) - 1)
+    positions = ctx.op("Slice", _flat_positions(ctx, x), *node.inputs[1:])
+    return (_scatter_back(ctx, x, positions, dy),) + (None,) * (len(node.inputs) - 1)
 
 
 @register("Gather", opsets=(13, None))
@@ -85,17 +79,39 @@ def gather(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     return ctx.op("Transpose", scattered, perm=[int(i) for i in np.argsort(data_perm)]), None
 
 
+def _scatter_back(ctx: Ctx, x: V, positions: V, dy: V) -> V:
+    """Sum ``dy`` into the flat positions of ``x`` that produced each of its elements."""
+    zeros = ctx.op("ConstantOfShape", ctx.op("Reshape", ctx.op("Size", x), ctx.ints([1])),
+                   value=ir.tensor(np.zeros((1,), dtype=x.dtype.numpy())))
+    minus1 = ctx.ints([-1])
+    scattered = ctx.op("ScatterElements", zeros, ctx.op("Reshape", positions, minus1),
+                       ctx.op("Reshape", dy, minus1), reduction="add")
+    return ctx.op("Reshape", scattered, ctx.shape(x))
+
+
+def _flat_positions(ctx: Ctx, x: V) -> V:
+    """int64 tensor shaped like ``x`` holding each element's flat index."""
+    flat = ctx.op("Range", ctx.const(np.int64(0)), ctx.op("Size", x), ctx.const(np.int64(1)))
+    return ctx.op("Reshape", flat, ctx.shape(x))
+
+
 @register("Pad", opsets=(18, None))
 def pad(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """constant: slice the interior; reflect/edge/wrap: pad the element positions the same
+    way and scatter-add the gradient back through them."""
     x, pads_v = node.inputs[0], node.inputs[1]
     mode, pads = ctx.attr("mode", "constant"), ctx.const_ints(pads_v)
-    if mode != "constant" or pads is None or any(p < 0 for p in pads):
+    none = (None,) * (len(node.inputs) - 1)
+    if mode != "constant":
+        positions = ctx.op("Pad", _flat_positions(ctx, x), *node.inputs[1:2], None, *node.inputs[3:], mode=mode)
+        return (_scatter_back(ctx, x, positions, dy),) + none
+    if pads is None or any(p < 0 for p in pads):
         raise GradientError(
-            f"no gradient for Pad node '{node.name}' with mode={mode} or runtime/negative pads; "
-            "only constant mode with constant non-negative pads is differentiable"
+            f"no gradient for Pad node '{node.name}' with runtime or negative pads; "
+            "constant pads >= 0 are differentiable"
         )
     axes_v = node.inputs[3] if len(node.inputs) > 3 else None
     axes = ctx.const_ints(axes_v) if axes_v is not None else list(range(ctx.rank(x)))
     begin = ctx.ints(pads[: len(axes)])
     end = ctx.op("Add", begin, ctx.op("Gather", ctx.shape(x), ctx.ints(axes)))
-    return (ctx.op("Slice", dy, begin, end, ctx.ints(axes)),) + (None,) * (len(node.inputs) - 1)
+    return (ctx.op("Slice", dy, begin, end, ctx.ints(axes)),) + none
