@@ -2,10 +2,11 @@
 
 Both sides run the same model, batch, loss and AdamW step on the same number of threads; the
 ORT side is one ``CpuRunner.step`` (state stays in OrtValues), the torch side is
-``zero_grad; forward; loss; backward; step``. Prints the median step time of each and the
-ratio (target: ORT <= 1.5x torch).
+``zero_grad; forward; loss; backward; step``. The two are timed in alternating chunks (so
+background load hits both alike); prints the median step time of each and the ratio
+(target: ORT <= 1.5x torch).
 
-Run: ``.venv/bin/python benchmarks/bench_train_step.py [--threads 2] [--steps 30]``
+Run: ``.venv/bin/python benchmarks/bench_train_step.py [--threads 2] [--rounds 8] [--steps 5]``
 """
 
 from __future__ import annotations
@@ -34,24 +35,28 @@ def _loss(entry, logits, label):
     return torch.nn.functional.mse_loss(logits, label)
 
 
-def _median_ms(fn, steps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+def _interleaved_ms(fns: list, rounds: int, steps: int, warmup: int) -> list[float]:
+    """Median ms/step of each function, timed in alternating chunks of ``steps`` so that load
+    from other processes hits all of them alike."""
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, times in zip(fns, samples, strict=True):
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            times.append((time.perf_counter() - t0) / steps)
+    return [1e3 * statistics.median(times) for times in samples]
 
 
 def _bench(name: str, args: argparse.Namespace) -> tuple[str, int, int, float, float]:
     entry, batch = ZOO[name], BATCH[name]
     x, label = entry.example_input(batch), entry.example_label(batch)
     step = build_training_graph(ROOT / "models" / "onnx" / f"{name}.loss.onnx", optimizer="adamw", lr=1e-4)
-    runner = CpuRunner(step, threads=args.threads)
+    runner = CpuRunner(step, threads=args.threads, spin=False)  # no busy-waiting into torch chunks
     feeds = {"tokens" if entry.vocab else "x": x.numpy(), "label": label.numpy()}
-    ort_ms = _median_ms(lambda: runner.step(feeds), args.steps, args.warmup)
 
     module = entry.build()
     opt = torch.optim.AdamW(module.parameters(), lr=1e-4)
@@ -61,20 +66,21 @@ def _bench(name: str, args: argparse.Namespace) -> tuple[str, int, int, float, f
         _loss(entry, module(x), label).backward()
         opt.step()
 
-    torch_ms = _median_ms(torch_step, args.steps, args.warmup)
+    ort_ms, torch_ms = _interleaved_ms([lambda: runner.step(feeds), torch_step], args.rounds, args.steps, args.warmup)
     return name, batch, len(step.graph), ort_ms, torch_ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=5, help="steps per timed chunk")
+    parser.add_argument("--rounds", type=int, default=8, help="alternating ORT/torch chunks")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--models", default=",".join(ZOO))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rows = [_bench(name, args) for name in args.models.split(",")]
-    print(f"threads={args.threads} steps={args.steps} (median ms/step, AdamW)")
+    print(f"threads={args.threads}, {args.rounds} alternating chunks of {args.steps} steps (median ms/step, AdamW)")
     print(f"{'model':<10} {'batch':>5} {'nodes':>6} {'ort':>9} {'torch':>9} {'ratio':>6}")
     for name, batch, nodes, ort_ms, torch_ms in rows:
         print(f"{name:<10} {batch:>5} {nodes:>6} {ort_ms:>9.3f} {torch_ms:>9.3f} {ort_ms / torch_ms:>6.2f}")
