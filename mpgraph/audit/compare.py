@@ -15,13 +15,12 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 
 from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
-from mpgraph.passes.calibrate_range import load_feeds, random_feeds
+from mpgraph.passes.calibrate_range import load_feeds, random_feeds, run_with_values
 
 __all__ = ["ValueDivergence", "CompareReport", "compare"]
 
@@ -64,30 +63,17 @@ class CompareReport:
 
 
 def _run_all(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
+    def expose(value: ir.Value) -> bool:
+        # Untyped values (no value_info in the file) are exposed too; numpy reads no bfloat16.
+        return value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16)
 
-    proto = ir.to_proto(model)
-    present = {o.name for o in proto.graph.output}
-    for node in model.graph:
-        for value in node.outputs:
-            # Untyped values (no value_info in the file) are exposed too; numpy reads no bfloat16.
-            if value.name and value.name not in present and (value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16)):
-                proto.graph.output.append(onnx.ValueInfoProto(name=value.name))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     try:
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-        wanted = {i.name for i in session.get_inputs()}
-        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    except Exception as e:  # noqa: BLE001 - ORT raises its own types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        hint = ""
-        if model.metadata_props.get(md.MODEL_DTYPE) == "bfloat16" and model.metadata_props.get(md.MODEL_EMULATED) != "true":
-            hint = " (a native bfloat16 model cannot run on ORT CPU: compare the --emulate conversion)"
-        raise MpgraphError(f"cannot run model in ONNX Runtime CPU: {first}{hint}") from None
-    return {n: r for n, r in zip(names, results) if isinstance(r, np.ndarray)}
+        return run_with_values(model, feeds, expose)
+    except MpgraphError as e:
+        props = model.metadata_props
+        if props.get(md.MODEL_DTYPE) == "bfloat16" and props.get(md.MODEL_EMULATED) != "true":
+            raise MpgraphError(f"{e} (a native bfloat16 model cannot run on ORT CPU: compare the --emulate conversion)") from None
+        raise
 
 
 def _error(name: str, ref: np.ndarray, cand: np.ndarray, producer: str, precision: str) -> ValueDivergence | None:

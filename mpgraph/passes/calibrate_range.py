@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import onnx
@@ -13,7 +13,7 @@ import onnx_ir as ir
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 
-__all__ = ["CalibrateRangePass", "ABSMAX_META", "random_feeds", "load_feeds"]
+__all__ = ["CalibrateRangePass", "ABSMAX_META", "random_feeds", "load_feeds", "run_with_values"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,28 +62,49 @@ class CalibrateRangePass(ir.passes.InPlacePass):
         self.feeds = dict(feeds)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        import onnxruntime as ort
-
         values = {v.name: v for node in model.graph for v in node.outputs if v.name and is_float(v.dtype)}
-        proto = ir.to_proto(model)
-        present = {o.name for o in proto.graph.output}
-        for name in values:
-            if name not in present:
-                proto.graph.output.append(onnx.ValueInfoProto(name=name))
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:
-            session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-            names = [o.name for o in session.get_outputs()]
-            outputs = session.run(names, self.feeds)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise MpgraphError(f"calibration run failed in ONNX Runtime: {first}") from None
-        for name, array in zip(names, outputs):
+            arrays = run_with_values(model, self.feeds, lambda v: v.name in values)
+        except MpgraphError as e:
+            raise MpgraphError(f"calibration run failed: {e}") from None
+        for name, array in arrays.items():
             value = values.get(name)
-            if value is None or not isinstance(array, np.ndarray) or array.size == 0:
+            if value is None or array.size == 0:
                 continue
             finite = np.abs(array[np.isfinite(array)].astype(np.float64))
             value.meta[ABSMAX_META] = float(finite.max()) if finite.size else 0.0
         return ir.passes.PassResult(model, False)
+
+
+def run_with_values(
+    model: ir.Model, feeds: Mapping[str, np.ndarray], expose: Callable[[ir.Value], bool]
+) -> dict[str, np.ndarray]:
+    """Run ``model`` once on ORT CPU with every node output ``expose`` accepts made a graph output.
+
+    Returns:
+        Name -> array for the graph outputs and exposed values that came back as arrays.
+
+    Raises:
+        MpgraphError: ORT refuses the model or the run (first line of its message).
+    """
+    import onnxruntime as ort
+
+    proto = ir.to_proto(model)
+    present = {o.name for o in proto.graph.output}
+    for node in model.graph:
+        for value in node.outputs:
+            if value.name and value.name not in present and expose(value):
+                proto.graph.output.append(onnx.ValueInfoProto(name=value.name))
+                present.add(value.name)
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        names = [o.name for o in session.get_outputs()]
+        wanted = {i.name for i in session.get_inputs()}
+        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MpgraphError(f"ONNX Runtime (CPU) cannot run the model: {first}") from None
+    return {n: r for n, r in zip(names, results) if isinstance(r, np.ndarray)}

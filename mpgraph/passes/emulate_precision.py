@@ -8,7 +8,7 @@ import onnx_ir as ir
 from mpgraph import metadata as md
 from mpgraph.dtypes import short_name
 from mpgraph.passes.assign_precision import constant_tensor
-from mpgraph.passes.naming import NameScope
+from mpgraph.passes.naming import NameScope, make_cast
 
 __all__ = ["EmulatePrecisionPass"]
 
@@ -90,16 +90,5 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
 
 
 def _cast(name: str, value: ir.Value, to: ir.DataType) -> ir.Node:
-    return ir.Node(
-        "",
-        "Cast",
-        [value],
-        [ir.AttrInt64("to", to)],
-        name=name,
-        outputs=[ir.Value(name=name, type=ir.TensorType(to), shape=value.shape)],
-        metadata_props={
-            md.NODE_INSERTED: "round",
-            md.NODE_PRECISION: "none",
-            md.NODE_REASON: f"emulation: round to {short_name(to) if to != ir.DataType.FLOAT else 'the low dtype'}",
-        },
-    )
+    target = short_name(to) if to != ir.DataType.FLOAT else "the low dtype"
+    return make_cast(name, value, to, "round", f"emulation: round to {target}")

@@ -13,7 +13,7 @@ from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing, type_string
 from mpgraph.passes.assign_precision import constant_range, constant_tensor
-from mpgraph.passes.naming import NameScope
+from mpgraph.passes.naming import NameScope, make_cast
 from mpgraph.policy.schema import Policy
 
 __all__ = ["InsertCastsPass"]
@@ -76,16 +76,7 @@ class InsertCastsPass(ir.passes.InPlacePass):
             return bool(typing and is_low[node] and typing.input_vars[index] in typing.compute_vars)
 
         def add_cast(value: ir.Value, dtype: ir.DataType, why: str) -> ir.Value:
-            name = names.fresh(f"cast/{value.name}_{short_name(dtype)}")
-            node = ir.Node(
-                "",
-                "Cast",
-                [value],
-                [ir.AttrInt64("to", dtype)],
-                name=name,
-                outputs=[ir.Value(name=name, type=ir.TensorType(dtype), shape=value.shape)],
-                metadata_props={md.NODE_INSERTED: "cast", md.NODE_PRECISION: "none", md.NODE_REASON: why},
-            )
+            node = make_cast(names.fresh(f"cast/{value.name}_{short_name(dtype)}"), value, dtype, "cast", why)
             producer = value.producer()
             if producer is not None and producer.graph is graph:
                 graph.insert_after(producer, node)

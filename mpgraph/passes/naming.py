@@ -1,10 +1,12 @@
-"""Deterministic, collision-free names for values and nodes a pass creates."""
+"""Deterministic, collision-free names for values and nodes a pass creates, and the Casts."""
 
 from __future__ import annotations
 
 import onnx_ir as ir
 
-__all__ = ["NameScope"]
+from mpgraph import metadata as md
+
+__all__ = ["NameScope", "make_cast"]
 
 
 class NameScope:
@@ -41,3 +43,21 @@ class NameScope:
 
     def reserve(self, name: str) -> None:
         self._used.add(name)
+
+
+def make_cast(name: str, value: ir.Value, to: ir.DataType, inserted: str, reason: str) -> ir.Node:
+    """A ``Cast(value, to)`` node and output both named ``name``, marked as mpgraph's.
+
+    Args:
+        inserted: ``cast`` (policy boundary) or ``round`` (emulation rounding).
+        reason: Shown by the audit.
+    """
+    return ir.Node(
+        "",
+        "Cast",
+        [value],
+        [ir.AttrInt64("to", to)],
+        name=name,
+        outputs=[ir.Value(name=name, type=ir.TensorType(to), shape=value.shape)],
+        metadata_props={md.NODE_INSERTED: inserted, md.NODE_PRECISION: "none", md.NODE_REASON: reason},
+    )
