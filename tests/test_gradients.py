@@ -379,6 +379,26 @@ def test_dropout_training_mask_routes_gradient() -> None:
     assert 0.35 < kept.mean() < 0.65
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_dropout_runtime_training_flag(training: bool) -> None:
+    """training_mode as a graph input: the gradient follows the flag given at run time."""
+    helper_nodes = [helper.make_node("Dropout", ["x", "r", "t"], ["y", "m"], name="op"),
+                    helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(
+        helper_nodes, "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 32]), helper.make_tensor_value_info("t", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], [numpy_helper.from_array(np.asarray(0.25, np.float32), "r")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = {"x": np.random.default_rng(0).standard_normal((64, 32)).astype(np.float32), "t": np.asarray(training)}
+    grad = session.run(["grad/x"], feeds)[0]
+    if training:
+        assert np.all(np.isclose(grad, 0.0) | np.isclose(grad, 1 / 0.75)) and 0.6 < (grad > 0).mean() < 0.9
+    else:
+        assert np.allclose(grad, 1.0)
+
+
 def test_every_rule_has_a_case() -> None:
     covered = {lookup_rule("", c.op, c.opset).key for c in CASES}
     covered.add(lookup_rule("", "Dropout", 18).key)

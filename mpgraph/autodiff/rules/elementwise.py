@@ -224,14 +224,18 @@ def cast(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Dropout", opsets=(12, None), outputs=2)
 def dropout(ctx: Ctx, node: ir.Node, dy: V, dmask: V | None = None) -> tuple:
+    x = node.inputs[0]
     ratio = node.inputs[1] if len(node.inputs) > 1 else None
     training = node.inputs[2] if len(node.inputs) > 2 else None
     if training is None or ctx.const_ints(training) == [0]:
         return dy, None, None
-    keep = ctx.op("Cast", node.outputs[1], to=dy.dtype)
+    keep = ctx.op("Cast", node.outputs[1], to=x.dtype)
+    one = ctx.scalar(1.0, x)
     if ratio is None:
-        scale = ctx.scalar(2.0, node.inputs[0])
+        scale = ctx.scalar(2.0, x)
     else:
-        one = ctx.scalar(1.0, node.inputs[0])
-        scale = ctx.op("Div", one, ctx.op("Sub", one, ratio))
+        r = ratio if ratio.dtype == x.dtype else ctx.op("Cast", ratio, to=x.dtype)
+        scale = ctx.op("Div", one, ctx.op("Sub", one, r))
+    if ctx.const_ints(training) is None:  # decided at run time: eval mode passes dy through
+        scale = ctx.op("Where", training, scale, one)
     return ctx.op("Mul", ctx.op("Mul", dy, keep), scale), None, None
