@@ -75,6 +75,11 @@ _LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
 
 
+def _name(value: ir.Value) -> str:
+    assert value.name is not None, "graph values are named by _name_nodes"
+    return value.name
+
+
 def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
     """``[(state input, updated output)]`` recorded on a training step graph."""
     raw = model.metadata_props.get(MODEL_STATE_PAIRS)
@@ -183,7 +188,7 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
         if "loss" not in outputs:
             raise GradientError(
                 "no loss: the model has no output named 'loss'; pass loss='cross_entropy', "
-                f"'mse' or one of its outputs ({', '.join(outputs)})"
+                f"'mse' or one of its outputs ({', '.join(n for n in outputs if n)})"
             )
         loss = "loss"
     if loss in outputs:
@@ -193,7 +198,7 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
         return value, []
     if loss not in BUILTIN_LOSSES:
         raise GradientError(
-            f"unknown loss '{loss}'; choose cross_entropy, mse or an output name ({', '.join(outputs)})"
+            f"unknown loss '{loss}'; choose cross_entropy, mse or an output name ({', '.join(n for n in outputs if n)})"
         )
     logits = next((v for v in graph.outputs if v.dtype in FLOAT_TYPES), None)
     if logits is None:
@@ -206,14 +211,14 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
             raise GradientError(f"cross_entropy needs logits of rank >= 2; '{logits.name}' has rank {rank}")
         # Classes on the last axis (torch/Keras convention: [batch, ..., classes]); the label
         # holds one class index per position, shaped like the logits without that axis.
-        label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(list(logits.shape)[:-1]))
+        label = ir.Value(name=label_name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(list(logits.shape or ())[:-1]))
         scores, target = logits, label
         if rank > 2:
             scores = ctx.op("Flatten", logits, axis=rank - 1)
             target = ctx.op("Reshape", label, ctx.ints([-1]))
         value = ctx.op("SoftmaxCrossEntropyLoss", scores, target, reduction="mean")
     else:
-        label = ir.Value(name=label_name, type=ir.TensorType(logits.dtype), shape=logits.shape)
+        label = ir.Value(name=label_name, type=ir.TensorType(logits.dtype or ir.DataType.FLOAT), shape=logits.shape)
         diff = ctx.op("Sub", logits, label)
         value = ctx.op("ReduceMean", ctx.op("Mul", diff, diff), keepdims=0)
     graph.inputs.append(label)
@@ -296,25 +301,29 @@ def build_training_graph(
     state: list[tuple[ir.Value, ir.Value]] = []
     _training_mode(graph, batchnorm, state, fwd)
 
-    params = _select_params(graph, freeze, trainable_inputs, {s.name for s, _ in state}, inputs_mark_params)
+    params = _select_params(graph, freeze, trainable_inputs, {_name(s) for s, _ in state}, inputs_mark_params)
     graph.outputs.clear()
     graph.outputs.append(loss_value)
     _prune(graph)
     _infer_shapes(m)
     seed = _gradient_seed(graph, loss_value)
     grads = differentiate(graph, loss_value, params, opset=opset, seed=seed)
-    m.metadata_props[MODEL_GRAD_SEED] = seed.name
-    m.metadata_props[MODEL_LOSS] = loss_value.name
+    m.metadata_props[MODEL_GRAD_SEED] = _name(seed)
+    m.metadata_props[MODEL_LOSS] = _name(loss_value)
 
     ctx = GradContext(graph, role="optimizer", scope="optim")
     new_inputs: list[ir.Value] = []
 
     def make_state(name: str, like: ir.Value | None, init: float) -> ir.Value:
-        shape = ir.Shape([]) if like is None else like.shape
-        array = np.full([int(d) for d in shape], init, dtype=np.float32)
+        dims = [] if like is None or like.shape is None else list(like.shape)
+        if not all(isinstance(d, int) for d in dims):
+            raise GradientError(f"optimizer state '{name}' needs a static shape; '{like.name if like else ''}' has {dims}")
+        array = np.full([int(d) for d in dims if isinstance(d, int)], init, dtype=np.float32)
         value = ir.Value(name=ctx.unique(name), type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(array.shape),
                          const_value=ir.tensor(array))
-        value.const_value.name = value.name
+        array_tensor = value.const_value
+        assert array_tensor is not None
+        array_tensor.name = value.name
         new_inputs.append(value)
         graph.register_initializer(value)
         return value
@@ -324,7 +333,7 @@ def build_training_graph(
     if opt is None:
         gctx = GradContext(graph, role="backward", scope="grad")
         for p in params:
-            g = grads[p.name]
+            g = grads[_name(p)]
             if g.name != f"grad/{p.name}" or g.is_graph_output() or g.producer() is None:
                 g = gctx.op("Identity", g)
                 g.name = f"grad/{p.name}"
@@ -332,12 +341,12 @@ def build_training_graph(
             shaped_like.append((p, g))
     else:
         lr_value = ir.Value(name=LR_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
-                            const_value=ir.tensor(np.float32(lr if lr is not None else _DEFAULT_LR[optimizer.lower()]), name=LR_INPUT))
+                            const_value=ir.tensor(np.float32(lr if lr is not None else _DEFAULT_LR[str(optimizer).lower()]), name=LR_INPUT))
         graph.inputs.append(lr_value)
         graph.register_initializer(lr_value)
-        updated, opt_state = opt.build(ctx, [(p, grads[p.name]) for p in params], lr_value, make_state)
-        m.metadata_props[MODEL_GRADIENTS] = json.dumps([[p.name, grads[p.name].name] for p in params])
-        state = [(p, updated[p.name]) for p in params] + state + opt_state
+        updated, opt_state = opt.build(ctx, [(p, grads[_name(p)]) for p in params], lr_value, make_state)
+        m.metadata_props[MODEL_GRADIENTS] = json.dumps([[_name(p), grads[_name(p)].name] for p in params])
+        state = [(p, updated[_name(p)]) for p in params] + state + opt_state
     for i, (inp, out) in enumerate(state):
         if out.is_graph_output() or out.is_graph_input() or out.is_initializer():
             out = ctx.op("Identity", out)
@@ -406,6 +415,8 @@ def _training_mode(graph: ir.Graph, batchnorm: str, state: list[tuple[ir.Value, 
             node.resize_outputs(3)
         for k, stat in ((1, node.inputs[3]), (2, node.inputs[4])):
             out = node.outputs[k]
+            if stat is None:
+                raise UnsupportedModelError(f"BatchNormalization node '{node.name}' has no running statistics")
             if not out.name:
                 out.name = ctx.unique(f"{node.name}/output_{k}")
             if stat.is_initializer() and stat.const_value is not None and not stat.is_graph_input():
@@ -423,18 +434,18 @@ def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Seq
     else:
         candidates = [v for v in floats.values() if v.shape is not None and len(v.shape) >= 1]
     for pattern in trainable_inputs:
-        matched = [v for v in graph.inputs if fnmatch.fnmatchcase(v.name, pattern)
+        matched = [v for v in graph.inputs if fnmatch.fnmatchcase(_name(v), pattern)
                    and v.dtype in FLOAT_TYPES and v not in candidates and v.name not in exclude]
         if not matched:
             raise GradientError(f"trainable input pattern '{pattern}' matches no float graph input")
         candidates += matched
     for pattern in freeze:
-        if not any(fnmatch.fnmatchcase(v.name, pattern) for v in candidates):
+        if not any(fnmatch.fnmatchcase(_name(v), pattern) for v in candidates):
             raise GradientError(
                 f"freeze pattern '{pattern}' matches no parameter (parameters: "
-                f"{', '.join(v.name for v in candidates[:8])}{', ...' if len(candidates) > 8 else ''})"
+                f"{', '.join(_name(v) for v in candidates[:8])}{', ...' if len(candidates) > 8 else ''})"
             )
-    params = [v for v in candidates if not any(fnmatch.fnmatchcase(v.name, p) for p in freeze)]
+    params = [v for v in candidates if not any(fnmatch.fnmatchcase(_name(v), p) for p in freeze)]
     for v in candidates:
         if v not in params and v.is_graph_input() and v.is_initializer():
             graph.inputs.remove(v)  # a frozen parameter is a constant

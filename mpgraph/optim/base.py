@@ -92,7 +92,7 @@ def _numel(value: ir.Value) -> int | None:
         return None
     n = 1
     for d in dims:
-        n *= d
+        n *= d if isinstance(d, int) else 0
     return n
 
 
@@ -101,7 +101,7 @@ def pack(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], threshold: i
     small = [(p, g) for p, g in params if (_numel(p) or threshold) < threshold]
     if len(small) < 2:
         small = []
-    slots = [Slot(p.name, p, g) for p, g in params if (p, g) not in small]
+    slots = [Slot(p.name or "", p, g) for p, g in params if (p, g) not in small]
     if small:
         flat = ctx.ints([-1])
         param = ctx.op("Concat", *[ctx.op("Reshape", p, flat) for p, _ in small], axis=0)
@@ -117,4 +117,7 @@ def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Va
         return {slot.name: new_param}
     sizes = [_numel(p) or 0 for p in slot.members]
     parts = ctx.op_multi("Split", new_param, ctx.ints(sizes), axis=0, num_outputs=len(sizes))
-    return {p.name: ctx.op("Reshape", part, ctx.ints(list(p.shape))) for p, part in zip(slot.members, parts, strict=True)}
+    return {
+        p.name or "": ctx.op("Reshape", part, ctx.ints([d if isinstance(d, int) else -1 for d in p.shape or ()]))
+        for p, part in zip(slot.members, parts, strict=True)
+    }

@@ -72,7 +72,13 @@ class CpuRunner:
         self.output_names = [o.name for o in self.session.get_outputs()]
         self._state = {}
         for name, _ in self.pairs:
-            value = state[name] if state is not None and name in state else inits[name].const_value.numpy()
+            if state is not None and name in state:
+                value = state[name]
+            else:
+                tensor = inits[name].const_value if name in inits else None
+                if tensor is None:
+                    raise MpgraphError(f"state input '{name}' has no initial value; pass it in state=")
+                value = tensor.numpy()
             self._state[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
         self._spare = {
             name: ort.OrtValue.ortvalue_from_numpy(np.empty_like(self._state[name].numpy()))
