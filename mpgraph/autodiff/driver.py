@@ -106,7 +106,9 @@ class GradContext:
         )
         for i, out in enumerate(node.outputs):
             out.name = name if num_outputs == 1 else self.unique(f"{name}:{i}")
-            out.dtype = _guess_dtype(op_type, inputs, attrs)
+            guessed = _guess_dtype(op_type, inputs, attrs)
+            if guessed is not None:
+                out.dtype = guessed
         self.graph.append(node)
         return list(node.outputs)
 
@@ -141,6 +143,39 @@ class GradContext:
             return default
         v = a.value
         return list(v) if isinstance(v, Sequence) and not isinstance(v, str) else v
+
+    def input(self, index: int) -> ir.Value:
+        """Input ``index`` of the current forward node, which must be present."""
+        assert self.node is not None
+        value = self.node.inputs[index] if index < len(self.node.inputs) else None
+        if value is None:
+            raise GradientError(f"node '{self.node.name}' ({self.node.op_type}) lacks its input {index}")
+        return value
+
+    def optional_input(self, index: int) -> ir.Value | None:
+        """Input ``index`` of the current forward node, or ``None`` when omitted."""
+        assert self.node is not None
+        return self.node.inputs[index] if index < len(self.node.inputs) else None
+
+    def np_dtype(self, value: ir.Value | None) -> np.dtype:
+        """numpy dtype of a forward value (``GradientError`` when unknown)."""
+        if value is None or value.dtype is None:
+            raise GradientError(f"node '{self.node.name if self.node else '?'}': unknown dtype of '{value.name if value else '?'}'")
+        return np.dtype(value.dtype.numpy())
+
+    def static_dims(self, value: ir.Value | None, what: str) -> list[int]:
+        """Dims of a forward value that must all be static (``GradientError`` otherwise)."""
+        dims = self.dims(value)
+        if any(d is None for d in dims):
+            raise GradientError(f"node '{self.node.name if self.node else '?'}': {what} must be static, got {dims}")
+        return [d for d in dims if d is not None]
+
+    def required_ints(self, value: ir.Value | None, what: str) -> list[int]:
+        """Integer values of an input that must be a constant (``GradientError`` otherwise)."""
+        ints = self.const_ints(value)
+        if ints is None:
+            raise GradientError(f"node '{self.node.name if self.node else '?'}': {what} must be constant for its gradient")
+        return ints
 
     def needs(self, index: int) -> bool:
         """Whether input ``index`` of the current node needs a gradient."""
@@ -331,10 +366,10 @@ def differentiate(
         for i, out in enumerate(node.outputs):
             if not out.name:
                 out.name = ctx.unique(f"{node.name}/output_{i}")
-            if out.dtype is None:
-                out.dtype = _EXTRA_OUTPUT_DTYPES.get(
-                    (node.op_type, i), node.inputs[0].dtype if node.inputs[0] is not None else None
-                )
+            first = node.inputs[0].dtype if node.inputs[0] is not None else None
+            extra = _EXTRA_OUTPUT_DTYPES.get((node.op_type, i), first)
+            if out.dtype is None and extra is not None:
+                out.dtype = extra
 
     # 2-4. Reverse sweep.
     contributions: dict[ir.Value, list[ir.Value]] = {}
@@ -352,7 +387,8 @@ def differentiate(
             name = ctx.unique(f"grad/{value.name}")
             node = ir.Node("", "Sum", parts, name=name, metadata_props={NODE_ROLE: "backward"})
             node.outputs[0].name = name
-            node.outputs[0].dtype = value.dtype
+            if value.dtype is not None:
+                node.outputs[0].dtype = value.dtype
             graph.append(node)
             result = node.outputs[0]
         totals[value] = result
@@ -374,7 +410,7 @@ def differentiate(
         ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
         grads = rule.fn(ctx, node, *dys)
         for i, (inp, grad) in enumerate(zip(node.inputs, grads, strict=False)):
-            if grad is None or not ctx.needed[i]:
+            if grad is None or inp is None or not ctx.needed[i]:
                 continue
             if rule.broadcast:
                 grad = ctx.unbroadcast(grad, inp, node.outputs[0].shape)
@@ -383,6 +419,6 @@ def differentiate(
     result: dict[str, ir.Value] = {}
     for value in wrt:
         grad = total(value)
-        result[value.name] = grad if grad is not None else ctx.zeros_like(value)
+        result[value.name or ""] = grad if grad is not None else ctx.zeros_like(value)
     logger.debug("differentiated %d nodes for %d values", len(path), len(wrt))
     return result

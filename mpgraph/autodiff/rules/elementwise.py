@@ -32,7 +32,7 @@ def sub(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Mul", broadcast=True)
 def mul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    a, b = node.inputs
+    a, b = ctx.input(0), ctx.input(1)
     return (
         ctx.op("Mul", dy, b) if ctx.needs(0) else None,
         ctx.op("Mul", dy, a) if ctx.needs(1) else None,
@@ -41,7 +41,7 @@ def mul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Div", broadcast=True)
 def div(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    _, b = node.inputs
+    b = ctx.input(1)
     da = ctx.op("Div", dy, b)
     # d(a/b)/db = -(a/b)/b = -y/b, reusing the forward output.
     return da, ctx.op("Neg", ctx.op("Mul", da, node.outputs[0])) if ctx.needs(1) else None
@@ -54,7 +54,7 @@ def neg(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Pow", broadcast=True)
 def pow_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    a, b = node.inputs
+    a, b = ctx.input(0), ctx.input(1)
     bf = b if b.dtype == a.dtype else ctx.op("Cast", b, to=a.dtype)
     da = db = None
     if ctx.needs(0):
@@ -87,7 +87,7 @@ def exp(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Log")
 def log(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    return (ctx.op("Div", dy, node.inputs[0]),)
+    return (ctx.op("Div", dy, ctx.input(0)),)
 
 
 @register("Tanh")
@@ -104,19 +104,19 @@ def sigmoid(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Erf")
 def erf(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     e = ctx.op("Exp", ctx.op("Neg", ctx.op("Mul", x, x)))
     return (ctx.op("Mul", dy, ctx.op("Mul", e, ctx.scalar(2.0 / math.sqrt(math.pi), x))),)
 
 
 @register("Abs")
 def abs_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    return (ctx.op("Mul", dy, ctx.op("Sign", node.inputs[0])),)
+    return (ctx.op("Mul", dy, ctx.op("Sign", ctx.input(0))),)
 
 
 @register("Relu")
 def relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
     # Mul by the 0/1 mask: ORT's Where with a scalar branch is several times slower.
     return (ctx.op("Mul", dy, ctx.op("Cast", positive, to=x.dtype)),)
@@ -124,7 +124,7 @@ def relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("LeakyRelu")
 def leaky_relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     alpha = ctx.attr("alpha", 0.01)
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
     return (ctx.op("Where", positive, dy, ctx.op("Mul", dy, ctx.scalar(alpha, x))),)
@@ -132,7 +132,7 @@ def leaky_relu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("PRelu", broadcast=True)
 def prelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x, slope = node.inputs
+    x, slope = ctx.input(0), ctx.input(1)
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
     zero = ctx.scalar(0.0, x)
     dx = ctx.op("Where", positive, dy, ctx.op("Mul", dy, slope)) if ctx.needs(0) else None
@@ -142,7 +142,7 @@ def prelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Elu")
 def elu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x, y = node.inputs[0], node.outputs[0]
+    x, y = ctx.input(0), node.outputs[0]
     negative = ctx.op("Add", y, ctx.scalar(ctx.attr("alpha", 1.0), x))
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
     return (ctx.op("Where", positive, dy, ctx.op("Mul", dy, negative)),)
@@ -150,7 +150,7 @@ def elu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Selu")
 def selu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x, y = node.inputs[0], node.outputs[0]
+    x, y = ctx.input(0), node.outputs[0]
     alpha, gamma = ctx.attr("alpha", 1.67326319217681884765625), ctx.attr("gamma", 1.05070102214813232421875)
     negative = ctx.op("Add", y, ctx.scalar(alpha * gamma, x))
     positive = ctx.op("Greater", x, ctx.scalar(0.0, x))
@@ -159,12 +159,12 @@ def selu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Softplus")
 def softplus(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    return (ctx.op("Mul", dy, ctx.op("Sigmoid", node.inputs[0])),)
+    return (ctx.op("Mul", dy, ctx.op("Sigmoid", ctx.input(0))),)
 
 
 @register("Gelu", opsets=(20, None))
 def gelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     half = ctx.scalar(0.5, x)
     if ctx.attr("approximate", "none") == "tanh":
         c, k = math.sqrt(2.0 / math.pi), 0.044715
@@ -184,9 +184,9 @@ def gelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Clip", opsets=(11, None))
 def clip(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
-    lo = node.inputs[1] if len(node.inputs) > 1 else None
-    hi = node.inputs[2] if len(node.inputs) > 2 else None
+    x = ctx.input(0)
+    lo = ctx.optional_input(1)
+    hi = ctx.optional_input(2)
     inside = None
     for bound, op in ((lo, "GreaterOrEqual"), (hi, "LessOrEqual")):
         if bound is not None:
@@ -197,7 +197,7 @@ def clip(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Where", broadcast=True)
 def where(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    cond, x, _ = node.inputs
+    cond, x = ctx.input(0), ctx.input(1)
     zero = ctx.scalar(0.0, x)
     return (
         None,
@@ -218,15 +218,15 @@ def identity(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Cast")
 def cast(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     return (dy if x.dtype == node.outputs[0].dtype else ctx.op("Cast", dy, to=x.dtype),)
 
 
 @register("Dropout", opsets=(12, None), outputs=2)
 def dropout(ctx: Ctx, node: ir.Node, dy: V, dmask: V | None = None) -> tuple:
-    x = node.inputs[0]
-    ratio = node.inputs[1] if len(node.inputs) > 1 else None
-    training = node.inputs[2] if len(node.inputs) > 2 else None
+    x = ctx.input(0)
+    ratio = ctx.optional_input(1)
+    training = ctx.optional_input(2)
     if training is None or ctx.const_ints(training) == [0]:
         return dy, None, None
     keep = ctx.op("Cast", node.outputs[1], to=x.dtype)

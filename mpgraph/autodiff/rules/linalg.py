@@ -19,7 +19,7 @@ def _swap_last(rank: int) -> list[int]:
 
 @register("MatMul")
 def matmul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    a, b = node.inputs
+    a, b = ctx.input(0), ctx.input(1)
     y = node.outputs[0]
     ra, rb = ctx.rank(a), ctx.rank(b)
     da = db = None
@@ -31,7 +31,7 @@ def matmul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
         ddy = ctx.op("Unsqueeze", dy, ctx.ints([-2]))
         if ctx.needs(0):
             full = ctx.op("ReduceSum", ctx.op("Mul", b, ddy), ctx.ints([-1]), keepdims=0)
-            da = ctx.unbroadcast(full, a, None if b.shape is None else b.shape[:-1])
+            da = ctx.unbroadcast(full, a, None if b.shape is None else ir.Shape(list(b.shape)[:-1]))
         db = ctx.op("Mul", ctx.op("Unsqueeze", a, ctx.ints([-1])), ddy) if ctx.needs(1) else None
     elif rb == 2:  # batch folded into rows: plain Gemm, no Transpose
         dy2 = dy if ra == 2 else ctx.op("Flatten", dy, axis=ra - 1)
@@ -42,20 +42,20 @@ def matmul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
             a2 = a if ra == 2 else ctx.op("Flatten", a, axis=ra - 1)
             db = ctx.op("Gemm", a2, dy2, transA=1)
     else:  # batched: transpose the last two dims, then sum broadcast batch dims away
-        batch = None if y.shape is None else list(y.shape[:-2])
+        batch = None if y.shape is None or a.shape is None or b.shape is None else list(y.shape)[:-2]
         if ctx.needs(0):
             da = ctx.op("MatMul", dy, ctx.op("Transpose", b, perm=_swap_last(rb)))
-            da = ctx.unbroadcast(da, a, None if batch is None else ir.Shape(batch + list(a.shape[-2:])))
+            da = ctx.unbroadcast(da, a, None if batch is None else ir.Shape(batch + list(a.shape or ())[-2:]))
         if ctx.needs(1):
             db = ctx.op("MatMul", ctx.op("Transpose", a, perm=_swap_last(ra)), dy)
-            db = ctx.unbroadcast(db, b, None if batch is None else ir.Shape(batch + list(b.shape[-2:])))
+            db = ctx.unbroadcast(db, b, None if batch is None else ir.Shape(batch + list(b.shape or ())[-2:]))
     return da, db
 
 
 @register("Gemm")
 def gemm(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    a, b = node.inputs[0], node.inputs[1]
-    c = node.inputs[2] if len(node.inputs) > 2 else None
+    a, b = ctx.input(0), ctx.input(1)
+    c = ctx.optional_input(2)
     alpha, beta = ctx.attr("alpha", 1.0), ctx.attr("beta", 1.0)
     ta, tb = ctx.attr("transA", 0), ctx.attr("transB", 0)
     da = db = dc = None

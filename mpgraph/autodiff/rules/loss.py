@@ -20,14 +20,14 @@ Ctx = GradContext
 
 def _nll_grad(ctx: Ctx, node: ir.Node, log_prob: V, dloss: V) -> V:
     """d loss / d log_prob for NLL with optional class weights, ignore_index and reduction."""
-    labels = node.inputs[1]
-    weights = node.inputs[2] if len(node.inputs) > 2 else None
+    labels = ctx.input(1)
+    weights = ctx.optional_input(2)
     ignore = ctx.attr("ignore_index")
     weight = None
     safe = labels
     if ignore is not None:
-        keep = ctx.op("Not", ctx.op("Equal", labels, ctx.const(np.asarray(ignore, dtype=labels.dtype.numpy()))))
-        safe = ctx.op("Where", keep, labels, ctx.const(np.zeros((), dtype=labels.dtype.numpy())))
+        keep = ctx.op("Not", ctx.op("Equal", labels, ctx.const(np.asarray(ignore, dtype=ctx.np_dtype(labels)))))
+        safe = ctx.op("Where", keep, labels, ctx.const(np.zeros((), dtype=ctx.np_dtype(labels))))
         weight = ctx.op("Cast", keep, to=log_prob.dtype)
     if weights is not None:
         picked = ctx.op("Gather", weights, safe)
@@ -48,7 +48,7 @@ def _nll_grad(ctx: Ctx, node: ir.Node, log_prob: V, dloss: V) -> V:
 
 @register("NegativeLogLikelihoodLoss", opsets=(13, None))
 def nll_loss(ctx: Ctx, node: ir.Node, dloss: V) -> tuple:
-    return _nll_grad(ctx, node, node.inputs[0], dloss), None, None
+    return _nll_grad(ctx, node, ctx.input(0), dloss), None, None
 
 
 @register("SoftmaxCrossEntropyLoss", opsets=(13, None), outputs=2)

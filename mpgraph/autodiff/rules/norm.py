@@ -7,6 +7,7 @@ import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.registry import register
+from mpgraph.errors import GradientError
 
 __all__: list[str] = []
 
@@ -31,8 +32,8 @@ def log_softmax(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("LayerNormalization", opsets=(17, None), outputs=3)
 def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
-    x, scale = node.inputs[0], node.inputs[1]
-    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    x, scale = ctx.input(0), ctx.input(1)
+    bias = ctx.optional_input(2)
     rank = ctx.rank(x)
     axes = ctx.ints(range(ctx.attr("axis", -1) % rank, rank))
     mean, inv_std = node.outputs[1], node.outputs[2]
@@ -53,7 +54,7 @@ def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
 
 @register("BatchNormalization", opsets=(15, None))
 def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
-    x, scale, _, mean_in, var_in = node.inputs[:5]
+    x, scale, mean_in, var_in = ctx.input(0), ctx.input(1), ctx.input(3), ctx.input(4)
     rank = ctx.rank(x)
     axes = ctx.ints([0, *range(2, rank)])
     column = ctx.ints([-1] + [1] * (rank - 2))
@@ -93,8 +94,10 @@ def _channel_window_sum(ctx: Ctx, x: V, size: int, before: int, channels: int) -
 @register("LRN", opsets=(13, None))
 def lrn(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """y = x * s^-beta, s = bias + alpha/size * window_sum(x^2)."""
-    x = node.inputs[0]
+    x = ctx.input(0)
     size, channels = ctx.attr("size"), ctx.dims(x)[1]
+    if channels is None:
+        raise GradientError(f"LRN node '{node.name}': the channel dim must be static")
     alpha, beta, bias = ctx.attr("alpha", 1e-4), ctx.attr("beta", 0.75), ctx.attr("bias", 1.0)
     before = (size - 1) // 2
     s = ctx.op("Add", ctx.scalar(bias, x), ctx.op(

@@ -28,7 +28,7 @@ UNIT_STRIDE_AS_CONV = True
 
 def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
     """Strides, explicit pads (begin..., end...) and dilations of a conv/pool node."""
-    x = node.inputs[0]
+    x = ctx.input(0)
     n = ctx.rank(x) - 2
     strides = ctx.attr("strides") or [1] * n
     dilations = ctx.attr("dilations") or [1] * n
@@ -51,7 +51,7 @@ def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], li
 def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: int) -> V:
     """The adjoint of the convolution of ``node`` applied to ``dy``: a Conv with the flipped
     kernel for unit strides, else ConvTranspose sized back to the input (output_padding or Pad)."""
-    x, y = node.inputs[0], node.outputs[0]
+    x, y = ctx.input(0), node.outputs[0]
     strides, pads, dilations = _geometry(ctx, node, kernel)
     n = len(strides)
     xs, ys = ctx.dims(x)[2:], ctx.dims(y)[2:]
@@ -66,8 +66,9 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
         flipped = ctx.op("Slice", ctx.op("Reshape", swapped, ctx.ints([group * cg, m // group, *kernel])),
                          ctx.ints([-1] * n), ctx.ints([-(2**62)] * n), ctx.ints(range(2, n + 2)), ctx.ints([-1] * n))
         return ctx.op("Conv", dy, flipped, pads=full, dilations=dilations, group=group)
-    if all(v is not None for v in xs + ys):
-        extra = [xs[i] - ((ys[i] - 1) * strides[i] - pads[i] - pads[n + i] + dilations[i] * (kernel[i] - 1) + 1) for i in range(n)]
+    xi, yi = [v for v in xs if v is not None], [v for v in ys if v is not None]
+    if len(xi) == len(yi) == n:
+        extra = [xi[i] - ((yi[i] - 1) * strides[i] - pads[i] - pads[n + i] + dilations[i] * (kernel[i] - 1) + 1) for i in range(n)]
         if all(0 <= e < max(strides[i], dilations[i]) for i, e in enumerate(extra)):
             return ctx.op("ConvTranspose", dy, w, output_padding=extra if any(extra) else None, **attrs)
     dx = ctx.op("ConvTranspose", dy, w, **attrs)
@@ -84,7 +85,7 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int]
     that ORT runs fast, where a convolution with dy as its kernel is not.
     """
     strides, pads, dilations = geometry
-    m, cg = ctx.dims(w)[0], ctx.dims(w)[1]  # (out, in per group) of the convolution x -> dy
+    m, cg = ctx.static_dims(w, "weight shape")[:2]  # (out, in per group) of the convolution x -> dy
     taps = int(np.prod(kernel))
     channels = cg * group
     if taps == 1 and not any(pads) and all(s == 1 for s in strides):
@@ -93,7 +94,7 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int]
         one_hot = np.zeros([channels * taps, 1, *kernel])
         for c in range(channels):
             for j in range(taps):
-                one_hot[(c * taps + j, 0, *np.unravel_index(j, kernel))] = 1.0
+                one_hot[(c * taps + j, 0, *(int(t) for t in np.unravel_index(j, kernel)))] = 1.0
         cols = ctx.op("Conv", x, ctx.const(one_hot, x.dtype if x.dtype is not None else None), strides=strides,
                       pads=pads, dilations=dilations, group=channels)
     dy_g = ctx.op("Reshape", dy, ctx.ints([0, group, m // group, -1]))
@@ -105,10 +106,8 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int]
 
 @register("Conv", opsets=(11, None))
 def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x, w = node.inputs[0], node.inputs[1]
-    kernel = ctx.attr("kernel_shape") or ctx.dims(w)[2:]
-    if any(k is None for k in kernel):
-        raise GradientError(f"Conv node '{node.name}': kernel shape must be static")
+    x, w = ctx.input(0), ctx.input(1)
+    kernel: list[int] = ctx.attr("kernel_shape") or ctx.static_dims(w, "Conv kernel shape")[2:]
     group = ctx.attr("group", 1)
     dx = _data_grad(ctx, node, dy, w, kernel, group) if ctx.needs(0) else None
     geometry = _geometry(ctx, node, kernel)
@@ -122,9 +121,9 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 @register("ConvTranspose", opsets=(11, None))
 def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """The adjoint of Conv: dX is a Conv of dY, dW the Conv weight gradient with x and dy swapped."""
-    x, w = node.inputs[0], node.inputs[1]
-    kernel = ctx.attr("kernel_shape") or ctx.dims(w)[2:]
-    if ctx.attr("auto_pad", "NOTSET") != "NOTSET" or ctx.attr("output_shape") or any(k is None for k in kernel):
+    x, w = ctx.input(0), ctx.input(1)
+    kernel: list[int] = ctx.attr("kernel_shape") or ctx.static_dims(w, "ConvTranspose kernel shape")[2:]
+    if ctx.attr("auto_pad", "NOTSET") != "NOTSET" or ctx.attr("output_shape"):
         raise GradientError(f"ConvTranspose node '{node.name}': only explicit pads and static kernels are supported")
     group = ctx.attr("group", 1)
     strides, pads, dilations = _geometry(ctx, node, kernel)
@@ -139,12 +138,12 @@ def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("MaxPool", opsets=(12, None), outputs=2)
 def max_pool(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
-    x, indices = node.inputs[0], node.outputs[1]
+    x, indices = ctx.input(0), node.outputs[1]
     if ctx.attr("storage_order", 0):
         raise GradientError(f"MaxPool node '{node.name}': storage_order=1 is not supported")
     flat = ctx.ints([-1])
     size = ctx.op("Reshape", ctx.op("Size", x), ctx.ints([1]))
-    zeros = ctx.op("ConstantOfShape", size, value=ir.tensor(np.zeros((1,), dtype=x.dtype.numpy())))
+    zeros = ctx.op("ConstantOfShape", size, value=ir.tensor(np.zeros((1,), dtype=ctx.np_dtype(x))))
     scattered = ctx.op("ScatterElements", zeros, ctx.op("Reshape", indices, flat),
                        ctx.op("Reshape", dy, flat), reduction="add")
     return (ctx.op("Reshape", scattered, ctx.shape(x)),)
@@ -152,7 +151,7 @@ def max_pool(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
 
 @register("AveragePool", opsets=(11, None))
 def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     kernel = ctx.attr("kernel_shape")
     channels = ctx.dims(x)[1]
     if channels is None or ctx.attr("ceil_mode", 0):
@@ -160,7 +159,7 @@ def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     _, pads, _ = _geometry(ctx, node, kernel)
     area = float(np.prod(kernel))
     if any(pads) and not ctx.attr("count_include_pad", 0):  # per-window divisors
-        ones = ctx.op("ConstantOfShape", ctx.shape(x), value=ir.tensor(np.ones((1,), dtype=x.dtype.numpy())))
+        ones = ctx.op("ConstantOfShape", ctx.shape(x), value=ir.tensor(np.ones((1,), dtype=ctx.np_dtype(x))))
         fraction = ctx.op("AveragePool", ones, kernel_shape=kernel, strides=ctx.attr("strides"),
                           pads=pads, count_include_pad=1)
         dy = ctx.op("Div", dy, ctx.op("Mul", fraction, ctx.scalar(area, x)))
@@ -171,6 +170,6 @@ def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("GlobalAveragePool")
 def global_average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     spread = ctx.op("Expand", dy, ctx.shape(x))
     return (ctx.op("Div", spread, ctx.count_ratio(x, node.outputs[0], x)),)

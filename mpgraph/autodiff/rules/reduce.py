@@ -16,8 +16,8 @@ Ctx = GradContext
 
 def _keepdims_grad(ctx: Ctx, node: ir.Node, dy: V) -> tuple[V, list[int] | None]:
     """``dy`` reshaped to keepdims form, and the reduced axes (None: all, or a no-op)."""
-    x = node.inputs[0]
-    axes_in = node.inputs[1] if len(node.inputs) > 1 else None
+    x = ctx.input(0)
+    axes_in = ctx.optional_input(1)
     axes = ctx.const_ints(axes_in)
     if axes_in is not None and axes is None:
         raise GradientError(
@@ -36,12 +36,12 @@ def _keepdims_grad(ctx: Ctx, node: ir.Node, dy: V) -> tuple[V, list[int] | None]
 @register("ReduceSum", opsets=(13, None))
 def reduce_sum(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     keep, _ = _keepdims_grad(ctx, node, dy)
-    return ctx.op("Expand", keep, ctx.shape(node.inputs[0])), None
+    return ctx.op("Expand", keep, ctx.shape(ctx.input(0))), None
 
 
 @register("ReduceMean", opsets=(18, None))
 def reduce_mean(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x = node.inputs[0]
+    x = ctx.input(0)
     keep, axes = _keepdims_grad(ctx, node, dy)
     if axes == []:
         return dy, None
@@ -52,7 +52,7 @@ def reduce_mean(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 @register("ReduceMax", opsets=(18, None))
 def reduce_max(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """Ties share the gradient evenly (as ``torch.amax``)."""
-    x, y = node.inputs[0], node.outputs[0]
+    x, y = ctx.input(0), node.outputs[0]
     keep, axes = _keepdims_grad(ctx, node, dy)
     if axes == []:
         return dy, None

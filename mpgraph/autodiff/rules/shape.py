@@ -16,7 +16,7 @@ Ctx = GradContext
 
 
 def _reshape_back(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    return (ctx.op("Reshape", dy, ctx.shape(node.inputs[0])),) + (None,) * (len(node.inputs) - 1)
+    return (ctx.op("Reshape", dy, ctx.shape(ctx.input(0))),) + (None,) * (len(node.inputs) - 1)
 
 
 for _op, _since in (("Reshape", 14), ("Flatten", 13), ("Squeeze", 13), ("Unsqueeze", 13)):
@@ -25,13 +25,13 @@ for _op, _since in (("Reshape", 14), ("Flatten", 13), ("Squeeze", 13), ("Unsquee
 
 @register("Transpose", opsets=(13, None))
 def transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    perm = ctx.attr("perm") or list(reversed(range(ctx.rank(node.inputs[0]))))
+    perm = ctx.attr("perm") or list(reversed(range(ctx.rank(ctx.input(0)))))
     return (ctx.op("Transpose", dy, perm=[int(i) for i in np.argsort(perm)]),)
 
 
 @register("Concat", opsets=(13, None))
 def concat(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    axis = ctx.attr("axis") % ctx.rank(node.inputs[0])
+    axis = ctx.attr("axis") % ctx.rank(ctx.input(0))
     sizes = ctx.op("Concat", *[ctx.shape(x, axis, axis + 1) for x in node.inputs], axis=0)
     return tuple(ctx.op_multi("Split", dy, sizes, axis=axis, num_outputs=len(node.inputs)))
 
@@ -44,9 +44,9 @@ def split(ctx: Ctx, node: ir.Node, *dys: V | None) -> tuple:
 
 @register("Slice", opsets=(13, None))
 def slice_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    x, starts_v, ends_v = node.inputs[:3]
-    axes_v = node.inputs[3] if len(node.inputs) > 3 else None
-    steps_v = node.inputs[4] if len(node.inputs) > 4 else None
+    x, starts_v = ctx.input(0), ctx.input(1)
+    axes_v = ctx.optional_input(3)
+    steps_v = ctx.optional_input(4)
     starts, axes, steps = ctx.const_ints(starts_v), ctx.const_ints(axes_v), ctx.const_ints(steps_v)
     axes = axes if axes_v is not None else (list(range(len(starts))) if starts else None)
     if starts and axes is not None and all(s >= 0 for s in starts) and (steps_v is None or steps == [1] * len(starts)):
@@ -63,11 +63,11 @@ def slice_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 @register("Gather", opsets=(13, None))
 def gather(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """Embedding-style gradient: ScatterND with reduction add (repeated indices accumulate)."""
-    data, indices = node.inputs
+    data, indices = ctx.input(0), ctx.input(1)
     rank, q = ctx.rank(data), ctx.rank(indices)
     axis = ctx.attr("axis", 0) % rank
     dim = ctx.op("Gather", ctx.shape(data), ctx.ints([axis]))
-    negative = ctx.op("Less", indices, ctx.const(np.zeros((), dtype=indices.dtype.numpy())))
+    negative = ctx.op("Less", indices, ctx.const(np.zeros((), dtype=ctx.np_dtype(indices))))
     wrapped = ctx.op("Where", negative, ctx.op("Add", indices, ctx.op("Cast", dim, to=indices.dtype)), indices)
     index = ctx.op("Unsqueeze", wrapped, ctx.ints([-1]))
     if axis == 0:
@@ -82,7 +82,7 @@ def gather(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 def _scatter_back(ctx: Ctx, x: V, positions: V, dy: V) -> V:
     """Sum ``dy`` into the flat positions of ``x`` that produced each of its elements."""
     zeros = ctx.op("ConstantOfShape", ctx.op("Reshape", ctx.op("Size", x), ctx.ints([1])),
-                   value=ir.tensor(np.zeros((1,), dtype=x.dtype.numpy())))
+                   value=ir.tensor(np.zeros((1,), dtype=ctx.np_dtype(x))))
     minus1 = ctx.ints([-1])
     scattered = ctx.op("ScatterElements", zeros, ctx.op("Reshape", positions, minus1),
                        ctx.op("Reshape", dy, minus1), reduction="add")
@@ -99,7 +99,7 @@ def _flat_positions(ctx: Ctx, x: V) -> V:
 def pad(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """constant: slice the interior; reflect/edge/wrap: pad the element positions the same
     way and scatter-add the gradient back through them."""
-    x, pads_v = node.inputs[0], node.inputs[1]
+    x, pads_v = ctx.input(0), ctx.input(1)
     mode, pads = ctx.attr("mode", "constant"), ctx.const_ints(pads_v)
     none = (None,) * (len(node.inputs) - 1)
     if mode != "constant":
@@ -110,8 +110,8 @@ def pad(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
             f"no gradient for Pad node '{node.name}' with runtime or negative pads; "
             "constant pads >= 0 are differentiable"
         )
-    axes_v = node.inputs[3] if len(node.inputs) > 3 else None
-    axes = ctx.const_ints(axes_v) if axes_v is not None else list(range(ctx.rank(x)))
+    axes_v = ctx.optional_input(3)
+    axes = ctx.required_ints(axes_v, "Pad axes") if axes_v is not None else list(range(ctx.rank(x)))
     begin = ctx.ints(pads[: len(axes)])
     end = ctx.op("Add", begin, ctx.op("Gather", ctx.shape(x), ctx.ints(axes)))
     return (ctx.op("Slice", dy, begin, end, ctx.ints(axes)),) + none
