@@ -146,27 +146,36 @@ def _slot_vars(formals: tuple[tuple[str, bool], ...], count: int) -> list[str | 
     return out
 
 
+@functools.lru_cache(maxsize=8192)
+def _slots(
+    op_type: str, version: int, domain: str, n_in: int, n_out: int
+) -> tuple[onnx.defs.OpSchema, dict[str, frozenset[str]], tuple, tuple, frozenset[str]] | None:
+    """Per (schema, arity): type variable of every input and output slot."""
+    facts = _schema_facts(op_type, version, domain)
+    if facts is None:
+        return None
+    schema, allowed, in_formals, out_formals = facts
+    in_vars = tuple(s if s in allowed else None for s in _slot_vars(in_formals, n_in))
+    out_vars = tuple(s if s in allowed else None for s in _slot_vars(out_formals, n_out))
+    return schema, allowed, in_vars, out_vars, frozenset(v for v in in_vars if v is not None)
+
+
 def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
     """Type facts of ``node`` from its schema and the dtypes of its values."""
     version = opset_version(node, opset_imports)
     domain = "" if node.domain == "ai.onnx" else node.domain
-    facts = _schema_facts(node.op_type, version, domain) if version is not None else None
-    if facts is None:
-        return NodeTyping(None, (None,) * len(node.inputs), (None,) * len(node.outputs), frozenset(), {}, {})
-    schema, allowed, in_formals, out_formals = facts
-    in_strs = _slot_vars(in_formals, len(node.inputs))
-    out_strs = _slot_vars(out_formals, len(node.outputs))
-    in_vars = tuple(s if s in allowed else None for s in in_strs)
-    out_vars = tuple(s if s in allowed else None for s in out_strs)
+    inputs, outputs = node.inputs, node.outputs
+    slots = _slots(node.op_type, version, domain, len(inputs), len(outputs)) if version is not None else None
+    if slots is None:
+        return NodeTyping(None, (None,) * len(inputs), (None,) * len(outputs), frozenset(), {}, {})
+    schema, allowed, in_vars, out_vars, input_var_set = slots
     bound: dict[str, ir.DataType] = {}
-    for var, value in (*zip(in_vars, node.inputs), *zip(out_vars, node.outputs)):
-        if var is not None and value is not None and value.dtype is not None:
-            if isinstance(value.type, ir.TensorType):
-                bound.setdefault(var, value.dtype)
-    input_var_set = {v for v in in_vars if v is not None}
+    for var, value in (*zip(in_vars, inputs), *zip(out_vars, outputs)):
+        if var is not None and value is not None and var not in bound:
+            dtype = value.dtype
+            if dtype is not None and isinstance(value.type, ir.TensorType):
+                bound[var] = dtype
     compute = frozenset(
-        v
-        for v in out_vars
-        if v is not None and v in input_var_set and is_float(bound.get(v))
+        v for v in out_vars if v is not None and v in input_var_set and is_float(bound.get(v))
     )
     return NodeTyping(schema, in_vars, out_vars, compute, allowed, bound)
