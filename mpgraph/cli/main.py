@@ -12,6 +12,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from mpgraph.errors import MpgraphError
@@ -42,7 +43,7 @@ def handle_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MpgraphError as e:
-            err_console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
