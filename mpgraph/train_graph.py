@@ -238,8 +238,9 @@ def _loss_nodes(graph: ir.Graph, loss: ir.Value) -> list[ir.Node]:
     return chain[:1]
 
 
-def _prune(graph: ir.Graph) -> None:
-    live: set[ir.Value] = set(graph.outputs)
+def _prune(graph: ir.Graph, keep: Sequence[ir.Value] = ()) -> None:
+    """Remove nodes and initializers that neither the outputs nor ``keep`` (state updates) need."""
+    live: set[ir.Value] = set(graph.outputs) | set(keep)
     for node in reversed(list(graph)):
         if any(o in live for o in node.outputs):
             live.update(v for v in node.inputs if v is not None)
@@ -273,7 +274,9 @@ def build_training_graph(
         lr: Default learning rate (initializer of the ``lr`` input).
         optimizer_options: Hyperparameters (``momentum``, ``nesterov``, ``dampening``,
             ``weight_decay``, ``beta1``, ``beta2``, ``eps``), as in ``torch.optim``.
-        batchnorm: ``train`` (batch statistics, running statistics as state) or ``eval``.
+        batchnorm: ``train`` (batch statistics, running statistics as state), ``train-ops``
+            (the same, written as ReduceMean/Sub/Mul/Sqrt ops: ONNX Runtime's CUDA provider
+            refuses ``BatchNormalization(training_mode=1)`` at opset >= 14) or ``eval``.
         trainable_inputs: fnmatch patterns of float graph inputs without initializers to
             differentiate as parameters (for models whose weights are runtime inputs).
         validate: Run the ONNX checker (full) and strict shape inference on the result.
@@ -285,8 +288,8 @@ def build_training_graph(
         GradientError: No loss, nothing trainable, bad freeze pattern, op without a rule.
         UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
     """
-    if batchnorm not in ("train", "eval"):
-        raise GradientError(f"batchnorm must be 'train' or 'eval', got '{batchnorm}'")
+    if batchnorm not in ("train", "train-ops", "eval"):
+        raise GradientError(f"batchnorm must be 'train', 'train-ops' or 'eval', got '{batchnorm}'")
     opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
     m, inputs_mark_params = _normalize(model)
     graph = m.graph
@@ -304,7 +307,7 @@ def build_training_graph(
     params = _select_params(graph, freeze, trainable_inputs, {_name(s) for s, _ in state}, inputs_mark_params)
     graph.outputs.clear()
     graph.outputs.append(loss_value)
-    _prune(graph)
+    _prune(graph, keep=[out for _, out in state])
     _infer_shapes(m)
     seed = _gradient_seed(graph, loss_value)
     grads = differentiate(graph, loss_value, params, opset=opset, seed=seed)
@@ -421,8 +424,59 @@ def _training_mode(graph: ir.Graph, batchnorm: str, state: list[tuple[ir.Value, 
                 out.name = ctx.unique(f"{node.name}/output_{k}")
             if stat.is_initializer() and stat.const_value is not None and not stat.is_graph_input():
                 graph.inputs.append(stat)
-            if stat.is_graph_input():
-                state.append((stat, out))
+        pairs = [(node.inputs[3], node.outputs[1]), (node.inputs[4], node.outputs[2])]
+        if batchnorm == "train-ops":
+            pairs = _decompose_batchnorm(graph, node, ctx)
+        state.extend((stat, out) for stat, out in pairs if stat is not None and stat.is_graph_input())
+
+
+def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> list[tuple[ir.Value | None, ir.Value]]:
+    """Replace a training-mode BatchNormalization with the ops of its definition (ONNX opset 15).
+
+    ``Y = (X - mean) / sqrt(var + eps) * scale + B`` with the batch mean and biased variance
+    over every axis but 1; ``running = running * momentum + batch * (1 - momentum)``.
+    """
+    x, scale, bias, mean_in, var_in = node.inputs[:5]
+    assert x is not None and scale is not None and bias is not None and mean_in is not None and var_in is not None
+    rank = len(x.shape) if x.shape is not None else None
+    if rank is None:
+        raise UnsupportedModelError(f"BatchNormalization node '{node.name}': train-ops needs the input rank")
+    eps = node.attributes.get("epsilon")
+    momentum = node.attributes.get("momentum")
+    eps_v = float(eps.value) if eps is not None else 1e-5
+    mom_v = float(momentum.value) if momentum is not None else 0.9
+    reduce_axes = ctx.const(np.array([0, *range(2, rank)], dtype=np.int64))
+    channel_axes = ctx.const(np.array([0, *range(2, rank)], dtype=np.int64))
+    flat = ctx.const(np.array([-1], dtype=np.int64))
+    new_nodes: list[ir.Node] = []
+
+    def op(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
+        name = ctx.unique(f"{node.name}/bn/{op_type}")
+        n = ir.Node("", op_type, list(inputs), ir.convenience.convert_attributes(attrs), name=name,
+                    metadata_props={NODE_ROLE: "forward"})
+        n.outputs[0].name = name
+        new_nodes.append(n)
+        return n.outputs[0]
+
+    def scalar(value: float) -> ir.Value:
+        return ctx.const(np.array(value, dtype=(x.dtype or ir.DataType.FLOAT).numpy()))
+
+    mean = op("ReduceMean", x, reduce_axes, keepdims=1)
+    centered = op("Sub", x, mean)
+    var = op("ReduceMean", op("Mul", centered, centered), reduce_axes, keepdims=1)
+    normed = op("Mul", centered, op("Reciprocal", op("Sqrt", op("Add", var, scalar(eps_v)))))
+    y = op("Add", op("Mul", normed, op("Unsqueeze", scale, channel_axes)), op("Unsqueeze", bias, channel_axes))
+    rm = op("Add", op("Mul", mean_in, scalar(mom_v)), op("Mul", op("Reshape", mean, flat), scalar(1 - mom_v)))
+    rv = op("Add", op("Mul", var_in, scalar(mom_v)), op("Mul", op("Reshape", var, flat), scalar(1 - mom_v)))
+    graph.insert_before(node, new_nodes)
+    for old, new in zip(node.outputs, (y, rm, rv)):
+        name = old.name
+        new.shape, new.dtype = old.shape, old.dtype or x.dtype
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        old.name = None
+        new.name = name
+    graph.remove(node, safe=True)
+    return [(mean_in, rm), (var_in, rv)]
 
 
 def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Sequence[str],

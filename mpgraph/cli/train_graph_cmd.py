@@ -22,7 +22,7 @@ def train_graph_command(
     momentum: Annotated[float | None, typer.Option("--momentum", help="SGD momentum.")] = None,
     nesterov: Annotated[bool, typer.Option("--nesterov", help="SGD Nesterov momentum.")] = False,
     weight_decay: Annotated[float | None, typer.Option("--weight-decay", help="Weight decay (L2 for sgd/adam, decoupled for adamw).")] = None,
-    batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics) or eval.")] = "train",
+    batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics; BatchNormalization node), train-ops (the same as explicit ops: runs on ORT CUDA) or eval.")] = "train",
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
