@@ -471,7 +471,10 @@ def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> li
     graph.insert_before(node, new_nodes)
     for old, new in zip(node.outputs, (y, rm, rv)):
         name = old.name
-        new.shape, new.dtype = old.shape, old.dtype or x.dtype
+        new.shape = old.shape
+        dtype = old.dtype or x.dtype
+        if dtype is not None:
+            new.dtype = dtype
         old.replace_all_uses_with(new, replace_graph_outputs=True)
         old.name = None
         new.name = name
