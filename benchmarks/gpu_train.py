@@ -107,6 +107,38 @@ def train(model: ir.Model, provider: str, steps: int, batch_size: int, seed: int
     }
 
 
+def resnet_runs(provider: str, steps: int, emulate: bool) -> dict[str, object]:
+    """The zoo ResNet (BatchNorm as explicit ops) on 512 fixed random images: fp32, bf16, fp16."""
+    base = build_training_graph(os.path.join(ZOO, "resnet.loss.onnx"), optimizer="adamw", lr=1e-3, batchnorm="train-ops")
+    proto = ir.to_proto(base)
+    graphs = {
+        "fp32": ir.from_proto(proto),
+        "bf16": mpgraph.convert(ir.from_proto(proto), "bf16", emulate=emulate),
+        "fp16+dynamic": mpgraph.convert(ir.from_proto(proto), "fp16", emulate=emulate),
+    }
+    rng = np.random.default_rng(0)
+    data = {"x": rng.standard_normal((512, 3, 32, 32)).astype(np.float32), "label": rng.integers(0, 10, 512).astype(np.int64)}
+    runs = {}
+    for label, model in graphs.items():
+        trainer = Trainer(model, provider=provider)
+        batches = Batches(data, 64, 0)
+        losses, times = [], []
+        for _ in range(steps):
+            result = trainer.step(next(batches))
+            losses.append(result.loss)
+            times.append(result.seconds)
+        placement = profile_placement(model, provider, next(Batches(data, 64, 1)))
+        runs[label] = {
+            "loss": losses,
+            "ms_per_step_median": 1000 * statistics.median(times[10:] or times),
+            "placement_from_profiler": placement,
+        }
+        print(f"resnet {label:14s} loss {losses[0]:.3f} -> {np.mean(losses[-10:]):.3f}  "
+              f"{runs[label]['ms_per_step_median']:.2f} ms/step  profiler {placement['node_events_by_provider']}  "
+              f"cpu float nodes {len(placement['cpu_float_nodes'])}", flush=True)
+    return runs
+
+
 def underflow_table(provider: str, emulate: bool) -> dict[str, object]:
     """Gradients ~1e-8 through a MatMul: fraction that become zero per policy (lr=1, W=0: new W = -grad)."""
     from onnx import TensorProto as T
@@ -163,6 +195,7 @@ def main() -> None:
     parser.add_argument("--provider", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--resnet-steps", type=int, default=100)
     args = parser.parse_args()
     emulate = args.provider == "cpu"
     report: dict[str, object] = {
@@ -191,6 +224,7 @@ def main() -> None:
               f"{r['ms_per_step_median']:.2f} ms/step  test {r['test']}  profiler {r['placement_from_profiler']['node_events_by_provider']}  "
               f"cpu float nodes {len(r['placement_from_profiler']['cpu_float_nodes'])}", flush=True)
     report["gpt"] = runs
+    report["resnet_train_ops"] = resnet_runs(args.provider, args.resnet_steps, emulate)
     report["underflow"] = underflow_table(args.provider, emulate)
     for label, row in report["underflow"].items():
         print(f"underflow {label:22s} zero {row['zero_fraction']:.1%}  rel err {row['rel_error_vs_fp32']:.2e}", flush=True)
