@@ -73,7 +73,10 @@ def profile_placement(model: ir.Model, provider: str, batch: dict[str, np.ndarra
         by_provider[ep] += 1
         if ep == "CPUExecutionProvider":
             outs = json.dumps(args.get("output_type_shape", []))
-            if "float" in outs or "bfloat16" in outs or "float16" in outs:
+            ins = json.dumps(args.get("input_type_shape", []))
+            # Float results of integer-only inputs (Cast(Size) in a mean's backward) are shape
+            # arithmetic ORT keeps on CPU on purpose; count nodes that move float data.
+            if "float" in outs and "float" in ins:
                 cpu_float.append(f"{args.get('op_name')}:{event['name'][:-len('_kernel_time')]}")
     return {"node_events_by_provider": dict(by_provider), "cpu_float_nodes": cpu_float}
 

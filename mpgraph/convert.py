@@ -165,10 +165,15 @@ def _convert(
     return ir_model
 
 
+#: Upgrades stop here: opset 22 needs IR 10, which ONNX Runtime 1.31 loads (it refuses IR > 13,
+#: and e.g. ConvTranspose admits bfloat16 only from opset 28). Ops needing more stay float32.
+MAX_UPGRADE_OPSET = 22
+
+
 def _needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
     """Lowest opset at which every non-deny float op of the model admits the low dtype."""
     want = type_string(policy.dtype)
-    latest = onnx.defs.onnx_opset_version()
+    latest = min(onnx.defs.onnx_opset_version(), MAX_UPGRADE_OPSET)
     needed = current
     for node in model.graph:
         if node.domain not in ("", "ai.onnx") or policy.category(node.op_type)[0] == "deny":

@@ -574,7 +574,11 @@ class Trainer:
             node = nodes.get(name)
             if ep != "CPUExecutionProvider" or node is None:
                 continue
-            if any(o.dtype is not None and o.dtype.is_floating_point() for o in node.outputs):
+            # A float result computed only from integer inputs (Cast(Size) in a mean's
+            # backward) is shape arithmetic that ORT keeps on CPU on purpose; float data isn't.
+            float_out = any(o.dtype is not None and o.dtype.is_floating_point() for o in node.outputs)
+            float_in = any(i is not None and i.dtype is not None and i.dtype.is_floating_point() for i in node.inputs)
+            if float_out and float_in:
                 bad.append(f"{name} ({node.op_type})")
         if bad and not allow:
             raise MpgraphError(
