@@ -18,6 +18,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 
@@ -25,12 +26,15 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-import mpgraph
-from mpgraph.cli.train_cmd import _vocab
-from mpgraph.data import Batches, dataset_for_model
-from mpgraph.policy import parse_policy
-from mpgraph.runtime.trainer import Trainer
-from mpgraph.train_graph import build_training_graph
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mpgraph  # noqa: E402
+from models.underflow import underflow_model  # noqa: E402
+from mpgraph.cli.train_cmd import _vocab  # noqa: E402
+from mpgraph.data import Batches, dataset_for_model  # noqa: E402
+from mpgraph.policy import parse_policy  # noqa: E402
+from mpgraph.runtime.trainer import Trainer  # noqa: E402
+from mpgraph.train_graph import build_training_graph  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ZOO = os.path.join(HERE, "..", "models", "onnx")
@@ -144,27 +148,7 @@ def resnet_runs(provider: str, steps: int, emulate: bool) -> dict[str, object]:
 
 def underflow_table(provider: str, emulate: bool) -> dict[str, object]:
     """Gradients ~1e-8 through a MatMul: fraction that become zero per policy (lr=1, W=0: new W = -grad)."""
-    from onnx import TensorProto as T
-    from onnx import helper as h
-    from onnx import numpy_helper
-
-    nodes = [
-        h.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
-        h.make_node("Sub", ["y", "t"], ["d"], name="sub"),
-        h.make_node("Mul", ["d", "d"], ["sq"], name="square"),
-        h.make_node("ReduceMean", ["sq"], ["mean"], name="mean", keepdims=0),
-        h.make_node("Mul", ["mean", "tiny"], ["loss"], name="scale_down"),
-    ]
-    graph = h.make_graph(
-        nodes, "tiny",
-        [h.make_tensor_value_info("x", T.FLOAT, ["N", 64]), h.make_tensor_value_info("t", T.FLOAT, ["N", 64]),
-         h.make_tensor_value_info("W", T.FLOAT, [64, 64])],
-        [h.make_tensor_value_info("loss", T.FLOAT, [])],
-        initializer=[numpy_helper.from_array(np.zeros((64, 64), np.float32), "W"),
-                     numpy_helper.from_array(np.array(1e-8, np.float32), "tiny")],
-    )
-    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
-    model.ir_version = 9
+    model = underflow_model(64, 64)
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((32, 64)).astype(np.float32), "t": rng.standard_normal((32, 64)).astype(np.float32)}
     policies = {

@@ -8,35 +8,21 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 import torch
-from onnx import helper as h
 
 import mpgraph
+from models.underflow import underflow_model
 from mpgraph import metadata as md
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.train_graph import build_training_graph
-from tests.helpers import init, make_model, vi
 
 RNG = np.random.default_rng(0)
 
 
 def tiny_gradient_model() -> ir.Model:
-    """y = x @ W; loss = 1e-8 * mean((y - t)^2): dloss/dy ~ 1e-8, below fp16's smallest subnormal."""
-    nodes = [
-        h.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
-        h.make_node("Sub", ["y", "t"], ["d"], name="sub"),
-        h.make_node("Mul", ["d", "d"], ["sq"], name="square"),
-        h.make_node("ReduceMean", ["sq"], ["mean"], name="mean", keepdims=0),
-        h.make_node("Mul", ["mean", "tiny"], ["loss"], name="scale_down"),
-    ]
-    model = make_model(
-        nodes,
-        [vi("x", ["N", 16]), vi("t", ["N", 4]), vi("W", [16, 4])],
-        [vi("loss", [])],
-        [init("W", np.zeros((16, 4), np.float32)), init("tiny", np.array(1e-8, np.float32))],
-    )
-    return build_training_graph(model, optimizer="sgd", lr=1.0)
+    """Gradients ~1e-8 through a 16x4 MatMul (models/underflow.py), as an SGD step graph."""
+    return build_training_graph(underflow_model(16, 4), optimizer="sgd", lr=1.0)
 
 
 def sgd_gradient(step: ir.Model, feeds: dict[str, np.ndarray]) -> np.ndarray:
