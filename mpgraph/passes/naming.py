@@ -37,13 +37,6 @@ class NameScope:
         self._used.add(name)
         return name
 
-    def release(self, name: str) -> None:
-        """Forget ``name`` so it can be handed out again (after a rename)."""
-        self._used.discard(name)
-
-    def reserve(self, name: str) -> None:
-        self._used.add(name)
-
 
 def make_cast(name: str, value: ir.Value, to: ir.DataType, inserted: str, reason: str) -> ir.Node:
     """A ``Cast(value, to)`` node and output both named ``name``, marked as mpgraph's.
