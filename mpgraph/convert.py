@@ -17,7 +17,7 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
-from mpgraph.optypes import node_typing, type_string
+from mpgraph.optypes import node_typing
 from mpgraph.passes.assign_precision import AssignPrecisionPass
 from mpgraph.passes.calibrate_range import CalibrateRangePass, load_feeds, random_feeds
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
@@ -172,8 +172,13 @@ MAX_UPGRADE_OPSET = 22
 
 def _needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
     """Lowest opset at which every non-deny float op of the model admits the low dtype."""
-    want = type_string(policy.dtype)
     latest = min(onnx.defs.onnx_opset_version(), MAX_UPGRADE_OPSET)
+
+    def admits(node: ir.Node, version: int) -> bool:
+        typing = node_typing(node, {"": version})
+        return typing.schema is not None and bool(typing.compute_vars) and typing.allows(policy.dtype)
+
+    first: dict[str, int | None] = {}  # op type -> first opset admitting the low dtype
     needed = current
     for node in model.graph:
         if node.domain not in ("", "ai.onnx") or policy.category(node.op_type)[0] == "deny":
@@ -181,15 +186,11 @@ def _needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
         typing = node_typing(node, {"": current})
         if typing.schema is None or not typing.compute_vars or typing.allows(policy.dtype):
             continue
-        for version in range(max(current, needed) + 1, latest + 1):
-            try:
-                schema = onnx.defs.get_schema(node.op_type, version, "")
-            except onnx.defs.SchemaError:
-                break
-            allowed = {c.type_param_str: set(c.allowed_type_strs) for c in schema.type_constraints}
-            if all(want in allowed.get(v, ()) for v in typing.compute_vars):
-                needed = max(needed, version)
-                break
+        if node.op_type not in first:
+            first[node.op_type] = next((v for v in range(current + 1, latest + 1) if admits(node, v)), None)
+        version = first[node.op_type]
+        if version is not None:
+            needed = max(needed, version)
     return needed
 
 
