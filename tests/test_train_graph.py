@@ -89,15 +89,19 @@ OPTIMIZERS = {
     "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8),
     "adamw": dict(weight_decay=1e-2),
 }
-# Learning rates of the 50-step tracking test. fp32 trajectories of ReLU nets are chaotic:
-# gradients agree with torch to ~5e-7, but a rounding-level difference that flips a ReLU (or,
-# for Adam, a gradient component near eps) is amplified step after step. At these rates the
-# amplification stays below 1e-4 over 50 steps; one-step updates at default rates are
-# checked separately. The ResNet (BatchNorm over 8 samples) is the most sensitive.
+DEFAULT_RATES = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
+# The reference trajectory is torch.optim run in float64: fp32 torch is not exact either (after
+# one SGD step of the ResNet its BatchNorm-bias gradient is 1.6e-3 off the float64 value, ours
+# 9e-7). fp32 trajectories of ReLU nets are chaotic: a rounding-level difference that flips a
+# ReLU (or, for Adam, moves a gradient component near eps) is amplified step after step, and
+# whether such an event happens depends on the learning rate erratically (dqn_cnn, AdamW:
+# fp32 torch is 1.9e-6 off at 2e-4, 1.0e-3 at 5e-5, 1.7e-6 at 1e-5). At the rates below, ours
+# and fp32 torch both stay within 1.6e-5 of the float64 trajectory over 50 steps; at default
+# rates some runs leave it, fp32 torch's as far as ours (the next test).
 LEARNING_RATES = {"sgd": 1e-2, "adam": 1e-4, "adamw": 1e-4}
 LR_OVERRIDES = {
-    ("resnet", "sgd"): 1e-3, ("resnet", "adam"): 3e-5, ("resnet", "adamw"): 3e-5,
-    ("wide_mlp", "adam"): 5e-5, ("wide_mlp", "adamw"): 5e-5,
+    ("resnet", "sgd"): 3e-4, ("resnet", "adam"): 3e-5, ("resnet", "adamw"): 3e-5,
+    ("wide_mlp", "adam"): 5e-5, ("wide_mlp", "adamw"): 1e-5, ("dqn_cnn", "adamw"): 2e-4,
 }
 
 
@@ -116,49 +120,72 @@ def _flat(values) -> np.ndarray:
     return np.concatenate([np.asarray(v, dtype=np.float64).ravel() for v in values])
 
 
-def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batch: int = 8) -> float:
-    """Run ``steps`` steps in ORT and in torch.optim on the same batches; return the relative
-    error of all parameters (concatenated) at the end."""
+def _as(value, dtype):
+    return value.to(dtype) if value.is_floating_point() else value
+
+
+def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batch: int = 8,
+           check_loss: bool = True) -> tuple[float, float]:
+    """Run ``steps`` steps in ORT (fp32) and in torch.optim (float64 and fp32) on the same
+    batches. Returns the relative error of all parameters (concatenated) at the end against
+    the float64 torch run: ours, and fp32 torch's (the reference's own rounding noise)."""
     entry = _zoo(name)
     step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options, lr=lr)
     runner = CpuRunner(step, threads=2, spin=False)
-    module = entry.build()
-    opt = _torch_optimizer(kind, module.parameters(), options, lr)
+    reference, single = entry.build().double(), entry.build()
+    optimizers = [(m, dtype, _torch_optimizer(kind, m.parameters(), options, lr))
+                  for m, dtype in ((reference, torch.float64), (single, torch.float32))]
     batches = [(entry.example_input(batch, seed=s), entry.example_label(batch, seed=s)) for s in range(4)]
     data = "tokens" if entry.vocab else "x"
     for i in range(steps):
         x, label = batches[i % len(batches)]
         # Odd steps pass lr at run time, even steps use the graph's default: both must agree.
         loss_onnx = runner.step({data: x.numpy(), "label": label.numpy()}, lr=lr if i % 2 else None)
-        opt.zero_grad()
-        loss = _torch_loss(entry, module(x), label)
-        loss.backward()
-        opt.step()
-        assert abs(loss_onnx - loss.item()) <= 1e-4 * max(1.0, abs(loss.item())), (name, kind, i)
+        for module, dtype, opt in optimizers:
+            opt.zero_grad()
+            loss = _torch_loss(entry, module(_as(x, dtype)), _as(label, dtype))
+            loss.backward()
+            opt.step()
+            if check_loss and dtype == torch.float64:
+                assert abs(loss_onnx - loss.item()) <= 1e-4 * max(1.0, abs(loss.item())), (name, kind, i)
     state = runner.state
-    names = [n for n, _ in module.named_parameters()]
-    err = _rel(_flat(state[n] for n in names), _flat(p.detach().numpy() for _, p in module.named_parameters()))
+    names = [n for n, _ in reference.named_parameters()]
+    expected = _flat(p.detach().numpy() for p in reference.parameters())
+    ours = _rel(_flat(state[n] for n in names), expected)
+    theirs = _rel(_flat(p.detach().numpy() for p in single.parameters()), expected)
     # Running means are averages of near-zero-mean activations: small norms make their
     # relative error larger than the parameters'. (Running variances are not compared: ONNX
     # updates them with the biased batch variance, torch with the unbiased one.)
-    for bname, buf in module.named_buffers():
-        if bname.endswith("running_mean"):
-            assert _rel(state[bname], buf.numpy()) <= 1e-3, (name, bname)
-    return err
+    if check_loss:
+        for bname, buf in reference.named_buffers():
+            if bname.endswith("running_mean"):
+                assert _rel(state[bname], buf.numpy()) <= 1e-3, (name, bname)
+    return ours, theirs
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_optimizer_tracks_torch(name: str, kind: str) -> None:
     lr = LR_OVERRIDES.get((name, kind), LEARNING_RATES[kind])
-    assert _track(name, kind, OPTIMIZERS[kind], lr) <= 1e-4
+    ours, _ = _track(name, kind, OPTIMIZERS[kind], lr)
+    assert ours <= 1e-4
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_zoo_default_rate_tracks_torch_as_closely_as_fp32_torch(name: str, kind: str) -> None:
+    """50 steps at default learning rates: within 1e-4 of float64 torch.optim wherever fp32
+    torch is, and elsewhere no further from it than 1.5x fp32 torch's own distance (measured:
+    dqn_cnn adam 6.1e-3 vs 7.6e-3, resnet sgd 7.6e-3 vs 4.1e-2, resnet adamw 5.4e-3 vs 5.4e-3)."""
+    ours, theirs = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], check_loss=False)
+    assert ours <= max(1e-4, 1.5 * theirs), (ours, theirs)
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_one_step_at_default_rate_matches_torch(name: str, kind: str) -> None:
-    lr = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}[kind]
-    assert _track(name, kind, OPTIMIZERS[kind], lr, steps=1) <= 1e-5
+    ours, _ = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], steps=1)
+    assert ours <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -167,17 +194,17 @@ def test_zoo_one_step_at_default_rate_matches_torch(name: str, kind: str) -> Non
     ids=["nesterov", "dampening", "plain"],
 )
 def test_sgd_variants_track_torch(options: dict) -> None:
-    assert _track("tiny_mlp", "sgd", options, 0.1, steps=20) <= 1e-4
+    assert _track("tiny_mlp", "sgd", options, 0.1, steps=20)[0] <= 1e-4
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_unpacked_optimizer_tracks_torch(kind: str) -> None:
     options = {**OPTIMIZERS[kind], "pack": False}
-    assert _track("tiny_mlp", kind, options, LEARNING_RATES[kind], steps=20) <= 1e-4
+    assert _track("tiny_mlp", kind, options, LEARNING_RATES[kind], steps=20)[0] <= 1e-4
 
 
 def test_adam_weight_decay_tracks_torch() -> None:
-    assert _track("tiny_mlp", "adam", dict(weight_decay=1e-2), 1e-3, steps=20) <= 1e-4
+    assert _track("tiny_mlp", "adam", dict(weight_decay=1e-2), 1e-3, steps=20)[0] <= 1e-4
 
 
 def test_step_graph_structure() -> None:
