@@ -161,6 +161,14 @@ CASES: list[Case] = _binary_cases() + [
          lambda x, w, b: F.conv2d(x, w, b, padding=1, groups=2), dtype="float32", note=FP32_CONV),
     Case("Conv2d-depthwise-stride", "Conv", [Var(("N", 3, 8, 8)), Var((3, 1, 3, 3))], {"group": 3, "strides": [2, 2]},
          lambda x, w: F.conv2d(x, w, stride=2, groups=3), dtype="float32", note=FP32_CONV),
+    # Output positions per sample <= 2x output channels per group: the weight gradient's
+    # single-GEMM layout (the cases above take the per-sample one).
+    Case("Conv2d-small-map-gemm", "Conv", [Var(("N", 3, 4, 4)), Var((8, 3, 3, 3)), Var((8,))], {"pads": [1, 1, 1, 1]},
+         lambda x, w, b: F.conv2d(x, w, b, padding=1), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-groups-small-map", "Conv", [Var((2, 4, 3, 3)), Var((8, 2, 2, 2))], {"group": 2},
+         lambda x, w: F.conv2d(x, w, groups=2), dtype="float32", note=FP32_CONV),
+    Case("ConvTranspose2d-small-map", "ConvTranspose", [Var(("N", 6, 2, 2)), Var((6, 3, 3, 3))], {"strides": [2, 2]},
+         lambda x, w: F.conv_transpose2d(x, w, stride=2), dtype="float32", note=FP32_CONV),
     Case("Conv2d-asym-pads", "Conv", [Var((1, 2, 6, 6)), Var((2, 2, 3, 3))], {"pads": [0, 1, 2, 0]},
          lambda x, w: F.conv2d(F.pad(x, (1, 0, 0, 2)), w), dtype="float32", note=FP32_CONV),
     Case("Conv2d-same-upper", "Conv", [Var((1, 2, 7, 7)), Var((2, 2, 3, 3))], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},
