@@ -54,32 +54,43 @@ def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
 
 @register("BatchNormalization", opsets=(15, None))
 def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
+    """With ``c = x - mean``, ``r = 1/sqrt(var + eps)``, ``g = scale * r`` and sums over
+    (N, spatial) of count ``n``: ``dbias = sum(dy)``, ``dscale = r * sum(dy * c)``, and in
+    training mode ``dx = g * (dy - sum(dy)/n) - c * (g * r^2 * sum(dy * c)/n)``.
+
+    Written so that the two batch sums serve all three gradients and the normalized input is
+    never materialized: 11 full-tensor passes where the textbook form takes 14.
+    """
     x, scale, mean_in, var_in = ctx.input(0), ctx.input(1), ctx.input(3), ctx.input(4)
     rank = ctx.rank(x)
     axes = ctx.ints([0, *range(2, rank)])
     column = ctx.ints([-1] + [1] * (rank - 2))
+    flat = ctx.ints([-1])
     eps = ctx.scalar(ctx.attr("epsilon", 1e-5), x)
     training = ctx.attr("training_mode", 0)
     if training:  # batch statistics, recomputed (ONNX has no saved-statistics outputs)
-        mean = ctx.op("ReduceMean", x, axes, keepdims=1)
-        centered = ctx.op("Sub", x, mean)
+        centered = ctx.op("Sub", x, ctx.op("ReduceMean", x, axes, keepdims=1))
         var = ctx.op("ReduceMean", ctx.op("Mul", centered, centered), axes, keepdims=1)
     else:
         centered = ctx.op("Sub", x, ctx.op("Reshape", mean_in, column))
         var = ctx.op("Reshape", var_in, column)
     inv_std = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", var, eps)))
-    xhat = ctx.op("Mul", centered, inv_std)
-    dy_xhat = ctx.op("Mul", dy, xhat)
     gain = ctx.op("Mul", ctx.op("Reshape", scale, column), inv_std)
+    need_dy_sum = ctx.needs(2) or (ctx.needs(0) and training)
+    need_dyc_sum = ctx.needs(1) or (ctx.needs(0) and training)
+    dy_sum = ctx.op("ReduceSum", dy, axes, keepdims=1) if need_dy_sum else None
+    dyc_sum = ctx.op("ReduceSum", ctx.op("Mul", dy, centered), axes, keepdims=1) if need_dyc_sum else None
     dx = None
     if ctx.needs(0) and training:
-        m1 = ctx.op("ReduceMean", dy, axes, keepdims=1)
-        m2 = ctx.op("ReduceMean", dy_xhat, axes, keepdims=1)
-        dx = ctx.op("Mul", gain, ctx.op("Sub", ctx.op("Sub", dy, m1), ctx.op("Mul", xhat, m2)))
+        assert dy_sum is not None and dyc_sum is not None
+        inv_count = ctx.op("Reciprocal", ctx.count_ratio(x, dy_sum, x))
+        dy_mean = ctx.op("Mul", dy_sum, inv_count)
+        coeff = ctx.op("Mul", ctx.op("Mul", gain, ctx.op("Mul", inv_std, inv_std)), ctx.op("Mul", dyc_sum, inv_count))
+        dx = ctx.op("Sub", ctx.op("Mul", gain, ctx.op("Sub", dy, dy_mean)), ctx.op("Mul", centered, coeff))
     elif ctx.needs(0):
         dx = ctx.op("Mul", dy, gain)
-    dscale = ctx.op("ReduceSum", dy_xhat, axes, keepdims=0) if ctx.needs(1) else None
-    dbias = ctx.op("ReduceSum", dy, axes, keepdims=0) if ctx.needs(2) else None
+    dscale = ctx.op("Reshape", ctx.op("Mul", dyc_sum, inv_std), flat) if ctx.needs(1) else None
+    dbias = ctx.op("Reshape", dy_sum, flat) if ctx.needs(2) else None
     return dx, dscale, dbias, None, None
 
 
