@@ -462,3 +462,13 @@ def test_cli_train_graph(tmp_path: Path) -> None:
     assert {p.key: p.value for p in saved.metadata_props}[MODEL_TRAINING] == "true"
     bad = runner.invoke(app, ["train-graph", str(ZOO_DIR / "tiny_mlp.onnx"), "-o", str(tmp_path / "x.onnx")])
     assert bad.exit_code == 2 and "no loss" in bad.output and bad.output.strip().count("\n") == 0
+
+
+def test_conv_weight_gradient_layout_follows_map_size() -> None:
+    """Large feature maps get per-sample products summed over the batch; small ones one GEMM."""
+    _zoo("resnet")
+    step = build_training_graph(ZOO_DIR / "resnet.loss.onnx", optimizer=None)
+    convs = {n.inputs[1].name: n.name for n in step.graph if n.op_type == "Conv" and not n.name.startswith("grad/")}
+    ops = {weight: {n.op_type for n in step.graph if n.name.startswith(f"grad/{name}/")} for weight, name in convs.items()}
+    assert "ReduceSum" in ops["layer1.conv1.weight"] and "Gemm" not in ops["layer1.conv1.weight"]  # 32x32 map, 16 out
+    assert "Gemm" in ops["layer3.conv2.weight"] and "ReduceSum" not in ops["layer3.conv2.weight"]  # 8x8 map, 64 out

@@ -77,7 +77,7 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
     return ctx.op("Pad", dx, pads_v, None, ctx.ints(range(2, n + 2)))
 
 
-def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
+def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
     """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of the convolution x -> dy.
 
     im2col as a Conv with a one-hot kernel (``cols[n, c*K + j, o] = x[n, c, o*s + j*d - p]``),
@@ -110,8 +110,8 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, w: V, geometry: tuple, kernel: list[int]
     rows, depth = m // group, cg * taps
     dy_g = ctx.op("Reshape", dy, ctx.ints([0, group, rows, -1]))
     cols_g = ctx.op("Reshape", cols, ctx.ints([0, group, depth, -1]))
-    positions = ctx.dims(dy)[2:]
-    if all(p is not None for p in positions) and int(np.prod(positions)) <= 2 * rows:
+    positions = ctx.dims(like_dy)[2:]
+    if len(positions) == len(kernel) and None not in positions and int(np.prod(positions)) <= 2 * rows:
         dy_t = ctx.op("Reshape", ctx.op("Transpose", dy_g, perm=[1, 2, 0, 3]), ctx.ints([group, rows, -1]))
         cols_t = ctx.op("Reshape", ctx.op("Transpose", cols_g, perm=[1, 2, 0, 3]), ctx.ints([group, depth, -1]))
         if group == 1:
@@ -132,7 +132,7 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     group = ctx.attr("group", 1)
     dx = _data_grad(ctx, node, dy, w, kernel, group) if ctx.needs(0) else None
     geometry = _geometry(ctx, node, kernel)
-    dw = _weight_grad(ctx, x, dy, w, geometry, kernel, group) if ctx.needs(1) else None
+    dw = _weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel, group) if ctx.needs(1) else None
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
@@ -150,7 +150,7 @@ def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     strides, pads, dilations = _geometry(ctx, node, kernel)
     attrs = dict(strides=strides, pads=pads, dilations=dilations, group=group)
     dx = ctx.op("Conv", dy, w, **attrs) if ctx.needs(0) else None
-    dw = _weight_grad(ctx, dy, x, w, (strides, pads, dilations), kernel, group) if ctx.needs(1) else None
+    dw = _weight_grad(ctx, dy, x, x, w, (strides, pads, dilations), kernel, group) if ctx.needs(1) else None
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
