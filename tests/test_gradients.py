@@ -169,6 +169,12 @@ CASES: list[Case] = _binary_cases() + [
          lambda x, w: F.conv2d(x, w, groups=2), dtype="float32", note=FP32_CONV),
     Case("ConvTranspose2d-small-map", "ConvTranspose", [Var(("N", 6, 2, 2)), Var((6, 3, 3, 3))], {"strides": [2, 2]},
          lambda x, w: F.conv_transpose2d(x, w, stride=2), dtype="float32", note=FP32_CONV),
+    # Stride dividing the kernel, no pads, one group: the weight gradient through SpaceToDepth
+    # (odd sizes: the rows past the last whole block are cropped).
+    Case("Conv2d-space-to-depth-crop", "Conv", [Var(("N", 2, 13, 12)), Var((3, 2, 4, 4)), Var((3,))], {"strides": [2, 2]},
+         lambda x, w, b: F.conv2d(x, w, b, stride=2), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-space-to-depth-8x8-4", "Conv", [Var((2, 1, 16, 16)), Var((2, 1, 8, 8))], {"strides": [4, 4]},
+         lambda x, w: F.conv2d(x, w, stride=4), dtype="float32", note=FP32_CONV),
     Case("Conv2d-asym-pads", "Conv", [Var((1, 2, 6, 6)), Var((2, 2, 3, 3))], {"pads": [0, 1, 2, 0]},
          lambda x, w: F.conv2d(F.pad(x, (1, 0, 0, 2)), w), dtype="float32", note=FP32_CONV),
     Case("Conv2d-same-upper", "Conv", [Var((1, 2, 7, 7)), Var((2, 2, 3, 3))], {"auto_pad": "SAME_UPPER", "strides": [2, 2]},

@@ -472,3 +472,10 @@ def test_conv_weight_gradient_layout_follows_map_size() -> None:
     ops = {weight: {n.op_type for n in step.graph if n.name.startswith(f"grad/{name}/")} for weight, name in convs.items()}
     assert "ReduceSum" in ops["layer1.conv1.weight"] and "Gemm" not in ops["layer1.conv1.weight"]  # 32x32 map, 16 out
     assert "Gemm" in ops["layer3.conv2.weight"] and "ReduceSum" not in ops["layer3.conv2.weight"]  # 8x8 map, 64 out
+
+
+def test_strided_first_conv_weight_gradient_uses_space_to_depth() -> None:
+    _zoo("dqn_cnn")
+    step = build_training_graph(ZOO_DIR / "dqn_cnn.loss.onnx", optimizer=None)
+    packed = [n for n in step.graph if n.op_type == "SpaceToDepth"]
+    assert len(packed) == 1 and packed[0].inputs[0].name == "x"  # only the 8x8/4 conv (the 4x4/2 one has a small map)

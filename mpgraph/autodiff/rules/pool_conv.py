@@ -78,6 +78,19 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
 
 
 def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
+    m, cg = ctx.static_dims(w, "weight shape")[:2]  # (out, in per group) of the convolution x -> dy
+    return _weight_grad_of(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
+
+
+def _large_map(ctx: Ctx, like_dy: V, kernel: list[int], rows: int) -> bool:
+    """More output positions per sample than twice the output channels per group (or unknown)."""
+    positions = ctx.dims(like_dy)[2:]
+    return not (len(positions) == len(kernel) and None not in positions and int(np.prod(positions)) <= 2 * rows)
+
+
+def _weight_grad_of(
+    ctx: Ctx, x: V, dy: V, like_dy: V, m: int, cg: int, geometry: tuple, kernel: list[int], group: int
+) -> V:
     """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of the convolution x -> dy.
 
     im2col as a Conv with a one-hot kernel (``cols[n, c*K + j, o] = x[n, c, o*s + j*d - p]``),
@@ -95,7 +108,6 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kerne
     small-map convolutions against the per-sample form.
     """
     strides, pads, dilations = geometry
-    m, cg = ctx.static_dims(w, "weight shape")[:2]  # (out, in per group) of the convolution x -> dy
     taps = int(np.prod(kernel))
     channels = cg * group
     if taps == 1 and not any(pads) and all(s == 1 for s in strides):
@@ -110,8 +122,7 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kerne
     rows, depth = m // group, cg * taps
     dy_g = ctx.op("Reshape", dy, ctx.ints([0, group, rows, -1]))
     cols_g = ctx.op("Reshape", cols, ctx.ints([0, group, depth, -1]))
-    positions = ctx.dims(like_dy)[2:]
-    if len(positions) == len(kernel) and None not in positions and int(np.prod(positions)) <= 2 * rows:
+    if not _large_map(ctx, like_dy, kernel, rows):
         dy_t = ctx.op("Reshape", ctx.op("Transpose", dy_g, perm=[1, 2, 0, 3]), ctx.ints([group, rows, -1]))
         cols_t = ctx.op("Reshape", ctx.op("Transpose", cols_g, perm=[1, 2, 0, 3]), ctx.ints([group, depth, -1]))
         if group == 1:
@@ -125,6 +136,31 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kerne
     return ctx.op("Reshape", grad, ctx.ints([m, cg, *kernel]))
 
 
+def _space_to_depth_weight_grad(ctx: Ctx, x: V, dy: V, y: V, w: V, geometry: tuple, kernel: list[int]) -> V | None:
+    """The weight gradient of a 2-D, ungrouped, unpadded convolution whose stride ``s`` divides
+    its kernel, through ``SpaceToDepth``: ``x`` becomes ``[N, s*s*C, H/s, W/s]`` and the
+    convolution a unit-stride one with a ``k/s`` kernel, whose im2col is ``s*s`` times cheaper
+    to build (the one-hot im2col Conv multiplies by an identity of ``taps`` rows). The Nature
+    DQN's 8x8/4 first layer: 4.6 -> 3.4 ms per weight gradient at 2 threads. ``None`` where it
+    does not apply (then the direct form is used).
+    """
+    strides, pads, dilations = geometry
+    dims = ctx.dims(x)
+    m, c = ctx.static_dims(w, "weight shape")[:2]
+    s = strides[0]
+    if (len(kernel) != 2 or s < 2 or any(t != s for t in strides) or any(d != 1 for d in dilations) or any(pads)
+            or any(k % s for k in kernel) or None in dims[2:] or not _large_map(ctx, y, kernel, m)):
+        return None
+    usable = [d - d % s for d in dims[2:]]  # rows/cols past the last whole block are never read
+    if usable != dims[2:]:
+        x = ctx.op("Slice", x, ctx.ints([0, 0]), ctx.ints(usable), ctx.ints([2, 3]))
+    packed = ctx.op("SpaceToDepth", x, blocksize=s)  # channel (bh*s + bw)*C + c
+    reduced = [k // s for k in kernel]
+    grad = _weight_grad_of(ctx, packed, dy, y, m, s * s * c, ([1, 1], [0] * 4, [1, 1]), reduced, 1)
+    blocks = ctx.op("Reshape", grad, ctx.ints([m, s, s, c, *reduced]))  # [m, bh, bw, c, qh, qw]
+    return ctx.op("Reshape", ctx.op("Transpose", blocks, perm=[0, 3, 4, 1, 5, 2]), ctx.ints([m, c, *kernel]))
+
+
 @register("Conv", opsets=(11, None))
 def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x, w = ctx.input(0), ctx.input(1)
@@ -132,7 +168,12 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     group = ctx.attr("group", 1)
     dx = _data_grad(ctx, node, dy, w, kernel, group) if ctx.needs(0) else None
     geometry = _geometry(ctx, node, kernel)
-    dw = _weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel, group) if ctx.needs(1) else None
+    dw = None
+    if ctx.needs(1):
+        if group == 1:
+            dw = _space_to_depth_weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel)
+        if dw is None:
+            dw = _weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel, group)
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
