@@ -6,6 +6,12 @@ ORT side is one ``CpuRunner.step`` (state stays in OrtValues), the torch side is
 background load hits both alike); prints the median step time of each and the ratio
 (target: ORT <= 1.5x torch).
 
+Each side runs with its threads' default waiting policy (both spin between parallel regions),
+and each chunk starts after a pause (``--gap``) and one untimed step, so that neither side's
+spinning threads run into the other's chunk. The 2-vCPU development VM is shared: over one
+session the ResNet's ORT step measured either about 37 or about 52 ms at 2 threads (torch
+moved less), in runs minutes apart, so compare ratios from one run, and repeat it.
+
 Run: ``.venv/bin/python benchmarks/bench_train_step.py [--threads 2] [--rounds 8] [--steps 5]``
 """
 
@@ -35,15 +41,18 @@ def _loss(entry, logits, label):
     return torch.nn.functional.mse_loss(logits, label)
 
 
-def _interleaved_ms(fns: list, rounds: int, steps: int, warmup: int) -> list[float]:
+def _interleaved_ms(fns: list, rounds: int, steps: int, warmup: int, gap: float) -> list[float]:
     """Median ms/step of each function, timed in alternating chunks of ``steps`` so that load
-    from other processes hits all of them alike."""
+    from other processes hits all of them alike; each chunk after ``gap`` seconds of rest and
+    one untimed call, so no chunk shares the cores with the other side's spinning threads."""
     for fn in fns:
         for _ in range(warmup):
             fn()
     samples: list[list[float]] = [[] for _ in fns]
     for _ in range(rounds):
         for fn, times in zip(fns, samples, strict=True):
+            time.sleep(gap)
+            fn()
             t0 = time.perf_counter()
             for _ in range(steps):
                 fn()
@@ -55,7 +64,7 @@ def _bench(name: str, args: argparse.Namespace) -> tuple[str, int, int, float, f
     entry, batch = ZOO[name], BATCH[name]
     x, label = entry.example_input(batch), entry.example_label(batch)
     step = build_training_graph(ROOT / "models" / "onnx" / f"{name}.loss.onnx", optimizer="adamw", lr=1e-4)
-    runner = CpuRunner(step, threads=args.threads, spin=False)  # no busy-waiting into torch chunks
+    runner = CpuRunner(step, threads=args.threads)
     feeds = {"tokens" if entry.vocab else "x": x.numpy(), "label": label.numpy()}
 
     module = entry.build()
@@ -66,7 +75,7 @@ def _bench(name: str, args: argparse.Namespace) -> tuple[str, int, int, float, f
         _loss(entry, module(x), label).backward()
         opt.step()
 
-    ort_ms, torch_ms = _interleaved_ms([lambda: runner.step(feeds), torch_step], args.rounds, args.steps, args.warmup)
+    ort_ms, torch_ms = _interleaved_ms([lambda: runner.step(feeds), torch_step], args.rounds, args.steps, args.warmup, args.gap)
     return name, batch, len(step.graph), ort_ms, torch_ms
 
 
@@ -76,6 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per timed chunk")
     parser.add_argument("--rounds", type=int, default=8, help="alternating ORT/torch chunks")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--gap", type=float, default=0.5, help="seconds of rest before each chunk")
     parser.add_argument("--models", default=",".join(ZOO))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
