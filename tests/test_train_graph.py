@@ -351,9 +351,13 @@ def _random_feed(session: ort.InferenceSession, rng: np.random.Generator) -> dic
 
 
 FD_STEPS = (1e-3, 1e-4, 1e-5)
-# fp32 central differences through deep ReLU/max-pool nets cross kinks at large steps and hit
-# rounding at small ones (VGG-19 agrees to 5.5% at its best step); a wrong rule is off by O(1).
-FD_TOLERANCE = 0.1
+# Relative agreement required at the best of the steps. 86 of the 91 models agree to 1.2e-3 or
+# better (most to 1e-5..1e-4); a wrong rule is off by O(1). fp32 central differences through
+# the deepest ReLU/max-pool nets cross kinks at large steps and hit rounding at small ones:
+# measured best agreement AlexNet 5.5e-2, VGG-19 5.5e-2, ZFNet-512 7.4e-3, so those three get
+# the loose bound (ORT CPU has no float64 Conv for a better oracle).
+FD_TOLERANCE = 5e-3
+FD_TOLERANCE_DEEP = {"light_bvlc_alexnet": 0.1, "light_vgg19": 0.1, "light_zfnet512": 0.1}
 
 
 def _directional_check(model_path: str) -> str:
@@ -405,16 +409,17 @@ def _directional_check(model_path: str) -> str:
             feed[p] = (base[p].astype(np.float64) + eps * direction[p]).astype(np.float32)
         return float(session.run(["loss"], feed)[0])
 
-    # Two steps: the larger one is robust to fp32 rounding, the smaller one to kinks (ReLU,
-    # max pooling) that a large step crosses. One must agree to FD_TOLERANCE.
+    # Several steps: the larger ones are robust to fp32 rounding, the smaller ones to kinks
+    # (ReLU, max pooling) that a large step crosses. One must agree to the tolerance.
+    tolerance = FD_TOLERANCE_DEEP.get(_real_id(model_path), FD_TOLERANCE)
     errors = []
     for step_size in FD_STEPS:
         eps = step_size * scale / norm_d
         numeric = (loss_at(eps) - loss_at(-eps)) / (2 * eps)
         errors.append(abs(numeric - analytic) / max(abs(numeric), abs(analytic), 1e-3))
-        if errors[-1] <= FD_TOLERANCE:
+        if errors[-1] <= tolerance:
             break
-    assert min(errors) <= FD_TOLERANCE, (model_path, errors, analytic)
+    assert min(errors) <= tolerance, (model_path, errors, analytic)
     return "fd-ok"
 
 
@@ -424,6 +429,25 @@ def test_real_model_gradient_or_clear_error(path: str) -> None:
     OUTCOMES[_real_id(path)] = outcome
     if outcome.startswith("GradientError"):
         assert "\n" not in outcome and ("no gradient" in outcome or "gradient for" in outcome), outcome
+
+
+def test_finite_difference_check_catches_a_two_percent_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check has the power to see a subtly wrong rule: a Relu gradient scaled by 1.02."""
+    import dataclasses
+
+    from mpgraph.autodiff import registry
+
+    (rule,) = registry._RULES[("", "Relu")]
+
+    def wrong(ctx, node, dy):
+        (dx,) = rule.fn(ctx, node, dy)
+        return (ctx.op("Mul", dx, ctx.scalar(1.02, node.inputs[0])),)
+
+    path = next(p for p in REAL if _real_id(p) == "test_ReLU")
+    assert _directional_check(path) == "fd-ok"
+    monkeypatch.setitem(registry._RULES, ("", "Relu"), [dataclasses.replace(rule, fn=wrong)])
+    with pytest.raises(AssertionError):
+        _directional_check(path)
 
 
 def test_zz_real_model_summary() -> None:
