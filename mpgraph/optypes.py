@@ -88,8 +88,8 @@ class NodeTyping:
         schema: The op schema, or ``None`` for ops ONNX does not define.
         input_vars: Type variable of each actual input (``None``: fixed type or unknown).
         output_vars: Type variable of each actual output.
-        compute_vars: Type variables that appear in an output and are bound to a float dtype
-            here; lowering the node rebinds exactly these.
+        compute_vars: Type variables bound to a float dtype here that type an output and an
+            input, or two inputs (comparisons); lowering the node rebinds exactly these.
         allowed: Type variable -> allowed type strings in this opset.
         bound: Type variable -> the dtype it is bound to in this node.
     """
@@ -175,7 +175,10 @@ def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
             dtype = value.dtype
             if dtype is not None and isinstance(value.type, ir.TensorType):
                 bound[var] = dtype
+    # A variable typing an output and an input, or typing two inputs (a comparison's operands
+    # must agree even though its output is bool).
+    shared = {v for v in in_vars if v is not None and sum(1 for u, x in zip(in_vars, inputs) if u == v and x is not None) > 1}
     compute = frozenset(
-        v for v in out_vars if v is not None and v in input_var_set and is_float(bound.get(v))
+        v for v in (*out_vars, *shared) if v is not None and v in input_var_set and is_float(bound.get(v))
     )
     return NodeTyping(schema, in_vars, out_vars, compute, allowed, bound)

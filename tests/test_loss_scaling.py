@@ -140,3 +140,22 @@ def test_loss_scaling_modes_build(mode):
     assert md.FOUND_INF in {v.name for v in m.graph.outputs}
     again = mpgraph.convert(m, pol, emulate=True)
     assert ir.to_proto(again).SerializeToString() == ir.to_proto(m).SerializeToString()
+
+
+ZOO_STEP_MODELS = ["tiny_mlp", "wide_mlp", "dqn_cnn", "gpt", "resnet"]
+
+
+@pytest.mark.parametrize("preset", ["fp16", "bf16", "torch-autocast", "tf-amp"])
+@pytest.mark.parametrize("name", ZOO_STEP_MODELS)
+def test_zoo_step_graph_converts_natively(name, preset):
+    """Native (not emulated) low-precision step graphs pass the full checker and strict
+    inference (convert validates). A ReLU's backward compares its low-precision input with 0:
+    the comparison follows that input (it was once left float32 beside an fp16 operand)."""
+    m = mpgraph.convert(build_training_graph(f"models/onnx/{name}.loss.onnx", optimizer="adamw"), preset)
+    for node in m.graph:
+        if node.op_type == "Greater" and node.metadata_props.get(md.NODE_ROLE) == "backward":
+            dtypes = {v.dtype for v in node.inputs}
+            assert len(dtypes) == 1, (node.name, dtypes)
+    if name == "tiny_mlp" and preset in ("fp16", "bf16"):
+        relu_masks = [n for n in m.graph if n.op_type == "Greater" and n.name.startswith("grad/")]
+        assert relu_masks and all(n.metadata_props[md.NODE_PRECISION] == m.metadata_props[md.MODEL_DTYPE] for n in relu_masks)
