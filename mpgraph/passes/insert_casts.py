@@ -153,9 +153,10 @@ class InsertCastsPass(ir.passes.InPlacePass):
 
 
 def _reads_any_float(typing: NodeTyping, index: int, low: ir.DataType) -> bool:
-    """True for an input-only type variable that admits ``low`` (the node reads it as is)."""
+    """True for an input-only type variable of one input that admits ``low`` (the node reads it
+    as is; a variable shared with another input, as in a comparison, must match it instead)."""
     var = typing.input_vars[index] if index < len(typing.input_vars) else None
-    if var is None or var in typing.output_vars:
+    if var is None or var in typing.output_vars or var in typing.compute_vars:
         return False
     return type_string(low) in typing.allowed.get(var, ())
 
