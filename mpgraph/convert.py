@@ -147,6 +147,14 @@ def _convert(
     props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
     if upgrade_opset and not pol.is_identity:
         ir_model = _upgrade_opset(ir_model, pol)
+        stranded = cuda_opset_gaps(ir_model) if md.MODEL_OPSET_UPGRADED in ir_model.metadata_props and not emulate else []
+        if stranded:
+            logger.warning(
+                "opset upgraded %s: onnxruntime-gpu 1.31 has no CUDA kernel for %s at that opset, so on "
+                "CUDA they run on the CPU provider; upgrade_opset=False (--no-opset-upgrade) keeps the "
+                "original opset (ops that need the upgrade then stay float32)",
+                ir_model.metadata_props[md.MODEL_OPSET_UPGRADED], ", ".join(stranded),
+            )
         props = ir_model.metadata_props
     feeds: Mapping[str, np.ndarray] | None = None
     if isinstance(calibrate, str) and calibrate == "random":
@@ -221,6 +229,19 @@ def _upgrade_opset(model: ir.Model, policy: Policy) -> ir.Model:
     new.metadata_props[md.MODEL_OPSET_UPGRADED] = f"{current}->{target}"
     logger.info("upgraded opset %d -> %d so ops admit %s", current, target, policy.dtype.name.lower())
     return new
+
+
+#: Ops that ONNX Runtime 1.31's CUDA provider registers only below opset 22 (any dtype;
+#: measured by benchmarks/cuda_kernel_probe.py, benchmarks/results/cuda_kernels.log).
+CUDA_NO_OPSET22_KERNEL = frozenset({"Dropout", "Elu", "MaxPool", "Selu"})
+
+
+def cuda_opset_gaps(model: ir.Model) -> list[str]:
+    """Op types of ``model`` that ORT 1.31 CUDA cannot run at the model's opset (sorted)."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    if opset < 22:
+        return []
+    return sorted({n.op_type for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type in CUDA_NO_OPSET22_KERNEL})
 
 
 def convert_file(

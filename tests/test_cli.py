@@ -46,6 +46,24 @@ def test_convert_then_audit_json(model_path: Path, tmp_path: Path):
     assert table.returncode == 0 and "MatMul" in table.stdout and "casts inserted: 2" in table.stdout
 
 
+def test_convert_no_opset_upgrade(tmp_path: Path):
+    import numpy as np
+    from onnx import helper as h
+
+    from tests.helpers import init, make_model, vi
+
+    nodes = [h.make_node("MatMul", ["x", "w"], ["y"], name="mm")]
+    path = tmp_path / "old.onnx"
+    onnx.save(make_model(nodes, [vi("x", [2, 4])], [vi("y", [2, 3])], [init("w", np.ones((4, 3), np.float32))],
+                         opset=11, ir_version=6), path)
+    upgraded, kept = tmp_path / "up.onnx", tmp_path / "kept.onnx"
+    assert mpgraph("convert", str(path), "--policy", "bf16", "-o", str(upgraded)).returncode == 0
+    result = mpgraph("convert", str(path), "--policy", "bf16", "--no-opset-upgrade", "-o", str(kept))
+    assert result.returncode == 0, result.stderr
+    assert "0/1 ops in bfloat16" in result.stdout  # MatMul has no bfloat16 before opset 13
+    assert onnx.load(upgraded).opset_import[0].version == 13 and onnx.load(kept).opset_import[0].version == 11
+
+
 def test_policy_show_and_check(tmp_path: Path):
     shown = mpgraph("policy", "show", "bf16")
     assert shown.returncode == 0 and "MatMul" in shown.stdout and "bfloat16" in shown.stdout

@@ -171,6 +171,25 @@ def test_opset_without_bfloat16_is_upgraded_and_recorded():
     assert "has no bfloat16 type" in kept.graph.node("allow1").metadata_props[md.NODE_REASON]
 
 
+def test_upgrade_to_opset_22_warns_about_ops_ort_cuda_cannot_run(caplog):
+    """bf16 Conv needs opset 22, where ORT 1.31 CUDA registers no MaxPool kernel (any dtype)."""
+    nodes = [h.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+             h.make_node("MaxPool", ["c"], ["y"], name="pool", kernel_shape=[2, 2])]
+    model = make_model(nodes, [vi("x", [1, 2, 6, 6])], [vi("y", [1, 3, 3, 3])],
+                       [init("w", np.ones((3, 2, 3, 3), np.float32))], opset=18)
+    with caplog.at_level("WARNING", logger="mpgraph"):
+        m = mpgraph.convert(model, "bf16")
+    assert m.metadata_props[md.MODEL_OPSET_UPGRADED] == "18->22"
+    assert precision(m, "conv") == "bfloat16"
+    assert any("no CUDA kernel for MaxPool" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mpgraph"):
+        kept = mpgraph.convert(model, "bf16", upgrade_opset=False)
+        mpgraph.convert(model, "bf16", emulate=True)  # CPU emulation: no CUDA warning
+    assert precision(kept, "conv") == "float32"
+    assert not any("CUDA" in r.getMessage() for r in caplog.records)
+
+
 def test_initializer_overflow_keeps_consumer_float32_and_clamp_records():
     big = np.full((4, 3), 1e6, np.float32)
     nodes = [h.make_node("MatMul", ["x", "w"], ["y"], name="allow1")]

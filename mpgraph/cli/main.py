@@ -71,6 +71,7 @@ def convert(
     emulate: Annotated[bool, typer.Option("--emulate", help="CPU emulation: compute float32, round like the low dtype at every policy boundary.")] = False,
     calibrate: Annotated[str | None, typer.Option("--calibrate", help="Keep ops float32 whose float32 activations exceed the low dtype's range on sample inputs: 'random' or an .npz of inputs.")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip onnx.checker and strict shape inference.")] = False,
+    no_opset_upgrade: Annotated[bool, typer.Option("--no-opset-upgrade", help="Keep the model's opset; ops whose schema has no low dtype there stay float32.")] = False,
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Print only errors.")] = False,
 ) -> None:
@@ -83,7 +84,8 @@ def convert(
     out = output or model.with_name(f"{model.stem}.{pol.name}{'.emulated' if emulate else ''}.onnx")
     start = time.perf_counter()
     with console.status(f"converting {model} with policy {pol.name}", spinner="dots") if not quiet else _null():
-        result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input, calibrate=calibrate)
+        result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input,
+                              calibrate=calibrate, upgrade_opset=not no_opset_upgrade)
     elapsed = time.perf_counter() - start
     if quiet:
         return
