@@ -70,6 +70,8 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_LOSSES = ("cross_entropy", "mse")
 MIN_OPSET = 18
+#: ONNX Runtime 1.31 refuses models with a higher ir_version (opset 28 needs 14).
+MAX_IR_VERSION = 13
 LR_INPUT = "lr"
 _LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
@@ -282,7 +284,8 @@ def build_training_graph(
         validate: Run the ONNX checker (full) and strict shape inference on the result.
 
     Returns:
-        The training step model (ir_version <= 10).
+        The training step model, with the lowest ir_version its opsets allow (8 up to
+        opset 18, 11 at opset 23, at most ``MAX_IR_VERSION``).
 
     Raises:
         GradientError: No loss, nothing trainable, bad freeze pattern, op without a rule.
@@ -364,9 +367,11 @@ def build_training_graph(
     m.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
     m.metadata_props[MODEL_TRAINING] = "true"
     graph.name = graph.name or "train_step"
-    m.ir_version = 8 if opset <= 18 else 9 if opset <= 20 else 10
-    if opset > 22:
-        raise UnsupportedModelError(f"opset {opset} needs ir_version 11; train-graph writes ir_version <= 10")
+    m.ir_version = max(8, onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid(d, v) for d, v in m.opset_imports.items()], True))
+    if m.ir_version > MAX_IR_VERSION:
+        raise UnsupportedModelError(
+            f"opset {opset} needs ir_version {m.ir_version}; ONNX Runtime 1.31 loads ir_version <= {MAX_IR_VERSION}"
+        )
     _infer_shapes(m)
     for inp, out in shaped_like:
         if out.shape is None:

@@ -84,6 +84,26 @@ def test_zoo_gradients_match_torch(name: str) -> None:
             assert _rel(outs[f"grad/{pname}"], p.grad.numpy()) <= 1e-5, (name, batch, pname)
 
 
+@pytest.mark.parametrize("opset", [23, 24])
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_zoo_gradients_match_torch_at_newer_opsets(name: str, opset: int) -> None:
+    """Models at opset 23/24 (ir_version 11/12, which ORT loads) train like their opset-18 twins."""
+    from onnx import version_converter
+
+    entry = _zoo(name)
+    upgraded = version_converter.convert_version(onnx.load(ZOO_DIR / f"{name}.loss.onnx"), opset)
+    upgraded.ir_version = onnx.helper.find_min_ir_version_for(list(upgraded.opset_import), True)
+    step = build_training_graph(upgraded, optimizer=None)
+    assert step.opset_imports[""] == opset and step.ir_version == {23: 11, 24: 12}[opset]
+    session = _session(step)
+    module = entry.build()
+    x, label = entry.example_input(3), entry.example_label(3)
+    _torch_loss(entry, module(x), label).backward()
+    outs = dict(zip([o.name for o in session.get_outputs()], session.run(None, _feeds(session, x, label)), strict=True))
+    for pname, p in module.named_parameters():
+        assert _rel(outs[f"grad/{pname}"], p.grad.numpy()) <= 1e-5, (name, opset, pname)
+
+
 OPTIMIZERS = {
     "sgd": dict(momentum=0.9, weight_decay=1e-4),
     "adam": dict(beta1=0.9, beta2=0.999, eps=1e-8),
