@@ -22,6 +22,7 @@ def train_graph_command(
     momentum: Annotated[float | None, typer.Option("--momentum", help="SGD momentum.")] = None,
     nesterov: Annotated[bool, typer.Option("--nesterov", help="SGD Nesterov momentum.")] = False,
     weight_decay: Annotated[float | None, typer.Option("--weight-decay", help="Weight decay (L2 for sgd/adam, decoupled for adamw).")] = None,
+    amsgrad: Annotated[bool, typer.Option("--amsgrad", help="Adam/AdamW: divide by the running maximum of the second moment.")] = False,
     batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics; BatchNormalization node), train-ops (the same as explicit ops: runs on ORT CUDA) or eval.")] = "train",
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
 ) -> None:
@@ -39,6 +40,10 @@ def train_graph_command(
         options.pop("momentum")
         if nesterov:
             raise MpgraphError("--nesterov applies to --optimizer sgd only")
+    if amsgrad:
+        if optimizer.lower() == "sgd":
+            raise MpgraphError("--amsgrad applies to --optimizer adam and adamw only")
+        options["amsgrad"] = True
     step = build_training_graph(
         load_model(model), optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
         optimizer_options=options, batchnorm=batchnorm,

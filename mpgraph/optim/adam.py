@@ -21,6 +21,8 @@ class Adam:
         beta2: Second-moment decay.
         eps: Denominator epsilon (added after the bias-corrected square root).
         weight_decay: L2 penalty (Adam) or decoupled decay (AdamW).
+        amsgrad: Divide by the running maximum of the second moment (its own state,
+            ``optim/<param>/v_max``), as ``torch.optim.Adam(amsgrad=True)``.
         pack: Update small parameters together as one flat vector (see ``optim.base.pack``).
     """
 
@@ -28,6 +30,7 @@ class Adam:
     beta2: float = 0.999
     eps: float = 1e-8
     weight_decay: float = 0.0
+    amsgrad: bool = False
     pack: bool = True
     decoupled = False
 
@@ -62,7 +65,12 @@ class Adam:
             m_new = ctx.op("Add", m, ctx.op("Mul", ctx.op("Sub", g, m), ctx.scalar(1 - self.beta1, p)))
             v_new = ctx.op("Add", ctx.op("Mul", v, ctx.scalar(self.beta2, p)),
                            ctx.op("Mul", ctx.op("Mul", g, g), ctx.scalar(1 - self.beta2, p)))
-            denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", v_new), bc2_sqrt), ctx.scalar(self.eps, p))
+            second = v_new
+            if self.amsgrad:
+                v_max = state(f"optim/{slot.name}/v_max", p, 0.0)
+                second = ctx.op("Max", v_max, v_new)
+                pairs.append((v_max, second))
+            denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", second), bc2_sqrt), ctx.scalar(self.eps, p))
             update = ctx.op("Mul", ctx.op("Div", m_new, denom), step_size)
             updated.update(unpack(ctx, slot, ctx.op("Sub", p_decayed, update)))
             pairs += [(m, m_new), (v, v_new)]
