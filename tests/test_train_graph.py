@@ -538,8 +538,10 @@ def test_conv_weight_gradient_layout_follows_map_size() -> None:
     step = build_training_graph(ZOO_DIR / "resnet.loss.onnx", optimizer=None)
     convs = {n.inputs[1].name: n.name for n in step.graph if n.op_type == "Conv" and not n.name.startswith("grad/")}
     ops = {weight: {n.op_type for n in step.graph if n.name.startswith(f"grad/{name}/")} for weight, name in convs.items()}
-    assert "ReduceSum" in ops["layer1.conv1.weight"] and "Gemm" not in ops["layer1.conv1.weight"]  # 32x32 map, 16 out
-    assert "Gemm" in ops["layer3.conv2.weight"] and "ReduceSum" not in ops["layer3.conv2.weight"]  # 8x8 map, 64 out
+    # 32x32 map, 16 out: per-sample products summed over the batch (a ones-vector MatMul)
+    assert "ConstantOfShape" in ops["layer1.conv1.weight"] and "Gemm" not in ops["layer1.conv1.weight"]
+    # 8x8 map, 64 out: one GEMM
+    assert "Gemm" in ops["layer3.conv2.weight"] and "ConstantOfShape" not in ops["layer3.conv2.weight"]
 
 
 def test_strided_first_conv_weight_gradient_uses_space_to_depth() -> None:

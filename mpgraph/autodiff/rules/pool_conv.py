@@ -132,7 +132,12 @@ def _weight_grad_of(
             grad = ctx.op("MatMul", dy_t, ctx.op("Transpose", cols_t, perm=[0, 2, 1]))
     else:
         per_sample = ctx.op("MatMul", cols_g, ctx.op("Transpose", dy_g, perm=[0, 1, 3, 2]))
-        grad = ctx.op("Transpose", ctx.op("ReduceSum", per_sample, ctx.ints([0]), keepdims=0), perm=[0, 2, 1])
+        # The sum over the batch as ones[1, N] @ per_sample[N, -1]: ORT's ReduceSum over a
+        # leading axis of few rows is 8x slower on 2 threads than on 1 ([32, 9216]: 305 vs 40 us).
+        batch = ctx.op("Concat", ctx.ints([1]), ctx.shape(dy, 0, 1), axis=0)
+        ones = ctx.op("ConstantOfShape", batch, value=ir.tensor(np.ones((1,), dtype=ctx.np_dtype(like_dy))))
+        summed = ctx.op("MatMul", ones, ctx.op("Reshape", per_sample, ctx.ints([0, -1])))
+        grad = ctx.op("Transpose", ctx.op("Reshape", summed, ctx.ints([group, depth, rows])), perm=[0, 2, 1])
     return ctx.op("Reshape", grad, ctx.ints([m, cg, *kernel]))
 
 
