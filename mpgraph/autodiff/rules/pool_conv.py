@@ -84,8 +84,8 @@ def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kerne
 
 def _large_map(ctx: Ctx, like_dy: V, kernel: list[int], rows: int) -> bool:
     """More output positions per sample than twice the output channels per group (or unknown)."""
-    positions = ctx.dims(like_dy)[2:]
-    return not (len(positions) == len(kernel) and None not in positions and int(np.prod(positions)) <= 2 * rows)
+    positions = [p for p in ctx.dims(like_dy)[2:] if p is not None]
+    return not (len(positions) == len(kernel) and math.prod(positions) <= 2 * rows)
 
 
 def _weight_grad_of(
