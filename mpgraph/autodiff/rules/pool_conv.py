@@ -77,21 +77,17 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
     return ctx.op("Pad", dx, pads_v, None, ctx.ints(range(2, n + 2)))
 
 
-def _weight_grad(ctx: Ctx, x: V, dy: V, like_dy: V, w: V, geometry: tuple, kernel: list[int], group: int) -> V:
-    m, cg = ctx.static_dims(w, "weight shape")[:2]  # (out, in per group) of the convolution x -> dy
-    return _weight_grad_of(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
-
-
 def _large_map(ctx: Ctx, like_dy: V, kernel: list[int], rows: int) -> bool:
     """More output positions per sample than twice the output channels per group (or unknown)."""
     positions = [p for p in ctx.dims(like_dy)[2:] if p is not None]
     return not (len(positions) == len(kernel) and math.prod(positions) <= 2 * rows)
 
 
-def _weight_grad_of(
+def _weight_grad(
     ctx: Ctx, x: V, dy: V, like_dy: V, m: int, cg: int, geometry: tuple, kernel: list[int], group: int
 ) -> V:
-    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of the convolution x -> dy.
+    """dW[m, c, k] = sum_{n, o} x[n, c, o*s + k*d - p] dy[n, m, o] of the convolution x -> dy,
+    whose weight is ``[m, cg, *kernel]`` (out, in per group).
 
     im2col as a Conv with a one-hot kernel (``cols[n, c*K + j, o] = x[n, c, o*s + j*d - p]``),
     then GEMM-shaped work that ORT runs fast (a convolution with dy as its kernel is not). Two
@@ -141,7 +137,9 @@ def _weight_grad_of(
     return ctx.op("Reshape", grad, ctx.ints([m, cg, *kernel]))
 
 
-def _space_to_depth_weight_grad(ctx: Ctx, x: V, dy: V, y: V, w: V, geometry: tuple, kernel: list[int]) -> V | None:
+def _space_to_depth_weight_grad(
+    ctx: Ctx, x: V, dy: V, y: V, m: int, c: int, geometry: tuple, kernel: list[int]
+) -> V | None:
     """The weight gradient of a 2-D, ungrouped, unpadded convolution whose stride ``s`` divides
     its kernel, through ``SpaceToDepth``: ``x`` becomes ``[N, s*s*C, H/s, W/s]`` and the
     convolution a unit-stride one with a ``k/s`` kernel, whose im2col is ``s*s`` times cheaper
@@ -151,7 +149,6 @@ def _space_to_depth_weight_grad(ctx: Ctx, x: V, dy: V, y: V, w: V, geometry: tup
     """
     strides, pads, dilations = geometry
     dims = ctx.dims(x)
-    m, c = ctx.static_dims(w, "weight shape")[:2]
     s = strides[0]
     if (len(kernel) != 2 or s < 2 or any(t != s for t in strides) or any(d != 1 for d in dilations) or any(pads)
             or any(k % s for k in kernel) or None in dims[2:] or not _large_map(ctx, y, kernel, m)):
@@ -161,7 +158,7 @@ def _space_to_depth_weight_grad(ctx: Ctx, x: V, dy: V, y: V, w: V, geometry: tup
         x = ctx.op("Slice", x, ctx.ints([0, 0]), ctx.ints(usable), ctx.ints([2, 3]))
     packed = ctx.op("SpaceToDepth", x, blocksize=s)  # channel (bh*s + bw)*C + c
     reduced = [k // s for k in kernel]
-    grad = _weight_grad_of(ctx, packed, dy, y, m, s * s * c, ([1, 1], [0] * 4, [1, 1]), reduced, 1)
+    grad = _weight_grad(ctx, packed, dy, y, m, s * s * c, ([1, 1], [0] * 4, [1, 1]), reduced, 1)
     blocks = ctx.op("Reshape", grad, ctx.ints([m, s, s, c, *reduced]))  # [m, bh, bw, c, qh, qw]
     return ctx.op("Reshape", ctx.op("Transpose", blocks, perm=[0, 3, 4, 1, 5, 2]), ctx.ints([m, c, *kernel]))
 
@@ -175,10 +172,11 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     geometry = _geometry(ctx, node, kernel)
     dw = None
     if ctx.needs(1):
+        m, cg = ctx.static_dims(w, "weight shape")[:2]
         if group == 1:
-            dw = _space_to_depth_weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel)
+            dw = _space_to_depth_weight_grad(ctx, x, dy, node.outputs[0], m, cg, geometry, kernel)
         if dw is None:
-            dw = _weight_grad(ctx, x, dy, node.outputs[0], w, geometry, kernel, group)
+            dw = _weight_grad(ctx, x, dy, node.outputs[0], m, cg, geometry, kernel, group)
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
@@ -196,7 +194,10 @@ def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     strides, pads, dilations = _geometry(ctx, node, kernel)
     attrs = dict(strides=strides, pads=pads, dilations=dilations, group=group)
     dx = ctx.op("Conv", dy, w, **attrs) if ctx.needs(0) else None
-    dw = _weight_grad(ctx, dy, x, x, w, (strides, pads, dilations), kernel, group) if ctx.needs(1) else None
+    dw = None
+    if ctx.needs(1):
+        m, cg = ctx.static_dims(w, "weight shape")[:2]
+        dw = _weight_grad(ctx, dy, x, x, m, cg, (strides, pads, dilations), kernel, group)
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
