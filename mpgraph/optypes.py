@@ -9,6 +9,7 @@ their dtype when the node is lowered.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -177,7 +178,8 @@ def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
                 bound[var] = dtype
     # A variable typing an output and an input, or typing two inputs (a comparison's operands
     # must agree even though its output is bool).
-    shared = {v for v in in_vars if v is not None and sum(1 for u, x in zip(in_vars, inputs) if u == v and x is not None) > 1}
+    present = collections.Counter(v for v, x in zip(in_vars, inputs) if v is not None and x is not None)
+    shared = [v for v, count in present.items() if count > 1]
     compute = frozenset(
         v for v in (*out_vars, *shared) if v is not None and v in input_var_set and is_float(bound.get(v))
     )
