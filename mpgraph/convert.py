@@ -167,6 +167,7 @@ def _convert(
         p(ir_model)
     props[md.MODEL_POLICY] = pol.name
     props[md.MODEL_DTYPE] = pol.dtype.name.lower()
+    props[md.MODEL_TF32] = "true" if pol.tf32 else "false"
     props[md.MODEL_LOSS_SCALING] = json.dumps(
         {k: getattr(pol.loss_scaling, k) for k in pol.loss_scaling.__dataclass_fields__}, sort_keys=True
     )

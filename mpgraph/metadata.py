@@ -13,6 +13,7 @@ __all__ = [
     "NODE_ROLE",
     "MODEL_POLICY",
     "MODEL_DTYPE",
+    "MODEL_TF32",
     "MODEL_EMULATED",
     "MODEL_WEIGHT_BYTES_BEFORE",
     "MODEL_INIT_RANGE",
@@ -44,6 +45,9 @@ NODE_ROLE = "mpgraph.role"
 MODEL_POLICY = "mpgraph.policy"
 #: Target low dtype of the conversion.
 MODEL_DTYPE = "mpgraph.dtype"
+#: ``true`` when the policy lets float32 matmuls run as TF32 (the ``tf32`` preset); the
+#: trainer sets ORT CUDA's ``use_tf32`` from it. Absent or ``false``: strict float32.
+MODEL_TF32 = "mpgraph.tf32"
 #: ``true`` when the model is the CPU-emulated lowering.
 MODEL_EMULATED = "mpgraph.emulated"
 #: Bytes of float weights before conversion (the audit compares with after).

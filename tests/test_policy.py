@@ -20,6 +20,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "policies.md"
 # preset -> (dtype, default category, loss-scaling mode, initial scale)
 PRESETS = {
     "fp32": (ir.DataType.FLOAT, "deny", "none", 65536.0),
+    "tf32": (ir.DataType.FLOAT, "deny", "none", 65536.0),
     "fp16": (ir.DataType.FLOAT16, "deny", "dynamic", 65536.0),
     "bf16": (ir.DataType.BFLOAT16, "deny", "none", 65536.0),
     "torch-autocast": (ir.DataType.FLOAT16, "infer", "dynamic", 65536.0),
@@ -316,7 +317,7 @@ def test_preset_settings(name: str) -> None:
     assert (policy.loss_scaling.growth_interval, policy.loss_scaling.growth_factor) == (2000, 2.0)
     assert policy.loss_scaling.backoff_factor == 0.5
     assert policy.keep_io_types is True
-    assert policy.is_identity == (name == "fp32")
+    assert policy.is_identity == (name in ("fp32", "tf32"))
 
 
 def test_fp32_lists_no_ops() -> None:
@@ -500,3 +501,26 @@ def test_other_domain_op_types_are_not_checked() -> None:
     policy = parse_policy("dtype: fp16\nops:\n  allow: {com.microsoft.FusedMatMul: contrib op}\n")
     assert policy.category("FusedMatMul", "com.microsoft") == ("allow", "contrib op")
     assert policy.category("FusedMatMul")[0] == "deny"
+
+
+def test_tf32_preset_differs_from_fp32_only_in_the_tf32_flag(tmp_path):
+    """tf32 lowers nothing (the graph equals fp32's) and records the runtime flag; fp32 says strict."""
+    import mpgraph
+    from mpgraph import metadata as md
+
+    src = Path(__file__).resolve().parents[1] / "models" / "onnx" / "tiny_mlp.loss.onnx"
+    strict, loose = mpgraph.convert(str(src), "fp32"), mpgraph.convert(str(src), "tf32")
+    assert strict.metadata_props[md.MODEL_TF32] == "false"
+    assert loose.metadata_props[md.MODEL_TF32] == "true"
+    assert load_policy("tf32").tf32 and not load_policy("fp32").tf32 and not load_policy("bf16").tf32
+    for m in (strict, loose):
+        del m.metadata_props[md.MODEL_TF32]
+        del m.metadata_props[md.MODEL_POLICY]
+    assert ir.to_proto(strict).SerializeToString() == ir.to_proto(loose).SerializeToString()
+
+
+def test_tf32_must_be_a_bool(tmp_path):
+    path = tmp_path / "p.yaml"
+    path.write_text("name: p\nextends: fp32\ntf32: yes please\n")
+    with pytest.raises(PolicyError, match="tf32"):
+        load_policy(str(path))

@@ -67,7 +67,9 @@ REL_L2_TOL = {
 
 ONNX_DATA = Path(os.path.dirname(onnx.__file__)) / "backend" / "test" / "data"
 ROOT = Path(__file__).resolve().parent.parent
-PRESETS = list_presets()
+# tf32 builds the same graph as fp32 (it only sets the runtime's TF32 flag): tests/test_policy.py
+# checks that once instead of per model.
+PRESETS = [p for p in list_presets() if p != "tf32"]
 BATCH = 2
 SEED = 0
 

@@ -69,6 +69,7 @@ _TOP_KEYS = (
     "keep_io_types",
     "initializers",
     "loss_scaling",
+    "tf32",
 )
 _LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossScaling))
 _INIT_KEYS = tuple(f.name for f in dataclasses.fields(InitializerRange))
@@ -360,6 +361,12 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
         loss = LossScaling(**values)
         _validate_loss_scaling(doc, loss)
 
+    tf32 = base.tf32 if base else False
+    if "tf32" in data:
+        if not isinstance(data["tf32"], bool):
+            doc.fail(("tf32",), f"invalid value {data['tf32']!r}; expected true or false")
+        tf32 = data["tf32"]
+
     name = data.get("name", Path(path).stem)
     description = data.get("description", base.description if base else "")
     return Policy(
@@ -373,6 +380,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
         initializers=init_range,
         loss_scaling=loss,
         description=str(description).strip(),
+        tf32=tf32,
     )
 
 

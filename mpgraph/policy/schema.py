@@ -141,6 +141,9 @@ class Policy:
         initializers: Range handling for weights.
         loss_scaling: Loss-scale settings for training graphs.
         description: One paragraph for ``policy show``.
+        tf32: Whether float32 MatMul/Gemm/Conv may run as TF32 on providers that offer it
+            (ORT's CUDA provider does unless told otherwise). ``False`` (every preset but
+            ``tf32``) means strict IEEE float32: the runtime sets ``use_tf32=0``.
     """
 
     name: str
@@ -153,6 +156,7 @@ class Policy:
     initializers: InitializerRange = InitializerRange()
     loss_scaling: LossScaling = LossScaling()
     description: str = ""
+    tf32: bool = False
 
     @property
     def is_identity(self) -> bool:
