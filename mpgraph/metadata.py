@@ -25,6 +25,10 @@ __all__ = [
     "MODEL_GRAD_SEED",
     "MODEL_LOSS",
     "NODE_GRAD_OF",
+    "NODE_FLAT",
+    "FLAT_GRADIENT",
+    "FLAT_PARAM",
+    "FLAT_SPLIT",
     "LOSS_SCALE",
     "GROWTH_TRACKER",
     "FOUND_INF",
@@ -73,6 +77,16 @@ MODEL_GRAD_SEED = "mpgraph.grad_seed"
 MODEL_LOSS = "mpgraph.loss"
 #: On backward nodes: the name of the forward node whose gradient rule emitted them.
 NODE_GRAD_OF = "mpgraph.grad_of"
+#: On the flat-buffer nodes of a flat optimizer (``optimizer_options={"flat": True}``): which
+#: buffer the node makes, one of ``FLAT_GRADIENT``, ``FLAT_PARAM``, ``FLAT_SPLIT``. Loss
+#: scaling unscales, checks and guards these once instead of once per parameter.
+NODE_FLAT = "mpgraph.flat"
+#: ``NODE_FLAT`` of the Concat of the flattened gradients (the optimizer reads only it).
+FLAT_GRADIENT = "gradient"
+#: ``NODE_FLAT`` of the Concat of the flattened parameters (the current flat master).
+FLAT_PARAM = "param"
+#: ``NODE_FLAT`` of the Split of the updated flat parameter back into the parameters.
+FLAT_SPLIT = "split"
 
 #: Graph state input holding the current loss scale (fp32 scalar) when loss scaling is on.
 LOSS_SCALE = "loss_scale"

@@ -7,7 +7,7 @@ import dataclasses
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
-from mpgraph.optim.base import OPTIMIZERS, StateFactory, pack, unpack
+from mpgraph.optim.base import OPTIMIZERS, StateFactory, slots, unpack
 
 __all__ = ["Adam", "AdamW"]
 
@@ -24,6 +24,9 @@ class Adam:
         amsgrad: Divide by the running maximum of the second moment (its own state,
             ``optim/<param>/v_max``), as ``torch.optim.Adam(amsgrad=True)``.
         pack: Update small parameters together as one flat vector (see ``optim.base.pack``).
+        flat: Update every float32 parameter together as one flat vector, state
+            ``optim/flat/<state>`` (see ``optim.base.slots``): a constant number of update
+            nodes whatever the parameter count. Same math, so the same numbers as per-tensor.
     """
 
     beta1: float = 0.9
@@ -32,6 +35,7 @@ class Adam:
     weight_decay: float = 0.0
     amsgrad: bool = False
     pack: bool = True
+    flat: bool = False
     decoupled = False
 
     def build(
@@ -55,7 +59,7 @@ class Adam:
         if self.decoupled and self.weight_decay:
             decay = ctx.op("Sub", ctx.scalar(1.0, lr), ctx.op("Mul", lr, ctx.scalar(self.weight_decay, lr)))
         updated: dict[str, ir.Value] = {}
-        for slot in pack(ctx, params) if self.pack else pack(ctx, params, threshold=0):
+        for slot in slots(ctx, params, pack_small=self.pack, flat=self.flat):
             p, g = slot.param, slot.grad
             if self.weight_decay and not self.decoupled:
                 g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))

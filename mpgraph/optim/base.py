@@ -10,8 +10,9 @@ import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.errors import GradientError
+from mpgraph.metadata import FLAT_GRADIENT, FLAT_PARAM, FLAT_SPLIT, NODE_FLAT
 
-__all__ = ["Optimizer", "StateFactory", "OPTIMIZERS", "make_optimizer"]
+__all__ = ["Optimizer", "StateFactory", "OPTIMIZERS", "make_optimizer", "slots"]
 
 #: ``factory(name, like, init)`` creates a state graph input shaped like ``like`` (``None``:
 #: a scalar) filled with ``init``, and returns it; the caller pairs it with its update.
@@ -68,7 +69,7 @@ PACK_BELOW = 1 << 16
 
 @dataclasses.dataclass
 class Slot:
-    """What an optimizer updates: one parameter, or several small ones packed flat.
+    """What an optimizer updates: one parameter, or several packed flat.
 
     Packing trades one Concat/Split copy for running each elementwise op of the update once
     instead of once per parameter: small models are bound by per-node overhead, not bytes.
@@ -78,12 +79,15 @@ class Slot:
         param: Current value (a parameter, or the flat concatenation).
         grad: Its gradient.
         members: The packed parameters, or ``None`` for a single parameter.
+        marked: The flat buffers carry ``NODE_FLAT`` metadata (flat mode), so loss scaling
+            unscales, checks and guards the flat buffers instead of every member.
     """
 
     name: str
     param: ir.Value
     grad: ir.Value
     members: list[ir.Value] | None = None
+    marked: bool = False
 
 
 def _numel(value: ir.Value) -> int | None:
@@ -96,19 +100,51 @@ def _numel(value: ir.Value) -> int | None:
     return n
 
 
-def pack(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], threshold: int = PACK_BELOW) -> list[Slot]:
-    """Group small static-shape parameters into one flat slot; large ones stay separate."""
-    small = [(p, g) for p, g in params if (_numel(p) or threshold) < threshold]
-    if len(small) < 2:
-        small = []
-    slots = [Slot(p.name or "", p, g) for p, g in params if (p, g) not in small]
+def slots(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], *, pack_small: bool, flat: bool) -> list[Slot]:
+    """The slots an optimizer updates, per its ``pack`` and ``flat`` options.
+
+    ``flat`` puts every static-shape float32 parameter into one slot (the multi-tensor form of
+    Apex and DeepSpeed): the update is a constant number of nodes whatever the parameter count.
+    Otherwise ``pack_small`` packs parameters below ``PACK_BELOW`` elements, and the rest are
+    updated one by one.
+    """
+    if flat:
+        members = [(p, g) for p, g in params if _numel(p) and p.dtype in (ir.DataType.FLOAT, None)]
+        return pack(ctx, params, members=members, mark=True)
+    return pack(ctx, params) if pack_small else pack(ctx, params, threshold=0)
+
+
+def pack(
+    ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], threshold: int = PACK_BELOW, *,
+    members: list[tuple[ir.Value, ir.Value]] | None = None, mark: bool = False,
+) -> list[Slot]:
+    """Group small static-shape parameters (or ``members``) into one flat slot; others stay separate.
+
+    With ``mark``, the flat gradient, flat parameter and the Split of the update carry
+    ``NODE_FLAT`` metadata, and a single member still makes a flat slot.
+    """
+    if members is None:
+        small = [(p, g) for p, g in params if (_numel(p) or threshold) < threshold]
+        if len(small) < 2:
+            small = []
+    else:
+        small = members
+    chosen = {id(p) for p, _ in small}
+    result = [Slot(p.name or "", p, g) for p, g in params if id(p) not in chosen]
     if small:
         flat = ctx.ints([-1])
         param = ctx.op("Concat", *[ctx.op("Reshape", p, flat) for p, _ in small], axis=0)
         grad = ctx.op("Concat", *[ctx.op("Reshape", g, flat) for _, g in small], axis=0)
         param.shape = ir.Shape([sum(_numel(p) or 0 for p, _ in small)])
-        slots.append(Slot("flat", param, grad, [p for p, _ in small]))
-    return slots
+        if mark:
+            grad.shape = param.shape
+            for value, buffer in ((param, FLAT_PARAM), (grad, FLAT_GRADIENT)):
+                value.dtype = ir.DataType.FLOAT
+                producer = value.producer()
+                assert producer is not None
+                producer.metadata_props[NODE_FLAT] = buffer
+        result.append(Slot("flat", param, grad, [p for p, _ in small], marked=mark))
+    return result
 
 
 def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
@@ -117,6 +153,10 @@ def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Va
         return {slot.name: new_param}
     sizes = [_numel(p) or 0 for p in slot.members]
     parts = ctx.op_multi("Split", new_param, ctx.ints(sizes), axis=0, num_outputs=len(sizes))
+    if slot.marked:
+        split = parts[0].producer()
+        assert split is not None
+        split.metadata_props[NODE_FLAT] = FLAT_SPLIT
     return {
         p.name or "": ctx.op("Reshape", part, ctx.ints([d if isinstance(d, int) else -1 for d in p.shape or ()]))
         for p, part in zip(slot.members, parts, strict=True)

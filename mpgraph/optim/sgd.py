@@ -7,7 +7,7 @@ import dataclasses
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
-from mpgraph.optim.base import OPTIMIZERS, StateFactory, pack, unpack
+from mpgraph.optim.base import OPTIMIZERS, StateFactory, slots, unpack
 
 __all__ = ["SGD"]
 
@@ -22,6 +22,9 @@ class SGD:
         nesterov: Nesterov momentum.
         weight_decay: L2 penalty added to the gradient.
         pack: Update small parameters together as one flat vector (see ``optim.base.pack``).
+        flat: Update every float32 parameter together as one flat vector, state
+            ``optim/flat/<state>`` (see ``optim.base.slots``): a constant number of update
+            nodes whatever the parameter count. Same math, so the same numbers as per-tensor.
     """
 
     momentum: float = 0.0
@@ -29,6 +32,7 @@ class SGD:
     nesterov: bool = False
     weight_decay: float = 0.0
     pack: bool = True
+    flat: bool = False
 
     def build(
         self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
@@ -42,7 +46,7 @@ class SGD:
             pairs.append((step, ctx.op("Add", step, ctx.scalar(1.0, step))))
             first = ctx.op("Equal", step, ctx.scalar(0.0, step))
         updated: dict[str, ir.Value] = {}
-        for slot in pack(ctx, params) if self.pack else pack(ctx, params, threshold=0):
+        for slot in slots(ctx, params, pack_small=self.pack, flat=self.flat):
             p, g = slot.param, slot.grad
             if self.weight_decay:
                 g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
