@@ -25,6 +25,11 @@ Ctx = GradContext
 #: Emit unit-stride data gradients as a Conv with the flipped kernel (else ConvTranspose).
 UNIT_STRIDE_AS_CONV = True
 
+#: Which weight-gradient form the rules emit: ``None`` picks per layer shape
+#: (``_conv_form_pays``); ``"conv"`` forces the single-Conv form, ``"im2col"`` the one-hot
+#: im2col forms (SpaceToDepth where it applies). Tests and benchmarks set it to cover each form.
+WEIGHT_GRAD_FORM: str | None = None
+
 
 def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
     """Strides, explicit pads (begin..., end...) and dilations of a conv/pool node."""
@@ -163,6 +168,58 @@ def _space_to_depth_weight_grad(
     return ctx.op("Reshape", ctx.op("Transpose", blocks, perm=[0, 3, 4, 1, 5, 2]), ctx.ints([m, c, *kernel]))
 
 
+def _conv_weight_grad(
+    ctx: Ctx, x: V, dy: V, like_dy: V, m: int, cg: int, geometry: tuple, kernel: list[int], group: int
+) -> V:
+    """The weight gradient as one Conv, with no im2col tensor: ``x`` with batch and channels
+    swapped (``[cg, group*N, *in]``) convolved with ``dy``, also swapped (``[m, N, *out]``), as
+    its kernel, ``group`` groups; the forward stride becomes the dilation and the forward
+    dilation the stride. The result ``[cg, m, *k']`` is cut to the kernel (``k' > k`` where the
+    input has rows no tap reads) and transposed to ``[m, cg, *kernel]``.
+    """
+    strides, pads, dilations = geometry
+    n = len(kernel)
+    spatial = list(range(2, n + 2))
+    sizes, out = ctx.dims(x)[2:] or [None] * n, ctx.dims(like_dy)[2:] or [None] * n  # gradients may lack shapes
+    begin, end = list(pads[:n]), list(pads[n:])
+    if None not in sizes and None not in out:
+        # End pads only as far as the last tap reads (the ResNet's 3x3/2 convs need none).
+        end = [max(0, (k - 1) * d + (o - 1) * s + 1 - size - b)
+               for k, d, o, s, size, b in zip(kernel, dilations, out, strides, sizes, begin, strict=True)]
+    if group == 1:
+        xt = ctx.op("Transpose", x, perm=[1, 0, *spatial])
+    else:  # [N, group*cg, *in] -> [cg, group*N, *in]: each group's samples form its input channels
+        blocks = ctx.op("Transpose", ctx.op("Reshape", x, ctx.ints([0, group, cg, -1])), perm=[2, 1, 0, 3])
+        xt = ctx.op("Reshape", blocks, ctx.op("Concat", ctx.ints([cg, -1]), ctx.shape(x, 2), axis=0))
+    dyt = ctx.op("Transpose", dy, perm=[1, 0, *spatial])
+    grad = ctx.op("Conv", xt, dyt, strides=dilations, dilations=strides, pads=begin + end, group=group)
+    reach = [(size + b + e - (o - 1) * s - 1) // d + 1 if size is not None and o is not None else None
+             for size, b, e, o, s, d in zip(sizes, begin, end, out, strides, dilations, strict=True)]
+    if reach != kernel:
+        grad = ctx.op("Slice", grad, ctx.ints([0] * n), ctx.ints(kernel), ctx.ints(spatial))
+    return ctx.op("Transpose", grad, perm=[1, 0, *spatial])
+
+
+def _conv_form_pays(ctx: Ctx, x: V, like_dy: V, m: int, cg: int, kernel: list[int], group: int) -> bool:
+    """Whether the single-Conv weight gradient is the faster form for this layer shape."""
+    if WEIGHT_GRAD_FORM is not None:
+        return WEIGHT_GRAD_FORM == "conv"
+    return False  # placeholder until measured
+
+
+def _pick_weight_grad(
+    ctx: Ctx, x: V, dy: V, like_dy: V, m: int, cg: int, geometry: tuple, kernel: list[int], group: int,
+    space_to_depth: bool = True,
+) -> V:
+    """The weight gradient in the form that measures faster for this layer shape."""
+    if _conv_form_pays(ctx, x, like_dy, m, cg, kernel, group):
+        return _conv_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
+    dw = None
+    if group == 1 and space_to_depth:
+        dw = _space_to_depth_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel)
+    return dw if dw is not None else _weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
+
+
 @register("Conv", opsets=(11, None))
 def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x, w = ctx.input(0), ctx.input(1)
@@ -173,10 +230,7 @@ def conv(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     dw = None
     if ctx.needs(1):
         m, cg = ctx.static_dims(w, "weight shape")[:2]
-        if group == 1:
-            dw = _space_to_depth_weight_grad(ctx, x, dy, node.outputs[0], m, cg, geometry, kernel)
-        if dw is None:
-            dw = _weight_grad(ctx, x, dy, node.outputs[0], m, cg, geometry, kernel, group)
+        dw = _pick_weight_grad(ctx, x, dy, node.outputs[0], m, cg, geometry, kernel, group)
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
@@ -197,7 +251,7 @@ def conv_transpose(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     dw = None
     if ctx.needs(1):
         m, cg = ctx.static_dims(w, "weight shape")[:2]
-        dw = _weight_grad(ctx, dy, x, x, m, cg, (strides, pads, dilations), kernel, group)
+        dw = _pick_weight_grad(ctx, dy, x, x, m, cg, (strides, pads, dilations), kernel, group, space_to_depth=False)
     db = None
     if len(node.inputs) > 2 and ctx.needs(2):
         db = ctx.op("ReduceSum", dy, ctx.ints([0, *range(2, ctx.rank(x))]), keepdims=0)
