@@ -267,6 +267,34 @@ CASES: list[Case] = _binary_cases() + [
          lambda s, y: F.nll_loss(s, y, reduction="sum"), dtype="float32", note="ORT CPU NegativeLogLikelihoodLoss is float32 only"),
     Case("NegativeLogLikelihoodLoss-weights", "NegativeLogLikelihoodLoss", [Var((3, 4, 2)), ints(0, 3, 2, 1, 1, 0).reshape(3, 2), R.random(4) + 0.5],
          {}, lambda s, y, w: F.nll_loss(s, y, w), dtype="float32", note="ORT CPU NegativeLogLikelihoodLoss is float32 only"),
+    # activations exporters emit as single ops (rules/activation.py)
+    Case("HardSigmoid", "HardSigmoid", [Var((4, 6))], {}, lambda x: torch.clamp(0.2 * x + 0.5, 0, 1)),
+    Case("HardSigmoid-saturating", "HardSigmoid", [Var((4, 6))], {"alpha": 1.0, "beta": 0.3},
+         lambda x: torch.clamp(x + 0.3, 0, 1)),
+    Case("HardSwish", "HardSwish", [Var((16, 32))], {}, F.hardswish),
+    Case("Mish", "Mish", [Var(("N", 5))], {}, F.mish),
+    Case("Softsign", "Softsign", [Var((3, 4))], {}, F.softsign),
+    Case("Celu", "Celu", [Var((3, 4))], {"alpha": 0.7}, lambda x: F.celu(x, 0.7),
+         dtype="float32", note="ORT CPU Celu is float32 only"),
+    Case("ThresholdedRelu", "ThresholdedRelu", [Var((4, 6))], {"alpha": 0.3},
+         lambda x: torch.where(x > 0.3, x, torch.zeros_like(x))),
+    Case("Swish", "Swish", [Var((3, 4))], {"alpha": 1.5}, lambda x: x * torch.sigmoid(1.5 * x), opset=24),
+    Case("Sin", "Sin", [Var((3, 4))], {}, torch.sin),
+    Case("Cos", "Cos", [Var((3, 4))], {}, torch.cos),
+    # instance and group normalization (rules/groupnorm.py)
+    Case("InstanceNormalization", "InstanceNormalization", [Var(("N", 3, 4, 5)), Var((3,)), Var((3,))], {"epsilon": 1e-3},
+         lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=1e-3),
+         dtype="float32", note="ORT CPU InstanceNormalization is float32 only"),
+    # torch's GroupNorm export: Reshape -> InstanceNormalization(ones, zeros) -> Reshape -> Mul -> Add.
+    Case("InstanceNormalization-groupnorm-export", "InstanceNormalization", [Var((2, 4, 6)), np.ones(4), np.zeros(4)], {},
+         lambda x, s, b: F.instance_norm(x, eps=1e-5), dtype="float32", note="ORT CPU InstanceNormalization is float32 only"),
+    # The checker refuses GroupNormalization-18 (deprecated), but ORT runs it: build unvalidated.
+    Case("GroupNormalization-18", "GroupNormalization", [Var(("N", 6, 3, 2)), Var((3,)), Var((3,))], {"num_groups": 3},
+         lambda x, s, b: (F.group_norm(x, 3, eps=1e-5).reshape(x.shape[0], 3, -1) * s[:, None] + b[:, None]).reshape(x.shape),
+         build={"validate": False}),
+    Case("GroupNormalization-21", "GroupNormalization", [Var((2, 6, 5)), Var((6,)), Var((6,))], {"num_groups": 2, "epsilon": 1e-4},
+         lambda x, s, b: F.group_norm(x, 2, s, b, eps=1e-4), opset=21,
+         dtype="float32", note="ORT CPU GroupNormalization-21 keeps its statistics in float32 (stash_type)"),
 ]
 
 
