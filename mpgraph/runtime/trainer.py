@@ -245,6 +245,16 @@ class Trainer:
         allow_cpu_fallback: On CUDA, accept float nodes that ORT assigns to the CPU provider.
         track_scale: Read the loss scale back every step (one fp32 scalar) for the metrics.
         state: Initial state values overriding the graph's initializers.
+        provider_options: Extra options for the execution provider (ORT's names and string
+            values, e.g. ``{"cudnn_conv_algo_search": "HEURISTIC"}``); they win over the ones
+            the trainer derives.
+        tf32: Let float32 matmuls run as TF32 on CUDA. ``None`` reads the graph's policy
+            (``mpgraph.tf32``, set by the ``tf32`` preset); absent means strict float32
+            (``use_tf32=0``), because ORT's CUDA provider would otherwise use TF32 silently.
+        cuda_graph: Capture the step as CUDA graphs and replay them (one per state-buffer
+            parity). ``None``: on for CUDA where ORT can capture it. Needs every batch to have
+            the first batch's shapes; a batch of another shape runs in a plain session.
+            ``cuda_graph_reason`` says why capture is off when it is.
 
     Raises:
         MpgraphError: Not a step graph, provider unavailable, a native low-precision graph on
@@ -261,6 +271,9 @@ class Trainer:
         allow_cpu_fallback: bool = False,
         track_scale: bool = True,
         state: Mapping[str, np.ndarray] | None = None,
+        provider_options: Mapping[str, str] | None = None,
+        tf32: bool | None = None,
+        cuda_graph: bool | None = None,
     ) -> None:
         self.model = _load(model)
         props = self.model.metadata_props
@@ -302,16 +315,28 @@ class Trainer:
         del proto.graph.initializer[:]
         proto.graph.initializer.extend(kept)
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-        if threads is not None:
-            options.intra_op_num_threads = threads
-        providers: list[Any] = [ep] if provider == "cpu" else [(ep, {"device_id": str(device_id)}), "CPUExecutionProvider"]
-        try:
-            self.session = ort.InferenceSession(proto.SerializeToString(), options, providers=providers)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            raise MpgraphError(f"onnxruntime cannot load the step graph on {provider}: {str(e).splitlines()[0]}") from None
+        self.tf32 = (props.get(md.MODEL_TF32) == "true") if tf32 is None else bool(tf32)
+        ep_options: dict[str, str] = {}
+        if provider == "cuda":
+            ep_options = {"device_id": str(device_id), "use_tf32": "1" if self.tf32 else "0"}
+        ep_options.update({str(k): str(v) for k, v in (provider_options or {}).items()})
+        self.provider_options = ep_options
+        self.cuda_graph = provider == "cuda" and cuda_graph is not False
+        self.cuda_graph_reason = "" if self.cuda_graph else (
+            "cuda_graph=False" if provider == "cuda" else "CUDA graphs need the cuda provider")
+        self._session_bytes = proto.SerializeToString()
+        self._threads = threads
+        if self.cuda_graph:
+            try:
+                self.session = self._new_session(graph=True)
+            except MpgraphError as e:
+                if cuda_graph:
+                    raise
+                self.cuda_graph, self.cuda_graph_reason = False, str(e)
+                logger.warning("CUDA graph capture is off: %s", e)
+        if not self.cuda_graph:
+            self.session = self._new_session(graph=False)
+        self._plain_session: ort.InferenceSession | None = None if self.cuda_graph else self.session
         if provider == "cuda":
             self.session.disable_fallback()
             if ep not in self.session.get_providers():
@@ -332,8 +357,19 @@ class Trainer:
             for name, v in graph_inputs.items() if name and name not in state_names and name != _LR
         ]
         self._has_lr = _LR in graph_inputs
-        self._loss_out = self._host_buffer(outputs[self.loss_name])
-        self._found_out = self._host_buffer(outputs[self.found_inf_name]) if self.found_inf_name else None
+        if self.cuda_graph and self._extra_outputs:
+            # Outputs ORT allocates per run move between runs; a captured graph can't follow.
+            self.cuda_graph = False
+            self.cuda_graph_reason = f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})"
+            logger.warning("CUDA graph capture is off: %s", self.cuda_graph_reason)
+            self.session = self._plain_session = self._new_session(graph=False)
+        # With CUDA graphs every bound buffer keeps its address: loss, found_inf, lr and the
+        # batch live on the device and are overwritten in place.
+        out_device = self.device if self.cuda_graph else "cpu"
+        self._loss_out = self._out_buffer(outputs[self.loss_name], out_device)
+        self._found_out = self._out_buffer(outputs[self.found_inf_name], out_device) if self.found_inf_name else None
+        self._batch_bufs: dict[str, ort.OrtValue] = {}
+        self._plain_bindings: list[ort.IOBinding] | None = None
         self._keep: list[ort.OrtValue] = []
         self._lr_value: float | None = None
         self._lr_buf: ort.OrtValue | None = None
@@ -347,31 +383,68 @@ class Trainer:
 
     # -- buffers -------------------------------------------------------------------------
 
-    @staticmethod
-    def _host_buffer(output: Any) -> ort.OrtValue:
-        """A host buffer for a small output (the loss, ``found_inf``), shaped as declared."""
+    def _new_session(self, graph: bool) -> ort.InferenceSession:
+        """An ORT session of the step graph; ``graph`` turns on CUDA graph capture."""
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+        if self._threads is not None:
+            options.intra_op_num_threads = self._threads
+        ep = PROVIDERS[self.provider]
+        ep_options = dict(self.provider_options)
+        if graph:
+            ep_options["enable_cuda_graph"] = "1"
+        providers: list[Any] = [ep] if self.provider == "cpu" else [(ep, ep_options), "CPUExecutionProvider"]
+        if self.provider == "cpu" and ep_options:
+            providers = [(ep, ep_options)]
+        try:
+            return ort.InferenceSession(self._session_bytes, options, providers=providers)
+        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
+            what = "with CUDA graph capture " if graph else ""
+            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider} {what}: {str(e).splitlines()[0]}") from None
+
+    def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
+        """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
         shape = output.shape if output.shape and all(isinstance(d, int) for d in output.shape) else []
-        return ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, _ORT_TYPES.get(output.type, np.float32)))
+        array = np.zeros(shape, _ORT_TYPES.get(output.type, np.float32))
+        if device == "cpu":
+            return ort.OrtValue.ortvalue_from_numpy(array)
+        return ort.OrtValue.ortvalue_from_numpy(array, device, self.device_id)
 
     def _device_value(self, array: np.ndarray) -> ort.OrtValue:
         # Not np.ascontiguousarray: it turns a scalar into shape [1].
         return ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), self.device, self.device_id)
 
     def _set_state(self, values: Mapping[str, np.ndarray]) -> None:
-        """Upload ``values`` into fresh device buffers, allocate the spare set, prebind both ways."""
+        """Upload ``values`` into the state buffers, allocating both sets and prebinding both
+        ways on first use. Later calls (a checkpoint load) overwrite the buffers in place:
+        captured CUDA graphs keep reading the same addresses."""
+        arrays = {name: np.asarray(values[name]) for name, _ in self.pairs}
+        current = getattr(self, "_state", None)
+        if current is not None and all(
+            tuple(current[n].shape()) == a.shape and np.dtype(_ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
+            for n, a in arrays.items()
+        ):
+            for name, array in arrays.items():
+                current[name].update_inplace(np.array(array, copy=True, order="C"))
+            return
         self._state: dict[str, ort.OrtValue] = {}
         self._spare: dict[str, ort.OrtValue] = {}
-        for name, _ in self.pairs:
-            array = np.asarray(values[name])
+        for name, array in arrays.items():
             self._state[name] = self._device_value(array)
             self._spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
                 list(array.shape), array.dtype, self.device, self.device_id
             )
         self._bindings = [self._make_binding(self._state, self._spare), self._make_binding(self._spare, self._state)]
+        for name, buf in getattr(self, "_batch_bufs", {}).items():
+            for binding in self._bindings:
+                binding.bind_ortvalue_input(name, buf)
+        self._plain_bindings = None
         self._parity = 0
 
-    def _make_binding(self, read: Mapping[str, ort.OrtValue], write: Mapping[str, ort.OrtValue]) -> ort.IOBinding:
-        binding = self.session.io_binding()
+    def _make_binding(self, read: Mapping[str, ort.OrtValue], write: Mapping[str, ort.OrtValue],
+                      session: ort.InferenceSession | None = None) -> ort.IOBinding:
+        binding = (session or self.session).io_binding()
         for name, out in self.pairs:
             binding.bind_ortvalue_input(name, read[name])
             binding.bind_ortvalue_output(out, write[name])
@@ -404,9 +477,14 @@ class Trainer:
         value = lr if lr is not None else self.default_lr
         if value is None or value == self._lr_value:
             return
-        self._lr_buf = ort.OrtValue.ortvalue_from_numpy(np.asarray(value, dtype=np.float32))
+        array = np.asarray(value, dtype=np.float32)
         self._lr_value = value
-        for binding in self._bindings:
+        if self.cuda_graph and self._lr_buf is not None:
+            self._lr_buf.update_inplace(array)  # same address: the captured graphs read it
+            return
+        device = self.device if self.cuda_graph else "cpu"
+        self._lr_buf = ort.OrtValue.ortvalue_from_numpy(array, device, self.device_id)
+        for binding in self._bindings + (self._plain_bindings or []):
             binding.bind_ortvalue_input(_LR, self._lr_buf)
 
     def step(self, batch: Mapping[str, np.ndarray], lr: float | None = None) -> StepResult:
@@ -418,17 +496,27 @@ class Trainer:
         """
         start = time.perf_counter()
         self._bind_lr(lr)
-        binding = self._bindings[self._parity]
-        # The binding points into these arrays' memory: hold them until the next step.
-        self._keep = []
         for spec in self.data_inputs:
             if spec.name not in batch:
                 raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
-            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[spec.name]))
-            self._keep.append(value)
-            binding.bind_ortvalue_input(spec.name, value)
         scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
-        self.session.run_with_iobinding(binding)
+        if self.cuda_graph and self._replayable(batch):
+            binding = self._bindings[self._parity]
+            for spec in self.data_inputs:
+                self._batch_bufs[spec.name].update_inplace(np.ascontiguousarray(batch[spec.name]))
+            run_options = ort.RunOptions()
+            # Graph ids 1 and 2: one captured graph per buffer parity (0 is ORT's own default).
+            run_options.add_run_config_entry("gpu_graph_id", str(1 + self._parity))
+            self.session.run_with_iobinding(binding, run_options)
+        else:
+            session, binding = self._plain(self._parity)
+            # The binding points into these arrays' memory: hold them until the next step.
+            self._keep = []
+            for spec in self.data_inputs:
+                value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[spec.name]))
+                self._keep.append(value)
+                binding.bind_ortvalue_input(spec.name, value)
+            session.run_with_iobinding(binding)
         self._state, self._spare = self._spare, self._state
         self._parity ^= 1
         self.steps += 1
@@ -437,6 +525,33 @@ class Trainer:
         result = StepResult(loss, scale, skipped, time.perf_counter() - start)
         self.metrics.append(self.steps, result)
         return result
+
+    def _replayable(self, batch: Mapping[str, np.ndarray]) -> bool:
+        """Whether ``batch`` fits the captured graphs' input buffers (allocated on first use)."""
+        signature = {spec.name: (np.asarray(batch[spec.name]).shape, np.asarray(batch[spec.name]).dtype)
+                     for spec in self.data_inputs}
+        if not self._batch_bufs:
+            self._batch_signature = signature
+            for spec in self.data_inputs:
+                array = np.ascontiguousarray(batch[spec.name])
+                self._batch_bufs[spec.name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
+                for binding in self._bindings:
+                    binding.bind_ortvalue_input(spec.name, self._batch_bufs[spec.name])
+            return True
+        return signature == self._batch_signature
+
+    def _plain(self, parity: int) -> tuple[ort.InferenceSession, ort.IOBinding]:
+        """The session and binding for a step without graph replay (another batch shape)."""
+        if self._plain_session is None:
+            self._plain_session = self._new_session(graph=False)
+        if self._plain_session is self.session:
+            return self.session, self._bindings[parity]
+        if self._plain_bindings is None:
+            self._plain_bindings = [self._make_binding(self._state, self._spare, self._plain_session),
+                                    self._make_binding(self._spare, self._state, self._plain_session)]
+            if parity == 1:  # the sets have swapped since the bindings' sets were named
+                self._plain_bindings.reverse()
+        return self._plain_session, self._plain_bindings[parity]
 
     def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
         source = data.train if isinstance(data, Dataset) else data
