@@ -162,3 +162,27 @@ def test_zoo_step_graph_converts_natively(name, preset):
         want = "float16" if preset == "fp16" else "float32"
         relu_masks = [n for n in m.graph if n.op_type == "Greater" and n.name.startswith("grad/")]
         assert relu_masks and all(n.metadata_props[md.NODE_PRECISION] == want for n in relu_masks)
+
+
+def test_flat_optimizer_overflow_skips_step_bit_identical_and_halves_scale():
+    """The same as the per-tensor test above, with the flat optimizer: the skip guards the
+    flat parameter before its Split and the flat moments, not every parameter."""
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adam", optimizer_options={"flat": True})
+    pol = policy("extends: fp16\nloss_scaling: {mode: dynamic, init: 1024, growth_interval: 2000}\n")
+    model = mpgraph.convert(step, pol, emulate=True)
+    checks = [n for n in model.graph if n.op_type == "ReduceSum" and n.metadata_props.get(md.NODE_ROLE) == "optimizer"]
+    assert len(checks) == 1
+    trainer = Trainer(model, provider="cpu")
+    assert not trainer.step(_batch(False), lr=1e-3).skipped
+    before = trainer.state
+    assert trainer.step(_batch(True), lr=1e-3).skipped
+    after = trainer.state
+    assert {"optim/flat/m", "optim/flat/v", "fc1.weight"} <= set(before)
+    for name, value in before.items():
+        if name in (md.LOSS_SCALE, md.GROWTH_TRACKER):
+            continue
+        assert np.array_equal(after[name], value), name
+    assert float(after[md.LOSS_SCALE]) == float(before[md.LOSS_SCALE]) * 0.5
+    assert float(after[md.GROWTH_TRACKER]) == 0.0
+    assert not trainer.step(_batch(False), lr=1e-3).skipped
+    assert not np.array_equal(trainer.state["fc1.weight"], after["fc1.weight"])

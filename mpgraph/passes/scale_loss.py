@@ -54,11 +54,17 @@ class ScaleLossPass(ir.passes.InPlacePass):
         1. The gradient seed ``dloss/dloss = 1`` becomes ``seed * loss_scale``; the loss output
            itself stays unscaled.
         2. Each gradient the optimizer reads becomes ``Cast(g, float) * (1 / loss_scale)``.
+           A flat optimizer's gradient buffer (the node tagged ``mpgraph.flat = gradient``)
+           is unscaled once, and its member gradients are left alone.
         3. ``found_inf = IsNaN(sum_i ReduceSum(g_i * 0))``: ``x * 0`` is NaN exactly for
            inf/NaN, so the check is exact and cheap. ``found_inf`` is a graph output.
+           Example: a flat optimizer over 150 parameters: one Mul and one ReduceSum.
         4. Every state output written by the optimizer (parameters, moments, step counter)
            becomes ``Where(found_inf, old, new)``: a skipped step leaves them bit-identical.
-           BatchNorm running statistics update as in PyTorch (the forward ran).
+           BatchNorm running statistics update as in PyTorch (the forward ran). A flat
+           optimizer's updated parameter is guarded once, before its Split:
+           ``Split(Where(found_inf, flat_param, flat_new))`` copies the old values back
+           exactly, so the per-parameter outputs it feeds get no Where of their own.
         5. Dynamic mode adds state ``loss_scale`` and ``loss_scale/growth_tracker`` updated as
            ``torch.amp.GradScaler``: on overflow ``scale = max(scale * backoff, min)`` and the
            tracker resets; after ``growth_interval`` finite steps in a row
@@ -111,11 +117,20 @@ class ScaleLossPass(ir.passes.InPlacePass):
         # Rule 2-3: unscale in fp32, finite check.
         inv = opt.op("Reciprocal", scale, name="inv_scale")
         zero = opt.const(0.0, "zero")
+        flat = _flat_nodes(graph)
+        checked: list[tuple[str, ir.Value]] = []
+        covered: set[ir.Value] = set()
+        if md.FLAT_GRADIENT in flat:
+            buffer = flat[md.FLAT_GRADIENT]
+            covered = _flat_members(buffer)
+            checked.append(("optim/flat", buffer.outputs[0]))
+        checked += [(param, grad) for param, grad in grads if grad is not None and grad not in covered]
         total: ir.Value | None = None
-        for param, grad in grads:
-            assert grad is not None
+        for param, grad in checked:
             uses = list(grad.uses())
-            g32 = opt.op("Cast", grad, to=ir.DataType.FLOAT, name=f"{param}/grad_fp32")
+            g32 = grad
+            if grad.dtype != ir.DataType.FLOAT or md.FLAT_GRADIENT not in flat:
+                g32 = opt.op("Cast", grad, to=ir.DataType.FLOAT, name=f"{param}/grad_fp32")
             unscaled = opt.op("Mul", g32, inv, name=f"{param}/unscaled")
             for use in uses:
                 use.node.replace_input_with(use.idx, unscaled)
@@ -126,11 +141,20 @@ class ScaleLossPass(ir.passes.InPlacePass):
         # Rule 4: skip the optimizer's writes.
         outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
         inputs = {v.name: v for v in graph.inputs}
+        split = flat.get(md.FLAT_SPLIT)
+        if split is not None and md.FLAT_PARAM in flat:
+            old_flat, new_flat = flat[md.FLAT_PARAM].outputs[0], split.inputs[0]
+            assert new_flat is not None
+            guarded_flat = opt.op("Where", found_inf, old_flat, new_flat, name="optim/flat/skip")
+            guarded_flat.shape = old_flat.shape
+            split.replace_input_with(0, guarded_flat)
         for state_in, state_out in pairs:
             index, new = outputs[state_out]
             producer = new.producer()
             if producer is None or producer.metadata_props.get(md.NODE_ROLE) != "optimizer":
                 continue
+            if split is not None and _reads_split(producer, split):
+                continue  # guarded before the Split
             new.name = names.fresh(f"{state_out}/unguarded")
             guarded = opt.op("Where", found_inf, inputs[state_in], new, name=f"{state_in}/skip")
             guarded.name = state_out
@@ -163,6 +187,42 @@ class ScaleLossPass(ir.passes.InPlacePass):
         props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
         graph.sort()  # the seed product and the unscales were appended after their readers
         return ir.passes.PassResult(model, True)
+
+
+def _flat_nodes(graph: ir.Graph) -> dict[str, ir.Node]:
+    """``{buffer: node}`` of the nodes a flat optimizer tagged with ``mpgraph.flat``."""
+    found: dict[str, ir.Node] = {}
+    for node in graph:
+        buffer = node.metadata_props.get(md.NODE_FLAT)
+        if buffer is None:
+            continue
+        if buffer in found:
+            raise MpgraphError(f"loss scaling: two nodes are tagged as the flat {buffer} ('{found[buffer].name}', '{node.name}'); "
+                               f"build the step with one flat optimizer")
+        found[buffer] = node
+    return found
+
+
+def _flat_members(concat: ir.Node) -> set[ir.Value]:
+    """The gradients a flat gradient Concat reads, each through its flattening Reshape."""
+    members: set[ir.Value] = set()
+    for value in concat.inputs:
+        assert value is not None
+        producer = value.producer()
+        members.add(producer.inputs[0] if producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is not None else value)
+    return members
+
+
+def _reads_split(node: ir.Node, split: ir.Node) -> bool:
+    """``node`` is the Split or a Reshape/Identity chain from one of its outputs."""
+    while node is not split:
+        if node.op_type not in ("Reshape", "Identity") or node.inputs[0] is None:
+            return False
+        producer = node.inputs[0].producer()
+        if producer is None:
+            return False
+        node = producer
+    return True
 
 
 def _state_input(graph: ir.Graph, name: str, init: float) -> ir.Value:

@@ -1,0 +1,150 @@
+"""The flat optimizer (``optimizer_options={"flat": True}``): one update over flat buffers.
+
+The flat form runs the same elementwise ops, in the same order, on the same values as the
+per-tensor form, only laid out in one buffer; ORT CPU's elementwise kernels round each element
+on its own, so the two agree bit for bit (checked exactly, stronger than the 1e-6 asked for).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import mpgraph
+from mpgraph import metadata as md
+from mpgraph.policy import parse_policy
+from mpgraph.runtime.cpu_runner import CpuRunner
+from mpgraph.runtime.trainer import Trainer
+from mpgraph.train_graph import build_training_graph
+
+ZOO_DIR = Path(__file__).resolve().parents[1] / "models" / "onnx"
+
+CONFIGS = {
+    "sgd-nesterov-wd": ("sgd", {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}, 0.1),
+    "sgd-dampening": ("sgd", {"momentum": 0.9, "dampening": 0.5}, 0.1),
+    "adam-wd": ("adam", {"weight_decay": 1e-2}, 1e-2),
+    "adamw-amsgrad": ("adamw", {"amsgrad": True}, 1e-2),
+    "adamw-no-decay": ("adamw", {"weight_decay": 0.0}, 1e-2),
+}
+
+
+def _feeds(name: str, steps: int, batch: int = 4) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    if name == "gpt":
+        return [{"tokens": rng.integers(0, 64, (batch, 16)).astype(np.int64),
+                 "label": rng.integers(0, 64, (batch, 16)).astype(np.int64)} for _ in range(steps)]
+    width, classes = {"tiny_mlp": (4, 2), "wide_mlp": (1024, 10)}[name]
+    return [{"x": rng.standard_normal((batch, width)).astype(np.float32),
+             "label": rng.integers(0, classes, batch).astype(np.int64)} for _ in range(steps)]
+
+
+def _optimizer_nodes(model: ir.Model) -> collections.Counter[str]:
+    return collections.Counter(n.op_type for n in model.graph if n.metadata_props.get(md.NODE_ROLE) == "optimizer")
+
+
+def _param_order(model: ir.Model) -> list[str]:
+    return [p for p, _ in json.loads(model.metadata_props[md.MODEL_GRADIENTS])]
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+def test_flat_matches_per_tensor(name: str, config: str) -> None:
+    kind, options, lr = CONFIGS[config]
+    per_tensor = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options={**options, "pack": False})
+    flat = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options={**options, "flat": True})
+    runners = [CpuRunner(m, threads=1, spin=False) for m in (per_tensor, flat)]
+    for feeds in _feeds(name, 10):
+        losses = [r.step(feeds, lr=lr) for r in runners]
+        assert losses[0] == losses[1]
+    ours, theirs = runners[0].state, runners[1].state
+    params = _param_order(flat)
+    for p in params:
+        assert np.array_equal(ours[p], theirs[p]), p
+    assert not np.array_equal(theirs[params[0]], flat.graph.initializers[params[0]].const_value.numpy())  # it trained
+    # Flat state is the per-tensor state concatenated in parameter order.
+    slots = {k.split("/")[-1] for k in theirs if k.startswith("optim/flat/")}
+    assert slots == {"momentum"} if kind == "sgd" else slots >= {"m", "v"}
+    assert ("v_max" in slots) == bool(options.get("amsgrad"))
+    for slot in slots:
+        expected = np.concatenate([ours[f"optim/{p}/{slot}"].ravel() for p in params])
+        assert np.array_equal(theirs[f"optim/flat/{slot}"], expected), slot
+    if "optim/step" in ours:
+        assert ours["optim/step"] == theirs["optim/step"] == 10.0
+
+
+def test_flat_node_count_is_independent_of_parameter_count() -> None:
+    """Apart from the flattening Reshapes (zero-copy views in ORT, three per parameter), the
+    flat update is the same nodes for 6 parameters (tiny MLP) as for 30 (GPT)."""
+    counts, per_tensor = {}, {}
+    for name in ("tiny_mlp", "wide_mlp", "gpt"):
+        path = ZOO_DIR / f"{name}.loss.onnx"
+        model = build_training_graph(path, optimizer="adamw", optimizer_options={"amsgrad": True, "flat": True})
+        flat = _optimizer_nodes(model)
+        assert flat["Reshape"] == 3 * len(_param_order(model))
+        del flat["Reshape"]
+        counts[name] = flat
+        per_tensor[name] = sum(_optimizer_nodes(build_training_graph(path, optimizer="adamw", optimizer_options={"amsgrad": True, "pack": False})).values())
+    assert counts["tiny_mlp"] == counts["wide_mlp"] == counts["gpt"], counts
+    assert counts["gpt"]["Concat"] == 2 and counts["gpt"]["Split"] == 1
+    # 2 Concat, 1 Split, 15 elementwise ops on the flat buffers (Max for amsgrad), and 13
+    # scalar ops for the step counter and bias corrections.
+    assert sum(counts["gpt"].values()) <= 31
+    assert per_tensor["gpt"] > 4 * per_tensor["tiny_mlp"]  # what the flat form removes
+
+
+def _fp16(init: float, mode: str = "dynamic"):
+    return parse_policy(f"extends: fp16\nloss_scaling: {{mode: {mode}, init: {init}, growth_interval: 2000}}\n", "test.yaml")
+
+
+def _loss_scaled(name: str, flat: bool, init: float = 1024.0) -> ir.Model:
+    step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer="adamw",
+                                optimizer_options={"amsgrad": True, **({"flat": True} if flat else {"pack": False})})
+    return mpgraph.convert(step, _fp16(init), emulate=True)
+
+
+def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
+    """Unscale, finite check and skip: one Mul, one ReduceSum, one Where per flat buffer,
+    whatever the parameter count; converting again changes nothing."""
+    added = {}
+    for name in ("tiny_mlp", "gpt"):
+        before = collections.Counter(n.op_type for n in build_training_graph(
+            ZOO_DIR / f"{name}.loss.onnx", optimizer="adamw", optimizer_options={"amsgrad": True, "flat": True}).graph)
+        model = _loss_scaled(name, flat=True)
+        after = collections.Counter(n.op_type for n in model.graph)
+        added[name] = {op: after[op] - before[op] for op in ("Where", "ReduceSum", "Mul", "IsNaN")}
+        again = mpgraph.convert(model, _fp16(1024.0), emulate=True)
+        assert ir.to_proto(again).SerializeToString() == ir.to_proto(model).SerializeToString()
+    # Where: flat param, m, v, v_max, step + 4 for the dynamic scale; Mul: seed, unscale,
+    # nan probe, scale growth and backoff.
+    assert added["tiny_mlp"] == added["gpt"] == {"Where": 9, "ReduceSum": 1, "Mul": 5, "IsNaN": 1}
+
+
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+def test_flat_loss_scaled_step_matches_per_tensor_and_skips_bit_identically(name: str) -> None:
+    """fp16-emulated, dynamic loss scaling: the flat step equals the per-tensor step; a
+    step whose scaled gradients overflow (loss scale 2**127) leaves every parameter and
+    optimizer state bit-identical and halves the scale."""
+    trainers = [Trainer(_loss_scaled(name, flat), provider="cpu", threads=1) for flat in (False, True)]
+    batches = _feeds(name, 4)
+    for feeds in batches[:3]:
+        results = [t.step(feeds, lr=1e-2) for t in trainers]
+        assert not any(r.skipped for r in results)
+        assert results[0].loss == results[1].loss
+    ours, theirs = trainers[0].state, trainers[1].state
+    for p in _param_order(trainers[1].model):
+        assert np.array_equal(ours[p], theirs[p]), p
+
+    huge = {md.LOSS_SCALE: np.array(2.0**127, dtype=np.float32)}
+    trainer = Trainer(_loss_scaled(name, flat=True), provider="cpu", threads=1, state={**theirs, **huge})
+    before = trainer.state
+    assert trainer.step(batches[3], lr=1e-2).skipped
+    after = trainer.state
+    for key, value in before.items():
+        if key not in (md.LOSS_SCALE, md.GROWTH_TRACKER):
+            assert np.array_equal(after[key], value), key
+    assert float(after[md.LOSS_SCALE]) == 2.0**126
