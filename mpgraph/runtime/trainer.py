@@ -234,6 +234,20 @@ def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) ->
     return load_model(model)
 
 
+@dataclass
+class _Replay:
+    """A session with CUDA graph capture, specialised to one batch signature, and the fixed
+    device buffers its captured graphs read and write (addresses never change)."""
+
+    session: ort.InferenceSession
+    bindings: list[ort.IOBinding]  # indexed by parity: bindings[p] reads the current state set
+    batch: dict[str, ort.OrtValue]
+    signature: dict[str, tuple[tuple[int, ...], np.dtype]]
+    loss: ort.OrtValue
+    found: ort.OrtValue | None
+    lr: ort.OrtValue | None
+
+
 class Trainer:
     """Runs a training step graph on ORT with its state kept on the device.
 
@@ -321,28 +335,22 @@ class Trainer:
             ep_options = {"device_id": str(device_id), "use_tf32": "1" if self.tf32 else "0"}
         ep_options.update({str(k): str(v) for k, v in (provider_options or {}).items()})
         self.provider_options = ep_options
-        self.cuda_graph = provider == "cuda" and cuda_graph is not False
-        self.cuda_graph_reason = "" if self.cuda_graph else (
-            "cuda_graph=False" if provider == "cuda" else "CUDA graphs need the cuda provider")
         self._session_bytes = proto.SerializeToString()
         self._threads = threads
-        if self.cuda_graph:
-            try:
-                self.session = self._new_session(graph=True)
-            except MpgraphError as e:
-                if cuda_graph:
-                    raise
-                self.cuda_graph, self.cuda_graph_reason = False, str(e)
-                logger.warning("CUDA graph capture is off: %s", e)
-        if not self.cuda_graph:
-            self.session = self._new_session(graph=False)
-        self._plain_session: ort.InferenceSession | None = None if self.cuda_graph else self.session
+        self.session = self._new_session(graph=False)
+        # CUDA graphs are captured at the first step, from a copy of the graph specialised to
+        # that batch's shapes (so no shape arithmetic is left for the CPU provider).
+        self._want_graph = provider == "cuda" and cuda_graph is not False
+        self._require_graph = bool(cuda_graph)
+        self.cuda_graph = False
+        self.cuda_graph_reason = "" if self._want_graph else (
+            "cuda_graph=False" if provider == "cuda" else "CUDA graphs need the cuda provider")
+        self._replay: _Replay | None = None
         if provider == "cuda":
             self.session.disable_fallback()
             if ep not in self.session.get_providers():
                 raise MpgraphError(f"onnxruntime did not start {ep} for this graph")
             self._check_fallback(allow_cpu_fallback)
-
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.loss_name = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else next(iter(outputs)))
         self.found_inf_name = md.FOUND_INF if md.FOUND_INF in outputs else None
@@ -357,19 +365,11 @@ class Trainer:
             for name, v in graph_inputs.items() if name and name not in state_names and name != _LR
         ]
         self._has_lr = _LR in graph_inputs
-        if self.cuda_graph and self._extra_outputs:
+        if self._want_graph and self._extra_outputs:
             # Outputs ORT allocates per run move between runs; a captured graph can't follow.
-            self.cuda_graph = False
-            self.cuda_graph_reason = f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})"
-            logger.warning("CUDA graph capture is off: %s", self.cuda_graph_reason)
-            self.session = self._plain_session = self._new_session(graph=False)
-        # With CUDA graphs every bound buffer keeps its address: loss, found_inf, lr and the
-        # batch live on the device and are overwritten in place.
-        out_device = self.device if self.cuda_graph else "cpu"
-        self._loss_out = self._out_buffer(outputs[self.loss_name], out_device)
-        self._found_out = self._out_buffer(outputs[self.found_inf_name], out_device) if self.found_inf_name else None
-        self._batch_bufs: dict[str, ort.OrtValue] = {}
-        self._plain_bindings: list[ort.IOBinding] | None = None
+            self._graph_off(f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})")
+        self._loss_out = self._out_buffer(outputs[self.loss_name], "cpu")
+        self._found_out = self._out_buffer(outputs[self.found_inf_name], "cpu") if self.found_inf_name else None
         self._keep: list[ort.OrtValue] = []
         self._lr_value: float | None = None
         self._lr_buf: ort.OrtValue | None = None
@@ -383,7 +383,7 @@ class Trainer:
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _new_session(self, graph: bool) -> ort.InferenceSession:
+    def _new_session(self, graph: bool, model: bytes | None = None) -> ort.InferenceSession:
         """An ORT session of the step graph; ``graph`` turns on CUDA graph capture."""
         options = ort.SessionOptions()
         options.log_severity_level = 3
@@ -392,13 +392,13 @@ class Trainer:
             options.intra_op_num_threads = self._threads
         ep = PROVIDERS[self.provider]
         ep_options = dict(self.provider_options)
-        if graph:
+        if graph and self.provider == "cuda":
             ep_options["enable_cuda_graph"] = "1"
         providers: list[Any] = [ep] if self.provider == "cpu" else [(ep, ep_options), "CPUExecutionProvider"]
         if self.provider == "cpu" and ep_options:
             providers = [(ep, ep_options)]
         try:
-            return ort.InferenceSession(self._session_bytes, options, providers=providers)
+            return ort.InferenceSession(model or self._session_bytes, options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
             what = "with CUDA graph capture " if graph else ""
             raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider} {what}: {str(e).splitlines()[0]}") from None
@@ -417,7 +417,7 @@ class Trainer:
 
     def _set_state(self, values: Mapping[str, np.ndarray]) -> None:
         """Upload ``values`` into the state buffers, allocating both sets and prebinding both
-        ways on first use. Later calls (a checkpoint load) overwrite the buffers in place:
+        ways on first use. Later calls (a checkpoint load) overwrite the buffers in place, so
         captured CUDA graphs keep reading the same addresses."""
         arrays = {name: np.asarray(values[name]) for name, _ in self.pairs}
         current = getattr(self, "_state", None)
@@ -435,26 +435,31 @@ class Trainer:
             self._spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
                 list(array.shape), array.dtype, self.device, self.device_id
             )
-        self._bindings = [self._make_binding(self._state, self._spare), self._make_binding(self._spare, self._state)]
-        for name, buf in getattr(self, "_batch_bufs", {}).items():
-            for binding in self._bindings:
-                binding.bind_ortvalue_input(name, buf)
-        self._plain_bindings = None
+        self._bindings = self._pair_bindings(self.session, self._loss_out, self._found_out, self._lr_buf)
+        self._replay = None  # new addresses: capture again at the next step
         self._parity = 0
 
-    def _make_binding(self, read: Mapping[str, ort.OrtValue], write: Mapping[str, ort.OrtValue],
-                      session: ort.InferenceSession | None = None) -> ort.IOBinding:
-        binding = (session or self.session).io_binding()
+    def _pair_bindings(self, session: ort.InferenceSession, loss: ort.OrtValue, found: ort.OrtValue | None,
+                       lr: ort.OrtValue | None) -> list[ort.IOBinding]:
+        """Two bindings indexed by the current parity: ``[p]`` reads the current state set."""
+        read_state = self._make_binding(session, self._state, self._spare, loss, found, lr)
+        read_spare = self._make_binding(session, self._spare, self._state, loss, found, lr)
+        return [read_state, read_spare] if getattr(self, "_parity", 0) == 0 else [read_spare, read_state]
+
+    def _make_binding(self, session: ort.InferenceSession, read: Mapping[str, ort.OrtValue],
+                      write: Mapping[str, ort.OrtValue], loss: ort.OrtValue, found: ort.OrtValue | None,
+                      lr: ort.OrtValue | None) -> ort.IOBinding:
+        binding = session.io_binding()
         for name, out in self.pairs:
             binding.bind_ortvalue_input(name, read[name])
             binding.bind_ortvalue_output(out, write[name])
-        binding.bind_ortvalue_output(self.loss_name, self._loss_out)
-        if self.found_inf_name is not None and self._found_out is not None:
-            binding.bind_ortvalue_output(self.found_inf_name, self._found_out)
+        binding.bind_ortvalue_output(self.loss_name, loss)
+        if self.found_inf_name is not None and found is not None:
+            binding.bind_ortvalue_output(self.found_inf_name, found)
         for name in self._extra_outputs:
             binding.bind_output(name, self.device, self.device_id)
-        if self._lr_buf is not None:
-            binding.bind_ortvalue_input(_LR, self._lr_buf)
+        if lr is not None:
+            binding.bind_ortvalue_input(_LR, lr)
         return binding
 
     @property
@@ -466,6 +471,46 @@ class Trainer:
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` without loss scaling."""
         return float(self._state[md.LOSS_SCALE].numpy().reshape(-1)[0]) if self.has_loss_scale else None
+
+    # -- CUDA graphs ---------------------------------------------------------------------
+
+    def _graph_off(self, reason: str) -> None:
+        if self._require_graph:
+            raise MpgraphError(f"cannot run the step as a CUDA graph: {reason}")
+        self._want_graph, self.cuda_graph, self.cuda_graph_reason = False, False, reason
+        logger.warning("CUDA graph capture is off: %s", reason)
+
+    @staticmethod
+    def _signature(batch: Mapping[str, np.ndarray], names: Iterable[str]) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        return {n: (np.shape(batch[n]), np.asarray(batch[n]).dtype) for n in names}
+
+    def _start_replay(self, batch: Mapping[str, np.ndarray]) -> None:
+        """Build the capturing session for ``batch``'s shapes and its fixed buffers."""
+        from mpgraph.specialize import specialize_shapes
+
+        names = [spec.name for spec in self.data_inputs]
+        signature = self._signature(batch, names)
+        try:
+            fixed = specialize_shapes(ir.from_proto(onnx.load_from_string(self._session_bytes)),
+                                      {n: shape for n, (shape, _) in signature.items()})
+            session = self._new_session(graph=True, model=ir.to_proto(fixed).SerializeToString())
+        except MpgraphError as e:
+            self._graph_off(str(e))
+            return
+        outputs = {o.name: o for o in session.get_outputs()}
+        loss = self._out_buffer(outputs[self.loss_name], self.device)
+        found = self._out_buffer(outputs[self.found_inf_name], self.device) if self.found_inf_name else None
+        lr = None
+        if self._lr_value is not None:
+            lr = ort.OrtValue.ortvalue_from_numpy(np.asarray(self._lr_value, np.float32), self.device, self.device_id)
+        bufs = {n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[n]), self.device, self.device_id)
+                for n in names}
+        bindings = self._pair_bindings(session, loss, found, lr)
+        for binding in bindings:
+            for n, buf in bufs.items():
+                binding.bind_ortvalue_input(n, buf)
+        self._replay = _Replay(session, bindings, bufs, signature, loss, found, lr)
+        self.cuda_graph, self.cuda_graph_reason = True, ""
 
     # -- stepping ------------------------------------------------------------------------
 
@@ -479,13 +524,14 @@ class Trainer:
             return
         array = np.asarray(value, dtype=np.float32)
         self._lr_value = value
-        if self.cuda_graph and self._lr_buf is not None:
-            self._lr_buf.update_inplace(array)  # same address: the captured graphs read it
-            return
-        device = self.device if self.cuda_graph else "cpu"
-        self._lr_buf = ort.OrtValue.ortvalue_from_numpy(array, device, self.device_id)
-        for binding in self._bindings + (self._plain_bindings or []):
+        self._lr_buf = ort.OrtValue.ortvalue_from_numpy(array)
+        for binding in self._bindings:
             binding.bind_ortvalue_input(_LR, self._lr_buf)
+        if self._replay is not None:
+            if self._replay.lr is None:
+                self._replay = None  # captured without an lr binding: capture again
+            else:
+                self._replay.lr.update_inplace(array)  # same address: the captured graphs read it
 
     def step(self, batch: Mapping[str, np.ndarray], lr: float | None = None) -> StepResult:
         """Run one training step on ``batch`` (data input name -> array).
@@ -500,58 +546,35 @@ class Trainer:
             if spec.name not in batch:
                 raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
         scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
-        if self.cuda_graph and self._replayable(batch):
-            binding = self._bindings[self._parity]
-            for spec in self.data_inputs:
-                self._batch_bufs[spec.name].update_inplace(np.ascontiguousarray(batch[spec.name]))
+        if self._want_graph and self._replay is None:
+            self._start_replay(batch)
+        replay = self._replay
+        if replay is not None and self._signature(batch, replay.batch) == replay.signature:
+            for name, buf in replay.batch.items():
+                buf.update_inplace(np.ascontiguousarray(batch[name]))
             run_options = ort.RunOptions()
             # Graph ids 1 and 2: one captured graph per buffer parity (0 is ORT's own default).
             run_options.add_run_config_entry("gpu_graph_id", str(1 + self._parity))
-            self.session.run_with_iobinding(binding, run_options)
+            replay.session.run_with_iobinding(replay.bindings[self._parity], run_options)
+            loss_buf, found_buf = replay.loss, replay.found
         else:
-            session, binding = self._plain(self._parity)
+            binding = self._bindings[self._parity]
             # The binding points into these arrays' memory: hold them until the next step.
             self._keep = []
             for spec in self.data_inputs:
                 value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[spec.name]))
                 self._keep.append(value)
                 binding.bind_ortvalue_input(spec.name, value)
-            session.run_with_iobinding(binding)
+            self.session.run_with_iobinding(binding)
+            loss_buf, found_buf = self._loss_out, self._found_out
         self._state, self._spare = self._spare, self._state
         self._parity ^= 1
         self.steps += 1
-        loss = float(self._loss_out.numpy().reshape(-1)[0])
-        skipped = bool(self._found_out.numpy().reshape(-1)[0]) if self._found_out is not None else False
+        loss = float(loss_buf.numpy().reshape(-1)[0])
+        skipped = bool(found_buf.numpy().reshape(-1)[0]) if found_buf is not None else False
         result = StepResult(loss, scale, skipped, time.perf_counter() - start)
         self.metrics.append(self.steps, result)
         return result
-
-    def _replayable(self, batch: Mapping[str, np.ndarray]) -> bool:
-        """Whether ``batch`` fits the captured graphs' input buffers (allocated on first use)."""
-        signature = {spec.name: (np.asarray(batch[spec.name]).shape, np.asarray(batch[spec.name]).dtype)
-                     for spec in self.data_inputs}
-        if not self._batch_bufs:
-            self._batch_signature = signature
-            for spec in self.data_inputs:
-                array = np.ascontiguousarray(batch[spec.name])
-                self._batch_bufs[spec.name] = ort.OrtValue.ortvalue_from_numpy(array, self.device, self.device_id)
-                for binding in self._bindings:
-                    binding.bind_ortvalue_input(spec.name, self._batch_bufs[spec.name])
-            return True
-        return signature == self._batch_signature
-
-    def _plain(self, parity: int) -> tuple[ort.InferenceSession, ort.IOBinding]:
-        """The session and binding for a step without graph replay (another batch shape)."""
-        if self._plain_session is None:
-            self._plain_session = self._new_session(graph=False)
-        if self._plain_session is self.session:
-            return self.session, self._bindings[parity]
-        if self._plain_bindings is None:
-            self._plain_bindings = [self._make_binding(self._state, self._spare, self._plain_session),
-                                    self._make_binding(self._spare, self._state, self._plain_session)]
-            if parity == 1:  # the sets have swapped since the bindings' sets were named
-                self._plain_bindings.reverse()
-        return self._plain_session, self._plain_bindings[parity]
 
     def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
         source = data.train if isinstance(data, Dataset) else data

@@ -1,0 +1,465 @@
+"""Training-step speed on one GPU: mpgraph on ORT CUDA against PyTorch, side by side, one process.
+
+Builds each model once in torch (seeded), exports it with ``mpgraph.export.export_module`` (so
+both sides start from the same weights), builds the AdamW step graph with ``train-graph`` and
+the ``fp32``/``tf32``/``bf16``/``fp16`` conversions, then times every configuration in
+alternating rounds on the same batches:
+
+- mpgraph through ``Trainer`` as a user gets it (``fp32`` is strict: ``use_tf32=0``; CUDA
+  graphs on where ORT can capture);
+- torch eager fp32 (TF32 off), tf32, AMP bf16, AMP fp16 + GradScaler, ``torch.compile`` +
+  AMP bf16, and for the small nets the whole step (forward, backward, Adam with
+  ``capturable=True``) captured once as a CUDA graph and replayed;
+- for the small nets, both stacks on the CPU at 2 threads.
+
+Every step of every configuration reads its loss back to the host (what a training loop that
+logs the loss does). It prints ms/step (median over rounds after a warm-up round), the ratio to
+the named torch twin, model FLOP/s as a share of the measured bf16 matmul peak (GPT only),
+device memory, the loss after ``--check-step`` steps against the twin, and a kernel breakdown
+(count and time per class, from torch's CUPTI profiler around ORT's runs).
+
+    python3 benchmarks/gpu_step.py --out DIR                      # the H200 run
+    python3 benchmarks/gpu_step.py --out DIR --cpu-only --small   # a dry run on a laptop
+
+On the GPU machine ORT must be onnxruntime-gpu (``source .ortgpu/stage.sh``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mpgraph  # noqa: E402
+from models.zoo import GPT, NatureDQN, TinyMLP  # noqa: E402
+from mpgraph.export import export_module  # noqa: E402
+from mpgraph.runtime.trainer import Trainer  # noqa: E402
+from mpgraph.train_graph import build_training_graph  # noqa: E402
+
+#: bf16 dense matmul rate measured on the H200 with torch (DESIGN.md: 8192^3 MatMul).
+BF16_PEAK_TFLOPS = 796.0
+
+
+@dataclass
+class ModelSpec:
+    name: str
+    module: torch.nn.Module
+    batch: int
+    inputs: list[np.ndarray]  # cycled batches of the data input
+    labels: list[np.ndarray]
+    loss: str
+    lr: float
+    flops_per_step: float | None = None
+    small: bool = True
+
+
+@dataclass
+class Run:
+    """One configuration: a step function, its losses, its per-round timings."""
+
+    label: str
+    step: Callable[[int], float]
+    twin: str | None = None
+    device: str = "cuda"
+    losses: list[float] = field(default_factory=list)
+    round_ms: list[float] = field(default_factory=list)
+    memory_mib: float | None = None
+    note: str = ""
+    error: str = ""
+
+
+def gpt_spec(small: bool) -> ModelSpec:
+    if small:
+        vocab, seq, d, heads, layers, batch = 256, 64, 64, 4, 2, 4
+    else:
+        vocab, seq, d, heads, layers, batch = 8192, 512, 1024, 16, 8, 8
+    torch.manual_seed(0)
+    module = GPT(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers).train()
+    rng = np.random.default_rng(0)
+    xs = [rng.integers(0, vocab, (batch, seq), dtype=np.int64) for _ in range(4)]
+    ys = [rng.integers(0, vocab, (batch, seq), dtype=np.int64) for _ in range(4)]
+    n_params = sum(p.numel() for n, p in module.named_parameters() if n not in ("tok.weight", "pos"))
+    tokens = batch * seq
+    # 6 FLOP per matmul weight per token (forward 2, backward 4) plus attention's two
+    # T x T x d products per layer (forward 4*T^2*d, times 3 with backward); no causal saving.
+    flops = 6.0 * n_params * tokens + 12.0 * layers * batch * seq * seq * d
+    return ModelSpec("gpt", module, batch, xs, ys, "cross_entropy", 3e-4, flops, small=small)
+
+
+def tiny_spec() -> ModelSpec:
+    torch.manual_seed(0)
+    module = TinyMLP().train()
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((64, 4)).astype(np.float32) for _ in range(4)]
+    ys = [rng.integers(0, 2, (64,), dtype=np.int64) for _ in range(4)]
+    return ModelSpec("tiny_mlp", module, 64, xs, ys, "cross_entropy", 1e-3)
+
+
+def dqn_spec() -> ModelSpec:
+    torch.manual_seed(0)
+    module = NatureDQN().train()
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((32, 4, 84, 84)).astype(np.float32) for _ in range(4)]
+    ys = [rng.standard_normal((32, 18)).astype(np.float32) * 0.1 for _ in range(4)]
+    return ModelSpec("dqn_cnn", module, 32, xs, ys, "mse", 1e-4)
+
+
+# -- mpgraph side ------------------------------------------------------------------------
+
+
+def step_graphs(spec: ModelSpec, flat: bool, policies: list[str]) -> dict[str, Any]:
+    example = torch.from_numpy(spec.inputs[0][:2])
+    proto = export_module(copy.deepcopy(spec.module), example, loss=spec.loss)
+    options = {"weight_decay": 0.01}
+    if flat:
+        options["flat"] = True
+    step = build_training_graph(proto, optimizer="adamw", lr=spec.lr, optimizer_options=options)
+    out = {}
+    for policy in policies:
+        fresh = ir.from_proto(ir.to_proto(step))
+        out[policy] = fresh if policy == "fp32" else mpgraph.convert(fresh, policy, emulate=False, validate=False)
+    return out
+
+
+def mpgraph_run(label: str, graph: Any, spec: ModelSpec, provider: str, twin: str | None, **kw: Any) -> Run:
+    trainer = Trainer(graph, provider, **kw)
+    names = [s.name for s in trainer.data_inputs]
+    data_name = next(n for n in names if n != "label")
+
+    def step(i: int) -> float:
+        k = i % len(spec.inputs)
+        return trainer.step({data_name: spec.inputs[k], "label": spec.labels[k]}).loss
+
+    run = Run(label, step, twin, device=provider)
+    if provider == "cuda":
+        run.note = "cuda graph" if trainer.cuda_graph else f"no cuda graph: {trainer.cuda_graph_reason}"
+        run.trainer = trainer  # type: ignore[attr-defined]
+    return run
+
+
+# -- torch side --------------------------------------------------------------------------
+
+
+def torch_loss(spec: ModelSpec, logits: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+    if spec.loss == "cross_entropy":
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), label.reshape(-1))
+    return F.mse_loss(logits.float(), label)
+
+
+def torch_run(label: str, spec: ModelSpec, device: str, *, amp: torch.dtype | None = None,
+              tf32: bool = False, compile_: bool = False, scaler: bool = False) -> Run:
+    module = copy.deepcopy(spec.module).to(device)
+    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.01,
+                            foreach=device == "cuda")
+    forward = torch.compile(module) if compile_ else module
+    grad_scaler = torch.amp.GradScaler("cuda") if scaler else None
+
+    def step(i: int) -> float:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        k = i % len(spec.inputs)
+        x = torch.from_numpy(spec.inputs[k]).to(device)
+        y = torch.from_numpy(spec.labels[k]).to(device)
+        opt.zero_grad(set_to_none=True)
+        if amp is not None:
+            with torch.autocast(device, dtype=amp):
+                loss = torch_loss(spec, forward(x), y)
+        else:
+            loss = torch_loss(spec, forward(x), y)
+        if grad_scaler is not None:
+            grad_scaler.scale(loss).backward()
+            grad_scaler.step(opt)
+            grad_scaler.update()
+        else:
+            loss.backward()
+            opt.step()
+        return float(loss.item())
+
+    return Run(label, step, device=device)
+
+
+def torch_graph_run(label: str, spec: ModelSpec) -> Run:
+    """The whole step captured once as a CUDA graph (static input buffers), then replayed."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    module = copy.deepcopy(spec.module).cuda()
+    opt = torch.optim.AdamW(module.parameters(), lr=spec.lr, weight_decay=0.01, capturable=True)
+    sx = torch.from_numpy(spec.inputs[0]).cuda()
+    sy = torch.from_numpy(spec.labels[0]).cuda()
+
+    def body() -> torch.Tensor:
+        opt.zero_grad(set_to_none=False)
+        loss = torch_loss(spec, module(sx), sy)
+        loss.backward()
+        opt.step()
+        return loss
+
+    # Warm up on a side stream (as torch's CUDA graph docs require), then capture. The warm-up
+    # steps are real steps: they count in the loss trajectory.
+    warm: list[float] = []
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            sx.copy_(torch.from_numpy(spec.inputs[i % len(spec.inputs)]))
+            sy.copy_(torch.from_numpy(spec.labels[i % len(spec.labels)]))
+            warm.append(float(body().item()))
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_loss = body()
+    offset = len(warm)
+
+    def step(i: int) -> float:
+        if i < offset:
+            return warm[i]
+        k = i % len(spec.inputs)
+        sx.copy_(torch.from_numpy(spec.inputs[k]), non_blocking=False)
+        sy.copy_(torch.from_numpy(spec.labels[k]), non_blocking=False)
+        graph.replay()
+        return float(static_loss.item())
+
+    return Run(label, step, twin=None)
+
+
+# -- measurement ---------------------------------------------------------------------------
+
+
+def device_used_mib() -> float:
+    free, total = torch.cuda.mem_get_info()
+    return (total - free) / 2**20
+
+
+def time_round(run: Run, steps: int) -> None:
+    if run.error:
+        return
+    try:
+        if run.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            run.losses.append(run.step(len(run.losses)))
+        if run.device == "cuda":
+            torch.cuda.synchronize()
+        run.round_ms.append((time.perf_counter() - start) * 1e3 / steps)
+    except Exception as e:  # noqa: BLE001 - one broken configuration must not stop the rest
+        run.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc()
+
+
+KERNEL_CLASSES = [
+    ("matmul", re.compile(r"gemm|cutlass|xmma|sm90_|sm80_|cublas|nvjet|matmul", re.I)),
+    ("conv", re.compile(r"conv|winograd|implicit|cudnn|wgrad|dgrad|fprop", re.I)),
+    ("cast", re.compile(r"cast", re.I)),
+    ("reduce", re.compile(r"reduce|reduction", re.I)),
+    ("norm/softmax", re.compile(r"softmax|layernorm|layer_norm|norm", re.I)),
+    ("memcpy/transpose", re.compile(r"memcpy|memset|transpose|copy|concat|split|slice|gather|scatter|expand", re.I)),
+    ("elementwise", re.compile(r"elementwise|unary|binary|vectorized|_ew|where|pow|sqrt|mul|add|sub|div|erf|exp", re.I)),
+]
+
+
+def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
+    """Kernels per step by class, from CUPTI (torch.profiler sees every kernel in the process)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            run.losses.append(run.step(len(run.losses)))
+        torch.cuda.synchronize()
+    classes: dict[str, list[float]] = {}
+    total_n, total_us = 0, 0.0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = event.name
+        if name.startswith("Memcpy") and "DtoD" not in name and "HtoD" not in name and "DtoH" not in name:
+            pass
+        cls = next((c for c, rx in KERNEL_CLASSES if rx.search(name)), "other")
+        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+        classes.setdefault(cls, [0, 0.0])
+        classes[cls][0] += 1
+        classes[cls][1] += us
+        total_n += 1
+        total_us += us
+    return {
+        "kernels_per_step": total_n / steps,
+        "gpu_ms_per_step": total_us / steps / 1e3,
+        "by_class": {c: {"kernels": n / steps, "ms": us / steps / 1e3} for c, (n, us) in sorted(classes.items())},
+    }
+
+
+def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
+    cuda = not args.cpu_only and torch.cuda.is_available()
+    runs: list[Run] = []
+    t0 = time.perf_counter()
+    policies = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32"]
+    graphs = step_graphs(spec, args.flat, policies)
+    build_s = time.perf_counter() - t0
+    print(f"[{spec.name}] graphs built in {build_s:.1f}s", flush=True)
+
+    def add(make: Callable[[], Run]) -> None:
+        before = device_used_mib() if cuda else 0.0
+        try:
+            run = make()
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            run = Run(getattr(make, "label", "?"), lambda i: float("nan"), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        run._mem_before = before  # type: ignore[attr-defined]
+        runs.append(run)
+
+    if cuda:
+        cg = None if args.cuda_graph else False
+        for label, policy, twin in [("mpgraph fp32", "fp32", "torch fp32"), ("mpgraph tf32", "tf32", "torch tf32"),
+                                    ("mpgraph bf16", "bf16", "torch amp bf16"), ("mpgraph fp16", "fp16", "torch amp fp16")]:
+            def make(label: str = label, policy: str = policy, twin: str = twin) -> Run:
+                return mpgraph_run(label, graphs[policy], spec, "cuda", twin, cuda_graph=cg)
+            make.label = label  # type: ignore[attr-defined]
+            add(make)
+        for label, kw in [("torch fp32", {}), ("torch tf32", {"tf32": True}),
+                          ("torch amp bf16", {"amp": torch.bfloat16}),
+                          ("torch amp fp16", {"amp": torch.float16, "scaler": True})]:
+            def make_t(label: str = label, kw: dict = kw) -> Run:
+                return torch_run(label, spec, "cuda", **kw)
+            make_t.label = label  # type: ignore[attr-defined]
+            add(make_t)
+        if not args.no_compile:
+            def make_c() -> Run:
+                return torch_run("torch compile bf16", spec, "cuda", amp=torch.bfloat16, compile_=True)
+            make_c.label = "torch compile bf16"  # type: ignore[attr-defined]
+            add(make_c)
+        if spec.small:
+            def make_g() -> Run:
+                return torch_graph_run("torch cuda-graph step", spec)
+            make_g.label = "torch cuda-graph step"  # type: ignore[attr-defined]
+            add(make_g)
+    if spec.small or not cuda:
+        def make_cpu() -> Run:
+            return mpgraph_run("mpgraph fp32 cpu2", graphs["fp32"], spec, "cpu", "torch fp32 cpu2", threads=2)
+        make_cpu.label = "mpgraph fp32 cpu2"  # type: ignore[attr-defined]
+        add(make_cpu)
+
+        def make_tcpu() -> Run:
+            return torch_run("torch fp32 cpu2", spec, "cpu")
+        make_tcpu.label = "torch fp32 cpu2"  # type: ignore[attr-defined]
+        add(make_tcpu)
+
+    threads = torch.get_num_threads()
+    for r in range(args.rounds + 1):
+        for run in runs:
+            if run.device == "cpu":
+                torch.set_num_threads(2)
+            time_round(run, args.steps_per_round)
+            torch.set_num_threads(threads)
+            if r == 0 and cuda and run.memory_mib is None:
+                run.memory_mib = device_used_mib() - run._mem_before  # type: ignore[attr-defined]
+        print(f"[{spec.name}] round {r} done", flush=True)
+
+    breakdown: dict[str, Any] = {}
+    if cuda and not args.no_profile:
+        for run in runs:
+            if run.error or run.device != "cuda":
+                continue
+            if run.label.startswith("mpgraph") or run.label in ("torch amp bf16", "torch cuda-graph step"):
+                try:
+                    breakdown[run.label] = kernel_breakdown(run)
+                except Exception as e:  # noqa: BLE001
+                    breakdown[run.label] = {"error": str(e).splitlines()[0]}
+
+    return summarize(spec, runs, breakdown, args)
+
+
+def summarize(spec: ModelSpec, runs: list[Run], breakdown: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    by = {r.label: r for r in runs}
+    rows = []
+    check = args.check_step
+    print(f"\n== {spec.name} (batch {spec.batch}) ==")
+    print(f"{'config':24s} {'ms/step':>9s} {'spread':>13s} {'vs twin':>8s} {'MFU%':>6s} {'mem MiB':>8s} "
+          f"{'loss@' + str(check):>10s} {'dloss':>9s}  note")
+    for run in runs:
+        med = statistics.median(run.round_ms[1:]) if len(run.round_ms) > 1 else float("nan")
+        lo = min(run.round_ms[1:], default=float("nan"))
+        hi = max(run.round_ms[1:], default=float("nan"))
+        twin = by.get(run.twin or "")
+        twin_med = statistics.median(twin.round_ms[1:]) if twin and len(twin.round_ms) > 1 else None
+        ratio = med / twin_med if twin_med else None
+        mfu = (spec.flops_per_step / (med / 1e3) / 1e12 / BF16_PEAK_TFLOPS * 100) if spec.flops_per_step and med == med else None
+        loss = run.losses[check - 1] if len(run.losses) >= check else None
+        tloss = twin.losses[check - 1] if twin and len(twin.losses) >= check else None
+        dloss = abs(loss - tloss) / abs(tloss) if loss is not None and tloss else None
+        row = {"config": run.label, "ms_per_step": med, "min": lo, "max": hi, "rounds_ms": run.round_ms,
+               "twin": run.twin, "ratio_to_twin": ratio, "mfu_pct_of_bf16_peak": mfu,
+               "memory_mib": run.memory_mib, f"loss_at_{check}": loss, "rel_loss_diff_to_twin": dloss,
+               "note": run.note, "error": run.error, "losses": run.losses}
+        rows.append(row)
+
+        def f(v: float | None, fmt: str) -> str:
+            return format(v, fmt) if v is not None and v == v else "-"
+
+        print(f"{run.label:24s} {f(med, '9.3f')} {f(lo, '6.2f')}-{f(hi, '6.2f')} {f(ratio, '8.2f')} {f(mfu, '6.1f')} "
+              f"{f(run.memory_mib, '8.0f')} {f(loss, '10.5f')} {f(dloss, '9.2e')}  {run.note}{(' ERROR ' + run.error) if run.error else ''}")
+    for label, b in breakdown.items():
+        if "error" in b:
+            print(f"  kernels {label}: {b['error']}")
+            continue
+        parts = ", ".join(f"{c} {v['kernels']:.0f}/{v['ms']:.2f}ms" for c, v in b["by_class"].items())
+        print(f"  kernels {label}: {b['kernels_per_step']:.0f} per step, GPU {b['gpu_ms_per_step']:.2f} ms  [{parts}]")
+    ratios = {}
+    med = {r["config"]: r["ms_per_step"] for r in rows}
+    for a, b in [("mpgraph bf16", "torch amp bf16"), ("mpgraph fp32", "mpgraph bf16"), ("mpgraph tf32", "mpgraph bf16"),
+                 ("mpgraph fp16", "mpgraph bf16"), ("mpgraph bf16", "torch compile bf16"),
+                 ("mpgraph bf16", "torch cuda-graph step"), ("mpgraph fp32", "torch cuda-graph step"),
+                 ("mpgraph fp32 cpu2", "torch fp32 cpu2"), ("mpgraph fp32", "mpgraph fp32 cpu2")]:
+        if med.get(a) and med.get(b):
+            ratios[f"{a} / {b}"] = med[a] / med[b]
+    for k, v in ratios.items():
+        print(f"  {k}: {v:.3f}")
+    return {"model": spec.name, "batch": spec.batch, "flops_per_step": spec.flops_per_step,
+            "rows": rows, "ratios": ratios, "kernels": breakdown}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--models", default="gpt,tiny_mlp,dqn_cnn")
+    p.add_argument("--rounds", type=int, default=5, help="timed rounds after one warm-up round")
+    p.add_argument("--steps-per-round", type=int, default=10)
+    p.add_argument("--check-step", type=int, default=50, help="compare losses after this many steps")
+    p.add_argument("--small", action="store_true", help="a small GPT (dry runs)")
+    p.add_argument("--cpu-only", action="store_true")
+    p.add_argument("--flat", action="store_true", help="flat-buffer optimizer (optimizer_options flat=True)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    import onnxruntime as ort
+
+    env = {"torch": torch.__version__, "onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
+           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "args": vars(args)}
+    print(json.dumps(env), flush=True)
+    makers = {"gpt": lambda: gpt_spec(args.small), "tiny_mlp": tiny_spec, "dqn_cnn": dqn_spec}
+    results = {"env": env, "models": []}
+    for name in args.models.split(","):
+        results["models"].append(run_model(makers[name](), args))
+        with open(os.path.join(args.out, "gpu_step.json"), "w") as f:
+            json.dump(results, f, indent=1, default=float)
+
+
+if __name__ == "__main__":
+    main()
