@@ -77,6 +77,7 @@ class Case:
 
 FP32_CONV = "ORT CPU has no float64 Conv/ConvTranspose kernels"
 FP32_POOL = "ORT CPU has no float64 AveragePool/ConvTranspose kernels"
+FP32_RNN = "ORT CPU has RNN/GRU/LSTM kernels in float32 only"
 R = np.random.default_rng(1234)
 
 
@@ -98,6 +99,15 @@ def _binary_cases() -> list[Case]:
 
 def _where(c, x, y):
     return torch.where(c, x, y)
+
+
+def torch_gather_nd(x: Any, indices: Any, batch_dims: int = 0) -> Any:
+    """ONNX GatherND in torch (advanced indexing), negative indices and batch_dims included."""
+    k = indices.shape[-1]
+    lead = x.reshape(-1, *x.shape[batch_dims:])  # [P, *x.shape[b:]]
+    tuples = indices.long().reshape(lead.shape[0], -1, k) % torch.tensor(x.shape[batch_dims:batch_dims + k])
+    picked = lead[(torch.arange(lead.shape[0])[:, None], *tuples.unbind(-1))]  # [P, M, *x.shape[b + k:]]
+    return picked.reshape(*indices.shape[:-1], *x.shape[batch_dims + k:])
 
 
 CASES: list[Case] = _binary_cases() + [
@@ -129,6 +139,9 @@ CASES: list[Case] = _binary_cases() + [
     Case("Cast-f32-f64", "Cast", [Var((3, 4))], {"to": TensorProto.DOUBLE}, lambda x: x.double(),
          dtype="float32", note="the input of a widening Cast is float32 by construction"),
     Case("Expand", "Expand", [Var((3, 1)), ints(2, 3, 4)], {}, lambda x, s: x.expand(2, 3, 4)),
+    Case("Expand-rank-up-dynamic", "Expand", [Var(("N", 1)), ints(2, 1, 4)], {}, lambda x, s: x.expand(2, -1, 4)),
+    Case("Expand-shape-of-ones", "Expand", [Var((2, 3, 4)), ints(3, 1)], {}, lambda x, s: x * 1),
+    Case("Expand-middle", "Expand", [Var((3, 1, 2)), ints(3, 4, 1)], {}, lambda x, s: x.expand(3, 4, 2)),
     Case("Dropout-train-p0", "Dropout", [Var((3, 4)), np.asarray(0.0), np.asarray(True)], {},
          lambda x, r, t: F.dropout(x, 0.0, True), outputs=2),
     Case("Dropout-eval", "Dropout", [Var((3, 4))], {}, lambda x: x),
@@ -235,19 +248,72 @@ CASES: list[Case] = _binary_cases() + [
          lambda x: torch.split(x, 3, 1), outputs=2, used=(0, 1)),
     Case("Split-sizes-one-used", "Split", [Var((5, 3)), ints(2, 3)], {"axis": 0},
          lambda x, s: torch.split(x, [2, 3], 0)[1:], outputs=2, used=(1,)),
+    Case("Split-num-outputs-uneven", "Split", [Var((7, 2))], {"axis": 0, "num_outputs": 3},
+         lambda x: torch.split(x, 3, 0), outputs=3, used=(0, 1, 2)),
+    Case("Split-sizes-neg-axis-middle-unused", "Split", [Var((2, 6, 3)), ints(1, 2, 3)], {"axis": -2},
+         lambda x, s: torch.split(x, [1, 2, 3], 1)[::2], outputs=3, used=(0, 2)),
+    Case("Split-num-outputs-dynamic", "Split", [Var(("N", 4))], {"axis": -1, "num_outputs": 4},
+         lambda x: torch.split(x, 1, 1)[1:], outputs=4, used=(1, 2, 3)),
     Case("Slice-unit-step", "Slice", [Var(("N", 6, 5)), ints(1, 0), ints(4, 3), ints(1, 2)], {},
          lambda x, s, e, a: x[:, 1:4, 0:3]),
     Case("Slice-negative-step", "Slice", [Var((6, 5)), ints(-1, 1), ints(-100, 5), ints(0, 1), ints(-2, 2)], {},
          lambda x, s, e, a, st: torch.flip(x, [0])[::2, 1:5:2]),
+    # Slice bounds as exporters write them: negative, clamped (out of range), omitted axes.
+    Case("Slice-negative-starts-unit-step", "Slice", [Var((6, 5)), ints(-4, -3), ints(-1, 100), ints(0, -1)], {},
+         lambda x, s, e, a: x[-4:-1, -3:]),
+    Case("Slice-clamped-bounds-omitted-axes", "Slice", [Var((4, 5)), ints(-100, 1), ints(3, 2**63 - 1)], {},
+         lambda x, s, e: x[0:3, 1:]),
+    Case("Slice-start-past-end", "Slice", [Var((4, 5)), ints(9, 0), ints(12, 5)], {}, lambda x, s, e: x[9:12]),
+    Case("Slice-dynamic-dim-negative-start", "Slice", [Var(("N", 6)), ints(-2), ints(2**63 - 1), ints(0)], {},
+         lambda x, s, e, a: x[-2:]),
+    Case("Slice-negative-step-clamped-neg-axis", "Slice", [Var((5, 6)), ints(100), ints(-100), ints(-1), ints(-3)], {},
+         lambda x, s, e, a, st: torch.flip(x, [1])[:, ::3]),
+    Case("Slice-step2-negative-start", "Slice", [Var((3, 9)), ints(-8), ints(-1), ints(1), ints(2)], {},
+         lambda x, s, e, a, st: x[:, -8:-1:2]),
     Case("Gather-embedding", "Gather", [Var((5, 3)), ints(0, 2, 2, 4, -1, 0).reshape(2, 3)], {},
          lambda w, i: w[i]),
     Case("Gather-axis1", "Gather", [Var((2, 5, 3)), ints(4, 1, 1)], {"axis": 1}, lambda w, i: w[:, i]),
+    # Gather for every index rank (0, 1, 2+), axis (negative too), negative and repeated indices.
+    # Rank-0 index on axis 1 is the BERT/ViT pooler's hidden[:, 0].
+    Case("Gather-axis1-scalar-index", "Gather", [Var(("N", 5, 3)), np.asarray(0, np.int64)], {"axis": 1},
+         lambda w, i: w[:, i]),
+    Case("Gather-axis0-scalar-negative-index", "Gather", [Var((5, 3)), np.asarray(-2, np.int64)], {}, lambda w, i: w[i]),
+    Case("Gather-last-axis-scalar-index", "Gather", [Var((3, 4)), np.asarray(-1, np.int64)], {"axis": -1},
+         lambda w, i: w[:, i]),
+    Case("Gather-neg-axis", "Gather", [Var((2, 3, 5)), ints(4, 0, 2)], {"axis": -1}, lambda w, i: w[..., i]),
+    Case("Gather-neg-indices", "Gather", [Var((4, 6)), ints(-1, -6, 2)], {"axis": 1}, lambda w, i: w[:, i]),
+    Case("Gather-repeated", "Gather", [Var((3, 4, 2)), ints(1, 1, -3, 1, 0)], {"axis": 1}, lambda w, i: w[:, i]),
+    Case("Gather-2d-indices-axis1", "Gather", [Var((2, 5, 3)), ints(0, 4, -1, 4, 2, 0).reshape(2, 3)], {"axis": 1},
+         lambda w, i: w[:, i]),
+    Case("Gather-3d-indices-neg-axis", "Gather", [Var(("N", 2, 4)), ints(3, -4, 1, 1, 0, 3, 2, -1).reshape(2, 2, 2)],
+         {"axis": -1}, lambda w, i: w[:, :, i]),
+    Case("Gather-int32-indices", "Gather", [Var((5, 3)), np.asarray([[1, -1], [1, 0]], np.int32)], {},
+         lambda w, i: w[i.long()]),
+    Case("GatherElements-axis1", "GatherElements", [Var((3, 4)), ints(0, 3, -1, 3, 1, 1, 2, -4, 0, 0, 3, 2, 1, -2, 1).reshape(3, 5)],
+         {"axis": 1}, lambda x, i: torch.gather(x, 1, i % 4)),
+    Case("GatherElements-axis0-smaller", "GatherElements", [Var((4, 3)), ints(3, 0, -1, 3, 3, 1).reshape(2, 3)], {},
+         lambda x, i: torch.gather(x, 0, i % 4)),
+    Case("GatherElements-neg-axis-int32", "GatherElements", [Var(("N", 3, 4)), R.integers(-4, 4, (3, 3, 6)).astype(np.int32)],
+         {"axis": -1}, lambda x, i: torch.gather(x, 2, i.long() % 4)),
+    Case("GatherND-tuples", "GatherND", [Var((3, 4)), ints(0, 1, 2, -1, 0, 1, -3, 1).reshape(4, 2)], {},
+         lambda x, i: torch_gather_nd(x, i)),
+    Case("GatherND-rows", "GatherND", [Var((3, 4, 2)), ints(2, -1, 0, 2).reshape(2, 2, 1)], {},
+         lambda x, i: torch_gather_nd(x, i)),
+    Case("GatherND-batch-dims1", "GatherND", [Var((2, 3, 4)), ints(2, 0, 2, -1, 1, 1, 0, 1).reshape(2, 2, 2)], {"batch_dims": 1},
+         lambda x, i: torch_gather_nd(x, i, 1)),
+    Case("GatherND-batch-dims2", "GatherND", [Var((2, 3, 4, 5)), R.integers(-4, 4, (2, 3, 3, 1))], {"batch_dims": 2},
+         lambda x, i: torch_gather_nd(x, i, 2)),
+    Case("Tile", "Tile", [Var((2, 3)), ints(2, 3)], {}, lambda x, r: x.repeat(2, 3)),
+    Case("Tile-dynamic-ones", "Tile", [Var(("N", 2, 1)), ints(1, 2, 3)], {}, lambda x, r: x.repeat(1, 2, 3)),
     Case("Pad-constant", "Pad", [Var(("N", 3, 4)), ints(0, 1, 2, 0, 0, 1)], {},
          lambda x, p: F.pad(x, (2, 1, 1, 0))),
     Case("Pad-reflect", "Pad", [Var(("N", 2, 5, 4)), ints(0, 0, 2, 1, 0, 0, 1, 3)], {"mode": "reflect"},
          lambda x, p: F.pad(x, (1, 3, 2, 1), mode="reflect")),
     Case("Pad-edge-axes", "Pad", [Var((2, 3, 4)), ints(2, 0, 1, 3), None, ints(1, 2)], {"mode": "edge"},
          lambda x, p, a: F.pad(x, (0, 3, 2, 1), mode="replicate")),
+    Case("Pad-constant-negative-crop", "Pad", [Var((3, 5)), ints(1, -2, -1, 1)], {}, lambda x, p: F.pad(x, (-2, 1, 1, -1))),
+    Case("Pad-constant-negative-axes", "Pad", [Var((2, 4, 3)), ints(-1, 2, 0, -1), None, ints(-1, 1)], {},
+         lambda x, p, a: F.pad(x, (-1, 0, 2, -1))),
     Case("ReduceSum", "ReduceSum", [Var(("N", 3, 4)), ints(1)], {"keepdims": 0}, lambda x, a: x.sum(1)),
     Case("ReduceSum-all", "ReduceSum", [Var((3, 4))], {}, lambda x: x.sum().reshape(1, 1)),
     Case("ReduceMean", "ReduceMean", [Var(("N", 3, 4)), ints(-1, 1)], {}, lambda x, a: x.mean((1, 2), keepdim=True)),
@@ -295,7 +361,109 @@ CASES: list[Case] = _binary_cases() + [
     Case("GroupNormalization-21", "GroupNormalization", [Var((2, 6, 5)), Var((6,)), Var((6,))], {"num_groups": 2, "epsilon": 1e-4},
          lambda x, s, b: F.group_norm(x, 2, s, b, eps=1e-4), opset=21,
          dtype="float32", note="ORT CPU GroupNormalization-21 keeps its statistics in float32 (stash_type)"),
+    # recurrent ops, differentiated through their unrolled form (autodiff/lower_recurrent.py);
+    # references: torch.nn.LSTM/GRU/RNN with the ONNX weights reordered (torch_recurrent below)
+    Case("LSTM-forward-states", "LSTM", [Var((5, "N", 3)), Var((1, 8, 3)), Var((1, 8, 2)), Var((1, 16)), None,
+                                         Var((1, "N", 2)), Var((1, "N", 2))], {"hidden_size": 2},
+         lambda x, w, r, b, h, c: torch_recurrent("LSTM", x, w, r, b, h0=h, c0=c), outputs=3, used=(0, 1, 2),
+         dtype="float32", note=FP32_RNN),
+    Case("LSTM-reverse", "LSTM", [Var((4, 2, 3)), Var((1, 12, 3)), Var((1, 12, 3))], {"hidden_size": 3, "direction": "reverse"},
+         lambda x, w, r: torch_recurrent("LSTM", x, w, r, direction="reverse")[::2], outputs=3, used=(0, 2),
+         dtype="float32", note=FP32_RNN),
+    Case("LSTM-bidirectional", "LSTM", [Var((4, "N", 3)), Var((2, 8, 3)), Var((2, 8, 2)), Var((2, 16)), None,
+                                        Var((2, "N", 2)), Var((2, "N", 2))], {"hidden_size": 2, "direction": "bidirectional"},
+         lambda x, w, r, b, h, c: torch_recurrent("LSTM", x, w, r, b, h0=h, c0=c, direction="bidirectional"),
+         outputs=3, used=(0, 1, 2), dtype="float32", note=FP32_RNN),
+    Case("LSTM-bidirectional-sequence-lens", "LSTM", [Var((4, 3, 3)), Var((2, 8, 3)), Var((2, 8, 2)), Var((2, 16)),
+                                                      np.asarray([4, 2, 3], np.int32)], {"hidden_size": 2, "direction": "bidirectional"},
+         lambda x, w, r, b, n: torch_recurrent("LSTM", x, w, r, b, lens=n, direction="bidirectional")[:2],
+         outputs=2, used=(0, 1), dtype="float32", note=FP32_RNN),
+    Case("GRU-linear-before-reset-bidirectional", "GRU", [Var((4, "N", 3)), Var((2, 6, 3)), Var((2, 6, 2)), Var((2, 12)), None,
+                                                          Var((2, "N", 2))],
+         {"hidden_size": 2, "direction": "bidirectional", "linear_before_reset": 1},
+         lambda x, w, r, b, h: torch_recurrent("GRU", x, w, r, b, h0=h, direction="bidirectional"),
+         outputs=2, used=(0, 1), dtype="float32", note=FP32_RNN),
+    Case("GRU-reset-before-linear", "GRU", [Var((5, 2, 3)), Var((1, 9, 3)), Var((1, 9, 3)), Var((1, 18)), None, Var((1, 2, 3))],
+         {"hidden_size": 3}, lambda x, w, r, b, h: torch_recurrent("GRU", x, w, r, b, h0=h, linear_before_reset=0),
+         outputs=2, used=(0, 1), dtype="float32", note=FP32_RNN),
+    Case("GRU-reset-before-linear-reverse-seqlens", "GRU", [Var((4, 3, 2)), Var((1, 6, 2)), Var((1, 6, 2)), Var((1, 12)),
+                                                            np.asarray([2, 4, 1], np.int32)],
+         {"hidden_size": 2, "direction": "reverse"},
+         lambda x, w, r, b, n: torch_recurrent("GRU", x, w, r, b, lens=n, direction="reverse", linear_before_reset=0),
+         outputs=2, used=(0, 1), dtype="float32", note=FP32_RNN),
+    Case("RNN-tanh-bidirectional", "RNN", [Var((4, "N", 3)), Var((2, 2, 3)), Var((2, 2, 2)), Var((2, 4)), None, Var((2, "N", 2))],
+         {"hidden_size": 2, "direction": "bidirectional"},
+         lambda x, w, r, b, h: torch_recurrent("RNN", x, w, r, b, h0=h, direction="bidirectional"),
+         outputs=2, used=(0, 1), dtype="float32", note=FP32_RNN),
+    Case("RNN-relu", "RNN", [Var((5, 2, 3)), Var((1, 3, 3)), Var((1, 3, 3))], {"hidden_size": 3, "activations": ["Relu"]},
+         lambda x, w, r: torch_recurrent("RNN", x, w, r, nonlinearity="relu"), outputs=2, used=(0, 1),
+         dtype="float32", note=FP32_RNN),
 ]
+
+
+def torch_recurrent(kind: str, x: Any, w: Any, r: Any, b: Any = None, *, lens: Any = None, h0: Any = None, c0: Any = None,
+                    direction: str = "forward", layout: int = 0, linear_before_reset: int = 1,
+                    nonlinearity: str = "tanh") -> tuple[Any, ...]:
+    """ONNX RNN/GRU/LSTM outputs (Y, Y_h[, Y_c]) computed by torch.nn.RNN/GRU/LSTM.
+
+    The ONNX-layout weights are reordered into torch's gate order (LSTM iofc -> ifgo, GRU
+    zrh -> rzn) and passed through ``functional_call``, so gradients reach them. A reverse
+    direction runs forward on each sequence flipped within its length; ``sequence_lens`` packs.
+    GRU with ``linear_before_reset=0`` has no torch module: an explicit loop of the ONNX equations.
+    """
+    order = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}[kind]
+    if layout:
+        x, h0, c0 = x.transpose(0, 1), None if h0 is None else h0.transpose(0, 1), None if c0 is None else c0.transpose(0, 1)
+    steps, batch, hidden = x.shape[0], x.shape[1], r.shape[-1]
+    lengths = torch.full((batch,), steps) if lens is None else lens.long()
+    t = torch.arange(steps)[:, None]
+    flip = torch.where(t < lengths[None], lengths[None] - 1 - t, t)  # [T, B]: reverse each sequence within its length
+
+    def reorder(m: Any) -> Any:
+        return torch.cat([m.chunk(len(order))[g] for g in order])
+
+    extra = {"nonlinearity": nonlinearity} if kind == "RNN" else {}
+    module = getattr(torch.nn, kind)(x.shape[-1], hidden, bias=b is not None, **extra).double()
+    ys, hs, cs = [], [], []
+    for d, reverse in enumerate([False, True] if direction == "bidirectional" else [direction == "reverse"]):
+        seq = x.gather(0, flip[:, :, None].expand(x.shape)) if reverse else x
+        h = x.new_zeros(1, batch, hidden) if h0 is None else h0[d:d + 1]
+        if kind == "GRU" and not linear_before_reset:
+            y, hn = _gru_reset_before_linear(seq, w[d], r[d], None if b is None else b[d], h[0], lengths)
+        else:
+            params = {"weight_ih_l0": reorder(w[d]), "weight_hh_l0": reorder(r[d])}
+            if b is not None:
+                wb, rb = b[d].chunk(2)
+                params.update(bias_ih_l0=reorder(wb), bias_hh_l0=reorder(rb))
+            state = (h, x.new_zeros(1, batch, hidden) if c0 is None else c0[d:d + 1]) if kind == "LSTM" else h
+            packed = torch.nn.utils.rnn.pack_padded_sequence(seq, lengths, enforce_sorted=False)
+            out, hn = torch.func.functional_call(module, params, (packed, state))
+            y = torch.nn.utils.rnn.pad_packed_sequence(out, total_length=steps)[0]
+            if kind == "LSTM":
+                hn, cn = hn
+                cs.append(cn)
+        ys.append(y.gather(0, flip[:, :, None].expand(y.shape)) if reverse else y)
+        hs.append(hn)
+    y_all, states = torch.stack(ys, 1), [torch.cat(hs, 0)] + ([torch.cat(cs, 0)] if cs else [])
+    if layout:
+        y_all, states = y_all.permute(2, 0, 1, 3), [s.transpose(0, 1) for s in states]
+    return (y_all, *states)
+
+
+def _gru_reset_before_linear(x: Any, w: Any, r: Any, b: Any, h: Any, lengths: Any) -> tuple[Any, Any]:
+    """ONNX GRU, linear_before_reset=0: h~ = tanh(x Wh^T + (r * H) Rh^T + Rbh + Wbh)."""
+    (wz, wr, wh), (rz, rr, rh) = w.chunk(3), r.chunk(3)
+    (bz, br, bh), (rbz, rbr, rbh) = (b.chunk(6)[:3], b.chunk(6)[3:]) if b is not None else ([0] * 3, [0] * 3)
+    ys = []
+    for t in range(x.shape[0]):
+        z = torch.sigmoid(x[t] @ wz.T + h @ rz.T + bz + rbz)
+        rt = torch.sigmoid(x[t] @ wr.T + h @ rr.T + br + rbr)
+        cand = torch.tanh(x[t] @ wh.T + (rt * h) @ rh.T + rbh + bh)
+        new = (1 - z) * cand + z * h
+        valid = (t < lengths)[:, None]
+        ys.append(torch.where(valid, new, torch.zeros_like(new)))
+        h = torch.where(valid, new, h)
+    return torch.stack(ys), h[None]
 
 
 def _np_dtype(dtype: str) -> Any:
