@@ -1,0 +1,138 @@
+"""Flat optimizer A/B: step time of per-tensor, packed (today's default) and flat optimizer steps.
+
+For each model it builds three AdamW step graphs from the same forward model, differing only in
+``optimizer_options``: ``pack=False`` (every parameter updated on its own), the default (small
+parameters packed, large ones on their own) and ``flat=True`` (every float32 parameter in one
+flat buffer). Optionally converts them with one policy (``--policy bf16``; fp16 adds dynamic
+loss scaling, which the flat form unscales, checks and skips once). Each graph gets a
+``Trainer`` and the same batches; the graphs are timed in alternating rounds in one process, so
+the ratios come from one run. Prints ms/step (median and spread over rounds), the ratio to
+per-tensor, and the node counts (all nodes, optimizer-role nodes, loss-scaling Where/ReduceSum).
+
+    python3 benchmarks/optim_ab.py --provider cpu --threads 2              # zoo gpt and wide_mlp
+    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy bf16
+    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy fp16
+
+``gpt-h200`` is issue 11's GPT (vocab 8192, d 1024, 16 heads, 8 layers, T 512, batch 8; 118M
+parameters), exported from ``models.zoo.GPT`` here (needs torch; the step graph is about 1.4 GB
+in memory). On the GPU machine ORT must be onnxruntime-gpu.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import mpgraph  # noqa: E402
+from mpgraph import metadata as md  # noqa: E402
+from mpgraph.runtime.trainer import Trainer  # noqa: E402
+from mpgraph.train_graph import build_training_graph  # noqa: E402
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+VARIANTS = {"per-tensor": {"pack": False}, "packed": {}, "flat": {"flat": True}}
+
+
+def forward_model(name: str) -> tuple[Any, dict[str, tuple[int, ...]], int]:
+    """``(forward model with loss, data input shapes without batch, classes)``."""
+    if name == "gpt-h200":
+        import torch
+
+        from models.zoo import GPT
+        from mpgraph.export import export_module
+
+        torch.manual_seed(0)
+        module = GPT(vocab=8192, seq=512, d_model=1024, heads=16, layers=8).train()
+        example = torch.randint(0, 8192, (2, 512))
+        return export_module(module, example, loss="cross_entropy"), {"tokens": (512,), "label": (512,)}, 8192
+    path = os.path.join(ROOT, "models", "onnx", f"{name}.loss.onnx")
+    if name == "gpt":
+        return path, {"tokens": (16,), "label": (16,)}, 64
+    return path, {}, 10 if name == "wide_mlp" else 2
+
+
+def batches(trainer: Trainer, shapes: dict[str, tuple[int, ...]], batch: int, classes: int, count: int = 4) -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        feeds = {}
+        for spec in trainer.data_inputs:
+            dims = (batch, *shapes[spec.name]) if spec.name in shapes else \
+                tuple(batch if not isinstance(d, int) else d for d in (spec.shape or [batch]))
+            if spec.dtype.kind in "iu":
+                feeds[spec.name] = rng.integers(0, classes, dims).astype(spec.dtype)
+            else:
+                feeds[spec.name] = rng.standard_normal(dims).astype(spec.dtype)
+        out.append(feeds)
+    return out
+
+
+def node_counts(model: ir.Model) -> str:
+    roles = collections.Counter(n.metadata_props.get(md.NODE_ROLE) for n in model.graph)
+    ops = collections.Counter(n.op_type for n in model.graph if n.metadata_props.get(md.NODE_ROLE) == "optimizer")
+    return (f"{len(model.graph):5d} nodes, optimizer {roles['optimizer']:4d} "
+            f"(Reshape {ops['Reshape']}, Where {ops['Where']}, ReduceSum {ops['ReduceSum']})")
+
+
+def run_model(name: str, args: argparse.Namespace) -> None:
+    source, shapes, classes = forward_model(name)
+    trainers: dict[str, Trainer] = {}
+    for label, options in VARIANTS.items():
+        step = build_training_graph(source, optimizer="adamw", lr=1e-4,
+                                    optimizer_options={"weight_decay": 0.01, **options})
+        if args.policy != "fp32":
+            step = mpgraph.convert(step, args.policy, emulate=args.provider == "cpu" and args.policy != "fp32")
+        print(f"{name:10s} {label:10s} {node_counts(step)}", flush=True)
+        kw: dict[str, Any] = {"threads": args.threads} if args.provider == "cpu" else {}
+        trainers[label] = Trainer(step, provider=args.provider, **kw)
+    batch = args.batch or (8 if name == "gpt-h200" else 64)
+    data = batches(next(iter(trainers.values())), shapes, batch, classes)
+    for trainer in trainers.values():  # warm-up: allocations, CUDA graph capture, thread pools
+        for i in range(args.warmup):
+            trainer.step(data[i % len(data)])
+    times: dict[str, list[float]] = {label: [] for label in trainers}
+    order = list(trainers)
+    for r in range(args.rounds):
+        # Alternate the order so neither variant always follows the other.
+        for label in order if r % 2 == 0 else order[::-1]:
+            trainer = trainers[label]
+            start = time.perf_counter()
+            for i in range(args.steps):
+                trainer.step(data[i % len(data)])
+            times[label].append(1000 * (time.perf_counter() - start) / args.steps)
+    base = statistics.median(times["per-tensor"])
+    for label, samples in times.items():
+        median = statistics.median(samples)
+        print(f"{name:10s} {label:10s} {median:9.3f} ms/step  (min {min(samples):.3f}, max {max(samples):.3f}; "
+              f"{median / base:.3f}x per-tensor)", flush=True)
+    flat, packed = statistics.median(times["flat"]), statistics.median(times["packed"])
+    print(f"{name:10s} flat / packed = {flat / packed:.3f}; flat / per-tensor = {flat / base:.3f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="gpt,wide_mlp", help="comma list: zoo names (gpt, wide_mlp, tiny_mlp, ...) or gpt-h200")
+    parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--policy", default="fp32", help="fp32 (no conversion), bf16, fp16, ... (emulated on cpu)")
+    parser.add_argument("--threads", type=int, default=2, help="ORT intra-op threads on cpu")
+    parser.add_argument("--batch", type=int, default=None, help="default: 8 for gpt-h200, else 64")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    parser.add_argument("--warmup", type=int, default=5)
+    args = parser.parse_args()
+    print(f"provider {args.provider}, policy {args.policy}, threads {args.threads}, rounds {args.rounds} x {args.steps} steps")
+    for name in args.models.split(","):
+        run_model(name.strip(), args)
+
+
+if __name__ == "__main__":
+    main()
