@@ -574,6 +574,46 @@ def test_gradient(case: Case) -> None:
         assert err <= tol, (n, err)
 
 
+# The Conv weight gradient has two forms (one Conv of x and dy with batch and channels swapped,
+# or the one-hot im2col forms); the rule picks one per layer shape, so each form is forced here
+# on every conv case. These extra cases stress the single-Conv form's geometry: its stride and
+# dilation swap roles, and its output is cut back to the kernel where input rows go unread.
+CONV_FORM_CASES = [
+    Case("Conv2d-8x8-4-form", "Conv", [Var(("N", 2, 20, 20)), Var((3, 2, 8, 8)), Var((3,))], {"strides": [4, 4]},
+         lambda x, w, b: F.conv2d(x, w, b, stride=4), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-stride2-odd-sliced", "Conv", [Var((2, 2, 11, 10)), Var((3, 2, 4, 3))], {"strides": [2, 2]},
+         lambda x, w: F.conv2d(x, w, stride=2), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-dilation2", "Conv", [Var((2, 3, 9, 10)), Var((4, 3, 3, 2))],
+         {"strides": [1, 2], "pads": [1, 0, 1, 0], "dilations": [2, 2]},
+         lambda x, w: F.conv2d(x, w, stride=(1, 2), padding=(1, 0), dilation=2), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-asym-pads-stride", "Conv", [Var((2, 2, 7, 6)), Var((3, 2, 3, 3))], {"strides": [2, 1], "pads": [0, 2, 1, 0]},
+         lambda x, w: F.conv2d(F.pad(x, (2, 0, 0, 1)), w, stride=(2, 1)), dtype="float32", note=FP32_CONV),
+    Case("Conv2d-groups2-stride", "Conv", [Var(("N", 4, 8, 8)), Var((6, 2, 3, 3))], {"group": 2, "strides": [2, 2], "pads": [1, 1, 1, 1]},
+         lambda x, w: F.conv2d(x, w, stride=2, padding=1, groups=2), dtype="float32", note=FP32_CONV),
+    Case("Conv3d-stride-asym-pads", "Conv", [Var((2, 2, 5, 6, 5)), Var((3, 2, 2, 3, 2))],
+         {"strides": [2, 1, 2], "pads": [1, 0, 0, 0, 1, 1]},
+         lambda x, w: F.conv3d(F.pad(x, (0, 1, 0, 1, 1, 0)), w, stride=(2, 1, 2)), dtype="float32", note=FP32_CONV),
+]
+
+
+@pytest.mark.parametrize("form", ["conv", "im2col"])
+@pytest.mark.parametrize("case", [c for c in CASES if c.op in ("Conv", "ConvTranspose")] + CONV_FORM_CASES,
+                         ids=lambda c: c.id)
+def test_conv_weight_grad_forms(case: Case, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each weight-gradient form, forced, passes the table's checks; the step graph holds it
+    (the single-Conv form's kernel is dy transposed, the im2col forms never convolve with dy)."""
+    from mpgraph.autodiff.rules import pool_conv
+
+    monkeypatch.setattr(pool_conv, "WEIGHT_GRAD_FORM", form)
+    test_gradient(case)
+    model, _, var_names = _build(case)
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=var_names, **case.build)
+    convs = [n for n in step.graph if n.op_type == "Conv" and n.name.startswith("grad/")]
+    by_dy = [n for n in convs if n.inputs[1] is not None and n.inputs[1].producer() is not None
+             and n.inputs[1].producer().op_type == "Transpose"]
+    assert len(by_dy) == (1 if form == "conv" else 0), [n.name for n in convs]
+
+
 def test_dropout_training_mask_routes_gradient() -> None:
     """ratio 0.5 in training mode: each gradient entry is 0 or 2 * cotangent (the mask)."""
     case = Case("Dropout-train", "Dropout", [Var((64, 32)), np.asarray(0.5, np.float32), np.asarray(True)], {},
