@@ -149,8 +149,8 @@ def _spec(node: ir.Node) -> _Spec:
 class _Cell:
     """Emits one direction of one recurrent node into ``b``'s graph."""
 
-    def __init__(self, b: GradContext, spec: _Spec, acts: Sequence[_Activation], like: V) -> None:
-        self.b, self.spec, self.acts, self.like = b, spec, acts, like
+    def __init__(self, b: GradContext, spec: _Spec, acts: Sequence[_Activation], like: V, batch: ir.SymbolicDim | int) -> None:
+        self.b, self.spec, self.acts, self.like, self.batch = b, spec, acts, like, batch
 
     def op(self, op_type: str, *inputs: V | None, **attrs: object) -> V:
         return self.b.op(op_type, *inputs, **attrs)
@@ -186,7 +186,7 @@ class _Cell:
             x_bias = None if bias is None else self.op("Add", *self.split(bias, [_GATES[self.spec.op_type] * h] * 2, 0))
         projected = self.gemm(x_flat, w, x_bias)  # [T*B, gates*H]: every step's input term at once
         t_count = self.spec.steps
-        xs = _split_even(self.b, projected, 0, t_count)
+        xs = [_pin(v, self.batch, _GATES[self.spec.op_type] * h) for v in _split_even(self.b, projected, 0, t_count)]
         peeps = self.split(peep, [h] * 3, 0) if peep is not None else None
         outs: list[V] = [xs[0]] * t_count
         for t in reversed(range(t_count)) if reverse else range(t_count):
@@ -239,6 +239,14 @@ class _Cell:
             candidate = self.gemm(self.op("Mul", r, h_prev), r_h, x_h)
         hh = self.act(candidate, 1)
         return self.op("Add", hh, self.op("Mul", z, self.op("Sub", h_prev, hh)))  # (1-z)*hh + z*h
+
+
+def _pin(v: V, *dims: ir.SymbolicDim | int | None) -> V:
+    """Set ``v``'s shape where inference cannot see it (the rows of a flattened [T*B, n] split
+    back per step, zeros shaped at run time): every step's values then carry X's batch dim, so
+    broadcasting rules un-broadcast statically instead of with runtime shape arithmetic."""
+    v.shape = ir.Shape(list(dims))
+    return v
 
 
 def _split_even(b: GradContext, v: V, axis: int, count: int) -> list[V]:
@@ -296,12 +304,14 @@ def unroll(b: GradContext, node: ir.Node, inputs: Sequence[V | None]) -> list[V 
         h0, c0 = (None if s is None else b.op("Transpose", s, perm=[1, 0, 2]) for s in (h0, c0))
     x_flat = b.op("Flatten", x, axis=2)
     zero = ir.tensor(np.zeros((1,), dtype=b.np_dtype(x)))
-    zeros = b.op("ConstantOfShape", b.op("Concat", b.shape(x, 1, 2), b.ints([h]), axis=0), value=zero)
-    masks = _step_masks(b, lens, spec.steps)
-    ws, rs, bs, h0s, c0s, ps = (_per_direction(b, v, count) for v in (w, r, bias, h0, c0, peep))
+    batch = (x.shape or [None, None])[1]
+    zeros = _pin(b.op("ConstantOfShape", b.op("Concat", b.shape(x, 1, 2), b.ints([h]), axis=0), value=zero), batch, h)
+    masks = [None if m is None else _pin(m, batch, 1) for m in _step_masks(b, lens, spec.steps)]
+    ws, rs, bs, ps = (_per_direction(b, v, count) for v in (w, r, bias, peep))
+    h0s, c0s = ([None if s is None else _pin(s, batch, h) for s in _per_direction(b, v, count)] for v in (h0, c0))
     ys, finals = [], []
     for d, reverse in enumerate(spec.directions):
-        cell = _Cell(b, spec, spec.activations[d], x)
+        cell = _Cell(b, spec, spec.activations[d], x, batch)
         states = [h0s[d] or zeros] + ([c0s[d] or zeros] if spec.op_type == "LSTM" else [])
         w_d, r_d = ws[d], rs[d]
         assert w_d is not None and r_d is not None
