@@ -12,8 +12,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
+from onnx import helper, numpy_helper
 
 import mpgraph
 from mpgraph import metadata as md
@@ -33,8 +35,34 @@ CONFIGS = {
 }
 
 
+def deep_mlp(layers: int = 20, width: int = 8) -> onnx.ModelProto:
+    """``layers`` x (MatMul, Add, Tanh): 2 * layers parameters, more than the 32 inputs ORT's
+    CUDA Concat takes under CUDA graph capture, so the flat buffers are built as trees."""
+    rng = np.random.default_rng(0)
+    nodes, weights, x = [], [], "x"
+    for i in range(layers):
+        weights += [numpy_helper.from_array((rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32), f"w{i}"),
+                    numpy_helper.from_array(np.full(width, 0.1, np.float32), f"b{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"], name=f"add{i}"),
+                  helper.make_node("Tanh", [f"a{i}"], [f"h{i}"], name=f"tanh{i}")]
+        x = f"h{i}"
+    graph = helper.make_graph(nodes, "deep", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", width])],
+                              [helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None)], weights)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def _step(name: str, kind: str, options: dict) -> ir.Model:
+    if name == "deep_mlp":
+        return build_training_graph(deep_mlp(), optimizer=kind, loss="mse", optimizer_options=options)
+    return build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options)
+
+
 def _feeds(name: str, steps: int, batch: int = 4) -> list[dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
+    if name == "deep_mlp":
+        return [{"x": rng.standard_normal((batch, 8)).astype(np.float32),
+                 "label": rng.standard_normal((batch, 8)).astype(np.float32)} for _ in range(steps)]
     if name == "gpt":
         return [{"tokens": rng.integers(0, 64, (batch, 16)).astype(np.int64),
                  "label": rng.integers(0, 64, (batch, 16)).astype(np.int64)} for _ in range(steps)]
@@ -52,11 +80,11 @@ def _param_order(model: ir.Model) -> list[str]:
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt", "deep_mlp"])
 def test_flat_matches_per_tensor(name: str, config: str) -> None:
     kind, options, lr = CONFIGS[config]
-    per_tensor = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options={**options, "pack": False})
-    flat = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options={**options, "flat": True})
+    per_tensor = _step(name, kind, {**options, "pack": False})
+    flat = _step(name, kind, {**options, "flat": True})
     runners = [CpuRunner(m, threads=1, spin=False) for m in (per_tensor, flat)]
     for feeds in _feeds(name, 10):
         losses = [r.step(feeds, lr=lr) for r in runners]
@@ -104,8 +132,7 @@ def _fp16(init: float, mode: str = "dynamic"):
 
 
 def _loss_scaled(name: str, flat: bool, init: float = 1024.0) -> ir.Model:
-    step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer="adamw",
-                                optimizer_options={"amsgrad": True, **({"flat": True} if flat else {"pack": False})})
+    step = _step(name, "adamw", {"amsgrad": True, **({"flat": True} if flat else {"pack": False})})
     return mpgraph.convert(step, _fp16(init), emulate=True)
 
 
@@ -113,9 +140,8 @@ def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
     """Unscale, finite check and skip: one Mul, one ReduceSum, one Where per flat buffer,
     whatever the parameter count; converting again changes nothing."""
     added = {}
-    for name in ("tiny_mlp", "gpt"):
-        before = collections.Counter(n.op_type for n in build_training_graph(
-            ZOO_DIR / f"{name}.loss.onnx", optimizer="adamw", optimizer_options={"amsgrad": True, "flat": True}).graph)
+    for name in ("tiny_mlp", "gpt", "deep_mlp"):
+        before = collections.Counter(n.op_type for n in _step(name, "adamw", {"amsgrad": True, "flat": True}).graph)
         model = _loss_scaled(name, flat=True)
         after = collections.Counter(n.op_type for n in model.graph)
         added[name] = {op: after[op] - before[op] for op in ("Where", "ReduceSum", "Mul", "IsNaN")}
@@ -123,10 +149,10 @@ def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
         assert ir.to_proto(again).SerializeToString() == ir.to_proto(model).SerializeToString()
     # Where: flat param, m, v, v_max, step + 4 for the dynamic scale; Mul: seed, unscale,
     # nan probe, scale growth and backoff.
-    assert added["tiny_mlp"] == added["gpt"] == {"Where": 9, "ReduceSum": 1, "Mul": 5, "IsNaN": 1}
+    assert added["tiny_mlp"] == added["gpt"] == added["deep_mlp"] == {"Where": 9, "ReduceSum": 1, "Mul": 5, "IsNaN": 1}
 
 
-@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt", "deep_mlp"])
 def test_flat_loss_scaled_step_matches_per_tensor_and_skips_bit_identically(name: str) -> None:
     """fp16-emulated, dynamic loss scaling: the flat step equals the per-tensor step; a
     step whose scaled gradients overflow (loss scale 2**127) leaves every parameter and

@@ -204,19 +204,27 @@ def _flat_nodes(graph: ir.Graph) -> dict[str, ir.Node]:
 
 
 def _flat_members(concat: ir.Node) -> set[ir.Value]:
-    """The gradients a flat gradient Concat reads, each through its flattening Reshape."""
+    """The gradients a flat gradient Concat reads, each through its flattening Reshape (and
+    through the optimizer's inner Concats where the Concat is built as a tree)."""
     members: set[ir.Value] = set()
     for value in concat.inputs:
         assert value is not None
         producer = value.producer()
-        members.add(producer.inputs[0] if producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is not None else value)
+        if producer is not None and producer.op_type == "Concat" and producer.metadata_props.get(md.NODE_ROLE) == "optimizer":
+            members |= _flat_members(producer)
+        elif producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is not None:
+            members.add(producer.inputs[0])
+        else:
+            members.add(value)
     return members
 
 
 def _reads_split(node: ir.Node, split: ir.Node) -> bool:
-    """``node`` is the Split or a Reshape/Identity chain from one of its outputs."""
+    """``node`` is the flat Split or reads one of its outputs through Reshapes, Identities and
+    the optimizer's inner Splits (a Split built as a tree)."""
     while node is not split:
-        if node.op_type not in ("Reshape", "Identity") or node.inputs[0] is None:
+        inner_split = node.op_type == "Split" and node.metadata_props.get(md.NODE_ROLE) == "optimizer"
+        if not (inner_split or node.op_type in ("Reshape", "Identity")) or node.inputs[0] is None:
             return False
         producer = node.inputs[0].producer()
         if producer is None:
