@@ -7,6 +7,7 @@ Every command has a Python twin::
     low = mpgraph.convert(step, "fp16", emulate=True)                    # mpgraph convert
     mpgraph.audit(low)                                                   # mpgraph audit
     mpgraph.compare(reference, candidate, feeds)                         # mpgraph compare
+    mpgraph.check_grad("net.onnx").passed                                # mpgraph check-grad
     mpgraph.Trainer(low, provider="cpu").fit(data, steps=100)            # mpgraph train
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from mpgraph.audit import audit, compare
+from mpgraph.check_grad import check_grad
 from mpgraph.convert import convert, convert_file
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
@@ -28,6 +30,7 @@ __all__ = [
     "Trainer",
     "audit",
     "build_training_graph",
+    "check_grad",
     "compare",
     "convert",
     "convert_file",
