@@ -1,0 +1,241 @@
+"""Tiny real architectures built from library configs with random weights (nothing downloaded).
+
+Each builder returns a :class:`Case`: a ``torch.nn.Module`` whose forward takes the batch
+(inputs and labels) and returns the scalar loss, plus one fixed batch. Configs are tiny (hidden
+32-64, one or two layers, small vocabularies and images) so that an export and a step graph take
+a few seconds; dropout is off everywhere so torch's train mode is deterministic and matches the
+exported graph (BatchNorm still uses batch statistics in train mode, as the step graph does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+BATCH = 2
+SEQ = 8
+VOCAB = 64
+IMAGE = 32
+
+
+@dataclass(frozen=True)
+class Case:
+    """A model wrapped so that its only output is the loss, with one batch."""
+
+    name: str
+    module: torch.nn.Module
+    inputs: tuple[torch.Tensor, ...]
+    input_names: tuple[str, ...]
+
+
+class LossOnly(torch.nn.Module):
+    """Calls a Hugging Face model with keyword inputs and returns ``.loss``."""
+
+    def __init__(self, model: torch.nn.Module, keys: tuple[str, ...]) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        return self.model(**dict(zip(self.keys, args, strict=True))).loss
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _tokens(seed: int, shape=(BATCH, SEQ)) -> torch.Tensor:
+    return torch.randint(0, VOCAB, shape, generator=_generator(seed))
+
+
+def _image(seed: int, channels: int = 3, size: int = IMAGE) -> torch.Tensor:
+    return torch.randn(BATCH, channels, size, size, generator=_generator(seed))
+
+
+def _classes(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(0, n, (BATCH,), generator=_generator(seed))
+
+
+def _hf(name: str, model: torch.nn.Module, **batch: torch.Tensor) -> Case:
+    keys = tuple(batch)
+    return Case(name, LossOnly(model, keys), tuple(batch.values()), keys)
+
+
+def bert() -> Case:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    cfg = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=SEQ * 2, num_labels=3,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _hf("bert", BertForSequenceClassification(cfg), input_ids=_tokens(1), labels=_classes(2, 3))
+
+
+def distilbert() -> Case:
+    from transformers import DistilBertConfig, DistilBertForSequenceClassification
+
+    cfg = DistilBertConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                           max_position_embeddings=SEQ * 2, num_labels=3, dropout=0.0,
+                           attention_dropout=0.0, seq_classif_dropout=0.0)
+    return _hf("distilbert", DistilBertForSequenceClassification(cfg), input_ids=_tokens(1), labels=_classes(2, 3))
+
+
+def llama() -> Case:
+    """Rotary embeddings, grouped-query attention (4 query heads over 2 key/value heads), SwiGLU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ * 2,
+                      attention_dropout=0.0, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    ids = _tokens(1)
+    return _hf("llama", LlamaForCausalLM(cfg), input_ids=ids, labels=ids)
+
+
+def qwen2() -> Case:
+    """Rotary embeddings, grouped-query attention with q/k/v biases, tied embeddings."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=SEQ * 2,
+                      attention_dropout=0.0, tie_word_embeddings=True,
+                      attn_implementation="eager")
+    ids = _tokens(1)
+    return _hf("qwen2", Qwen2ForCausalLM(cfg), input_ids=ids, labels=ids)
+
+
+def gpt2() -> Case:
+    """Learned positions, Conv1D projections, lm_head tied to the token embedding."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ * 2, n_embd=32, n_layer=2, n_head=4,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    ids = _tokens(1)
+    return _hf("gpt2", GPT2LMHeadModel(cfg), input_ids=ids, labels=ids)
+
+
+def t5() -> Case:
+    """Encoder-decoder with relative position buckets and cross-attention."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    cfg = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1,
+                   num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+                   dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+    return _hf("t5", T5ForConditionalGeneration(cfg), input_ids=_tokens(1), labels=_tokens(2, (BATCH, SEQ // 2)))
+
+
+def vit() -> Case:
+    from transformers import ViTConfig, ViTForImageClassification
+
+    cfg = ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+                    num_attention_heads=4, intermediate_size=64, num_labels=5,
+                    hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    return _hf("vit", ViTForImageClassification(cfg), pixel_values=_image(1, size=16), labels=_classes(2, 5))
+
+
+def swin() -> Case:
+    """Shifted windows (Roll, window partition reshapes, attention masks), patch merging."""
+    from transformers import SwinConfig, SwinForImageClassification
+
+    cfg = SwinConfig(image_size=32, patch_size=4, num_channels=3, embed_dim=16, depths=[2, 1],
+                     num_heads=[2, 4], window_size=4, mlp_ratio=2.0, num_labels=5,
+                     hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
+    return _hf("swin", SwinForImageClassification(cfg), pixel_values=_image(1), labels=_classes(2, 5))
+
+
+def resnet() -> Case:
+    """Bottleneck blocks with BatchNorm (train mode: batch statistics) and a shortcut projection."""
+    from transformers import ResNetConfig, ResNetForImageClassification
+
+    cfg = ResNetConfig(num_channels=3, embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+                       layer_type="bottleneck", num_labels=5)
+    return _hf("resnet", ResNetForImageClassification(cfg), pixel_values=_image(1), labels=_classes(2, 5))
+
+
+def convnext() -> Case:
+    """Depthwise 7x7 convs, channels-last LayerNorm, GELU, layer scale."""
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+
+    cfg = ConvNextConfig(num_channels=3, patch_size=4, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+                         num_labels=5, drop_path_rate=0.0)
+    return _hf("convnext", ConvNextForImageClassification(cfg), pixel_values=_image(1), labels=_classes(2, 5))
+
+
+def mobilenet_v2() -> Case:
+    """Inverted residuals, depthwise convs, ReLU6, BatchNorm."""
+    from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
+
+    cfg = MobileNetV2Config(num_channels=3, image_size=IMAGE, depth_multiplier=0.25, min_depth=4, finegrained_output=False,
+                            num_labels=5, classifier_dropout_prob=0.0)
+    return _hf("mobilenet_v2", MobileNetV2ForImageClassification(cfg), pixel_values=_image(1), labels=_classes(2, 5))
+
+
+def efficientnet() -> Case:
+    """Depthwise convs, SiLU, squeeze-excitation, BatchNorm."""
+    from transformers import EfficientNetConfig, EfficientNetForImageClassification
+
+    cfg = EfficientNetConfig(num_channels=3, image_size=IMAGE, width_coefficient=0.25, depth_coefficient=0.25,
+                             hidden_dim=320, num_labels=5, dropout_rate=0.0, drop_connect_rate=0.0,
+                             kernel_sizes=[3, 3], in_channels=[32, 16], out_channels=[16, 24],
+                             depthwise_padding=[], strides=[1, 2], num_block_repeats=[1, 1],
+                             expand_ratios=[1, 6])
+    model = EfficientNetForImageClassification(cfg)
+    # Its init draws BatchNorm scales from N(0, 0.02): after a dozen of them the logits are
+    # ~1e-14 and every gradient but the classifier's vanishes, which would test nothing.
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, torch.nn.BatchNorm2d):
+                module.weight.normal_(1.0, 0.1)
+                module.bias.normal_(0.0, 0.1)
+    return _hf("efficientnet", model, pixel_values=_image(1), labels=_classes(2, 5))
+
+
+def segformer() -> Case:
+    """Segmentation: a hierarchical transformer encoder (overlapping patch convs, reduced-key
+    attention, Mix-FFN depthwise conv) and an all-MLP decode head; the loss upsamples the logits
+    bilinearly to the label map and takes a per-pixel cross-entropy."""
+    from transformers import SegformerConfig, SegformerForSemanticSegmentation
+
+    cfg = SegformerConfig(num_channels=3, num_encoder_blocks=2, depths=[1, 1], sr_ratios=[2, 1],
+                          hidden_sizes=[16, 32], patch_sizes=[7, 3], strides=[4, 2], num_attention_heads=[1, 2],
+                          mlp_ratios=[2, 2], decoder_hidden_size=32, num_labels=4,
+                          hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          classifier_dropout_prob=0.0, drop_path_rate=0.0)
+    labels = torch.randint(0, 4, (BATCH, IMAGE, IMAGE), generator=_generator(2))
+    return _hf("segformer", SegformerForSemanticSegmentation(cfg), pixel_values=_image(1), labels=labels)
+
+
+class LSTMClassifier(torch.nn.Module):
+    """Embedding, a two-layer bidirectional LSTM, a GRU on top, and a linear head on the last step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(VOCAB, 16)
+        self.lstm = torch.nn.LSTM(16, 16, num_layers=2, batch_first=True, bidirectional=True)
+        self.gru = torch.nn.GRU(32, 16, batch_first=True)
+        self.head = torch.nn.Linear(16, 3)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        hidden, _ = self.lstm(self.embed(tokens))
+        hidden, _ = self.gru(hidden)
+        return torch.nn.functional.cross_entropy(self.head(hidden[:, -1]), labels)
+
+
+def lstm() -> Case:
+    return Case("lstm", LSTMClassifier(), (_tokens(1), _classes(2, 3)), ("tokens", "labels"))
+
+
+BUILDERS: dict[str, Callable[[], Case]] = {
+    f.__name__: f
+    for f in (bert, distilbert, llama, qwen2, gpt2, t5, vit, swin, resnet, convnext, mobilenet_v2,
+              efficientnet, segformer, lstm)
+}
+
+
+def build(name: str, seed: int = 0) -> Case:
+    """The case ``name`` with weights drawn from ``torch.manual_seed(seed)``, in train mode."""
+    torch.manual_seed(seed)
+    case = BUILDERS[name]()
+    case.module.train()
+    return case
