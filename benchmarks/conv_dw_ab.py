@@ -75,13 +75,17 @@ LAYERS = [
     Layer("probe 5x5 c16 28x28", 32, 16, 28, 32, 5, 1, 2),
     Layer("probe 7x7/2 stem 64x64", 32, 3, 64, 32, 7, 2, 3),
     Layer("probe 4x4/1 c32 16x16", 32, 32, 16, 32, 4, 1),
+    Layer("probe 5x5 c16 28x28 nopad", 32, 16, 28, 32, 5, 1, 0),
+    Layer("probe 4x4/1 c32 16x16 pad1", 32, 32, 16, 32, 4, 1, 1),
+    Layer("probe 5x5/2 c32 32x32 pad2", 32, 32, 32, 64, 5, 2, 2),
     Layer("dw 3x3 c64 32x32", 32, 64, 32, 64, 3, 1, 1, 64),
     Layer("dw 3x3/2 c128 16x16", 32, 128, 16, 128, 3, 2, 1, 128),
 ]
 
-#: Variants: (label, which gradient, WEIGHT_GRAD_FORM while building).
+#: Variants: (label, which gradient, WEIGHT_GRAD_FORM while building); "dX convT" builds the
+#: unit-stride data gradient as ConvTranspose instead of a Conv with the flipped kernel.
 VARIANTS = [("dW im2col", "dw", "im2col"), ("dW conv", "dw", "conv"), ("dW auto", "dw", None),
-            ("dX", "dx", None), ("fwd", "fwd", None)]
+            ("dX", "dx", None), ("dX convT", "dx", "convT"), ("fwd", "fwd", None)]
 
 
 def build_graph(layer: Layer, which: str, form: str | None) -> bytes:
@@ -102,11 +106,13 @@ def build_graph(layer: Layer, which: str, form: str | None) -> bytes:
     else:
         ctx = GradContext(graph)
         ctx.node, ctx.needed = node, [which == "dx", which == "dw", False]
-        saved, pool_conv.WEIGHT_GRAD_FORM = pool_conv.WEIGHT_GRAD_FORM, form
+        saved = pool_conv.WEIGHT_GRAD_FORM, pool_conv.UNIT_STRIDE_AS_CONV
+        pool_conv.WEIGHT_GRAD_FORM = form if form != "convT" else None
+        pool_conv.UNIT_STRIDE_AS_CONV = saved[1] and form != "convT"
         try:
             dx, dw, _ = pool_conv.conv(ctx, node, dy)
         finally:
-            pool_conv.WEIGHT_GRAD_FORM = saved
+            pool_conv.WEIGHT_GRAD_FORM, pool_conv.UNIT_STRIDE_AS_CONV = saved
         result = dx if which == "dx" else dw
         assert result is not None
         result.name = "grad"
@@ -173,7 +179,7 @@ def torch_calls(layer: Layer, feeds: dict[str, np.ndarray], provider: str) -> di
     return {"torch dW": call([False, True, False]), "torch dX": call([True, False, False]), "_dw": dw}
 
 
-def interleaved(calls: dict[str, object], rounds: int, steps: int, gap: float) -> dict[str, list[float]]:
+def interleaved(calls: dict[str, object], rounds: int, steps: int, gap: float, clock=time.perf_counter) -> dict[str, list[float]]:
     """ms per call of each, timed in alternating chunks of ``steps`` calls, each chunk after
     ``gap`` seconds of rest and one untimed call (no chunk runs into another's spinning threads)."""
     samples: dict[str, list[float]] = {k: [] for k in calls}
@@ -183,10 +189,10 @@ def interleaved(calls: dict[str, object], rounds: int, steps: int, gap: float) -
         for key, fn in calls.items():
             time.sleep(gap)
             fn()
-            t0 = time.perf_counter()
+            t0 = clock()
             for _ in range(steps):
                 fn()
-            samples[key].append(1e3 * (time.perf_counter() - t0) / steps)
+            samples[key].append(1e3 * (clock() - t0) / steps)
     return samples
 
 
@@ -198,18 +204,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="calls per timed chunk")
     parser.add_argument("--gap", type=float, default=0.02, help="seconds of rest before each chunk")
     parser.add_argument("--layers", default="", help="substring filter on layer names")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu: this process's CPU time, which at 1 thread (all work on the calling thread) "
+                             "leaves out the time other processes hold the core; at 2 threads it counts spinning")
     args = parser.parse_args()
     threads = [int(t) for t in args.threads.split(",")] if args.provider == "cpu" else [0]
     layers = [la for la in LAYERS if args.layers in la.name]
     rng = np.random.default_rng(0)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
     print(f"ORT {ort.__version__} {args.provider}; {args.rounds} rounds of {args.steps} calls, interleaved; "
-          "median ms per call [min-max]")
+          f"median ms per call [min-max], {args.clock} clock")
     for layer in layers:
         feeds = {"x": rng.standard_normal((layer.n, layer.c, layer.h, layer.h)).astype(np.float32),
                  "w": rng.standard_normal((layer.m, layer.c // layer.group, layer.k, layer.k)).astype(np.float32),
                  "dy": rng.standard_normal((layer.n, layer.m, layer.out, layer.out)).astype(np.float32)}
         blobs = {label: build_graph(layer, which, form) for label, which, form in VARIANTS}
         auto_form = "conv" if ops_of(blobs["dW auto"]) == ops_of(blobs["dW conv"]) else "im2col"
+        if blobs["dX convT"] == blobs["dX"]:  # strided: both are ConvTranspose already
+            del blobs["dX convT"]
         print(f"\n{layer.name}: x {layer.n}x{layer.c}x{layer.h}x{layer.h} -> {layer.m}x{layer.out}x{layer.out}, "
               f"group {layer.group}; auto picks '{auto_form}'")
         print(f"  im2col ops: {ops_of(blobs['dW im2col'])}\n  conv ops:   {ops_of(blobs['dW conv'])}")
@@ -227,7 +239,7 @@ def main() -> None:
                 error = max(error, float(np.abs(reference() - b).max() / np.abs(a).max()))  # type: ignore[operator]
             assert error < 1e-4, (layer.name, error)
             calls.update(extra)
-            samples = interleaved(calls, args.rounds, args.steps, args.gap)
+            samples = interleaved(calls, args.rounds, args.steps, args.gap, clock)
             med = {k: statistics.median(v) for k, v in samples.items()}
             cells = "  ".join(f"{k} {med[k]:.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in samples.items())
             best = {k: min(v) for k, v in samples.items()}  # the least-disturbed chunk, on a loaded machine

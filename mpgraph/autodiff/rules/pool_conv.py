@@ -1,9 +1,10 @@
 """Gradient rules for Conv and pooling.
 
 Data gradients are ``ConvTranspose`` (the adjoint of a strided convolution, and vice versa for
-ConvTranspose); the weight
-gradient is a convolution of the input with the output gradient, batch and channels swapped
-(stride and dilation swap roles); MaxPool routes gradients through its indices output.
+ConvTranspose); the weight gradient is a convolution of the input with the output gradient,
+batch and channels swapped (stride and dilation swap roles), emitted either as that one Conv or
+as an im2col (a Conv with a one-hot kernel) and a GEMM, whichever measures faster for the layer
+shape; MaxPool routes gradients through its indices output.
 """
 
 from __future__ import annotations
@@ -200,11 +201,18 @@ def _conv_weight_grad(
     return ctx.op("Transpose", grad, perm=[1, 0, *spatial])
 
 
-def _conv_form_pays(ctx: Ctx, x: V, like_dy: V, m: int, cg: int, kernel: list[int], group: int) -> bool:
-    """Whether the single-Conv weight gradient is the faster form for this layer shape."""
+def _conv_form_pays(kernel: list[int], group: int) -> bool:
+    """Whether the single-Conv weight gradient is the faster form: one group and 16 taps or more.
+
+    ORT CPU runs that Conv as, per input channel, a GEMM ``[M, N*P] x [N*P, taps]``; with few
+    taps its narrow right side wastes MLAS's 16-column kernel, while the one-hot im2col's extra
+    work grows with taps. ``benchmarks/conv_dw_ab.py``, 1 thread, CPU time, single-Conv / im2col:
+    taps >= 16 (8x8/4 0.70, 4x4/2 0.65, 7x7/2 0.68, 5x5/2 0.83, 4x4/1 0.75) except a 5x5/1
+    (1.06); 3x3 (ResNet, DQN conv3) 1.07-2.1; 1x1/2 12x; depthwise 3x3 0.76 and 1.18.
+    """
     if WEIGHT_GRAD_FORM is not None:
         return WEIGHT_GRAD_FORM == "conv"
-    return False  # placeholder until measured
+    return group == 1 and math.prod(kernel) >= 16
 
 
 def _pick_weight_grad(
@@ -212,7 +220,7 @@ def _pick_weight_grad(
     space_to_depth: bool = True,
 ) -> V:
     """The weight gradient in the form that measures faster for this layer shape."""
-    if _conv_form_pays(ctx, x, like_dy, m, cg, kernel, group):
+    if _conv_form_pays(kernel, group):
         return _conv_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
     dw = None
     if group == 1 and space_to_depth:
