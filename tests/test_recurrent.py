@@ -187,3 +187,59 @@ def test_dynamic_sequence_length_is_refused() -> None:
     model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
     with pytest.raises(GradientError, match=r"LSTM node 'rec': the sequence length .* must be static"):
         build_training_graph(model, optimizer=None)
+
+
+OPTION_CASES = [
+    ("LSTM", {"direction": "bidirectional", "peepholes": True, "lens": [4, 2, 3], "attrs": {"clip": 1.5}}),
+    ("LSTM", {"peepholes": True, "attrs": {"input_forget": 1}}),
+    ("GRU", {"direction": "bidirectional", "attrs": {"linear_before_reset": 1, "activations": ["HardSigmoid", "Softsign", "LeakyRelu", "Tanh"],
+                                                     "activation_alpha": [0.3, 0.2], "activation_beta": [0.6]}}),
+    ("RNN", {"direction": "reverse", "lens": [1, 4, 3], "attrs": {"activations": ["Softsign"]}}),
+]
+
+
+@pytest.mark.parametrize(("op", "kw"), OPTION_CASES, ids=[f"{op}-{kw}" for op, kw in OPTION_CASES])
+def test_option_gradients_match_finite_differences_of_the_kernel(op: str, kw: dict[str, Any]) -> None:
+    """Options torch has no module for (peepholes, clip, input_forget, other activations): the
+    gradient, by rule and lowered, against central differences of ONNX Runtime's own kernel."""
+    model, feeds = _model(op, **kw)
+    rng = np.random.default_rng(5)
+    outs = [o.name for o in model.graph.output]
+    values = _run(model, feeds)
+    for k, (name, value) in enumerate(zip(outs, values, strict=True)):
+        model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal(value.shape).astype(np.float32), f"c{k}"))
+        model.graph.node.extend([helper.make_node("Mul", [name, f"c{k}"], [f"p{k}"]),
+                                 helper.make_node("ReduceSum", [f"p{k}"], [f"s{k}"], keepdims=0)])
+    model.graph.node.append(helper.make_node("Sum", [f"s{k}" for k in range(len(outs))], ["loss"]))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    params = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == TensorProto.FLOAT and not i.name.startswith("c")}
+    params["X"] = feeds["X"]
+
+    grads = []
+    for lowered in (False, True):
+        source: Any = ir.from_proto(onnx.shape_inference.infer_shapes(model)) if lowered else model
+        if lowered:
+            lower_recurrent(source.graph)
+        step = build_training_graph(source, optimizer=None, trainable_inputs=["X"])
+        session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
+        result = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+        grads.append({n: result[f"grad/{n}"].astype(np.float64) for n in params})
+    for n in params:
+        np.testing.assert_allclose(grads[0][n], grads[1][n], rtol=1e-5, atol=1e-6)
+
+    direction = {n: rng.standard_normal(v.shape) for n, v in params.items()}
+    eps = 1e-3
+
+    def loss_at(sign: float) -> float:
+        shifted = onnx.ModelProto()
+        shifted.CopyFrom(model)
+        for init in shifted.graph.initializer:
+            if init.name in params:
+                init.CopyFrom(numpy_helper.from_array((params[init.name] + sign * eps * direction[init.name]).astype(np.float32), init.name))
+        x = (params["X"] + sign * eps * direction["X"]).astype(np.float32)
+        return float(_run(shifted, {"X": x})[0])
+
+    numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * eps)
+    analytic = sum(float(np.vdot(grads[0][n], direction[n])) for n in params)
+    assert abs(numeric - analytic) <= 1e-2 * max(1.0, abs(numeric)), (numeric, analytic)
