@@ -1,0 +1,112 @@
+"""``mpgraph.check_grad`` and ``mpgraph check-grad``: passes on zoo models, flags a planted wrong rule."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from mpgraph.autodiff import registry
+from mpgraph.check_grad import InputsError, check_grad
+from mpgraph.cli.main import app
+
+ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
+
+
+@pytest.fixture
+def wrong_rule(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Scale the first input cotangent of one op's registered rule by 1.02 (a 2% bug)."""
+    op = request.param
+    key = ("", op)
+    saved = list(registry._RULES[key])
+    rule = registry.lookup_rule("", op, 18)
+    assert isinstance(rule, registry.GradientRule)
+
+    def wrong(ctx, node, *dys):  # type: ignore[no-untyped-def]
+        grads = list(rule.fn(ctx, node, *dys))
+        grads[0] = ctx.op("Mul", grads[0], ctx.scalar(1.02, node.inputs[0]))
+        return grads
+
+    registry._RULES[key] = [dataclasses.replace(r, fn=wrong) if r is rule else r for r in saved]
+    try:
+        yield op
+    finally:
+        registry._RULES[key] = saved
+
+
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+def test_zoo_model_passes(name: str) -> None:
+    report = check_grad(ZOO / f"{name}.loss.onnx")
+    assert report.passed, [p for p in report.params if not p.passed]
+    assert report.dtype.startswith("float64")
+    assert all(p.status == "pass" for p in report.params)
+    assert report.first_bad_node is None and report.nodes_checked == 0
+    # The check compares real numbers, not zeros.
+    assert all(abs(p.analytic) > 1e-6 for p in report.params)
+
+
+@pytest.mark.parametrize(("wrong_rule", "name"), [("Relu", "tiny_mlp"), ("MatMul", "gpt")], indirect=["wrong_rule"])
+def test_planted_wrong_rule_is_named(wrong_rule: str, name: str) -> None:
+    report = check_grad(ZOO / f"{name}.loss.onnx")
+    assert not report.passed
+    assert any(abs(p.rel_error - 0.02) < 0.05 for p in report.failed)
+    node = report.first_bad_node
+    assert node is not None
+    assert node.op_type == wrong_rule and node.rule.startswith(f"ai.onnx::{wrong_rule}@")
+    assert abs(node.rel_error - 0.02 / 1.02) < 2e-3
+    # Every other disagreeing node is of the same op: no other rule is blamed.
+    assert {n.op_type for n in report.bad_nodes} == {wrong_rule}
+
+
+def test_token_ids_stay_inside_the_vocabulary() -> None:
+    report = check_grad(ZOO / "gpt.loss.onnx", localize=False)
+    shapes = {n: s for n, s, _ in report.inputs}
+    assert shapes["tokens"] == (2, 16) and shapes["label"] == (2, 16)
+
+
+def test_npz_key_errors_list_both_sides(tmp_path: Path) -> None:
+    path = tmp_path / "x.npz"
+    np.savez(path, x=np.zeros((2, 4), np.float32), labels=np.zeros(2, np.int64))
+    with pytest.raises(InputsError) as e:
+        check_grad(ZOO / "tiny_mlp.loss.onnx", inputs=path)
+    msg = str(e.value)
+    assert "missing 'label'" in msg and "unknown 'labels'" in msg
+    assert "the file has: labels, x" in msg and "the model needs: x, label" in msg
+
+
+def test_npz_inputs_are_used(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    path = tmp_path / "x.npz"
+    np.savez(path, x=rng.standard_normal((5, 4)).astype(np.float32), label=rng.integers(0, 2, 5))
+    report = check_grad(ZOO / "tiny_mlp.loss.onnx", inputs=path)
+    assert report.passed
+    assert dict((n, s) for n, s, _ in report.inputs) == {"x": (5, 4), "label": (5,)}
+
+
+def test_cli_exit_codes(tmp_path: Path) -> None:
+    runner = CliRunner()
+    ok = runner.invoke(app, ["check-grad", str(ZOO / "tiny_mlp.loss.onnx"), "--json"])
+    assert ok.exit_code == 0, ok.output
+    data = json.loads(ok.stdout)
+    assert data["passed"] and len(data["params"]) == 6 and data["first_bad_node"] is None
+
+    bad = tmp_path / "x.npz"
+    np.savez(bad, y=np.zeros((2, 4), np.float32))
+    res = runner.invoke(app, ["check-grad", str(ZOO / "tiny_mlp.loss.onnx"), "--inputs", str(bad)])
+    assert res.exit_code == 2
+    assert res.output.count("error:") == 1 and "Traceback" not in res.output
+    res = runner.invoke(app, ["check-grad", str(tmp_path / "missing.onnx")])
+    assert res.exit_code == 2 and "error:" in res.output
+
+
+@pytest.mark.parametrize("wrong_rule", ["Relu"], indirect=True)
+def test_cli_fails_and_names_the_node(wrong_rule: str) -> None:
+    res = CliRunner().invoke(app, ["check-grad", str(ZOO / "tiny_mlp.loss.onnx")])
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output and "first wrong gradient rule" in res.output
+    assert "(Relu, rule ai.onnx::Relu@" in res.output
