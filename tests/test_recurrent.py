@@ -19,10 +19,12 @@ from typing import Any
 import numpy as np
 import onnx
 import onnx_ir as ir
+import onnx_ir.passes.common
 import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
+from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.lower_recurrent import lower_recurrent
 from mpgraph.errors import GradientError
 from mpgraph.train_graph import build_training_graph
@@ -189,6 +191,20 @@ def test_dynamic_sequence_length_is_refused() -> None:
         build_training_graph(model, optimizer=None)
 
 
+def _with_loss(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``model`` with the single output ``loss = sum_k sum(out_k * c_k)``, fixed random ``c_k``."""
+    rng = np.random.default_rng(4)
+    outs = [o.name for o in model.graph.output]
+    for k, (name, value) in enumerate(zip(outs, _run(model, feeds), strict=True)):
+        model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal(value.shape).astype(np.float32), f"c{k}"))
+        model.graph.node.extend([helper.make_node("Mul", [name, f"c{k}"], [f"p{k}"]),
+                                 helper.make_node("ReduceSum", [f"p{k}"], [f"s{k}"], keepdims=0)])
+    model.graph.node.append(helper.make_node("Sum", [f"s{k}" for k in range(len(outs))], ["loss"]))
+    del model.graph.output[:]
+    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
+    return model, feeds
+
+
 OPTION_CASES = [
     ("LSTM", {"direction": "bidirectional", "peepholes": True, "lens": [4, 2, 3], "attrs": {"clip": 1.5}}),
     ("LSTM", {"peepholes": True, "attrs": {"input_forget": 1}}),
@@ -202,17 +218,8 @@ OPTION_CASES = [
 def test_option_gradients_match_finite_differences_of_the_kernel(op: str, kw: dict[str, Any]) -> None:
     """Options torch has no module for (peepholes, clip, input_forget, other activations): the
     gradient, by rule and lowered, against central differences of ONNX Runtime's own kernel."""
-    model, feeds = _model(op, **kw)
+    model, feeds = _with_loss(*_model(op, **kw))
     rng = np.random.default_rng(5)
-    outs = [o.name for o in model.graph.output]
-    values = _run(model, feeds)
-    for k, (name, value) in enumerate(zip(outs, values, strict=True)):
-        model.graph.initializer.append(numpy_helper.from_array(rng.standard_normal(value.shape).astype(np.float32), f"c{k}"))
-        model.graph.node.extend([helper.make_node("Mul", [name, f"c{k}"], [f"p{k}"]),
-                                 helper.make_node("ReduceSum", [f"p{k}"], [f"s{k}"], keepdims=0)])
-    model.graph.node.append(helper.make_node("Sum", [f"s{k}" for k in range(len(outs))], ["loss"]))
-    del model.graph.output[:]
-    model.graph.output.append(helper.make_tensor_value_info("loss", TensorProto.FLOAT, []))
     params = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer if i.data_type == TensorProto.FLOAT and not i.name.startswith("c")}
     params["X"] = feeds["X"]
 
@@ -243,3 +250,26 @@ def test_option_gradients_match_finite_differences_of_the_kernel(op: str, kw: di
     numeric = (loss_at(1.0) - loss_at(-1.0)) / (2 * eps)
     analytic = sum(float(np.vdot(grads[0][n], direction[n])) for n in params)
     assert abs(numeric - analytic) <= 1e-2 * max(1.0, abs(numeric)), (numeric, analytic)
+
+
+@pytest.mark.parametrize("op", list(_GATES))
+def test_rule_equals_lowering_without_the_builder(op: str) -> None:
+    """``differentiate`` on a graph that keeps its recurrent node (the registered rule: recompute
+    the unrolled form and differentiate it) gives the gradients of the lowered graph, whichever
+    of the two the training-graph builder uses."""
+    model, feeds = _with_loss(*_model(op, direction="bidirectional", lens=[3, 4, 1], peepholes=True))
+    grads = []
+    for lowered in (False, True):
+        m = ir.from_proto(onnx.shape_inference.infer_shapes(model))
+        if lowered:
+            lower_recurrent(m.graph)
+            onnx_ir.passes.common.ShapeInferencePass()(m)
+        assert any(n.op_type == op for n in m.graph) != lowered
+        wrt = [v for name, v in m.graph.initializers.items() if not name.startswith("c") and name != "L"]
+        result = differentiate(m.graph, m.graph.outputs[0], wrt, opset=18)
+        m.graph.outputs.extend(result[v.name or ""] for v in wrt)
+        values = _run(ir.to_proto(m), feeds)[1:]
+        grads.append(dict(zip([v.name for v in wrt], values, strict=True)))
+    assert len(grads[0]) == (6 if op == "LSTM" else 4)  # W, R, B, H0 (, C0, P)
+    for name, g in grads[0].items():
+        np.testing.assert_allclose(g, grads[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
