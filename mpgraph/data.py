@@ -10,7 +10,9 @@ Three sources, picked by name:
    deterministic rule that its prefix reveals: a random motif of length 2-6 repeated
    (copy), or an arithmetic progression ``(start + step * t) mod vocab``. Arrays: ``tokens``
    (int64 ``[N, T]``) and ``label`` (int64 ``[N, T]``, ``label[:, t] = tokens[:, t + 1]`` of
-   the underlying sequence).
+   the underlying sequence). Fitted to a model whose inputs follow Hugging Face names, the
+   arrays become ``input_ids``, ``labels`` (the input ids: HF causal LMs shift inside the model)
+   and ``attention_mask`` (ones).
 3. A path to an ``.npz``: keys are graph input names; keys prefixed ``test_`` form the test
    split.
 
@@ -48,6 +50,7 @@ __all__ = [
     "load_dataset",
     "dataset_for_model",
     "InputSpec",
+    "token_input",
 ]
 
 BUILTIN_DATASETS = ("digits", "sequence")
@@ -211,14 +214,55 @@ def dataset_for_model(name: str | os.PathLike[str], inputs: Sequence[InputSpec],
     """
     text = os.fspath(name)
     if text == "sequence":
-        tok = next((s for s in inputs if s.dtype.kind in "iu" and s.name != "label"), None)
+        tok = token_input(inputs)
         seq_len = 16
         if tok is not None and tok.shape is not None and len(tok.shape) >= 2 and isinstance(tok.shape[1], int):
             seq_len = tok.shape[1]
         ds = load_dataset(text, seq_len=seq_len, vocab=vocab or 64, size=size, seed=seed)
+        ds = _sequence_for(ds, inputs, tok)
     else:
         ds = load_dataset(text, seed=seed)
     return fit_to_inputs(ds, inputs)
+
+
+#: Integer inputs that are not the token ids of a sequence model.
+_NOT_TOKENS = ("label", "labels", "attention_mask", "token_type_ids", "position_ids")
+
+
+def token_input(inputs: Sequence[InputSpec]) -> InputSpec | None:
+    """The token-id input of a sequence model: ``input_ids`` (Hugging Face), else the first
+    integer input that is not a label, mask or position/type id."""
+    ints = [s for s in inputs if s.dtype.kind in "iu"]
+    return next((s for s in ints if s.name == "input_ids"), None) or next((s for s in ints if s.name not in _NOT_TOKENS), None)
+
+
+def _sequence_for(ds: Dataset, inputs: Sequence[InputSpec], tok: InputSpec | None) -> Dataset:
+    """The ``sequence`` arrays under the model's own names.
+
+    ``label`` holds the next tokens (mpgraph's convention). ``labels`` with ``input_ids`` is the
+    Hugging Face convention, where a causal LM shifts the labels inside the model: it gets the
+    input ids themselves, and the task becomes ``custom`` (no next-token accuracy). An
+    ``attention_mask`` input gets ones.
+    """
+    names = {s.name for s in inputs}
+    if tok is None:
+        return ds
+
+    def rename(arrays: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if not arrays:
+            return {}
+        tokens = arrays["tokens"]
+        out = {tok.name: tokens}
+        if "labels" in names:
+            out["labels"] = tokens.copy()
+        elif "label" in names:
+            out["label"] = arrays["label"]
+        if "attention_mask" in names:
+            out["attention_mask"] = np.ones_like(tokens)
+        return out
+
+    task = "custom" if "labels" in names else ds.task
+    return Dataset(ds.name, rename(ds.train), rename(ds.test), task, ds.num_classes)
 
 
 def fit_to_inputs(ds: Dataset, inputs: Sequence[InputSpec]) -> Dataset:

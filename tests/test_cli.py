@@ -134,3 +134,61 @@ def test_bad_input_one_line_exit_2_no_output(case: str, model_path: Path, tmp_pa
     assert "out.onnx" not in created
     assert not [name for name in created if name.startswith(".out.onnx") or name.startswith(".mlp.onnx")]
     assert set(created) - set(listing_before) <= {"bad.yaml", "truncated.onnx", "notes.onnx"}
+
+
+# -- runtime papercuts (issue 12) ----------------------------------------------------------------
+
+ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
+
+
+@pytest.fixture(scope="module")
+def gpt_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("gpt") / "gpt.train.onnx"
+    result = mpgraph("train-graph", str(ZOO / "gpt.loss.onnx"), "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def test_train_step_failing_in_ort_is_one_line_naming_the_node(gpt_step: Path, tmp_path: Path):
+    import numpy as np
+
+    data = tmp_path / "bad_tokens.npz"  # token ids beyond the 64-row embedding table
+    np.savez(data, tokens=np.full((8, 16), 1000, np.int64), label=np.zeros((8, 16), np.int64))
+    result = mpgraph("train", str(gpt_step), "--data", str(data), "--steps", "2", "-q")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr  # ORT's own error log is not repeated
+    assert lines[0].startswith("error: onnxruntime failed running step 1")
+    assert "at node 'node_embedding' (Gather): indices element out of data bounds" in lines[0]
+
+
+def test_train_step_graph_that_ort_cannot_load_is_one_line(gpt_step: Path, tmp_path: Path):
+    proto = onnx.load(gpt_step)
+    node = next(n for n in proto.graph.node if n.op_type == "Erf")
+    node.op_type = "Erff"  # no such op: ORT refuses the graph at load
+    bad = tmp_path / "bad.train.onnx"
+    onnx.save(proto, bad)
+    result = mpgraph("train", str(bad), "--data", "sequence", "--steps", "1", "-q")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Erff" in lines[0], result.stderr
+
+
+def test_train_sequence_data_with_hugging_face_input_names(tmp_path: Path):
+    # The zoo GPT with its inputs renamed as a Hugging Face export names them, plus a mask.
+    proto = onnx.load(ZOO / "gpt.loss.onnx")
+    renames = {"tokens": "input_ids", "label": "labels"}
+    for value in proto.graph.input:
+        value.name = renames.get(value.name, value.name)
+    for node in proto.graph.node:
+        node.input[:] = [renames.get(i, i) for i in node.input]
+    proto.graph.input.append(onnx.helper.make_tensor_value_info("attention_mask", onnx.TensorProto.INT64, ["batch", 16]))
+    forward = tmp_path / "hf_gpt.onnx"
+    onnx.save(proto, forward)
+    step = tmp_path / "hf_gpt.train.onnx"
+    assert mpgraph("train-graph", str(forward), "-o", str(step)).returncode == 0
+    result = mpgraph("train", str(step), "--data", "sequence", "--steps", "20", "--batch", "16", "-q")
+    assert result.returncode == 0, result.stderr
+    assert "20 steps" in result.stdout and "loss" in result.stdout

@@ -403,3 +403,41 @@ def test_replay_buffers_match_the_plain_path_on_cpu():
     assert plain.step(batches[0]).loss == forced.step(batches[0]).loss
     fixed = specialize_shapes(step, {"tokens": (4, 16), "label": (4, 16)})
     assert shape_ops(step) > 0 and shape_ops(fixed) == 0
+
+
+# -- runtime papercuts (issue 12) ----------------------------------------------------------------
+
+
+def test_sequence_dataset_fits_hugging_face_names():
+    inputs = [InputSpec("input_ids", np.dtype(np.int64), ("batch", 12)),
+              InputSpec("attention_mask", np.dtype(np.int64), ("batch", 12)),
+              InputSpec("labels", np.dtype(np.int64), ("batch", 12))]
+    ds = dataset_for_model("sequence", inputs, size=64, vocab=16)
+    assert sorted(ds.train) == ["attention_mask", "input_ids", "labels"]
+    assert ds.train["input_ids"].shape == (64, 12) and ds.train["input_ids"].max() < 16
+    # Hugging Face causal LMs shift labels inside the model: labels are the input ids.
+    np.testing.assert_array_equal(ds.train["labels"], ds.train["input_ids"])
+    assert (ds.train["attention_mask"] == 1).all() and (ds.test["attention_mask"] == 1).all()
+    assert ds.task == "custom"
+    # mpgraph's own names keep next-token labels.
+    own = dataset_for_model("sequence", [InputSpec("input_ids", np.dtype(np.int64), ("batch", 12)),
+                                         InputSpec("label", np.dtype(np.int64), ("batch", 12))], size=64, vocab=16)
+    assert sorted(own.train) == ["input_ids", "label"] and own.task == "sequence"
+    np.testing.assert_array_equal(own.train["label"][:, :-1], own.train["input_ids"][:, 1:])
+
+
+def test_trainer_sessions_print_no_initializer_warnings(capfd: pytest.CaptureFixture[str]):
+    step = build_training_graph("models/onnx/resnet.loss.onnx")
+    proto = ir.to_proto(step)
+    # Plain ORT prints one warning per parameter that is both an initializer and an input...
+    options = ort.SessionOptions()
+    options.log_severity_level = 2
+    ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    assert capfd.readouterr().err.count("appears in graph inputs") >= 20
+    # ... the trainer's sessions (step and evaluation) print none.
+    trainer = Trainer(proto)
+    rng = np.random.default_rng(0)
+    batch = {"x": rng.standard_normal((4, 3, 32, 32)).astype(np.float32), "label": rng.integers(0, 10, 4)}
+    trainer.step(batch)
+    trainer.evaluate(batch)
+    assert "appears in graph inputs" not in capfd.readouterr().err

@@ -7,6 +7,7 @@ writes nothing and leaves an existing checkpoint as it was.
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 from typing import Annotated
@@ -34,6 +35,23 @@ def _vocab(trainer: object, token_input: str) -> int | None:
                 and node.inputs[0].shape is not None and isinstance(node.inputs[0].shape[0], int):
             return int(node.inputs[0].shape[0])
     return None
+
+
+_ORT_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)")
+
+
+def _ort_error(e: Exception, what: str) -> MpgraphError | None:
+    """One line for an ONNX Runtime failure (naming the node when ORT does), else ``None``."""
+    text = str(e).strip()
+    from_ort = type(e).__module__.startswith("onnxruntime") or (
+        isinstance(e, RuntimeError) and any(k in text for k in ("ONNXRuntimeError", "status code", "Error in execution")))
+    if not from_ort:
+        return None
+    match = _ORT_NODE.search(text)
+    if match is not None:
+        return MpgraphError(f"onnxruntime failed {what} at node '{match[2]}' ({match[1]}): {match[3].splitlines()[0]}")
+    first = text.splitlines()[0] if text else type(e).__name__
+    return MpgraphError(f"onnxruntime failed {what}: {first.replace('[ONNXRuntimeError] : ', '')}")
 
 
 def _check_folder(path: Path | None, what: str) -> None:
@@ -66,7 +84,7 @@ def train(
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
     from mpgraph.cli.main import console
-    from mpgraph.data import dataset_for_model
+    from mpgraph.data import dataset_for_model, token_input
     from mpgraph.runtime.trainer import Trainer, plot_losses
 
     if steps < 0:
@@ -78,9 +96,17 @@ def train(
     if plot is not None and plot.suffix.lower() != ".png":
         raise MpgraphError(f"--plot {plot}: must end in .png")
 
-    trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback)
-    tokens = next((s.name for s in trainer.data_inputs if s.dtype.kind in "iu" and s.name != "label"), None)
-    vocab = _vocab(trainer, tokens) if tokens is not None else None
+    try:
+        trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback)
+    except MpgraphError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
+        error = _ort_error(e, f"to load {step}")
+        if error is None:
+            raise
+        raise error from None
+    tok = token_input(trainer.data_inputs)
+    vocab = _vocab(trainer, tok.name) if tok is not None else None
     dataset = dataset_for_model(data, trainer.data_inputs, seed=seed, vocab=vocab)
     if resume is not None:
         trainer.load_checkpoint(resume)
@@ -116,6 +142,13 @@ def train(
         except KeyboardInterrupt:
             save()
             raise
+        except MpgraphError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            error = _ort_error(e, f"running step {trainer.steps + 1} of {step}")
+            if error is None:
+                raise
+            raise error from None
     elapsed = time.perf_counter() - began
     save()
     if metrics is not None:
