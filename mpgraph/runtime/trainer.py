@@ -386,7 +386,9 @@ class Trainer:
     def _new_session(self, graph: bool, model: bytes | None = None) -> ort.InferenceSession:
         """An ORT session of the step graph; ``graph`` turns on CUDA graph capture."""
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        # Fatal only: warnings would be one "Initializer X appears in graph inputs" per state
+        # tensor, and a failing node's error log repeats the exception the caller reports.
+        options.log_severity_level = 4
         options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
         if self._threads is not None:
             options.intra_op_num_threads = self._threads
