@@ -341,8 +341,9 @@ def _scratch(node: ir.Node, opset: int, role: str) -> tuple[GradContext, list[V 
     """A scratch graph with stand-ins for ``node``'s inputs, and its builder."""
     graph = ir.Graph([], [], nodes=[], opset_imports={"": opset})
     stand_ins: list[V | None] = []
+    steps = _spec(node).steps
     for i, v in enumerate(node.inputs):
-        if v is None or (i == 4 and _static_lens(node, _spec(node).steps)):
+        if v is None or (i == 4 and _static_lens(node, steps)):
             stand_ins.append(None)
             continue
         s = ir.Value(name=f"in{i}", type=v.type, shape=v.shape)
@@ -373,8 +374,12 @@ def _inline(scratch: ir.Graph, host: GradContext, bindings: dict[V, V], keep: Se
         if init.const_value is not None and init.uses():
             init.replace_all_uses_with(host.const(init.const_value.numpy()))
     scratch.remove(nodes, safe=False)
+    counts: dict[str, int] = {}
     for n in nodes:
-        n.name = host.unique(f"{prefix}/{n.op_type}")
+        # Numbered here: GradContext.unique probes name_1, name_2, ... one by one, which is
+        # quadratic over the thousands of same-op nodes of a long unrolled sequence.
+        k = counts[n.op_type] = counts.get(n.op_type, -1) + 1
+        n.name = host.unique(f"{prefix}/{n.op_type}" + (f"_{k}" if k else ""))
         for k, out in enumerate(n.outputs):
             out.name = n.name if len(n.outputs) == 1 else host.unique(f"{n.name}:{k}")
         n.metadata_props[NODE_ROLE] = host.role
