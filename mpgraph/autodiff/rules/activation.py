@@ -100,3 +100,11 @@ def sin(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 @register("Cos", opsets=(7, None))
 def cos(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     return (ctx.op("Neg", ctx.op("Mul", dy, ctx.op("Sin", ctx.input(0)))),)
+
+
+@register("Shrink", opsets=(9, None))
+def shrink(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """y = x - bias above lambd, x + bias below -lambd, else 0: slope 1 outside [-lambd, lambd]."""
+    x = ctx.input(0)
+    outside = ctx.op("Greater", ctx.op("Abs", x), ctx.scalar(ctx.attr("lambd", 0.5), x))
+    return (ctx.op("Mul", dy, ctx.op("Cast", outside, to=x.dtype)),)
