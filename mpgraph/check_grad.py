@@ -57,8 +57,8 @@ logger = logging.getLogger(__name__)
 #: Relative step and pass threshold per precision of the finite differences. float64: the
 #: central difference's truncation (h^2) and rounding (1e-16/h) errors are both ~1e-9 at
 #: h=1e-5; float32 rounding forces a larger step, and the tolerance still catches a 2% error.
-STEP = {"float64": 1e-7, "mixed": 1e-4, "float32": 1e-3}
-RTOL = {"float64": 1e-5, "mixed": 1e-3, "float32": 5e-3}
+STEP = {"float64": 1e-7, "analytic32": 1e-7, "mixed": 1e-4, "float32": 1e-3}
+RTOL = {"float64": 1e-5, "analytic32": 1e-4, "mixed": 1e-3, "float32": 5e-3}
 #: Node-level checks: the same, for one node's output.
 NODE_STEP = {"float64": 1e-6, "float32": 3e-3}
 NODE_RTOL = {"float64": 1e-5, "float32": 5e-3}
@@ -269,7 +269,7 @@ def check_grad(
     loss0 = float(np.asarray(results[0], np.float64).sum())
 
     rtol = RTOL[kind] if rtol is None else rtol
-    rel_step = STEP[kind] if step is None else step
+    rel_step = STEP[_kind(fwd_prec, fwd_prec)] if step is None else step
     eps = _EPS[dtype]
     checks: list[ParamCheck] = []
     for i, p in enumerate(params):
@@ -370,15 +370,24 @@ def _identity(graph: ir.Graph, value: ir.Value, name: str) -> ir.Value:
     return node.outputs[0]
 
 
-def _to_float64(proto: onnx.ModelProto, keep32: frozenset[str] = frozenset()) -> onnx.ModelProto:
-    """A copy computing in float64 instead of float32; ops in ``keep32`` (no float64 kernel in
-    ORT) run in float32 between Casts. Types of intermediates are re-inferred."""
+def _to_float64(proto: onnx.ModelProto, keep32: frozenset[str] = frozenset()) -> tuple[onnx.ModelProto, set[str]]:
+    """A copy computing in float64 instead of float32, and the op types left in float32.
+
+    Ops in ``keep32`` (no float64 kernel in ORT) run in float32 between Casts, except a 2-D
+    ``Conv`` with static channels and spatial dims, which becomes float64 Slices and a MatMul
+    (``_conv_as_matmul``): a float32 Conv's rounding would otherwise dominate the finite
+    differences of every CNN. Types of intermediates are re-inferred.
+    """
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     f32, f64 = onnx.TensorProto.FLOAT, onnx.TensorProto.DOUBLE
     g = out.graph
     is_f32 = {v.name for v in [*g.input, *g.value_info, *g.output] if v.type.tensor_type.elem_type == f32}
     is_f32 |= {t.name for t in g.initializer if t.data_type == f32}
+    shapes = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+              for v in [*g.input, *g.value_info, *g.output] if v.type.tensor_type.HasField("shape")}
+    shapes.update({t.name: list(t.dims) for t in g.initializer})
+    islands: set[str] = set()
 
     def tensor64(t: onnx.TensorProto) -> None:
         if t.data_type == f32:
@@ -395,7 +404,13 @@ def _to_float64(proto: onnx.ModelProto, keep32: frozenset[str] = frozenset()) ->
         v.type.tensor_type.ClearField("shape")
     nodes = []
     for node in g.node:
+        if node.op_type == "Conv" and "Conv" in keep32:
+            emulated = _conv_as_matmul(node, shapes)
+            if emulated is not None:
+                nodes += emulated
+                continue
         if node.op_type in keep32:
+            islands.add(node.op_type)
             for k, name in enumerate(node.input):
                 if name in is_f32:
                     nodes.append(onnx.helper.make_node("Cast", [name], [f"{name}/f32/{node.name}"], to=f32))
@@ -428,7 +443,69 @@ def _to_float64(proto: onnx.ModelProto, keep32: frozenset[str] = frozenset()) ->
     out = onnx.shape_inference.infer_shapes(out, strict_mode=True)
     if any(v.type.tensor_type.elem_type == 0 for v in out.graph.output):
         raise ValueError("the float64 graph's output types cannot be inferred")
-    return out
+    return out, islands
+
+
+def _conv_as_matmul(node: onnx.NodeProto, shapes: Mapping[str, list[int | None]]) -> list[onnx.NodeProto] | None:
+    """A 2-D Conv as Pad, one strided Slice per kernel tap, Concat and a grouped MatMul (all
+    with float64 kernels in ORT CPU); ``None`` when a shape it needs is not static."""
+    x_shape, w_shape = shapes.get(node.input[0]), shapes.get(node.input[1])
+    if x_shape is None or w_shape is None or len(x_shape) != 4 or len(w_shape) != 4 or None in x_shape[1:] or None in w_shape:
+        return None
+    attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    _, c, h, w = x_shape
+    m, cg, kh, kw = w_shape
+    group = int(attrs.get("group", 1))
+    sh, sw = attrs.get("strides", [1, 1])
+    dh, dw = attrs.get("dilations", [1, 1])
+    pads = list(attrs.get("pads", [0, 0, 0, 0]))
+    auto = attrs.get("auto_pad", b"NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else str(auto)
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        pads = [0, 0, 0, 0]
+        for axis, (size, k, st, dl) in enumerate(((h, kh, sh, dh), (w, kw, sw, dw))):
+            total = max((-(-size // st) - 1) * st + (k - 1) * dl + 1 - size, 0)
+            small, big = total // 2, total - total // 2
+            pads[axis], pads[axis + 2] = (small, big) if auto == "SAME_UPPER" else (big, small)
+    elif auto == "VALID":
+        pads = [0, 0, 0, 0]
+    assert h is not None and w is not None and c is not None
+    hp, wp = h + pads[0] + pads[2], w + pads[1] + pads[3]
+    oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    p = f"{node.name or node.output[0]}/f64conv"
+    i64 = onnx.TensorProto.INT64
+
+    def const(name: str, values: list[int]) -> onnx.NodeProto:
+        return onnx.helper.make_node("Constant", [], [f"{p}/{name}"], value=onnx.helper.make_tensor(f"{p}/{name}", i64, [len(values)], values))
+
+    nodes = [const("pads", [0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]), const("axes", [2, 3]),
+             const("steps", [sh, sw]), const("unsq", [2]),
+             const("cols_shape", [-1, group, (c // group) * kh * kw, oh * ow]),
+             const("w_shape", [group, m // group, cg * kh * kw]), const("y_shape", [-1, m, oh, ow]),
+             onnx.helper.make_node("Pad", [node.input[0], f"{p}/pads"], [f"{p}/padded"])]
+    taps = []
+    for i in range(kh):
+        for j in range(kw):
+            start = [i * dh, j * dw]
+            end = [start[0] + sh * (oh - 1) + 1, start[1] + sw * (ow - 1) + 1]
+            nodes += [const(f"s{i}_{j}", start), const(f"e{i}_{j}", end),
+                      onnx.helper.make_node("Slice", [f"{p}/padded", f"{p}/s{i}_{j}", f"{p}/e{i}_{j}", f"{p}/axes", f"{p}/steps"], [f"{p}/tap{i}_{j}"]),
+                      onnx.helper.make_node("Unsqueeze", [f"{p}/tap{i}_{j}", f"{p}/unsq"], [f"{p}/tapu{i}_{j}"])]
+            taps.append(f"{p}/tapu{i}_{j}")
+    # [N, C, taps, OH, OW] -> [N, G, C/G * taps, OH * OW]: channel-major, tap-minor like W.
+    nodes += [onnx.helper.make_node("Concat", taps, [f"{p}/cols5"], axis=2),
+              onnx.helper.make_node("Reshape", [f"{p}/cols5", f"{p}/cols_shape"], [f"{p}/cols"]),
+              onnx.helper.make_node("Reshape", [node.input[1], f"{p}/w_shape"], [f"{p}/w"]),
+              onnx.helper.make_node("MatMul", [f"{p}/w", f"{p}/cols"], [f"{p}/y4"])]
+    y = node.output[0]
+    if len(node.input) > 2 and node.input[2]:
+        nodes += [onnx.helper.make_node("Reshape", [f"{p}/y4", f"{p}/y_shape"], [f"{p}/y"]),
+                  const("b_shape", [m, 1, 1]),
+                  onnx.helper.make_node("Reshape", [node.input[2], f"{p}/b_shape"], [f"{p}/b"]),
+                  onnx.helper.make_node("Add", [f"{p}/y", f"{p}/b"], [y])]
+    else:
+        nodes.append(onnx.helper.make_node("Reshape", [f"{p}/y4", f"{p}/y_shape"], [y]))
+    return nodes
 
 
 def _new_session(proto: onnx.ModelProto) -> ort.InferenceSession:
@@ -459,8 +536,9 @@ def _session_in_best_dtype(proto: onnx.ModelProto, float64: bool) -> tuple[_Prec
     keep32: set[str] = set()
     while float64 and len(keep32) < 12:
         try:
-            session = _new_session(_to_float64(proto, frozenset(keep32)))
-            return _Precision("float64", tuple(sorted(keep32)), ""), session
+            converted, islands = _to_float64(proto, frozenset(keep32))
+            session = _new_session(converted)
+            return _Precision("float64", tuple(sorted(islands)), ""), session
         except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/NotImplemented types
             note = f"no float64: {_ort_first_line(e)}"
             missing = _NO_KERNEL.search(str(e))
@@ -501,12 +579,16 @@ def _central(f: Callable[[float], float], analytic: float, h: float, noise: floa
 
 
 def _kind(fwd: _Precision, grad: _Precision) -> str:
-    """``float64`` (both graphs fully float64), ``float32`` (finite differences in float32) or
-    ``mixed`` (float64 with float32 ops or a float32 gradient graph)."""
+    """``float64`` (both graphs fully float64), ``analytic32`` (finite differences in float64,
+    some gradient ops in float32), ``mixed`` (finite differences through float32 ops) or
+    ``float32``."""
     if fwd.dtype == "float32":
         return "float32"
-    rounding = (set(fwd.keep32) | set(grad.keep32)) - _EXACT_IN_FLOAT32
-    return "float64" if grad.dtype == "float64" and not rounding else "mixed"
+    if set(fwd.keep32) - _EXACT_IN_FLOAT32:
+        return "mixed"
+    if grad.dtype == "float32" or set(grad.keep32) - _EXACT_IN_FLOAT32:
+        return "analytic32"
+    return "float64"
 
 
 def _direction(g: np.ndarray, rng: np.random.Generator) -> np.ndarray:
