@@ -11,7 +11,7 @@ per-tensor, and the node counts (all nodes, optimizer-role nodes, loss-scaling W
 
     python3 benchmarks/optim_ab.py --provider cpu --threads 2              # zoo gpt and wide_mlp
     python3 benchmarks/optim_ab.py --provider cpu --threads 1 --clock cpu  # the same, on a busy CPU
-    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy bf16
+    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy bf16 --variants packed,flat
     python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy fp16
 
 ``gpt-h200`` is issue 11's GPT (vocab 8192, d 1024, 16 heads, 8 layers, T 512, batch 8; 118M
@@ -45,16 +45,18 @@ VARIANTS = {"per-tensor": {"pack": False}, "packed": {}, "flat": {"flat": True}}
 
 def forward_model(name: str) -> tuple[Any, dict[str, tuple[int, ...]], int]:
     """``(forward model with loss, data input shapes without batch, classes)``."""
-    if name == "gpt-h200":
+    if name in ("gpt-h200", "gpt-dry"):
         import torch
 
         from models.zoo import GPT
         from mpgraph.export import export_module
 
+        # gpt-dry: the same 101 parameter tensors at d_model 64, for a dry run of the script.
+        vocab, seq, d, heads = (8192, 512, 1024, 16) if name == "gpt-h200" else (256, 64, 64, 4)
         torch.manual_seed(0)
-        module = GPT(vocab=8192, seq=512, d_model=1024, heads=16, layers=8).train()
-        example = torch.randint(0, 8192, (2, 512))
-        return export_module(module, example, loss="cross_entropy"), {"tokens": (512,), "label": (512,)}, 8192
+        module = GPT(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=8).train()
+        example = torch.randint(0, vocab, (2, seq))
+        return export_module(module, example, loss="cross_entropy"), {"tokens": (seq,), "label": (seq,)}, vocab
     path = os.path.join(ROOT, "models", "onnx", f"{name}.loss.onnx")
     if name == "gpt":
         return path, {"tokens": (16,), "label": (16,)}, 64
@@ -87,7 +89,8 @@ def node_counts(model: ir.Model) -> str:
 def run_model(name: str, args: argparse.Namespace) -> None:
     source, shapes, classes = forward_model(name)
     trainers: dict[str, Trainer] = {}
-    for label, options in VARIANTS.items():
+    for label in args.variants.split(","):
+        options = VARIANTS[label]
         step = build_training_graph(source, optimizer="adamw", lr=1e-4,
                                     optimizer_options={"weight_decay": 0.01, **options})
         if args.policy != "fp32":
@@ -95,7 +98,7 @@ def run_model(name: str, args: argparse.Namespace) -> None:
         print(f"{name:10s} {label:10s} {node_counts(step)}", flush=True)
         kw: dict[str, Any] = {"threads": args.threads} if args.provider == "cpu" else {}
         trainers[label] = Trainer(step, provider=args.provider, **kw)
-    batch = args.batch or (8 if name == "gpt-h200" else 64)
+    batch = args.batch or (8 if name.startswith("gpt-") else 64)
     data = batches(next(iter(trainers.values())), shapes, batch, classes)
     for trainer in trainers.values():  # warm-up: allocations, CUDA graph capture, thread pools
         for i in range(args.warmup):
@@ -114,19 +117,22 @@ def run_model(name: str, args: argparse.Namespace) -> None:
                 trainer.step(data[i % len(data)])
             times[label].append(1000 * (clock() - start) / args.steps)
     # On a shared machine the minimum over rounds is the steadier estimate; both are printed.
-    base, base_min = statistics.median(times["per-tensor"]), min(times["per-tensor"])
+    first = order[0]
+    base, base_min = statistics.median(times[first]), min(times[first])
     for label, samples in times.items():
         median = statistics.median(samples)
         print(f"{name:10s} {label:10s} {median:9.3f} ms/step median, {min(samples):9.3f} min, {max(samples):9.3f} max; "
-              f"x per-tensor: {median / base:.3f} (median), {min(samples) / base_min:.3f} (min)", flush=True)
+              f"x {first}: {median / base:.3f} (median), {min(samples) / base_min:.3f} (min)", flush=True)
     for a, b in (("flat", "packed"), ("flat", "per-tensor")):
+        if a not in times or b not in times:
+            continue
         print(f"{name:10s} {a} / {b} = {statistics.median(times[a]) / statistics.median(times[b]):.3f} (median), "
               f"{min(times[a]) / min(times[b]):.3f} (min)", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--models", default="gpt,wide_mlp", help="comma list: zoo names (gpt, wide_mlp, tiny_mlp, ...) or gpt-h200")
+    parser.add_argument("--models", default="gpt,wide_mlp", help="comma list: zoo names (gpt, wide_mlp, tiny_mlp, ...), gpt-h200 or gpt-dry")
     parser.add_argument("--provider", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--policy", default="fp32", help="fp32 (no conversion), bf16, fp16, ... (emulated on cpu)")
     parser.add_argument("--threads", type=int, default=2, help="ORT intra-op threads on cpu")
@@ -134,9 +140,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--variants", default="per-tensor,packed,flat",
+                        help="comma list of per-tensor (pack=False), packed (the default), flat; the first is the base")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="wall time, or this process's CPU time (use with --threads 1 on a shared CPU)")
     args = parser.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variant {sorted(unknown)[0]}; choose from {', '.join(VARIANTS)}")
     print(f"provider {args.provider}, policy {args.policy}, threads {args.threads}, {args.clock} clock, "
           f"rounds {args.rounds} x {args.steps} steps")
     for name in args.models.split(","):
