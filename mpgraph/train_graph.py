@@ -5,8 +5,8 @@
 1. **Normalize.** Shape inference; opsets below 18 are upgraded to 18; unnamed nodes get
    deterministic names; ``ConstantOfShape`` weights with a constant shape (as in compressed
    "light" model files) become initializers.
-2. **Loss.** Use a loss output of the graph (``loss=None`` picks an output named ``loss``;
-   ``loss="<output name>"`` picks another), or attach ``cross_entropy`` (classes on the last
+2. **Loss.** Use a loss output of the graph (``loss=None`` picks an output named ``loss``, or
+   the only output when it is a float scalar; ``loss="<output name>"`` picks another), or attach ``cross_entropy`` (classes on the last
    axis, int64 label shaped like the output without it) / ``mse`` (float target shaped like
    the output) to the first float output, with a new input ``label``.
 3. **Training mode.** BatchNormalization runs in training mode; its running statistics
@@ -88,9 +88,10 @@ def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
     return [] if raw is None else [(a, b) for a, b in json.loads(raw)]
 
 
-def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> tuple[ir.Model, bool]:
-    """The model as onnx-ir at opset >= 18 with inferred shapes, and whether its graph inputs
-    can mark parameters (IR < 4 lists every initializer as an input, so they cannot)."""
+def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> tuple[ir.Model, bool, int]:
+    """The model as onnx-ir at opset >= 18 with inferred shapes, whether its graph inputs
+    can mark parameters (IR < 4 lists every initializer as an input, so they cannot), and the
+    model's own opset (errors name it, not the one it was upgraded to)."""
     if isinstance(model, (str, os.PathLike)):
         proto = onnx.load(str(model))
     elif isinstance(model, ir.Model):
@@ -115,7 +116,7 @@ def _normalize(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> tu
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as e:  # noqa: BLE001
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
-    return ir.from_proto(proto), inputs_mark_params
+    return ir.from_proto(proto), inputs_mark_params, opset
 
 
 def _legacy_prelu_slopes(proto: onnx.ModelProto) -> None:
@@ -179,6 +180,40 @@ def _materialize_constant_weights(graph: ir.Graph) -> None:
         graph.register_initializer(value)
 
 
+def _untie_identity_initializers(graph: ir.Graph) -> int:
+    """Give every float initializer reached through an ``Identity`` its own initializer.
+
+    The TorchScript exporter deduplicates equal-valued initializers (all LayerNorm weights, all
+    zero biases, BatchNorm scales and running variances) and brings each dropped one back as an
+    ``Identity`` named after it. torch trains those tensors apart, so each Identity-named value
+    becomes a separate initializer (a parameter, or BatchNorm state) with the same value.
+    Truly tied weights (GPT-2's lm_head and wte) are one initializer used directly, with no
+    Identity, and stay tied. Returns the number of untied values.
+    """
+    untied = 0
+    for node in list(graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if (source is None or not source.is_initializer() or source.const_value is None
+                or source.dtype not in FLOAT_TYPES or out.is_graph_output() or not out.name):
+            continue
+        name = out.name
+        tensor = ir.tensor(source.const_value.numpy(), name=name)
+        value = ir.Value(name=None, type=source.type, shape=source.shape, const_value=tensor)
+        out.replace_all_uses_with(value)
+        graph.remove(node, safe=True)
+        out.name = None
+        value.name = name
+        graph.register_initializer(value)
+        if source.is_graph_input():  # parameters marked as graph inputs: the copy is one too
+            graph.inputs.insert(graph.inputs.index(source) + 1, value)
+        untied += 1
+    if untied:
+        logger.info("untied %d initializers that the exporter had deduplicated behind Identity nodes", untied)
+    return untied
+
+
 def _set_role(nodes: Sequence[ir.Node], role: str) -> None:
     for node in nodes:
         node.metadata_props[NODE_ROLE] = role
@@ -187,12 +222,7 @@ def _set_role(nodes: Sequence[ir.Node], role: str) -> None:
 def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[ir.Value, list[ir.Node]]:
     outputs = {v.name: v for v in graph.outputs}
     if loss is None:
-        if "loss" not in outputs:
-            raise GradientError(
-                "no loss: the model has no output named 'loss'; pass loss='cross_entropy', "
-                f"'mse' or one of its outputs ({', '.join(n for n in outputs if n)})"
-            )
-        loss = "loss"
+        loss = _default_loss(graph)
     if loss in outputs:
         value = outputs[loss]
         if value.dtype not in FLOAT_TYPES:
@@ -200,7 +230,8 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
         return value, []
     if loss not in BUILTIN_LOSSES:
         raise GradientError(
-            f"unknown loss '{loss}'; choose cross_entropy, mse or an output name ({', '.join(n for n in outputs if n)})"
+            f"unknown loss '{loss}'; pass --loss with one of the outputs ({_listing(outputs)}), "
+            "or --loss cross_entropy / --loss mse to attach one to the first float output"
         )
     logits = next((v for v in graph.outputs if v.dtype in FLOAT_TYPES), None)
     if logits is None:
@@ -226,6 +257,40 @@ def _attach_loss(graph: ir.Graph, loss: str | None, ctx: GradContext) -> tuple[i
     graph.inputs.append(label)
     value.name = ctx.unique("loss")
     return value, list(graph)[before:]
+
+
+def _listing(outputs: dict[str | None, ir.Value]) -> str:
+    return ", ".join(f"{n} {_describe(v)}" for n, v in outputs.items() if n)
+
+
+def _describe(value: ir.Value) -> str:
+    dtype = value.dtype.name.lower() if value.dtype is not None else "?"
+    return f"{dtype}[{', '.join(str(d) for d in value.shape)}]" if value.shape is not None else dtype
+
+
+def _is_scalar(value: ir.Value) -> bool:
+    return value.shape is not None and all(d == 1 for d in value.shape)
+
+
+def _default_loss(graph: ir.Graph) -> str:
+    """The output named ``loss``, else the only output when it is a float scalar.
+
+    Neither torch exporter names a loss output ``loss`` (TorchScript numbers it, ``233``;
+    dynamo names it after the op, ``cross_entropy_loss``), so a model whose only output is a
+    float scalar is taken at its word.
+    """
+    outputs = {v.name: v for v in graph.outputs}
+    if "loss" in outputs:
+        return "loss"
+    only = graph.outputs[0] if len(graph.outputs) == 1 else None
+    if only is not None and only.name and only.dtype in FLOAT_TYPES and _is_scalar(only):
+        logger.info("using the only output '%s' (a float scalar) as the loss", only.name)
+        return only.name
+    raise GradientError(
+        f"no loss: the model has no output named 'loss' and no single float scalar output; pass "
+        f"--loss NAME with one of its outputs ({_listing(outputs)}), or --loss cross_entropy / "
+        "--loss mse to attach one to the first float output"
+    )
 
 
 def _loss_nodes(graph: ir.Graph, loss: ir.Value) -> list[ir.Node]:
@@ -271,7 +336,8 @@ def build_training_graph(
         model: The forward model (onnx-ir, protobuf or a path).
         optimizer: ``sgd``, ``adam``, ``adamw``, or ``None`` for a gradient graph whose
             outputs are the loss and ``grad/<param>`` for every parameter.
-        loss: ``None`` (the output named ``loss``), an output name, ``cross_entropy`` or ``mse``.
+        loss: ``None`` (the output named ``loss``, else the only output if it is a float
+            scalar), an output name, ``cross_entropy`` or ``mse``.
         freeze: fnmatch patterns of parameters to keep fixed.
         lr: Default learning rate (initializer of the ``lr`` input).
         optimizer_options: Hyperparameters (``momentum``, ``nesterov``, ``dampening``,
@@ -294,11 +360,12 @@ def build_training_graph(
     if batchnorm not in ("train", "train-ops", "eval"):
         raise GradientError(f"batchnorm must be 'train', 'train-ops' or 'eval', got '{batchnorm}'")
     opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
-    m, inputs_mark_params = _normalize(model)
+    m, inputs_mark_params, user_opset = _normalize(model)
     graph = m.graph
     graph.opset_imports[""] = opset = max(graph.opset_imports.get("", MIN_OPSET), MIN_OPSET)
     _name_nodes(graph)
     _materialize_constant_weights(graph)
+    _untie_identity_initializers(graph)
     _set_role(list(graph), "forward")
     fwd = GradContext(graph, role="loss", scope="loss")
     loss_value, attached = _attach_loss(graph, loss, fwd)
@@ -313,7 +380,13 @@ def build_training_graph(
     _prune(graph, keep=[out for _, out in state])
     _infer_shapes(m)
     seed = _gradient_seed(graph, loss_value)
-    grads = differentiate(graph, loss_value, params, opset=opset, seed=seed)
+    try:
+        grads = differentiate(graph, loss_value, params, opset=opset, seed=seed)
+    except GradientError as e:
+        if user_opset == opset:
+            raise
+        # The rules are looked up at the upgraded opset; the user knows their model's own.
+        raise GradientError(str(e).replace(f" at opset {opset} ", f" at opset {user_opset} (upgraded to {opset}) ")) from None
     m.metadata_props[MODEL_GRAD_SEED] = _name(seed)
     m.metadata_props[MODEL_LOSS] = _name(loss_value)
 
@@ -421,18 +494,49 @@ def _training_mode(graph: ir.Graph, batchnorm: str, state: list[tuple[ir.Value, 
         node.attributes["training_mode"] = ir.AttrInt64("training_mode", 1)
         if len(node.outputs) < 3:
             node.resize_outputs(3)
-        for k, stat in ((1, node.inputs[3]), (2, node.inputs[4])):
-            out = node.outputs[k]
-            if stat is None:
-                raise UnsupportedModelError(f"BatchNormalization node '{node.name}' has no running statistics")
+        for k, what in ((1, "mean"), (2, "var")):
+            out, stat = node.outputs[k], _own_running_stat(graph, node, k + 2, what, ctx)
             if not out.name:
                 out.name = ctx.unique(f"{node.name}/output_{k}")
-            if stat.is_initializer() and stat.const_value is not None and not stat.is_graph_input():
+            if not stat.is_graph_input():
                 graph.inputs.append(stat)
         pairs = [(node.inputs[3], node.outputs[1]), (node.inputs[4], node.outputs[2])]
         if batchnorm == "train-ops":
             pairs = _decompose_batchnorm(graph, node, ctx)
-        state.extend((stat, out) for stat, out in pairs if stat is not None and stat.is_graph_input())
+        state.extend((stat, out) for stat, out in pairs if stat is not None)
+
+
+def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx: GradContext) -> ir.Value:
+    """The running statistic at input ``slot`` of ``node``, as a value only this node uses.
+
+    Every training-mode BatchNormalization needs its running statistics as state: ONNX Runtime
+    computes a wrong normalization when the updated statistics are unused (with its default
+    optimizations) or when a running statistic is the same tensor as the scale or bias (even
+    with none), and a statistic shared with a parameter or another node would be updated twice.
+    So a shared initializer is copied, and a computed statistic is refused.
+    """
+    stat = node.inputs[slot]
+    if stat is None:
+        raise UnsupportedModelError(f"BatchNormalization node '{node.name}' has no running {what}")
+    if not stat.is_initializer() and not stat.is_graph_input():
+        raise UnsupportedModelError(
+            f"BatchNormalization node '{node.name}': its running {what} '{stat.name}' is computed, not an "
+            "initializer or graph input; export it as an initializer, or pass --batchnorm eval"
+        )
+    shared = stat.is_graph_output() or any(user is not node or index != slot for user, index in stat.uses())
+    if not shared:
+        return stat
+    if stat.const_value is None:
+        raise UnsupportedModelError(
+            f"BatchNormalization node '{node.name}': its running {what} '{stat.name}' is a graph input that "
+            "other nodes use too; give the node its own running statistics"
+        )
+    name = ctx.unique(f"{node.name}/running_{what}")
+    own = ir.Value(name=name, type=stat.type, shape=stat.shape, const_value=ir.tensor(stat.const_value.numpy(), name=name))
+    graph.register_initializer(own)
+    node.replace_input_with(slot, own)
+    logger.info("BatchNormalization '%s': running %s '%s' is shared; it gets its own state '%s'", node.name, what, stat.name, name)
+    return own
 
 
 def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> list[tuple[ir.Value | None, ir.Value]]:

@@ -357,6 +357,37 @@ def test_unsupported_op_error_names_op_opset_and_node() -> None:
         build_training_graph(_tiny(op="Acos"), loss="mse")
 
 
+def _scalar_loss_model(names: tuple[str, ...] = ("233",), opset: int = 18) -> onnx.ModelProto:
+    """MatMul then one float-scalar ReduceMean output per name (exporters number the loss)."""
+    helper = onnx.helper
+    w = onnx.numpy_helper.from_array(np.full((3, 3), 0.5, np.float32), "w")
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm")]
+    nodes += [helper.make_node("ReduceMean", ["h"], [n], keepdims=0, name=f"mean{i}") for i, n in enumerate(names)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["N", 3])],
+                              [helper.make_tensor_value_info(n, onnx.TensorProto.FLOAT, []) for n in names], [w])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
+
+
+def test_only_float_scalar_output_is_the_loss() -> None:
+    step = build_training_graph(_scalar_loss_model(("233",)), optimizer="sgd")
+    assert step.graph.outputs[0].name == "233" and step.metadata_props["mpgraph.loss"] == "233"
+
+
+def test_several_outputs_error_speaks_cli() -> None:
+    with pytest.raises(GradientError) as info:
+        build_training_graph(_scalar_loss_model(("a", "b")))
+    message = str(info.value)
+    assert "--loss NAME" in message and "--loss cross_entropy" in message and "--loss mse" in message
+    assert "a float[]" in message and "b float[]" in message and "loss=" not in message and "\n" not in message
+
+
+def test_errors_name_the_models_own_opset() -> None:
+    model = _tiny(op="Acos")
+    model.opset_import[0].version = 13
+    with pytest.raises(GradientError, match=r"Acos at opset 13 \(upgraded to 18\) \(node 'act'"):
+        build_training_graph(model, loss="mse")
+
+
 def test_integer_only_graph_is_rejected() -> None:
     helper = onnx.helper
     graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g",
