@@ -147,9 +147,7 @@ def mpgraph_run(label: str, graph: Any, spec: ModelSpec, provider: str, twin: st
         return trainer.step({data_name: spec.inputs[k], "label": spec.labels[k]}).loss
 
     run = Run(label, step, twin, device=provider)
-    if provider == "cuda":
-        run.note = "cuda graph" if trainer.cuda_graph else f"no cuda graph: {trainer.cuda_graph_reason}"
-        run.trainer = trainer  # type: ignore[attr-defined]
+    run.trainer = trainer  # type: ignore[attr-defined]
     return run
 
 
@@ -314,6 +312,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[{spec.name}] graphs built in {build_s:.1f}s", flush=True)
 
     def add(make: Callable[[], Run]) -> None:
+        if cuda:
+            torch.cuda.empty_cache()
         before = device_used_mib() if cuda else 0.0
         try:
             run = make()
@@ -366,10 +366,18 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
                 torch.set_num_threads(2)
             time_round(run, args.steps_per_round)
             torch.set_num_threads(threads)
-            if r == 0 and cuda and run.memory_mib is None:
+            if r == 0 and cuda and run.memory_mib is None and run.device == "cuda":
+                # Device memory this configuration added (its weights, state, arenas): ORT
+                # keeps its arenas, torch's cache is emptied before each torch config is made.
                 run.memory_mib = device_used_mib() - run._mem_before  # type: ignore[attr-defined]
+                if run.label.startswith("torch"):
+                    torch.cuda.empty_cache()
         print(f"[{spec.name}] round {r} done", flush=True)
 
+    for run in runs:
+        trainer = getattr(run, "trainer", None)
+        if trainer is not None and trainer.provider == "cuda":
+            run.note = "cuda graph" if trainer.cuda_graph else f"no cuda graph: {trainer.cuda_graph_reason}"
     breakdown: dict[str, Any] = {}
     if cuda and not args.no_profile:
         for run in runs:

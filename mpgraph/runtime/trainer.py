@@ -551,15 +551,23 @@ class Trainer:
         if self._want_graph and self._replay is None:
             self._start_replay(batch)
         replay = self._replay
+        ran = False
         if replay is not None and self._signature(batch, replay.batch) == replay.signature:
             for name, buf in replay.batch.items():
                 buf.update_inplace(np.ascontiguousarray(batch[name]))
             run_options = ort.RunOptions()
             # Graph ids 1 and 2: one captured graph per buffer parity (0 is ORT's own default).
             run_options.add_run_config_entry("gpu_graph_id", str(1 + self._parity))
-            replay.session.run_with_iobinding(replay.bindings[self._parity], run_options)
+            try:
+                replay.session.run_with_iobinding(replay.bindings[self._parity], run_options)
+                ran = True
+            except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError/Fail types
+                # A kernel that refuses capture (e.g. Concat over 32 inputs) fails here, before
+                # any state input is touched: the step runs again without graphs.
+                self._replay = None
+                self._graph_off(f"capture failed: {str(e).splitlines()[0][:300]}")
             loss_buf, found_buf = replay.loss, replay.found
-        else:
+        if not ran:
             binding = self._bindings[self._parity]
             # The binding points into these arrays' memory: hold them until the next step.
             self._keep = []
