@@ -75,6 +75,11 @@ MAX_IR_VERSION = 13
 LR_INPUT = "lr"
 _LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
+#: Ops never folded: random generators give a new value every run.
+_NO_FOLD = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
+                      "Dropout"})
+#: Folded results larger than this (elements) stay computed, so the graph does not grow.
+_FOLD_LIMIT = 1 << 20
 
 
 def _name(value: ir.Value) -> str:
@@ -212,6 +217,98 @@ def _untie_identity_initializers(graph: ir.Graph) -> int:
     if untied:
         logger.info("untied %d initializers that the exporter had deduplicated behind Identity nodes", untied)
     return untied
+
+
+def _parameter_like(graph: ir.Graph, inputs_mark_params: bool) -> set[ir.Value]:
+    """Initializers that ``_select_params`` may make parameters (before freeze): never folded."""
+    floats = [v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES]
+    explicit = {v for v in floats if v.is_graph_input()} if inputs_mark_params else set()
+    if explicit:
+        return explicit
+    return {v for v in floats if v.is_graph_input() or (v.shape is not None and len(v.shape) >= 1)}
+
+
+def _fold_constants(graph: ir.Graph, inputs_mark_params: bool) -> int:
+    """Evaluate subgraphs that only read constants, and put Constant nodes in their place.
+
+    Exporters compute pads, axes and shapes from chains of Constant, Cast, Concat and Reshape
+    nodes (the TorchScript Swin's ``Pad``); gradient rules need those values as constants. A
+    node folds when every input is a Constant output, a non-parameter initializer or an already
+    folded value; anything reading a parameter or a graph input stays. The results become
+    Constant nodes rather than initializers, since a float initializer would be a parameter.
+    Results of more than ``_FOLD_LIMIT`` elements stay computed. Returns the number of values
+    folded.
+    """
+    params = _parameter_like(graph, inputs_mark_params)
+    constant: set[ir.Value] = {v for v in graph.initializers.values() if v not in params and not v.is_graph_input()}
+    folding: list[ir.Node] = []
+    for node in graph:
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            constant.update(node.outputs)
+            folding.append(node)
+        elif (node.domain in ("", "ai.onnx") and node.op_type not in _NO_FOLD and node.inputs
+              and all(v is None or v in constant for v in node.inputs)
+              and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())):
+            constant.update(node.outputs)
+            folding.append(node)
+    computed = [n for n in folding if n.op_type != "Constant"]
+    folded_nodes = set(computed)
+    frontier = [o for n in computed for o in n.outputs
+                if isinstance(o.type, ir.TensorType) and o.dtype not in (None, ir.DataType.STRING) and (o.is_graph_output() or any(u not in folded_nodes for u, _ in o.uses()))]
+    if not frontier:
+        return 0
+    values = _evaluate(graph, folding, frontier)
+    if values is None:
+        return 0
+    count = 0
+    for value, array in zip(frontier, values):
+        if array.size > _FOLD_LIMIT or value.is_graph_output():
+            continue
+        name = value.name
+        producer = value.producer()
+        assert producer is not None and name is not None
+        const = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array, name=name))], name=f"{producer.name}/folded")
+        graph.insert_before(producer, const)
+        value.replace_all_uses_with(const.outputs[0])
+        value.name = None
+        const.outputs[0].name = name
+        const.outputs[0].dtype, const.outputs[0].shape = ir.DataType.from_numpy(array.dtype), ir.Shape(array.shape)
+        count += 1
+    _remove_unused(graph, folded_nodes)
+    if count:
+        logger.info("folded %d constant subgraph values into Constant nodes", count)
+    return count
+
+
+def _remove_unused(graph: ir.Graph, nodes: set[ir.Node]) -> None:
+    for node in reversed(list(graph)):
+        if node in nodes and not any(o.uses() or o.is_graph_output() for o in node.outputs):
+            graph.remove(node, safe=True)
+
+
+def _evaluate(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> list[np.ndarray] | None:
+    """Run ``nodes`` (constant inputs only) in ONNX Runtime and return ``values``."""
+    import onnxruntime as ort
+
+    inits = {v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer()}
+    proto = onnx.helper.make_model(
+        onnx.helper.make_graph(
+            [ir.serde.serialize_node(n) for n in nodes], "fold", [],
+            [onnx.helper.make_tensor_value_info(_name(v), int(v.dtype), None) for v in values if v.dtype is not None],
+            [ir.serde.serialize_tensor(graph.initializers[name].const_value) for name in sorted(n for n in inits if n)],
+        ),
+        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
+    )
+    proto.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(proto.opset_import), True))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return [np.asarray(a) for a in session.run([_name(v) for v in values], {})]
+    except Exception as e:  # noqa: BLE001 - ORT raises many types; folding is an optimization
+        logger.warning("constant folding skipped: ONNX Runtime cannot evaluate the constant subgraphs (%s)", str(e).splitlines()[0])
+        return None
 
 
 def _set_role(nodes: Sequence[ir.Node], role: str) -> None:
@@ -366,6 +463,7 @@ def build_training_graph(
     _name_nodes(graph)
     _materialize_constant_weights(graph)
     _untie_identity_initializers(graph)
+    _fold_constants(graph, inputs_mark_params)
     _set_role(list(graph), "forward")
     fwd = GradContext(graph, role="loss", scope="loss")
     loss_value, attached = _attach_loss(graph, loss, fwd)

@@ -388,6 +388,42 @@ def test_errors_name_the_models_own_opset() -> None:
         build_training_graph(model, loss="mse")
 
 
+def test_constant_subgraphs_fold_but_parameters_stay() -> None:
+    """Reduce axes and Pad pads computed from Constants (as TorchScript exports them) fold into
+    Constant nodes; a Transpose of the weight is a parameter's use and stays."""
+    helper, tensor = onnx.helper, onnx.TensorProto
+    rng = np.random.default_rng(0)
+    w = onnx.numpy_helper.from_array(rng.standard_normal((3, 4)).astype(np.float32), "w")
+    nodes = [
+        helper.make_node("Transpose", ["w"], ["wt"], perm=[1, 0], name="wt"),
+        helper.make_node("MatMul", ["x", "wt"], ["h"], name="mm"),
+        helper.make_node("Constant", [], ["c0"], value=helper.make_tensor("c0", tensor.INT64, [2], [0, 1]), name="c0"),
+        helper.make_node("Constant", [], ["c1"], value=helper.make_tensor("c1", tensor.FLOAT, [2], [0, 2]), name="c1"),
+        helper.make_node("Cast", ["c1"], ["c1i"], to=tensor.INT64, name="cast"),
+        helper.make_node("Concat", ["c0", "c1i"], ["pads"], axis=0, name="concat"),
+        helper.make_node("Pad", ["h", "pads"], ["hp"], name="pad"),
+        helper.make_node("Constant", [], ["a"], value=helper.make_tensor("a", tensor.INT64, [1], [1]), name="a"),
+        helper.make_node("Neg", ["a"], ["na"], name="neg"),
+        helper.make_node("Mul", ["hp", "hp"], ["sq"], name="sq"),
+        helper.make_node("ReduceSum", ["sq", "na"], ["r"], keepdims=0, name="reduce"),
+        helper.make_node("ReduceMean", ["r"], ["loss"], keepdims=0, name="mean"),
+    ]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", tensor.FLOAT, ["N", 4])],
+                              [helper.make_tensor_value_info("loss", tensor.FLOAT, [])], [w])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    step = build_training_graph(model, optimizer=None)
+    ops = [n.op_type for n in step.graph if n.metadata_props.get(NODE_ROLE) == "forward"]
+    assert "Concat" not in ops and "Neg" not in ops and "Cast" not in ops and "Transpose" in ops
+    x = rng.standard_normal((2, 4)).astype(np.float32)
+    loss, grad = _session(step).run(["loss", "grad/w"], {"x": x})
+    wt = torch.tensor(onnx.numpy_helper.to_array(w), requires_grad=True)
+    h = torch.nn.functional.pad(torch.tensor(x) @ wt.T, (1, 2))  # ONNX pads [0, 1, 0, 2]: axis 1 by (1, 2)
+    expected = (h * h).sum(-1).mean()
+    expected.backward()
+    np.testing.assert_allclose(loss, expected.item(), rtol=1e-6)
+    np.testing.assert_allclose(grad, wt.grad.numpy(), rtol=1e-5)
+
+
 def test_integer_only_graph_is_rejected() -> None:
     helper = onnx.helper
     graph = helper.make_graph([helper.make_node("Add", ["a", "b"], ["c"])], "g",
