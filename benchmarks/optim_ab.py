@@ -11,7 +11,7 @@ per-tensor, and the node counts (all nodes, optimizer-role nodes, loss-scaling W
 
     python3 benchmarks/optim_ab.py --provider cpu --threads 2              # zoo gpt and wide_mlp
     python3 benchmarks/optim_ab.py --provider cpu --threads 1 --clock cpu  # the same, on a busy CPU
-    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy bf16 --variants packed,flat
+    python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy bf16 --variants packed,flat,flat-grouped
     python3 benchmarks/optim_ab.py --provider cuda --models gpt-h200 --policy fp16
 
 ``gpt-h200`` is issue 11's GPT (vocab 8192, d 1024, 16 heads, 8 layers, T 512, batch 8; 118M
@@ -36,11 +36,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mpgraph  # noqa: E402
 from mpgraph import metadata as md  # noqa: E402
+from mpgraph.optim import base as optim_base  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
 from mpgraph.train_graph import build_training_graph  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-VARIANTS = {"per-tensor": {"pack": False}, "packed": {}, "flat": {"flat": True}}
+VARIANTS = {"per-tensor": {"pack": False}, "packed": {}, "flat": {"flat": True}, "flat-grouped": {"flat": True}}
 
 
 def forward_model(name: str) -> tuple[Any, dict[str, tuple[int, ...]], int]:
@@ -91,8 +92,13 @@ def run_model(name: str, args: argparse.Namespace) -> None:
     trainers: dict[str, Trainer] = {}
     for label in args.variants.split(","):
         options = VARIANTS[label]
-        step = build_training_graph(source, optimizer="adamw", lr=1e-4,
-                                    optimizer_options={"weight_decay": 0.01, **options})
+        # flat-grouped: the flat buffer split back per group of equal trailing dims.
+        default_unpack, optim_base.FLAT_UNPACK = optim_base.FLAT_UNPACK, "grouped" if label == "flat-grouped" else "reshape"
+        try:
+            step = build_training_graph(source, optimizer="adamw", lr=1e-4,
+                                        optimizer_options={"weight_decay": 0.01, **options})
+        finally:
+            optim_base.FLAT_UNPACK = default_unpack
         if args.policy != "fp32":
             step = mpgraph.convert(step, args.policy, emulate=args.provider == "cpu" and args.policy != "fp32")
         print(f"{name:10s} {label:10s} {node_counts(step)}", flush=True)
@@ -141,7 +147,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--variants", default="per-tensor,packed,flat",
-                        help="comma list of per-tensor (pack=False), packed (the default), flat; the first is the base")
+                        help="comma list of per-tensor (pack=False), packed (the default), flat, flat-grouped (FLAT_UNPACK='grouped'); the first is the base")
     parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
                         help="wall time, or this process's CPU time (use with --threads 1 on a shared CPU)")
     args = parser.parse_args()

@@ -19,6 +19,7 @@ from onnx import helper, numpy_helper
 
 import mpgraph
 from mpgraph import metadata as md
+from mpgraph.optim import base
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
@@ -92,9 +93,14 @@ def _flat_order(model: ir.Model) -> list[str]:
     return members(concat)
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-@pytest.mark.parametrize("name", ["tiny_mlp", "gpt", "deep_mlp"])
-def test_flat_matches_per_tensor(name: str, config: str) -> None:
+#: Both ways back from the flat buffer (``optim.base.FLAT_UNPACK``); ``grouped`` on fewer cases.
+CASES = [(name, config, "reshape") for name in ("tiny_mlp", "gpt", "deep_mlp") for config in sorted(CONFIGS)] + [
+    (name, "adamw-amsgrad", "grouped") for name in ("tiny_mlp", "gpt", "deep_mlp")]
+
+
+@pytest.mark.parametrize(("name", "config", "unpack"), CASES)
+def test_flat_matches_per_tensor(name: str, config: str, unpack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(base, "FLAT_UNPACK", unpack)
     kind, options, lr = CONFIGS[config]
     per_tensor = _step(name, kind, {**options, "pack": False})
     flat = _step(name, kind, {**options, "flat": True})
@@ -107,10 +113,10 @@ def test_flat_matches_per_tensor(name: str, config: str) -> None:
     for p in params:
         assert np.array_equal(ours[p], theirs[p]), p
     assert not np.array_equal(theirs[params[0]], flat.graph.initializers[params[0]].const_value.numpy())  # it trained
-    # Flat state is the per-tensor state concatenated in the flat buffer's order: parameters
-    # grouped by trailing dims, in parameter order within a group.
+    # Flat state is the per-tensor state concatenated in the flat buffer's order: parameter
+    # order, or (``grouped``) grouped by trailing dims, in parameter order within a group.
     order = _flat_order(flat)
-    assert sorted(order) == sorted(params)
+    assert order == params if unpack == "reshape" else sorted(order) == sorted(params)
     slots = {k.split("/")[-1] for k in theirs if k.startswith("optim/flat/")}
     assert slots == {"momentum"} if kind == "sgd" else slots >= {"m", "v"}
     assert ("v_max" in slots) == bool(options.get("amsgrad"))
@@ -121,10 +127,12 @@ def test_flat_matches_per_tensor(name: str, config: str) -> None:
         assert ours["optim/step"] == theirs["optim/step"] == 10.0
 
 
-def test_flat_node_count_is_independent_of_parameter_count() -> None:
+@pytest.mark.parametrize("unpack", ["reshape", "grouped"])
+def test_flat_node_count_is_independent_of_parameter_count(unpack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The flat update is the same nodes for 6 parameters (tiny MLP) as for 30 (GPT), apart
-    from the Reshapes (views, two per parameter and one per group) and one Split per group
-    of parameters with the same trailing dims (whose pieces are the outputs, uncopied)."""
+    from the Reshapes (two views per parameter; back: one copy per non-vector, or, grouped,
+    one view per group of equal trailing dims) and the Splits (one, or one per group)."""
+    monkeypatch.setattr(base, "FLAT_UNPACK", unpack)
     counts, per_tensor = {}, {}
     for name in ("tiny_mlp", "wide_mlp", "gpt"):
         path = ZOO_DIR / f"{name}.loss.onnx"
@@ -132,8 +140,12 @@ def test_flat_node_count_is_independent_of_parameter_count() -> None:
         flat = _optimizer_nodes(model)
         params = [v for v in model.graph.inputs if v.name in set(_param_order(model))]
         groups = collections.Counter(tuple(v.shape[1:]) for v in params)
-        assert flat["Reshape"] == 2 * len(params) + len(set(groups) - {()})
-        assert flat["Split"] == (len(groups) > 1) + sum(n > 1 for n in groups.values())
+        if unpack == "grouped":
+            assert flat["Reshape"] == 2 * len(params) + len(set(groups) - {()})
+            assert flat["Split"] == (len(groups) > 1) + sum(n > 1 for n in groups.values())
+        else:
+            assert flat["Reshape"] == 2 * len(params) + sum(len(v.shape) != 1 for v in params)
+            assert flat["Split"] == 1
         del flat["Reshape"], flat["Split"]
         counts[name] = flat
         per_tensor[name] = sum(_optimizer_nodes(build_training_graph(path, optimizer="adamw", optimizer_options={"amsgrad": True, "pack": False})).values())
@@ -170,11 +182,13 @@ def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
     assert added["tiny_mlp"] == added["gpt"] == added["deep_mlp"] == {"Where": 9, "ReduceSum": 1, "Mul": 5, "IsNaN": 1}
 
 
-@pytest.mark.parametrize("name", ["tiny_mlp", "gpt", "deep_mlp"])
-def test_flat_loss_scaled_step_matches_per_tensor_and_skips_bit_identically(name: str) -> None:
+@pytest.mark.parametrize(("name", "unpack"), [("tiny_mlp", "reshape"), ("gpt", "reshape"), ("deep_mlp", "reshape"),
+                                              ("gpt", "grouped"), ("deep_mlp", "grouped")])
+def test_flat_loss_scaled_step_matches_per_tensor_and_skips_bit_identically(name: str, unpack: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """fp16-emulated, dynamic loss scaling: the flat step equals the per-tensor step; a
     step whose scaled gradients overflow (loss scale 2**127) leaves every parameter and
     optimizer state bit-identical and halves the scale."""
+    monkeypatch.setattr(base, "FLAT_UNPACK", unpack)
     trainers = [Trainer(_loss_scaled(name, flat), provider="cpu", threads=1) for flat in (False, True)]
     batches = _feeds(name, 4)
     for feeds in batches[:3]:

@@ -111,10 +111,10 @@ def slots(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], *, pack_sma
     """
     if flat:
         members = [(p, g) for p, g in params if _numel(p) and p.dtype in (ir.DataType.FLOAT, None)]
-        # Parameters with the same trailing dims sit next to each other, so the update splits
-        # back into each group's rows with one Split and no copying Reshape (see ``unpack``).
-        order = {key: i for i, key in reversed(list(enumerate(_trailing(p) for p, _ in members)))}
-        members.sort(key=lambda pair: order[_trailing(pair[0])])
+        if FLAT_UNPACK == "grouped":
+            # Parameters with the same trailing dims sit next to each other (see ``unpack``).
+            order = {key: i for i, key in reversed(list(enumerate(_trailing(p) for p, _ in members)))}
+            members.sort(key=lambda pair: order[_trailing(pair[0])])
         return pack(ctx, params, members=members, mark=True)
     return pack(ctx, params) if pack_small else pack(ctx, params, threshold=0)
 
@@ -182,6 +182,18 @@ def _split(ctx: GradContext, value: ir.Value, sizes: list[int], trailing: tuple[
     return parts, root
 
 
+#: How a flat optimizer's updated parameter becomes the parameters.
+#: ``reshape``: one Split into 1-D pieces, and a Reshape for each non-vector, which copies
+#: (ORT writes a graph output through a Reshape by copying).
+#: ``grouped``: parameters grouped by trailing dims in the flat buffer; one Split into the
+#: groups, and per group one Split of its rows into the parameters' shapes: fewer nodes
+#: (7 instead of about 55 for the H200 GPT's 101 tensors), but the group Split copies too.
+#: ORT CPU, 1 thread, process time, interleaved (zoo GPT 110K parameters / wide MLP 2.1M):
+#: reshape 15.9 / 19.9 ms/step, grouped 17.0 / 20.5: ``reshape`` is the default until CUDA
+#: says otherwise (``benchmarks/optim_ab.py --variants flat,flat-grouped``).
+FLAT_UNPACK = "reshape"
+
+
 def _trailing(value: ir.Value) -> tuple[int, ...]:
     """The static dims after the first (``()`` for scalars and vectors)."""
     return tuple(int(d) for d in list(value.shape or ())[1:])
@@ -233,11 +245,19 @@ def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Va
     """``{param name: updated value}`` of a slot."""
     if slot.members is None:
         return {slot.name: new_param}
-    if slot.marked:
+    if slot.marked and FLAT_UNPACK == "grouped":
         return _unpack_grouped(ctx, slot, new_param)
     sizes = [_numel(p) or 0 for p in slot.members]
-    parts, _ = _split(ctx, new_param, sizes)
-    return {
-        p.name or "": ctx.op("Reshape", part, ctx.ints([d if isinstance(d, int) else -1 for d in p.shape or ()]))
-        for p, part in zip(slot.members, parts, strict=True)
-    }
+    parts, top = _split(ctx, new_param, sizes)
+    if slot.marked:
+        top.metadata_props[NODE_FLAT] = FLAT_SPLIT
+    updated = {}
+    for p, part in zip(slot.members, parts, strict=True):
+        dims = [d if isinstance(d, int) else -1 for d in p.shape or ()]
+        if slot.marked and len(dims) == 1:
+            # A Reshape at a graph output is a copy on ORT: vectors take the Split's output.
+            part.shape = ir.Shape(dims)
+            updated[p.name or ""] = part
+        else:
+            updated[p.name or ""] = ctx.op("Reshape", part, ctx.ints(dims))
+    return updated
