@@ -76,16 +76,17 @@ def group_norm_21(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 
 def infer_group_norm_types(graph: ir.Graph) -> int:
-    """Give untyped GroupNormalization outputs their input's dtype and shape; returns the count.
+    """Give untyped GroupNormalization outputs their typed input's dtype and shape; returns the count.
 
     ONNX shape inference leaves them untyped (the op is a context-dependent function with no
     inference function), and the autodiff driver treats an untyped value as non-float, which
-    cuts every gradient path through the op.
+    cuts every gradient path through the op. Alternate it with shape inference until it returns
+    0: a GroupNormalization whose input is downstream of another one gets typed on a later round.
     """
     count = 0
     for node in graph:
         x, y = node.inputs[0] if node.inputs else None, node.outputs[0]
-        if node.op_type == "GroupNormalization" and x is not None and y.dtype is None:
+        if node.op_type == "GroupNormalization" and x is not None and x.dtype is not None and y.dtype is None:
             y.dtype, y.shape = x.dtype, x.shape
             count += 1
     return count
