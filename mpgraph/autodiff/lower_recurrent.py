@@ -91,16 +91,12 @@ def _fail(node: ir.Node, what: str) -> GradientError:
     return GradientError(f"{node.op_type} node '{node.name}': {what}")
 
 
-def _attr(node: ir.Node, name: str, default: object = None) -> object:
-    a = node.attributes.get(name)
-    return default if a is None else a.value
-
-
 def _spec(node: ir.Node) -> _Spec:
     x, r = node.inputs[0], node.inputs[2] if len(node.inputs) > 2 else None
     if x is None or r is None:
         raise _fail(node, "X and R must be present")
-    layout = int(_attr(node, "layout", 0))  # type: ignore[call-overload]
+    attrs = node.attributes
+    layout = attrs.get_int("layout", 0)
     seq_axis = 1 if layout else 0
     dims = list(x.shape) if x.shape is not None else None
     steps = dims[seq_axis] if dims is not None and len(dims) == 3 else None
@@ -109,24 +105,22 @@ def _spec(node: ir.Node) -> _Spec:
             f"the sequence length (dim {seq_axis} of '{x.name}', shape {dims}) must be static to unroll "
             "it for the gradient; export with a fixed sequence length or fix that dim "
             "(onnxruntime.tools.make_dynamic_shape_fixed)"))
-    hidden = _attr(node, "hidden_size")
+    hidden: int | None = attrs.get_int("hidden_size")
     if hidden is None:
         r_dims = list(r.shape) if r.shape is not None else []
         hidden = r_dims[-1] if r_dims else None
     if not isinstance(hidden, int):
         raise _fail(node, "hidden_size is neither an attribute nor a static dim of R")
-    direction = str(_attr(node, "direction", "forward"))
+    direction = attrs.get_string("direction", "forward")
     reverse = {"forward": (False,), "reverse": (True,), "bidirectional": (False, True)}.get(direction)
     if reverse is None:
         raise _fail(node, f"unknown direction '{direction}' (forward, reverse or bidirectional)")
-    names = [str(a) for a in (_attr(node, "activations") or _DEFAULT_ACTIVATIONS[node.op_type])]  # type: ignore[attr-defined]
     per_dir = len(_DEFAULT_ACTIVATIONS[node.op_type])
-    if len(names) == per_dir and len(reverse) == 2:
-        names = names * 2  # as ONNX Runtime: one list serves both directions
-    if len(names) != per_dir * len(reverse):
-        raise _fail(node, f"expected {per_dir * len(reverse)} activations, got {names}")
-    alphas = list(_attr(node, "activation_alpha") or [])  # type: ignore[call-overload]
-    betas = list(_attr(node, "activation_beta") or [])  # type: ignore[call-overload]
+    names = list(attrs.get_strings("activations") or _DEFAULT_ACTIVATIONS[node.op_type] * len(reverse))
+    if len(names) != per_dir * len(reverse):  # ONNX Runtime refuses a short list too
+        raise _fail(node, f"expected {per_dir * len(reverse)} activations ({per_dir} per direction), got {names}")
+    alphas = list(attrs.get_floats("activation_alpha") or [])
+    betas = list(attrs.get_floats("activation_beta") or [])
     acts = []
     for name in names:
         if name.lower() not in _ACTIVATIONS:
@@ -138,11 +132,11 @@ def _spec(node: ir.Node) -> _Spec:
         if beta is not None and betas:
             beta = float(betas.pop(0))
         acts.append(_Activation(op, alpha, beta))
-    clip = _attr(node, "clip")
+    clip = attrs.get_float("clip")
     return _Spec(
-        node.op_type, hidden, steps, reverse, layout, None if clip is None else float(clip),  # type: ignore[arg-type]
+        node.op_type, hidden, steps, reverse, layout, clip,
         tuple(tuple(acts[d * per_dir:(d + 1) * per_dir]) for d in range(len(reverse))),
-        bool(_attr(node, "linear_before_reset", 0)), bool(_attr(node, "input_forget", 0)),
+        bool(attrs.get_int("linear_before_reset", 0)), bool(attrs.get_int("input_forget", 0)),
     )
 
 
