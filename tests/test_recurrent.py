@@ -273,3 +273,14 @@ def test_rule_equals_lowering_without_the_builder(op: str) -> None:
     assert len(grads[0]) == (6 if op == "LSTM" else 4)  # W, R, B, H0 (, C0, P)
     for name, g in grads[0].items():
         np.testing.assert_allclose(g, grads[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(("attrs", "message"), [
+    ({"activations": ["Sigmoid", "Tanh", "Tanh"], "direction": "bidirectional"}, r"expected 6 activations \(3 per direction\)"),
+    ({"activations": ["Sigmoid", "Gelu", "Tanh"]}, r"activation 'Gelu' has no unrolled form"),
+])
+def test_unsupported_attributes_are_refused(attrs: dict[str, Any], message: str) -> None:
+    direction = attrs.pop("direction", "forward")
+    model, _ = _model("LSTM", direction=direction, attrs=attrs)
+    with pytest.raises(GradientError, match=rf"LSTM node 'rec': {message}"):
+        lower_recurrent(ir.from_proto(model).graph)
