@@ -84,7 +84,7 @@ LAYERS = [
 
 #: Variants: (label, which gradient, WEIGHT_GRAD_FORM while building); "dX convT" builds the
 #: unit-stride data gradient as ConvTranspose instead of a Conv with the flipped kernel.
-VARIANTS = [("dW im2col", "dw", "im2col"), ("dW conv", "dw", "conv"), ("dW auto", "dw", None),
+VARIANTS = [("dW im2col", "dw", "im2col"), ("dW conv", "dw", "conv"), ("dW slices", "dw", "slices"), ("dW auto", "dw", None),
             ("dX", "dx", None), ("dX convT", "dx", "convT"), ("fwd", "fwd", None)]
 
 

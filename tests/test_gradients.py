@@ -577,9 +577,9 @@ def test_gradient(case: Case) -> None:
         assert err <= tol, (n, err)
 
 
-# The Conv weight gradient has two forms (one Conv of x and dy with batch and channels swapped,
-# or the one-hot im2col forms); the rule picks one per layer shape, so each form is forced here
-# on every conv case. These extra cases stress the single-Conv form's geometry: its stride and
+# The Conv weight gradient has three forms (one Conv of x and dy with batch and channels swapped,
+# one Slice + MatMul per kernel tap, or the one-hot im2col forms); the rule picks one per layer
+# shape, so each form is forced here on every conv case. These extra cases stress the single-Conv form's geometry: its stride and
 # dilation swap roles, and its output is cut back to the kernel where input rows go unread.
 CONV_FORM_CASES = [
     Case("Conv2d-8x8-4-form", "Conv", [Var(("N", 2, 20, 20)), Var((3, 2, 8, 8)), Var((3,))], {"strides": [4, 4]},
@@ -599,12 +599,13 @@ CONV_FORM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("form", ["conv", "im2col"])
+@pytest.mark.parametrize("form", ["conv", "slices", "im2col"])
 @pytest.mark.parametrize("case", [c for c in CASES if c.op in ("Conv", "ConvTranspose")] + CONV_FORM_CASES,
                          ids=lambda c: c.id)
 def test_conv_weight_grad_forms(case: Case, form: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each weight-gradient form, forced, passes the table's checks; the step graph holds it
-    (the single-Conv form's kernel is dy transposed, the im2col forms never convolve with dy)."""
+    (the single-Conv form's kernel is dy transposed, the others never convolve with dy; the
+    slices form, for one group, has one MatMul per kernel tap)."""
     from mpgraph.autodiff.rules import pool_conv
 
     monkeypatch.setattr(pool_conv, "WEIGHT_GRAD_FORM", form)
@@ -615,6 +616,9 @@ def test_conv_weight_grad_forms(case: Case, form: str, monkeypatch: pytest.Monke
     by_dy = [n for n in convs if n.inputs[1] is not None and n.inputs[1].producer() is not None
              and n.inputs[1].producer().op_type == "Transpose"]
     assert len(by_dy) == (1 if form == "conv" else 0), [n.name for n in convs]
+    if form == "slices" and case.op == "Conv" and case.attrs.get("group", 1) == 1:
+        matmuls = [n for n in step.graph if n.op_type == "MatMul" and n.name.startswith("grad/")]
+        assert len(matmuls) == int(np.prod(case.inputs[1].shape[2:])), [n.name for n in matmuls]
 
 
 def test_dropout_training_mask_routes_gradient() -> None:

@@ -27,8 +27,9 @@ Ctx = GradContext
 UNIT_STRIDE_AS_CONV = True
 
 #: Which weight-gradient form the rules emit: ``None`` picks per layer shape
-#: (``_conv_form_pays``); ``"conv"`` forces the single-Conv form, ``"im2col"`` the one-hot
-#: im2col forms (SpaceToDepth where it applies). Tests and benchmarks set it to cover each form.
+#: (``_weight_grad_form``); ``"conv"`` forces the single-Conv form, ``"slices"`` the per-tap
+#: Slice + MatMul form (one group, static dims), ``"im2col"`` the one-hot im2col forms
+#: (SpaceToDepth where it applies). Tests and benchmarks set it to cover each form.
 WEIGHT_GRAD_FORM: str | None = None
 
 
@@ -201,29 +202,77 @@ def _conv_weight_grad(
     return ctx.op("Transpose", grad, perm=[1, 0, *spatial])
 
 
-def _conv_form_pays(kernel: list[int], group: int) -> bool:
-    """Whether the single-Conv weight gradient is the faster form: one group and 16 taps or more.
+def _slices_weight_grad(
+    ctx: Ctx, x: V, dy: V, like_dy: V, m: int, c: int, geometry: tuple, kernel: list[int]
+) -> V | None:
+    """The weight gradient of a one-group convolution as one Slice of the input per kernel tap
+    (``x`` with batch and channels swapped, padded: ``[C, N, *out]``) and one MatMul per tap,
+    ``[C, N*P] x [N*P, M]``: im2col by copies, with no one-hot Conv and no transposed cols.
+    ``None`` where the spatial dims are not static.
+    """
+    strides, pads, dilations = geometry
+    n = len(kernel)
+    sizes, out = ctx.dims(x)[2:] or [None] * n, ctx.dims(like_dy)[2:] or [None] * n
+    if None in out or None in sizes:
+        return None
+    spatial = list(range(2, n + 2))
+    begin = list(pads[:n])
+    end = [max(0, (k - 1) * d + (o - 1) * s + 1 - size - b)
+           for k, d, o, s, size, b in zip(kernel, dilations, out, strides, sizes, begin, strict=True)]
+    xt = ctx.op("Transpose", x, perm=[1, 0, *spatial])
+    if any(begin) or any(end):
+        xt = ctx.op("Pad", xt, ctx.ints([0, 0, *begin, 0, 0, *end]))
+    taps = []
+    for index in np.ndindex(*kernel):
+        starts = [t * d for t, d in zip(index, dilations, strict=True)]
+        ends = [b + (o - 1) * s + 1 for b, o, s in zip(starts, out, strides, strict=True)]
+        taps.append(ctx.op("Slice", xt, ctx.ints(starts), ctx.ints(ends), ctx.ints(spatial), ctx.ints(strides)))
+    dy_rows = ctx.op("Reshape", ctx.op("Transpose", dy, perm=[0, *spatial, 1]), ctx.ints([-1, m]))
+    # One MatMul per tap, not one over the concatenated taps: no copy of the whole im2col
+    # (ResNet 3x3 32x32 layer at 1 thread: 4.2 vs 5.9 ms; the DQN's 3x3 layer: equal).
+    parts = [ctx.op("MatMul", ctx.op("Reshape", t, ctx.ints([c, -1])), dy_rows) for t in taps]
+    grad = ctx.op("Reshape", ctx.op("Concat", *parts, axis=0), ctx.ints([len(taps), c, m]))
+    grad = ctx.op("Transpose", grad, perm=[2, 1, 0])  # [M, C, taps]
+    return ctx.op("Reshape", grad, ctx.ints([m, c, *kernel]))
 
-    ORT CPU runs that Conv as, per input channel, a GEMM ``[M, N*P] x [N*P, taps]``; with few
-    taps its narrow right side wastes MLAS's 16-column kernel, while the one-hot im2col's extra
-    work grows with taps. ``benchmarks/conv_dw_ab.py``, 1 thread, CPU time, single-Conv / im2col:
-    taps >= 16 (8x8/4 0.70, 4x4/2 0.65, 7x7/2 0.68, 5x5/2 0.83, 4x4/1 0.75) except a 5x5/1
-    (1.06); 3x3 (ResNet, DQN conv3) 1.07-2.1; 1x1/2 12x; depthwise 3x3 0.76 and 1.18.
+
+def _weight_grad_form(kernel: list[int], strides: list[int], c: int, group: int) -> str:
+    """The weight-gradient form that measures faster on ORT CPU for this layer shape.
+
+    ``benchmarks/conv_dw_ab.py``, 1 thread, CPU time (the machine was loaded), against the
+    one-hot im2col forms (SpaceToDepth where it applies):
+
+    - ``conv`` (one group, 16 taps or more). ORT runs that Conv as, per input channel, a GEMM
+      ``[M, N*P] x [N*P, taps]``: few taps waste MLAS's 16-column kernel, while the one-hot
+      im2col's extra work grows with taps. 8x8/4 0.70, 4x4/2 0.65, 7x7/2 0.68, 5x5/2 0.83,
+      4x4/1 0.75, a 5x5/1 1.06; 3x3 1.07-2.1, 1x1/2 12x, depthwise 3x3 0.76 and 1.18.
+    - ``slices`` (one group, unit stride, 2 to 15 taps, 16 input channels or more): 3x3/1
+      layers of the DQN and the ResNet 0.74-0.80; strided 3x3 1.2-1.3 (strided Slice copies
+      are slow) and the 3-channel stem 1.35.
     """
     if WEIGHT_GRAD_FORM is not None:
-        return WEIGHT_GRAD_FORM == "conv"
-    return group == 1 and math.prod(kernel) >= 16
+        return WEIGHT_GRAD_FORM
+    taps = math.prod(kernel)
+    if group == 1 and taps >= 16:
+        return "conv"
+    if group == 1 and 1 < taps and all(s == 1 for s in strides) and c >= 16:
+        return "slices"
+    return "im2col"
 
 
 def _pick_weight_grad(
     ctx: Ctx, x: V, dy: V, like_dy: V, m: int, cg: int, geometry: tuple, kernel: list[int], group: int,
     space_to_depth: bool = True,
 ) -> V:
-    """The weight gradient in the form that measures faster for this layer shape."""
-    if _conv_form_pays(kernel, group):
+    """The weight gradient in the form that measures faster for this layer shape (the im2col
+    forms where the chosen one does not apply)."""
+    form = _weight_grad_form(kernel, geometry[0], cg * group, group)
+    if form == "conv":
         return _conv_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
     dw = None
-    if group == 1 and space_to_depth:
+    if form == "slices" and group == 1:
+        dw = _slices_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel)
+    if dw is None and group == 1 and space_to_depth:
         dw = _space_to_depth_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel)
     return dw if dw is not None else _weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
 
