@@ -3,7 +3,7 @@
 1. The unrolled form computes what ONNX Runtime's kernels compute, option by option
    (directions, states, biases, ``sequence_lens``, ``clip``, peepholes, ``input_forget``,
    activations with alpha/beta, ``layout``).
-2. Models exported from ``torch.nn.LSTM``/``GRU`` by the TorchScript exporter train: every
+2. Models exported from ``torch.nn.LSTM``/``GRU``/``RNN`` by the TorchScript exporter train: every
    parameter gradient of the step graph matches ``torch.autograd`` (relative L2 <= 1e-4), both
    with the recurrent nodes kept (gradient rule) and lowered before differentiation.
 3. A sequence length that is not static is refused with a message naming the node and the fix.
@@ -149,7 +149,7 @@ class _Net(torch.nn.Module):
 
 
 @pytest.mark.parametrize("lowered", [False, True], ids=["rule", "lowered"])
-@pytest.mark.parametrize("kind", ["LSTM", "GRU"])
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "RNN"])
 def test_torch_export_gradients_match_autograd(kind: str, lowered: bool) -> None:
     torch.manual_seed(0)
     net = _Net(kind)
@@ -172,7 +172,7 @@ def test_torch_export_gradients_match_autograd(kind: str, lowered: bool) -> None
     loss.backward()
     assert abs(float(result["loss"]) - loss.item()) <= 1e-5 * abs(loss.item())
     params = dict(net.named_parameters())
-    assert len(params) == 18
+    assert len(params) == 18  # 2 layers x 2 directions x (W_ih, W_hh, b_ih, b_hh) + the head
     for name, p in params.items():
         expected = p.grad.numpy()
         err = np.linalg.norm(result[f"grad/{name}"] - expected) / np.linalg.norm(expected)
