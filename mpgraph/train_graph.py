@@ -311,6 +311,32 @@ def _evaluate(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> 
         return None
 
 
+def _warn_folded_batchnorm(graph: ir.Graph) -> list[str]:
+    """Warn when the exporter folded BatchNorm layers into convolutions (and name them).
+
+    torch's dynamo exporter runs onnxscript's ``FuseBatchNormIntoConv`` even on a module in
+    train mode (``training=TrainingMode.TRAINING`` changes nothing): the running statistics
+    are baked into the conv weights and the BatchNorm is gone, so training the graph trains a
+    different model. The rewriter stamps the rule name on the fused node; the conv also keeps
+    the BatchNorm's torch class in its provenance metadata.
+    """
+    fused = [_name_of(n) for n in graph
+             if "FuseBatchNorm" in n.metadata_props.get("pkg.onnxscript.rewriter.rule_name", "")
+             or (n.op_type in ("Conv", "ConvTranspose", "Gemm")
+                 and "torch.nn.modules.batchnorm" in n.metadata_props.get("pkg.torch.onnx.class_hierarchy", ""))]
+    if fused:
+        logger.warning(
+            "%d BatchNorm layers were folded into the preceding convolution by the exporter (first: node '%s'); "
+            "training this graph trains a model without them. Export with torch.onnx.export(dynamo=False), or "
+            "dynamo=True with optimize=False", len(fused), fused[0],
+        )
+    return fused
+
+
+def _name_of(node: ir.Node) -> str:
+    return node.name or node.op_type
+
+
 def _set_role(nodes: Sequence[ir.Node], role: str) -> None:
     for node in nodes:
         node.metadata_props[NODE_ROLE] = role
@@ -460,6 +486,7 @@ def build_training_graph(
     m, inputs_mark_params, user_opset = _normalize(model)
     graph = m.graph
     graph.opset_imports[""] = opset = max(graph.opset_imports.get("", MIN_OPSET), MIN_OPSET)
+    _warn_folded_batchnorm(graph)
     _name_nodes(graph)
     _materialize_constant_weights(graph)
     _untie_identity_initializers(graph)

@@ -173,3 +173,40 @@ def test_untied_parameters_train_apart(gpt2) -> None:
     runner.step({"tokens": tokens.numpy(), "label": label.numpy()})
     a, b = runner.state["m.transformer.h.0.ln_1.weight"], runner.state["m.transformer.h.1.ln_1.weight"]
     assert not np.array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The dynamo exporter folds BatchNorm into convolutions, even in train mode
+# ---------------------------------------------------------------------------------------------
+
+
+class _ConvBN(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)
+        self.bn = torch.nn.BatchNorm2d(4)
+        self.fc = torch.nn.Linear(4, 5)
+
+    def forward(self, x, label):
+        h = torch.relu(self.bn(self.conv(x))).mean(dim=(2, 3))
+        return torch.nn.functional.cross_entropy(self.fc(h), label)
+
+
+def test_dynamo_folded_batchnorm_is_reported(tmp_path: Path, caplog: pytest.LogCaptureFixture, hf_resnet) -> None:
+    torch.manual_seed(0)
+    module = _ConvBN().train()
+    args = (torch.randn(2, 3, 8, 8), torch.randint(0, 5, (2,)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(module, args, dynamo=True, opset_version=18,
+                                    training=torch.onnx.TrainingMode.TRAINING)
+    proto = program.model_proto
+    assert not any(n.op_type == "BatchNormalization" for n in proto.graph.node), "dynamo kept the BatchNorm: test is moot"
+    with caplog.at_level("WARNING", logger="mpgraph.train_graph"):
+        build_training_graph(proto, optimizer=None)
+    folded = [r.getMessage() for r in caplog.records if "folded into the preceding convolution" in r.getMessage()]
+    assert len(folded) == 1 and "dynamo=False" in folded[0] and "\n" not in folded[0]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mpgraph.train_graph"):  # TorchScript keeps its BatchNorms
+        build_training_graph(hf_resnet[1], optimizer=None)
+    assert not any("folded" in r.getMessage() for r in caplog.records)
