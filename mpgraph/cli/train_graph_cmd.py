@@ -16,14 +16,14 @@ def train_graph_command(
     model: Annotated[Path, typer.Argument(help="Forward .onnx model.")],
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.train.onnx.")] = None,
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, adam or adamw.")] = "adamw",
-    loss: Annotated[str | None, typer.Option("--loss", help="cross_entropy, mse, or the name of a loss output (default: the output named 'loss').")] = None,
+    loss: Annotated[str | None, typer.Option("--loss", help="cross_entropy, mse, or the name of a loss output (default: the output named 'loss', else the only output when it is a float scalar).")] = None,
     freeze: Annotated[list[str] | None, typer.Option("--freeze", help="fnmatch pattern of parameters to keep fixed (repeatable).")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help="Default learning rate (the graph input 'lr' overrides it per step).")] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help="SGD momentum.")] = None,
     nesterov: Annotated[bool, typer.Option("--nesterov", help="SGD Nesterov momentum.")] = False,
     weight_decay: Annotated[float | None, typer.Option("--weight-decay", help="Weight decay (L2 for sgd/adam, decoupled for adamw).")] = None,
     amsgrad: Annotated[bool, typer.Option("--amsgrad", help="Adam/AdamW: divide by the running maximum of the second moment.")] = False,
-    batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics; BatchNormalization node), train-ops (the same as explicit ops: runs on ORT CUDA) or eval.")] = "train",
+    batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics as a BatchNormalization node: fastest on ORT CPU), train-ops (the same as explicit ops: needed on ORT CUDA) or eval.")] = "train",
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
