@@ -667,3 +667,55 @@ def test_broadcast_shapes_enumerated_for_binary_ops() -> None:
     for op in ("Add", "Sub", "Mul", "Div", "Pow"):
         shapes = {tuple(tuple(v.shape) for v in c.inputs) for c in CASES if c.op == op and all(isinstance(v, Var) for v in c.inputs)}
         assert len(shapes) >= 8, op
+
+
+def _gelu_softmax_model(fill: float, read_cdf: bool) -> onnx.ModelProto:
+    """``h = gelu(x)`` as torch exports it below opset 20 (Div, Erf, Add, Mul, Mul), then
+    ``p = Softmax(Where(mask, fill, h * 0.5))``; the loss also reads ``h`` and, with
+    ``read_cdf``, the GELU's interior value ``cdf``, whose own gradient then flows through
+    the interior rules next to the compact backward."""
+    rng = np.random.default_rng(7)
+    mask = np.tril(np.ones((5, 5), dtype=bool))[None].repeat(2, 0)  # every row keeps its diagonal
+    consts = {"sqrt2": np.sqrt(2.0), "one": 1.0, "half": 0.5, "fill": fill}
+    inits = [numpy_helper.from_array(np.asarray(v, np.float32), k) for k, v in consts.items()]
+    inits += [numpy_helper.from_array(~mask, "masked")]
+    inits += [numpy_helper.from_array(rng.standard_normal((2, 5, 5)).astype(np.float32), f"c{k}") for k in range(3)]
+    n = helper.make_node
+    nodes = [n("Div", ["x", "sqrt2"], ["s"]), n("Erf", ["s"], ["r"]), n("Add", ["r", "one"], ["a"]),
+             n("Mul", ["half", "a"], ["cdf"]), n("Mul", ["x", "cdf"], ["h"], name="gelu"),
+             n("Mul", ["h", "half"], ["z"]), n("Where", ["masked", "fill", "z"], ["m"], name="mask"),
+             n("Softmax", ["m"], ["p"])]
+    read = ("p", "h", "cdf") if read_cdf else ("p", "h")
+    for k, v in enumerate(read):
+        nodes += [n("Mul", [v, f"c{k}"], [f"t{k}"]), n("ReduceSum", [f"t{k}"], [f"l{k}"], keepdims=0)]
+    nodes.append(n("Sum", [f"l{k}" for k in range(len(read))], ["loss"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5, 5])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+@pytest.mark.parametrize("read_cdf", [False, True])
+@pytest.mark.parametrize("fill", [-np.inf, -1e4])
+def test_erf_gelu_and_masked_softmax_patterns(fill: float, read_cdf: bool) -> None:
+    """The erf-GELU pattern gets one compact backward (no rule runs for Div/Erf/Add inside it),
+    and Where(-inf) before Softmax passes dy through; both match torch. A finite fill keeps
+    the Where's select (a fully masked row would not give exact zeros)."""
+    from mpgraph.metadata import NODE_GRAD_OF
+
+    model = _gelu_softmax_model(fill, read_cdf)
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
+    grad_of = {n.metadata_props.get(NODE_GRAD_OF) for n in step.graph if n.name.startswith("grad/")}
+    forward_ops = {n.name: n.op_type for n in step.graph if not n.name.startswith("grad/")}
+    assert bool({forward_ops.get(g) for g in grad_of} & {"Div", "Erf", "Add"}) == read_cdf
+    assert ("mask" in grad_of) == (fill != -np.inf)
+    x = np.random.default_rng(3).standard_normal((2, 5, 5)).astype(np.float32) * 2
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(["grad/x"], {"x": x})[0]
+    consts = {i.name: torch.from_numpy(numpy_helper.to_array(i).astype(np.float64)) for i in model.graph.initializer}
+    xt = torch.from_numpy(x.astype(np.float64)).requires_grad_()
+    cdf = 0.5 * (1 + torch.erf(xt / np.sqrt(2.0)))
+    h = xt * cdf
+    p = torch.softmax((h * 0.5).masked_fill(consts["masked"].bool(), fill), -1)
+    loss = (p * consts["c0"]).sum() + (h * consts["c1"]).sum() + (cdf * consts["c2"]).sum() * read_cdf
+    (want,) = torch.autograd.grad(loss, xt)
+    np.testing.assert_allclose(got, want.numpy(), rtol=2e-4, atol=2e-5)
