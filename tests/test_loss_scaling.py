@@ -186,3 +186,18 @@ def test_flat_optimizer_overflow_skips_step_bit_identical_and_halves_scale():
     assert float(after[md.GROWTH_TRACKER]) == 0.0
     assert not trainer.step(_batch(False), lr=1e-3).skipped
     assert not np.array_equal(trainer.state["fc1.weight"], after["fc1.weight"])
+
+
+def test_loss_scaling_refuses_a_step_graph_without_roles():
+    """Without node roles the pass cannot tell what to guard, and a skipped step would still
+    apply its update: it refuses (onnx.version_converter, run by convert's opset upgrade,
+    drops node metadata)."""
+    from mpgraph.errors import MpgraphError
+    from mpgraph.passes.scale_loss import ScaleLossPass
+
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adam")
+    for node in step.graph:
+        node.metadata_props.pop(md.NODE_ROLE, None)
+    settings = policy("extends: fp16\nloss_scaling: {mode: dynamic}\n").loss_scaling
+    with pytest.raises(MpgraphError, match="optimizer role"):
+        ScaleLossPass(settings)(step)

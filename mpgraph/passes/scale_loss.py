@@ -91,6 +91,15 @@ class ScaleLossPass(ir.passes.InPlacePass):
                 f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
                 f"(missing metadata {', '.join(missing)})"
             )
+        if not any(node.metadata_props.get(md.NODE_ROLE) == "optimizer" for node in graph):
+            # Rule 4 finds what to guard by role: without roles a skipped step would still
+            # apply its inf/NaN update. (onnx.version_converter drops node metadata.)
+            raise MpgraphError(
+                f"loss scaling: no node carries the '{md.NODE_ROLE}' optimizer role, so the update "
+                f"could not be skipped on overflow; the node metadata was lost (opset upgrade: "
+                f"{props.get(md.MODEL_OPSET_UPGRADED, 'none recorded')}); convert the step graph "
+                f"from `mpgraph train-graph` again with --no-opset-upgrade (upgrade_opset=False)"
+            )
         values: dict[str, ir.Value] = {}
         for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
             if value.name:
