@@ -219,12 +219,13 @@ def main() -> None:
                  "w": rng.standard_normal((layer.m, layer.c // layer.group, layer.k, layer.k)).astype(np.float32),
                  "dy": rng.standard_normal((layer.n, layer.m, layer.out, layer.out)).astype(np.float32)}
         blobs = {label: build_graph(layer, which, form) for label, which, form in VARIANTS}
-        auto_form = "conv" if ops_of(blobs["dW auto"]) == ops_of(blobs["dW conv"]) else "im2col"
+        auto_form = next(k for k in ("dW conv", "dW slices", "dW im2col") if blobs[k] == blobs["dW auto"])[3:]
         if blobs["dX convT"] == blobs["dX"]:  # strided: both are ConvTranspose already
             del blobs["dX convT"]
         print(f"\n{layer.name}: x {layer.n}x{layer.c}x{layer.h}x{layer.h} -> {layer.m}x{layer.out}x{layer.out}, "
               f"group {layer.group}; auto picks '{auto_form}'")
-        print(f"  im2col ops: {ops_of(blobs['dW im2col'])}\n  conv ops:   {ops_of(blobs['dW conv'])}")
+        for form in ("im2col", "conv", "slices"):
+            print(f"  {form} ops: {ops_of(blobs['dW ' + form])}")
         for t in threads:
             calls: dict[str, object] = {label: OrtCall(blob, feeds, args.provider, t) for label, blob in blobs.items()}
             if args.provider == "cpu":
@@ -243,14 +244,17 @@ def main() -> None:
             med = {k: statistics.median(v) for k, v in samples.items()}
             cells = "  ".join(f"{k} {med[k]:.3f} [{min(v):.3f}-{max(v):.3f}]" for k, v in samples.items())
             best = {k: min(v) for k, v in samples.items()}  # the least-disturbed chunk, on a loaded machine
-            ratios = f"conv/im2col {med['dW conv'] / med['dW im2col']:.2f} (of minima {best['dW conv'] / best['dW im2col']:.2f})"
+            ratios = "  ".join(f"{f}/im2col {med['dW ' + f] / med['dW im2col']:.2f} (of minima {best['dW ' + f] / best['dW im2col']:.2f})"
+                               for f in ("conv", "slices"))
+            if "dX convT" in med:
+                ratios += f"  dX convT/dX {med['dX convT'] / med['dX']:.2f}"
             if "torch dW" in med:
                 ratios += (f"  im2col/torch {med['dW im2col'] / med['torch dW']:.2f}"
                            f"  conv/torch {med['dW conv'] / med['torch dW']:.2f}"
                            f"  dX/torch dX {med['dX'] / med['torch dX']:.2f}")
-            share = med["dX"] / (med["fwd"] + med["dX"] + min(med["dW conv"], med["dW im2col"]))
+            share = med["dX"] / (med["fwd"] + med["dX"] + med["dW auto"])
             label = f"threads={t}" if args.provider == "cpu" else args.provider
-            print(f"  {label}: {cells}\n    {ratios}  dX share of fwd+dX+best dW {share:.0%}  (max rel diff {error:.1e})")
+            print(f"  {label}: {cells}\n    {ratios}  dX share of fwd+dX+dW auto {share:.0%}  (max rel diff {error:.1e})")
 
 
 if __name__ == "__main__":
