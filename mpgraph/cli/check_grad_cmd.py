@@ -26,6 +26,7 @@ def check_grad_command(
     freeze: Annotated[list[str] | None, typer.Option("--freeze", help="fnmatch pattern of parameters to leave out (repeatable).")] = None,
     batchnorm: Annotated[str, typer.Option("--batchnorm", help="train, train-ops or eval (as train-graph).")] = "train",
     float32: Annotated[bool, typer.Option("--float32", help="Finite differences in float32 even where float64 kernels exist.")] = False,
+    random_weights: Annotated[bool, typer.Option("--random-weights", help="Check at seeded random parameters (for files whose weights are placeholders).")] = False,
     localize: Annotated[bool, typer.Option("--localize/--no-localize", help="On failure, check each node on the backward path alone.")] = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
 ) -> None:
@@ -46,7 +47,8 @@ def check_grad_command(
             bar.update(tasks[phase], completed=done)
 
         report = check_grad(model, loss=loss, inputs=inputs, seed=seed, batch=batch, freeze=freeze or (),
-                            batchnorm=batchnorm, float64=not float32, localize=localize, progress=progress)
+                            batchnorm=batchnorm, float64=not float32, localize=localize,
+                            random_weights=random_weights, progress=progress)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
     else:
