@@ -11,17 +11,25 @@ gradients?" on the user's own model, with ONNX Runtime alone:
    the class count of the loss op that reads them, ``*mask*`` inputs all ones). An ``.npz``
    (``inputs=``) replaces them; its keys must be exactly the model's data inputs.
 3. **Precision.** The forward (for finite differences) and the gradient graph run in float64
-   when ORT's CPU provider has float64 kernels for every op they hold, else in float32 with a
-   larger step and a looser tolerance; the report says which, and why.
+   where ORT's CPU provider has float64 kernels. An op without one runs in float32 between
+   Casts, except a 2-D ``Conv`` (and ``GlobalAveragePool``/``GlobalMaxPool``), which is
+   rewritten into float64 ops: a float32 Conv's rounding would swamp every CNN's finite
+   differences. The report says which ops stayed float32; the step and the tolerance follow
+   (``STEP``, ``RTOL``).
 4. **Per parameter.** A direction ``d`` of unit norm, half random and half along the analytic
    gradient (so ``|<g, d>|`` is of the order of ``|g|`` even for a million-element tensor and the
    finite difference resolves it), then ``<g, d>`` against
-   ``(L(p + h d) - L(p - h d)) / 2h``; the relative error decides pass/fail.
+   ``(L(p + h d) - L(p - h d)) / 2h``, with ``h`` chosen to move the loss by a fixed fraction.
+   A disagreement is retried at 1/4 and 1/16 of the step: kinks (Relu, MaxPool) and curvature
+   shrink with the step and rounding grows, so an error that changes 2x over those steps, or
+   is within 4x their spread, is the finite difference's own (``noisy``); one that stays put
+   is a wrong gradient (``fail``).
 5. **Localization.** When a parameter fails, every node on the backward path is checked alone,
    closest to the loss first: its gradient rule is applied to the node's real forward values and
    a random output cotangent, and each input cotangent is compared with finite differences of
    ``<cotangent, node(x)>``. The failing node closest to the loss is where the backward pass
-   first goes wrong (``GradCheckReport.first_bad_node``).
+   first goes wrong (``GradCheckReport.first_bad_node``). Ops with ties or kinks (MaxPool,
+   Relu, Max, ...) are checked at slightly jittered inputs, where a derivative exists.
 
 Example:
     >>> report = check_grad("models/onnx/tiny_mlp.loss.onnx")  # doctest: +SKIP
@@ -54,12 +62,14 @@ __all__ = ["check_grad", "GradCheckReport", "ParamCheck", "NodeCheck", "InputsEr
 
 logger = logging.getLogger(__name__)
 
-#: Relative step and pass threshold per precision of the finite differences. float64: the
-#: central difference's truncation (h^2) and rounding (1e-16/h) errors are both ~1e-9 at
-#: h=1e-5; float32 rounding forces a larger step, and the tolerance still catches a 2% error.
+#: Step (the fraction of the loss a step moves it by) and pass threshold, by precision:
+#: ``float64`` both graphs in float64; ``analytic32`` finite differences in float64, some
+#: gradient ops (ConvTranspose) in float32; ``mixed`` finite differences through float32 ops
+#: (Erf, LRN, AveragePool); ``float32``. Measured on the zoo: worst errors 6e-10 (tiny_mlp,
+#: wide_mlp), 9e-8 (resnet, analytic32), 3e-6 (gpt, mixed); a planted 2% error reads 2e-2.
 STEP = {"float64": 1e-7, "analytic32": 1e-7, "mixed": 1e-4, "float32": 1e-3}
 RTOL = {"float64": 1e-5, "analytic32": 1e-4, "mixed": 1e-3, "float32": 5e-3}
-#: Node-level checks: the same, for one node's output.
+#: Node-level checks: the same, for the objective ``<cotangent, node(x)>``.
 NODE_STEP = {"float64": 1e-7, "float32": 1e-3}
 NODE_RTOL = {"float64": 1e-5, "float32": 5e-3}
 _EPS = {"float64": float(np.finfo(np.float64).eps), "float32": float(np.finfo(np.float32).eps)}
@@ -316,7 +326,7 @@ def check_grad(
             spread = (max(numerics) - min(numerics)) / max(abs(numeric), noise / h0)
             errors = [r for r, _ in tries]
             if rel > rtol:
-                systematic = max(errors) < 2 * min(errors) and rel > 2 * spread
+                systematic = max(errors) < 2 * min(errors) and rel > 4 * spread
                 status = "fail" if systematic else "noisy"
         checks.append(ParamCheck(p, int(x.size), analytic, numeric, rel, spread, status))
         if progress is not None:

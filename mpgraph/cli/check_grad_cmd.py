@@ -64,7 +64,7 @@ def check_grad_command(
         style = {"pass": "[green]ok[/]", "noisy": "[yellow]noisy[/]", "fail": "[bold red]FAIL[/]"}
         for p in report.params:
             table.add_row(p.name, str(p.size), f"{p.analytic:.6g}", f"{p.numeric:.6g}", f"{p.rel_error:.1e}",
-                          f"{p.uncertainty:.0e}", style[p.status])
+                          f"{p.uncertainty:.0e}" if p.status != "pass" else "", style[p.status])
         console.print(table)
         for note in report.notes:
             console.print(f"note: {note}", highlight=False, soft_wrap=True)
