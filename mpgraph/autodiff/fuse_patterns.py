@@ -58,8 +58,9 @@ class ErfGelu:
 
 
 def _const(value: ir.Value | None) -> float | None:
-    """The value of a one-element float constant, else ``None``."""
-    if value is None:
+    """The value of a one-element float constant, else ``None``. A graph input is never a
+    constant here, even with an initializer: it may be a trainable parameter."""
+    if value is None or value.is_graph_input():
         return None
     tensor = ir.convenience.get_const_tensor(value)
     if tensor is None:
