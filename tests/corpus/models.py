@@ -47,7 +47,10 @@ def _generator(seed: int) -> torch.Generator:
 
 
 def _tokens(seed: int, shape=(BATCH, SEQ)) -> torch.Tensor:
-    return torch.randint(0, VOCAB, shape, generator=_generator(seed))
+    # Token 0 is the padding token of BERT, DistilBERT and T5: torch zeroes the gradient of an
+    # embedding's padding_idx row by convention, which no exported graph knows about (a Gather
+    # has no padding index), so batches leave it out.
+    return torch.randint(1, VOCAB, shape, generator=_generator(seed))
 
 
 def _image(seed: int, channels: int = 3, size: int = IMAGE) -> torch.Tensor:
@@ -163,10 +166,14 @@ def convnext() -> Case:
 
 
 def mobilenet_v2() -> Case:
-    """Inverted residuals, depthwise convs, ReLU6, BatchNorm."""
+    """Inverted residuals, depthwise convs (dilated past stride 8), ReLU6, BatchNorm.
+
+    ``output_stride=8`` keeps the last feature maps at 4x4: at 1x1 (stride 32 on a 32x32
+    image) a train-mode BatchNorm over a batch of two sees two values per channel, its
+    output is ±1 whatever the input, and every gradient below it is rounding noise."""
     from transformers import MobileNetV2Config, MobileNetV2ForImageClassification
 
-    cfg = MobileNetV2Config(num_channels=3, image_size=IMAGE, depth_multiplier=0.25, min_depth=4, finegrained_output=False,
+    cfg = MobileNetV2Config(num_channels=3, image_size=IMAGE, depth_multiplier=0.25, min_depth=4, finegrained_output=False, output_stride=8,
                             num_labels=5, classifier_dropout_prob=0.0)
     return _hf("mobilenet_v2", MobileNetV2ForImageClassification(cfg), pixel_values=_image(1), labels=_classes(2, 5))
 
@@ -206,6 +213,32 @@ def segformer() -> Case:
     return _hf("segformer", SegformerForSemanticSegmentation(cfg), pixel_values=_image(1), labels=labels)
 
 
+class ConvSegmenter(torch.nn.Module):
+    """A small encoder-decoder segmentation net: strided convs with BatchNorm down, a
+    ConvTranspose up, a skip connection by concatenation, per-pixel cross-entropy."""
+
+    def __init__(self, classes: int = 4) -> None:
+        super().__init__()
+        block = lambda i, o, s: torch.nn.Sequential(  # noqa: E731
+            torch.nn.Conv2d(i, o, 3, s, 1, bias=False), torch.nn.BatchNorm2d(o), torch.nn.ReLU())
+        self.down1 = block(3, 8, 2)
+        self.down2 = block(8, 16, 2)
+        self.up = torch.nn.ConvTranspose2d(16, 8, 2, stride=2)
+        self.fuse = block(16, 8, 1)
+        self.head = torch.nn.Conv2d(8, classes, 1)
+        self.upsample = torch.nn.ConvTranspose2d(classes, classes, 2, stride=2)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        skip = self.down1(pixels)
+        fused = self.fuse(torch.cat([skip, self.up(self.down2(skip))], dim=1))
+        return torch.nn.functional.cross_entropy(self.upsample(self.head(fused)), labels)
+
+
+def conv_seg() -> Case:
+    labels = torch.randint(0, 4, (BATCH, IMAGE, IMAGE), generator=_generator(2))
+    return Case("conv_seg", ConvSegmenter(), (_image(1), labels), ("pixels", "labels"))
+
+
 class LSTMClassifier(torch.nn.Module):
     """Embedding, a two-layer bidirectional LSTM, a GRU on top, and a linear head on the last step."""
 
@@ -229,7 +262,7 @@ def lstm() -> Case:
 BUILDERS: dict[str, Callable[[], Case]] = {
     f.__name__: f
     for f in (bert, distilbert, llama, qwen2, gpt2, t5, vit, swin, resnet, convnext, mobilenet_v2,
-              efficientnet, segformer, lstm)
+              efficientnet, segformer, conv_seg, lstm)
 }
 
 
