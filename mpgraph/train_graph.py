@@ -2,16 +2,19 @@
 
 ``build_training_graph`` runs these phases on an onnx-ir copy of the model:
 
-1. **Normalize.** Shape inference; opsets below 18 are upgraded to 18; unnamed nodes get
-   deterministic names; ``ConstantOfShape`` weights with a constant shape (as in compressed
-   "light" model files) become initializers.
+1. **Normalize.** Shape inference; opsets below 18 are upgraded to 18 (errors still name the
+   model's own opset); a warning when the exporter folded BatchNorm into convolutions; unnamed
+   nodes get deterministic names; ``ConstantOfShape`` weights with a constant shape (as in
+   compressed "light" model files) become initializers; initializers the exporter deduplicated
+   behind ``Identity`` nodes are untied; constant-only subgraphs are folded.
 2. **Loss.** Use a loss output of the graph (``loss=None`` picks an output named ``loss``, or
-   the only output when it is a float scalar; ``loss="<output name>"`` picks another), or attach ``cross_entropy`` (classes on the last
-   axis, int64 label shaped like the output without it) / ``mse`` (float target shaped like
-   the output) to the first float output, with a new input ``label``.
+   the only output when it is a float scalar; ``loss="<output name>"`` picks another), or
+   attach ``cross_entropy`` (classes on the last axis, int64 label shaped like the output
+   without it) / ``mse`` (float target shaped like the output) to the first float output, with
+   a new input ``label``.
 3. **Training mode.** BatchNormalization runs in training mode; its running statistics
-   become state inputs paired with the updated statistics (ONNX semantics: the running variance
-   is updated with the biased batch variance).
+   become state inputs of its own paired with the updated statistics (ONNX semantics: the
+   running variance is updated with the biased batch variance).
 4. **Parameters.** When the model marks parameters explicitly (float graph inputs with
    same-named initializers, as ``torch.onnx`` with parameters as inputs produces), those are
    the parameters; otherwise every float initializer of rank >= 1. ``freeze`` patterns
@@ -75,9 +78,9 @@ MAX_IR_VERSION = 13
 LR_INPUT = "lr"
 _LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
-#: Ops never folded: random generators give a new value every run.
-_NO_FOLD = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli",
-                      "Dropout"})
+#: Ops never folded: random generators (and Dropout) give a new value every run.
+_NO_FOLD = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                      "Bernoulli", "Dropout"})
 #: Folded results larger than this (elements) stay computed, so the graph does not grow.
 _FOLD_LIMIT = 1 << 20
 
@@ -253,8 +256,10 @@ def _fold_constants(graph: ir.Graph, inputs_mark_params: bool) -> int:
             folding.append(node)
     computed = [n for n in folding if n.op_type != "Constant"]
     folded_nodes = set(computed)
+    # Only values read outside the folded set are materialized (and only plain tensors).
     frontier = [o for n in computed for o in n.outputs
-                if isinstance(o.type, ir.TensorType) and o.dtype not in (None, ir.DataType.STRING) and (o.is_graph_output() or any(u not in folded_nodes for u, _ in o.uses()))]
+                if isinstance(o.type, ir.TensorType) and o.dtype not in (None, ir.DataType.STRING)
+                and (o.is_graph_output() or any(u not in folded_nodes for u, _ in o.uses()))]
     if not frontier:
         return 0
     values = _evaluate(graph, folding, frontier)
