@@ -47,3 +47,22 @@ def test_train_ops_converts_and_trains_emulated():
     losses = [runner.step({"x": rng.standard_normal((8, 3, 32, 32)).astype(np.float32),
                            "label": rng.integers(0, 10, 8).astype(np.int64)}) for _ in range(3)]
     assert all(np.isfinite(losses))
+
+
+def test_cli_says_which_form_runs_on_cuda(tmp_path) -> None:
+    """The default node form runs on ORT CPU only; the CLI says so and names the CUDA form."""
+    import typer
+    from typer.testing import CliRunner
+
+    from mpgraph.cli.train_graph_cmd import register
+
+    app = typer.Typer()
+    register(app)
+    app.command("noop")(lambda: None)  # keep typer in multi-command mode
+    runner = CliRunner()
+    node = runner.invoke(app, ["train-graph", RESNET, "-o", str(tmp_path / "a.onnx"), "--optimizer", "sgd"])
+    assert node.exit_code == 0, node.output
+    assert "9 BatchNormalization nodes" in node.output and "--batchnorm train-ops" in node.output
+    ops = runner.invoke(app, ["train-graph", RESNET, "-o", str(tmp_path / "b.onnx"), "--optimizer", "sgd",
+                              "--batchnorm", "train-ops"])
+    assert ops.exit_code == 0 and "note:" not in ops.output

@@ -52,6 +52,11 @@ def train_graph_command(
     pairs = state_pairs(step)
     typer.echo(f"{out}: {len(step.graph)} nodes, {len(pairs)} state inputs paired with updated outputs "
                f"(parameters, optimizer state, running statistics), optimizer {optimizer}")
+    batchnorms = sum(n.op_type == "BatchNormalization" for n in step.graph)
+    if batchnorms and batchnorm == "train":
+        # ORT's CUDA provider refuses BatchNormalization(training_mode=1) at opset >= 14.
+        typer.echo(f"note: {batchnorms} BatchNormalization nodes in training mode run on ORT CPU only; "
+                   "for CUDA build with --batchnorm train-ops")
 
 
 def register(app: typer.Typer) -> None:
