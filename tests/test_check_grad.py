@@ -110,3 +110,37 @@ def test_cli_fails_and_names_the_node(wrong_rule: str) -> None:
     assert res.exit_code == 1, res.output
     assert "FAIL" in res.output and "first wrong gradient rule" in res.output
     assert "(Relu, rule ai.onnx::Relu@" in res.output
+
+
+@pytest.mark.parametrize(
+    ("channels", "out", "group", "kernel", "stride", "dilation", "pads", "auto_pad"),
+    [(4, 6, 1, 3, 1, 1, [1, 1, 1, 1], "NOTSET"), (4, 8, 2, 3, 2, 1, [0, 1, 1, 0], "NOTSET"),
+     (4, 4, 4, 3, 1, 2, [2, 2, 2, 2], "NOTSET"), (3, 5, 1, 8, 4, 1, [0, 0, 0, 0], "NOTSET"),
+     (3, 5, 1, 3, 2, 1, None, "SAME_UPPER"), (3, 5, 1, 2, 1, 1, None, "SAME_LOWER")],
+)
+def test_float64_conv_rewrite_matches_ort_conv(channels, out, group, kernel, stride, dilation, pads, auto_pad) -> None:
+    import importlib
+
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    cg = importlib.import_module("mpgraph.check_grad")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, channels, 9, 10)).astype(np.float32)
+    w = rng.standard_normal((out, channels // group, kernel, kernel)).astype(np.float32)
+    b = rng.standard_normal(out).astype(np.float32)
+    attrs = {"group": group, "strides": [stride] * 2, "dilations": [dilation] * 2, "kernel_shape": [kernel] * 2}
+    attrs.update({"pads": pads} if auto_pad == "NOTSET" else {"auto_pad": auto_pad})
+    node = h.make_node("Conv", ["x", "w", "b"], ["y"], name="conv", **attrs)
+    graph = h.make_graph([node], "g", [h.make_tensor_value_info("x", T.FLOAT, ["N", channels, 9, 10])],
+                         [h.make_tensor_value_info("y", T.FLOAT, None)],
+                         [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    model.ir_version = 8
+    expected = cg._new_session(model).run(None, {"x": x})[0]
+    converted, islands = cg._to_float64(model, frozenset({"Conv"}))
+    assert islands == set() and not any(n.op_type == "Conv" for n in converted.graph.node)
+    got = cg._new_session(converted).run(None, {"x": x.astype(np.float64)})[0]
+    assert got.dtype == np.float64 and got.shape == expected.shape
+    np.testing.assert_allclose(got, expected, rtol=0, atol=2e-5)
