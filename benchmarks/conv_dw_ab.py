@@ -219,7 +219,7 @@ def main() -> None:
                  "w": rng.standard_normal((layer.m, layer.c // layer.group, layer.k, layer.k)).astype(np.float32),
                  "dy": rng.standard_normal((layer.n, layer.m, layer.out, layer.out)).astype(np.float32)}
         blobs = {label: build_graph(layer, which, form) for label, which, form in VARIANTS}
-        auto_form = next(k for k in ("dW conv", "dW slices", "dW im2col") if blobs[k] == blobs["dW auto"])[3:]
+        auto_form = next(k for k in ("dW im2col", "dW conv", "dW slices") if blobs[k] == blobs["dW auto"])[3:]
         if blobs["dX convT"] == blobs["dX"]:  # strided: both are ConvTranspose already
             del blobs["dX convT"]
         print(f"\n{layer.name}: x {layer.n}x{layer.c}x{layer.h}x{layer.h} -> {layer.m}x{layer.out}x{layer.out}, "

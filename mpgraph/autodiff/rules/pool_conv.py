@@ -248,19 +248,20 @@ def _weight_grad_form(kernel: list[int], strides: list[int], c: int, group: int)
     ``benchmarks/conv_dw_ab.py`` (results in ``benchmarks/results/conv_dw_ab.txt``), 1 thread,
     CPU time, ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it applies):
 
-    - ``slices`` (one group, unit stride, 2 to 25 taps, 16 input channels or more): 3x3/1 layers
-      of the DQN and the ResNet 0.75-0.79, 4x4/1 0.52-0.58, 5x5/1 0.78-0.91. Strided layers
-      lose (strided Slice copies are slow: 3x3/2 1.13-1.24, 8x8/4 1.9), as does the
-      3-channel stem (1.4).
+    - ``slices`` (one group, unit stride, 2 to 16 taps, 16 input channels or more): 3x3/1 layers
+      of the DQN and the ResNet 0.73-0.80, 4x4/1 0.52-0.62. Strided layers lose (strided Slice
+      copies are slow: 3x3/2 1.13-1.24, 8x8/4 1.9), as does the 3-channel stem (1.4); on a
+      5x5/1 layer over a 28x28 map it varied 0.78-1.43 between runs (memory-bound copies).
     - ``conv`` (one group, other layers of 16 taps or more): 8x8/4 0.68, 4x4/2 0.68, 7x7/2 0.66,
-      5x5/2 0.84. ORT runs it as, per input channel, a GEMM ``[M, N*P] x [N*P, taps]`` whose
-      few columns waste MLAS's 16-wide kernel at small taps: 3x3 1.2-2.1, 1x1/2 13x.
+      5x5/2 0.84, 5x5/1 1.03-1.06. ORT runs it as, per input channel, a GEMM
+      ``[M, N*P] x [N*P, taps]`` whose few columns waste MLAS's 16-wide kernel at small taps:
+      3x3 1.2-2.1, 1x1/2 13x.
     - ``im2col`` otherwise (grouped convs: depthwise 3x3 single-Conv 1.13 and 0.78).
     """
     if WEIGHT_GRAD_FORM is not None:
         return WEIGHT_GRAD_FORM
     taps = math.prod(kernel)
-    if group == 1 and 1 < taps <= 25 and all(s == 1 for s in strides) and c >= 16:
+    if group == 1 and 1 < taps <= 16 and all(s == 1 for s in strides) and c >= 16:
         return "slices"
     if group == 1 and taps >= 16:
         return "conv"
