@@ -45,6 +45,9 @@ def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
     rank = ctx.rank(x)
     axis = ctx.attr("axis", -1) % rank
     axes = ctx.ints(range(axis, rank))
+    dbias = ctx.unbroadcast(dy, bias, x.shape) if bias is not None and ctx.needs(2) else None
+    if not (ctx.needs(0) or ctx.needs(1)):
+        return None, None, dbias
     inv_std = node.outputs[2]
     if inv_std.dtype != x.dtype:  # stash_type keeps the statistics in fp32
         inv_std = ctx.op("Cast", inv_std, to=x.dtype)
@@ -58,15 +61,14 @@ def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
         if mean.dtype != x.dtype:
             mean = ctx.op("Cast", mean, to=x.dtype)
         xhat = ctx.op("Mul", ctx.op("Sub", x, mean), inv_std)
-    dxhat = ctx.op("Mul", dy, scale)
     dx = None
     if ctx.needs(0):
+        dxhat = ctx.op("Mul", dy, scale)
         m1 = ctx.op("ReduceMean", dxhat, axes, keepdims=1)
         m2 = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), axes, keepdims=1)
         centered = ctx.op("Sub", ctx.op("Sub", dxhat, m1), ctx.op("Mul", xhat, m2))
         dx = ctx.op("Mul", inv_std, centered)
     dscale = ctx.unbroadcast(ctx.op("Mul", dy, xhat), scale, x.shape) if ctx.needs(1) else None
-    dbias = ctx.unbroadcast(dy, bias, x.shape) if bias is not None and ctx.needs(2) else None
     return dx, dscale, dbias
 
 
