@@ -575,7 +575,9 @@ def build_training_graph(
         raise UnsupportedModelError(
             f"opset {opset} needs ir_version {m.ir_version}; ONNX Runtime 1.31 loads ir_version <= {MAX_IR_VERSION}"
         )
-    _infer_shapes(m)
+    # No data propagation here: onnx would propagate the flat optimizer's 1-D Concat of every
+    # parameter as if it were shape data (60 s for a 4M-parameter GPT, out of memory at 118M).
+    _infer_shapes(m, data_prop=False)
     for inp, out in shaped_like:
         if out.shape is None:
             out.shape = inp.shape
@@ -756,9 +758,9 @@ def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Seq
     return params
 
 
-def _infer_shapes(model: ir.Model) -> None:
+def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
     try:
-        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(model)
+        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
     except Exception as e:  # noqa: BLE001
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
 
