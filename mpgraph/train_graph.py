@@ -56,6 +56,7 @@ import onnx_ir.passes.common
 
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
+from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
 from mpgraph.metadata import (
     MODEL_GRAD_SEED,
@@ -759,8 +760,12 @@ def _select_params(graph: ir.Graph, freeze: Sequence[str], trainable_inputs: Seq
 
 
 def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
+    infer = ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)
     try:
-        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)(model)
+        infer(model)
+        # onnx leaves GroupNormalization outputs untyped, which would cut gradient paths.
+        while infer_group_norm_types(model.graph):
+            infer(model)
     except Exception as e:  # noqa: BLE001
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
 
