@@ -188,9 +188,10 @@ def _split(ctx: GradContext, value: ir.Value, sizes: list[int], trailing: tuple[
 #: ``grouped``: parameters grouped by trailing dims in the flat buffer; one Split into the
 #: groups, and per group one Split of its rows into the parameters' shapes: fewer nodes
 #: (7 instead of about 55 for the H200 GPT's 101 tensors), but the group Split copies too.
-#: ORT CPU, 1 thread, process time, interleaved (zoo GPT 110K parameters / wide MLP 2.1M):
-#: reshape 15.9 / 19.9 ms/step, grouped 17.0 / 20.5: ``reshape`` is the default until CUDA
-#: says otherwise (``benchmarks/optim_ab.py --variants flat,flat-grouped``).
+#: ORT CPU, 1 thread, process time, interleaved, two runs (zoo GPT 110K parameters / wide
+#: MLP 2.1M): reshape 15.9 / 19.9 and 14.2 / 20.8 ms/step, grouped 17.0 / 20.5 and 15.4 /
+#: 20.6: ``reshape`` is the default until CUDA says otherwise
+#: (``benchmarks/optim_ab.py --provider cuda --variants flat,flat-grouped``).
 FLAT_UNPACK = "reshape"
 
 
