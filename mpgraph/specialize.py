@@ -76,7 +76,9 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
             if out.shape is not None and not all(isinstance(d, int) for d in out.shape):
                 out.shape = None
     try:
-        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=True)(m)
+        # No data propagation: onnx would treat a flat optimizer's 1-D Concat of every parameter as
+        # shape data (out of memory at 118M parameters); the folder infers what it folds.
+        ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=False)(m)
     except Exception as e:  # noqa: BLE001 - inference failures are many types
         logger.warning("shape inference after fixing shapes failed (%s); folding what is known", e)
     before = shape_ops(m), len(m.graph)
