@@ -242,20 +242,20 @@ def _slices_weight_grad(
     return ctx.op("Reshape", grad, ctx.ints([m, c, *kernel]))
 
 
-def _weight_grad_form(kernel: list[int], strides: list[int], c: int, group: int, small_map: bool) -> str:
+def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, small_map: bool) -> str:
     """The weight-gradient form that measures faster on ORT CPU for this layer shape.
 
     ``benchmarks/conv_dw_ab.py`` (results in ``benchmarks/results/conv_dw_ab.txt``), 1 thread,
     CPU time, ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it applies):
 
-    - ``slices`` (one group, unit stride, 2 to 16 taps, 16 input channels or more, small maps:
-      ``P <= 2M``): 3x3/1 layers of the DQN and the ResNet 0.73-0.80, 4x4/1 0.52-0.62. Strided
-      layers lose (strided Slice copies are slow: 3x3/2 1.13-1.24, 8x8/4 1.9), as does the
-      3-channel stem (1.4); on a 5x5/1 layer over a 28x28 map it varied 0.78-1.43 between runs.
-      Its copies run on one thread while the im2col forms' one-hot Conv uses all, so at 2
-      threads it is kept to small maps, where the im2col form's own single-threaded block
-      Transposes are as large; on large maps the ResNet step measured 0.95-1.02 of the im2col
-      form's at 2 threads (the machine was loaded: too noisy to call a gain).
+    - ``slices`` (one group, unit stride, no pads, 2 to 16 taps, 16 input channels or more,
+      small maps: ``P <= 2M``): 3x3/1 layers of the DQN and the ResNet 0.73-0.80, 4x4/1
+      0.52-0.62. Strided layers lose (strided Slice copies are slow: 3x3/2 1.13-1.24, 8x8/4
+      1.9), as does the 3-channel stem (1.4); a 5x5/1 layer over a 28x28 map varied 0.78-1.43
+      between runs. Its copies (and a Pad) run on one thread while the one-hot Conv uses all,
+      so it is kept to small unpadded maps: with it on all its 3x3/1 layers the ResNet step
+      measured 0.95-1.02 of the im2col form's at 2 threads, with it on the 8x8-map layer only 1.03-1.04
+      (the machine was loaded), so the ResNet keeps the im2col form.
     - ``conv`` (one group, other layers of 16 taps or more): 8x8/4 0.68, 4x4/2 0.68, 7x7/2 0.66,
       5x5/2 0.84, 5x5/1 1.03-1.06. ORT runs it as, per input channel, a GEMM
       ``[M, N*P] x [N*P, taps]`` whose few columns waste MLAS's 16-wide kernel at small taps:
@@ -264,8 +264,9 @@ def _weight_grad_form(kernel: list[int], strides: list[int], c: int, group: int,
     """
     if WEIGHT_GRAD_FORM is not None:
         return WEIGHT_GRAD_FORM
+    strides, pads, _ = geometry
     taps = math.prod(kernel)
-    if group == 1 and 1 < taps <= 16 and all(s == 1 for s in strides) and c >= 16 and small_map:
+    if group == 1 and 1 < taps <= 16 and all(s == 1 for s in strides) and not any(pads) and c >= 16 and small_map:
         return "slices"
     if group == 1 and taps >= 16:
         return "conv"
@@ -278,7 +279,7 @@ def _pick_weight_grad(
 ) -> V:
     """The weight gradient in the form that measures faster for this layer shape (the im2col
     forms where the chosen one does not apply)."""
-    form = _weight_grad_form(kernel, geometry[0], cg * group, group, not _large_map(ctx, like_dy, kernel, m // group))
+    form = _weight_grad_form(kernel, geometry, cg * group, group, not _large_map(ctx, like_dy, kernel, m // group))
     if form == "conv":
         return _conv_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
     dw = None
