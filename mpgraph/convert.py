@@ -227,6 +227,12 @@ def _upgrade_opset(model: ir.Model, policy: Policy) -> ir.Model:
             policy.dtype.name.lower(),
         )
         return model
+    # onnx's version converter drops node metadata, and with it the training roles that keep
+    # the optimizer float32: carry every node's metadata across by name.
+    old_props = {n.name: dict(n.metadata_props) for n in model.graph if n.name and n.metadata_props}
+    for node in new.graph:
+        for key, value in old_props.get(node.name or "", {}).items():
+            node.metadata_props.setdefault(key, value)
     new.metadata_props[md.MODEL_OPSET_UPGRADED] = f"{current}->{target}"
     logger.info("upgraded opset %d -> %d so ops admit %s", current, target, policy.dtype.name.lower())
     return new
