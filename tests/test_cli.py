@@ -192,3 +192,15 @@ def test_train_sequence_data_with_hugging_face_input_names(tmp_path: Path):
     result = mpgraph("train", str(step), "--data", "sequence", "--steps", "20", "--batch", "16", "-q")
     assert result.returncode == 0, result.stderr
     assert "20 steps" in result.stdout and "loss" in result.stdout
+
+
+def test_train_provider_option_must_be_key_value(tmp_path):
+    step = tmp_path / "step.onnx"
+    build = subprocess.run([sys.executable, "-m", "mpgraph", "train-graph", str(ZOO / "tiny_mlp.loss.onnx"),
+                            "-o", str(step)], capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr
+    r = subprocess.run([sys.executable, "-m", "mpgraph", "train", str(step), "--steps", "1", "--provider-option", "oops"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "--provider-option 'oops': expected KEY=VALUE" in r.stderr + r.stdout
+    assert "Traceback" not in r.stderr

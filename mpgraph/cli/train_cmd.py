@@ -81,6 +81,9 @@ def train(
     allow_cpu_fallback: Annotated[bool, typer.Option("--allow-cpu-fallback", help="cuda: run even if float nodes are placed on CPU.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Report test accuracy at the end (classification data).")] = True,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the summary line.")] = False,
+    tf32: Annotated[bool | None, typer.Option("--tf32/--no-tf32", help="cuda: let float32 matmuls run as TF32 (default: the graph's policy; fp32 is strict).")] = None,
+    cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
+    provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
     from mpgraph.cli.main import console
@@ -97,7 +100,14 @@ def train(
         raise MpgraphError(f"--plot {plot}: must end in .png")
 
     try:
-        trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback)
+        options = {}
+        for item in provider_option or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                raise MpgraphError(f"--provider-option {item!r}: expected KEY=VALUE")
+            options[key] = value
+        trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback,
+                          provider_options=options, tf32=tf32, cuda_graph=None if cuda_graph else False)
     except MpgraphError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
@@ -166,6 +176,8 @@ def train(
     if summary["loss_scale"] is not None:
         parts.append(f"scale {summary['loss_scale']:g}")
     parts.append(f"skipped {summary['skipped']}")
+    if provider == "cuda":
+        parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
     if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
         try:
             acc = trainer.evaluate(dataset.test)
