@@ -25,6 +25,7 @@ def train_graph_command(
     amsgrad: Annotated[bool, typer.Option("--amsgrad", help="Adam/AdamW: divide by the running maximum of the second moment.")] = False,
     batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics as a BatchNormalization node: fastest on ORT CPU), train-ops (the same as explicit ops: needed on ORT CUDA) or eval.")] = "train",
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
+    flat_optimizer: Annotated[bool, typer.Option("--flat-optimizer", help="Update all float32 parameters as one flat buffer (a constant optimizer node count; slower on ORT CUDA for large models today, see docs/performance.md).")] = False,
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
     from mpgraph.io import load_model, save_model
@@ -44,6 +45,8 @@ def train_graph_command(
         if optimizer.lower() == "sgd":
             raise MpgraphError("--amsgrad applies to --optimizer adam and adamw only")
         options["amsgrad"] = True
+    if flat_optimizer:
+        options["flat"] = True
     step = build_training_graph(
         load_model(model), optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
         optimizer_options=options, batchnorm=batchnorm,
