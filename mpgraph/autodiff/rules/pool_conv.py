@@ -245,21 +245,20 @@ def _slices_weight_grad(
 def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, small_map: bool) -> str:
     """The weight-gradient form that measures faster on ORT CPU for this layer shape.
 
-    ``benchmarks/conv_dw_ab.py`` (results in ``benchmarks/results/conv_dw_ab.txt``), 1 thread,
-    CPU time, ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it applies):
+    ``benchmarks/conv_dw_ab.py`` (``benchmarks/results/conv_dw_ab.txt``), ms of the form over ms
+    of the one-hot im2col forms (SpaceToDepth where it applies); 1 thread in CPU time, 2 threads
+    in wall time on a loaded machine:
 
     - ``slices`` (one group, unit stride, no pads, 2 to 16 taps, 16 input channels or more,
-      small maps: ``P <= 2M``): 3x3/1 layers of the DQN and the ResNet 0.73-0.80, 4x4/1
-      0.52-0.62. Strided layers lose (strided Slice copies are slow: 3x3/2 1.13-1.24, 8x8/4
-      1.9), as does the 3-channel stem (1.4); a 5x5/1 layer over a 28x28 map varied 0.78-1.43
-      between runs. Its copies (and a Pad) run on one thread while the one-hot Conv uses all,
-      so it is kept to small unpadded maps: with it on all its 3x3/1 layers the ResNet step
-      measured 0.95-1.02 of the im2col form's at 2 threads, with it on the 8x8-map layer only 1.03-1.04
-      (the machine was loaded), so the ResNet keeps the im2col form.
-    - ``conv`` (one group, other layers of 16 taps or more): 8x8/4 0.68, 4x4/2 0.68, 7x7/2 0.66,
-      5x5/2 0.84, 5x5/1 1.03-1.06. ORT runs it as, per input channel, a GEMM
-      ``[M, N*P] x [N*P, taps]`` whose few columns waste MLAS's 16-wide kernel at small taps:
-      3x3 1.2-2.1, 1x1/2 13x.
+      small maps ``P <= 2M``): the DQN's 3x3/1 layer 0.73-0.77 (2 threads 0.85). Its copies
+      run on one thread while the one-hot Conv uses both: on the ResNet's 32x32 and 16x16 3x3/1
+      maps 0.77-0.80 at 1 thread but 2.0-2.6 at 2; on its padded 8x8 map 0.79-0.86 at 1 thread,
+      yet the ResNet step with it measured 1.03-1.04 at 2 threads, so the ResNet keeps im2col.
+      Strided layers lose (strided Slice copies are slow: 3x3/2 1.13-1.4, 8x8/4 1.6-3.6).
+    - ``conv`` (one group, other layers of 16 taps or more): 8x8/4 0.68 (2 threads 0.82), 4x4/2
+      0.68 (0.86), 7x7/2 0.66, 5x5/2 0.84, 4x4/1 0.69-0.78, 5x5/1 1.03-1.06. ORT runs it as, per
+      input channel, a GEMM ``[M, N*P] x [N*P, taps]`` whose few columns waste MLAS's 16-wide
+      kernel at small taps: 3x3 1.2-2.1, 1x1/2 13x.
     - ``im2col`` otherwise (grouped convs: depthwise 3x3 single-Conv 1.13 and 0.78).
     """
     if WEIGHT_GRAD_FORM is not None:
