@@ -611,8 +611,15 @@ def test_conv_weight_gradient_layout_follows_map_size() -> None:
     assert "Gemm" in ops["layer3.conv2.weight"] and "ConstantOfShape" not in ops["layer3.conv2.weight"]
 
 
-def test_strided_first_conv_weight_gradient_uses_space_to_depth() -> None:
+def test_strided_first_conv_weight_gradient_uses_space_to_depth(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The im2col form packs the 8x8/4 conv with SpaceToDepth; by default (the form picked by
+    shape) that layer's weight gradient is one Conv of the axis-swapped input and dy."""
+    from mpgraph.autodiff.rules import pool_conv
+
     _zoo("dqn_cnn")
+    default = build_training_graph(ZOO_DIR / "dqn_cnn.loss.onnx", optimizer=None)
+    assert not [n for n in default.graph if n.op_type == "SpaceToDepth"]
+    monkeypatch.setattr(pool_conv, "WEIGHT_GRAD_FORM", "im2col")
     step = build_training_graph(ZOO_DIR / "dqn_cnn.loss.onnx", optimizer=None)
     packed = [n for n in step.graph if n.op_type == "SpaceToDepth"]
     assert len(packed) == 1 and packed[0].inputs[0].name == "x"  # only the 8x8/4 conv (the 4x4/2 one has a small map)
