@@ -92,6 +92,15 @@ def test_corpus(model: str, exporter: str, name: str) -> None:
         assert max(deltas.values()) <= check.LOWP_TOL, (deltas, skipped)
 
 
+@pytest.mark.parametrize(("model", "exporter"), sorted(SUBSET), ids=[f"{m}-{e}" for m, e in sorted(SUBSET)])
+def test_loss_found_without_flag(model: str, exporter: str) -> None:
+    """Neither exporter names the loss ``loss`` (``287``, ``cross_entropy_loss``): the one float
+    scalar output is taken as the loss."""
+    exported = _exported(model, exporter)
+    step = check.build_training_graph(exported.model, optimizer=None)
+    assert step.graph.outputs[0].name == exported.loss != "loss"
+
+
 def test_corpus_covers_the_issue_families() -> None:
     """The corpus keeps at least 12 architectures, and the ones issue 12 names."""
     assert len(BUILDERS) >= 12
