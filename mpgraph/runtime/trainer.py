@@ -729,9 +729,12 @@ class Trainer:
             if float_out and float_in:
                 bad.append(f"{name} ({node.op_type})")
         if bad and not allow:
+            # ORT CUDA has no training-mode BatchNormalization kernel at opset >= 14.
+            hint = ("; build the step graph with `mpgraph train-graph --batchnorm train-ops` for CUDA"
+                    if any("(BatchNormalization)" in b for b in bad) else "")
             raise MpgraphError(
                 f"{len(bad)} float node(s) fall back to CPU on cuda, e.g. {', '.join(bad[:4])}; "
-                "pass --allow-cpu-fallback to run anyway"
+                f"pass --allow-cpu-fallback to run anyway{hint}"
             )
         if bad:
             logger.warning("%d float nodes run on CPU: %s", len(bad), ", ".join(bad[:8]))
