@@ -8,7 +8,7 @@ Per model x exporter, three tests:
     adamw: the loss over 5 AdamW steps within 1e-4 of torch.optim.AdamW;
     lowp:  the emulated bf16 and fp16 step graphs' loss after 5 updates within 1e-2 of fp32's.
 
-The full corpus is ``slow`` (``pytest --runslow``: 3.5 minutes on two idle cores, 14 when other
+The full corpus is ``slow`` (``pytest --runslow``: 101 s on two idle cores; the report script 3.5 min, 14 when other
 jobs share them). CI runs one text encoder, one decoder, one CNN, one ViT and the LSTM, one
 exporter each (``SUBSET``: 53 s on two idle cores, 83 s shared).
 Known failures are strict xfails naming their cause, so a fix turns them into failures here
