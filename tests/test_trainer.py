@@ -441,3 +441,21 @@ def test_trainer_sessions_print_no_initializer_warnings(capfd: pytest.CaptureFix
     trainer.step(batch)
     trainer.evaluate(batch)
     assert "appears in graph inputs" not in capfd.readouterr().err
+
+
+def test_cpu_runner_leaves_the_models_initial_weights_alone():
+    """Stepping must not write trained weights into the model's initializers (it shared
+    their memory once, so a later convert() of the same model started from trained weights)."""
+    from mpgraph.runtime.cpu_runner import CpuRunner
+
+    step = build_training_graph(str(Path(__file__).resolve().parents[1] / "models" / "onnx" / "tiny_mlp.loss.onnx"),
+                                optimizer="adamw", lr=0.05)
+    before = {n: v.const_value.numpy().copy() for n, v in step.graph.initializers.items() if v.const_value is not None}
+    runner = CpuRunner(step)
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        runner.step({"x": rng.standard_normal((8, 4)).astype(np.float32), "label": rng.integers(0, 2, (8,))})
+    changed = [n for n, v in step.graph.initializers.items()
+               if v.const_value is not None and not np.array_equal(v.const_value.numpy(), before[n])]
+    assert not changed, changed
+    assert any(not np.array_equal(runner.state[n], before[n]) for n in runner.state if n in before)

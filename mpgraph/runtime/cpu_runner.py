@@ -79,7 +79,9 @@ class CpuRunner:
                 if tensor is None:
                     raise MpgraphError(f"state input '{name}' has no initial value; pass it in state=")
                 value = tensor.numpy()
-            self._state[name] = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value))
+            # A copy: an OrtValue over the initializer's own memory would write the trained
+            # weights back into the model (a later convert() would start from them).
+            self._state[name] = ort.OrtValue.ortvalue_from_numpy(np.array(value, copy=True, order="C"))
         self._spare = {
             name: ort.OrtValue.ortvalue_from_numpy(np.empty_like(self._state[name].numpy()))
             for name, _ in self.pairs
