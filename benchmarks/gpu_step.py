@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import re
@@ -80,8 +81,10 @@ class Run:
     losses: list[float] = field(default_factory=list)
     round_ms: list[float] = field(default_factory=list)
     memory_mib: float | None = None
+    mem_before: float = 0.0
     note: str = ""
     error: str = ""
+    trainer: Trainer | None = None
 
 
 def gpt_spec(small: bool) -> ModelSpec:
@@ -146,9 +149,7 @@ def mpgraph_run(label: str, graph: Any, spec: ModelSpec, provider: str, twin: st
         k = i % len(spec.inputs)
         return trainer.step({data_name: spec.inputs[k], "label": spec.labels[k]}).loss
 
-    run = Run(label, step, twin, device=provider)
-    run.trainer = trainer  # type: ignore[attr-defined]
-    return run
+    return Run(label, step, twin, device=provider, trainer=trainer)
 
 
 # -- torch side --------------------------------------------------------------------------
@@ -285,10 +286,7 @@ def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
-        name = event.name
-        if name.startswith("Memcpy") and "DtoD" not in name and "HtoD" not in name and "DtoH" not in name:
-            pass
-        cls = next((c for c, rx in KERNEL_CLASSES if rx.search(name)), "other")
+        cls = next((c for c, rx in KERNEL_CLASSES if rx.search(event.name)), "other")
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
         classes.setdefault(cls, [0, 0.0])
         classes[cls][0] += 1
@@ -311,53 +309,36 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     build_s = time.perf_counter() - t0
     print(f"[{spec.name}] graphs built in {build_s:.1f}s", flush=True)
 
-    def add(make: Callable[[], Run]) -> None:
+    def add(label: str, make: Callable[[], Run]) -> None:
         if cuda:
             torch.cuda.empty_cache()
         before = device_used_mib() if cuda else 0.0
         try:
             run = make()
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001 - one broken configuration must not stop the rest
             traceback.print_exc()
-            run = Run(getattr(make, "label", "?"), lambda i: float("nan"), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-        run._mem_before = before  # type: ignore[attr-defined]
+            run = Run(label, lambda i: float("nan"), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
+        run.mem_before = before
         runs.append(run)
 
     if cuda:
         cg = None if args.cuda_graph else False
         for label, policy, twin in [("mpgraph fp32", "fp32", "torch fp32"), ("mpgraph tf32", "tf32", "torch tf32"),
                                     ("mpgraph bf16", "bf16", "torch amp bf16"), ("mpgraph fp16", "fp16", "torch amp fp16")]:
-            def make(label: str = label, policy: str = policy, twin: str = twin) -> Run:
-                return mpgraph_run(label, graphs[policy], spec, "cuda", twin, cuda_graph=cg)
-            make.label = label  # type: ignore[attr-defined]
-            add(make)
+            add(label, functools.partial(mpgraph_run, label, graphs[policy], spec, "cuda", twin, cuda_graph=cg))
         for label, kw in [("torch fp32", {}), ("torch tf32", {"tf32": True}),
                           ("torch amp bf16", {"amp": torch.bfloat16}),
                           ("torch amp fp16", {"amp": torch.float16, "scaler": True})]:
-            def make_t(label: str = label, kw: dict = kw) -> Run:
-                return torch_run(label, spec, "cuda", **kw)
-            make_t.label = label  # type: ignore[attr-defined]
-            add(make_t)
+            add(label, functools.partial(torch_run, label, spec, "cuda", **kw))
         if not args.no_compile:
-            def make_c() -> Run:
-                return torch_run("torch compile bf16", spec, "cuda", amp=torch.bfloat16, compile_=True)
-            make_c.label = "torch compile bf16"  # type: ignore[attr-defined]
-            add(make_c)
+            add("torch compile bf16", functools.partial(torch_run, "torch compile bf16", spec, "cuda",
+                                                        amp=torch.bfloat16, compile_=True))
         if spec.small:
-            def make_g() -> Run:
-                return torch_graph_run("torch cuda-graph step", spec)
-            make_g.label = "torch cuda-graph step"  # type: ignore[attr-defined]
-            add(make_g)
+            add("torch cuda-graph step", functools.partial(torch_graph_run, "torch cuda-graph step", spec))
     if spec.small or not cuda:
-        def make_cpu() -> Run:
-            return mpgraph_run("mpgraph fp32 cpu2", graphs["fp32"], spec, "cpu", "torch fp32 cpu2", threads=2)
-        make_cpu.label = "mpgraph fp32 cpu2"  # type: ignore[attr-defined]
-        add(make_cpu)
-
-        def make_tcpu() -> Run:
-            return torch_run("torch fp32 cpu2", spec, "cpu")
-        make_tcpu.label = "torch fp32 cpu2"  # type: ignore[attr-defined]
-        add(make_tcpu)
+        add("mpgraph fp32 cpu2", functools.partial(mpgraph_run, "mpgraph fp32 cpu2", graphs["fp32"], spec, "cpu",
+                                                   "torch fp32 cpu2", threads=2))
+        add("torch fp32 cpu2", functools.partial(torch_run, "torch fp32 cpu2", spec, "cpu"))
 
     threads = torch.get_num_threads()
     for r in range(args.rounds + 1):
@@ -369,13 +350,13 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
             if r == 0 and cuda and run.memory_mib is None and run.device == "cuda":
                 # Device memory this configuration added (its weights, state, arenas): ORT
                 # keeps its arenas, torch's cache is emptied before each torch config is made.
-                run.memory_mib = device_used_mib() - run._mem_before  # type: ignore[attr-defined]
+                run.memory_mib = device_used_mib() - run.mem_before
                 if run.label.startswith("torch"):
                     torch.cuda.empty_cache()
         print(f"[{spec.name}] round {r} done", flush=True)
 
     for run in runs:
-        trainer = getattr(run, "trainer", None)
+        trainer = run.trainer
         if trainer is not None and trainer.provider == "cuda":
             run.note = "cuda graph" if trainer.cuda_graph else f"no cuda graph: {trainer.cuda_graph_reason}"
     breakdown: dict[str, Any] = {}
