@@ -55,6 +55,7 @@ import onnxruntime as ort
 
 from mpgraph.autodiff import registry
 from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
+from mpgraph.data import read_npz
 from mpgraph.errors import MpgraphError
 from mpgraph.metadata import MODEL_LOSS, NODE_ROLE
 
@@ -702,11 +703,7 @@ def _read_inputs(inputs: str | os.PathLike[str] | Mapping[str, np.ndarray], spec
         where = str(path)
         if not path.is_file():
             raise InputsError(f"{path}: no such inputs file (an .npz keyed by the model's input names)")
-        try:
-            with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError) as e:
-            raise InputsError(f"{path}: not a readable .npz file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        arrays = read_npz(path, InputsError)
     need = [v.name or "" for v in specs]
     missing = [n for n in need if n not in arrays]
     extra = [k for k in arrays if k not in need]

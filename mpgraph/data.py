@@ -51,6 +51,7 @@ __all__ = [
     "dataset_for_model",
     "InputSpec",
     "token_input",
+    "read_npz",
 ]
 
 BUILTIN_DATASETS = ("digits", "sequence")
@@ -177,14 +178,19 @@ def _sequence(*, seq_len: int, vocab: int, size: int, seed: int) -> Dataset:
     )
 
 
+def read_npz(path: Path, error: type[MpgraphError] = MpgraphError) -> dict[str, np.ndarray]:
+    """Every array of an existing ``.npz`` file (no pickles); ``error`` with one line if unreadable."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+    except (OSError, ValueError, EOFError) as e:
+        raise error(f"{path}: not a readable .npz file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
 def _npz(path: Path) -> Dataset:
     if not path.exists():
         raise MpgraphError(f"{path}: no such dataset file; valid: {', '.join(BUILTIN_DATASETS)}, or a path to .npz")
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise MpgraphError(f"{path}: not a readable .npz file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+    arrays = read_npz(path)
     test = {k[len(_TEST_PREFIX):]: v for k, v in arrays.items() if k.startswith(_TEST_PREFIX)}
     train = {k: v for k, v in arrays.items() if not k.startswith(_TEST_PREFIX)}
     if not train:
