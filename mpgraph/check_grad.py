@@ -54,7 +54,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph.autodiff import registry
-from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
+from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext, input_gradients
 from mpgraph.data import read_npz
 from mpgraph.errors import MpgraphError
 from mpgraph.metadata import MODEL_LOSS, NODE_ROLE
@@ -943,13 +943,8 @@ def _node_model(node: ir.Node, rule: registry.GradientRule, wrt: set[ir.Value], 
     ctx = GradContext(graph, scope="check")
     ctx.node = copy
     ctx.needed = [v is not None and v in wrt for v in node.inputs]
-    grads = rule.fn(ctx, copy, *dys)
     per_value: dict[ir.Value, list[ir.Value]] = {}
-    for i, (inp, grad) in enumerate(zip(copy.inputs, grads, strict=False)):
-        if grad is None or inp is None or not ctx.needed[i]:
-            continue
-        if rule.broadcast:
-            grad = ctx.unbroadcast(grad, inp, copy.outputs[0].shape)
+    for inp, grad in input_gradients(ctx, copy, rule, dys):
         per_value.setdefault(inp, []).append(grad)
     for v in copy.outputs:
         if v.name in out_names:

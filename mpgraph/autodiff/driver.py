@@ -28,7 +28,7 @@ from mpgraph.autodiff import registry
 from mpgraph.errors import GradientError
 from mpgraph.metadata import NODE_GRAD_OF, NODE_ROLE
 
-__all__ = ["GradContext", "differentiate", "FLOAT_TYPES"]
+__all__ = ["GradContext", "differentiate", "input_gradients", "FLOAT_TYPES"]
 
 logger = logging.getLogger(__name__)
 
@@ -303,6 +303,22 @@ def _all_values(graph: ir.Graph) -> list[ir.Value]:
     return values
 
 
+def input_gradients(ctx: GradContext, node: ir.Node, rule: registry.GradientRule,
+                    dys: Sequence[ir.Value | None]) -> list[tuple[ir.Value, ir.Value]]:
+    """``(input, gradient)`` for each input ``ctx.needed`` marks, from ``rule`` applied to
+    ``node`` with output cotangents ``dys``; broadcasting rules get their gradients reduced
+    to the input's shape here, so rules read like the math."""
+    grads = rule.fn(ctx, node, *dys)
+    pairs = []
+    for i, (inp, grad) in enumerate(zip(node.inputs, grads, strict=False)):
+        if grad is None or inp is None or not ctx.needed[i]:
+            continue
+        if rule.broadcast:
+            grad = ctx.unbroadcast(grad, inp, node.outputs[0].shape)
+        pairs.append((inp, grad))
+    return pairs
+
+
 def differentiate(
     graph: ir.Graph,
     loss: ir.Value,
@@ -408,12 +424,7 @@ def differentiate(
             continue
         ctx.node = node
         ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
-        grads = rule.fn(ctx, node, *dys)
-        for i, (inp, grad) in enumerate(zip(node.inputs, grads, strict=False)):
-            if grad is None or inp is None or not ctx.needed[i]:
-                continue
-            if rule.broadcast:
-                grad = ctx.unbroadcast(grad, inp, node.outputs[0].shape)
+        for inp, grad in input_gradients(ctx, node, rule, dys):
             contributions.setdefault(inp, []).append(grad)
     ctx.node = None
     result: dict[str, ir.Value] = {}
