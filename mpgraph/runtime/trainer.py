@@ -396,14 +396,12 @@ class Trainer:
         ep_options = dict(self.provider_options)
         if graph and self.provider == "cuda":
             ep_options["enable_cuda_graph"] = "1"
-        providers: list[Any] = [ep] if self.provider == "cpu" else [(ep, ep_options), "CPUExecutionProvider"]
-        if self.provider == "cpu" and ep_options:
-            providers = [(ep, ep_options)]
+        providers: list[Any] = [(ep, ep_options)] + (["CPUExecutionProvider"] if self.provider == "cuda" else [])
         try:
             return ort.InferenceSession(model or self._session_bytes, options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            what = "with CUDA graph capture " if graph else ""
-            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider} {what}: {str(e).splitlines()[0]}") from None
+            what = " with CUDA graph capture" if graph else ""
+            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider}{what}: {str(e).splitlines()[0]}") from None
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
