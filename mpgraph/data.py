@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import DataError, MpgraphError
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -52,6 +52,8 @@ __all__ = [
     "InputSpec",
     "token_input",
     "read_npz",
+    "check_finite",
+    "check_labels",
 ]
 
 BUILTIN_DATASETS = ("digits", "sequence")
@@ -92,12 +94,18 @@ class Dataset:
 
 
 def _length(arrays: Mapping[str, np.ndarray], name: str) -> int:
+    scalars = [k for k, v in arrays.items() if np.ndim(v) == 0]
+    if scalars:
+        raise DataError(f"dataset '{name}': array(s) {', '.join(scalars)} are scalars; the first dimension must be the sample")
     sizes = {k: len(v) for k, v in arrays.items()}
     if not sizes:
-        raise MpgraphError(f"dataset '{name}' has no arrays")
+        raise DataError(f"dataset '{name}' has no arrays")
     if len(set(sizes.values())) != 1:
-        raise MpgraphError(f"dataset '{name}': arrays differ in length ({', '.join(f'{k}={n}' for k, n in sizes.items())})")
-    return next(iter(sizes.values()))
+        raise DataError(f"dataset '{name}': arrays differ in length ({', '.join(f'{k}={n}' for k, n in sizes.items())})")
+    n = next(iter(sizes.values()))
+    if n == 0:
+        raise DataError(f"dataset '{name}' is empty (0 samples in {', '.join(sizes)})")
+    return n
 
 
 def _unknown(name: str) -> MpgraphError:
@@ -178,28 +186,59 @@ def _sequence(*, seq_len: int, vocab: int, size: int, seed: int) -> Dataset:
     )
 
 
-def read_npz(path: Path, error: type[MpgraphError] = MpgraphError) -> dict[str, np.ndarray]:
-    """Every array of an existing ``.npz`` file (no pickles); ``error`` with one line if unreadable."""
+def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError) -> dict[str, np.ndarray]:
+    """Every array of an ``.npz`` file (no pickles); ``error`` with one line if unreadable.
+
+    Recognised and named: a missing file, a folder, an empty file, a single ``.npy`` array
+    renamed ``.npz``, a file that is not a zip archive, a truncated archive or one whose CRC
+    check fails, object (pickled) arrays, and an archive without arrays.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise error(f"{p}: no such file")
+    if p.is_dir():
+        raise error(f"{p}: is a directory, expected an .npz file")
     try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise error(f"{path}: not a readable .npz file ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+        with open(p, "rb") as f:
+            head = f.read(6)
+    except OSError as e:
+        raise error(f"{p}: cannot read ({e.strerror or e})") from e
+    how = "save arrays with np.savez(path, name=array, ...)"
+    if not head:
+        raise error(f"{p}: not a readable .npz file (the file is empty; {how})")
+    if head == b"\x93NUMPY":
+        raise error(f"{p}: not a readable .npz file (it is a single .npy array; {how})")
+    if not head.startswith(b"PK"):
+        raise error(f"{p}: not a readable .npz file (no zip header; {how})")
+    try:
+        with np.load(p, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # noqa: BLE001 - zipfile, zlib, numpy and pickle refusals all mean "unreadable"
+        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if "allow_pickle" in reason or "Object arrays" in reason:
+            reason = "it holds object arrays (pickles), which mpgraph does not load"
+        raise error(f"{p}: not a readable .npz file ({reason})") from e
+    if not arrays:
+        raise error(f"{p}: not a readable .npz file (the archive holds no arrays)")
+    return arrays
 
 
 def _npz(path: Path) -> Dataset:
     if not path.exists():
-        raise MpgraphError(f"{path}: no such dataset file; valid: {', '.join(BUILTIN_DATASETS)}, or a path to .npz")
+        raise DataError(f"{path}: no such dataset file; valid: {', '.join(BUILTIN_DATASETS)}, or a path to .npz")
     arrays = read_npz(path)
+    bad = [k for k, v in arrays.items() if v.dtype.kind not in "biuf"]
+    if bad:
+        raise DataError(f"{path}: array(s) {', '.join(bad)} are not numeric ({', '.join(str(arrays[k].dtype) for k in bad)})")
     test = {k[len(_TEST_PREFIX):]: v for k, v in arrays.items() if k.startswith(_TEST_PREFIX)}
     train = {k: v for k, v in arrays.items() if not k.startswith(_TEST_PREFIX)}
     if not train:
-        raise MpgraphError(f"{path}: no training arrays (keys are graph input names; test_<name> for the test split)")
+        raise DataError(f"{path}: no training arrays (keys are graph input names; test_<name> for the test split)")
     _length(train, str(path))
     if test:
         _length(test, str(path))
         if set(test) != set(train):
-            raise MpgraphError(f"{path}: test_ keys {sorted(test)} do not match the training keys {sorted(train)}")
+            raise DataError(f"{path}: test_ keys {sorted(test)} do not match the training keys {sorted(train)}")
     label = train.get("label")
     task = "classification" if label is not None and label.dtype.kind in "iu" else "custom"
     return Dataset(str(path), train=train, test=test, task=task)
@@ -285,7 +324,7 @@ def fit_to_inputs(ds: Dataset, inputs: Sequence[InputSpec]) -> Dataset:
             spare.remove(cands[0])
             unfed.remove(spec)
     if unfed:
-        raise MpgraphError(
+        raise DataError(
             f"dataset '{ds.name}' has no array for graph input(s) {', '.join(repr(s.name) for s in unfed)} "
             f"(dataset arrays: {', '.join(sorted(ds.train))}; an .npz needs keys named like the inputs)"
         )
@@ -308,14 +347,14 @@ def _fit_array(a: np.ndarray, spec: InputSpec, source: str) -> np.ndarray:
         want = tuple(int(d) for d in spec.shape[1:])  # type: ignore[arg-type]
         if a.shape[1:] != want:
             if int(np.prod(a.shape[1:])) != int(np.prod(want)):
-                raise MpgraphError(
+                raise DataError(
                     f"dataset '{source}': array for input '{spec.name}' has samples of shape "
                     f"{list(a.shape[1:])}, the graph wants {list(want)}"
                 )
             a = a.reshape((len(a), *want))
     if a.dtype != spec.dtype:
         if a.dtype.kind == "f" and spec.dtype.kind in "iu":
-            raise MpgraphError(f"dataset '{source}': input '{spec.name}' wants {spec.dtype} but the array is {a.dtype}")
+            raise DataError(f"dataset '{source}': input '{spec.name}' wants {spec.dtype} but the array is {a.dtype}")
         a = a.astype(spec.dtype)
     return np.ascontiguousarray(a)
 
@@ -353,6 +392,13 @@ class Batches(Iterator[dict[str, np.ndarray]]):
         """``(epoch, index)`` of the next batch."""
         return self.epoch, self.index
 
+    def seek(self, position: tuple[int, int]) -> None:
+        """Go to ``(epoch, index)``: the next batch is the one at that position."""
+        epoch, index = position
+        if epoch != self.epoch:
+            self._order = self._perm(epoch)
+        self.epoch, self.index = epoch, index
+
     def state(self) -> dict[str, Any]:
         """Everything needed to resume this stream (JSON-serialisable)."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size}
@@ -364,3 +410,45 @@ class Batches(Iterator[dict[str, np.ndarray]]):
         idx = self._order[self.index:self.index + self.batch_size]
         self.index += self.batch_size
         return {k: v[idx] for k, v in self.arrays.items()}
+
+
+def check_finite(arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Every float array of ``arrays`` is finite.
+
+    Raises:
+        DataError: Naming the array, how many values are NaN or infinite, and the first sample.
+    """
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        if a.dtype.kind != "f" or a.size == 0:
+            continue
+        bad = ~np.isfinite(a)
+        if bad.any():
+            first = int(np.argwhere(bad.reshape(len(a), -1).any(axis=1))[0, 0]) if a.ndim else 0
+            raise DataError(f"{what}: '{name}' has {int(bad.sum())} non-finite value(s) (NaN or inf), first in sample {first}")
+
+
+def check_labels(arrays: Mapping[str, np.ndarray], bounds: Mapping[str, tuple[int, int | None]], what: str) -> None:
+    """Integer class/token arrays lie in ``[0, classes)`` (or equal the loss's ignore index).
+
+    Args:
+        arrays: Input name -> array.
+        bounds: Input name -> (classes, ignore_index or None), from the graph.
+        what: The data's name for the message.
+
+    Raises:
+        DataError: Naming the array, the bad value, its sample and the valid range.
+    """
+    for name, (classes, ignore) in bounds.items():
+        a = arrays.get(name)
+        if a is None or np.asarray(a).size == 0 or np.asarray(a).dtype.kind not in "iu":
+            continue
+        a = np.asarray(a)
+        bad = (a < 0) | (a >= classes)
+        if ignore is not None:
+            bad &= a != ignore
+        if bad.any():
+            index = tuple(int(i) for i in np.argwhere(bad)[0])
+            valid = f"0..{classes - 1}" + (f" or the ignore index {ignore}" if ignore is not None else "")
+            raise DataError(f"{what}: '{name}' holds {int(a[index])} at sample {index[0]} "
+                            f"({int(bad.sum())} value(s) out of range); the graph has {classes} classes: valid {valid}")

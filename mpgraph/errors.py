@@ -1,6 +1,8 @@
 """The error hierarchy: every failure mpgraph reports to a user is an ``MpgraphError``.
 
-The CLI turns these into a one-line message and exit code 2; anything else is a bug.
+The CLI turns these into a one-line message and exit code 2; anything else is a bug (one
+line, exit code 1, and ``--debug`` shows the traceback). Library code raises a subclass with
+the underlying exception chained (``raise DataError(...) from e``) so callers can see it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,11 @@ __all__ = [
     "UnsupportedModelError",
     "ValidationError",
     "GradientError",
+    "UsageError",
+    "DataError",
+    "CheckpointError",
+    "TrainingError",
+    "OutputError",
 ]
 
 
@@ -42,3 +49,23 @@ class ValidationError(MpgraphError):
 
 class GradientError(MpgraphError):
     """Differentiation failed: missing gradient rule, nothing to differentiate, bad freeze pattern."""
+
+
+class UsageError(MpgraphError):
+    """A command-line or API value is out of range or malformed (NaN learning rate, bad flag)."""
+
+
+class DataError(MpgraphError):
+    """A dataset or inputs file is unreadable or does not fit the graph (keys, shapes, labels)."""
+
+
+class CheckpointError(MpgraphError):
+    """A checkpoint cannot be read, belongs to another graph, or cannot be written."""
+
+
+class TrainingError(MpgraphError):
+    """Training met non-finite data or losses and was told to stop (``--on-nonfinite stop``)."""
+
+
+class OutputError(ModelSaveError):
+    """An output path (checkpoint, metrics, plot, model) cannot be written."""

@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
+import logging
+import math
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import google.protobuf.message
 import onnx
+import onnx.external_data_helper
 import onnx_ir as ir
 
-from mpgraph.errors import ModelLoadError, ModelSaveError
+from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError
 
-__all__ = ["load_model", "save_model", "EXTERNAL_DATA_THRESHOLD"]
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "load_model",
+    "save_model",
+    "write_atomic",
+    "clean_stale_temporaries",
+    "check_writable",
+    "check_proto",
+    "check_external_data",
+    "check_tensor_sizes",
+    "EXTERNAL_DATA_THRESHOLD",
+]
 
 #: Models whose tensors exceed this many bytes are saved with external data (protobuf's 2 GB cap).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
@@ -22,8 +38,15 @@ EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 def load_model(path: str | os.PathLike[str]) -> ir.Model:
     """Read an ONNX file (external data included) into onnx-ir.
 
+    Before anything is loaded, every external-data reference is checked by mpgraph itself:
+    its location must be a relative path inside the model's folder, not a symlink, an
+    existing file, and long enough for the tensor's offset and length. After loading, the
+    proto is checked for what onnx-ir and the passes would trip over later: names that are not
+    valid UTF-8, unknown element types, and tensors whose byte count disagrees with their shape.
+
     Raises:
-        ModelLoadError: Missing, unreadable, truncated or non-ONNX file.
+        ModelLoadError: Missing, unreadable, truncated or non-ONNX file; bad external data
+            (naming the tensor and the path); malformed tensors or names.
     """
     p = Path(path)
     if not p.exists():
@@ -31,17 +54,215 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
     if p.is_dir():
         raise ModelLoadError(f"{p}: is a directory, expected an .onnx file")
     try:
-        proto = onnx.load(str(p), load_external_data=True)
-    except (google.protobuf.message.DecodeError, RuntimeError, ValueError, UnicodeDecodeError) as e:
-        raise ModelLoadError(f"{p}: not a valid ONNX model (truncated or not ONNX: {_first_line(e)})") from None
+        proto = onnx.load(str(p), load_external_data=False)
+    except (google.protobuf.message.DecodeError, RuntimeError, ValueError, UnicodeDecodeError, EOFError) as e:
+        raise ModelLoadError(f"{p}: not a valid ONNX model (truncated or not ONNX: {_first_line(e)})") from e
     except OSError as e:
-        raise ModelLoadError(f"{p}: cannot read ({e.strerror or e})") from None
+        raise ModelLoadError(f"{p}: cannot read ({e.strerror or e})") from e
     if proto.ir_version == 0 or not proto.HasField("graph"):
         raise ModelLoadError(f"{p}: not a valid ONNX model (no ir_version or graph)")
+    check_proto(proto, p)
+    check_external_data(proto, p)
+    try:
+        onnx.external_data_helper.load_external_data_for_model(proto, str(p.parent))
+    except (OSError, ValueError, onnx.checker.ValidationError) as e:
+        raise ModelLoadError(f"{p}: cannot read external data ({_first_line(e)})") from e
+    check_tensor_sizes(proto, p)
     try:
         return ir.from_proto(proto)
     except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
-        raise ModelLoadError(f"{p}: malformed ONNX model ({_first_line(e)})") from None
+        raise ModelLoadError(f"{p}: malformed ONNX model ({_first_line(e)})") from e
+
+
+def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
+    """``graph`` and every subgraph (If/Loop/Scan bodies), depth first."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.HasField("g"):
+                yield from _graphs(attr.g)
+            for sub in attr.graphs:
+                yield from _graphs(sub)
+
+
+def _tensors(proto: onnx.ModelProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """(where, tensor) for every initializer and tensor attribute of every graph."""
+    for graph in _graphs(proto.graph):
+        for t in graph.initializer:
+            yield "initializer", t
+        for sparse in graph.sparse_initializer:
+            yield "sparse initializer", sparse.values
+        for node in graph.node:
+            for attr in node.attribute:
+                if attr.HasField("t"):
+                    yield f"attribute '{attr.name}' of node", attr.t
+                for t in attr.tensors:
+                    yield f"attribute '{attr.name}' of node", t
+
+
+def _name(text: object) -> str:
+    """A proto string field as text (upb returns bytes for invalid UTF-8 in proto2 strings)."""
+    return text if isinstance(text, str) else repr(text)
+
+
+_KNOWN_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
+
+
+def check_proto(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """Names are valid UTF-8 and element types are known ``TensorProto`` codes.
+
+    Raises:
+        ModelLoadError: Naming the value, node or tensor and the bad name or type code.
+    """
+    for graph in _graphs(proto.graph):
+        for group, what in ((graph.input, "input"), (graph.output, "output"), (graph.value_info, "value")):
+            for v in group:
+                if not isinstance(v.name, str):
+                    raise ModelLoadError(f"{path}: graph {what} name {v.name!r} is not valid UTF-8")
+                _check_type(v.type, f"{what} '{v.name}'", path)
+        for node in graph.node:
+            for field in (node.name, node.op_type, node.domain, *node.input, *node.output):
+                if not isinstance(field, str):
+                    raise ModelLoadError(f"{path}: node {_name(node.name)!s} has a name {field!r} that is not valid UTF-8")
+            for attr in node.attribute:
+                if not isinstance(attr.name, str):
+                    raise ModelLoadError(f"{path}: node '{node.name}' has an attribute name {attr.name!r} that is not valid UTF-8")
+                if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and attr.name == "to" and attr.i not in _KNOWN_TYPES:
+                    raise ModelLoadError(f"{path}: Cast '{node.name}' casts to unknown element type {attr.i}")
+    for where, t in _tensors(proto):
+        if not isinstance(t.name, str):
+            raise ModelLoadError(f"{path}: {where} name {t.name!r} is not valid UTF-8")
+        if t.data_type not in _KNOWN_TYPES:
+            raise ModelLoadError(f"{path}: {where} '{t.name}' has unknown element type {t.data_type}")
+    for prop in proto.metadata_props:
+        if not isinstance(prop.key, str) or not isinstance(prop.value, str):
+            raise ModelLoadError(f"{path}: metadata {prop.key!r} is not valid UTF-8")
+
+
+def _check_type(tp: onnx.TypeProto, what: str, path: str | os.PathLike[str]) -> None:
+    kind = tp.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        inner = getattr(tp, kind)
+        if inner.elem_type not in _KNOWN_TYPES and inner.elem_type != onnx.TensorProto.UNDEFINED:
+            raise ModelLoadError(f"{path}: {what} has unknown element type {inner.elem_type}")
+        for dim in inner.shape.dim:
+            if not isinstance(dim.dim_param, str):
+                raise ModelLoadError(f"{path}: {what} has a dimension name {dim.dim_param!r} that is not valid UTF-8")
+    elif kind in ("sequence_type",):
+        _check_type(tp.sequence_type.elem_type, what, path)
+    elif kind == "optional_type":
+        _check_type(tp.optional_type.elem_type, what, path)
+    elif kind == "map_type":
+        _check_type(tp.map_type.value_type, what, path)
+
+
+def check_external_data(proto: onnx.ModelProto, path: str | os.PathLike[str]) -> None:
+    """Every external-data reference stays inside the model's folder and can be read.
+
+    Rules, checked before any byte is read:
+        1. ``location`` is present, relative, and does not climb out of the folder (``../``).
+        2. Neither the data file nor a folder on the way to it is a symlink.
+        3. The file exists and holds ``offset + length`` bytes.
+
+    Raises:
+        ModelLoadError: Naming the tensor, its location and the rule it breaks.
+    """
+    model_path = Path(path)
+    base = model_path.parent if str(model_path.parent) else Path(".")
+    base_real = base.resolve()
+    for where, t in _tensors(proto):
+        if t.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location")
+        head = f"{model_path}: {where} '{_name(t.name)}'"
+        if not location:
+            raise ModelLoadError(f"{head} is stored externally but names no location")
+        if not isinstance(location, str) or "\0" in location:
+            raise ModelLoadError(f"{head}: external data location {location!r} is not a valid path")
+        if os.path.isabs(location) or Path(location).is_absolute() or location.startswith(("/", "\\")):
+            raise ModelLoadError(f"{head}: external data location '{location}' is an absolute path; "
+                                 "it must be relative to the model's folder")
+        parts = Path(os.path.normpath(location)).parts
+        if not parts or parts[0] == ".." or ".." in Path(location).parts:
+            raise ModelLoadError(f"{head}: external data location '{location}' points outside the model's folder")
+        target = base / location
+        walk = base
+        for part in Path(location).parts:
+            walk = walk / part
+            if walk.is_symlink():
+                raise ModelLoadError(f"{head}: external data location '{location}' is a symlink ({walk}); "
+                                     "mpgraph reads only regular files inside the model's folder")
+        try:
+            inside = target.resolve().is_relative_to(base_real)
+        except (OSError, RuntimeError):
+            inside = False
+        if not inside:
+            raise ModelLoadError(f"{head}: external data location '{location}' points outside the model's folder")
+        if not target.is_file():
+            raise ModelLoadError(f"{head}: external data file '{location}' not found next to the model ({target})")
+        try:
+            offset = int(info.get("offset", "0") or 0)
+            length = int(info["length"]) if info.get("length") not in (None, "") else None
+        except ValueError:
+            raise ModelLoadError(f"{head}: external data offset/length {info.get('offset')!r}/{info.get('length')!r} "
+                                 "are not integers") from None
+        size = target.stat().st_size
+        if offset < 0 or (length is not None and length < 0):
+            raise ModelLoadError(f"{head}: negative external data offset or length ({offset}, {length})")
+        if offset + (length or 0) > size or offset > size:
+            raise ModelLoadError(f"{head}: external data file '{location}' has {size} bytes, the tensor needs "
+                                 f"offset {offset} + length {length or 0}")
+
+
+def _item_bits(data_type: int) -> int | None:
+    try:
+        dtype = ir.DataType(data_type)
+    except ValueError:
+        return None
+    if dtype in (ir.DataType.STRING, ir.DataType.UNDEFINED):
+        return None
+    return dtype.bitwidth
+
+
+def check_tensor_sizes(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """Every tensor's data (raw bytes or typed field) has as many elements as its shape says.
+
+    Raises:
+        ModelLoadError: Naming the tensor, its shape and element type, and the sizes.
+    """
+    typed_fields = ("float_data", "int32_data", "int64_data", "double_data", "uint64_data", "string_data")
+    for where, t in _tensors(proto):
+        if t.data_location == onnx.TensorProto.EXTERNAL:
+            continue
+        if any(d < 0 for d in t.dims):
+            raise ModelLoadError(f"{path}: {where} '{t.name}' has a negative dimension {list(t.dims)}")
+        count = math.prod(t.dims)
+        bits = _item_bits(t.data_type)
+        kind = onnx.TensorProto.DataType.Name(t.data_type).lower()
+        if t.HasField("raw_data"):
+            if bits is None:
+                continue
+            want = (count * bits + 7) // 8
+            if len(t.raw_data) != want:
+                raise ModelLoadError(
+                    f"{path}: {where} '{t.name}' holds {len(t.raw_data)} bytes, but shape {list(t.dims)} of "
+                    f"{kind} needs {want}"
+                )
+            continue
+        held = [(f, len(getattr(t, f))) for f in typed_fields if len(getattr(t, f))]
+        if not held:
+            continue
+        field_name, n = held[0]
+        per = 2 if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128) else 1
+        if bits is not None and bits < 8:
+            continue  # 4-bit types pack several values per int32_data entry
+        want_n = count * per
+        if n != want_n:
+            raise ModelLoadError(
+                f"{path}: {where} '{t.name}' holds {n} values in {field_name}, but shape {list(t.dims)} of "
+                f"{kind} needs {want_n}"
+            )
 
 
 def _tensor_bytes(model: ir.Model) -> int:
@@ -50,6 +271,9 @@ def _tensor_bytes(model: ir.Model) -> int:
 
 def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: bool | None = None) -> None:
     """Write ``model`` atomically: a reader never sees a partial file, and a failure leaves none.
+
+    The model is written into a hidden folder ``.NAME.<pid>.*`` next to ``path`` and moved
+    into place. Such folders left by a killed run (its process is gone) are removed first.
 
     Args:
         model: The model.
@@ -66,11 +290,12 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
         raise ModelSaveError(f"{dst}: cannot write (directory {parent} does not exist)")
     if dst.is_dir():
         raise ModelSaveError(f"{dst}: cannot write (is a directory)")
+    clean_stale_temporaries(dst)
     use_external = _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
     try:
-        tmpdir = tempfile.mkdtemp(prefix=f".{dst.name}.", dir=parent)
+        tmpdir = tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", dir=parent)
     except OSError as e:
-        raise ModelSaveError(f"{dst}: cannot write ({e.strerror or e})") from None
+        raise ModelSaveError(f"{dst}: cannot write ({e.strerror or e})") from e
     try:
         tmp = Path(tmpdir) / dst.name
         data_name = f"{dst.name}.data" if use_external else None
@@ -79,9 +304,125 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
             os.replace(Path(tmpdir) / data_name, parent / data_name)
         os.replace(tmp, dst)
     except OSError as e:
-        raise ModelSaveError(f"{dst}: cannot write ({e.strerror or e})") from None
+        raise ModelSaveError(f"{dst}: cannot write ({e.strerror or e})") from e
     finally:
         shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` through a hidden ``.NAME.<pid>.*.tmp`` file and a rename.
+
+    A reader never sees a partial file; on failure (a full disk) the temporary file is
+    removed and an existing ``path`` is left as it was.
+
+    Raises:
+        OutputError: The folder is missing or the write failed (the reason and that the old
+            file, if any, is kept).
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{target}: is a directory")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"{target}: folder {folder} does not exist")
+    clean_stale_temporaries(target)
+    kept = "; the previous file is kept" if target.exists() else ""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
+    except OSError as e:
+        raise OutputError(f"{target}: cannot write ({e.strerror or e}){kept}") from e
+    mask = os.umask(0)
+    os.umask(mask)
+    try:
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file ordinary permissions
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    except OSError as e:
+        _unlink_quietly(tmp)
+        raise OutputError(f"{target}: cannot write ({e.strerror or e}){kept}") from e
+    except BaseException:
+        _unlink_quietly(tmp)
+        raise
+
+
+def _unlink_quietly(path: str | os.PathLike[str]) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def check_writable(path: str | os.PathLike[str], flag: str) -> None:
+    """Fail now, before any work, if ``path`` cannot be written (probed with a real file).
+
+    Raises:
+        OutputError: Naming ``flag``, the path and why (missing folder, a directory, read-only,
+            permission denied, disk full).
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise OutputError(f"{flag} {target}: is a directory")
+    folder = target.parent if str(target.parent) else Path(".")
+    if not folder.is_dir():
+        raise OutputError(f"{flag} {target}: folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
+    except OSError as e:
+        raise OutputError(f"{flag} {target}: cannot write in {folder} ({e.strerror or e})") from e
+    os.close(fd)
+    _unlink_quietly(probe)
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def clean_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the hidden temporaries of ``path`` that a killed run left behind.
+
+    ``write_atomic`` and ``save_model`` name them ``.NAME.<pid>.<random>[.tmp]``; one whose
+    process no longer exists is stale. (A process that is alive may be writing it now.)
+
+    Returns:
+        The removed paths.
+    """
+    target = Path(path)
+    folder = target.parent if str(target.parent) else Path(".")
+    prefix = f".{target.name}."
+    removed: list[Path] = []
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(prefix):
+            continue
+        pid_text = entry.name[len(prefix):].split(".", 1)[0]
+        if not pid_text.isdigit() or _pid_alive(int(pid_text)):
+            continue
+        try:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+        except OSError:
+            continue
+    if removed:
+        logger.info("removed %d stale temporary file(s) of %s: %s", len(removed), target,
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def _first_line(e: BaseException) -> str:

@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import os
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import click
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import MpgraphError, UsageError
 
-__all__ = ["app", "main", "handle_errors"]
+__all__ = ["app", "main", "handle_errors", "finite"]
 
 app = typer.Typer(
     name="mpgraph",
@@ -35,21 +38,89 @@ err_console = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 
 
+#: ``--debug`` (or ``MPGRAPH_DEBUG=1``): let unexpected exceptions show their traceback.
+DEBUG = os.environ.get("MPGRAPH_DEBUG", "") not in ("", "0")
+
+
+def _say_error(text: str) -> None:
+    err_console.print(f"[bold red]error:[/] {escape(text)}", markup=True, highlight=False, soft_wrap=True)
+
+
+def _os_error_line(e: OSError) -> str:
+    where = e.filename if e.filename is not None else None
+    what = e.strerror or str(e) or type(e).__name__
+    return f"{where}: {what}" if where is not None else what
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def handle_errors(fn: F) -> F:
-    """Turn ``MpgraphError`` into a one-line message and exit code 2."""
+    """The error boundary of every command.
+
+    1. ``MpgraphError`` (bad input a command foresaw): one ``error:`` line, exit code 2.
+    2. ``OSError`` (disk full, permission denied, read-only file system) and ``MemoryError``:
+       one line naming the file and the system's reason, exit code 2.
+    3. Ctrl-C: ``interrupted``, exit code 130.
+    4. Anything else is a bug in mpgraph: one line, the hint to rerun with ``--debug``, exit
+       code 1; with ``--debug`` (or ``MPGRAPH_DEBUG=1``) the traceback instead.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+            raise
         except MpgraphError as e:
-            err_console.print(f"[bold red]error:[/] {escape(str(e))}", markup=True, highlight=False, soft_wrap=True)
+            if DEBUG:
+                raise
+            _say_error(str(e))
             raise typer.Exit(2) from None
         except KeyboardInterrupt:
             err_console.print("[bold red]interrupted[/]")
             raise typer.Exit(130) from None
+        except OSError as e:
+            if DEBUG:
+                raise
+            _say_error(_os_error_line(e))
+            raise typer.Exit(2) from None
+        except MemoryError:
+            if DEBUG:
+                raise
+            _say_error("out of memory")
+            raise typer.Exit(2) from None
+        except Exception as e:  # noqa: BLE001 - the boundary: an unforeseen failure is a bug
+            if DEBUG:
+                raise
+            _say_error(f"internal error: {type(e).__name__}: {_first_line(e)} (run with --debug for the traceback)")
+            raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+@app.callback()
+def _root(
+    debug: Annotated[bool, typer.Option("--debug", help="Show the traceback of an unexpected error (a bug in mpgraph).")] = False,
+) -> None:
+    """Compile precision policies onto ONNX graphs; train and audit the result."""
+    global DEBUG
+    if debug:
+        DEBUG = True
+
+
+def finite(value: float, flag: str, *, low: float | None = None, high: float | None = None,
+           low_open: bool = False) -> float:
+    """``value`` if it is finite and in range, else a ``UsageError`` naming ``flag``."""
+    if not math.isfinite(value):
+        raise UsageError(f"{flag} must be a finite number, got {value}")
+    if low is not None and (value < low or (low_open and value == low)):
+        raise UsageError(f"{flag} must be {'>' if low_open else '>='} {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise UsageError(f"{flag} must be <= {high:g}, got {value:g}")
+    return value
 
 
 def _human_bytes(n: int | None) -> str:
@@ -77,15 +148,21 @@ def convert(
 ) -> None:
     """Rewrite MODEL per a precision policy (casts inserted, decisions recorded)."""
     from mpgraph.audit import audit
+    from mpgraph.cli.checks import check_output_path, read_inputs_npz
     from mpgraph.convert import convert_file
+    from mpgraph.io import load_model
     from mpgraph.policy import load_policy
 
     pol = load_policy(policy)
     out = output or model.with_name(f"{model.stem}.{pol.name}{'.emulated' if emulate else ''}.onnx")
+    check_output_path(out, "-o")
+    feeds: Any = calibrate
+    if calibrate is not None and calibrate != "random":
+        feeds = read_inputs_npz(Path(calibrate), load_model(model), "--calibrate")
     start = time.perf_counter()
     with console.status(f"converting {model} with policy {pol.name}", spinner="dots") if not quiet else _null():
         result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input,
-                              calibrate=calibrate, upgrade_opset=not no_opset_upgrade)
+                              calibrate=feeds, upgrade_opset=not no_opset_upgrade)
     elapsed = time.perf_counter() - start
     if quiet:
         return
@@ -114,11 +191,19 @@ def audit_cmd(
     model: Annotated[Path, typer.Argument(help="A model written by `mpgraph convert`.")],
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     nodes: Annotated[bool, typer.Option("--nodes", help="Also list every node with its precision and reason.")] = False,
+    memory: Annotated[bool, typer.Option("--memory", help="Estimate a training step's memory: bytes per parameter by role, activations by liveness.")] = False,
+    batch: Annotated[int, typer.Option("--batch", help="With --memory: the batch size symbolic dims take.")] = 1,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
+    mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
 ) -> None:
     """Show which ops run in which precision, the casts inserted, and weight bytes."""
     from mpgraph.audit import audit
     from mpgraph.io import load_model
 
+    if memory:
+        from mpgraph.cli.memory_cmd import memory_report
+
+        return memory_report(model, batch=batch, optimizer=optimizer, policy=mem_policy, as_json=as_json)
     report = audit(load_model(model))
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
@@ -176,9 +261,16 @@ def compare_cmd(
 ) -> None:
     """Run both models on the same inputs and show where the numbers diverge, value by value."""
     from mpgraph.audit import compare
+    from mpgraph.cli.checks import read_inputs_npz
     from mpgraph.io import load_model
 
-    report = compare(load_model(reference), load_model(candidate), inputs, threshold=threshold)
+    finite(threshold, "--threshold", low=0.0, low_open=True)
+    if top < 0:
+        raise UsageError(f"--top must be >= 0, got {top}")
+    ref_model = load_model(reference)
+    cand_model = load_model(candidate)
+    feeds = read_inputs_npz(inputs, ref_model, "--inputs") if inputs is not None else None
+    report = compare(ref_model, cand_model, feeds, threshold=threshold)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
         return
@@ -193,8 +285,9 @@ def compare_cmd(
     else:
         v = report.first_divergence
         console.print(
-            f"[bold]first divergence[/] (rel error > {threshold:g}, topological order): value '{v.name}' "
-            f"from {v.producer} [{v.precision}]: rel error {v.rel_error:.3g}, non-finite {v.nonfinite}"
+            f"[bold]first divergence[/] (rel error > {threshold:g}, topological order): value '{escape(v.name)}' "
+            f"from {escape(v.producer)} {escape(f'[{v.precision}]')}: rel error {v.rel_error:.3g}, non-finite {v.nonfinite}",
+            highlight=False, soft_wrap=True,
         )
     worst = Table(title=f"worst {top} of {len(report.values)} values")
     for col in ("value", "producer", "precision", "rel error", "non-finite"):
@@ -250,7 +343,10 @@ def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]
 
     if not path.exists():
         raise MpgraphError(f"{path}: policy file not found")
-    pol = load_policy(str(path) if str(path).endswith((".yaml", ".yml")) else f"./{path}")
+    if path.is_dir():
+        raise MpgraphError(f"{path}: is a directory, expected a policy .yaml file")
+    text = str(path)
+    pol = load_policy(text if path.is_absolute() or text.endswith((".yaml", ".yml")) or text.startswith(".") else f"./{path}")
     console.print(f"{path}: ok ({pol.dtype.name.lower()}, {len(pol.ops)} ops listed)")
 
 

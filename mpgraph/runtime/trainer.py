@@ -46,9 +46,11 @@ import json
 import logging
 import math
 import os
-import tempfile
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,7 +62,8 @@ import onnxruntime as ort
 
 from mpgraph import metadata as md
 from mpgraph.data import Batches, Dataset, InputSpec
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import CheckpointError, MpgraphError, OutputError, TrainingError, UsageError
+from mpgraph.io import write_atomic
 
 __all__ = [
     "Trainer",
@@ -68,6 +71,11 @@ __all__ = [
     "Metrics",
     "plot_losses",
     "graph_fingerprint",
+    "metrics_path",
+    "stop_on_signals",
+    "StopRequest",
+    "NONFINITE_MODES",
+    "COLLAPSE_SKIPS",
     "PROVIDERS",
 ]
 
@@ -77,7 +85,11 @@ logger = logging.getLogger(__name__)
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _LR = "lr"
 _LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-_CHECKPOINT_FORMAT = 1
+_CHECKPOINT_FORMAT = 2  # 2: metrics history in its own file (1 embedded it; still read)
+#: ``fit(on_nonfinite=...)``: what a non-finite batch or loss does.
+NONFINITE_MODES = ("stop", "skip", "ignore")
+#: Consecutive skipped steps after which the loss scale counts as collapsed (a warning).
+COLLAPSE_SKIPS = 20
 _ORT_TYPES = {
     "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
@@ -137,6 +149,18 @@ class Metrics:
             "seconds": list(self.seconds),
         }
 
+    def rows(self, start: int = 0) -> list[dict[str, Any]]:
+        """Records ``start:`` as JSON-ready dicts (non-finite floats as ``None``)."""
+        d = self.to_dict()
+        return [{k: d[k][i] for k in d} for i in range(start, len(self))]
+
+    def truncate(self, steps: int) -> None:
+        """Keep only the records of steps ``<= steps``."""
+        keep = [i for i, s in enumerate(self.step) if s <= steps]
+        for name in ("step", "loss", "loss_scale", "skipped", "seconds"):
+            column = getattr(self, name)
+            setattr(self, name, [column[i] for i in keep])
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
         return cls(
@@ -148,14 +172,23 @@ class Metrics:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Steps, first/last loss, skipped steps, final scale, median steps per second."""
+        """Steps, first/last loss, skipped steps, final scale, median steps per second.
+
+        A non-finite loss or scale reads ``None`` (so the JSON stays valid); ``nonfinite_losses``
+        counts them.
+        """
         secs = sorted(self.seconds)
+
+        def clean(x: float | None) -> float | None:
+            return None if x is None or not math.isfinite(x) else x
+
         return {
             "steps": len(self),
-            "first_loss": self.loss[0] if self.loss else None,
-            "last_loss": self.loss[-1] if self.loss else None,
+            "first_loss": clean(self.loss[0]) if self.loss else None,
+            "last_loss": clean(self.loss[-1]) if self.loss else None,
+            "nonfinite_losses": sum(not math.isfinite(x) for x in self.loss),
             "skipped": int(sum(self.skipped)),
-            "loss_scale": self.loss_scale[-1] if self.loss_scale else None,
+            "loss_scale": clean(self.loss_scale[-1]) if self.loss_scale else None,
             "steps_per_s": 1.0 / secs[len(secs) // 2] if secs and secs[len(secs) // 2] > 0 else None,
         }
 
@@ -171,31 +204,11 @@ class Metrics:
 
     def to_json(self, path: str | os.PathLike[str]) -> None:
         """Write ``{"summary": ..., "metrics": {column: [...]}}`` (atomically)."""
-        doc = {"summary": self.summary(), "metrics": self.to_dict()}
+        doc = {"summary": self.summary(), "metrics": self.to_dict()}  # summary() and to_dict() drop NaN
         _write_atomic(path, (json.dumps(doc, allow_nan=False) + "\n").encode())
 
 
-def _write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
-    target = Path(path)
-    if target.is_dir():
-        raise MpgraphError(f"{target}: is a directory")
-    folder = target.parent if str(target.parent) else Path(".")
-    if not folder.is_dir():
-        raise MpgraphError(f"{target}: folder {folder} does not exist")
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.", suffix=".tmp")
-    mask = os.umask(0)
-    os.umask(mask)
-    try:
-        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes 0600; give the file ordinary permissions
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+_write_atomic = write_atomic
 
 
 def graph_fingerprint(model: ir.Model | onnx.ModelProto) -> str:
@@ -222,6 +235,86 @@ def graph_fingerprint(model: ir.Model | onnx.ModelProto) -> str:
     return h.hexdigest()[:32]
 
 
+def metrics_path(checkpoint: str | os.PathLike[str]) -> Path:
+    """The metrics history file of a checkpoint: ``run.ckpt.npz`` -> ``run.ckpt.metrics.jsonl``.
+
+    One JSON record per line (``step``, ``loss``, ``loss_scale``, ``skipped``, ``seconds``),
+    appended at every checkpoint, so checkpoints stay the size of the state however long the
+    run; a resume keeps the records up to the checkpoint's step.
+    """
+    p = Path(checkpoint)
+    return p.with_name(p.name.removesuffix(".npz") + ".metrics.jsonl")
+
+
+def _read_metrics_file(path: Path, steps: int) -> Metrics | None:
+    """Records of steps ``<= steps`` from a metrics history file (a torn last line is ignored)."""
+    if not path.is_file():
+        return None
+    rows: dict[int, dict[str, Any]] = {}
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            step = int(row["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if 0 < step <= steps:
+            rows[step] = row
+    ordered = [rows[k] for k in sorted(rows)]
+    try:
+        return Metrics.from_dict({k: [r.get(k) for r in ordered] for k in ("step", "loss", "loss_scale", "skipped", "seconds")})
+    except (TypeError, ValueError):
+        return None
+
+
+class StopRequest:
+    """Set by ``stop_on_signals`` when SIGINT/SIGTERM arrives; ``fit(stop=...)`` polls it
+    between steps, so the step in flight finishes and the state stays consistent."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+
+    def __call__(self) -> bool:
+        return self.signal is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signal).name if self.signal is not None else ""
+
+
+@contextmanager
+def stop_on_signals(signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[StopRequest]:
+    """Turn SIGINT/SIGTERM into a stop request for ``Trainer.fit`` while the block runs.
+
+    The first signal only sets the request: the step in flight finishes, ``fit`` returns, and
+    the caller can checkpoint a state whose step count and data position agree. A second
+    signal raises ``KeyboardInterrupt`` at once (abandoning the step; nothing is written).
+    Outside the main thread (where Python delivers no signals) the request never fires.
+    """
+    request = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield request
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        if request.signal is not None:
+            raise KeyboardInterrupt
+        request.signal = signum
+        logger.info("%s: finishing the step in flight, then stopping", signal.Signals(signum).name)
+
+    previous = {}
+    for sig in signals:
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield request
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) -> ir.Model:
     if isinstance(model, ir.Model):
         return model
@@ -232,6 +325,47 @@ def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) ->
     from mpgraph.io import load_model
 
     return load_model(model)
+
+
+def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
+    """``"N non-finite values in 'x'"`` for the first float array with NaN/inf, else ``None``."""
+    for name, a in batch.items():
+        a = np.asarray(a)
+        if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
+            return f"{int((~np.isfinite(a)).sum())} non-finite value(s) (NaN or inf) in '{name}'"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_meta(meta: Any, p: Path) -> dict[str, Any]:
+    """Checkpoint metadata with every key present and of the right type, else one line."""
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{p}: checkpoint metadata is not a JSON object")
+    fmt = meta.get("format")
+    if fmt not in (1, _CHECKPOINT_FORMAT):
+        raise CheckpointError(f"{p}: checkpoint format {fmt!r} is not {_CHECKPOINT_FORMAT}")
+    for key, ok, what in (("fingerprint", lambda v: isinstance(v, str), "a string"),
+                          ("steps", lambda v: _is_int(v) and v >= 0, "a step count >= 0"),
+                          ("names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+                           "a list of state names")):
+        if key not in meta:
+            raise CheckpointError(f"{p}: checkpoint metadata has no '{key}' ({what})")
+        if not ok(meta[key]):
+            raise CheckpointError(f"{p}: checkpoint metadata '{key}' should be {what}, got {str(meta[key])[:60]!r}")
+    data = meta.get("data")
+    if data is not None and not (isinstance(data, dict) and all(_is_int(data.get(k)) and data[k] >= 0
+                                                               for k in ("epoch", "index"))):
+        raise CheckpointError(f"{p}: checkpoint metadata 'data' should hold integers epoch and index >= 0, "
+                              f"got {str(data)[:80]!r}")
+    lr = meta.get("lr")
+    if lr is not None:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
+            raise CheckpointError(f"{p}: checkpoint metadata 'lr' should be a finite number >= 0, got {str(lr)[:40]!r}")
+        meta["lr"] = float(lr)
+    return meta
 
 
 @dataclass
@@ -380,6 +514,9 @@ class Trainer:
         self._batches_source: Any = None
         self._pending_position: tuple[int, int] | None = None
         self._eval: tuple[ort.InferenceSession, str, list[str]] | None = None
+        self._metrics_written: dict[Path, int] = {}
+        #: The step of the last checkpoint written (``None``: none yet in this run).
+        self.last_checkpoint_step: int | None = None
 
     # -- buffers -------------------------------------------------------------------------
 
@@ -519,7 +656,10 @@ class Trainer:
             if lr is not None:
                 raise MpgraphError("this step graph has no 'lr' input (built without an optimizer?)")
             return
-        value = lr if lr is not None else self.default_lr
+        if lr is not None and not math.isfinite(lr):
+            raise UsageError(f"learning rate must be finite, got {lr}")
+        # None keeps the lr in use: the one a resumed checkpoint carries, else the graph's.
+        value = lr if lr is not None else (self._lr_value if self._lr_value is not None else self.default_lr)
         if value is None or value == self._lr_value:
             return
         array = np.asarray(value, dtype=np.float32)
@@ -538,7 +678,8 @@ class Trainer:
 
         Args:
             batch: Arrays for every data input (``x``, ``label``, ...).
-            lr: Learning rate (``None``: the graph's default).
+            lr: Learning rate (``None``: the one in use, i.e. a resumed checkpoint's, else the
+                graph's default).
         """
         start = time.perf_counter()
         self._bind_lr(lr)
@@ -604,33 +745,88 @@ class Trainer:
         seed: int = 0,
         progress: bool = False,
         callback: Callable[[int, StepResult], None] | None = None,
+        on_nonfinite: str = "stop",
+        stop: Callable[[], bool] | None = None,
     ) -> Metrics:
         """Run ``steps`` steps and return all metrics so far (also ``self.metrics``).
+
+        Rules:
+            1. Every float array of a batch is checked before the step; a NaN or inf in it is
+               reported with the step and the array (see ``on_nonfinite``).
+            2. A non-finite loss that the graph did not skip itself (no loss scaling, or bf16)
+               is caught after the step: the step is undone (the previous state buffers are
+               still intact), then ``on_nonfinite`` decides.
+            3. ``stop()`` is polled before every step: when it returns True the loop ends with
+               a consistent state (``stop_reason`` says why), ready for ``save_checkpoint``.
+            4. An exception inside a step (Ctrl-C without ``stop_on_signals``, an ORT error)
+               puts the data stream back to the batch of that step, so a checkpoint written
+               afterwards is not a batch ahead of its step count.
+            5. ``COLLAPSE_SKIPS`` consecutive skipped steps log a warning once: the loss scale
+               has collapsed.
 
         Args:
             data: A ``Dataset`` (its train split) or arrays by input name: batched in a seeded
                 order whose position checkpoints keep; or any iterable of ready batches.
             steps: Steps to run now.
-            lr: Learning rate (``None``: the graph's default).
+            lr: Learning rate (``None``: the one in use, i.e. a resumed checkpoint's, else the
+                graph's default).
             batch_size: Samples per batch.
             seed: Shuffle seed.
             progress: Log the loss at INFO level about every tenth of the run.
             callback: Called after every step with the step number and its result.
+            on_nonfinite: ``stop`` (raise ``TrainingError`` naming the step; the state is
+                that of the last good step), ``skip`` (the step counts but leaves the state as
+                it was, recorded as skipped with a NaN loss) or ``ignore`` (train on it).
+            stop: Polled before each step; True ends the run early.
+
+        Raises:
+            TrainingError: A non-finite batch or loss with ``on_nonfinite="stop"``.
         """
         if steps < 0:
-            raise MpgraphError(f"steps must be >= 0, got {steps}")
+            raise UsageError(f"steps must be >= 0, got {steps}")
+        if on_nonfinite not in NONFINITE_MODES:
+            raise UsageError(f"on_nonfinite must be one of {', '.join(NONFINITE_MODES)}, got {on_nonfinite!r}")
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise UsageError(f"learning rate must be finite and >= 0, got {lr}")
         it: Iterator[Mapping[str, np.ndarray]]
         if isinstance(data, (Dataset, Mapping)):
             it = self._batches_for(data, batch_size, seed)
         else:
             it = iter(data)
         every = max(steps // 10, 1)
+        self.stop_reason = ""
+        run_skips = 0
+        warned = False
         for i in range(steps):
-            try:
-                batch = next(it)
-            except StopIteration:
+            if stop is not None and stop():
+                self.stop_reason = getattr(stop, "name", "") or "stop requested"
                 break
-            result = self.step(batch, lr)
+            position = it.position if isinstance(it, Batches) else None
+            try:
+                try:
+                    batch = next(it)
+                except StopIteration:
+                    break
+                problem = None if on_nonfinite == "ignore" else _nonfinite_arrays(batch)
+                if problem is not None:
+                    result = self._refuse(f"step {self.steps + 1}: the batch has {problem}", on_nonfinite)
+                else:
+                    result = self.step(batch, lr)
+                    if on_nonfinite != "ignore" and not result.skipped and not math.isfinite(result.loss):
+                        self._undo_step()
+                        result = self._refuse(f"step {self.steps + 1}: the loss is {result.loss} "
+                                              "(the update was undone)", on_nonfinite)
+            except BaseException:
+                if position is not None and isinstance(it, Batches):
+                    it.seek(position)
+                raise
+            run_skips = run_skips + 1 if result.skipped else 0
+            if run_skips >= COLLAPSE_SKIPS and not warned:
+                warned = True
+                scale = f" (loss scale now {self.loss_scale:g})" if self.has_loss_scale else ""
+                logger.warning(
+                    "loss scale collapsed: %d consecutive steps skipped for non-finite gradients, up to step %d%s; "
+                    "check the data and the model for inf/NaN, or train in bfloat16", run_skips, self.steps, scale)
             if callback is not None:
                 callback(self.steps, result)
             if progress and ((i + 1) % every == 0 or i + 1 == steps):
@@ -639,11 +835,58 @@ class Trainer:
                             ", skipped" if result.skipped else "")
         return self.metrics
 
+    def _undo_step(self) -> None:
+        """Go back to the state before the last step: its input buffers were never written."""
+        self._state, self._spare = self._spare, self._state
+        self._parity ^= 1
+        self.steps -= 1
+        self.metrics.truncate(self.steps)
+
+    def _refuse(self, what: str, mode: str) -> StepResult:
+        """A non-finite batch or loss: raise (``stop``) or count a skipped step (``skip``)."""
+        if mode == "stop":
+            raise TrainingError(f"non-finite training at {what}; the state is that of step {self.steps} "
+                                "(pass --on-nonfinite skip to skip such steps)")
+        logger.warning("skipped %s", what)
+        scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
+        self.steps += 1
+        result = StepResult(math.nan, scale, True, 0.0)
+        self.metrics.append(self.steps, result)
+        return result
+
+    # -- data checks ---------------------------------------------------------------------
+
+    def label_bounds(self) -> dict[str, tuple[int, int | None]]:
+        """Data inputs that are class labels of a loss op, with (classes, ignore_index).
+
+        The class count is the loss's score input's dimension 1 when it is static
+        (``SoftmaxCrossEntropyLoss``/``NegativeLogLikelihoodLoss`` take ``[N, C, ...]``).
+        """
+        data = {s.name for s in self.data_inputs}
+        out: dict[str, tuple[int, int | None]] = {}
+        for node in self.model.graph:
+            if node.op_type not in _LOSS_OPS or len(node.inputs) < 2:
+                continue
+            scores, labels = node.inputs[0], node.inputs[1]
+            if labels is None or labels.name not in data or scores is None or scores.shape is None:
+                continue
+            if len(scores.shape) < 2 or not isinstance(scores.shape[1], int):
+                continue
+            attr = node.attributes.get("ignore_index")
+            out[labels.name] = (int(scores.shape[1]), int(attr.as_int()) if attr is not None else None)
+        return out
+
     # -- checkpoints ---------------------------------------------------------------------
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Write all state, the step count, data position, metrics and the graph fingerprint
-        to ``path`` (an ``.npz``), atomically: a reader never sees a partial file."""
+        """Write all state, the step count, data position, lr and the graph fingerprint to
+        ``path`` (an ``.npz``), atomically: a reader never sees a partial file. The metrics
+        history goes to ``metrics_path(path)`` first (appended).
+
+        Raises:
+            CheckpointError: The file cannot be written (a full disk): the previous checkpoint
+                is left as it was, and the message gives its step.
+        """
         meta = {
             "format": _CHECKPOINT_FORMAT,
             "fingerprint": self.fingerprint,
@@ -651,50 +894,113 @@ class Trainer:
             "names": [name for name, _ in self.pairs],
             "data": self._batches.state() if self._batches is not None else None,
             "lr": self._lr_value,
-            "metrics": self.metrics.to_dict(),
         }
         arrays = {f"s{i}": self._state[name].numpy() for i, (name, _) in enumerate(self.pairs)}
         buf = io.BytesIO()
         np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-        _write_atomic(path, buf.getvalue())
+        try:
+            self._save_metrics(Path(path))
+            write_atomic(path, buf.getvalue())
+        except OutputError as e:
+            kept = (f"the last good checkpoint (step {self.last_checkpoint_step}) is kept"
+                    if self.last_checkpoint_step is not None and Path(path).exists()
+                    else "the previous checkpoint file is kept" if Path(path).exists()
+                    else "no checkpoint of this run exists")
+            raise CheckpointError(f"checkpoint at step {self.steps} not written: {e}; {kept}") from e
+        self.last_checkpoint_step = self.steps
+
+    def _save_metrics(self, checkpoint: Path) -> None:
+        """Append the records since the last save to the history file (rewrite it whole,
+        atomically, the first time in this run or after a failed append)."""
+        target = metrics_path(checkpoint)
+        key = target.resolve()
+        done = self._metrics_written.get(key)
+        if done is None or not target.exists():
+            lines = "".join(json.dumps(r) + "\n" for r in self.metrics.rows())
+            write_atomic(target, lines.encode())
+        else:
+            rows = self.metrics.rows(done)
+            if rows:
+                try:
+                    with open(target, "a", encoding="utf-8") as f:
+                        f.write("".join(json.dumps(r) + "\n" for r in rows))
+                        f.flush()
+                        os.fsync(f.fileno())
+                except OSError as e:
+                    self._metrics_written.pop(key, None)  # maybe a torn line: rewrite the file next time
+                    raise OutputError(f"{target}: cannot write ({e.strerror or e})") from e
+        self._metrics_written[key] = len(self.metrics)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by ``save_checkpoint`` for this same graph.
 
+        Metadata is checked key by key (type and range) before anything is restored; the
+        metrics history comes from ``metrics_path(path)`` (or, for a format-1 checkpoint, from
+        the checkpoint itself).
+
         Raises:
-            MpgraphError: Missing/unreadable file, or a checkpoint of a different graph.
+            CheckpointError: Missing/unreadable file, bad metadata (naming the key), a state
+                array of another shape or dtype, or a checkpoint of a different graph.
         """
+        from mpgraph.data import read_npz
+        from mpgraph.errors import DataError
+
         p = Path(path)
         if not p.exists():
-            raise MpgraphError(f"{p}: no such checkpoint")
+            raise CheckpointError(f"{p}: no such checkpoint")
         try:
-            with np.load(p, allow_pickle=False) as z:
-                meta = json.loads(z["__meta__"].tobytes().decode())
-                arrays = {name: z[f"s{i}"] for i, name in enumerate(meta["names"])}
-        except (OSError, ValueError, KeyError, EOFError, UnicodeDecodeError) as e:
-            raise MpgraphError(f"{p}: not an mpgraph checkpoint ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
-        if meta.get("format") != _CHECKPOINT_FORMAT:
-            raise MpgraphError(f"{p}: checkpoint format {meta.get('format')} is not {_CHECKPOINT_FORMAT}")
+            arrays_in = read_npz(p)
+        except DataError as e:
+            raise CheckpointError(f"{p}: not an mpgraph checkpoint ({str(e).removeprefix(f'{p}: ')})") from e
+        if "__meta__" not in arrays_in:
+            raise CheckpointError(f"{p}: not an mpgraph checkpoint (no __meta__ array; it holds "
+                                  f"{', '.join(sorted(arrays_in)[:8])})")
+        try:
+            meta = json.loads(arrays_in["__meta__"].tobytes().decode())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{p}: not an mpgraph checkpoint (metadata is not JSON: {e})") from e
+        meta = _check_meta(meta, p)
         if meta["fingerprint"] != self.fingerprint:
-            raise MpgraphError(
+            raise CheckpointError(
                 f"{p}: checkpoint is from a different graph (fingerprint {meta['fingerprint']}, this graph "
                 f"{self.fingerprint}); resume with the step graph it was saved from"
             )
-        current = {name: self._state[name] for name, _ in self.pairs}
+        names = meta["names"]
+        want_names = [name for name, _ in self.pairs]
+        if sorted(names) != sorted(want_names):
+            raise CheckpointError(f"{p}: checkpoint state names do not match the graph (missing "
+                                  f"{sorted(set(want_names) - set(names))[:5]}, extra {sorted(set(names) - set(want_names))[:5]})")
+        arrays = {}
+        for i, name in enumerate(names):
+            key = f"s{i}"
+            if key not in arrays_in:
+                raise CheckpointError(f"{p}: checkpoint has no array {key} for state '{name}'")
+            arrays[name] = arrays_in[key]
         for name, array in arrays.items():
-            want = current[name]
+            want = self._state[name]
+            want_dtype = _ORT_TYPES.get(want.data_type())
             if list(array.shape) != list(want.shape()):
-                raise MpgraphError(f"{p}: state '{name}' has shape {list(array.shape)}, the graph wants {want.shape()}")
+                raise CheckpointError(f"{p}: state '{name}' has shape {list(array.shape)}, the graph wants {want.shape()}")
+            if want_dtype is not None and array.dtype != np.dtype(want_dtype):
+                raise CheckpointError(f"{p}: state '{name}' is {array.dtype}, the graph wants {np.dtype(want_dtype)}")
         self._set_state(arrays)
-        self.steps = int(meta["steps"])
-        self.metrics = Metrics.from_dict(meta["metrics"])
+        self.steps = meta["steps"]
+        history = _read_metrics_file(metrics_path(p), self.steps)
+        if history is None and isinstance(meta.get("metrics"), Mapping):
+            try:
+                history = Metrics.from_dict(meta["metrics"])
+            except (KeyError, TypeError, ValueError):
+                history = None
+        self.metrics = history if history is not None else Metrics()
+        self._metrics_written = {}
+        self.last_checkpoint_step = self.steps
         data = meta.get("data")
         self._batches = None
-        self._pending_position = (int(data["epoch"]), int(data["index"])) if data else None
+        self._pending_position = (data["epoch"], data["index"]) if data else None
         self._lr_value = None
         self._lr_buf = None
         if meta.get("lr") is not None:
-            self._bind_lr(float(meta["lr"]))
+            self._bind_lr(meta["lr"])
 
     # -- inspection ----------------------------------------------------------------------
 
