@@ -1,0 +1,122 @@
+"""``audit --memory``'s estimate next to the device memory ORT CUDA really takes for one step.
+
+For the zoo GPT (``models/onnx/gpt.loss.onnx``) and the benchmark GPT of ``gpu_step.py`` (d1024,
+8 layers, T512, vocab 8192, batch 8), AdamW, policies fp32 and bf16, it prints the estimated
+peak (``mpgraph.audit.memory.estimate_memory``) and the measured one: the device memory in use
+after a few steps minus before the session was made (``cudaMemGetInfo`` through torch), with
+ORT's arena told to grow by exactly what is requested (``arena_extend_strategy=kSameAsRequested``)
+so that the arena's size is its peak rather than the next power of two. The measured number also
+holds cuBLAS/cuDNN workspaces and handles, which the estimate does not model.
+
+Run on a GPU machine (onnxruntime-gpu, torch with CUDA)::
+
+    python benchmarks/memory_check.py                 # both GPTs, fp32 and bf16
+    python benchmarks/memory_check.py --estimate-only # the estimates alone (any machine)
+
+Output: one line per (model, policy): estimate, measured, and the error (estimate / measured - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import mpgraph  # noqa: E402
+from mpgraph.audit.memory import estimate_memory  # noqa: E402
+from mpgraph.train_graph import build_training_graph  # noqa: E402
+
+
+def zoo_gpt(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    from models.zoo import GPT_SEQ, GPT_VOCAB
+
+    step = build_training_graph("models/onnx/gpt.loss.onnx", optimizer="adamw", optimizer_options={"weight_decay": 0.01})
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, GPT_VOCAB, (batch, GPT_SEQ), dtype=np.int64),
+             "label": rng.integers(0, GPT_VOCAB, (batch, GPT_SEQ), dtype=np.int64)}
+    return step, feeds
+
+
+def bench_gpt(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    import torch
+
+    from models.zoo import GPT
+    from mpgraph.export import export_module
+
+    vocab, seq, d, heads, layers = 8192, 512, 1024, 16, 8
+    torch.manual_seed(0)
+    module = GPT(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers).train()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, vocab, (batch, seq), dtype=np.int64)
+    proto = export_module(copy.deepcopy(module), torch.from_numpy(tokens[:2]), loss="cross_entropy")
+    step = build_training_graph(proto, optimizer="adamw", lr=3e-4, optimizer_options={"weight_decay": 0.01})
+    names = [v.name for v in step.graph.inputs if v.dtype == ir.DataType.INT64]
+    data = next(n for n in names if n != "label")
+    return step, {data: tokens, "label": rng.integers(0, vocab, (batch, seq), dtype=np.int64)}
+
+
+def device_used() -> int:
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
+def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int) -> int:
+    """Device bytes a CUDA Trainer for ``step`` holds after ``steps`` steps."""
+    import torch
+
+    from mpgraph.runtime.trainer import Trainer
+
+    torch.cuda.init()
+    gc.collect()
+    before = device_used()
+    trainer = Trainer(step, "cuda", provider_options={"arena_extend_strategy": "kSameAsRequested"})
+    for _ in range(steps):
+        trainer.step(feeds)
+    torch.cuda.synchronize()
+    used = device_used() - before
+    del trainer
+    gc.collect()
+    return used
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="zoo_gpt,bench_gpt")
+    parser.add_argument("--policies", default="fp32,bf16")
+    parser.add_argument("--zoo-batch", type=int, default=256)
+    parser.add_argument("--bench-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--estimate-only", action="store_true", help="Print the estimates; run nothing on a GPU.")
+    args = parser.parse_args()
+    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
+    print(f"{'model':10s} {'policy':6s} {'batch':>5s} {'params':>11s} {'estimate MiB':>13s} {'measured MiB':>13s} "
+          f"{'error':>7s}  (estimate: persistent + outputs + transient peak)")
+    for name in args.models.split(","):
+        make, batch = makers[name]
+        step, feeds = make(batch)
+        for policy in args.policies.split(","):
+            fresh = ir.from_proto(ir.to_proto(step))
+            graph = fresh if policy == "fp32" else mpgraph.convert(fresh, policy, validate=False)
+            report = estimate_memory(graph, batch=batch)
+            estimate = report.estimated_peak_bytes / 2**20
+            measured = error = ""
+            if not args.estimate_only:
+                got = measure(graph, feeds, args.steps) / 2**20
+                measured, error = f"{got:13.1f}", f"{estimate / got - 1:+7.1%}"
+            print(f"{name:10s} {policy:6s} {batch:5d} {report.parameters:11,d} {estimate:13.1f} {measured:>13s} {error:>7s}"
+                  f"  (persistent {report.persistent_bytes / 2**20:.1f}, outputs {report.output_bytes / 2**20:.1f}, "
+                  f"transient {report.transient_peak_bytes / 2**20:.1f}, saved for backward "
+                  f"{report.saved_for_backward_bytes / 2**20:.1f})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

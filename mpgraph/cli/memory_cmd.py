@@ -1,0 +1,86 @@
+"""``mpgraph audit --memory``: bytes per parameter by role, and activation memory by liveness."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.table import Table
+
+__all__ = ["memory_report", "step_graph_for"]
+
+
+def step_graph_for(model: Path, optimizer: str | None, policy: str | None):  # noqa: ANN201 - ir.Model, imported lazily
+    """The training step graph to estimate: ``model`` itself when it is one, else built from it.
+
+    A forward model gets ``train-graph`` with ``optimizer`` (default ``adamw``), then
+    ``convert`` with ``policy`` when given; a float32 step graph is converted with ``policy``.
+    """
+    from mpgraph import metadata as md
+    from mpgraph.convert import convert
+    from mpgraph.errors import MpgraphError
+    from mpgraph.io import load_model
+    from mpgraph.train_graph import build_training_graph
+
+    loaded = load_model(model)
+    props = loaded.metadata_props
+    if props.get(md.MODEL_TRAINING) != "true":
+        if md.MODEL_POLICY in props:
+            raise MpgraphError(f"{model}: a converted forward model; give the float32 forward model (with "
+                               "--optimizer and --policy) or a training step graph")
+        step = build_training_graph(loaded, optimizer=optimizer or "adamw")
+    else:
+        if optimizer is not None:
+            raise MpgraphError(f"{model}: already a training step graph (its optimizer is fixed); drop --optimizer")
+        step = loaded
+    if policy is not None:
+        if md.MODEL_POLICY in step.metadata_props:
+            raise MpgraphError(f"{model}: already converted with policy {step.metadata_props[md.MODEL_POLICY]}; drop --policy")
+        step = convert(step, policy)
+    return step
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool) -> None:
+    """Print ``estimate_memory`` for ``model`` (table or JSON)."""
+    from mpgraph.audit.memory import ROLES, estimate_memory
+    from mpgraph.cli.main import console
+    from mpgraph.errors import UsageError
+
+    if batch < 1:
+        raise UsageError(f"--batch must be >= 1, got {batch}")
+    report = estimate_memory(step_graph_for(model, optimizer, policy), batch=batch)
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+        return
+    console.print(f"[bold]{model}[/]  policy={report.policy or 'float32 (not converted)'}  batch={batch}  "
+                  f"parameters={report.parameters:,}", highlight=False, soft_wrap=True)
+    table = Table(title="bytes per parameter, by role", show_footer=True)
+    table.add_column("role", footer="total")
+    table.add_column("bytes/param", justify="right", footer=f"{sum(report.bytes_per_parameter.values()):.2f}")
+    table.add_column("total", justify="right", footer=_mib(sum(report.role_bytes.values())))
+    for role in ROLES:
+        table.add_row(role.replace("_", " "), f"{report.bytes_per_parameter[role]:.2f}", _mib(report.role_bytes[role]))
+    console.print(table)
+    rows = [
+        ("activations kept for the backward", report.saved_for_backward_bytes,
+         f"{report.saved_for_backward_values} forward buffers read by backward nodes"),
+        ("transient peak (liveness)", report.transient_peak_bytes, f"at {report.transient_peak_node}"),
+        ("data inputs", report.data_bytes, ""),
+        ("other state", report.other_state_bytes, "running statistics, loss scale, step counter"),
+        ("constants", report.constant_bytes, ""),
+        ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
+        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + transient peak"),
+    ]
+    extra = Table(title=f"one step at batch {batch}")
+    for col in ("what", "bytes", "note"):
+        extra.add_column(col)
+    for what, n, note in rows:
+        extra.add_row(what, _mib(n), note)
+    console.print(extra)
+    if report.unknown_shapes:
+        console.print(f"note: {report.unknown_shapes} intermediate values have no inferred shape and are not counted",
+                      highlight=False)

@@ -1,0 +1,93 @@
+"""audit --memory: bytes per parameter by role (the 14-byte lesson) and activations by liveness."""
+
+from __future__ import annotations
+
+import json
+
+import onnx_ir as ir
+import pytest
+from onnx import helper as h
+from typer.testing import CliRunner
+
+import mpgraph
+from mpgraph import metadata as md
+from mpgraph.audit.memory import estimate_memory
+from mpgraph.cli.main import app
+from tests.helpers import init, make_model, vi
+
+TINY = "models/onnx/tiny_mlp.loss.onnx"  # 4-64-64-2, every parameter in a Gemm (4,610 of them)
+
+
+def step(optimizer: str, policy: str | None = None):
+    graph = mpgraph.build_training_graph(TINY, optimizer=optimizer)
+    return graph if policy is None else mpgraph.convert(graph, policy)
+
+
+def test_bf16_adamw_is_14_bytes_per_parameter_before_gradients_and_activations():
+    """bf16 weights (2) + fp32 master (4) + Adam's m and v (4 + 4): the lesson's 14 bytes."""
+    report = estimate_memory(step("adamw", "bf16"), batch=64)
+    per = report.bytes_per_parameter
+    assert report.parameters == 4 * 64 + 64 + 64 * 64 + 64 + 64 * 2 + 2
+    assert (per["low_weights"], per["master_weights"], per["optimizer_state"]) == (2.0, 4.0, 8.0)
+    assert per["low_weights"] + per["master_weights"] + per["optimizer_state"] == 14.0
+    # The optimizer reads bf16 weight gradients and fp32 ones for the biases: between 2 and 4.
+    assert 2.0 < per["gradients"] < 2.1  # measured 2.056 (the 130 bias elements are float32)
+
+
+@pytest.mark.parametrize(("optimizer", "policy", "expected"), [
+    ("adamw", None, {"low_weights": 0.0, "master_weights": 4.0, "gradients": 4.0, "optimizer_state": 8.0}),
+    ("sgd", "bf16", {"low_weights": 2.0, "master_weights": 4.0, "optimizer_state": 0.0}),
+    ("adam", "fp16", {"low_weights": 2.0, "master_weights": 4.0, "optimizer_state": 8.0}),
+])
+def test_roles_follow_the_policy_and_optimizer(optimizer, policy, expected):
+    per = estimate_memory(step(optimizer, policy), batch=8).bytes_per_parameter
+    assert {k: per[k] for k in expected} == expected
+
+
+def test_saved_activations_by_hand_and_linear_in_batch():
+    """float32 tiny MLP: the backward reads both Gemm outputs, both Relu outputs (64 wide), the
+    logits and the loss's log-probabilities (2 wide): 4 bytes * batch * (4 * 64 + 2 * 2)."""
+    graph = step("adamw")
+    for batch in (64, 128):
+        report = estimate_memory(graph, batch=batch)
+        assert report.saved_for_backward_bytes == 4 * batch * (4 * 64 + 2 * 2)
+        assert report.saved_for_backward_values == 6
+        assert report.transient_peak_bytes >= report.saved_for_backward_bytes
+    low = estimate_memory(step("adamw", "bf16"), batch=64)
+    assert low.saved_for_backward_bytes < estimate_memory(graph, batch=64).saved_for_backward_bytes
+
+
+def test_view_ops_share_their_input_buffer():
+    """x -> Relu a -> Reshape -> Relu b -> Reshape -> Relu y: the Reshapes alias, so at most the
+    two buffers a and b (4*N*8 bytes each) are alive at once; y is an output buffer."""
+    nodes = [
+        h.make_node("Relu", ["x"], ["a"], name="r1"),
+        h.make_node("Reshape", ["a", "shape"], ["a2"], name="v1"),
+        h.make_node("Relu", ["a2"], ["b"], name="r2"),
+        h.make_node("Reshape", ["b", "shape"], ["b2"], name="v2"),
+        h.make_node("Relu", ["b2"], ["y"], name="r3"),
+    ]
+    model = ir.from_proto(make_model(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])], [init("shape", [-1, 8])]))
+    model.metadata_props.update({md.MODEL_GRADIENTS: "[]", md.MODEL_STATE_PAIRS: "[]"})
+    report = estimate_memory(model, batch=16)
+    assert report.transient_peak_bytes == 2 * 4 * 16 * 8
+    assert report.output_bytes == report.data_bytes == 4 * 16 * 8
+    assert report.unknown_shapes == 0
+
+
+def test_refuses_a_forward_model():
+    with pytest.raises(mpgraph.MpgraphError, match="not a training step graph"):
+        estimate_memory(mpgraph.load_model(TINY), batch=1)
+
+
+def test_cli_builds_the_step_graph_and_prints_json(tmp_path):
+    result = CliRunner().invoke(app, ["audit", TINY, "--memory", "--batch", "32", "--policy", "bf16", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["bytes_per_parameter"]["optimizer_state"] == 8.0 and data["batch"] == 32
+    table = CliRunner().invoke(app, ["audit", TINY, "--memory", "--optimizer", "sgd"])
+    assert table.exit_code == 0 and "bytes per parameter" in table.output
+    converted = tmp_path / "tiny.bf16.onnx"
+    mpgraph.save_model(mpgraph.convert(mpgraph.load_model(TINY), "bf16"), converted)
+    refused = CliRunner().invoke(app, ["audit", str(converted), "--memory"])
+    assert refused.exit_code == 2 and "converted forward model" in refused.output
