@@ -33,16 +33,11 @@ CHECKS = ("grad", "adamw", "lowp")
 SUBSET = {("bert", "torchscript"), ("llama", "dynamo"), ("resnet", "torchscript"), ("vit", "dynamo"),
           ("lstm", "torchscript")}
 
-_AVGPOOL = ("AveragePool with ceil_mode=1 has no gradient rule (HF EfficientNet's pooler is "
-            "AvgPool2d(hidden_dim, ceil_mode=True)): GradientError 'needs static channels and ceil_mode=0'")
-_RESIZE = "no gradient rule for Resize (SegFormer's loss upsamples the logits bilinearly)"
 _CHAOTIC = ("ill-conditioned, not an mpgraph bug: after 5 AdamW steps fp32 torch is 1.8e-2 off "
             "float64 torch, so bf16/fp16 (5-6e-2 / 1.8e-1, fp16 skipping 6 steps at GradScaler's "
             "initial scale) cannot be within 1e-2")
 
 XFAIL: dict[tuple[str, str, str], str] = {
-    **{("efficientnet", e, c): _AVGPOOL for e in check.EXPORTERS for c in CHECKS},
-    **{("segformer", e, c): _RESIZE for e in check.EXPORTERS for c in CHECKS},
     **{("mobilenet_v2", e, "lowp"): _CHAOTIC for e in check.EXPORTERS},
 }
 

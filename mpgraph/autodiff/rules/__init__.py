@@ -14,6 +14,7 @@ from mpgraph.autodiff.rules import (  # noqa: F401
     norm,
     pool_conv,
     reduce,
+    resize,
     shape,
 )
 

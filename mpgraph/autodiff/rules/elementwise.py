@@ -251,6 +251,13 @@ def cast(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     return (dy if x.dtype == node.outputs[0].dtype else ctx.op("Cast", dy, to=x.dtype),)
 
 
+@register("CastLike", opsets=(15, None))
+def cast_like(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """Like Cast; the second input only names the dtype, so it gets no gradient."""
+    x = ctx.input(0)
+    return (dy if x.dtype == node.outputs[0].dtype else ctx.op("Cast", dy, to=x.dtype)), None
+
+
 @register("Dropout", opsets=(12, None), outputs=2)
 def dropout(ctx: Ctx, node: ir.Node, dy: V, dmask: V | None = None) -> tuple:
     x = ctx.input(0)

@@ -16,6 +16,7 @@ import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.registry import register
+from mpgraph.autodiff.rules.resize import separable_adjoint
 from mpgraph.errors import GradientError
 
 __all__: list[str] = []
@@ -340,13 +341,42 @@ def max_pool(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
     return (ctx.op("Reshape", scattered, ctx.shape(x)),)
 
 
+def _separable_average_pool(ctx: Ctx, node: ir.Node, dy: V, kernel: list[int]) -> V:
+    """The adjoint of AveragePool as one MatMul per spatial axis (``separable_adjoint``).
+
+    Average pooling is separable: a window's sum is a sum over each axis in turn, and its
+    divisor (the window's extent clipped to the padded input, or to the input when
+    ``count_include_pad=0``) is the product of per-axis extents. So ``A_d^T`` is the same pool
+    run along axis ``d`` alone over an identity, which follows the runtime's ceil_mode windows
+    (the last may overhang the padded input) and divisors exactly.
+    """
+    x = ctx.input(0)
+    strides, pads, dilations = _geometry(ctx, node, kernel)
+    n = len(kernel)
+
+    def apply(axis: int, basis: int, eye: V) -> V:
+        i = axis - 2
+
+        def along(values: list[int], rest: int) -> list[int]:
+            return [values[i] if j == i else rest for j in range(n)]
+
+        return ctx.op("AveragePool", eye, kernel_shape=along(kernel, 1), strides=along(strides, 1),
+                      pads=along(pads[:n], 0) + along(pads[n:], 0),
+                      dilations=along(dilations, 1) if any(d != 1 for d in dilations) else None,
+                      ceil_mode=ctx.attr("ceil_mode", 0), count_include_pad=ctx.attr("count_include_pad", 0))
+
+    return separable_adjoint(ctx, dy, x, list(range(2, n + 2)), apply)
+
+
 @register("AveragePool", opsets=(11, None))
 def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """The box adjoint (ConvTranspose with a ``1/area`` kernel); with ceil_mode or dynamic
+    channels, the separable form, whose windows and divisors need no case analysis."""
     x = ctx.input(0)
     kernel = ctx.attr("kernel_shape")
     channels = ctx.dims(x)[1]
     if channels is None or ctx.attr("ceil_mode", 0):
-        raise GradientError(f"AveragePool node '{node.name}': needs static channels and ceil_mode=0")
+        return (_separable_average_pool(ctx, node, dy, kernel),)
     _, pads, _ = _geometry(ctx, node, kernel)
     area = float(np.prod(kernel))
     if any(pads) and not ctx.attr("count_include_pad", 0):  # per-window divisors
