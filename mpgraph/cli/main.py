@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from mpgraph.cli.checks import finite
 from mpgraph.errors import MpgraphError, UsageError
 
 __all__ = ["app", "main", "handle_errors", "finite"]
@@ -109,18 +110,6 @@ def _root(
     global DEBUG
     if debug:
         DEBUG = True
-
-
-def finite(value: float, flag: str, *, low: float | None = None, high: float | None = None,
-           low_open: bool = False) -> float:
-    """``value`` if it is finite and in range, else a ``UsageError`` naming ``flag``."""
-    if not math.isfinite(value):
-        raise UsageError(f"{flag} must be a finite number, got {value}")
-    if low is not None and (value < low or (low_open and value == low)):
-        raise UsageError(f"{flag} must be {'>' if low_open else '>='} {low:g}, got {value:g}")
-    if high is not None and value > high:
-        raise UsageError(f"{flag} must be <= {high:g}, got {value:g}")
-    return value
 
 
 def _human_bytes(n: int | None) -> str:

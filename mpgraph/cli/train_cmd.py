@@ -1,8 +1,18 @@
 """``mpgraph train``: run a training step graph on a dataset with a progress bar.
 
-Everything that can fail before the first step (model, provider, dtype on that provider,
-dataset, resume checkpoint, output folders) is checked first, so a run that cannot start
-writes nothing and leaves an existing checkpoint as it was.
+Everything that can fail before the first step (numbers, output paths, model, provider,
+dtype on that provider, dataset and its labels, resume checkpoint) is checked first, so a run
+that cannot start writes nothing and leaves an existing checkpoint as it was.
+
+A run never loses its work:
+
+1. SIGINT (Ctrl-C) and SIGTERM (schedulers, ``docker stop``) finish the step in flight, then
+   write the checkpoint, metrics and plot, and exit 130 / 143; ``--resume`` continues bit for
+   bit. A second signal stops at once without writing (the last checkpoint is kept).
+2. A checkpoint that cannot be written (a full disk) keeps the last good one and says which
+   step it holds; at ``--checkpoint-every`` the run goes on, at the end it is an error.
+3. Non-finite data or a non-finite loss stops the run at that step (``--on-nonfinite stop``,
+   the state checkpointed is that of the last good step) or skips the step (``skip``).
 """
 
 from __future__ import annotations
@@ -13,6 +23,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -55,13 +66,14 @@ def _ort_error(e: Exception, what: str) -> MpgraphError | None:
 
 
 def _check_folder(path: Path | None, what: str) -> None:
+    """The output path can be written (a real probe file), so no step runs in vain."""
+    from mpgraph.cli.checks import check_output_path
+    from mpgraph.io import clean_stale_temporaries
+
     if path is None:
         return
-    if path.is_dir():
-        raise MpgraphError(f"--{what} {path}: is a directory")
-    folder = path.parent
-    if not folder.is_dir():
-        raise MpgraphError(f"--{what} {path}: folder {folder} does not exist")
+    check_output_path(path, f"--{what}")
+    clean_stale_temporaries(path)
 
 
 def train(
@@ -84,20 +96,37 @@ def train(
     tf32: Annotated[bool | None, typer.Option("--tf32/--no-tf32", help="cuda: let float32 matmuls run as TF32 (default: the graph's policy; fp32 is strict).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
+    on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
-    from mpgraph.cli.main import console
-    from mpgraph.data import dataset_for_model, token_input
-    from mpgraph.runtime.trainer import Trainer, plot_losses
+    from mpgraph.cli.checks import finite, positive_int
+    from mpgraph.cli.main import console, err_console
+    from mpgraph.data import check_labels, dataset_for_model, token_input
+    from mpgraph.errors import CheckpointError, TrainingError, UsageError
+    from mpgraph.runtime.trainer import NONFINITE_MODES, Trainer, metrics_path, plot_losses, stop_on_signals
 
-    if steps < 0:
-        raise MpgraphError(f"--steps must be >= 0, got {steps}")
-    if batch < 1:
-        raise MpgraphError(f"--batch must be >= 1, got {batch}")
+    positive_int(steps, "--steps", minimum=0)
+    positive_int(batch, "--batch")
+    positive_int(checkpoint_every, "--checkpoint-every", minimum=0)
+    if threads is not None:
+        positive_int(threads, "--threads")
+    if lr is not None:
+        finite(lr, "--lr", low=0.0)
+    if on_nonfinite not in NONFINITE_MODES:
+        raise UsageError(f"--on-nonfinite: invalid value '{on_nonfinite}'; valid: {', '.join(NONFINITE_MODES)}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {plot}: must end in .png")
+    if metrics is not None and metrics.suffix.lower() not in (".csv", ".json"):
+        raise UsageError(f"--metrics {metrics}: must end in .csv or .json")
+    outputs = [p.resolve() for p in (checkpoint, metrics, plot) if p is not None]
+    if len(set(outputs)) != len(outputs):
+        raise UsageError("--checkpoint, --metrics and --plot must name different files")
+    if checkpoint is not None and step.exists() and checkpoint.resolve() == step.resolve():
+        raise UsageError(f"--checkpoint {checkpoint}: is the step graph itself")
     for path, what in ((checkpoint, "checkpoint"), (metrics, "metrics"), (plot, "plot")):
         _check_folder(path, what)
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise MpgraphError(f"--plot {plot}: must end in .png")
+    if checkpoint is not None:
+        _check_folder(metrics_path(checkpoint), "checkpoint")
 
     try:
         options = {}
@@ -118,6 +147,9 @@ def train(
     tok = token_input(trainer.data_inputs)
     vocab = _vocab(trainer, tok.name) if tok is not None else None
     dataset = dataset_for_model(data, trainer.data_inputs, seed=seed, vocab=vocab)
+    bounds = trainer.label_bounds()
+    check_labels(dataset.train, bounds, f"dataset '{data}'")
+    check_labels(dataset.test, bounds, f"dataset '{data}' (test split)")
     if resume is not None:
         trainer.load_checkpoint(resume)
     start_step = trainer.steps
@@ -125,6 +157,15 @@ def train(
     def save() -> None:
         if checkpoint is not None:
             trainer.save_checkpoint(checkpoint)
+
+    def write_reports() -> None:
+        if metrics is not None:
+            if metrics.suffix.lower() == ".json":
+                trainer.metrics.to_json(metrics)
+            else:
+                trainer.metrics.to_csv(metrics)
+        if plot is not None:
+            plot_losses({step.stem: trainer.metrics}, plot, title=f"{step.name} on {data}")
 
     columns = (
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
@@ -145,13 +186,29 @@ def train(
                 info = f"loss {result.loss:.4g}" + (f"  scale {scale:g}" if scale is not None else "")  # type: ignore[attr-defined]
                 bar.update(task, completed=done, info=f"{info}  skipped {skipped}  {rate:.0f} steps/s")
             if checkpoint_every and n % checkpoint_every == 0:
-                save()
+                try:
+                    save()
+                except CheckpointError as e:  # a full disk: keep training, keep the last good one
+                    err_console.print(f"[yellow]warning:[/] {escape(str(e))}; training goes on", highlight=False,
+                                      soft_wrap=True)
 
         try:
-            trainer.fit(dataset, steps, lr, batch_size=batch, seed=seed, callback=on_step)
+            with stop_on_signals() as stop:
+                trainer.fit(dataset, steps, lr, batch_size=batch, seed=seed, callback=on_step,
+                            on_nonfinite=on_nonfinite, stop=stop)
         except KeyboardInterrupt:
-            save()
-            raise
+            last = trainer.last_checkpoint_step
+            raise MpgraphError(
+                "interrupted again: stopped at once without writing a checkpoint"
+                + (f"; the last checkpoint ({checkpoint}, step {last}) is kept" if last is not None else "")
+            ) from None
+        except TrainingError as e:
+            written = ""
+            if checkpoint is not None:
+                save()
+                written = f"; wrote checkpoint {checkpoint} (step {trainer.steps})"
+            write_reports()
+            raise TrainingError(f"{e}{written}") from e
         except MpgraphError:
             raise
         except Exception as e:  # noqa: BLE001
@@ -161,18 +218,21 @@ def train(
             raise error from None
     elapsed = time.perf_counter() - began
     save()
-    if metrics is not None:
-        if metrics.suffix.lower() == ".json":
-            trainer.metrics.to_json(metrics)
-        else:
-            trainer.metrics.to_csv(metrics)
-    if plot is not None:
-        plot_losses({step.stem: trainer.metrics}, plot, title=f"{step.name} on {data}")
+    write_reports()
+    if stop():
+        code = 130 if stop.name == "SIGINT" else 143
+        where = (f"checkpoint {checkpoint} written (resume with --resume {checkpoint})" if checkpoint is not None
+                 else "no --checkpoint given, so the trained state is not saved")
+        err_console.print(f"stopped by {stop.name} after step {trainer.steps}: {escape(where)}", highlight=False,
+                          soft_wrap=True)
+        raise typer.Exit(code)
     summary = trainer.metrics.summary()
     run = trainer.steps - start_step
     parts = [f"{run} steps in {elapsed:.1f}s ({run / max(elapsed, 1e-9):.0f} steps/s) on {provider}"]
-    if summary["last_loss"] is not None:
+    if summary["last_loss"] is not None and summary["first_loss"] is not None:
         parts.append(f"loss {summary['first_loss']:.4g} -> {summary['last_loss']:.4g}")
+    if summary["nonfinite_losses"]:
+        parts.append(f"{summary['nonfinite_losses']} non-finite losses")
     if summary["loss_scale"] is not None:
         parts.append(f"scale {summary['loss_scale']:g}")
     parts.append(f"skipped {summary['skipped']}")

@@ -859,21 +859,28 @@ class Trainer:
     def label_bounds(self) -> dict[str, tuple[int, int | None]]:
         """Data inputs that are class labels of a loss op, with (classes, ignore_index).
 
-        The class count is the loss's score input's dimension 1 when it is static
+        The label may reach the loss through shape-only ops (``Reshape``, ``Flatten``, ...). The
+        class count is the loss's score input's dimension 1 when it is static
         (``SoftmaxCrossEntropyLoss``/``NegativeLogLikelihoodLoss`` take ``[N, C, ...]``).
         """
-        data = {s.name for s in self.data_inputs}
+        passthrough = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
+        origin = {s.name: s.name for s in self.data_inputs if s.dtype.kind in "iu"}
         out: dict[str, tuple[int, int | None]] = {}
-        for node in self.model.graph:
+        for node in self.model.graph:  # topological order: a label's reshapes come first
+            first = node.inputs[0] if node.inputs else None
+            if node.op_type in passthrough and first is not None and first.name in origin:
+                for o in node.outputs:
+                    origin[o.name or ""] = origin[first.name]
+                continue
             if node.op_type not in _LOSS_OPS or len(node.inputs) < 2:
                 continue
             scores, labels = node.inputs[0], node.inputs[1]
-            if labels is None or labels.name not in data or scores is None or scores.shape is None:
+            if labels is None or labels.name not in origin or scores is None or scores.shape is None:
                 continue
             if len(scores.shape) < 2 or not isinstance(scores.shape[1], int):
                 continue
             attr = node.attributes.get("ignore_index")
-            out[labels.name] = (int(scores.shape[1]), int(attr.as_int()) if attr is not None else None)
+            out[origin[labels.name]] = (int(scores.shape[1]), int(attr.as_int()) if attr is not None else None)
         return out
 
     # -- checkpoints ---------------------------------------------------------------------
