@@ -12,6 +12,8 @@ Example:
     False
     >>> is_lossless(ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
     False
+    >>> is_lossless(ir.DataType.FLOAT8E5M2FNUZ, ir.DataType.FLOAT16)
+    True
 """
 
 from __future__ import annotations
@@ -105,15 +107,12 @@ def is_lossless(src: ir.DataType, dst: ir.DataType) -> bool:
         a_max += 1
     if not b.has_inf:
         b_max += 1
-    # The smallest normal of src must be representable (normal or subnormal) in dst with full precision.
-    a_min_normal = 2 - 2 ** (a.exponent - 1) - a.bias_shift
-    b_min_normal = 2 - 2 ** (b.exponent - 1) - b.bias_shift
-    return (
-        b.mantissa >= a.mantissa
-        and b_max >= a_max
-        and b_min_sub <= a_min_sub
-        and b_min_normal <= a_min_normal
-    )
+    # Every src value is a multiple of 2**a_min_sub below 2**(a_max + 1). dst spaces its values
+    # 2**(e - b.mantissa) apart at binary exponent e, never finer than 2**b_min_sub; so a src value
+    # at exponent e (spacing 2**(e - a.mantissa) >= 2**a_min_sub) survives when b.mantissa >=
+    # a.mantissa and b_min_sub <= a_min_sub, even where it is a dst subnormal (fp8 e5m2fnuz's
+    # smallest normal, 2**-15, is an fp16 subnormal and exact).
+    return b.mantissa >= a.mantissa and b_max >= a_max and b_min_sub <= a_min_sub
 
 
 def short_name(dtype: ir.DataType) -> str:
