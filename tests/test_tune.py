@@ -1,0 +1,111 @@
+"""tune: the fewest ops kept float32 so an objective holds, written as a policy."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import numpy_helper
+from typer.testing import CliRunner
+
+import mpgraph
+from mpgraph.cli.main import app
+from mpgraph.policy import load_policy
+from mpgraph.tune import LossAfterSteps, OutputTolerance, parse_objective, relative_error, tune
+from tests.helpers import run
+
+PLANTED = "node_MatMul_57"  # the zoo GPT's first MLP output projection (blocks.0.out)
+
+
+def planted_gpt(factor: float = 1e5) -> onnx.ModelProto:
+    """The zoo GPT with ``blocks.0.out.weight`` scaled: that MatMul's output (|x| up to ~0.7
+    unscaled) passes float16's 65504, as pretrained T5's feed-forward outputs do; the residual
+    stream's LayerNorms bring it back, so float32 outputs stay finite."""
+    model = onnx.load("models/onnx/gpt.onnx")
+    for init in model.graph.initializer:
+        if init.name == "blocks.0.out.weight":
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(factor), init.name))
+    return model
+
+
+FEEDS = {"tokens": np.random.default_rng(0).integers(0, 64, (4, 16)).astype(np.int64)}
+
+
+def emulated_error(model: onnx.ModelProto, policy) -> float:
+    got = run(mpgraph.convert(ir.from_proto(model), policy, emulate=True), FEEDS)[0]
+    return relative_error(run(model, FEEDS)[0], got)
+
+
+def test_keeps_exactly_the_planted_overflowing_op_and_the_policy_reproduces_it(tmp_path):
+    model = planted_gpt()
+    result = tune(model, "fp16", objective=OutputTolerance(2e-3), feeds=FEEDS)
+    assert result.kept == [PLANTED] and result.kept_ops == ["MatMul"]
+    assert result.error_before == float("inf") and result.met
+    assert result.error_after < 1e-3  # measured 5.4e-4, fp16's rounding with the op float32
+    assert result.seconds < 60 and result.evaluations <= 5  # measured 0.4 s, 3 conversions
+    path = tmp_path / "tuned.yaml"
+    path.write_text(result.policy_yaml())
+    policy = load_policy(str(path))
+    assert policy.name == "fp16-tuned" and [o.pattern for o in policy.overrides] == [PLANTED]
+    assert emulated_error(model, policy) == pytest.approx(result.error_after)
+    assert emulated_error(model, "fp16") == float("inf")
+
+
+def test_a_model_that_already_meets_the_objective_keeps_nothing():
+    result = tune(onnx.load("models/onnx/gpt.onnx"), "fp16", feeds=FEEDS)
+    assert result.kept == [] and result.evaluations == 1 and result.met
+
+
+def test_a_tight_objective_gives_a_set_where_no_kept_op_can_go():
+    """Tolerance 1e-4 on the planted GPT (fp16 rounding alone gives 5e-4): several MatMuls must
+    stay float32, and dropping any one of them breaks the objective again."""
+    model = planted_gpt()
+    result = tune(model, "fp16", objective=OutputTolerance(1e-4), feeds=FEEDS)
+    assert result.met and PLANTED in result.kept and 1 < len(result.kept) < result.candidates
+    base = load_policy("fp16")
+    for name in result.kept:
+        others = [n for n in result.kept if n != name]
+        policy = mpgraph.policy.parse_policy(
+            "extends: fp16\noverrides:\n" + "".join(f"  - {{match: '{n}', precision: float32}}\n" for n in others),
+            "t.yaml")
+        assert base.dtype == policy.dtype
+        assert emulated_error(model, policy) > 1e-4, name
+
+
+def test_loss_objective_on_a_training_step_graph():
+    """The underflow model's gradients (~1e-8) vanish in fp16 without loss scaling: after 3 SGD
+    steps the weights have not moved; keeping the weight-gradient Gemm float32 fixes it."""
+    from models.underflow import underflow_model
+
+    step = mpgraph.build_training_graph(underflow_model(16, 4), optimizer="sgd", lr=1e6)
+    rng = np.random.default_rng(0)
+    feeds = {"x": rng.standard_normal((8, 16)).astype(np.float32), "t": rng.standard_normal((8, 4)).astype(np.float32)}
+    policy = mpgraph.policy.parse_policy("extends: fp16\nloss_scaling: {mode: none}\n", "noscale.yaml")
+    result = tune(step, policy, objective=LossAfterSteps(3, 1e-3), feeds=feeds)
+    assert result.met and result.error_before > 1e-3
+    assert result.kept == ["grad/matmul/Gemm"]  # x^T @ dloss/dy, the weight gradient
+
+
+def test_objective_parsing_and_refusals():
+    assert parse_objective("output") == OutputTolerance()
+    assert parse_objective("loss:4") == LossAfterSteps(4)
+    for bad in ("outputs:1", "output:x", "loss:0", "loss:1:2:3"):
+        with pytest.raises(mpgraph.MpgraphError, match="bad objective"):
+            parse_objective(bad)
+    with pytest.raises(mpgraph.MpgraphError, match="low-precision policy"):
+        tune(onnx.load("models/onnx/gpt.onnx"), "fp32")
+    with pytest.raises(mpgraph.MpgraphError, match="already converted"):
+        tune(mpgraph.convert(ir.from_proto(onnx.load("models/onnx/gpt.onnx")), "fp16"), "fp16")
+
+
+def test_cli_writes_the_policy(tmp_path):
+    path = tmp_path / "planted.onnx"
+    onnx.save(planted_gpt(), path)
+    inputs = tmp_path / "in.npz"
+    np.savez(inputs, **FEEDS)
+    result = CliRunner().invoke(app, ["tune", str(path), "--policy", "fp16", "--inputs", str(inputs)])
+    assert result.exit_code == 0, result.output
+    written = tmp_path / "planted.fp16.tuned.yaml"
+    assert PLANTED in written.read_text() and "written by mpgraph tune in" in written.read_text()
+    assert "1 of 58 lowered ops kept" in result.output
