@@ -21,6 +21,8 @@ __all__ = [
     "MODEL_STATE_PAIRS",
     "MODEL_TRAINING",
     "MODEL_OPSET_UPGRADED",
+    "MODEL_TARGET",
+    "MODEL_CALIBRATION",
     "MODEL_GRADIENTS",
     "MODEL_GRAD_SEED",
     "MODEL_LOSS",
@@ -67,6 +69,11 @@ MODEL_TRAINING = "mpgraph.training"
 
 #: ``<old>-><new>`` when convert upgraded the opset so ops admit the low dtype.
 MODEL_OPSET_UPGRADED = "mpgraph.opset_upgraded"
+#: Where the native lowering is meant to run: ``cuda``, ``cpu`` or ``any`` (``mpgraph.targets``);
+#: ops without a low kernel there stayed float32. Runners refuse a provider that lacks a kernel.
+MODEL_TARGET = "mpgraph.target"
+#: JSON summary of the range check: feeds, ops kept float32 and why, values that flush to zero.
+MODEL_CALIBRATION = "mpgraph.calibration"
 
 #: JSON list of ``[parameter input, gradient value]`` pairs of a training step graph: the
 #: gradients the optimizer reads (loss scaling unscales and checks exactly these).
