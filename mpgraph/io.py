@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -26,6 +27,7 @@ __all__ = [
     "clean_stale_temporaries",
     "check_writable",
     "check_proto",
+    "check_metadata",
     "check_external_data",
     "check_tensor_sizes",
     "EXTERNAL_DATA_THRESHOLD",
@@ -62,6 +64,7 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
     if proto.ir_version == 0 or not proto.HasField("graph"):
         raise ModelLoadError(f"{p}: not a valid ONNX model (no ir_version or graph)")
     check_proto(proto, p)
+    check_metadata(proto, p)
     check_external_data(proto, p)
     try:
         onnx.external_data_helper.load_external_data_for_model(proto, str(p.parent))
@@ -72,6 +75,68 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
         return ir.from_proto(proto)
     except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
         raise ModelLoadError(f"{p}: malformed ONNX model ({_first_line(e)})") from e
+
+
+def _json_meta(props: dict[str, str], key: str, path: str | os.PathLike[str]) -> object:
+    try:
+        return json.loads(props[key])
+    except (ValueError, RecursionError) as e:
+        raise ModelLoadError(f"{path}: metadata '{key}' is not valid JSON ({_first_line(e)})") from e
+
+
+def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """mpgraph's own model metadata (``mpgraph.*`` keys) is well formed and names real values.
+
+    Rules:
+        1. ``state_pairs`` and ``gradients`` are JSON lists of ``[name, name]`` string pairs;
+           a state pair is (graph input, graph output), a gradient pair (graph input, value).
+        2. ``loss`` and ``grad_seed`` name values of the graph.
+        3. ``initializer_range`` is a JSON list of objects with ``name``, ``overflow``,
+           ``underflow`` and ``action``; ``weight_bytes_before`` is an integer.
+        4. ``training``, ``emulated`` and ``tf32`` are ``true`` or ``false``.
+
+    Raises:
+        ModelLoadError: Naming the key and what is wrong with it.
+    """
+    from mpgraph import metadata as md
+
+    props = {p.key: p.value for p in proto.metadata_props}
+    if not any(k.startswith("mpgraph.") for k in props):
+        return
+    g = proto.graph
+    inputs = {v.name for v in g.input}
+    outputs = {v.name for v in g.output}
+    values = inputs | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
+    for key, first_in, second_in, what in ((md.MODEL_STATE_PAIRS, inputs, outputs, "graph output"),
+                                           (md.MODEL_GRADIENTS, inputs, values, "value")):
+        if key not in props:
+            continue
+        pairs = _json_meta(props, key, path)
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+            raise ModelLoadError(f"{path}: metadata '{key}' should be a JSON list of [name, name] pairs")
+        for a, b in pairs:
+            if a not in first_in:
+                raise ModelLoadError(f"{path}: metadata '{key}' names '{a}', which is not a graph input")
+            if b not in second_in:
+                raise ModelLoadError(f"{path}: metadata '{key}' names '{b}', which is not a {what} of the graph")
+    for key in (md.MODEL_LOSS, md.MODEL_GRAD_SEED):
+        if key in props and props[key] not in values:
+            raise ModelLoadError(f"{path}: metadata '{key}' names '{props[key]}', which is not a value of the graph")
+    if md.MODEL_INIT_RANGE in props:
+        events = _json_meta(props, md.MODEL_INIT_RANGE, path)
+        fields = ("name", "overflow", "underflow", "action")
+        if not isinstance(events, list) or not all(isinstance(e, dict) and all(f in e for f in fields) for e in events):
+            raise ModelLoadError(f"{path}: metadata '{md.MODEL_INIT_RANGE}' should be a JSON list of objects with "
+                                 f"{', '.join(fields)}")
+    if md.MODEL_LOSS_SCALING in props and not isinstance(_json_meta(props, md.MODEL_LOSS_SCALING, path), (dict, str)):
+        raise ModelLoadError(f"{path}: metadata '{md.MODEL_LOSS_SCALING}' should be a JSON object")
+    before = props.get(md.MODEL_WEIGHT_BYTES_BEFORE)
+    if before is not None and not before.strip().isdigit():
+        raise ModelLoadError(f"{path}: metadata '{md.MODEL_WEIGHT_BYTES_BEFORE}' should be an integer, got {before[:40]!r}")
+    for key in (md.MODEL_TRAINING, md.MODEL_EMULATED, md.MODEL_TF32):
+        if key in props and props[key] not in ("true", "false"):
+            raise ModelLoadError(f"{path}: metadata '{key}' should be true or false, got {props[key][:40]!r}")
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:
@@ -364,14 +429,14 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
     """
     target = Path(path)
     if target.is_dir():
-        raise OutputError(f"{flag} {target}: is a directory")
+        raise OutputError(f"{flag} {target}: cannot write (is a directory)")
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
-        raise OutputError(f"{flag} {target}: folder {folder} does not exist")
+        raise OutputError(f"{flag} {target}: cannot write (folder {folder} does not exist)")
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
     except OSError as e:
-        raise OutputError(f"{flag} {target}: cannot write in {folder} ({e.strerror or e})") from e
+        raise OutputError(f"{flag} {target}: cannot write ({e.strerror or e} in {folder})") from e
     os.close(fd)
     _unlink_quietly(probe)
 

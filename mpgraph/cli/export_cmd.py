@@ -46,12 +46,33 @@ def load_module_class(target: str) -> type:
     sys.modules[spec.name] = module
     try:
         spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise MpgraphError(f"{path}: importing it called sys.exit({e.code!r}); the file must define the class "
+                           "without running a program (guard it with if __name__ == '__main__')") from None
     except Exception as e:  # noqa: BLE001 - user code may raise anything
-        raise MpgraphError(f"{path}: importing it failed: {type(e).__name__}: {e}") from None
+        raise MpgraphError(f"{path}: importing it failed: {type(e).__name__}: {_first_line(e)}") from e
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise MpgraphError(f"{path}: defines no class '{name}'")
     return cls
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _user_code(what: str, target: str, call: object) -> object:
+    """Run user code (a constructor, an export that runs ``forward``): any failure, including
+    ``sys.exit``, becomes one line."""
+    try:
+        return call()  # type: ignore[operator]
+    except MpgraphError:
+        raise
+    except SystemExit as e:
+        raise MpgraphError(f"{target}: {what} called sys.exit({e.code!r})") from None
+    except Exception as e:  # noqa: BLE001 - user code may raise anything
+        raise MpgraphError(f"{target}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def register(app: typer.Typer) -> None:
@@ -60,7 +81,7 @@ def register(app: typer.Typer) -> None:
     @app.command("export")
     @handle_errors
     def export(
-        target: Annotated[str, typer.Argument(help="FILE.py:ClassName of a torch.nn.Module constructible without arguments.")],
+        target: Annotated[str, typer.Argument(help="FILE.py:ClassName of a torch.nn.Module constructible without arguments. FILE.py is imported, i.e. its code runs, as with `python FILE.py`: export only code you trust.")],
         inputs: Annotated[list[str], typer.Option("--input", "-i", help="Example input shape, batch first: 64x4 or 8x16:int64; repeat for several inputs.")],
         output: Annotated[Path, typer.Option("--output", "-o", help="Output .onnx path.")],
         loss: Annotated[str | None, typer.Option("--loss", help="Attach a loss: cross_entropy or mse.")] = None,
@@ -68,7 +89,10 @@ def register(app: typer.Typer) -> None:
         opset: Annotated[int, typer.Option("--opset", help="Default-domain opset (18-22).")] = 18,
         seed: Annotated[int, typer.Option("--seed", help="torch.manual_seed before constructing the module.")] = 0,
     ) -> None:
-        """Export a PyTorch module: parameters become explicit, initialised graph inputs."""
+        """Export a PyTorch module: parameters become explicit, initialised graph inputs.
+
+        Warning: FILE.py is imported, so its code runs with your permissions. Export only code you trust.
+        """
         if loss not in (None, "cross_entropy", "mse"):
             raise MpgraphError(f"--loss: invalid value '{loss}'; valid: cross_entropy, mse")
         try:
@@ -77,17 +101,24 @@ def register(app: typer.Typer) -> None:
             raise MpgraphError("mpgraph export needs PyTorch: pip install 'mpgraph[torch]'") from None
         from mpgraph.export import export_module
 
+        from mpgraph.cli.checks import check_output_path
+
+        check_output_path(output, "-o")
+        if not 18 <= opset <= 22:
+            raise MpgraphError(f"--opset {opset}: valid 18 to 22")
         cls = load_module_class(target)
+        if not issubclass(cls, torch.nn.Module):
+            raise MpgraphError(f"{target}: '{cls.__name__}' is not a torch.nn.Module subclass")
         torch.manual_seed(seed)
-        try:
-            module = cls()
-        except Exception as e:  # noqa: BLE001 - user code may raise anything
-            raise MpgraphError(f"{target}: constructing the module failed: {type(e).__name__}: {e}") from None
+        module = _user_code("constructing the module", target, cls)
+        if not isinstance(module, torch.nn.Module):
+            raise MpgraphError(f"{target}: constructing it gave a {type(module).__name__}, not a torch.nn.Module")
         module.train(train_mode)
         examples = []
         for spec in inputs:
             shape, dtype = parse_input_spec(spec)
             examples.append(torch.zeros(shape, dtype=torch.int64) if dtype == "int64" else torch.randn(shape))
-        model = export_module(module, examples, output, loss=loss, opset=opset)  # type: ignore[arg-type]
+        model = _user_code("exporting (running forward)", target,
+                           lambda: export_module(module, examples, output, loss=loss, opset=opset))  # type: ignore[arg-type]
         params = sum(1 for i in model.graph.input if i.name in {t.name for t in model.graph.initializer})
         console.print(f"wrote {output}: {len(model.graph.node)} nodes, {params} parameters as inputs, outputs {[o.name for o in model.graph.output]}")

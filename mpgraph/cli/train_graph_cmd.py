@@ -28,12 +28,26 @@ def train_graph_command(
     flat_optimizer: Annotated[bool, typer.Option("--flat-optimizer", help="Update all float32 parameters as one flat buffer (a constant optimizer node count; slower on ORT CUDA for large models today, see docs/performance.md).")] = False,
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
+    from mpgraph import metadata as md
+    from mpgraph.cli.checks import check_output_path, finite
+    from mpgraph.errors import UnsupportedModelError
     from mpgraph.io import load_model, save_model
     from mpgraph.train_graph import build_training_graph, state_pairs
 
+    if lr is not None:
+        finite(lr, "--lr", low=0.0)
+    if weight_decay is not None:
+        finite(weight_decay, "--weight-decay", low=0.0)
+    if momentum is not None:
+        finite(momentum, "--momentum", low=0.0, high=1.0)
     out = output or model.with_suffix(".train.onnx")
     if out.resolve() == model.resolve() and not overwrite_input:
         raise MpgraphError(f"{out}: refusing to overwrite the input model (pass --overwrite-input)")
+    check_output_path(out, "-o")
+    forward = load_model(model)
+    if md.MODEL_STATE_PAIRS in forward.metadata_props or forward.metadata_props.get(md.MODEL_TRAINING) == "true":
+        raise UnsupportedModelError(f"{model}: is already a training step graph (built by `mpgraph train-graph`); "
+                                    "give the forward model")
     options = {"momentum": momentum, "weight_decay": weight_decay}
     if nesterov:
         options["nesterov"] = True
@@ -48,7 +62,7 @@ def train_graph_command(
     if flat_optimizer:
         options["flat"] = True
     step = build_training_graph(
-        load_model(model), optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
+        forward, optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
         optimizer_options=options, batchnorm=batchnorm,
     )
     save_model(step, out)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+import tempfile
+from pathlib import Path
+
+import google.protobuf.message
 import onnx
 import onnx_ir as ir
 
@@ -11,7 +16,9 @@ from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing
 from mpgraph.passes.infer_types import INPUT_INVALID_META
 
-__all__ = ["ValidateModelPass", "check_onnx", "check_precision_invariants"]
+__all__ = ["ValidateModelPass", "check_onnx", "check_precision_invariants", "check_saved"]
+
+logger = logging.getLogger(__name__)
 
 #: Above this many bytes a model proto cannot be serialised in one piece; validate the saved file.
 PROTO_LIMIT = 2_000_000_000
@@ -61,12 +68,40 @@ class ValidateModelPass(ir.passes.InPlacePass):
         1. ``onnx.checker.check_model(full_check=True)`` passes.
         2. Strict shape inference with type checking passes.
         3. No low-precision value reaches a compute input of a float32 node (deny ops included).
-    Models too large for one protobuf are checked after saving, from the file.
+    Models too large for one protobuf (2 GB) are never serialised here: protobuf cannot
+    even measure them (``ByteSize`` raises ``EncodeError``), and a copy would double the
+    memory. Their float weights alone over ``PROTO_LIMIT``: ``convert_file`` checks the saved
+    file (external data). Otherwise, when the proto still comes out too large, the model is
+    written to a temporary folder with external data and the file is checked.
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         check_precision_invariants(model)
+        if _float_weight_bytes(model) >= PROTO_LIMIT:
+            logger.info("model too large for one protobuf: checked from the saved file")
+            return ir.passes.PassResult(model, False)
+        problem = model.meta.get(INPUT_INVALID_META)
         proto = ir.to_proto(model)
-        if proto.ByteSize() < PROTO_LIMIT:
-            check_onnx(proto, model.meta.get(INPUT_INVALID_META))
+        try:
+            size = proto.ByteSize()
+        except (google.protobuf.message.EncodeError, ValueError, OverflowError):
+            size = None
+        if size is not None and size < PROTO_LIMIT:
+            check_onnx(proto, problem)
+        else:
+            del proto
+            check_saved(model, problem)
         return ir.passes.PassResult(model, False)
+
+
+def _float_weight_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values()
+               if v.const_value is not None and v.dtype is not None and is_float(v.dtype))
+
+
+def check_saved(model: ir.Model, input_problem: str | None = None) -> None:
+    """``check_onnx`` on a temporary copy of ``model`` saved with external data (any size)."""
+    with tempfile.TemporaryDirectory(prefix="mpgraph-validate-") as tmp:
+        path = Path(tmp) / "model.onnx"
+        ir.save(model, path, external_data="model.onnx.data")
+        check_onnx(str(path), input_problem)

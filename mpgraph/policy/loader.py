@@ -126,23 +126,79 @@ def _load_file(path: str, chain: tuple[str, ...]) -> Policy:
     return parse_policy(text, path, _chain=(*chain, path))
 
 
+#: Nodes a policy may expand to once aliases are resolved; a few hundred in real policies.
+_MAX_NODES = 100_000
+#: Nesting depth of mappings and lists; real policies nest 4 deep.
+_MAX_DEPTH = 64
+
+
 class _Doc:
-    """A parsed YAML document that remembers the line of every key path."""
+    """A parsed YAML document that remembers the line of every key path.
+
+    Aliases are expanded with a budget: a recursive alias (``&a [*a]``) and an alias bomb
+    (each level repeating the one below) are refused by line before they are expanded.
+    """
 
     def __init__(self, text: str, path: str) -> None:
         self.path = path
         self.lines: dict[tuple[str, ...], int] = {}
+        self._expanded = 0
+        self._open: set[int] = set()
         try:
             node = yaml.compose(text, Loader=yaml.SafeLoader)
+        except RecursionError:
+            raise PolicyError(f"{path}: invalid YAML: nested too deeply") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
             raise PolicyError(f"{path}{line}: invalid YAML: {problem}") from None
+        if node is not None:
+            self._measure(node, {}, set(), 0)
         self.data = self._build(node, ()) if node is not None else None
+
+    def _measure(self, node: yaml.Node, sizes: dict[int, int], stack: set[int], depth: int) -> int:
+        """Nodes ``node`` expands to, counted on the alias graph (each node once), refusing a
+        recursive alias, an expansion over ``_MAX_NODES`` or nesting over ``_MAX_DEPTH``."""
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        line = node.start_mark.line + 1
+        if key in stack:
+            raise PolicyError(f"{self.path}:{line}: recursive alias (a value that contains itself)")
+        if depth > _MAX_DEPTH:
+            raise PolicyError(f"{self.path}:{line}: nested deeper than {_MAX_DEPTH} levels")
+        total = 1
+        if isinstance(node, yaml.CollectionNode):
+            stack.add(key)
+            children = [v for pair in node.value for v in pair] if isinstance(node, yaml.MappingNode) else node.value
+            for child in children:
+                total += self._measure(child, sizes, stack, depth + 1)
+                if total > _MAX_NODES:
+                    raise PolicyError(f"{self.path}:{line}: aliases would expand to more than {_MAX_NODES:,} nodes "
+                                      "(an alias bomb?); refused before expanding")
+            stack.discard(key)
+        sizes[key] = total
+        return total
 
     def _build(self, node: yaml.Node, keypath: tuple[str, ...]) -> Any:
         self.lines.setdefault(keypath, node.start_mark.line + 1)
+        self._expanded += 1
+        if self._expanded > _MAX_NODES:
+            self.fail(keypath, f"aliases expand to more than {_MAX_NODES:,} nodes (an alias bomb?); write the values out")
+        if len(keypath) > _MAX_DEPTH:
+            self.fail(keypath, f"nested deeper than {_MAX_DEPTH} levels")
+        if isinstance(node, yaml.CollectionNode):
+            if id(node) in self._open:
+                self.fail(keypath, "recursive alias (a value that contains itself)")
+            self._open.add(id(node))
+            try:
+                return self._build_collection(node, keypath)
+            finally:
+                self._open.discard(id(node))
+        return self._build_scalar(node)
+
+    def _build_collection(self, node: yaml.CollectionNode, keypath: tuple[str, ...]) -> Any:
         if isinstance(node, yaml.MappingNode):
             out: dict[str, Any] = {}
             for knode, vnode in node.value:
@@ -153,8 +209,9 @@ class _Doc:
                 self.lines[(*keypath, key)] = knode.start_mark.line + 1
                 out[key] = self._build(vnode, (*keypath, key))
             return out
-        if isinstance(node, yaml.SequenceNode):
-            return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
+        return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
+
+    def _build_scalar(self, node: yaml.Node) -> Any:
         try:
             return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
         except yaml.YAMLError as e:
