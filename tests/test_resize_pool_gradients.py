@@ -11,6 +11,7 @@
    dims), checked against the forward map itself: Resize and AveragePool are linear in X, so
    ``<grad, d>`` must equal ``<r, A d>`` for any direction ``d`` (a difference quotient with
    no truncation error).
+4. CastLike, which the dynamo exporter writes for every Python scalar when its optimizer is off.
 """
 
 from __future__ import annotations
@@ -278,3 +279,31 @@ def test_torchscript_sizes_with_dynamic_batch_resample_only_spatial_axes() -> No
     assert sum(n.op_type == "Resize" and n.name.startswith("grad/") for n in step.graph) == 2
     errors = check.gradient_errors(exported)
     assert max(e.vs_torch for e in errors.values()) <= 1e-6, errors
+
+
+def test_dynamo_export_without_its_optimizer_needs_cast_like() -> None:
+    """``torch.onnx.export(dynamo=True, optimize=False)`` writes ``CastLike(constant, x)`` for
+    every Python scalar: the corpus BERT's gradients pass the corpus check against torch, and
+    are within 5e-6 relative L2 (measured 8.1e-7)."""
+    import copy
+
+    from onnx import numpy_helper
+
+    from tests.corpus import check
+    from tests.corpus.models import build
+
+    case = build("bert")
+    module = copy.deepcopy(case.module).eval()
+    names = check.param_names(module)
+    params = tuple(p.detach() for p in module.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(check.Functional(module, names), params + case.inputs, dynamo=True, optimize=False,
+                                    opset_version=18, input_names=names + list(case.input_names), verbose=False)
+    proto = program.model_proto
+    assert any(n.op_type == "CastLike" for n in proto.graph.node)
+    present = {i.name for i in proto.graph.input}
+    proto.graph.initializer.extend(numpy_helper.from_array(p.numpy(), n) for n, p in zip(names, params, strict=True) if n in present)
+    errors = check.gradient_errors(check.Exported(case, "dynamo", proto, proto.graph.output[0].name, 0.0))
+    assert all(e.ok for e in errors.values()) and errors["<loss>"].vs_torch <= check.LOSS_TOL, errors
+    assert max(e.vs_torch for e in errors.values()) <= 5e-6
