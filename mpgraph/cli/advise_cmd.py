@@ -1,0 +1,92 @@
+"""``mpgraph advise-scale``: recommend an initial loss scale from a few float32 batches."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+__all__ = ["register", "advise_scale_command", "split_batches"]
+
+
+def split_batches(arrays: dict, parts: int) -> list[dict]:
+    """Split every array along axis 0 into ``parts`` batches (each needs at least ``parts`` rows)."""
+    from mpgraph.errors import DataError
+
+    for name, array in arrays.items():
+        if array.ndim == 0 or array.shape[0] < parts:
+            raise DataError(f"--batches {parts}: input '{name}' has {array.shape[0] if array.ndim else 0} rows, "
+                            f"fewer than {parts}")
+    import numpy as np
+
+    split = {k: np.array_split(v, parts, axis=0) for k, v in arrays.items()}
+    return [{k: chunks[i] for k, chunks in split.items()} for i in range(parts)]
+
+
+def advise_scale_command(
+    step: Annotated[Path, typer.Argument(help="The float32 training step graph (from train-graph).")],
+    data: Annotated[list[Path] | None, typer.Option("--data", help=".npz of one batch keyed by input name (repeatable); default: one seeded random batch.")] = None,
+    batches: Annotated[int, typer.Option("--batches", help="Split each --data file along its first axis into this many batches.")] = 1,
+    policy: Annotated[str, typer.Option("--policy", "-p", help="The low-precision policy (its loss-scaling section is ignored).")] = "fp16",
+    max_flush: Annotated[float, typer.Option("--max-flush", help="Acceptable share of nonzero backward entries flushed to zero.")] = 1e-3,
+    headroom: Annotated[float, typer.Option("--headroom", help="Required overflow margin at the recommended scale.")] = 8.0,
+    top: Annotated[int, typer.Option("--top", help="How many tensors to list (most flushed first).")] = 10,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the advice as JSON.")] = False,
+) -> None:
+    """Measure backward values on float32 batches; recommend an initial loss scale and say if it must be dynamic."""
+    from mpgraph.advise import advise_scale
+    from mpgraph.cli.main import console, finite
+    from mpgraph.data import read_npz
+    from mpgraph.errors import UsageError
+    from mpgraph.io import load_model
+    from mpgraph.passes.calibrate_range import random_feeds
+
+    finite(max_flush, "--max-flush", low=0.0, high=1.0)
+    finite(headroom, "--headroom", low=1.0)
+    if batches < 1 or top < 0:
+        raise UsageError(f"--batches must be >= 1 and --top >= 0, got {batches} and {top}")
+    model = load_model(step)
+    feeds: list[dict] = []
+    for path in data or []:
+        feeds += split_batches(read_npz(path), batches)
+    if not feeds:
+        feeds = [random_feeds(model, seed=i) for i in range(batches)]
+    advice = advise_scale(model, feeds, policy, max_flush=max_flush, headroom=headroom)
+    if as_json:
+        sys.stdout.write(advice.to_json() + "\n")
+        return
+    scales = sorted(advice.flush_at)
+    shown = sorted({s for s in scales if int(s).bit_length() % 4 == 1} | {s for s in (advice.underflow_bound, advice.overflow_bound) if s})
+    table = Table(title=f"{advice.dtype} backward values over {advice.batches} batch(es), by loss scale")
+    for col in ("scale", "flushed to zero", "worst tensor flushed", "smallest overflow margin"):
+        table.add_column(col, justify="right")
+    for s in shown:
+        worst = max(t.flush[s] for t in advice.tensors)
+        margin = min(t.overflow_margin[s] for t in advice.tensors)
+        table.add_row(f"2**{int(s).bit_length() - 1}", f"{advice.flush_at[s]:.3g}", f"{worst:.3g}", f"{margin:.3g}")
+    console.print(table)
+    at = advice.recommended or 1.0
+    detail = Table(title=f"tensors, most flushed unscaled first (scale 1 vs {at:g})")
+    for col in ("value", "producer", "nonzero", "max |g|", "flushed @1", f"flushed @{at:g}", f"margin @{at:g}"):
+        detail.add_column(col)
+    for t in advice.tensors[:top]:
+        detail.add_row(t.name, t.producer, str(t.nonzero), f"{t.absmax:.3g}", f"{t.flush[1.0]:.3g}",
+                       f"{t.flush[at]:.3g}", f"{t.overflow_margin[at]:.3g}")
+    console.print(detail)
+    if advice.recommended is None:
+        console.print(f"[bold red]no loss scale works[/]: {advice.reason}", highlight=False, soft_wrap=True)
+    else:
+        mode = "dynamic" if advice.dynamic else "static"
+        console.print(f"[bold]recommended initial scale: {advice.recommended:g}[/] ({mode} scaling): {advice.reason}",
+                      highlight=False, soft_wrap=True)
+        console.print(f"policy: loss_scaling: {{mode: {mode}, init: {advice.recommended:g}}}", highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``advise-scale`` to the ``mpgraph`` app."""
+    from mpgraph.cli.main import handle_errors
+
+    app.command("advise-scale")(handle_errors(advise_scale_command))
