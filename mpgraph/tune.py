@@ -4,6 +4,9 @@
 on any machine), measures an objective against the float32 model, and, while it fails, keeps
 more of the lowered ops float32 through per-node overrides. It searches in phases:
 
+Conversions run without ``convert``'s range check (``calibrate=None``): tune is the search that
+the range check approximates, and it must see what the bare policy does.
+
 1. **Check the ends.** No override: if the objective holds, nothing needs to stay float32.
    Every lowered op float32: if the objective still fails, no override set can meet it (the
    search stops and says so).
@@ -291,7 +294,7 @@ def tune(
             raise _Budget
         overrides = tuple(Override(_escape(n), "float32", "tune") for n in sorted(kept))
         pol = dataclasses.replace(base, overrides=overrides + base.overrides)
-        candidate = convert(ir.from_proto(proto), pol, emulate=True, validate=False)
+        candidate = convert(ir.from_proto(proto), pol, emulate=True, validate=False, calibrate=None)
         err = error_of(candidate)
         evaluations += 1
         cache[kept] = (err, candidate)
