@@ -341,7 +341,7 @@ def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]
 
 def _register_plugins() -> None:
     for module in ("mpgraph.cli.train_graph_cmd", "mpgraph.cli.export_cmd", "mpgraph.cli.train_cmd",
-                   "mpgraph.cli.check_grad_cmd"):
+                   "mpgraph.cli.check_grad_cmd", "mpgraph.cli.tune_cmd", "mpgraph.cli.advise_cmd"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:
