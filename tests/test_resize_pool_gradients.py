@@ -78,6 +78,8 @@ TABLE_CASES: list[Case] = [
             scales=_scales(1, 1, 2)),
     _resize("Resize-cubic", (2, 2, 5, 7), {"mode": "cubic", "coordinate_transformation_mode": "half_pixel", "cubic_coeff_a": -0.75},
             lambda x, z: F.interpolate(x, size=(8, 10), mode="bicubic"), sizes=_sizes(2, 2, 8, 10), rtol=5e-6),
+    _resize("Resize-trilinear", (2, 2, 3, 4, 5), LINEAR, lambda x, s: F.interpolate(x, scale_factor=(2, 1.5, 2), mode="trilinear"),
+            scales=_scales(1, 1, 2, 1.5, 2)),
     _resize("Resize-linear-axes", (2, 2, 5, 7), {**LINEAR, "axes": [2, 3]},
             lambda x, s: F.interpolate(x, scale_factor=(1.5, 2), mode="bilinear"), scales=_scales(1.5, 2), rtol=2e-6),
     _resize("Resize-linear-opset19", (2, 2, 5, 7), LINEAR, lambda x, s: F.interpolate(x, scale_factor=2, mode="bilinear"),
