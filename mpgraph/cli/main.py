@@ -247,8 +247,12 @@ def compare_cmd(
     threshold: Annotated[float, typer.Option("--threshold", help="Relative error at which a value counts as diverged.")] = 1e-2,
     top: Annotated[int, typer.Option("--top", help="How many of the worst values to list.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    html: Annotated[Path | None, typer.Option("--html", help="Training step graphs: also write a self-contained HTML page of the error along the graph.")] = None,
 ) -> None:
-    """Run both models on the same inputs and show where the numbers diverge, value by value."""
+    """Run both models on the same inputs and show where the numbers diverge, value by value.
+
+    On two training step graphs: one step each, comparing the loss, every gradient, the update
+    and every value, and naming the first backward node that diverges."""
     from mpgraph.audit import compare
     from mpgraph.cli.checks import read_inputs_npz
     from mpgraph.io import load_model
@@ -259,6 +263,12 @@ def compare_cmd(
     ref_model = load_model(reference)
     cand_model = load_model(candidate)
     feeds = read_inputs_npz(inputs, ref_model, "--inputs") if inputs is not None else None
+    from mpgraph.cli.compare_train_cmd import compare_train_report, is_step_graph
+
+    if is_step_graph(ref_model):
+        return compare_train_report(ref_model, cand_model, feeds, threshold=threshold, top=top, as_json=as_json, html=html)
+    if html is not None:
+        raise UsageError("--html needs two training step graphs")
     report = compare(ref_model, cand_model, feeds, threshold=threshold)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
