@@ -29,7 +29,6 @@ from mpgraph.policy import load_policy, parse_policy
 from tests.helpers import init, make_model, run, vi
 
 
-
 def precision(model: ir.Model, name: str) -> str:
     return model.graph.node(name).metadata_props[md.NODE_PRECISION]
 
