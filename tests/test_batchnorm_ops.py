@@ -18,7 +18,7 @@ def _run(batchnorm: str, steps: int = 3):
     rng = np.random.default_rng(0)
     feeds = {"x": rng.standard_normal((5, 3, 32, 32)).astype(np.float32), "label": rng.integers(0, 10, 5).astype(np.int64)}
     step = build_training_graph(RESNET, optimizer="sgd", lr=0.1, batchnorm=batchnorm)
-    runner = CpuRunner(step)
+    runner = CpuRunner(step, threads=1)
     losses = [runner.step(feeds) for _ in range(steps)]
     return step, losses, runner.state
 
@@ -38,15 +38,19 @@ def test_train_ops_matches_the_batchnorm_node():
 
 
 def test_train_ops_converts_and_trains_emulated():
+    """bf16 (emulated) train-ops fits one batch as float32 does: 10 AdamW steps take the loss from
+    2.21 to 0.64 in both (measured: per-step losses within 1.1e-3 of each other)."""
     step = build_training_graph(RESNET, optimizer="adamw", batchnorm="train-ops")
     low = mpgraph.convert(step, "bf16", emulate=True)
     reasons = {n.metadata_props.get("mpgraph.reason", "") for n in low.graph}
     assert any("deny" in r for r in reasons)
     rng = np.random.default_rng(1)
-    runner = CpuRunner(low)
-    losses = [runner.step({"x": rng.standard_normal((8, 3, 32, 32)).astype(np.float32),
-                           "label": rng.integers(0, 10, 8).astype(np.int64)}) for _ in range(3)]
-    assert all(np.isfinite(losses))
+    feeds = {"x": rng.standard_normal((8, 3, 32, 32)).astype(np.float32), "label": rng.integers(0, 10, 8).astype(np.int64)}
+    fp32, bf16 = CpuRunner(step, threads=1), CpuRunner(low, threads=1)
+    ref = np.array([fp32.step(feeds) for _ in range(10)])
+    losses = np.array([bf16.step(feeds) for _ in range(10)])
+    assert losses[-1] < 0.4 * losses[0]  # measured 0.29
+    np.testing.assert_allclose(losses, ref, atol=5e-3)
 
 
 def test_cli_says_which_form_runs_on_cuda(tmp_path) -> None:
