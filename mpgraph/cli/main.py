@@ -153,6 +153,11 @@ def convert(
         result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input,
                               calibrate=feeds, upgrade_opset=not no_opset_upgrade)
     elapsed = time.perf_counter() - start
+    names = [n.name or "" for n in result.graph]
+    for override in pol.overrides:
+        if not any(override.matches(name) for name in names):
+            err_console.print(f"[yellow]warning:[/] override {escape(repr(override.pattern))} matches no node of {escape(str(model))}",
+                              highlight=False, soft_wrap=True)
     if quiet:
         return
     report = audit(result)

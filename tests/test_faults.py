@@ -1,0 +1,580 @@
+"""Bad input and faults, command by command: one ``error:`` line and exit 2, never a traceback.
+
+Each command has a table of bad inputs run in-process against the real Typer app (the one the
+``mpgraph`` entry point runs). A case gives the arguments and a phrase the single error line
+must contain; every case also checks that no traceback is printed and no output file appears.
+Then the faults a table cannot express: an unforeseen exception (exit 1 and the ``--debug``
+hint), a full disk during training, non-finite data, stale temporaries, resume without
+``--lr``, and the typed, chained errors library callers get.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from typer.testing import CliRunner
+
+from mpgraph.cli.main import app
+from mpgraph.errors import CheckpointError, DataError, ModelLoadError, MpgraphError, PolicyError
+
+ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
+Case = Callable[[dict[str, Path], Path], list[str]]
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+def one_error_line(code: int, text: str, phrase: str) -> str:
+    assert code == 2, (code, text)
+    assert "Traceback" not in text, text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, text
+    assert phrase in errors[0], errors[0]
+    return errors[0]
+
+
+# -- files the tables use ----------------------------------------------------------------------
+
+
+def _npz_variants(tmp: Path) -> dict[str, Path]:
+    good = tmp / "good.npz"
+    np.savez(good, x=np.zeros((8, 4), np.float32), label=np.zeros(8, np.int64))
+    data = good.read_bytes()
+    out = {"good": good}
+    out["empty"] = tmp / "empty.npz"
+    out["empty"].write_bytes(b"")
+    out["truncated"] = tmp / "truncated.npz"
+    out["truncated"].write_bytes(data[: len(data) // 2])
+    crc = bytearray(data)
+    with zipfile.ZipFile(good) as z:
+        info = z.infolist()[0]
+    crc[info.header_offset + 30 + len(info.filename) + info.extra.__len__() + 130] ^= 0xFF  # inside x.npy's data
+    out["bad_crc"] = tmp / "bad_crc.npz"
+    out["bad_crc"].write_bytes(bytes(crc))
+    out["npy"] = tmp / "renamed.npz"
+    with open(out["npy"], "wb") as f:
+        np.save(f, np.zeros(3, np.float32))
+    out["wrong_keys"] = tmp / "wrong_keys.npz"
+    np.savez(out["wrong_keys"], y=np.zeros((8, 4), np.float32))
+    out["no_arrays"] = tmp / "no_arrays.npz"
+    np.savez(out["no_arrays"])
+    out["zero_samples"] = tmp / "zero.npz"
+    np.savez(out["zero_samples"], x=np.zeros((0, 4), np.float32), label=np.zeros(0, np.int64))
+    out["labels_high"] = tmp / "labels_high.npz"
+    np.savez(out["labels_high"], x=np.zeros((8, 4), np.float32), label=np.full(8, 7, np.int64))
+    out["labels_negative"] = tmp / "labels_negative.npz"
+    np.savez(out["labels_negative"], x=np.zeros((8, 4), np.float32), label=np.array([0, 1, -2, 0, 1, 0, 1, 0]))
+    out["pickle"] = tmp / "pickle.npz"
+    np.savez(out["pickle"], x=np.array([{"a": 1}], dtype=object))
+    return out
+
+
+def _external(tmp: Path, location: str) -> Path:
+    """tiny_mlp with its weight fc1.weight stored externally at ``location``."""
+    folder = tmp / f"ext_{abs(hash(location)) % 10**8}"
+    folder.mkdir()
+    m = onnx.load(str(ZOO / "tiny_mlp.onnx"))
+    t = next(t for t in m.graph.initializer if t.name == "fc1.weight")
+    raw = t.raw_data or onnx.numpy_helper.to_array(t).tobytes()
+    (folder / "w.bin").write_bytes(raw)
+    (tmp / "outside.bin").write_bytes(raw)
+    (folder / "link.bin").symlink_to(tmp / "outside.bin")
+    t.ClearField("raw_data")
+    del t.float_data[:]
+    t.data_location = onnx.TensorProto.EXTERNAL
+    t.external_data.add(key="location", value=location)
+    t.external_data.add(key="length", value=str(len(raw)))
+    path = folder / "model.onnx"
+    path.write_bytes(m.SerializeToString())
+    return path
+
+
+def _mutant(tmp: Path, name: str, edit: Callable[[onnx.ModelProto], bytes | None]) -> Path:
+    m = onnx.load(str(ZOO / "tiny_mlp.onnx"))
+    data = edit(m)
+    path = tmp / f"{name}.onnx"
+    path.write_bytes(data if data is not None else m.SerializeToString())
+    return path
+
+
+def _bad_utf8(m: onnx.ModelProto) -> bytes:
+    return m.SerializeToString().replace(b"node_linear_1", b"\xffode_linear_1")
+
+
+def _cast_to(code: int) -> Callable[[onnx.ModelProto], None]:
+    def edit(m: onnx.ModelProto) -> None:
+        m.graph.node.insert(0, onnx.helper.make_node("Cast", ["x"], ["xc"], name="cast99", to=code))
+        m.graph.output.append(onnx.helper.make_tensor_value_info("xc", onnx.TensorProto.FLOAT, None))
+    return edit
+
+
+def _init_type(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].data_type = 999
+
+
+def _value_type(m: onnx.ModelProto) -> None:
+    m.graph.input[0].type.tensor_type.elem_type = 99
+
+
+def _init_bytes(m: onnx.ModelProto) -> None:
+    m.graph.initializer[0].dims[0] += 1
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from mpgraph.io import save_model
+    from mpgraph.train_graph import build_training_graph
+
+    tmp = tmp_path_factory.mktemp("faults")
+    out: dict[str, Path] = {f"npz_{k}": v for k, v in _npz_variants(tmp).items()}
+    out["model"] = ZOO / "tiny_mlp.onnx"
+    out["loss_model"] = ZOO / "tiny_mlp.loss.onnx"
+    out["step"] = tmp / "tiny.step.onnx"
+    save_model(build_training_graph(str(ZOO / "tiny_mlp.loss.onnx"), optimizer="adamw"), out["step"])
+    out["sgd_step"] = tmp / "tiny.sgd.onnx"
+    save_model(build_training_graph(str(ZOO / "tiny_mlp.loss.onnx"), optimizer="sgd"), out["sgd_step"])
+    for loc in ("missing.bin", "link.bin", "../outside.bin"):
+        out[f"ext_{loc}"] = _external(tmp, loc)
+    out["ext_absolute"] = _external(tmp, str(tmp / "outside.bin"))
+    out["ext_ok"] = _external(tmp, "w.bin")
+    out["utf8"] = _mutant(tmp, "utf8", _bad_utf8)
+    out["cast99"] = _mutant(tmp, "cast99", _cast_to(99))
+    out["init999"] = _mutant(tmp, "init999", _init_type)
+    out["value99"] = _mutant(tmp, "value99", _value_type)
+    out["init_bytes"] = _mutant(tmp, "init_bytes", _init_bytes)
+    step = onnx.load(str(out["step"]))
+    for prop in step.metadata_props:
+        if prop.key == "mpgraph.state_pairs":
+            prop.value = '[["fc1.weight"]]'
+    out["step_bad_meta"] = tmp / "step_bad_meta.onnx"
+    onnx.save(step, out["step_bad_meta"])
+    out["text"] = tmp / "notes.onnx"
+    out["text"].write_text("not a model\n")
+    out["truncated"] = tmp / "truncated.onnx"
+    data = (ZOO / "tiny_mlp.onnx").read_bytes()
+    out["truncated"].write_bytes(data[: len(data) // 2])
+    out["rec_yaml"] = tmp / "recursive.yaml"
+    out["rec_yaml"].write_text("extends: fp16\nops: &a {allow: [*a]}\n")
+    lines = ['a0: &a0 ["MatMul","MatMul","MatMul","MatMul","MatMul","MatMul","MatMul","MatMul","MatMul"]']
+    lines += [f"a{i}: &a{i} [" + ",".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 9)]
+    out["bomb_yaml"] = tmp / "bomb.yaml"
+    out["bomb_yaml"].write_text("\n".join(lines) + "\n")
+    # Checkpoints: a real one, then ones with broken metadata.
+    ckpt = tmp / "good.ckpt.npz"
+    code, text = run("train", str(out["step"]), "--data", str(out["npz_good"]), "--steps", "2", "-q", "--checkpoint", str(ckpt))
+    assert code == 0, text
+    out["ckpt"] = ckpt
+    with np.load(ckpt) as z:
+        arrays = {k: z[k] for k in z.files}
+    meta = json.loads(arrays["__meta__"].tobytes())
+    for name, change in (("no_fingerprint", lambda m: m.pop("fingerprint")), ("steps_str", lambda m: m.update(steps="2")),
+                         ("names_int", lambda m: m.update(names=[1, 2])), ("data_neg", lambda m: m.update(data={"epoch": -1, "index": 0})),
+                         ("lr_nan", lambda m: m.update(lr="nan"))):
+        bad = dict(meta)
+        change(bad)
+        path = tmp / f"ckpt_{name}.npz"
+        np.savez(path, **{**arrays, "__meta__": np.frombuffer(json.dumps(bad).encode(), np.uint8)})
+        out[f"ckpt_{name}"] = path
+    return out
+
+
+P = "/proc/mpgraph-not-writable"  # a folder no process can create files in, even as root
+
+
+# Per command: case name -> (arguments from the files and a fresh tmp folder, phrase in the error line).
+TABLE: dict[str, tuple[Case, str]] = {
+    # convert
+    "convert/missing": (lambda f, t: ["convert", str(t / "nope.onnx"), "-o", str(t / "o.onnx")], "no such file"),
+    "convert/directory": (lambda f, t: ["convert", str(t), "-o", str(t / "o.onnx")], "is a directory"),
+    "convert/truncated": (lambda f, t: ["convert", str(f["truncated"]), "-o", str(t / "o.onnx")], "not a valid ONNX model"),
+    "convert/text": (lambda f, t: ["convert", str(f["text"]), "-o", str(t / "o.onnx")], "not a valid ONNX model"),
+    "convert/out_missing_folder": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "no" / "o.onnx")], "does not exist"),
+    "convert/out_unwritable": (lambda f, t: ["convert", str(f["model"]), "-o", f"{P}/o.onnx"], "cannot write"),
+    "convert/out_is_dir": (lambda f, t: ["convert", str(f["model"]), "-o", str(t)], "is a directory"),
+    "convert/out_is_input": (lambda f, t: ["convert", str(f["model"]), "-o", str(f["model"])], "output is the input file"),
+    "convert/calibrate_empty": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_empty"])], "the file is empty"),
+    "convert/calibrate_truncated": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_truncated"])], "not a readable .npz"),
+    "convert/calibrate_bad_crc": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_bad_crc"])], "not a readable .npz"),
+    "convert/calibrate_npy": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_npy"])], "single .npy array"),
+    "convert/calibrate_wrong_keys": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_wrong_keys"])], "file has y; graph wants x"),
+    "convert/calibrate_missing": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(t / "nope.npz")], "no such file"),
+    "convert/ext_missing": (lambda f, t: ["convert", str(f["ext_missing.bin"]), "-o", str(t / "o.onnx")], "initializer 'fc1.weight': external data file 'missing.bin' not found"),
+    "convert/ext_absolute": (lambda f, t: ["convert", str(f["ext_absolute"]), "-o", str(t / "o.onnx")], "is an absolute path"),
+    "convert/ext_symlink": (lambda f, t: ["convert", str(f["ext_link.bin"]), "-o", str(t / "o.onnx")], "'link.bin' is a symlink"),
+    "convert/ext_escaping": (lambda f, t: ["convert", str(f["ext_../outside.bin"]), "-o", str(t / "o.onnx")], "'../outside.bin' points outside the model's folder"),
+    "convert/invalid_utf8": (lambda f, t: ["convert", str(f["utf8"]), "-o", str(t / "o.onnx")], "not valid UTF-8"),
+    "convert/cast_to_99": (lambda f, t: ["convert", str(f["cast99"]), "-o", str(t / "o.onnx")], "Cast 'cast99' casts to unknown element type 99"),
+    "convert/initializer_type_999": (lambda f, t: ["convert", str(f["init999"]), "-o", str(t / "o.onnx")], "unknown element type 999"),
+    "convert/value_type_99": (lambda f, t: ["convert", str(f["value99"]), "-o", str(t / "o.onnx")], "input 'x' has unknown element type 99"),
+    "convert/initializer_bytes": (lambda f, t: ["convert", str(f["init_bytes"]), "-o", str(t / "o.onnx")], "bytes, but shape"),
+    "convert/policy_recursive_alias": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["rec_yaml"]), "-o", str(t / "o.onnx")], "recursive alias"),
+    "convert/policy_alias_bomb": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["bomb_yaml"]), "-o", str(t / "o.onnx")], "alias bomb"),
+    # audit
+    "audit/missing": (lambda f, t: ["audit", str(t / "nope.onnx")], "no such file"),
+    "audit/text": (lambda f, t: ["audit", str(f["text"])], "not a valid ONNX model"),
+    "audit/ext_escaping": (lambda f, t: ["audit", str(f["ext_../outside.bin"])], "points outside the model's folder"),
+    "audit/broken_step_metadata": (lambda f, t: ["audit", str(f["step_bad_meta"])], "mpgraph.state_pairs"),
+    # compare
+    "compare/threshold_nan": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--threshold", "nan"], "--threshold must be a finite number"),
+    "compare/threshold_negative": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--threshold", "-1"], "--threshold must be > 0"),
+    "compare/top_negative": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--top", "-3"], "--top must be >= 0"),
+    "compare/candidate_missing": (lambda f, t: ["compare", str(f["model"]), str(t / "nope.onnx")], "no such file"),
+    "compare/inputs_empty": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_empty"])], "the file is empty"),
+    "compare/inputs_npy": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_npy"])], "single .npy array"),
+    "compare/inputs_wrong_keys": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_wrong_keys"])], "file has y"),
+    "compare/inputs_pickle": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_pickle"])], "object arrays"),
+    "compare/ext_symlink": (lambda f, t: ["compare", str(f["ext_link.bin"]), str(f["model"])], "is a symlink"),
+    # train-graph
+    "train-graph/lr_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--lr", "nan"], "--lr must be a finite number"),
+    "train-graph/lr_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--lr", "-1"], "--lr must be >= 0"),
+    "train-graph/weight_decay_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--weight-decay", "nan"], "--weight-decay must be a finite number"),
+    "train-graph/momentum_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--optimizer", "sgd", "--momentum", "-1"], "--momentum must be >= 0"),
+    "train-graph/already_step_graph": (lambda f, t: ["train-graph", str(f["step"]), "-o", str(t / "s.onnx")], "already a training step graph"),
+    "train-graph/out_unwritable": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{P}/s.onnx"], "cannot write"),
+    "train-graph/ext_missing": (lambda f, t: ["train-graph", str(f["ext_missing.bin"]), "-o", str(t / "s.onnx")], "not found"),
+    # train: numbers
+    "train/lr_nan": (lambda f, t: ["train", str(f["step"]), "--lr", "nan"], "--lr must be a finite number"),
+    "train/lr_inf": (lambda f, t: ["train", str(f["step"]), "--lr", "inf"], "--lr must be a finite number"),
+    "train/lr_negative": (lambda f, t: ["train", str(f["step"]), "--lr", "-1"], "--lr must be >= 0"),
+    "train/steps_negative": (lambda f, t: ["train", str(f["step"]), "--steps", "-1"], "--steps must be >= 0"),
+    "train/batch_zero": (lambda f, t: ["train", str(f["step"]), "--batch", "0"], "--batch must be >= 1"),
+    "train/on_nonfinite_bad": (lambda f, t: ["train", str(f["step"]), "--on-nonfinite", "maybe"], "valid: stop, skip, ignore"),
+    # train: output paths, checked before the first step
+    "train/checkpoint_unwritable": (lambda f, t: ["train", str(f["step"]), "--checkpoint", f"{P}/c.npz"], "--checkpoint"),
+    "train/metrics_unwritable": (lambda f, t: ["train", str(f["step"]), "--metrics", f"{P}/m.json"], "--metrics"),
+    "train/plot_unwritable": (lambda f, t: ["train", str(f["step"]), "--plot", f"{P}/p.png"], "--plot"),
+    "train/metrics_suffix": (lambda f, t: ["train", str(f["step"]), "--metrics", str(t / "m.txt")], "must end in .csv or .json"),
+    "train/checkpoint_is_dir": (lambda f, t: ["train", str(f["step"]), "--checkpoint", str(t)], "is a directory"),
+    # train: data
+    "train/data_empty": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_empty"])], "the file is empty"),
+    "train/data_truncated": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_truncated"])], "not a readable .npz"),
+    "train/data_bad_crc": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_bad_crc"])], "not a readable .npz"),
+    "train/data_npy": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_npy"])], "single .npy array"),
+    "train/data_no_arrays": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_no_arrays"])], "holds no arrays"),
+    "train/data_wrong_keys": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_wrong_keys"])], "no array for graph input(s) 'label'"),
+    "train/data_zero_samples": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_zero_samples"])], "is empty (0 samples"),
+    "train/labels_out_of_range": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_labels_high"])], "'label' holds 7 at sample 0"),
+    "train/labels_negative": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_labels_negative"])], "'label' holds -2 at sample 2"),
+    "train/data_pickle": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_pickle"])], "object arrays"),
+    # train: resume
+    "train/resume_missing": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(t / "c.npz")], "no such checkpoint"),
+    "train/resume_not_checkpoint": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_good"])], "no __meta__ array; it holds label, x"),
+    "train/resume_truncated": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_truncated"])], "not an mpgraph checkpoint"),
+    "train/resume_other_graph": (lambda f, t: ["train", str(f["sgd_step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"])], "different graph"),
+    "train/resume_meta_missing_key": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_no_fingerprint"])], "has no 'fingerprint'"),
+    "train/resume_meta_steps_str": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_steps_str"])], "'steps' should be a step count"),
+    "train/resume_meta_names_int": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_names_int"])], "'names' should be a list of state names"),
+    "train/resume_meta_data_negative": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_data_neg"])], "'data' should hold integers"),
+    "train/resume_meta_lr": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_lr_nan"])], "'lr' should be a finite number"),
+    # train: the model
+    "train/not_step_graph": (lambda f, t: ["train", str(f["model"])], "not a training step graph"),
+    "train/broken_step_metadata": (lambda f, t: ["train", str(f["step_bad_meta"])], "mpgraph.state_pairs"),
+    "train/ext_absolute": (lambda f, t: ["train", str(f["ext_absolute"])], "absolute path"),
+    # policy
+    "policy/check_abs_missing": (lambda f, t: ["policy", "check", str(t / "p.txt")], "/p.txt: policy file not found"),
+    "policy/check_recursive_alias": (lambda f, t: ["policy", "check", str(f["rec_yaml"])], "recursive alias"),
+    "policy/check_alias_bomb": (lambda f, t: ["policy", "check", str(f["bomb_yaml"])], "refused before expanding"),
+    "policy/show_unknown": (lambda f, t: ["policy", "show", "bf17"], "unknown preset 'bf17'"),
+    # check-grad
+    "check-grad/inputs_empty": (lambda f, t: ["check-grad", str(f["loss_model"]), "--inputs", str(f["npz_empty"])], "the file is empty"),
+    "check-grad/batch_zero": (lambda f, t: ["check-grad", str(f["loss_model"]), "--batch", "0"], "--batch must be >= 1"),
+    "check-grad/missing": (lambda f, t: ["check-grad", str(t / "nope.onnx")], "no such file"),
+    # export (no torch import needed before these refusals)
+    "export/missing_file": (lambda f, t: ["export", str(t / "nope.py") + ":Net", "-i", "2x4", "-o", str(t / "e.onnx")], "no such file"),
+    "export/bad_target": (lambda f, t: ["export", "model.py", "-i", "2x4", "-o", str(t / "e.onnx")], "expected FILE.py:ClassName"),
+    "export/bad_loss": (lambda f, t: ["export", "m.py:Net", "-i", "2x4", "-o", str(t / "e.onnx"), "--loss", "hinge"], "invalid value 'hinge'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(TABLE))
+def test_bad_input_is_one_error_line_and_exit_2(case: str, files: dict[str, Path], tmp_path: Path):
+    build, phrase = TABLE[case]
+    args = build(files, tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, text = run(*args)
+    one_error_line(code, text, phrase)
+    after = sorted(p.name for p in tmp_path.iterdir())
+    assert after == before, f"{case} left {set(after) - set(before)}"
+
+
+def test_every_command_has_cases():
+    covered = {case.split("/")[0] for case in TABLE}
+    assert covered == {"convert", "audit", "compare", "train-graph", "train", "policy", "check-grad", "export"}
+    assert len(TABLE) >= 80
+
+
+# -- warnings, markup and what still works --------------------------------------------------------
+
+
+def test_override_matching_no_node_warns(files: dict[str, Path], tmp_path: Path):
+    policy = tmp_path / "p.yaml"
+    policy.write_text("extends: fp16\noverrides:\n  - {match: 'nothing*', precision: float32}\n")
+    code, text = run("convert", str(files["model"]), "-p", str(policy), "-o", str(tmp_path / "o.onnx"), "-q")
+    assert code == 0, text
+    assert "warning: override 'nothing*' matches no node" in text
+
+
+def test_compare_prints_the_bracketed_precision(files: dict[str, Path], tmp_path: Path):
+    """Rich once read ``[float16]`` as markup and dropped it (issue 13)."""
+    low = tmp_path / "low.onnx"
+    assert run("convert", str(files["model"]), "-p", "fp16", "-o", str(low), "-q")[0] == 0
+    code, text = run("compare", str(files["model"]), str(low), "--threshold", "1e-9")
+    assert code == 0, text
+    line = next(line for line in text.splitlines() if line.startswith("first divergence"))
+    assert "[float16]" in line, line
+
+
+def test_external_data_inside_the_folder_still_loads(files: dict[str, Path], tmp_path: Path):
+    code, text = run("convert", str(files["ext_ok"]), "-p", "fp16", "-o", str(tmp_path / "o.onnx"), "-q")
+    assert code == 0, text
+    onnx.checker.check_model(str(tmp_path / "o.onnx"), full_check=True)
+
+
+def test_policy_check_absolute_path(tmp_path: Path):
+    """An absolute path without a .yaml suffix once got "./" glued in front (issue 10)."""
+    for name in ("mine.yaml", "mine.txt"):
+        policy = tmp_path / name
+        policy.write_text("extends: bf16\n")
+        code, text = run("policy", "check", str(policy))
+        assert code == 0 and "ok (bfloat16" in " ".join(text.split()), text
+
+
+# -- the boundary itself ------------------------------------------------------------------------
+
+
+def test_unforeseen_exception_is_one_line_exit_1_and_debug_shows_it(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch):
+    def broken(model: object) -> None:
+        raise ZeroDivisionError("a bug")
+
+    monkeypatch.setattr(importlib.import_module("mpgraph.audit"), "audit", broken)
+    monkeypatch.setattr(importlib.import_module("mpgraph.cli.main"), "DEBUG", False)  # --debug below sets it
+    code, text = run("audit", str(files["model"]))
+    assert code == 1, text
+    assert text.strip().splitlines() == [
+        "error: internal error: ZeroDivisionError: a bug (run with --debug for the traceback)"]
+    result = CliRunner().invoke(app, ["--debug", "audit", str(files["model"])])
+    assert isinstance(result.exception, ZeroDivisionError)
+
+
+def test_os_error_is_one_line_exit_2(files: dict[str, Path], monkeypatch: pytest.MonkeyPatch):
+    def full(model: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", "/some/file")
+
+    monkeypatch.setattr(importlib.import_module("mpgraph.audit"), "audit", full)
+    code, text = run("audit", str(files["model"]))
+    one_error_line(code, text, "/some/file: No space left on device")
+
+
+def test_export_refuses_non_module_and_sys_exit(tmp_path: Path):
+    pytest.importorskip("torch")
+    (tmp_path / "notmod.py").write_text("class Net:\n    pass\n")
+    (tmp_path / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    (tmp_path / "fwd_exits.py").write_text(
+        "import sys, torch\nclass Net(torch.nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(4, 2)\n    def forward(self, x):\n        sys.exit(3)\n")
+    out = tmp_path / "e.onnx"
+    one_error_line(*run("export", f"{tmp_path / 'notmod.py'}:Net", "-i", "2x4", "-o", str(out)), "not a torch.nn.Module subclass")
+    one_error_line(*run("export", f"{tmp_path / 'exits.py'}:Net", "-i", "2x4", "-o", str(out)), "called sys.exit(3)")
+    one_error_line(*run("export", f"{tmp_path / 'fwd_exits.py'}:Net", "-i", "2x4", "-o", str(out)), "called sys.exit(3)")
+    assert not out.exists()
+
+
+def test_export_help_says_the_file_runs():
+    code, text = run("export", "--help")
+    assert code == 0 and "export only code you trust" in " ".join(text.replace("│", " ").split())
+
+
+# -- library callers: typed errors with the cause chained ----------------------------------------
+
+
+def test_library_errors_are_typed_and_chained(files: dict[str, Path]):
+    from mpgraph.data import read_npz
+    from mpgraph.io import load_model
+    from mpgraph.policy import load_policy
+    from mpgraph.runtime.trainer import Trainer
+
+    with pytest.raises(DataError) as e:
+        read_npz(files["npz_truncated"])
+    assert e.value.__cause__ is not None
+    with pytest.raises(ModelLoadError, match="fc1.weight"):
+        load_model(files["ext_missing.bin"])
+    with pytest.raises(ModelLoadError) as e:
+        load_model(files["truncated"])
+    assert e.value.__cause__ is not None
+    with pytest.raises(PolicyError, match="recursive alias"):
+        load_policy(str(files["rec_yaml"]))
+    with pytest.raises(CheckpointError, match="has no 'fingerprint'"):
+        Trainer(files["step"]).load_checkpoint(files["ckpt_no_fingerprint"])
+    assert issubclass(CheckpointError, MpgraphError) and issubclass(DataError, MpgraphError)
+
+
+# -- training faults ----------------------------------------------------------------------------
+
+
+def _data(tmp: Path, n: int = 64, nan_at: int | None = None) -> Path:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((n, 4)).astype(np.float32)
+    if nan_at is not None:
+        x[nan_at, 1] = np.nan
+    path = tmp / f"data{nan_at}.npz"
+    np.savez(path, x=x, label=(x[:, 0] > 0).astype(np.int64))
+    return path
+
+
+def test_nonfinite_data_stops_at_the_batch_and_checkpoints_the_last_good_step(files: dict[str, Path], tmp_path: Path):
+    data = _data(tmp_path, nan_at=5)
+    ckpt = tmp_path / "c.npz"
+    code, text = run("train", str(files["step"]), "--data", str(data), "--steps", "20", "--batch", "16", "-q",
+                     "--checkpoint", str(ckpt), "--metrics", str(tmp_path / "m.json"))
+    line = one_error_line(code, text, "non-finite training at step ")
+    assert "in 'x'" in line and "--on-nonfinite skip" in line and f"wrote checkpoint {ckpt}" in line
+    from mpgraph.runtime.trainer import Trainer
+
+    trainer = Trainer(files["step"])
+    trainer.load_checkpoint(ckpt)
+    assert all(np.isfinite(v).all() for v in trainer.state.values())
+    assert json.loads((tmp_path / "m.json").read_text())["summary"]["steps"] == trainer.steps
+
+
+def test_nonfinite_data_skip_mode_and_json_metrics_with_nan(files: dict[str, Path], tmp_path: Path):
+    data = _data(tmp_path, nan_at=5)
+    metrics = tmp_path / "m.json"
+    code, text = run("train", str(files["step"]), "--data", str(data), "--steps", "12", "--batch", "16", "-q",
+                     "--on-nonfinite", "skip", "--metrics", str(metrics))
+    assert code == 0, text
+    doc = json.loads(metrics.read_text())  # valid JSON although some losses are NaN
+    assert doc["summary"]["steps"] == 12
+    assert doc["summary"]["nonfinite_losses"] == 3  # the NaN sample's batch, once per 4-batch epoch
+    assert doc["metrics"]["loss"].count(None) == 3
+
+
+def test_nonfinite_loss_is_undone(files: dict[str, Path]):
+    from mpgraph.errors import TrainingError
+    from mpgraph.runtime.trainer import Trainer
+
+    trainer = Trainer(files["step"])
+    batch = {"x": np.ones((4, 4), np.float32), "label": np.zeros(4, np.int64)}
+    trainer.fit([batch], 1, 1e-3)
+    before = trainer.state
+    huge = {"x": np.full((4, 4), 3e38, np.float32), "label": np.zeros(4, np.int64)}  # overflows to inf in Gemm
+    with pytest.raises(TrainingError, match="step 2: the loss is"):
+        trainer.fit([huge], 1, 1e-3)
+    assert trainer.steps == 1
+    assert all(before[k].tobytes() == v.tobytes() for k, v in trainer.state.items())
+
+
+def test_loss_scale_collapse_warns(caplog: pytest.LogCaptureFixture):
+    import logging
+
+    from mpgraph.runtime import trainer as tr
+
+    t = tr.Trainer.__new__(tr.Trainer)  # only fit's bookkeeping: steps that all report skipped
+    t.steps, t.has_loss_scale, t.track_scale, t.metrics = 0, False, False, tr.Metrics()
+    t.stop_reason = ""
+
+    def step(batch: object, lr: object) -> tr.StepResult:
+        t.steps += 1
+        result = tr.StepResult(1.0, None, True, 0.0)
+        t.metrics.append(t.steps, result)
+        return result
+
+    t.step = step  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.trainer"):
+        t.fit([{"label": np.zeros(2, np.int64)}] * 25, 25)
+    warnings = [r.getMessage() for r in caplog.records if "loss scale collapsed" in r.getMessage()]
+    assert len(warnings) == 1 and f"{tr.COLLAPSE_SKIPS} consecutive steps skipped" in warnings[0]
+
+
+def test_full_disk_keeps_the_last_good_checkpoint(files: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    import mpgraph.io
+
+    data = _data(tmp_path)
+    ckpt = tmp_path / "c.npz"
+    real_fsync = os.fsync
+    calls = {"n": 0}
+
+    def fsync(fd: int) -> None:
+        calls["n"] += 1
+        if calls["n"] > 2:  # the first checkpoint (metrics file + checkpoint) fits, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(mpgraph.io.os, "fsync", fsync)
+    code, text = run("train", str(files["step"]), "--data", str(data), "--steps", "12", "--batch", "16", "-q",
+                     "--checkpoint", str(ckpt), "--checkpoint-every", "4")
+    monkeypatch.setattr(mpgraph.io.os, "fsync", real_fsync)
+    assert "warning: checkpoint at step 8 not written" in " ".join(text.split())
+    one_error_line(code, text, "checkpoint at step 12 not written")
+    assert "the last good checkpoint (step 4) is kept" in text
+    from mpgraph.runtime.trainer import Trainer
+
+    trainer = Trainer(files["step"])
+    trainer.load_checkpoint(ckpt)
+    assert trainer.steps == 4
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_stale_temporaries_of_a_killed_run_are_removed(files: dict[str, Path], tmp_path: Path):
+    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+    stale = [tmp_path / f".c.npz.{dead}.abcd1234.tmp", tmp_path / f".c.metrics.jsonl.{dead}.x.tmp",
+             tmp_path / f".o.onnx.{dead}.q1w2e3"]
+    for p in stale[:2]:
+        p.write_bytes(b"partial")
+    stale[2].mkdir()
+    (stale[2] / "o.onnx").write_bytes(b"partial")
+    alive = tmp_path / f".c.npz.{os.getpid()}.zzzz.tmp"  # a live process may be writing it
+    alive.write_bytes(b"in flight")
+    code, text = run("train", str(files["step"]), "--data", str(_data(tmp_path)), "--steps", "2", "-q",
+                     "--checkpoint", str(tmp_path / "c.npz"))
+    assert code == 0, text
+    code, text = run("convert", str(files["model"]), "-o", str(tmp_path / "o.onnx"), "-q")
+    assert code == 0, text
+    assert not any(p.exists() for p in stale)
+    assert alive.exists()
+
+
+def test_resume_without_lr_uses_the_checkpoint_lr(files: dict[str, Path], tmp_path: Path):
+    from mpgraph.runtime.trainer import Trainer
+
+    data = _data(tmp_path)
+    ckpt = tmp_path / "c.npz"
+    assert run("train", str(files["step"]), "--data", str(data), "--steps", "3", "--batch", "16", "-q",
+               "--lr", "0.05", "--checkpoint", str(ckpt))[0] == 0
+    assert run("train", str(files["step"]), "--data", str(data), "--steps", "3", "--batch", "16", "-q",
+               "--resume", str(ckpt), "--checkpoint", str(ckpt))[0] == 0
+    trainer = Trainer(files["step"])
+    trainer.load_checkpoint(ckpt)
+    assert trainer._lr_value == pytest.approx(0.05)
+    with np.load(ckpt) as z:
+        assert json.loads(z["__meta__"].tobytes())["lr"] == pytest.approx(0.05)
+    # The same six steps at lr 0.05 without a break: the same state, bit for bit.
+    straight = tmp_path / "s.npz"
+    assert run("train", str(files["step"]), "--data", str(data), "--steps", "6", "--batch", "16", "-q",
+               "--lr", "0.05", "--checkpoint", str(straight))[0] == 0
+    other = Trainer(files["step"])
+    other.load_checkpoint(straight)
+    assert all(trainer.state[k].tobytes() == v.tobytes() for k, v in other.state.items())
+
+
+def test_checkpoints_do_not_grow_with_the_history(files: dict[str, Path], tmp_path: Path):
+    from mpgraph.runtime.trainer import metrics_path
+
+    data = _data(tmp_path)
+    short, long = tmp_path / "short.npz", tmp_path / "long.npz"
+    assert run("train", str(files["step"]), "--data", str(data), "--steps", "5", "-q", "--checkpoint", str(short))[0] == 0
+    assert run("train", str(files["step"]), "--data", str(data), "--steps", "300", "-q", "--checkpoint", str(long),
+               "--checkpoint-every", "50")[0] == 0
+    assert abs(long.stat().st_size - short.stat().st_size) < 64  # metadata digits only
+    history = metrics_path(long).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in history] == list(range(1, 301))
