@@ -5,7 +5,8 @@ For the zoo GPT (``models/onnx/gpt.loss.onnx``) and the benchmark GPT of ``gpu_s
 peak (``mpgraph.audit.memory.estimate_memory``) and the measured one: the device memory in use
 after a few steps minus before the session was made (``cudaMemGetInfo`` through torch), with
 ORT's arena told to grow by exactly what is requested (``arena_extend_strategy=kSameAsRequested``)
-so that the arena's size is its peak rather than the next power of two. The measured number also
+so that the arena's size is its peak rather than the next power of two, and without CUDA graphs
+(``--cuda-graph`` measures with them). The measured number also
 holds cuBLAS/cuDNN workspaces and handles, which the estimate does not model.
 
 Run on a GPU machine (onnxruntime-gpu, torch with CUDA)::
@@ -69,7 +70,7 @@ def device_used() -> int:
     return total - free
 
 
-def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int) -> int:
+def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int, cuda_graph: bool) -> int:
     """Device bytes a CUDA Trainer for ``step`` holds after ``steps`` steps."""
     import torch
 
@@ -78,7 +79,7 @@ def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int) -> int:
     torch.cuda.init()
     gc.collect()
     before = device_used()
-    trainer = Trainer(step, "cuda", provider_options={"arena_extend_strategy": "kSameAsRequested"})
+    trainer = Trainer(step, "cuda", provider_options={"arena_extend_strategy": "kSameAsRequested"}, cuda_graph=cuda_graph)
     for _ in range(steps):
         trainer.step(feeds)
     torch.cuda.synchronize()
@@ -95,6 +96,8 @@ def main() -> None:
     parser.add_argument("--zoo-batch", type=int, default=256)
     parser.add_argument("--bench-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--cuda-graph", action="store_true",
+                        help="Measure with the Trainer's CUDA graphs (off by default: the capture's pools are not the step's).")
     parser.add_argument("--estimate-only", action="store_true", help="Print the estimates; run nothing on a GPU.")
     args = parser.parse_args()
     makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
@@ -110,7 +113,7 @@ def main() -> None:
             estimate = report.estimated_peak_bytes / 2**20
             measured = error = ""
             if not args.estimate_only:
-                got = measure(graph, feeds, args.steps) / 2**20
+                got = measure(graph, feeds, args.steps, args.cuda_graph) / 2**20
                 measured, error = f"{got:13.1f}", f"{estimate / got - 1:+7.1%}"
             print(f"{name:10s} {policy:6s} {batch:5d} {report.parameters:11,d} {estimate:13.1f} {measured:>13s} {error:>7s}"
                   f"  (persistent {report.persistent_bytes / 2**20:.1f}, outputs {report.output_bytes / 2**20:.1f}, "

@@ -43,7 +43,7 @@ from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.policy import Policy, load_policy
 
-__all__ = ["TensorScaleStats", "ScaleAdvice", "advise_scale", "low_backward_values", "CANDIDATE_SCALES"]
+__all__ = ["TensorScaleStats", "ScaleAdvice", "advise_scale", "low_backward_values", "scale_label", "CANDIDATE_SCALES"]
 
 #: Powers of two from 1 to 2**24 (GradScaler's bounds are 1 and 2**24 here too).
 CANDIDATE_SCALES: tuple[float, ...] = tuple(float(2**k) for k in range(25))
@@ -258,29 +258,29 @@ def _recommend(
                                   "keep the overflowing ops float32 or use bfloat16")
     if under is None:
         return advice(over, True, f"no candidate scale brings the flush share under {max_flush:g} "
-                                  f"(at {_pow2(over)}: {flush_at[over]:.1%}); start at {_pow2(over)}, the largest safe "
+                                  f"(at {scale_label(over)}: {flush_at[over]:.1%}); start at {scale_label(over)}, the largest safe "
                                   "scale, and scale dynamically, or use bfloat16")
     if under > over:
-        return advice(over, True, f"underflow needs S >= {_pow2(under)} but overflow allows S <= {_pow2(over)} (with "
-                                  f"headroom {headroom:g}): no static scale fits; start at {_pow2(over)}, scale dynamically")
+        return advice(over, True, f"underflow needs S >= {scale_label(under)} but overflow allows S <= {scale_label(over)} (with "
+                                  f"headroom {headroom:g}): no static scale fits; start at {scale_label(over)}, scale dynamically")
     bits = int(round(np.log2(over / under)))
     if under == first and flush_at[first] == 0.0:
         note = "nothing flushes to zero even unscaled"
     else:
         note = (f"{flush_at[first]:.1%} of nonzero backward entries flush to zero unscaled, "
-                f"{flush_at[over]:.1%} at {_pow2(over)}")
+                f"{flush_at[over]:.1%} at {scale_label(over)}")
     if bits < min_window_bits:
-        return advice(over, True, f"{note}; the safe window {_pow2(under)}..{_pow2(over)} is only 2**{bits} wide: "
+        return advice(over, True, f"{note}; the safe window {scale_label(under)}..{scale_label(over)} is only 2**{bits} wide: "
                                   "scale dynamically")
-    return advice(over, False, f"{note}; any scale in {_pow2(under)}..{_pow2(over)} works on these batches: a "
-                               f"static scale of {_pow2(over)} is enough (dynamic scaling also starts there)")
+    return advice(over, False, f"{note}; any scale in {scale_label(under)}..{scale_label(over)} works on these batches: a "
+                               f"static scale of {scale_label(over)} is enough (dynamic scaling also starts there)")
 
 
-def _pow2(scale: float) -> str:
+def scale_label(scale: float) -> str:
     """``2**13`` for 8192.0, else the number.
 
     Example:
-        >>> _pow2(8192.0), _pow2(3.0)
+        >>> scale_label(8192.0), scale_label(3.0)
         ('2**13', '3')
     """
     k = int(np.log2(scale)) if scale > 0 else 0

@@ -102,7 +102,7 @@ def test_cli_splits_a_data_file_into_batches(tmp_path):
     advice = json.loads(result.output)
     assert advice["batches"] == 3 and advice["recommended"] == 2.0**24
     table = CliRunner().invoke(app, ["advise-scale", str(path), "--data", str(data)])
-    assert table.exit_code == 0 and "recommended initial scale: 1.67772e+07 (static scaling)" in table.output
+    assert table.exit_code == 0 and "recommended initial scale: 16777216 (2**24), static scaling" in table.output
 
 
 def test_doctests():

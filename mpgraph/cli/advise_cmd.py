@@ -37,7 +37,7 @@ def advise_scale_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the advice as JSON.")] = False,
 ) -> None:
     """Measure backward values on float32 batches; recommend an initial loss scale and say if it must be dynamic."""
-    from mpgraph.advise import advise_scale
+    from mpgraph.advise import advise_scale, scale_label
     from mpgraph.cli.main import console, finite
     from mpgraph.data import read_npz
     from mpgraph.errors import UsageError
@@ -61,16 +61,17 @@ def advise_scale_command(
     scales = sorted(advice.flush_at)
     shown = sorted({s for s in scales if int(s).bit_length() % 4 == 1} | {s for s in (advice.underflow_bound, advice.overflow_bound) if s})
     table = Table(title=f"{advice.dtype} backward values over {advice.batches} batch(es), by loss scale")
-    for col in ("scale", "flushed to zero", "worst tensor flushed", "smallest overflow margin"):
+    for col in ("scale", "share flushed to zero", "worst tensor's share", "smallest overflow margin"):
         table.add_column(col, justify="right")
     for s in shown:
         worst = max(t.flush[s] for t in advice.tensors)
         margin = min(t.overflow_margin[s] for t in advice.tensors)
-        table.add_row(f"2**{int(s).bit_length() - 1}", f"{advice.flush_at[s]:.3g}", f"{worst:.3g}", f"{margin:.3g}")
+        table.add_row(scale_label(s), f"{advice.flush_at[s]:.3g}", f"{worst:.3g}", f"{margin:.3g}")
     console.print(table)
     at = advice.recommended or 1.0
-    detail = Table(title=f"tensors, most flushed unscaled first (scale 1 vs {at:g})")
-    for col in ("value", "producer", "nonzero", "max |g|", "flushed @1", f"flushed @{at:g}", f"margin @{at:g}"):
+    label = scale_label(at)
+    detail = Table(title=f"tensors, most flushed unscaled first (scale 1 vs {label})")
+    for col in ("value", "producer", "nonzero", "max |g|", "flushed @1", f"flushed @{label}", f"margin @{label}"):
         detail.add_column(col)
     for t in advice.tensors[:top]:
         detail.add_row(t.name, t.producer, str(t.nonzero), f"{t.absmax:.3g}", f"{t.flush[1.0]:.3g}",
@@ -80,9 +81,10 @@ def advise_scale_command(
         console.print(f"[bold red]no loss scale works[/]: {advice.reason}", highlight=False, soft_wrap=True)
     else:
         mode = "dynamic" if advice.dynamic else "static"
-        console.print(f"[bold]recommended initial scale: {advice.recommended:g}[/] ({mode} scaling): {advice.reason}",
+        init = f"{advice.recommended:.0f}"
+        console.print(f"[bold]recommended initial scale: {init} ({label})[/], {mode} scaling: {advice.reason}",
                       highlight=False, soft_wrap=True)
-        console.print(f"policy: loss_scaling: {{mode: {mode}, init: {advice.recommended:g}}}", highlight=False)
+        console.print(f"policy: loss_scaling: {{mode: {mode}, init: {init}}}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
