@@ -1,0 +1,173 @@
+"""Ctrl-C, SIGTERM and kill -9 during training, then ``--resume``: the same final state, bit for bit.
+
+Two layers:
+
+1. In-process, at seeded step numbers: a stop request (what the SIGINT/SIGTERM handler sets),
+   and a ``KeyboardInterrupt`` raised inside a step (Ctrl-C with no handler installed, which
+   once left the data stream one batch ahead of the step count). Deterministic and fast.
+2. Real processes (``python -m mpgraph train``) sent SIGINT, SIGTERM or SIGKILL after a
+   seeded delay once training has begun; the run is resumed from its checkpoint for the
+   remaining steps and compared with an uninterrupted run: every state array, the step count
+   and the loss history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpgraph.runtime.trainer import Trainer, metrics_path
+
+ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    from mpgraph.io import save_model
+    from mpgraph.train_graph import build_training_graph
+
+    tmp = tmp_path_factory.mktemp("interrupt")
+    step = tmp / "tiny.step.onnx"
+    save_model(build_training_graph(str(ZOO / "tiny_mlp.loss.onnx"), optimizer="adamw"), step)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((200, 4)).astype(np.float32)  # 12 batches of 16 per epoch, 8 dropped
+    data = tmp / "data.npz"
+    np.savez(data, x=x, label=(x[:, 0] + x[:, 1] > 0).astype(np.int64))
+    return step, data
+
+
+def _same(a: Trainer, b: Trainer) -> None:
+    assert a.steps == b.steps
+    sa, sb = a.state, b.state
+    assert all(sa[k].tobytes() == sb[k].tobytes() for k in sa)
+    assert a.metrics.loss == b.metrics.loss and a.metrics.step == b.metrics.step
+
+
+# -- in-process, seeded step numbers ------------------------------------------------------------
+
+
+def _arrays(data: Path) -> dict[str, np.ndarray]:
+    with np.load(data) as z:
+        return {k: z[k] for k in z.files}
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_stop_request_then_resume_is_bit_identical(setup: tuple[Path, Path], tmp_path: Path, seed: int):
+    step, data = setup
+    arrays, total = _arrays(data), 60
+    full = Trainer(step, threads=1)
+    full.fit(arrays, total, batch_size=16, seed=4)
+
+    at = random.Random(seed).randrange(1, total)
+    first = Trainer(step, threads=1)
+    first.fit(arrays, total, batch_size=16, seed=4, stop=lambda: first.steps >= at)
+    assert first.steps == at and first.stop_reason
+    ckpt = tmp_path / "c.npz"
+    first.save_checkpoint(ckpt)
+
+    resumed = Trainer(step, threads=1)
+    resumed.load_checkpoint(ckpt)
+    resumed.fit(arrays, total - at, batch_size=16, seed=4)
+    _same(full, resumed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_keyboard_interrupt_inside_a_step_does_not_run_the_data_ahead(setup: tuple[Path, Path], tmp_path: Path,
+                                                                      seed: int):
+    step, data = setup
+    arrays, total = _arrays(data), 60
+    full = Trainer(step, threads=1)
+    full.fit(arrays, total, batch_size=16, seed=4)
+
+    at = random.Random(100 + seed).randrange(1, total)
+    first = Trainer(step, threads=1)
+    real_step = first.step
+
+    def step_then_ctrl_c(batch: dict[str, np.ndarray], lr: float | None = None) -> object:
+        if first.steps == at:
+            raise KeyboardInterrupt  # Ctrl-C while ORT runs the step: the batch was drawn, no state changed
+        return real_step(batch, lr)
+
+    first.step = step_then_ctrl_c  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        first.fit(arrays, total, batch_size=16, seed=4)
+    ckpt = tmp_path / "c.npz"
+    first.save_checkpoint(ckpt)
+    with np.load(ckpt) as z:
+        meta = json.loads(z["__meta__"].tobytes())
+    assert meta["steps"] == at
+    assert meta["data"]["epoch"] * 12 * 16 + meta["data"]["index"] == at * 16  # not a batch ahead
+
+    resumed = Trainer(step, threads=1)
+    resumed.load_checkpoint(ckpt)
+    resumed.fit(arrays, total - at, batch_size=16, seed=4)
+    _same(full, resumed)
+
+
+# -- real processes and real signals ------------------------------------------------------------
+
+TOTAL = 4000
+
+
+def _train(step: Path, data: Path, steps: int, ckpt: Path, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "mpgraph", "train", str(step), "--data", str(data), "--steps", str(steps), "--batch", "16",
+         "--seed", "4", "--threads", "1", "-q", "--no-eval", "--checkpoint", str(ckpt), *extra],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Trainer:
+    step, data = setup
+    ckpt = tmp_path_factory.mktemp("full") / "full.npz"
+    proc = _train(step, data, TOTAL, ckpt)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    trainer = Trainer(step, threads=1)
+    trainer.load_checkpoint(ckpt)
+    return trainer
+
+
+@pytest.mark.parametrize("how,seed", [("SIGINT", 0), ("SIGTERM", 1), ("SIGKILL", 2), ("SIGKILL", 3)])
+def test_signal_then_resume_is_bit_identical(setup: tuple[Path, Path], uninterrupted: Trainer, tmp_path: Path,
+                                             how: str, seed: int):
+    step, data = setup
+    ckpt = tmp_path / "run.npz"
+    proc = _train(step, data, TOTAL, ckpt, "--checkpoint-every", "100")
+    history = metrics_path(ckpt)
+    deadline = time.monotonic() + 120
+    while not history.exists():  # training has begun: the first periodic checkpoint is written
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(random.Random(seed).uniform(0.05, 0.4))
+    proc.send_signal(getattr(signal, how))
+    out, err = proc.communicate(timeout=120)
+    expected = {"SIGINT": 130, "SIGTERM": 143, "SIGKILL": -9}[how]
+    if proc.returncode == 0:
+        pytest.skip(f"the run finished before {how} arrived (machine faster than the seeded delay)")
+    assert proc.returncode == expected, err
+    assert "Traceback" not in err
+    if how != "SIGKILL":
+        assert f"stopped by {how} after step" in err and f"--resume {ckpt}" in err
+    with np.load(ckpt) as z:
+        done = json.loads(z["__meta__"].tobytes())["steps"]
+    assert 0 < done < TOTAL
+    resume = _train(step, data, TOTAL - done, ckpt, "--resume", str(ckpt))
+    out, err = resume.communicate(timeout=300)
+    assert resume.returncode == 0, err
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # kill -9's temporaries are gone
+    final = Trainer(step, threads=1)
+    final.load_checkpoint(ckpt)
+    _same(uninterrupted, final)
