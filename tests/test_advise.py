@@ -73,7 +73,7 @@ def test_overflow_bound_keeps_the_headroom():
     peak = max(t.absmax for t in advice.tensors)
     s = advice.overflow_bound
     assert s is not None and 65504 / (peak * s) >= 8.0 > 65504 / (peak * 2 * s)
-    assert advice.recommended == s and not advice.dynamic  # 2**0 .. 2**9: a wide window
+    assert advice.recommended == s and not advice.dynamic  # measured window 2**0 .. 2**10: wide
 
 
 def test_gradients_that_overflow_unscaled_get_no_scale():
