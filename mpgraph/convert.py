@@ -19,7 +19,14 @@ from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
 from mpgraph.optypes import node_typing
 from mpgraph.passes.assign_precision import AssignPrecisionPass
-from mpgraph.passes.calibrate_range import CalibrateRangePass, load_feeds, random_feeds
+from mpgraph.passes.calibrate_range import (
+    CalibrateRangePass,
+    Calibration,
+    load_feeds,
+    measure_ranges,
+    random_feeds,
+    run_with_values,
+)
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
@@ -27,12 +34,19 @@ from mpgraph.passes.insert_casts import InsertCastsPass
 from mpgraph.passes.scale_loss import ScaleLossPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
 from mpgraph.policy import Policy, load_policy
+from mpgraph.targets import resolve_target, with_target
 
-__all__ = ["convert", "convert_file", "build_pipeline", "float_weight_bytes"]
+__all__ = ["convert", "convert_file", "build_pipeline", "float_weight_bytes", "CalibrateSpec"]
 
 logger = logging.getLogger(__name__)
 
 ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
+#: ``"auto"`` (random feeds when the low dtype is float16), ``"random"``, an ``.npz`` path,
+#: a mapping of inputs, or ``None``/``False`` (no range check).
+CalibrateSpec = str | os.PathLike | Mapping[str, np.ndarray] | bool | None
+
+#: Rounds of "keep the ops that turned non-finite float32, convert again" before giving up.
+MAX_FINITE_ROUNDS = 4
 
 
 def build_pipeline(
@@ -40,12 +54,12 @@ def build_pipeline(
     *,
     emulate: bool = False,
     validate: bool = True,
-    calibration: Mapping[str, np.ndarray] | None = None,
+    calibration: Calibration | Mapping[str, np.ndarray] | None = None,
 ) -> list[ir.passes.PassBase]:
     """The passes ``convert`` runs, in order, as data."""
     passes: list[ir.passes.PassBase] = [InferTypesPass()]
     if calibration is not None and not policy.is_identity:
-        passes.append(CalibrateRangePass(calibration))
+        passes.append(CalibrateRangePass(calibration, policy.dtype))
     if not policy.is_identity:
         # Training step graphs only; the loss-scale nodes it adds are float32 optimizer nodes.
         passes.append(ScaleLossPass(policy.loss_scaling))
@@ -82,8 +96,9 @@ def convert(
     *,
     emulate: bool = False,
     validate: bool = True,
-    calibrate: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    calibrate: CalibrateSpec = "auto",
     upgrade_opset: bool = True,
+    target: str | None = None,
 ) -> ir.Model:
     """Rewrite ``model`` so it computes per ``policy``; the input object is modified in place.
 
@@ -94,12 +109,20 @@ def convert(
             of the native lowering.
         validate: Run ``onnx.checker`` (full), strict shape inference and the precision
             invariants on the result.
-        calibrate: Sample inputs (a mapping, an ``.npz`` path, or ``"random"`` for seeded
-            random inputs): ops whose float32 activations exceed the low dtype's range on
-            them stay float32.
+        calibrate: The range check. ``"auto"`` (default): on seeded random inputs when the
+            low dtype is float16 (bfloat16 has float32's range); ``"random"``; an ``.npz``
+            path or a mapping of inputs; ``None`` or ``False``: off. Ops whose float32
+            activations exceed the low dtype's range / 2 stay float32; then the result
+            (emulated) runs on the same inputs, and ops whose output turns non-finite where
+            float32 is finite stay float32 too, until no output is (``MAX_FINITE_ROUNDS``).
+            The summary lands in ``mpgraph.calibration``. With ``"auto"``, a model ORT CPU
+            cannot run in float32 is converted unchecked, with a warning.
         upgrade_opset: When the model's opset predates the low dtype in op schemas (bfloat16
             arrived in opset 13), upgrade it with ``onnx.version_converter`` first (recorded
             in ``mpgraph.opset_upgraded``); if the upgrade fails, those ops stay float32.
+        target: ``cuda``, ``cpu`` or ``any`` (``mpgraph.targets``): ops the target has no
+            low kernel for stay float32. Default ``cuda``, ``cpu`` when ``emulate``.
+            Recorded in ``mpgraph.target``.
 
     Returns:
         The rewritten model, with every node's decision in its metadata.
@@ -117,12 +140,15 @@ def convert(
         'bfloat16'
     """
     pol = load_policy(policy)
+    where = resolve_target(target, emulate)
     # Loading and the passes allocate hundreds of thousands of short-lived IR objects; pausing
     # the cyclic collector meanwhile saves about a third of the time on 10k-node graphs.
     collecting = gc.isenabled()
     gc.disable()
     try:
-        return _convert(model, pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset)
+        return _convert(
+            model, pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset, target=where
+        )
     finally:
         if collecting:
             gc.enable()
@@ -134,8 +160,9 @@ def _convert(
     *,
     emulate: bool,
     validate: bool,
-    calibrate: str | os.PathLike | Mapping[str, np.ndarray] | None,
+    calibrate: CalibrateSpec,
     upgrade_opset: bool,
+    target: str,
 ) -> ir.Model:
     ir_model = _as_model(model)
     props = ir_model.metadata_props
@@ -146,7 +173,7 @@ def _convert(
         raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
     props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
     if upgrade_opset and not pol.is_identity:
-        ir_model = _upgrade_opset(ir_model, pol)
+        ir_model = _upgrade_opset(ir_model, with_target(pol, target, ir_model, emulate=emulate))
         stranded = cuda_opset_gaps(ir_model) if md.MODEL_OPSET_UPGRADED in ir_model.metadata_props and not emulate else []
         if stranded:
             logger.warning(
@@ -155,23 +182,173 @@ def _convert(
                 "original opset (ops that need the upgrade then stay float32)",
                 ir_model.metadata_props[md.MODEL_OPSET_UPGRADED], ", ".join(stranded),
             )
-        props = ir_model.metadata_props
-    feeds: Mapping[str, np.ndarray] | None = None
-    if isinstance(calibrate, str) and calibrate == "random":
-        feeds = random_feeds(ir_model)
-    elif isinstance(calibrate, (str, os.PathLike)):
-        feeds = load_feeds(calibrate)
-    elif calibrate is not None:
-        feeds = calibrate
-    for p in build_pipeline(pol, emulate=emulate, validate=validate, calibration=feeds):
-        p(ir_model)
+    # Kernel gaps at the opset the model ends with (before the upgrade they decided what it needs).
+    effective = with_target(pol, target, ir_model, emulate=emulate)
+    already = md.MODEL_POLICY in ir_model.metadata_props
+    if not pol.is_identity and not already and calibrate is not None and calibrate is not False:
+        InferTypesPass()(ir_model)  # the range check reduces float values only: it needs their types
+    calibration = None if pol.is_identity or already else _calibrate(ir_model, pol, calibrate)
+    pristine = ir.to_proto(ir_model) if calibration is not None else None
+    kept: dict[int, str] = {}  # node index -> why it stays float32 (non-finite in the low dtype)
+    for attempt in range(MAX_FINITE_ROUNDS + 1):
+        if attempt:
+            assert pristine is not None
+            ir_model = ir.from_proto(pristine)
+            for i, node in enumerate(ir_model.graph):
+                if i in kept:
+                    node.metadata_props[md.NODE_PRECISION] = "float32"
+                    node.metadata_props[md.NODE_REASON] = kept[i]
+        nodes = list(ir_model.graph)
+        for p in build_pipeline(effective, emulate=emulate, validate=False, calibration=calibration):
+            p(ir_model)
+        if calibration is None or not _checks_finite(ir_model, pol):
+            break
+        culprits = _nonfinite_sources(ir_model, calibration, emulate)
+        if not culprits:
+            break
+        new = {nodes.index(n): f"calibration: output non-finite in {pol.dtype.name.lower()} where float32 is finite" for n in culprits}
+        if attempt == MAX_FINITE_ROUNDS or set(new) <= set(kept):
+            names = ", ".join(f"{n.op_type} '{n.name}'" for n in culprits[:3])
+            raise MpgraphError(
+                f"the {pol.dtype.name.lower()} conversion is non-finite on the calibration inputs "
+                f"({calibration.source}) where float32 is finite, at {names}, even with "
+                f"{len(kept)} ops kept float32; pass calibrate=None (--no-calibrate) to write it anyway, "
+                "or keep these nodes float32 with a policy override"
+            )
+        kept.update(new)
+        logger.info("kept %d ops float32 whose outputs turned non-finite; converting again", len(new))
+    if validate:
+        ValidateModelPass()(ir_model)
+    props = ir_model.metadata_props
     props[md.MODEL_POLICY] = pol.name
     props[md.MODEL_DTYPE] = pol.dtype.name.lower()
     props[md.MODEL_TF32] = "true" if pol.tf32 else "false"
     props[md.MODEL_LOSS_SCALING] = json.dumps(
         {k: getattr(pol.loss_scaling, k) for k in pol.loss_scaling.__dataclass_fields__}, sort_keys=True
     )
+    if not pol.is_identity:
+        props.setdefault(md.MODEL_TARGET, target)
+    if calibration is not None:
+        props[md.MODEL_CALIBRATION] = _calibration_summary(ir_model, calibration, pol)
     return ir_model
+
+
+def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec) -> Calibration | None:
+    """Measure ranges per ``calibrate``; ``None`` when the range check is off."""
+    if calibrate is None or calibrate is False:
+        return None
+    auto = isinstance(calibrate, str) and calibrate == "auto"
+    if auto and policy.dtype != ir.DataType.FLOAT16:
+        return None
+    if calibrate is True or (isinstance(calibrate, str) and calibrate in ("auto", "random")):
+        feeds, source = random_feeds(model, seed=0), "random inputs, seed 0"
+    elif isinstance(calibrate, (str, os.PathLike)):
+        feeds, source = load_feeds(calibrate), str(calibrate)
+    else:
+        feeds, source = dict(calibrate), "given inputs"
+    try:
+        return measure_ranges(model, feeds, policy.dtype, source=source)
+    except MpgraphError as e:
+        if not auto:
+            raise type(e)(f"calibration run failed: {e}") from None
+        logger.warning("range check skipped (%s); the %s model is not range-checked, --no-calibrate silences this",
+                       e, policy.dtype.name.lower())
+        return None
+
+
+def _checks_finite(model: ir.Model, policy: Policy) -> bool:
+    # A loss-scaled step graph overflows on purpose: it detects inf/NaN and skips the update.
+    return not (model.metadata_props.get(md.MODEL_TRAINING) == "true" and policy.loss_scaling.mode == "dynamic")
+
+
+def _emulated_view(model: ir.Model, emulate: bool) -> ir.Model:
+    if emulate:
+        return model
+    low = ir.DataType[model.metadata_props.get(md.MODEL_DTYPE, "").upper()] if md.MODEL_DTYPE in model.metadata_props else None
+    copy = ir.from_proto(ir.to_proto(model))
+    dtype = low or next(
+        (v.dtype for n in copy.graph for v in n.outputs if v.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)),
+        ir.DataType.FLOAT16,
+    )
+    EmulatePrecisionPass(dtype)(copy)
+    FoldCastsPass()(copy)
+    return copy
+
+
+def _nonfinite_sources(model: ir.Model, calibration: Calibration, emulate: bool) -> list[ir.Node]:
+    """Nodes of ``model`` to keep float32 because its (emulated) outputs are non-finite where float32's are not.
+
+    One run of the emulated lowering with only the graph outputs; only when one is non-finite
+    where float32's is finite, a second run with every value exposed names the nodes whose
+    output turns non-finite from finite inputs (for a float32 node, its low producers).
+    """
+    view = _emulated_view(model, emulate)
+    outs = run_with_values(view, calibration.feeds, lambda v: False)
+    bad_out = [
+        n for n, ref in calibration.outputs.items()
+        if n in outs and ref.dtype.kind == "f" and outs[n].shape == ref.shape
+        and bool((np.isfinite(ref) & ~np.isfinite(outs[n].astype(np.float64))).any())
+    ]
+    if not bad_out:
+        return []
+    arrays = run_with_values(view, calibration.feeds, lambda v: v.dtype is None or is_float(v.dtype))
+
+    def nonfinite(name: str) -> bool:
+        held = arrays.get(f"round/{name}", arrays.get(name))
+        return held is not None and held.dtype.kind == "f" and not bool(np.isfinite(held).all())
+
+    def finite_in_fp32(name: str) -> bool:
+        found = calibration.ranges.get(name)
+        return found is not None and bool(np.isfinite(found.absmax))
+
+    low = model.metadata_props.get(md.MODEL_DTYPE)
+    culprits: list[ir.Node] = []
+    for node in model.graph:
+        if md.NODE_INSERTED in node.metadata_props:
+            continue
+        outputs = [v.name for v in node.outputs if v.name]
+        if not any(nonfinite(n) and finite_in_fp32(n) for n in outputs):
+            continue
+        inputs = [_origin(v) for v in node.inputs if v is not None]
+        if any(v.name and nonfinite(v.name) for v in inputs):
+            continue  # inherited, not born here
+        if node.metadata_props.get(md.NODE_PRECISION) == low:
+            culprits.append(node)
+        else:  # e.g. Log of a value that flushed to zero: keep the producers float32
+            for v in inputs:
+                producer = v.producer()
+                if producer is not None and producer.metadata_props.get(md.NODE_PRECISION) == low:
+                    culprits.append(producer)
+    return list(dict.fromkeys(culprits))
+
+
+def _origin(value: ir.Value) -> ir.Value:
+    """The value behind mpgraph's casts (the name the float32 model knows)."""
+    producer = value.producer()
+    while producer is not None and producer.metadata_props.get(md.NODE_INSERTED) and producer.inputs and producer.inputs[0] is not None:
+        value = producer.inputs[0]
+        producer = value.producer()
+    return value
+
+
+def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Policy) -> str:
+    kept: dict[str, int] = {}
+    for node in model.graph:
+        why = node.metadata_props.get(md.NODE_REASON, "")
+        if why.startswith("calibration:"):
+            kind = "non-finite" if "non-finite" in why else "range"
+            kept[kind] = kept.get(kind, 0) + 1
+    flushing = [[name, float(f"{r.flushed:.3g}")] for name, r in calibration.flushing()[:5]]
+    return json.dumps(
+        {
+            "feeds": calibration.source,
+            "dtype": policy.dtype.name.lower(),
+            "kept_float32": kept,
+            "values_flushing": len(calibration.flushing()),
+            "worst_flushing": flushing,
+        },
+        sort_keys=True,
+    )
 
 
 #: Upgrades stop here: opset 22 needs IR 10, which ONNX Runtime 1.31 loads (it refuses IR > 13,
@@ -259,10 +436,11 @@ def convert_file(
     emulate: bool = False,
     validate: bool = True,
     overwrite_input: bool = False,
-    calibrate: str | os.PathLike | Mapping[str, np.ndarray] | None = None,
+    calibrate: CalibrateSpec = "auto",
     upgrade_opset: bool = True,
+    target: str | None = None,
 ) -> ir.Model:
-    """Convert the model at ``src`` and write it atomically to ``dst``.
+    """Convert the model at ``src`` and write it atomically to ``dst`` (arguments as ``convert``).
 
     Raises:
         MpgraphError: Bad input, bad policy, invalid result, or ``dst`` is ``src`` without
@@ -273,7 +451,8 @@ def convert_file(
         raise MpgraphError(f"{dst_p}: output is the input file; pass a different -o (or --overwrite-input)")
     pol = load_policy(policy)
     model = convert(
-        load_model(src_p), pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset
+        load_model(src_p), pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset,
+        target=target,
     )
     save_model(model, dst_p)
     if validate and float_weight_bytes(model) >= PROTO_LIMIT:

@@ -129,7 +129,9 @@ def convert(
     policy: Annotated[str, typer.Option("--policy", "-p", help="Preset name (fp32, fp16, bf16, torch-autocast, tf-amp) or a YAML file.")] = "bf16",
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.<policy>.onnx.")] = None,
     emulate: Annotated[bool, typer.Option("--emulate", help="CPU emulation: compute float32, round like the low dtype at every policy boundary.")] = False,
-    calibrate: Annotated[str | None, typer.Option("--calibrate", help="Keep ops float32 whose float32 activations exceed the low dtype's range on sample inputs: 'random' or an .npz of inputs.")] = None,
+    calibrate: Annotated[str | None, typer.Option("--calibrate", help="Range check inputs: 'random' or an .npz of inputs. Default for float16: seeded random inputs; ops whose values exceed float16's range (or turn non-finite) stay float32.")] = None,
+    no_calibrate: Annotated[bool, typer.Option("--no-calibrate", help="Skip the range check (float16 may then overflow to inf/NaN).")] = False,
+    target: Annotated[str | None, typer.Option("--target", help="Where the model runs: cuda, cpu or any; ops without a low kernel there stay float32 (`mpgraph targets`). Default cuda, cpu with --emulate.")] = None,
     no_validate: Annotated[bool, typer.Option("--no-validate", help="Skip onnx.checker and strict shape inference.")] = False,
     no_opset_upgrade: Annotated[bool, typer.Option("--no-opset-upgrade", help="Keep the model's opset; ops whose schema has no low dtype there stay float32.")] = False,
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
@@ -151,7 +153,8 @@ def convert(
     start = time.perf_counter()
     with console.status(f"converting {model} with policy {pol.name}", spinner="dots") if not quiet else _null():
         result = convert_file(model, out, pol, emulate=emulate, validate=not no_validate, overwrite_input=overwrite_input,
-                              calibrate=feeds, upgrade_opset=not no_opset_upgrade)
+                              calibrate=None if no_calibrate else (feeds if calibrate is not None else "auto"),
+                              upgrade_opset=not no_opset_upgrade, target=target)
     elapsed = time.perf_counter() - start
     names = [n.name or "" for n in result.graph]
     for override in pol.overrides:
@@ -169,6 +172,10 @@ def convert(
         f"{_human_bytes(report.weight_bytes_after)}"
         + (f", {report.rounds_inserted} emulation roundings" if emulate else "")
     )
+    from mpgraph.cli.targets_cmd import conversion_notes
+
+    for line in conversion_notes(result, emulate=emulate):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 class _null:
@@ -356,7 +363,8 @@ def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]
 
 def _register_plugins() -> None:
     for module in ("mpgraph.cli.train_graph_cmd", "mpgraph.cli.export_cmd", "mpgraph.cli.train_cmd",
-                   "mpgraph.cli.check_grad_cmd", "mpgraph.cli.tune_cmd", "mpgraph.cli.advise_cmd"):
+                   "mpgraph.cli.check_grad_cmd", "mpgraph.cli.tune_cmd", "mpgraph.cli.advise_cmd",
+                   "mpgraph.cli.targets_cmd", "mpgraph.cli.policy_cmd"):
         try:
             mod = __import__(module, fromlist=["register"])
         except ModuleNotFoundError as e:

@@ -220,7 +220,8 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             if node not in state:
                 cat = category[node]
                 why = reason[node] if cat == "deny" else f"{cat} op with float32 inputs"
-                if cat == "deny" and not why.startswith("not listed"):
+                # A target's kernel gap (mpgraph.targets) is no policy entry: its reason stands alone.
+                if cat == "deny" and not why.startswith("not listed") and " kernel on " not in why:
                     why = f"deny list: {why}"
                 decide(node, _FP32, why)
         return self._record(model, nodes, state, reason)

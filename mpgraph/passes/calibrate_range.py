@@ -1,79 +1,312 @@
-"""CalibrateRangePass: measure float32 activation ranges on sample inputs with ONNX Runtime."""
+"""CalibrateRangePass: measure float32 activation ranges on sample inputs with ONNX Runtime.
+
+Example:
+    >>> from onnx import helper as h, TensorProto as T
+    >>> g = h.make_graph([h.make_node("Gather", ["table", "ids"], ["y"])], "g",
+    ...     [h.make_tensor_value_info("ids", T.INT64, [2, 3])], [h.make_tensor_value_info("y", T.FLOAT, None)],
+    ...     [h.make_tensor("table", T.FLOAT, [5, 1], [0.0] * 5)])
+    >>> ids = random_feeds(ir.from_proto(h.make_model(g)))["ids"]
+    >>> bool(ids.min() >= 0 and ids.max() < 5)
+    True
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from collections.abc import Callable, Mapping
+import re
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph.dtypes import is_float
-from mpgraph.errors import MpgraphError
+from mpgraph.dtypes import is_float, smallest_subnormal
+from mpgraph.errors import DataError, MpgraphError
 
-__all__ = ["CalibrateRangePass", "ABSMAX_META", "random_feeds", "load_feeds", "run_with_values"]
+__all__ = [
+    "ABSMAX_META",
+    "Calibration",
+    "CalibrateRangePass",
+    "ValueRange",
+    "load_feeds",
+    "measure_ranges",
+    "random_feeds",
+    "run_with_values",
+]
 
 logger = logging.getLogger(__name__)
 
-#: ``value.meta`` key (in memory only) holding the largest finite |x| seen on calibration data.
+#: ``value.meta`` key (in memory only) holding the largest |x| seen on calibration data.
 ABSMAX_META = "mpgraph.absmax"
+
+# Ops an integer input passes through unchanged on its way to a Gather index or a label.
+_PASS_THROUGH = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"})
+_LABEL_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+_MASK_NAME = re.compile(r"mask", re.IGNORECASE)
+_LENGTH_NAME = re.compile(r"(^|[_.\-/])(seq_?)?len(gth)?s?($|[_.\-/])", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueRange:
+    """What one float32 value held on the calibration inputs.
+
+    Attributes:
+        absmax: Largest |x| (inf or NaN when the float32 value itself is not finite).
+        flushed: Share of the entries that are nonzero but below half the low dtype's
+            smallest subnormal, so they would round to zero in it.
+    """
+
+    absmax: float
+    flushed: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Ranges of every float node output, and the float32 graph outputs, on one set of feeds.
+
+    Attributes:
+        feeds: The inputs the model ran on.
+        ranges: Value name -> range.
+        outputs: Graph output name -> float32 array.
+        low: The dtype ``ValueRange.flushed`` refers to.
+        source: Where the feeds came from (``random (seed 0)`` or a file), for messages.
+    """
+
+    feeds: Mapping[str, np.ndarray]
+    ranges: Mapping[str, ValueRange]
+    outputs: Mapping[str, np.ndarray]
+    low: ir.DataType
+    source: str = "given inputs"
+
+    def flushing(self) -> list[tuple[str, ValueRange]]:
+        """Values with entries that flush to zero in the low dtype, most affected first."""
+        hits = [(n, r) for n, r in self.ranges.items() if r.flushed > 0]
+        return sorted(hits, key=lambda item: (-item[1].flushed, item[0]))
+
+
+def _int_bound(value: ir.Value) -> int | None:
+    """Exclusive upper bound for an integer input: the rows of the table it indexes, or the classes it labels."""
+    bounds: list[int] = []
+    stack, seen = [value], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for use in current.uses():
+            node, idx = use.node, use.idx
+            if node.op_type in _PASS_THROUGH and idx == 0:
+                stack.extend(node.outputs)
+            elif node.op_type == "Gather" and idx == 1 and node.inputs[0] is not None:
+                axis_attr = node.attributes.get("axis")
+                axis = axis_attr.value if axis_attr is not None else 0
+                shape = node.inputs[0].shape
+                if shape is not None and -len(shape) <= axis < len(shape) and isinstance(shape[axis], int):
+                    bounds.append(shape[axis])
+            elif node.op_type in _LABEL_OPS and idx == 1 and node.inputs[0] is not None:
+                shape = node.inputs[0].shape
+                if shape is not None and len(shape) > 1 and isinstance(shape[1], int):
+                    bounds.append(shape[1])
+    return min(bounds) if bounds else None
 
 
 def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np.ndarray]:
-    """Seeded sample inputs from the graph's input types; dynamic dims become ``batch``."""
+    """Seeded sample inputs that respect the model; dynamic dims become ``batch``.
+
+    Float inputs are standard normal; integer inputs that index a table (``Gather``) or label
+    classes (``SoftmaxCrossEntropyLoss``) are uniform over its rows or classes; inputs named
+    like a mask are ones, like a length the largest dimension of the inputs; bool inputs are
+    true; other integers are uniform in [0, 2).
+    """
     rng = np.random.default_rng(seed)
+    inputs = [
+        v
+        for v in model.graph.inputs
+        if not v.is_initializer() and v.dtype is not None and v.shape is not None and v.name
+    ]
+    shapes = {v.name: [d if isinstance(d, int) else batch for d in v.shape] for v in inputs}  # type: ignore[union-attr]
+    longest = max((d for s in shapes.values() for d in s), default=batch)
     feeds: dict[str, np.ndarray] = {}
-    for value in model.graph.inputs:
-        if value.is_initializer() or value.dtype is None or value.shape is None or not value.name:
-            continue
-        shape = [d if isinstance(d, int) else batch for d in value.shape]
-        np_dtype = value.dtype.numpy()
-        if is_float(value.dtype):
-            feeds[value.name] = rng.standard_normal(shape).astype(np_dtype)
+    for value in inputs:
+        name = value.name or ""
+        shape = shapes[name]
+        np_dtype = value.dtype.numpy()  # type: ignore[union-attr]
+        if value.dtype == ir.DataType.BOOL or _MASK_NAME.search(name):
+            feeds[name] = np.ones(shape, dtype=np_dtype)
+        elif is_float(value.dtype):
+            feeds[name] = rng.standard_normal(shape).astype(np_dtype)
+        elif _LENGTH_NAME.search(name):
+            feeds[name] = np.full(shape, longest, dtype=np_dtype)
         else:
-            feeds[value.name] = np.zeros(shape, dtype=np_dtype)
+            high = _int_bound(value) or 2
+            feeds[name] = rng.integers(0, max(high, 1), size=shape).astype(np_dtype)
     return feeds
 
 
 def load_feeds(path: str | os.PathLike[str]) -> dict[str, np.ndarray]:
     """Inputs from an ``.npz`` file keyed by input name."""
     try:
-        with np.load(path) as data:
+        with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except (OSError, ValueError) as e:
-        raise MpgraphError(f"{path}: cannot read calibration inputs ({e})") from None
+        raise DataError(f"{path}: cannot read calibration inputs ({e})") from None
+
+
+def _float_outputs(graph: ir.Graph) -> Iterator[ir.Value]:
+    for node in graph:
+        for value in node.outputs:
+            if value.name and is_float(value.dtype):
+                yield value
+
+
+def measure_ranges(
+    model: ir.Model, feeds: Mapping[str, np.ndarray], low: ir.DataType, *, source: str = "given inputs"
+) -> Calibration:
+    """Run the float32 ``model`` once and reduce every float node output to a ``ValueRange``.
+
+    The reductions (``ReduceMax(Abs(x))`` and the share of entries that flush to zero) are
+    nodes added to a copy of the graph, so ONNX Runtime frees each activation as usual and
+    only two scalars per value come back. Opsets below 9 (comparisons without float
+    kernels) fall back to returning every activation.
+
+    Raises:
+        MpgraphError: ORT refuses the model or the feeds (names missing inputs and given keys).
+    """
+    values = [v for v in _float_outputs(model.graph) if not v.is_graph_output()]
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    outputs_wanted = [v.name for v in model.graph.outputs if v.name]
+    if opset < 9:
+        arrays = run_with_values(model, feeds, lambda v: is_float(v.dtype))
+        ranges = {v.name: _range_of(arrays[v.name], low) for v in values if v.name in arrays}
+    else:
+        proto = ir.to_proto(model)
+        stats = _add_range_nodes(proto, [v.name for v in values if v.name], low)  # type: ignore[misc]
+        arrays = _run_proto(proto, feeds)
+        ranges = {
+            name: ValueRange(float(arrays[mx]), float(arrays[fl]))
+            for name, (mx, fl) in stats.items()
+            if mx in arrays and fl in arrays
+        }
+    for name in outputs_wanted:
+        if name in arrays and arrays[name].dtype.kind == "f":
+            ranges[name] = _range_of(arrays[name], low)
+    outs = {n: arrays[n] for n in outputs_wanted if n in arrays}
+    return Calibration(dict(feeds), ranges, outs, low, source)
+
+
+def _range_of(array: np.ndarray, low: ir.DataType) -> ValueRange:
+    if array.size == 0 or array.dtype.kind != "f":
+        return ValueRange(0.0, 0.0)
+    mag = np.abs(array.astype(np.float32, copy=False))
+    tiny = smallest_subnormal(low) / 2
+    return ValueRange(float(mag.max()), float(((mag > 0) & (mag < tiny)).mean()))
+
+
+def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType) -> dict[str, tuple[str, str]]:
+    """Append ``absmax`` and ``flushed share`` nodes per value to ``proto``'s graph, made outputs."""
+    graph = proto.graph
+    helper = onnx.helper
+    zero, tiny = "calib/zero", "calib/tiny"
+    # Constant nodes, not initializers: IR version 3 models must list initializers as inputs.
+    nodes = [
+        helper.make_node("Constant", [], [zero], value=onnx.numpy_helper.from_array(np.array(0.0, np.float32))),
+        helper.make_node(
+            "Constant", [], [tiny], value=onnx.numpy_helper.from_array(np.array(smallest_subnormal(low) / 2, np.float32))
+        ),
+    ]
+    stats: dict[str, tuple[str, str]] = {}
+    for i, name in enumerate(names):
+        p = f"calib/{i}"
+        mx, fl = f"{p}/absmax", f"{p}/flushed"
+        nodes += [
+            helper.make_node("Abs", [name], [f"{p}/abs"]),
+            helper.make_node("ReduceMax", [f"{p}/abs"], [mx], keepdims=0),
+            helper.make_node("Less", [f"{p}/abs", tiny], [f"{p}/lt"]),
+            helper.make_node("Greater", [f"{p}/abs", zero], [f"{p}/gt"]),
+            helper.make_node("And", [f"{p}/lt", f"{p}/gt"], [f"{p}/and"]),
+            helper.make_node("Cast", [f"{p}/and"], [f"{p}/f"], to=onnx.TensorProto.FLOAT),
+            helper.make_node("ReduceMean", [f"{p}/f"], [fl], keepdims=0),
+        ]
+        graph.output.extend([onnx.ValueInfoProto(name=mx), onnx.ValueInfoProto(name=fl)])
+        stats[name] = (mx, fl)
+    graph.node.extend(nodes)
+    return stats
 
 
 class CalibrateRangePass(ir.passes.InPlacePass):
-    """Runs the float32 graph on sample inputs and records each float value's max |x|.
+    """Records, per float value, the largest |x| it reached on calibration inputs.
 
     Rules:
-        1. Every float value of the main graph is made an output of a copy of the model,
-           which ONNX Runtime (CPU) runs once on ``feeds``.
-        2. The largest finite absolute value lands in ``value.meta["mpgraph.absmax"]`` (never
-           saved); ``AssignPrecisionPass`` keeps ops float32 whose compute values exceed the
-           low dtype's range.
+        1. ``calibration`` is a ``Calibration`` (from ``measure_ranges``) or a mapping of
+           inputs, measured here against ``low``.
+        2. The largest |x| lands in ``value.meta["mpgraph.absmax"]`` (never saved);
+           ``AssignPrecisionPass`` keeps ops float32 whose compute values exceed the low
+           dtype's range / 2. Values are matched by name.
     """
 
-    def __init__(self, feeds: Mapping[str, np.ndarray]) -> None:
+    def __init__(self, calibration: Calibration | Mapping[str, np.ndarray], low: ir.DataType = ir.DataType.FLOAT16) -> None:
         super().__init__()
-        self.feeds = dict(feeds)
+        self.calibration = calibration
+        self.low = low
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        values = {v.name: v for node in model.graph for v in node.outputs if v.name and is_float(v.dtype)}
-        try:
-            arrays = run_with_values(model, self.feeds, lambda v: v.name in values)
-        except MpgraphError as e:
-            raise MpgraphError(f"calibration run failed: {e}") from None
-        for name, array in arrays.items():
-            value = values.get(name)
-            if value is None or array.size == 0:
-                continue
-            finite = np.abs(array[np.isfinite(array)].astype(np.float64))
-            value.meta[ABSMAX_META] = float(finite.max()) if finite.size else 0.0
+        cal = self.calibration
+        if not isinstance(cal, Calibration):
+            try:
+                cal = measure_ranges(model, cal, self.low)
+            except MpgraphError as e:
+                raise type(e)(f"calibration run failed: {e}") from None
+        for value in _float_outputs(model.graph):
+            found = cal.ranges.get(value.name or "")
+            if found is not None:
+                absmax = found.absmax
+                value.meta[ABSMAX_META] = float("inf") if np.isnan(absmax) else absmax
         return ir.passes.PassResult(model, False)
+
+
+def _run_proto(proto: onnx.ModelProto, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    try:
+        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        raise MpgraphError(f"ONNX Runtime (CPU) cannot load the model: {_first_line(e)}") from None
+    wanted = {i.name: i for i in session.get_inputs()}
+    missing = sorted(set(wanted) - set(feeds))
+    if missing:
+        raise DataError(
+            f"inputs {missing} are missing from the feeds; the feeds have "
+            + (", ".join(repr(k) for k in sorted(feeds)) if feeds else "no arrays")
+            + f"; the model's inputs are {sorted(wanted)}"
+        )
+    typed = {k: _as_input_type(v, wanted[k].type) for k, v in feeds.items() if k in wanted}
+    names = [o.name for o in session.get_outputs()]
+    try:
+        results = session.run(names, typed)
+    except Exception as e:  # noqa: BLE001
+        raise MpgraphError(f"ONNX Runtime (CPU) cannot run the model: {_first_line(e)}") from None
+    return {n: r for n, r in zip(names, results) if isinstance(r, np.ndarray)}
+
+
+_ORT_FLOATS = {"tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16}
+
+
+def _as_input_type(array: np.ndarray, ort_type: str) -> np.ndarray:
+    # An .npz written from float64 numpy is the common case: cast floats to the input's width.
+    target = _ORT_FLOATS.get(ort_type)
+    array = np.asarray(array)
+    if target is not None and array.dtype.kind == "f" and array.dtype != target:
+        return array.astype(target)
+    return array
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def run_with_values(
@@ -85,10 +318,9 @@ def run_with_values(
         Name -> array for the graph outputs and exposed values that came back as arrays.
 
     Raises:
-        MpgraphError: ORT refuses the model or the run (first line of its message).
+        MpgraphError: ORT refuses the model or the run (first line of its message), or the
+            feeds lack inputs (naming them and the keys given).
     """
-    import onnxruntime as ort
-
     proto = ir.to_proto(model)
     present = {o.name for o in proto.graph.output}
     for node in model.graph:
@@ -96,15 +328,4 @@ def run_with_values(
             if value.name and value.name not in present and expose(value):
                 proto.graph.output.append(onnx.ValueInfoProto(name=value.name))
                 present.add(value.name)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        names = [o.name for o in session.get_outputs()]
-        wanted = {i.name for i in session.get_inputs()}
-        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise MpgraphError(f"ONNX Runtime (CPU) cannot run the model: {first}") from None
-    return {n: r for n, r in zip(names, results) if isinstance(r, np.ndarray)}
+    return _run_proto(proto, feeds)

@@ -32,6 +32,7 @@ import dataclasses
 import difflib
 import functools
 import importlib.resources
+import logging
 import os
 import re
 from collections.abc import Iterator
@@ -56,6 +57,8 @@ from mpgraph.policy.schema import (
 )
 
 __all__ = ["load_policy", "list_presets", "preset_path", "parse_policy"]
+
+logger = logging.getLogger(__name__)
 
 _TOP_KEYS = (
     "name",
@@ -110,6 +113,14 @@ def load_policy(spec: str | os.PathLike[str] | Policy) -> Policy:
         return spec
     text = os.fspath(spec)
     looks_like_path = text.endswith((".yaml", ".yml")) or os.sep in text or Path(text).is_file()
+    stem = Path(text).stem
+    if text.endswith((".yaml", ".yml")) and os.sep not in text and not Path(text).exists() and stem in list_presets():
+        # `--policy bf16.yaml` in a directory without that file means the preset.
+        logger.warning(
+            "%s: no such file; using the preset '%s' (`mpgraph policy init %s -o %s` writes a copy to edit)",
+            text, stem, stem, text,
+        )
+        return _load_file(str(preset_path(stem)), ())
     path = Path(text) if looks_like_path else preset_path(text)
     return _load_file(str(path.resolve()) if looks_like_path else str(path), ())
 

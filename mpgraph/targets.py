@@ -1,0 +1,156 @@
+"""Targets: which ops an execution provider runs in which dtype, apart from precision policies.
+
+A policy says what is numerically safe to lower; a target says what a provider can execute.
+The facts come from probes that open one-node models on ONNX Runtime
+(``benchmarks/cpu_kernel_probe.py``, ``benchmarks/cuda_kernel_probe.py``), tabulated in
+``mpgraph/kernel_table.py``. ``convert --target cuda|cpu|any`` keeps float32 exactly the ops
+the target cannot run in the low dtype, with the reason ``no <dtype> kernel on <target>``.
+
+* ``cuda``: the default of a native lowering (ORT CUDA, the version the probe ran).
+* ``cpu``: ORT CPU. A native lowering keeps float32 every op without a low kernel (bfloat16:
+  nearly everything but data movement). An emulated lowering computes in float32 anyway, so
+  on ``cpu`` it keeps nothing extra; ``cpu`` is the default with ``emulate=True``.
+* ``any``: no kernel facts applied.
+
+Example:
+    >>> import onnx_ir as ir
+    >>> sorted(kernel_gaps("cuda", ir.DataType.BFLOAT16, 22, ["MaxPool", "MatMul"]))
+    ['MaxPool']
+    >>> kernel_gaps("cpu", ir.DataType.BFLOAT16, 22, ["MatMul"], emulate=True)
+    {}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import onnx_ir as ir
+
+from mpgraph import metadata as md
+from mpgraph.errors import MpgraphError, UsageError
+from mpgraph.policy.schema import Policy
+
+__all__ = [
+    "TARGETS",
+    "check_runnable",
+    "default_target",
+    "kernel_cell",
+    "kernel_gaps",
+    "probed_opsets",
+    "resolve_target",
+    "tables",
+    "with_target",
+]
+
+TARGETS = ("cuda", "cpu", "any")
+
+
+def tables() -> dict:
+    """The probed kernel tables per provider (``mpgraph/kernel_table.py``)."""
+    # Imported on use: the probe that generates the module imports mpgraph itself.
+    from mpgraph.kernel_table import TABLES
+
+    return TABLES
+
+
+def default_target(emulate: bool) -> str:
+    """``cuda`` for a native lowering, ``cpu`` for the CPU emulation."""
+    return "cpu" if emulate else "cuda"
+
+
+def resolve_target(target: str | None, emulate: bool) -> str:
+    """The target to use; raises ``UsageError`` naming the valid ones."""
+    if target is None:
+        return default_target(emulate)
+    if target not in TARGETS:
+        raise UsageError(f"unknown target '{target}'; valid targets: {', '.join(TARGETS)}")
+    return target
+
+
+def probed_opsets(provider: str) -> list[int]:
+    """Opsets the provider's probe ran at, ascending."""
+    columns = next(iter(tables()[provider]["ops"].values()))
+    return sorted({int(c.split("@")[1]) for c in columns})
+
+
+def kernel_cell(provider: str, op_type: str, dtype: str, opset: int) -> str | None:
+    """``ok``, ``fp32``, ``no``, ``n/a`` for ``op_type`` in ``dtype`` on ``provider``; None if not probed.
+
+    The model's opset reads the column of the highest probed opset not above it (the lowest
+    probed one for older models).
+    """
+    row = tables()[provider]["ops"].get(op_type)
+    if row is None:
+        return None
+    opsets = probed_opsets(provider)
+    column = max((o for o in opsets if o <= opset), default=opsets[0])
+    return row.get(f"{dtype}@{column}")
+
+
+def kernel_gaps(
+    target: str, low: ir.DataType, opset: int, op_types: Iterable[str], *, emulate: bool = False
+) -> dict[str, str]:
+    """Op type -> reason, for the ops ``target`` cannot run in ``low`` at ``opset``."""
+    if target == "any" or (emulate and target == "cpu"):
+        return {}
+    dtype = low.name.lower()
+    version = tables()[target]["onnxruntime"]
+    return {
+        op: f"no {dtype} kernel on {target} (ORT {version}, {tables()[target]['probe']})"
+        for op in sorted(set(op_types))
+        if kernel_cell(target, op, dtype, opset) == "no"
+    }
+
+
+def with_target(policy: Policy, target: str, model: ir.Model, *, emulate: bool = False) -> Policy:
+    """``policy`` with the model's ops that ``target`` cannot run low made ``deny``.
+
+    Like a deny entry, a kernel gap spreads float32 forward through infer/clear ops (one cast
+    pair around the island instead of one per op). Ops the policy already denies keep their
+    numerics reason.
+    """
+    if policy.is_identity:
+        return policy
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    ops = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
+    gaps = kernel_gaps(target, policy.dtype, opset, ops, emulate=emulate)
+    extra = {op: ("deny", why) for op, why in gaps.items() if policy.category(op)[0] != "deny"}
+    if not extra:
+        return policy
+    return dataclasses.replace(policy, ops={**policy.ops, **extra})
+
+
+def check_runnable(model: ir.Model, provider: str) -> list[str]:
+    """Refuse a converted model on a provider that lacks a kernel it needs; return notes.
+
+    Raises:
+        MpgraphError: A low-precision node has no kernel on ``provider`` (names the op, the
+            node, the model's recorded target and the fix).
+
+    Returns:
+        Notes for the user, e.g. that ORT CPU computes native float16 ops in float32.
+    """
+    props = model.metadata_props
+    dtype = props.get(md.MODEL_DTYPE)
+    if dtype in (None, "float32") or props.get(md.MODEL_EMULATED) == "true" or provider not in tables():
+        return []
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    target = props.get(md.MODEL_TARGET, "unrecorded")
+    for node in model.graph:
+        if node.metadata_props.get(md.NODE_PRECISION) != dtype or node.domain not in ("", "ai.onnx"):
+            continue
+        if kernel_cell(provider, node.op_type, dtype, opset) == "no":
+            fix = f"convert the float32 model with --target {provider}"
+            if provider == "cpu":
+                fix += " (or --emulate to see its numbers on CPU)"
+            raise MpgraphError(
+                f"model was converted for target {target}, and ORT {provider} has no {dtype} kernel for "
+                f"{node.op_type} (node '{node.name}'); {fix}"
+            )
+    if provider == "cpu" and dtype == "float16":
+        return [
+            "ORT CPU computes native float16 ops in float32 (it inserts Casts), so overflow and underflow "
+            "do not show; convert with --emulate to see float16 rounding on CPU"
+        ]
+    return []
