@@ -1,4 +1,9 @@
-"""The CLI as a user meets it: real processes, exit codes, one-line errors, files on disk."""
+"""The CLI as a user meets it: exit codes, one-line errors, files on disk.
+
+Commands run in-process against ``mpgraph.cli.main``'s real app (``tests.helpers.mpgraph_cli``);
+``process`` starts a real ``python -m mpgraph`` where the entry point itself or ORT's native
+logging to the stderr file descriptor is what is tested.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,24 @@ from pathlib import Path
 import onnx
 import pytest
 
+from tests.helpers import Ran, mpgraph_cli
 from tests.test_passes import mlp_model
 
 
-def mpgraph(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
+def mpgraph(*args: str) -> Ran:
+    return mpgraph_cli(*args)
+
+
+def process(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_entry_point_is_the_app(model_path: Path, tmp_path: Path):
+    """``python -m mpgraph`` runs the same app: a conversion, and a foreseen error's one line."""
+    ok = process("convert", str(model_path), "--policy", "bf16", "-o", str(tmp_path / "out.onnx"))
+    assert ok.returncode == 0 and "4/6 ops in bfloat16" in ok.stdout, ok.stderr
+    bad = process("convert", str(tmp_path / "nope.onnx"), "-o", str(tmp_path / "x.onnx"))
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and bad.stderr.startswith("error: ")
 
 
 def digest(path: Path) -> str:
@@ -154,7 +170,8 @@ def test_train_step_failing_in_ort_is_one_line_naming_the_node(gpt_step: Path, t
 
     data = tmp_path / "bad_tokens.npz"  # token ids beyond the 64-row embedding table
     np.savez(data, tokens=np.full((8, 16), 1000, np.int64), label=np.zeros((8, 16), np.int64))
-    result = mpgraph("train", str(gpt_step), "--data", str(data), "--steps", "2", "-q")
+    # A real process: ORT logs to the stderr file descriptor, which only a process captures.
+    result = process("train", str(gpt_step), "--data", str(data), "--steps", "2", "-q")
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -196,11 +213,9 @@ def test_train_sequence_data_with_hugging_face_input_names(tmp_path: Path):
 
 def test_train_provider_option_must_be_key_value(tmp_path):
     step = tmp_path / "step.onnx"
-    build = subprocess.run([sys.executable, "-m", "mpgraph", "train-graph", str(ZOO / "tiny_mlp.loss.onnx"),
-                            "-o", str(step)], capture_output=True, text=True)
+    build = mpgraph("train-graph", str(ZOO / "tiny_mlp.loss.onnx"), "-o", str(step))
     assert build.returncode == 0, build.stderr
-    r = subprocess.run([sys.executable, "-m", "mpgraph", "train", str(step), "--steps", "1", "--provider-option", "oops"],
-                       capture_output=True, text=True)
+    r = mpgraph("train", str(step), "--steps", "1", "--provider-option", "oops")
     assert r.returncode == 2
     assert "--provider-option 'oops': expected KEY=VALUE" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr

@@ -4,17 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
-from onnx import TensorProto as T
-from onnx import helper as h
 
 from mpgraph import metadata as md
 from mpgraph.data import Batches, InputSpec, dataset_for_model, fit_to_inputs, load_dataset
@@ -23,6 +18,7 @@ from mpgraph.io import save_model
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Metrics, Trainer, graph_fingerprint, plot_losses
 from mpgraph.train_graph import build_training_graph
+from tests.helpers import Ran, mpgraph_cli
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
@@ -107,7 +103,7 @@ def test_sequence_task_trains_a_gpt():
     assert ds.train[tokens.name].shape == (256, 16) and ds.train["label"].max() < 64
     metrics = trainer.fit(ds, 30, 3e-3, batch_size=16)
     assert np.mean(metrics.loss[-5:]) < np.mean(metrics.loss[:5])
-    assert 0.0 <= trainer.evaluate(ds.test)["accuracy"] <= 1.0
+    assert trainer.evaluate(ds.test)["accuracy"] > 2 / 64  # chance is 1/64; measured 0.054
 
 
 # -- checkpoints -------------------------------------------------------------------------
@@ -149,43 +145,38 @@ def test_checkpoint_from_another_graph_is_refused(step_path: Path, sgd_step_path
 # -- loss scaling state, providers, dtypes -----------------------------------------------
 
 
-def _with_fake_loss_scaling(path: Path) -> onnx.ModelProto:
-    """The step graph plus loss-scale state and ``found_inf`` in the shape the convert pass
-    writes them; the scale halves every step and a step is 'skipped' while scale > 40000."""
-    proto = onnx.load(str(path))
-    g = proto.graph
-    for name, value in ((md.LOSS_SCALE, 65536.0), (md.GROWTH_TRACKER, 0.0)):
-        g.input.append(h.make_tensor_value_info(name, T.FLOAT, []))
-        g.initializer.append(onnx.numpy_helper.from_array(np.array(value, np.float32), name))
-    g.initializer.extend([onnx.numpy_helper.from_array(np.array(v, np.float32), n)
-                          for n, v in (("ls/half", 0.5), ("ls/one", 1.0), ("ls/limit", 40000.0))])
-    g.node.extend([
-        h.make_node("Mul", [md.LOSS_SCALE, "ls/half"], ["loss_scale/updated"], name="ls/mul"),
-        h.make_node("Add", [md.GROWTH_TRACKER, "ls/one"], ["loss_scale/growth_tracker/updated"], name="ls/add"),
-        h.make_node("Greater", [md.LOSS_SCALE, "ls/limit"], [md.FOUND_INF], name="ls/found_inf"),
-    ])
-    g.output.extend([h.make_tensor_value_info("loss_scale/updated", T.FLOAT, []),
-                     h.make_tensor_value_info("loss_scale/growth_tracker/updated", T.FLOAT, []),
-                     h.make_tensor_value_info(md.FOUND_INF, T.BOOL, [])])
-    props = {p.key: p for p in proto.metadata_props}
-    pairs = json.loads(props[md.MODEL_STATE_PAIRS].value)
-    pairs += [[md.LOSS_SCALE, "loss_scale/updated"], [md.GROWTH_TRACKER, "loss_scale/growth_tracker/updated"]]
-    props[md.MODEL_STATE_PAIRS].value = json.dumps(pairs)
-    return proto
+@pytest.fixture(scope="module")
+def hot_step_path(digits_loss: Path) -> Path:
+    """fp16 (emulated) with the convert pass's dynamic loss scaling from 2**24, a scale at which
+    the first gradients overflow fp16."""
+    import mpgraph
+    from mpgraph.policy import parse_policy
+
+    policy = parse_policy("extends: fp16\nname: fp16-hot\nloss_scaling: {mode: dynamic, init: 16777216}\n", "hot.yaml")
+    path = digits_loss.with_name("digits_mlp.fp16-hot.onnx")
+    save_model(mpgraph.convert(build_training_graph(digits_loss, optimizer="adamw"), policy, emulate=True), path)
+    return path
 
 
-def test_loss_scale_and_found_inf_are_reported(step_path: Path, digits, tmp_path: Path):
-    trainer = Trainer(_with_fake_loss_scaling(step_path))
+def test_loss_scale_and_found_inf_are_reported(hot_step_path: Path, digits, tmp_path: Path):
+    """Each step reports the scale it ran with and whether it was skipped; a skip halves the
+    scale, a finite step keeps it (growth interval 2000) and counts in the growth tracker.
+    Measured: the first five steps overflow (2**24 .. 2**20), then 2**19 goes through."""
+    trainer = Trainer(hot_step_path, threads=1)
     assert trainer.has_loss_scale and trainer.found_inf_name == md.FOUND_INF
-    results = [trainer.step(b, 1e-2) for b in _batches(digits, 3)]
-    assert [r.loss_scale for r in results] == [65536.0, 32768.0, 16384.0]
-    assert [r.skipped for r in results] == [True, False, False]
-    assert trainer.loss_scale == 8192.0 and trainer.state[md.GROWTH_TRACKER] == 3
+    results = [trainer.step(b, 1e-2) for b in _batches(digits, 8)]
+    scales = [r.loss_scale for r in results] + [trainer.loss_scale]
+    skipped = [r.skipped for r in results]
+    assert scales[0] == 2.0**24 and skipped[0] and not all(skipped)
+    for i, skip in enumerate(skipped):
+        assert scales[i + 1] == (scales[i] / 2 if skip else scales[i]), i
+    since_skip = len(skipped) - 1 - max(i for i, skip in enumerate(skipped) if skip)
+    assert trainer.state[md.GROWTH_TRACKER] == since_skip > 0
     ckpt = tmp_path / "scaled.npz"
     trainer.save_checkpoint(ckpt)
-    again = Trainer(_with_fake_loss_scaling(step_path))
+    again = Trainer(hot_step_path, threads=1)
     again.load_checkpoint(ckpt)
-    assert again.loss_scale == 8192.0 and again.metrics.skipped == [True, False, False]
+    assert again.loss_scale == trainer.loss_scale and again.metrics.skipped == skipped
 
 
 def test_native_low_precision_on_cpu_is_refused(step_path: Path):
@@ -212,9 +203,12 @@ def test_not_a_step_graph_is_refused(digits_loss: Path):
 
 
 def test_node_providers_on_cpu(step_path: Path):
+    """ORT >= 1.23 reports placement (all CPU here); an older ORT reports nothing, as documented."""
     placement = Trainer(step_path).node_providers()
     if hasattr(ort.InferenceSession, "get_provider_graph_assignment_info"):
         assert placement and set(placement.values()) == {"CPUExecutionProvider"}
+    else:
+        assert placement == {}
 
 
 @pytest.mark.gpu
@@ -314,9 +308,11 @@ def test_metrics_csv_json_and_plot(step_path: Path, digits, tmp_path: Path):
 # -- the CLI -----------------------------------------------------------------------------
 
 
-def _mpgraph(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=120)
+def _mpgraph(*args: str, cwd: Path) -> Ran:
+    """``mpgraph ARGS`` in-process (the real app) from the folder ``cwd``."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(cwd)
+        return mpgraph_cli(*args)
 
 
 def _digest(path: Path) -> str:
@@ -356,18 +352,13 @@ def test_cli_train_resume_and_refusals(step_path: Path, sgd_step_path: Path, tmp
         assert _digest(ckpt) == before
 
 
-def test_convert_loss_scaling_skips_overflowing_steps(digits_loss: Path, tmp_path: Path):
+def test_convert_loss_scaling_skips_overflowing_steps(hot_step_path: Path):
     """With the convert pass's dynamic loss scaling and an init scale that overflows fp16, the
     first steps are skipped and the scale backs off until steps go through."""
-    import mpgraph
-
-    policy = tmp_path / "fp16-hot.yaml"
-    policy.write_text("extends: fp16\nname: fp16-hot\nloss_scaling: {mode: dynamic, init: 16777216}\n")
-    step = mpgraph.convert(build_training_graph(digits_loss, optimizer="adamw"), str(policy), emulate=True)
+    step = ir.load(str(hot_step_path))
     pairs = json.loads(step.metadata_props[md.MODEL_STATE_PAIRS])
-    if not any(a == md.LOSS_SCALE for a, _ in pairs):
-        pytest.skip("this convert does not add loss-scale state yet")
-    trainer = Trainer(step)
+    assert md.LOSS_SCALE in {a for a, _ in pairs}  # a convert without the state must fail here
+    trainer = Trainer(step, threads=1)
     metrics = trainer.fit(dataset_for_model("digits", trainer.data_inputs), 30, 1e-2)
     assert metrics.skipped[0] and not all(metrics.skipped)
     assert metrics.loss_scale[0] == 16777216.0 and trainer.loss_scale < 16777216.0
