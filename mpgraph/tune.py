@@ -10,8 +10,8 @@ the range check approximates, and it must see what the bare policy does.
 1. **Check the ends.** No override: if the objective holds, nothing needs to stay float32.
    Every lowered op float32: if the objective still fails, no override set can meet it (the
    search stops and says so).
-2. **Follow compare.** ``compare`` names the first value, in topological order, whose error
-   passes the threshold; its producer is the first suspect. Example: a MatMul whose output
+2. **Follow compare.** ``compare`` (``compare_train`` for step graphs) names the first value,
+   in topological order, whose error passes the threshold; its producer is the first suspect. Example: a MatMul whose output
    overflows float16 is the first value to turn inf, and keeping it float32 is the answer.
 3. **Bisect contiguous segments.** When the suspect alone is not enough, binary search for the
    shortest prefix (in topological order) of the remaining lowered ops whose float32 makes the
@@ -45,7 +45,7 @@ from mpgraph.io import load_model
 from mpgraph.policy import Policy, load_policy
 from mpgraph.policy.schema import Override
 
-__all__ = ["Objective", "OutputTolerance", "LossAfterSteps", "TuneResult", "tune", "parse_objective"]
+__all__ = ["Objective", "OutputTolerance", "GradientTolerance", "LossAfterSteps", "TuneResult", "tune", "parse_objective"]
 
 logger = logging.getLogger(__name__)
 
@@ -157,20 +157,48 @@ class LossAfterSteps:
         return error
 
 
+@dataclasses.dataclass(frozen=True)
+class GradientTolerance:
+    """Training step graphs: after one step on the feeds, every gradient the optimizer reads
+    (unscaled) within ``tol`` relative error of float32's, and finite (``compare_train``)."""
+
+    tol: float = 1e-2
+
+    def describe(self) -> str:
+        return f"every gradient's relative error <= {self.tol:g}"
+
+    def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
+        from mpgraph.audit.compare_train import compare_train
+
+        if reference.metadata_props.get(md.MODEL_TRAINING) != "true":
+            raise MpgraphError("objective 'grad' needs a training step graph (run train-graph first)")
+
+        def error(candidate: ir.Model) -> float:
+            with np.errstate(invalid="ignore", over="ignore"):
+                report = compare_train(reference, candidate, feeds)
+            return max((g.rel_error for g in report.gradients), default=0.0)
+
+        return error
+
+
 def parse_objective(text: str) -> Objective:
-    """``output:TOL`` or ``loss:STEPS:TOL``.
+    """``output:TOL``, ``grad:TOL`` or ``loss:STEPS:TOL``.
 
     Example:
         >>> parse_objective("output:1e-3")
         OutputTolerance(tol=0.001)
         >>> parse_objective("loss:5:0.01")
         LossAfterSteps(steps=5, tol=0.01)
+        >>> parse_objective("grad:0.05")
+        GradientTolerance(tol=0.05)
     """
     kind, _, rest = text.partition(":")
     parts = rest.split(":") if rest else []
     try:
         if kind == "output" and len(parts) <= 1:
             return OutputTolerance(*(float(p) for p in parts))
+        if kind == "grad" and len(parts) <= 1:
+            return GradientTolerance(*(float(p) for p in parts))
         if kind == "loss" and len(parts) <= 2:
             steps = int(parts[0]) if parts else 10
             if steps < 1:
@@ -178,7 +206,7 @@ def parse_objective(text: str) -> Objective:
             return LossAfterSteps(steps, *(float(p) for p in parts[1:]))
     except ValueError:
         pass
-    raise UsageError(f"bad objective '{text}': expected output[:TOL] or loss[:STEPS[:TOL]]")
+    raise UsageError(f"bad objective '{text}': expected output[:TOL], grad[:TOL] or loss[:STEPS[:TOL]]")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +286,7 @@ def tune(
     Args:
         model: A float32 model (inference or training step graph).
         policy: The base policy (e.g. ``fp16``).
-        objective: ``OutputTolerance`` (default, 2e-3) or ``LossAfterSteps``.
+        objective: ``OutputTolerance`` (default, 2e-3), ``GradientTolerance`` or ``LossAfterSteps``.
         feeds: Inputs; seeded random inputs when ``None``.
         seed: Seed of the random inputs.
         max_evaluations: Stop searching after this many conversions.
@@ -378,7 +406,12 @@ def _first_divergent(reference: ir.Model, candidate: ir.Model, inputs: Mapping[s
                      compare: Callable[..., object]) -> str | None:
     try:
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in overflowing values
-            report = compare(reference, candidate, inputs)
+            if reference.metadata_props.get(md.MODEL_TRAINING) == "true":
+                from mpgraph.audit.compare_train import compare_train
+
+                report = compare_train(reference, candidate, inputs)  # unscales backward values
+            else:
+                report = compare(reference, candidate, inputs)
     except MpgraphError:
         return None
     first = getattr(report, "first_divergence", None)

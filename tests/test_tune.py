@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import doctest
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -10,9 +12,17 @@ from onnx import numpy_helper
 from typer.testing import CliRunner
 
 import mpgraph
+import mpgraph.tune
 from mpgraph.cli.main import app
 from mpgraph.policy import load_policy
-from mpgraph.tune import LossAfterSteps, OutputTolerance, parse_objective, relative_error, tune
+from mpgraph.tune import (
+    GradientTolerance,
+    LossAfterSteps,
+    OutputTolerance,
+    parse_objective,
+    relative_error,
+    tune,
+)
 from tests.helpers import run
 
 PLANTED = "node_MatMul_57"  # the zoo GPT's first MLP output projection (blocks.0.out)
@@ -88,10 +98,29 @@ def test_loss_objective_on_a_training_step_graph():
     assert result.kept == ["grad/matmul/Gemm"]  # x^T @ dloss/dy, the weight gradient
 
 
+def test_gradient_objective_on_a_training_step_graph():
+    """The same model, objective "every gradient within 1e-2 after one step": same single op."""
+    from models.underflow import underflow_model
+
+    step = mpgraph.build_training_graph(underflow_model(16, 4), optimizer="sgd", lr=1.0)
+    rng = np.random.default_rng(1)
+    feeds = {"x": rng.standard_normal((8, 16)).astype(np.float32), "t": rng.standard_normal((8, 4)).astype(np.float32)}
+    policy = mpgraph.policy.parse_policy("extends: fp16\nloss_scaling: {mode: none}\n", "noscale.yaml")
+    result = tune(step, policy, objective=GradientTolerance(1e-2), feeds=feeds)
+    assert result.error_before == 1.0  # every gradient entry flushed
+    assert result.kept == ["grad/matmul/Gemm"] and result.error_after < 1e-2 and result.evaluations <= 5
+
+
+def test_doctests():
+    result = doctest.testmod(mpgraph.tune)
+    assert result.attempted > 0 and result.failed == 0
+
+
 def test_objective_parsing_and_refusals():
     assert parse_objective("output") == OutputTolerance()
     assert parse_objective("loss:4") == LossAfterSteps(4)
-    for bad in ("outputs:1", "output:x", "loss:0", "loss:1:2:3"):
+    assert parse_objective("grad") == GradientTolerance()
+    for bad in ("outputs:1", "output:x", "loss:0", "loss:1:2:3", "grad:1:2"):
         with pytest.raises(mpgraph.MpgraphError, match="bad objective"):
             parse_objective(bad)
     with pytest.raises(mpgraph.MpgraphError, match="low-precision policy"):

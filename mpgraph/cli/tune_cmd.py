@@ -15,7 +15,7 @@ __all__ = ["register", "tune_command"]
 def tune_command(
     model: Annotated[Path, typer.Argument(help="The float32 model (inference graph or training step graph).")],
     policy: Annotated[str, typer.Option("--policy", "-p", help="Base policy: a preset (fp16, bf16, ...) or a YAML file.")] = "fp16",
-    objective: Annotated[str, typer.Option("--objective", help="output[:TOL] (every output within TOL relative error, default 2e-3) or loss[:STEPS[:TOL]] (step graphs: loss after STEPS steps).")] = "output:2e-3",
+    objective: Annotated[str, typer.Option("--objective", help="output[:TOL] (every output within TOL relative error, default 2e-3), grad[:TOL] (step graphs: every gradient after one step) or loss[:STEPS[:TOL]] (step graphs: loss after STEPS steps).")] = "output:2e-3",
     inputs: Annotated[Path | None, typer.Option("--inputs", help=".npz of inputs keyed by input name; default: seeded random.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Policy YAML to write; default MODEL.<policy>.tuned.yaml.")] = None,
