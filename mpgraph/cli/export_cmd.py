@@ -99,9 +99,8 @@ def register(app: typer.Typer) -> None:
             import torch
         except ImportError:
             raise MpgraphError("mpgraph export needs PyTorch: pip install 'mpgraph[torch]'") from None
-        from mpgraph.export import export_module
-
         from mpgraph.cli.checks import check_output_path
+        from mpgraph.export import export_module
 
         check_output_path(output, "-o")
         if not 18 <= opset <= 22:

@@ -103,7 +103,13 @@ def train(
     from mpgraph.cli.main import console, err_console
     from mpgraph.data import check_labels, dataset_for_model, token_input
     from mpgraph.errors import CheckpointError, TrainingError, UsageError
-    from mpgraph.runtime.trainer import NONFINITE_MODES, Trainer, metrics_path, plot_losses, stop_on_signals
+    from mpgraph.runtime.trainer import (
+        NONFINITE_MODES,
+        Trainer,
+        metrics_path,
+        plot_losses,
+        stop_on_signals,
+    )
 
     positive_int(steps, "--steps", minimum=0)
     positive_int(batch, "--batch")
