@@ -55,7 +55,7 @@ NEAREST = {"mode": "nearest", "coordinate_transformation_mode": "asymmetric", "n
 LINEAR = {"mode": "linear", "coordinate_transformation_mode": "half_pixel"}
 
 # rtol bounds the error against torch float64 (measured with the table's seeds, and with three
-# other seeds): 0 (exactly) for nearest-sizes-down and linear-half-pixel-down (bound 1e-7),
+# other seeds): 0 (exactly) for nearest-sizes-down, linear-half-pixel-down and the exact tiling (bound 1e-7),
 # 1.1e-7 to 2.0e-7 for align_corners and axes (2e-6), 4.0e-7 to 5.5e-7 for pytorch_half_pixel
 # and cubic (5e-6), 2e-8 to 9e-8 for the rest (5e-7). The central-difference check uses the
 # table's float32 bound.
@@ -96,6 +96,9 @@ TABLE_CASES: list[Case] = [
     Case("AveragePool2d-ceil-pad-exclude", "AveragePool", [Var((2, 2, 8, 10))],
          {"kernel_shape": [3, 3], "strides": [2, 2], "pads": [1, 1, 1, 1], "ceil_mode": 1, "count_include_pad": 0},
          lambda x: F.avg_pool2d(x, 3, 2, 1, ceil_mode=True, count_include_pad=False), dtype="float32", note=FP32_POOL, rtol=5e-7),
+    Case("AveragePool2d-ceil-exact-tiling", "AveragePool", [Var(("N", 2, 8, 6))],  # timm's ResNet-D shortcut
+         {"kernel_shape": [2, 2], "strides": [2, 2], "ceil_mode": 1, "count_include_pad": 0},
+         lambda x: F.avg_pool2d(x, 2, 2, ceil_mode=True, count_include_pad=False), dtype="float32", note=FP32_POOL, rtol=1e-7),
     Case("AveragePool1d-ceil", "AveragePool", [Var((2, 3, 9))], {"kernel_shape": [4], "strides": [3], "ceil_mode": 1},
          lambda x: F.avg_pool1d(x, 4, 3, ceil_mode=True), dtype="float32", note=FP32_POOL, rtol=5e-7),
     Case("CastLike", "CastLike", [Var((3, 4)), np.zeros((), np.float64)], {}, lambda x, t: x * 1.0),
@@ -236,13 +239,29 @@ def test_resize_runtime_sizes_and_dynamic_dims() -> None:
 
 
 def test_average_pool_dilated_and_dynamic_channels() -> None:
-    """AveragePool's separable form with dilations (opset 19) and where channels are dynamic.
-    Bound 1e-7; measured 2.5e-9 and 5.8e-9."""
+    """AveragePool's separable form with dilations (opset 19, with and without ceil_mode) and
+    where channels are dynamic. Bound 1e-7; measured 2.5e-9, 5.8e-9 and 7.5e-9."""
     pool = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 3], strides=[2, 1], dilations=[2, 1], ceil_mode=1,
                             pads=[1, 0, 0, 1])
     assert _linear_check(pool, list(X.shape), {"x": X}, [], opset=19) <= 1e-7
     pool = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], pads=[1, 1, 0, 0])
     assert _linear_check(pool, ["N", "C", 5, 7], {"x": X}, []) <= 1e-7
+    pool = helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], dilations=[1, 2], pads=[1, 1, 1, 1])
+    assert _linear_check(pool, list(X.shape), {"x": X}, [], opset=19) <= 1e-7
+
+
+@pytest.mark.parametrize(("shape", "separable"), [((2, 2, 8, 6), False), ((2, 2, 7, 6), True)])
+def test_average_pool_ceil_mode_keeps_the_box_form_where_it_adds_no_window(shape: tuple, separable: bool) -> None:
+    """``AvgPool2d(2, ceil_mode=True)`` on an even map has no partial window: the ConvTranspose
+    form, not the dense MatMuls (an odd height adds one)."""
+    nodes = [helper.make_node("AveragePool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(shape))],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    step = build_training_graph(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9),
+                                optimizer=None, loss="loss", trainable_inputs=["x"])
+    backward = {n.op_type for n in step.graph if n.name.startswith("grad/")}
+    assert ("MatMul" in backward) is separable and ("ConvTranspose" in backward or "Conv" in backward) is not separable
 
 
 def test_cast_like_casts_the_gradient_back() -> None:

@@ -368,16 +368,31 @@ def _separable_average_pool(ctx: Ctx, node: ir.Node, dy: V, kernel: list[int]) -
     return separable_adjoint(ctx, dy, x, list(range(2, n + 2)), apply)
 
 
+def _ceil_adds_windows(ctx: Ctx, x: V, kernel: list[int], geometry: tuple) -> bool:
+    """Whether ceil_mode may add a last, partial window on some axis: unless every spatial dim
+    is static and the strides tile the padded input exactly (timm's ResNet-D shortcut,
+    ``AvgPool2d(2, ceil_mode=True)`` on even maps, has no partial window)."""
+    strides, pads, dilations = geometry
+    n = len(kernel)
+    sizes = ctx.dims(x)[2:]
+    return any(size is None or (size + pads[i] + pads[n + i] - (kernel[i] - 1) * dilations[i] - 1) % strides[i]
+               for i, size in enumerate(sizes))
+
+
 @register("AveragePool", opsets=(11, None))
 def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    """The box adjoint (ConvTranspose with a ``1/area`` kernel); with ceil_mode or dynamic
-    channels, the separable form, whose windows and divisors need no case analysis."""
+    """The box adjoint (ConvTranspose with a ``1/area`` kernel); where ceil_mode adds a partial
+    window, or with dilations or dynamic channels, the separable form, whose windows and
+    divisors need no case analysis (its MatMuls cost ``in * out`` per row of each axis, so the
+    box form stays where it applies)."""
     x = ctx.input(0)
     kernel = ctx.attr("kernel_shape")
     channels = ctx.dims(x)[1]
-    if channels is None or ctx.attr("ceil_mode", 0):
+    geometry = _geometry(ctx, node, kernel)
+    if (channels is None or any(d != 1 for d in geometry[2])
+            or (ctx.attr("ceil_mode", 0) and _ceil_adds_windows(ctx, x, kernel, geometry))):
         return (_separable_average_pool(ctx, node, dy, kernel),)
-    _, pads, _ = _geometry(ctx, node, kernel)
+    _, pads, _ = geometry
     area = float(np.prod(kernel))
     if any(pads) and not ctx.attr("count_include_pad", 0):  # per-window divisors
         ones = ctx.op("ConstantOfShape", ctx.shape(x), value=ir.tensor(np.ones((1,), dtype=ctx.np_dtype(x))))
