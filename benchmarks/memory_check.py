@@ -13,6 +13,8 @@ Run on a GPU machine (onnxruntime-gpu, torch with CUDA)::
 
     python benchmarks/memory_check.py                 # both GPTs, fp32 and bf16
     python benchmarks/memory_check.py --estimate-only # the estimates alone (any machine)
+    python benchmarks/memory_check.py --cpu --models zoo_gpt --policies fp32 --zoo-batch 1024
+                                                      # float32 on ORT CPU: peak RSS of a fresh process
 
 Output: one line per (model, policy): estimate, measured, and the error (estimate / measured - 1).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
+import os
 import sys
 from pathlib import Path
 
@@ -89,6 +92,47 @@ def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int, cuda_graph
     return used
 
 
+_CPU_CHILD = r"""
+import ctypes, resource, sys, numpy as np, onnxruntime as ort
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+model = open(sys.argv[1], "rb").read()
+feeds = dict(np.load(sys.argv[2]))
+options = ort.SessionOptions()
+options.intra_op_num_threads = 1
+options.enable_cpu_mem_arena = sys.argv[3] == "arena"
+session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+# Session creation has its own transient peak: give freed memory back, reset the high-water mark
+# (clear_refs 5, Linux >= 4.0), and measure what the steps add on top of the loaded session.
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+before = status("VmRSS")
+for _ in range(2):
+    session.run(None, feeds)
+print(status("VmHWM") - before)
+"""
+
+
+def measure_cpu(step: ir.Model, feeds: dict[str, np.ndarray], arena: bool) -> int:
+    """Peak resident bytes two steps add to a loaded ORT CPU session for ``step`` (fresh process):
+    the run's share of the estimate is outputs + transient peak (the weights are loaded before)."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model, data = Path(tmp) / "step.onnx", Path(tmp) / "feeds.npz"
+        model.write_bytes(ir.to_proto(step).SerializeToString())
+        np.savez(data, **feeds)
+        # A fixed mmap threshold: glibc otherwise raises it as buffers are freed and serves later
+        # large buffers from the heap, where freed memory stays resident (noisy, 30% swings).
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"}
+        out = subprocess.run([sys.executable, "-c", _CPU_CHILD, str(model), str(data), "arena" if arena else "no-arena"],
+                             capture_output=True, text=True, check=True, env=env)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="zoo_gpt,bench_gpt")
@@ -98,11 +142,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--cuda-graph", action="store_true",
                         help="Measure with the Trainer's CUDA graphs (off by default: the capture's pools are not the step's).")
+    parser.add_argument("--cpu", action="store_true",
+                        help="Measure float32 on ORT CPU instead (peak RSS of a fresh process; the same allocation "
+                             "planner as CUDA): a check of the liveness model on a machine without a GPU.")
+    parser.add_argument("--cpu-arena", action="store_true", help="With --cpu: keep ORT's CPU arena (off by default).")
     parser.add_argument("--estimate-only", action="store_true", help="Print the estimates; run nothing on a GPU.")
     args = parser.parse_args()
     makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
+    what = "outputs + transient peak, vs the RSS two steps add" if args.cpu else "persistent + outputs + transient peak"
     print(f"{'model':10s} {'policy':6s} {'batch':>5s} {'params':>11s} {'estimate MiB':>13s} {'measured MiB':>13s} "
-          f"{'error':>7s}  (estimate: persistent + outputs + transient peak)")
+          f"{'error':>7s}  (estimate: {what})")
     for name in args.models.split(","):
         make, batch = makers[name]
         step, feeds = make(batch)
@@ -112,7 +161,14 @@ def main() -> None:
             report = estimate_memory(graph, batch=batch)
             estimate = report.estimated_peak_bytes / 2**20
             measured = error = ""
-            if not args.estimate_only:
+            if args.cpu and policy != "fp32":
+                pass  # ORT CPU runs no bf16 and computes fp16 in float32: only float32 is comparable
+            elif args.cpu:
+                got = measure_cpu(graph, feeds, args.cpu_arena) / 2**20
+                run_estimate = (report.output_bytes + report.transient_peak_bytes) / 2**20
+                measured, error = f"{got:13.1f}", f"{run_estimate / got - 1:+7.1%}"
+                estimate = run_estimate
+            elif not args.estimate_only:
                 got = measure(graph, feeds, args.steps, args.cuda_graph) / 2**20
                 measured, error = f"{got:13.1f}", f"{estimate / got - 1:+7.1%}"
             print(f"{name:10s} {policy:6s} {batch:5d} {report.parameters:11,d} {estimate:13.1f} {measured:>13s} {error:>7s}"
