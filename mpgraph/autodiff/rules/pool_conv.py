@@ -382,22 +382,21 @@ def _ceil_adds_windows(ctx: Ctx, x: V, kernel: list[int], geometry: tuple) -> bo
 @register("AveragePool", opsets=(11, None))
 def average_pool(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     """The box adjoint (ConvTranspose with a ``1/area`` kernel); where ceil_mode adds a partial
-    window, or with dilations or dynamic channels, the separable form, whose windows and
-    divisors need no case analysis (its MatMuls cost ``in * out`` per row of each axis, so the
-    box form stays where it applies)."""
+    window, or with dynamic channels, the separable form, whose windows and divisors need no
+    case analysis (its MatMuls cost ``in * out`` per row of each axis, so the box form stays
+    where it applies)."""
     x = ctx.input(0)
     kernel = ctx.attr("kernel_shape")
     channels = ctx.dims(x)[1]
     geometry = _geometry(ctx, node, kernel)
-    if (channels is None or any(d != 1 for d in geometry[2])
-            or (ctx.attr("ceil_mode", 0) and _ceil_adds_windows(ctx, x, kernel, geometry))):
+    if channels is None or (ctx.attr("ceil_mode", 0) and _ceil_adds_windows(ctx, x, kernel, geometry)):
         return (_separable_average_pool(ctx, node, dy, kernel),)
-    _, pads, _ = geometry
+    _, pads, dilations = geometry
     area = float(np.prod(kernel))
     if any(pads) and not ctx.attr("count_include_pad", 0):  # per-window divisors
         ones = ctx.op("ConstantOfShape", ctx.shape(x), value=ir.tensor(np.ones((1,), dtype=ctx.np_dtype(x))))
-        fraction = ctx.op("AveragePool", ones, kernel_shape=kernel, strides=ctx.attr("strides"),
-                          pads=pads, count_include_pad=1)
+        fraction = ctx.op("AveragePool", ones, kernel_shape=kernel, strides=ctx.attr("strides"), pads=pads,
+                          dilations=dilations if any(d != 1 for d in dilations) else None, count_include_pad=1)
         dy = ctx.op("Div", dy, ctx.op("Mul", fraction, ctx.scalar(area, x)))
         area = 1.0
     box = ctx.const(np.full([channels, 1, *kernel], 1.0 / area), x.dtype)
