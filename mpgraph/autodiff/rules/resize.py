@@ -60,10 +60,9 @@ def separable_adjoint(ctx: Ctx, dy: V, x: V, axes: list[int], apply: Callable[[i
     ``apply(axis, basis, E)`` must return the forward map applied to ``E = axis_identity(x,
     axis, basis)`` along ``axis`` only: ``A_axis^T`` laid out on the ``basis`` and ``axis``
     dims of a tensor whose other dims are 1. The MatMuls cost ``in * out`` multiply-adds per
-    row of each axis where the forward reads a few taps per output: a bilinear 4x upsample of a
-    128x128 map is 512*512*128 + 128*512*128 (42M) per channel against the forward's 4*512*512
-    (1M). Small next to the convolutions of the corpus's decoders; a sparse form would pay on
-    large maps.
+    row of each axis where the forward reads a few taps per output (a bilinear 4x upsample of
+    a 128x128 map: 512*512*128 + 128*512*128 = 42M per channel against 4*512*512 = 1M), but
+    they run as GEMMs.
     """
     rank = ctx.rank(x)
     if rank < 2:
