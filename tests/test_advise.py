@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import json
+from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
@@ -108,3 +109,27 @@ def test_cli_splits_a_data_file_into_batches(tmp_path):
 def test_doctests():
     result = doctest.testmod(mpgraph.advise)
     assert result.attempted > 0 and result.failed == 0
+
+
+@pytest.mark.parametrize(("args", "phrase"), [
+    (["advise-scale", "nope.onnx"], "no such file"),
+    (["advise-scale", "models/onnx/tiny_mlp.loss.onnx"], "needs a training step graph"),
+    (["advise-scale", "STEP", "--batches", "0"], "--batches must be >= 1"),
+    (["advise-scale", "STEP", "--max-flush", "nan"], "--max-flush must be a finite number"),
+    (["advise-scale", "STEP", "--headroom", "0.5"], "--headroom must be >= 1"),
+    (["advise-scale", "STEP", "--data", "DATA", "--batches", "100"], "fewer than 100"),
+    (["advise-scale", "STEP", "--policy", "fp32"], "lowers no backward value"),
+])
+def test_cli_bad_input_is_one_error_line(args, phrase, tmp_path):
+    step = tmp_path / "step.onnx"
+    mpgraph.save_model(step_graph(), step)
+    data = tmp_path / "data.npz"
+    np.savez(data, **batches(1)[0])
+    root = Path(__file__).parents[1]
+    subst = {"STEP": str(step), "DATA": str(data), "nope.onnx": str(tmp_path / "nope.onnx")}
+    args = [subst.get(a, str(root / a) if a.startswith("models/") else a) for a in args]
+    before = sorted(tmp_path.iterdir())
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and phrase in errors[0], result.output
+    assert sorted(tmp_path.iterdir()) == before

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import doctest
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -139,3 +140,20 @@ def test_cli_writes_the_policy(tmp_path):
     written = tmp_path / "planted.fp16.tuned.yaml"
     assert PLANTED in written.read_text() and "written by mpgraph tune in" in written.read_text()
     assert "1 of 58 lowered ops kept" in result.output
+
+
+@pytest.mark.parametrize(("args", "phrase"), [
+    (["tune", "nope.onnx"], "no such file"),
+    (["tune", "models/onnx/gpt.onnx", "--objective", "speed"], "bad objective 'speed'"),
+    (["tune", "models/onnx/gpt.onnx", "--policy", "fp32"], "low-precision policy"),
+    (["tune", "models/onnx/gpt.onnx", "--max-evals", "2"], "--max-evals must be >= 3"),
+    (["tune", "models/onnx/gpt.onnx", "--objective", "loss:3"], "needs a training step graph"),
+    (["tune", "models/onnx/gpt.onnx", "--inputs", "missing.npz"], "no such file"),
+])
+def test_cli_bad_input_is_one_error_line(args, phrase, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = [a if not a.startswith("models/") else str(Path(__file__).parents[1] / a) for a in args]
+    result = CliRunner().invoke(app, args)
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and phrase in errors[0], result.output
+    assert list(tmp_path.iterdir()) == []
