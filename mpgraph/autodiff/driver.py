@@ -18,7 +18,7 @@ The driver walks the graph backwards from a scalar loss and asks each node's gra
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -68,6 +68,10 @@ class GradContext:
         self.scope = scope
         self.node: ir.Node | None = None
         self.needed: Sequence[bool] = ()
+        #: The total gradient of a value whose consumers are all differentiated already
+        #: (``None`` otherwise, or outside ``differentiate``): a rule may read it for a
+        #: forward value downstream of its node (see the Softmax rule).
+        self.gradient_of: Callable[[ir.Value], ir.Value | None] = lambda value: None
         self._names: set[str] = {v.name for v in _all_values(graph) if v.name}
         self._names |= {n.name for n in graph if n.name}
         self._consts: dict[tuple[Any, ...], ir.Value] = {}
@@ -410,6 +414,7 @@ def differentiate(
         totals[value] = result
         return result
 
+    ctx.gradient_of = totals.get
     ctx.node = None
     if seed is None:
         if loss.shape is not None and len(loss.shape) == 0:

@@ -30,6 +30,12 @@ logger = logging.getLogger(__name__)
 
 _LOW, _FP32, _NONE = "low", "float32", "none"
 
+#: Elementwise ops a gradient rule writes for its forward op: when that forward op computes
+#: low, they compute low too (phase 5), as autocast runs a low op's backward in its dtype.
+#: The backward then moves half the bytes: on the H200 GPT the erf GELU's backward and the
+#: attention scale's backward were float32 between two low ops, about 1 GB a layer.
+FOLLOW_FORWARD_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Exp", "Pow", "Sqrt", "Reciprocal", "Where", "Erf", "Tanh", "Sigmoid"})
+
 
 def constant_range(value: ir.Value, low: ir.DataType) -> tuple[float, int, int]:
     """``(max finite |x|, values beyond low's range, nonzeros that flush to zero)`` of a constant.
@@ -86,8 +92,16 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
     4. **Follow allow.** ``infer``/``clear`` ops whose float inputs all come from low ops (or
        constants, which are stored low) become low, in topological order.
        Example: ``MatMul -> Add(bias)`` at the end of the graph: the Add becomes low.
-    5. **Clear backward.** ``clear`` ops whose every float consumer is a low op become low,
-       so data movement happens in the low dtype. Example: ``x -> Reshape -> MatMul``.
+    5. **Backward follows forward.** In training graphs, the elementwise nodes a gradient
+       rule wrote for a low forward op (``mpgraph.grad_of``) become low, even where a deny
+       op among them would paint them float32: autocast runs a low op's backward in its
+       dtype too. Example: the erf GELU's backward (``Pow``, ``Exp``, ``Div``, ...) of a
+       bfloat16 GELU.
+    6. **Clear backward.** ``clear`` ops whose every float consumer is a low op become low,
+       so data movement happens in the low dtype; this includes clear ops that deny spread
+       painted, as moving data is exact in any dtype. Example: ``Softmax -> Transpose ->
+       MatMul`` (the attention backward's ``P^T``): the Transpose reads the Softmax output's
+       existing low cast instead of transposing float32 and casting again.
 
     Training graphs (nodes carry ``mpgraph.role``): optimizer nodes stay float32, and backward
     nodes emitted for a ``deny`` forward op (``mpgraph.grad_of``) stay float32, in phase 0;
@@ -166,6 +180,7 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
                     decide(node, _FP32, "identity policy (float32)")
             return self._record(model, nodes, state, reason)
 
+        fixed = set(state)
         candidates = [n for n in nodes if n not in state]
         # Phase 1: allow list.
         for node in candidates:
@@ -202,9 +217,27 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             if from_low and all(s == "const" or (isinstance(s, ir.Node) and state.get(s) == _LOW) for s in sources):
                 decide(node, _LOW, f"inputs come from low-precision ops ({category[node]} op)")
                 flexible.discard(node)
-        # Phase 5: clear ops feeding only low ops.
+        # Phase 5: backward follows its low forward op.
+        if any(n.metadata_props.get(md.NODE_ROLE) == "backward" for n in nodes):
+            twins = {n.name: n for n in nodes if n.name and n.metadata_props.get(md.NODE_ROLE) in ("forward", "loss")}
+            for node in nodes:
+                twin = twins.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
+                if (
+                    node in fixed
+                    or twin is None
+                    or state.get(twin) != _LOW
+                    or node.op_type not in FOLLOW_FORWARD_OPS
+                    or node.domain not in ("", "ai.onnx")
+                    or category.get(node) == "allow"
+                ):
+                    continue
+                decide(node, _LOW, f"backward of low-precision {twin.op_type} '{twin.name}' follows it")
+                flexible.discard(node)
+                painted.pop(node, None)
+        # Phase 6: clear ops feeding only low ops (also those deny spread painted: moving data
+        # is exact in any dtype, so only the consumers matter).
         for node in reversed(nodes):
-            if node not in flexible or category[node] != "clear":
+            if not (node in flexible or node in painted) or category[node] != "clear":
                 continue
             outs = [v for v in node.outputs if is_float(v.dtype)]
             consumers = [u.node for v in outs for u in v.uses()]
@@ -216,6 +249,7 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             ):
                 decide(node, _LOW, "clear op feeding only low-precision ops")
                 flexible.discard(node)
+                painted.pop(node, None)
         for node in nodes:
             if node not in state:
                 cat = category[node]
@@ -297,6 +331,8 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
         return self._range_reason(node, typing) or self._activation_reason(node, typing)
 
     def _activation_reason(self, node: ir.Node, typing: NodeTyping) -> tuple[str, str] | None:
+        if self.policy.category(node.op_type, node.domain)[0] == "deny":
+            return None  # float32 anyway; its deny reason says why
         limit = finite_max(self.policy.dtype) / CALIBRATION_MARGIN
         slots = [node.inputs[i] for i in typing.compute_inputs()] + [node.outputs[i] for i in typing.compute_outputs()]
         for value in slots:
