@@ -331,3 +331,23 @@ def test_dynamo_export_without_its_optimizer_needs_cast_like() -> None:
     errors = check.gradient_errors(check.Exported(case, "dynamo", proto, proto.graph.output[0].name, 0.0))
     assert all(e.ok for e in errors.values()) and errors["<loss>"].vs_torch <= check.LOSS_TOL, errors
     assert max(e.vs_torch for e in errors.values()) <= 5e-6
+
+
+@pytest.mark.parametrize(("attrs", "message"), [
+    ({"keep_aspect_ratio_policy": "not_larger"}, "keep_aspect_ratio_policy=not_larger"),
+    ({"coordinate_transformation_mode": "tf_crop_and_resize"}, "needs a constant roi"),
+])
+def test_resize_forms_without_a_rule_are_named(attrs: dict, message: str) -> None:
+    """What the rule does not cover is a one-line GradientError naming the node and the form."""
+    from mpgraph.errors import GradientError
+
+    nodes = [helper.make_node("Resize", ["x", "roi", "", "z"], ["y"], name="up", mode="linear", **attrs),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 2, 5, 7]),
+                                           helper.make_tensor_value_info("roi", TensorProto.FLOAT, [8])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(_sizes(2, 2, 9, 14), "z")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    with pytest.raises(GradientError, match=message) as info:
+        build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
+    assert "'up'" in str(info.value) and "\n" not in str(info.value)
