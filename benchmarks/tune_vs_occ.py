@@ -9,7 +9,7 @@ onnxconverter-common is not an mpgraph dependency; install it into the venv to r
 (``pip install onnxconverter-common``). Its search converts to native float16 and measures on ORT
 CPU (which computes float16 ops in float32 behind casts); mpgraph measures its CPU emulation.
 
-    OMP_NUM_THREADS=1 python benchmarks/tune_vs_occ.py
+    OMP_NUM_THREADS=1 python benchmarks/tune_vs_occ.py [--big]
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import onnx
 from onnx import numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from mpgraph.tune import OutputTolerance, relative_error, tune  # noqa: E402
 
@@ -50,6 +51,20 @@ def planted_gpt(factor: float) -> onnx.ModelProto:
     for init in model.graph.initializer:
         if init.name == "blocks.0.out.weight":
             init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(factor), init.name))
+    return model
+
+
+def planted_transformer() -> onnx.ModelProto:
+    """bench_convert.py's 310-block transformer (10,231 nodes) with block 100's MLP output
+    overflowing float16: ln2 gain x100 and down-projection weight x5e5 (weights stay below
+    65504, so the initializer range rule does not catch it; the MatMul output reaches ~1e5)."""
+    from bench_convert import build_transformer
+
+    model = build_transformer(310)
+    factors = {"b100.ln2.g": 100.0, "b100.down.w": 5e5}
+    for init in model.graph.initializer:
+        if init.name in factors:
+            init.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(init) * np.float32(factors[init.name]), init.name))
     return model
 
 
@@ -118,6 +133,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tols", default="2e-3,1e-4", help="Comma-separated tolerances, one round each.")
     parser.add_argument("--factor", type=float, default=1e5)
+    parser.add_argument("--big", action="store_true", help="Also the 10,231-node transformer with a planted overflow.")
     args = parser.parse_args()
     feeds = {"tokens": np.random.default_rng(0).integers(0, 64, (4, 16)).astype(np.int64)}
     print(f"objective: outputs finite, relative L2 error <= tol; inputs: tokens[4, 16] seed 0; "
@@ -134,6 +150,16 @@ def main() -> None:
             except ImportError:
                 line = "not installed (pip install onnxconverter-common)"
             print(f"tol {tol:g}  {label:18s} {n:3d} nodes  onnxconverter-common: {line}", flush=True)
+    if args.big:
+        model = planted_transformer()
+        x = {"x": np.random.default_rng(0).standard_normal((2, 16, 64)).astype(np.float32)}
+        tol = float(args.tols.split(",")[0])
+        result = tune(model, "fp16", objective=OutputTolerance(tol), feeds=x)
+        print(f"tol {tol:g}  transformer planted {len(model.graph.node)} nodes  mpgraph tune: {result.seconds:7.2f} s  "
+              f"{result.evaluations:4d} conversions  {len(result.kept):3d} of {result.candidates} lowered nodes kept float32  "
+              f"final error {result.error_after:.3g}  {result.kept}", flush=True)
+        print(f"tol {tol:g}  transformer planted {len(model.graph.node)} nodes  onnxconverter-common: {occ(model, x, tol)}",
+              flush=True)
 
 
 if __name__ == "__main__":

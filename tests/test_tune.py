@@ -60,7 +60,7 @@ def test_keeps_exactly_the_planted_overflowing_op_and_the_policy_reproduces_it(t
     path.write_text(result.policy_yaml())
     policy = load_policy(str(path))
     assert policy.name == "fp16-tuned" and [o.pattern for o in policy.overrides] == [PLANTED]
-    assert emulated_error(model, policy) == pytest.approx(result.error_after)
+    assert emulated_error(model, policy) == pytest.approx(result.error_after, rel=1e-3)  # tune runs ORT unoptimized
     assert emulated_error(model, "fp16") == float("inf")
 
 
