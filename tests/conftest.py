@@ -1,8 +1,21 @@
-"""Test options: ``--runslow`` runs the tests marked ``slow`` (skipped by default)."""
+"""Test options: ``--runslow`` runs the tests marked ``slow`` (skipped by default).
+
+Threads: torch (and numpy's BLAS) read ``OMP_NUM_THREADS`` when first imported, which happens
+after this file loads, so it is set here to 1 unless the caller set it. Tests that compare
+torch with ORT then run one thread each, as their ORT sessions do (``intra_op_num_threads=1``):
+on a shared 2-core machine two threads per library made ``test_train_graph`` take 14 minutes.
+
+Order: no test may depend on another having run; ``pytest --reverse`` (the pytest-reverse
+plugin) runs the suite backwards to check that.
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
