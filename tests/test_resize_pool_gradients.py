@@ -351,3 +351,21 @@ def test_resize_forms_without_a_rule_are_named(attrs: dict, message: str) -> Non
     with pytest.raises(GradientError, match=message) as info:
         build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
     assert "'up'" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_average_pool_ceil_window_past_the_input_is_refused() -> None:
+    """A ceil_mode window that would start after the input (here in the right padding of W: 7
+    wide, pads 1, kernel 2, stride 2) is dropped by ONNX Runtime (4 outputs, as torch) and
+    counted by onnx's shape inference (5): the step graph could not load, so the rule says so."""
+    from mpgraph.errors import GradientError
+
+    nodes = [helper.make_node("AveragePool", ["x"], ["y"], name="pool", kernel_shape=[3, 2], strides=[2, 2],
+                              pads=[1, 1, 1, 1], ceil_mode=1),
+             helper.make_node("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 8, 7])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+    assert onnx.shape_inference.infer_shapes(model).graph.value_info[0].type.tensor_type.shape.dim[3].dim_value == 5
+    assert _session(model).run(None, {"x": np.ones((2, 3, 8, 7), np.float32)})[0] == 2 * 3 * 5 * 4
+    with pytest.raises(GradientError, match="'pool': with ceil_mode=1 the last window on spatial axis 1 starts after"):
+        build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])

@@ -353,6 +353,16 @@ def _separable_average_pool(ctx: Ctx, node: ir.Node, dy: V, kernel: list[int]) -
     x = ctx.input(0)
     strides, pads, dilations = _geometry(ctx, node, kernel)
     n = len(kernel)
+    for i, size in enumerate(ctx.dims(x)[2:]):
+        span = None if size is None else size + pads[i] + pads[n + i] - (kernel[i] - 1) * dilations[i] - 1
+        if span is not None and ctx.attr("ceil_mode", 0) and -(-span // strides[i]) * strides[i] >= size + pads[i]:
+            # ONNX Runtime drops a last window that starts after the input (in the right padding
+            # or past it), as torch does; onnx 1.23's shape inference counts it. ORT folds this
+            # rule's matrix to its kernel's width, which contradicts dY's inferred width, and
+            # the session does not load (it does with constant folding off).
+            raise GradientError(f"AveragePool node '{node.name}': with ceil_mode=1 the last window on spatial axis {i} "
+                                "starts after the input, where onnx and ONNX Runtime disagree on the output size; "
+                                "pad less or use ceil_mode=0")
 
     def apply(axis: int, basis: int, eye: V) -> V:
         i = axis - 2
