@@ -34,7 +34,7 @@ torch = pytest.importorskip("torch")
 def _session(model: ir.Model) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.intra_op_num_threads = 2
+    options.intra_op_num_threads = 1
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -115,9 +115,9 @@ DEFAULT_RATES = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 # 9e-7). fp32 trajectories of ReLU nets are chaotic: a rounding-level difference that flips a
 # ReLU (or, for Adam, moves a gradient component near eps) is amplified step after step, and
 # whether such an event happens depends on the learning rate erratically (dqn_cnn, AdamW:
-# fp32 torch is 1.9e-6 off at 2e-4, 1.0e-3 at 5e-5, 1.7e-6 at 1e-5). At the rates below, ours
-# and fp32 torch both stay within 1.6e-5 of the float64 trajectory over 50 steps; at default
-# rates some runs leave it, and so do fp32 torch runs (the default-rate test).
+# fp32 torch is 1.9e-6 off at 2e-4, 1.0e-3 at 5e-5, 1.7e-6 at 1e-5, relative to the weights).
+# At the rates below ours stays on the float64 trajectory over 50 steps (TRACK_BOUND); at
+# default rates some runs leave it, and so do fp32 torch runs (the default-rate test).
 LEARNING_RATES = {"sgd": 1e-2, "adam": 1e-4, "adamw": 1e-4}
 LR_OVERRIDES = {
     ("resnet", "sgd"): 3e-4, ("resnet", "adam"): 3e-5, ("resnet", "adamw"): 3e-5,
@@ -157,13 +157,15 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
            check_loss: bool = True, perturbations: int = 0) -> tuple[float, list[float]]:
     """Run ``steps`` steps in ORT (fp32) and in torch.optim (float64, and fp32 from the same
     weights and from ``perturbations`` copies moved by rounding-level noise) on the same
-    batches. Returns the relative error of all parameters (concatenated) at the end against
-    the float64 torch run: ours, and each fp32 torch run's (the scale of fp32 rounding noise
-    after ``steps`` steps)."""
+    batches. Returns the error of all parameters (concatenated) at the end against the float64
+    torch run, relative to the float64 run's total update ``||p_end - p_start||`` (relative to
+    the parameters themselves, an error could hide in the part that training never moves):
+    ours, and each fp32 torch run's (the scale of fp32 rounding noise after ``steps`` steps)."""
     entry = _zoo(name)
     step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options, lr=lr)
-    runner = CpuRunner(step, threads=2, spin=False)
+    runner = CpuRunner(step, threads=1, spin=False)
     reference = entry.build().double()
+    start = _flat(p.detach().numpy() for p in reference.parameters())
     singles = [entry.build()] + [_perturbed(entry.build(), seed) for seed in range(1, perturbations + 1)]
     replicas = [(m, dtype, _torch_optimizer(kind, m.parameters(), options, lr))
                 for m, dtype in [(reference, torch.float64)] + [(m, torch.float32) for m in singles]]
@@ -183,8 +185,9 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
     state = runner.state
     names = [n for n, _ in reference.named_parameters()]
     expected = _flat(p.detach().numpy() for p in reference.parameters())
-    ours = _rel(_flat(state[n] for n in names), expected)
-    theirs = [_rel(_flat(p.detach().numpy() for p in m.parameters()), expected) for m in singles]
+    update = max(float(np.linalg.norm(expected - start)), 1e-30)
+    ours = float(np.linalg.norm(_flat(state[n] for n in names) - expected)) / update
+    theirs = [float(np.linalg.norm(_flat(p.detach().numpy() for p in m.parameters()) - expected)) / update for m in singles]
     # Running means are averages of near-zero-mean activations: small norms make their
     # relative error larger than the parameters'. (Running variances are not compared: ONNX
     # updates them with the biased batch variance, torch with the unbiased one.)
@@ -195,21 +198,44 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
     return ours, theirs
 
 
+# Error relative to the float64 update (``_track``), per model: about 3x the worst of the three
+# optimizers, measured (ORT 1.32 CPU, 1 thread) in the comment. 50 steps at LEARNING_RATES:
+TRACK_BOUND = {
+    "tiny_mlp": 2e-4,  # adamw 6.0e-5
+    "wide_mlp": 4e-4,  # adamw 1.2e-4
+    "dqn_cnn": 1e-4,  # adam 2.2e-5
+    "gpt": 5e-4,  # adamw 1.5e-4
+    "resnet": 5e-3,  # adam 1.7e-3 (BatchNorm: a mean over the batch amplifies rounding)
+}
+# One step at DEFAULT_RATES:
+ONE_STEP_BOUND = {
+    "tiny_mlp": 2e-5,  # adamw 4.3e-6
+    "wide_mlp": 5e-5,  # adam 1.6e-5
+    "dqn_cnn": 1e-4,  # adam 3.6e-5
+    "gpt": 7e-4,  # adam 2.4e-4 (Adam's first step is g/|g|: near-zero components round either way)
+    "resnet": 1e-4,  # adam 3.1e-5
+}
+
+
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_optimizer_tracks_torch(name: str, kind: str) -> None:
     lr = LR_OVERRIDES.get((name, kind), LEARNING_RATES[kind])
     ours, _ = _track(name, kind, OPTIMIZERS[kind], lr)
-    assert ours <= 1e-4
+    assert ours <= TRACK_BOUND[name]
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("name", ZOO_NAMES)
+@pytest.mark.parametrize(
+    "name", [n if n in ("tiny_mlp", "gpt") else pytest.param(n, marks=pytest.mark.slow) for n in ZOO_NAMES]
+)
 def test_zoo_default_rate_tracks_torch_within_fp32_noise(name: str, kind: str) -> None:
     """50 steps at default learning rates: within 1e-4 of float64 torch.optim, or, where fp32
     rounding noise alone carries fp32 torch further, no further than twice the furthest of four
     fp32 torch runs (one from the same weights, three from weights moved by ~1 rounding).
-    Measured spread of those four for dqn_cnn AdamW: 7.4e-5 to 1.3e-2 (ours 1.2e-2)."""
+    Measured (relative to the update): dqn_cnn Adam ours 3.2e-2, furthest fp32 torch 1.7e-2;
+    ResNet SGD ours 1.4e-2, torch 0.16; the MLPs and the GPT stay under 1.2e-4.
+    wide_mlp, dqn_cnn and ResNet take 20-60 s each (slow)."""
     ours, theirs = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], check_loss=False, perturbations=3)
     assert ours <= max(1e-4, 2 * max(theirs)), (ours, theirs)
 
@@ -218,7 +244,7 @@ def test_zoo_default_rate_tracks_torch_within_fp32_noise(name: str, kind: str) -
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_one_step_at_default_rate_matches_torch(name: str, kind: str) -> None:
     ours, _ = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], steps=1)
-    assert ours <= 1e-5
+    assert ours <= ONE_STEP_BOUND[name]
 
 
 @pytest.mark.parametrize(
@@ -227,13 +253,13 @@ def test_zoo_one_step_at_default_rate_matches_torch(name: str, kind: str) -> Non
     ids=["nesterov", "dampening", "plain"],
 )
 def test_sgd_variants_track_torch(options: dict) -> None:
-    assert _track("tiny_mlp", "sgd", options, 0.1, steps=20)[0] <= 1e-4
+    assert _track("tiny_mlp", "sgd", options, 0.1, steps=20)[0] <= 1e-5  # measured <= 2.6e-6 (plain)
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
 def test_unpacked_optimizer_tracks_torch(kind: str) -> None:
     options = {**OPTIMIZERS[kind], "pack": False}
-    assert _track("tiny_mlp", kind, options, LEARNING_RATES[kind], steps=20)[0] <= 1e-4
+    assert _track("tiny_mlp", kind, options, LEARNING_RATES[kind], steps=20)[0] <= 2e-4  # measured <= 5.9e-5 (adamw)
 
 
 @pytest.mark.parametrize("kind", ["adam", "adamw"])
@@ -244,11 +270,12 @@ def test_amsgrad_tracks_torch(name: str, kind: str) -> None:
     assert any(a.endswith("/v_max") for a, _ in json.loads(step.metadata_props[MODEL_STATE_PAIRS]))
     # beta2 = 0.9 lets the second moment fall between batches, so its running maximum matters:
     # the same run without amsgrad in our graph leaves torch's loss by more than 1e-4 by step 5.
-    assert _track(name, kind, {**OPTIMIZERS[kind], "beta2": 0.9, "amsgrad": True}, 1e-3, steps=30)[0] <= 1e-4
+    bound = {"tiny_mlp": 5e-5, "gpt": 4e-4}[name]  # measured <= 5.2e-6, 1.3e-4
+    assert _track(name, kind, {**OPTIMIZERS[kind], "beta2": 0.9, "amsgrad": True}, 1e-3, steps=30)[0] <= bound
 
 
 def test_adam_weight_decay_tracks_torch() -> None:
-    assert _track("tiny_mlp", "adam", dict(weight_decay=1e-2), 1e-3, steps=20)[0] <= 1e-4
+    assert _track("tiny_mlp", "adam", dict(weight_decay=1e-2), 1e-3, steps=20)[0] <= 1e-5  # measured 8.5e-7
 
 
 def test_step_graph_structure() -> None:
@@ -436,13 +463,14 @@ def test_integer_only_graph_is_rejected() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Real models from the onnx wheel: finite differences or a GradientError naming the op
+# Real models from the onnx wheel: every one passes a finite-difference check
 # ---------------------------------------------------------------------------------------------
 
-REAL = sorted(glob.glob(str(ONNX_DATA / "light" / "*.onnx"))) + sorted(
+# VGG-19 is left out: its check took 33-45 s and it has no op type AlexNet lacks (Conv, Relu,
+# MaxPool, Flatten/Gemm, Dropout, Softmax).
+REAL = [p for p in sorted(glob.glob(str(ONNX_DATA / "light" / "*.onnx"))) if Path(p).stem != "light_vgg19"] + sorted(
     glob.glob(str(ONNX_DATA / "pytorch-converted" / "*" / "model.onnx"))
 )
-OUTCOMES: dict[str, str] = {}
 
 
 def _real_id(path: str) -> str:
@@ -462,28 +490,37 @@ def _random_feed(session: ort.InferenceSession, rng: np.random.Generator) -> dic
 
 
 FD_STEPS = (1e-3, 1e-4, 1e-5)
-# Relative agreement required at the best of the steps. 86 of the 91 models agree to 1.2e-3 or
-# better (most to 1e-5..1e-4); a wrong rule is off by O(1). fp32 central differences through
-# the deepest ReLU/max-pool nets cross kinks at large steps and hit rounding at small ones:
-# measured best agreement AlexNet 5.5e-2, VGG-19 5.5e-2, ZFNet-512 7.4e-3, so those three get
-# the loose bound (ORT CPU has no float64 Conv for a better oracle).
-FD_TOLERANCE = 5e-3
-FD_TOLERANCE_DEEP = {"light_bvlc_alexnet": 0.1, "light_vgg19": 0.1, "light_zfnet512": 0.1}
+# Relative agreement required at the best of the steps (ORT 1.32 CPU, fp32). 84 of the 90
+# models agree to 1.2e-3 or better, 83 to 8.7e-5 (light_inception_v1) or better: FD_TOLERANCE
+# is within 10x of that. The others are listed with about twice their measured error: fp32
+# central differences through max pooling and deep ReLU nets cross kinks at large steps and hit
+# rounding at small ones. AlexNet's bound (measured 5.5e-2) cannot see an error under ~10%;
+# ORT CPU has no float64 Conv for a better oracle, and the op types are all checked tightly
+# elsewhere (tests/test_gradients.py, the smaller nets here).
+FD_TOLERANCE = 5e-4
+FD_TOLERANCE_MEASURED = {
+    "test_MaxPool2d": 4e-3,  # 2.0e-3
+    "test_MaxPool1d_stride_padding_dilation": 9e-3,  # 4.3e-3
+    "light_squeezenet": 2.5e-3,  # 1.2e-3
+    "light_densenet121": 3.5e-3,  # 1.7e-3
+    "light_zfnet512": 1.5e-2,  # 7.4e-3
+    "light_bvlc_alexnet": 0.1,  # 5.5e-2
+}
+# Idle 2-core machine: these checks take 10-70 s each; the other light models take under 10 s.
+SLOW_REAL = {"light_bvlc_alexnet", "light_densenet121", "light_inception_v2", "light_resnet50", "light_zfnet512"}
 
 
-def _directional_check(model_path: str) -> str:
+def _directional_check(model_path: str) -> list[float]:
     """Build a gradient graph with an mse loss on the first float output; compare the
-    directional derivative along a random direction with central differences (fp32)."""
+    directional derivative along a random direction with central differences (fp32). Returns
+    the relative errors at the steps tried (the last within the model's tolerance)."""
     proto = onnx.load(model_path)
     floats = [v for v in proto.graph.initializer if v.data_type == onnx.TensorProto.FLOAT]
     trainable = () if floats or any(n.op_type == "ConstantOfShape" for n in proto.graph.node) else ("*",)
-    try:
-        # The full checker on the materialized light models (up to 550 MB of weights) costs more
-        # than the rest of the check; every other model here is validated.
-        light = Path(model_path).parent.name == "light"
-        step = build_training_graph(proto, optimizer=None, loss="mse", trainable_inputs=trainable, validate=not light)
-    except GradientError as e:
-        return f"GradientError: {e}"
+    # The full checker on the materialized light models (up to 550 MB of weights) costs more
+    # than the rest of the check; every other model here is validated.
+    light = Path(model_path).parent.name == "light"
+    step = build_training_graph(proto, optimizer=None, loss="mse", trainable_inputs=trainable, validate=not light)
     session = _session(step)
     rng = np.random.default_rng(0)
     grads = [o.name for o in session.get_outputs() if o.name.startswith("grad/")]
@@ -522,7 +559,7 @@ def _directional_check(model_path: str) -> str:
 
     # Several steps: the larger ones are robust to fp32 rounding, the smaller ones to kinks
     # (ReLU, max pooling) that a large step crosses. One must agree to the tolerance.
-    tolerance = FD_TOLERANCE_DEEP.get(_real_id(model_path), FD_TOLERANCE)
+    tolerance = FD_TOLERANCE_MEASURED.get(_real_id(model_path), FD_TOLERANCE)
     errors = []
     for step_size in FD_STEPS:
         eps = step_size * scale / norm_d
@@ -531,15 +568,21 @@ def _directional_check(model_path: str) -> str:
         if errors[-1] <= tolerance:
             break
     assert min(errors) <= tolerance, (model_path, errors, analytic)
-    return "fd-ok"
+    return errors
 
 
-@pytest.mark.parametrize("path", REAL, ids=[_real_id(p) for p in REAL])
-def test_real_model_gradient_or_clear_error(path: str) -> None:
-    outcome = _directional_check(path)
-    OUTCOMES[_real_id(path)] = outcome
-    if outcome.startswith("GradientError"):
-        assert "\n" not in outcome and ("no gradient" in outcome or "gradient for" in outcome), outcome
+def test_real_models_found() -> None:
+    assert len(REAL) == 8 + 82  # light (VGG-19 left out) + pytorch-converted
+
+
+@pytest.mark.parametrize(
+    "path",
+    [pytest.param(p, marks=pytest.mark.slow) if _real_id(p) in SLOW_REAL else p for p in REAL],
+    ids=[_real_id(p) for p in REAL],
+)
+def test_real_model_gradient(path: str) -> None:
+    """Every model builds a step graph (a GradientError fails) that passes the check."""
+    _directional_check(path)
 
 
 def test_finite_difference_check_catches_a_two_percent_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -555,21 +598,10 @@ def test_finite_difference_check_catches_a_two_percent_error(monkeypatch: pytest
         return (ctx.op("Mul", dx, ctx.scalar(1.02, node.inputs[0])),)
 
     path = next(p for p in REAL if _real_id(p) == "test_ReLU")
-    assert _directional_check(path) == "fd-ok"
+    assert _directional_check(path)[-1] <= FD_TOLERANCE
     monkeypatch.setitem(registry._RULES, ("", "Relu"), [dataclasses.replace(rule, fn=wrong)])
     with pytest.raises(AssertionError):
         _directional_check(path)
-
-
-def test_zz_real_model_summary() -> None:
-    if not OUTCOMES:
-        pytest.skip("real-model cases did not run")
-    ok = sorted(k for k, v in OUTCOMES.items() if v == "fd-ok")
-    bad = {k: v for k, v in OUTCOMES.items() if v != "fd-ok"}
-    print(f"\nreal models: {len(ok)} finite-difference checks passed, {len(bad)} clear GradientErrors")
-    for k, v in sorted(bad.items()):
-        print(f"  {k}: {v}")
-    assert len(ok) + len(bad) == len(OUTCOMES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -578,25 +610,22 @@ def test_zz_real_model_summary() -> None:
 
 
 def test_cli_train_graph(tmp_path: Path) -> None:
-    typer = pytest.importorskip("typer")
-    from typer.testing import CliRunner
-
-    from mpgraph.cli.train_graph_cmd import register
+    """The real app (mpgraph.cli.main), in-process: a step graph written, and a one-line refusal."""
+    from tests.helpers import mpgraph_cli
 
     _zoo("tiny_mlp")
-    app = typer.Typer()
-    register(app)
-    app.command("noop")(lambda: None)  # keep typer in multi-command mode
-    runner = CliRunner()
     out = tmp_path / "tiny.train.onnx"
-    ok = runner.invoke(app, ["train-graph", str(ZOO_DIR / "tiny_mlp.loss.onnx"), "-o", str(out),
-                             "--optimizer", "sgd", "--momentum", "0.9", "--freeze", "fc1.*"])
-    assert ok.exit_code == 0, ok.output
+    ok = mpgraph_cli("train-graph", str(ZOO_DIR / "tiny_mlp.loss.onnx"), "-o", str(out),
+                     "--optimizer", "sgd", "--momentum", "0.9", "--freeze", "fc1.*")
+    assert ok.returncode == 0, ok.stderr
     saved = onnx.load(str(out))
     onnx.checker.check_model(saved, full_check=True)
     assert {p.key: p.value for p in saved.metadata_props}[MODEL_TRAINING] == "true"
-    bad = runner.invoke(app, ["train-graph", str(ZOO_DIR / "tiny_mlp.onnx"), "-o", str(tmp_path / "x.onnx")])
-    assert bad.exit_code == 2 and "no loss" in bad.output and bad.output.strip().count("\n") == 0
+    state = {a for a, _ in json.loads({p.key: p.value for p in saved.metadata_props}[MODEL_STATE_PAIRS])}
+    assert "fc2.weight" in state and "fc1.weight" not in state  # frozen
+    bad = mpgraph_cli("train-graph", str(ZOO_DIR / "tiny_mlp.onnx"), "-o", str(tmp_path / "x.onnx"))
+    assert bad.returncode == 2 and bad.stderr.startswith("error: ") and "no loss" in bad.stderr
+    assert bad.stderr.strip().count("\n") == 0 and not (tmp_path / "x.onnx").exists()
 
 
 def test_conv_weight_gradient_layout_follows_map_size() -> None:
