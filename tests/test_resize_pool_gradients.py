@@ -369,3 +369,22 @@ def test_average_pool_ceil_window_past_the_input_is_refused() -> None:
     assert _session(model).run(None, {"x": np.ones((2, 3, 8, 7), np.float32)})[0] == 2 * 3 * 5 * 4
     with pytest.raises(GradientError, match="'pool': with ceil_mode=1 the last window on spatial axis 1 starts after"):
         build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+@pytest.mark.parametrize("model", ["efficientnet", "segformer"])
+def test_check_grad_passes_on_the_corpus_models_these_rules_unblocked(model: str, exporter: str) -> None:
+    """``mpgraph.check_grad`` (finite differences, no torch) on the corpus's EfficientNet
+    (AveragePool ceil_mode) and SegFormer (Resize) exports: no parameter fails."""
+    from mpgraph.check_grad import check_grad
+    from tests.corpus import check
+    from tests.corpus.models import build
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        exported = check.export(build(model), exporter)
+    feeds = {n: t.numpy() for n, t in zip(exported.case.input_names, exported.case.inputs, strict=True)}
+    report = check_grad(exported.model, inputs=feeds)
+    assert report.passed, [p for p in report.params if p.status == "fail"]
+    assert not any(p.status == "fail" for p in report.params)
