@@ -196,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# mpgraph {getattr(mpgraph, '__version__', '?')}, onnxruntime {ort.__version__}, torch {torch.__version__}, "
           f"python {platform.python_version()}, {platform.machine()}, {os.cpu_count()} CPUs, "
           f"ORT threads {args.threads or 'default'}")
-    print(f"# digits (1437 train / 359 test), {args.steps} steps, batch {args.batch}, {OPTIMIZER} lr {LR:g}, "
+    from mpgraph.data import load_dataset
+
+    digits = load_dataset("digits")
+    n_train, n_test = (len(next(iter(split.values()))) for split in (digits.train, digits.test))
+    print(f"# digits ({n_train} train / {n_test} test), {args.steps} steps, batch {args.batch}, {OPTIMIZER} lr {LR:g}, "
           f"torch seed {TORCH_SEED}, data seed {DATA_SEED}; bf16/fp16 are CPU-emulated lowerings "
           f"(fp16 with dynamic loss scaling, bf16 without)")
     start = time.perf_counter()
