@@ -185,10 +185,12 @@ def _convert(
     # Kernel gaps at the opset the model ends with (before the upgrade they decided what it needs).
     effective = with_target(pol, target, ir_model, emulate=emulate)
     already = md.MODEL_POLICY in ir_model.metadata_props
-    if not pol.is_identity and not already and calibrate is not None and calibrate is not False:
+    pristine = None
+    if not already and _wants_check(pol, calibrate):
         InferTypesPass()(ir_model)  # the range check reduces float values only: it needs their types
-    calibration = None if pol.is_identity or already else _calibrate(ir_model, pol, calibrate)
-    pristine = ir.to_proto(ir_model) if calibration is not None else None
+        # The float32 model, serialized once: what the range check runs, and the start of a retry.
+        pristine = ir.to_proto(ir_model)
+    calibration = _calibrate(ir_model, pol, calibrate, pristine) if pristine is not None else None
     kept: dict[int, str] = {}  # node index -> why it stays float32 (non-finite in the low dtype)
     for attempt in range(MAX_FINITE_ROUNDS + 1):
         if attempt:
@@ -199,13 +201,28 @@ def _convert(
                     node.metadata_props[md.NODE_PRECISION] = "float32"
                     node.metadata_props[md.NODE_REASON] = kept[i]
         nodes = list(ir_model.graph)
-        for p in build_pipeline(effective, emulate=emulate, validate=False, calibration=calibration):
+        passes = build_pipeline(effective, emulate=emulate, validate=False, calibration=calibration)
+        if pristine is not None:
+            passes = [p for p in passes if not isinstance(p, InferTypesPass)]  # types came with the proto
+        for p in passes:
             p(ir_model)
         if calibration is None or not _checks_finite(ir_model, pol):
             break
-        culprits = _nonfinite_sources(ir_model, calibration, emulate)
-        if not culprits:
+        try:
+            bad, culprits = _nonfinite_sources(ir_model, calibration, emulate, pol.dtype)
+        except MpgraphError as e:
+            if not (isinstance(calibrate, str) and calibrate == "auto"):
+                raise type(e)(f"finite check of the {pol.dtype.name.lower()} result failed: {e}") from None
+            logger.warning("finite check skipped (%s); --no-calibrate silences this", e)
             break
+        if not bad:
+            break
+        if not culprits:
+            raise MpgraphError(
+                f"outputs {bad[:3]} are non-finite in {pol.dtype.name.lower()} on the calibration inputs "
+                f"({calibration.source}) where float32 is finite, and no low-precision node leads there; "
+                "pass calibrate=None (--no-calibrate) to write it anyway"
+            )
         new = {nodes.index(n): f"calibration: output non-finite in {pol.dtype.name.lower()} where float32 is finite" for n in culprits}
         if attempt == MAX_FINITE_ROUNDS or set(new) <= set(kept):
             names = ", ".join(f"{n.op_type} '{n.name}'" for n in culprits[:3])
@@ -233,13 +250,16 @@ def _convert(
     return ir_model
 
 
-def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec) -> Calibration | None:
-    """Measure ranges per ``calibrate``; ``None`` when the range check is off."""
-    if calibrate is None or calibrate is False:
-        return None
+def _wants_check(policy: Policy, calibrate: CalibrateSpec) -> bool:
+    """Whether ``calibrate`` asks for the range check under ``policy``."""
+    if calibrate is None or calibrate is False or policy.is_identity:
+        return False
+    return not (isinstance(calibrate, str) and calibrate == "auto" and policy.dtype != ir.DataType.FLOAT16)
+
+
+def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec, proto: onnx.ModelProto) -> Calibration | None:
+    """Measure ranges per ``calibrate`` on ``proto`` (``model`` serialized); ``None`` if skipped."""
     auto = isinstance(calibrate, str) and calibrate == "auto"
-    if auto and policy.dtype != ir.DataType.FLOAT16:
-        return None
     if calibrate is True or (isinstance(calibrate, str) and calibrate in ("auto", "random")):
         feeds, source = random_feeds(model, seed=0), "random inputs, seed 0"
     elif isinstance(calibrate, (str, os.PathLike)):
@@ -247,7 +267,7 @@ def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec) -> Cal
     else:
         feeds, source = dict(calibrate), "given inputs"
     try:
-        return measure_ranges(model, feeds, policy.dtype, source=source)
+        return measure_ranges(model, feeds, policy.dtype, source=source, proto=proto)
     except MpgraphError as e:
         if not auto:
             raise type(e)(f"calibration run failed: {e}") from None
@@ -261,28 +281,26 @@ def _checks_finite(model: ir.Model, policy: Policy) -> bool:
     return not (model.metadata_props.get(md.MODEL_TRAINING) == "true" and policy.loss_scaling.mode == "dynamic")
 
 
-def _emulated_view(model: ir.Model, emulate: bool) -> ir.Model:
+def _emulated_view(model: ir.Model, emulate: bool, low: ir.DataType) -> ir.Model:
+    """``model`` itself when emulated, else an emulated copy (ORT CPU runs native float16 in float32)."""
     if emulate:
         return model
-    low = ir.DataType[model.metadata_props.get(md.MODEL_DTYPE, "").upper()] if md.MODEL_DTYPE in model.metadata_props else None
     copy = ir.from_proto(ir.to_proto(model))
-    dtype = low or next(
-        (v.dtype for n in copy.graph for v in n.outputs if v.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)),
-        ir.DataType.FLOAT16,
-    )
-    EmulatePrecisionPass(dtype)(copy)
+    EmulatePrecisionPass(low)(copy)
     FoldCastsPass()(copy)
     return copy
 
 
-def _nonfinite_sources(model: ir.Model, calibration: Calibration, emulate: bool) -> list[ir.Node]:
-    """Nodes of ``model`` to keep float32 because its (emulated) outputs are non-finite where float32's are not.
+def _nonfinite_sources(
+    model: ir.Model, calibration: Calibration, emulate: bool, dtype: ir.DataType
+) -> tuple[list[str], list[ir.Node]]:
+    """Outputs of ``model`` non-finite where float32's are not, and the nodes to keep float32 for it.
 
     One run of the emulated lowering with only the graph outputs; only when one is non-finite
     where float32's is finite, a second run with every value exposed names the nodes whose
     output turns non-finite from finite inputs (for a float32 node, its low producers).
     """
-    view = _emulated_view(model, emulate)
+    view = _emulated_view(model, emulate, dtype)
     outs = run_with_values(view, calibration.feeds, lambda v: False)
     bad_out = [
         n for n, ref in calibration.outputs.items()
@@ -290,7 +308,7 @@ def _nonfinite_sources(model: ir.Model, calibration: Calibration, emulate: bool)
         and bool((np.isfinite(ref) & ~np.isfinite(outs[n].astype(np.float64))).any())
     ]
     if not bad_out:
-        return []
+        return [], []
     arrays = run_with_values(view, calibration.feeds, lambda v: v.dtype is None or is_float(v.dtype))
 
     def nonfinite(name: str) -> bool:
@@ -301,7 +319,7 @@ def _nonfinite_sources(model: ir.Model, calibration: Calibration, emulate: bool)
         found = calibration.ranges.get(name)
         return found is not None and bool(np.isfinite(found.absmax))
 
-    low = model.metadata_props.get(md.MODEL_DTYPE)
+    low = dtype.name.lower()
     culprits: list[ir.Node] = []
     for node in model.graph:
         if md.NODE_INSERTED in node.metadata_props:
@@ -314,12 +332,26 @@ def _nonfinite_sources(model: ir.Model, calibration: Calibration, emulate: bool)
             continue  # inherited, not born here
         if node.metadata_props.get(md.NODE_PRECISION) == low:
             culprits.append(node)
-        else:  # e.g. Log of a value that flushed to zero: keep the producers float32
-            for v in inputs:
-                producer = v.producer()
-                if producer is not None and producer.metadata_props.get(md.NODE_PRECISION) == low:
-                    culprits.append(producer)
-    return list(dict.fromkeys(culprits))
+        else:  # e.g. Log of a value that flushed to zero: keep the nearest low producers float32
+            culprits += _low_producers(node, low)
+    return bad_out, list(dict.fromkeys(culprits))
+
+
+def _low_producers(node: ir.Node, low: str | None) -> list[ir.Node]:
+    """The nearest low-precision nodes upstream of ``node``, through float32 ones."""
+    found: list[ir.Node] = []
+    seen: set[ir.Node] = set()
+    stack = [v for v in node.inputs if v is not None]
+    while stack:
+        producer = _origin(stack.pop()).producer()
+        if producer is None or producer in seen:
+            continue
+        seen.add(producer)
+        if producer.metadata_props.get(md.NODE_PRECISION) == low:
+            found.append(producer)
+        else:
+            stack.extend(v for v in producer.inputs if v is not None and is_float(v.dtype))
+    return found
 
 
 def _origin(value: ir.Value) -> ir.Value:

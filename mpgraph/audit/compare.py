@@ -5,6 +5,11 @@ value exposed as an output; values are matched by name (mpgraph keeps the names 
 it lowers), and each gets a relative error. The first value in the candidate's topological
 order whose error crosses the threshold is where the divergence starts: no more bisecting by
 hand for the node that turned fp16 outputs into NaN.
+
+Each divergence gets a kind: ``overflow`` (the candidate is inf/NaN where float32 is finite),
+``underflow`` (most of the error sits in entries the candidate flushed to zero while float32's
+are nonzero) or ``rounding`` (everything else). A native model the CPU provider has no kernel
+for is refused before ORT fails (``mpgraph.targets.check_runnable``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.passes.calibrate_range import load_feeds, random_feeds, run_with_values
+from mpgraph.targets import check_runnable
 
 __all__ = ["ValueDivergence", "CompareReport", "compare"]
 
@@ -36,6 +42,8 @@ class ValueDivergence:
         rel_error: ``||cand - ref|| / ||ref||`` over finite reference entries.
         max_abs_error: Largest absolute difference.
         nonfinite: Entries that are inf/NaN in the candidate but finite in the reference.
+        kind: ``overflow``, ``underflow``, ``rounding``, or ``exact`` (no error).
+        flushed: Entries that are zero in the candidate but nonzero in the reference.
     """
 
     name: str
@@ -44,6 +52,8 @@ class ValueDivergence:
     rel_error: float
     max_abs_error: float
     nonfinite: int
+    kind: str = "rounding"
+    flushed: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +64,7 @@ class CompareReport:
     values: list[ValueDivergence]
     threshold: float
     first_divergence: ValueDivergence | None
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def worst(self, k: int = 10) -> list[ValueDivergence]:
         return sorted(self.values, key=lambda v: (v.nonfinite, v.rel_error), reverse=True)[:k]
@@ -82,13 +93,25 @@ def _error(name: str, ref: np.ndarray, cand: np.ndarray, producer: str, precisio
     r = ref.astype(np.float64)
     c = cand.astype(np.float64)
     finite = np.isfinite(r)
+    both = finite & np.isfinite(c)
     nonfinite = int((finite & ~np.isfinite(c)).sum())
-    diff = np.where(finite & np.isfinite(c), c - r, 0.0)
+    with np.errstate(invalid="ignore", over="ignore"):  # inf - inf where both overflowed
+        diff = np.where(both, c - r, 0.0)
     norm = float(np.linalg.norm(np.where(finite, r, 0.0)))
-    rel = float(np.linalg.norm(diff) / norm) if norm > 0 else float(np.linalg.norm(diff) > 0)
+    total = float(np.linalg.norm(diff))
+    rel = total / norm if norm > 0 else float(total > 0)
+    flushed_mask = both & (c == 0) & (r != 0)
+    flushed = int(flushed_mask.sum())
     if nonfinite:
-        rel = float("inf")
-    return ValueDivergence(name, producer, precision, rel, float(np.abs(diff).max()) if diff.size else 0.0, nonfinite)
+        rel, kind = float("inf"), "overflow"
+    elif total == 0:
+        kind = "exact"
+    elif flushed and float(np.linalg.norm(diff[flushed_mask])) >= 0.5 * total:
+        kind = "underflow"
+    else:
+        kind = "rounding"
+    max_abs = float(np.abs(diff).max()) if diff.size else 0.0
+    return ValueDivergence(name, producer, precision, rel, max_abs, nonfinite, kind, flushed)
 
 
 def compare(
@@ -108,6 +131,10 @@ def compare(
         threshold: Relative error at which a value counts as diverged.
         seed: Seed of the random inputs.
     """
+    try:
+        notes = check_runnable(candidate, "cpu")
+    except MpgraphError as e:
+        raise MpgraphError(f"{e}, or compare the --emulate conversion") from None
     if feeds is None:
         inputs = random_feeds(reference, seed=seed)
     elif isinstance(feeds, (str, os.PathLike)):
@@ -142,4 +169,4 @@ def compare(
             if err is not None:
                 outputs.append(err)
     first = next((v for v in values if v.rel_error > threshold), None)
-    return CompareReport(outputs, values, threshold, first)
+    return CompareReport(outputs, values, threshold, first, notes)

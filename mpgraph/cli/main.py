@@ -296,15 +296,18 @@ def compare_cmd(
         v = report.first_divergence
         console.print(
             f"[bold]first divergence[/] (rel error > {threshold:g}, topological order): value '{escape(v.name)}' "
-            f"from {escape(v.producer)} {escape(f'[{v.precision}]')}: rel error {v.rel_error:.3g}, non-finite {v.nonfinite}",
+            f"from {escape(v.producer)} {escape(f'[{v.precision}]')}: {v.kind}, rel error {v.rel_error:.3g}, "
+            f"non-finite {v.nonfinite}, flushed to zero {v.flushed}",
             highlight=False, soft_wrap=True,
         )
     worst = Table(title=f"worst {top} of {len(report.values)} values")
-    for col in ("value", "producer", "precision", "rel error", "non-finite"):
+    for col in ("value", "producer", "precision", "kind", "rel error", "non-finite", "flushed"):
         worst.add_column(col)
     for v in report.worst(top):
-        worst.add_row(v.name, v.producer, v.precision, f"{v.rel_error:.3g}", str(v.nonfinite))
+        worst.add_row(v.name, v.producer, v.precision, v.kind, f"{v.rel_error:.3g}", str(v.nonfinite), str(v.flushed))
     console.print(worst)
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
 
 
 @policy_app.command("show")
