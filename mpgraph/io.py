@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import google.protobuf.descriptor
 import google.protobuf.message
 import onnx
 import onnx.external_data_helper
@@ -173,12 +174,51 @@ def _name(text: object) -> str:
 _KNOWN_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
 
 
+def _bad_string(message: google.protobuf.message.Message, where: str) -> str | None:
+    """The path of the first string field holding bytes that are not UTF-8 (upb hands those
+    over as ``bytes``), searching every field of every nested message; else ``None``."""
+    string = google.protobuf.descriptor.FieldDescriptor.TYPE_STRING
+    msg_type = google.protobuf.descriptor.FieldDescriptor.TYPE_MESSAGE
+    stack = [(message, where)]
+    while stack:
+        msg, at = stack.pop()
+        if isinstance(msg, onnx.TensorProto):  # ListFields would copy raw_data: check its strings only
+            for name in ("name", "doc_string"):
+                if not isinstance(getattr(msg, name), str):
+                    return f"{at}.{name} = {getattr(msg, name)[:40]!r}"
+            stack.extend((m, f"{at}.external_data[{i}]") for i, m in enumerate(msg.external_data))
+            stack.extend((m, f"{at}.metadata_props[{i}]") for i, m in enumerate(getattr(msg, "metadata_props", ())))
+            continue
+        for field, value in msg.ListFields():
+            if field.type == string:
+                items = value if _is_repeated(field) else [value]
+                for i, item in enumerate(items):
+                    if not isinstance(item, str):
+                        return f"{at}.{field.name}" + (f"[{i}]" if _is_repeated(field) else "") + f" = {item[:40]!r}"
+            elif field.type == msg_type:
+                if _is_repeated(field):
+                    stack.extend((m, f"{at}.{field.name}[{i}]") for i, m in enumerate(value))
+                else:
+                    stack.append((value, f"{at}.{field.name}"))
+    return None
+
+
+def _is_repeated(field: google.protobuf.descriptor.FieldDescriptor) -> bool:
+    repeated = getattr(field, "is_repeated", None)
+    if repeated is not None:
+        return bool(repeated)
+    return field.label == google.protobuf.descriptor.FieldDescriptor.LABEL_REPEATED
+
+
 def check_proto(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
-    """Names are valid UTF-8 and element types are known ``TensorProto`` codes.
+    """Every string is valid UTF-8 and element types are known ``TensorProto`` codes.
 
     Raises:
         ModelLoadError: Naming the value, node or tensor and the bad name or type code.
     """
+    bad = _bad_string(proto, "model")
+    if bad is not None:
+        raise ModelLoadError(f"{path}: {bad} is not valid UTF-8")
     for graph in _graphs(proto.graph):
         for group, what in ((graph.input, "input"), (graph.output, "output"), (graph.value_info, "value")):
             for v in group:
@@ -208,7 +248,9 @@ def _check_type(tp: onnx.TypeProto, what: str, path: str | os.PathLike[str]) -> 
     kind = tp.WhichOneof("value")
     if kind in ("tensor_type", "sparse_tensor_type"):
         inner = getattr(tp, kind)
-        if inner.elem_type not in _KNOWN_TYPES and inner.elem_type != onnx.TensorProto.UNDEFINED:
+        if inner.elem_type == onnx.TensorProto.UNDEFINED:
+            raise ModelLoadError(f"{path}: {what} has no element type (0, UNDEFINED)")
+        if inner.elem_type not in _KNOWN_TYPES:
             raise ModelLoadError(f"{path}: {what} has unknown element type {inner.elem_type}")
         for dim in inner.shape.dim:
             if not isinstance(dim.dim_param, str):
