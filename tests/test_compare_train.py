@@ -54,7 +54,7 @@ def test_dynamic_scaling_unscales_before_comparing():
     report = compare_train(underflow_step(), converted("extends: fp16\n"), FEEDS)
     assert report.scale == 65536.0 and report.first_backward_divergence is None
     [grad] = report.gradients
-    assert grad.underflow == 0.0 and grad.rel_error < 2e-3  # measured 4.9e-4: fp16 rounding of x and dy
+    assert grad.underflow == 0.0 and grad.rel_error < 2e-3  # measured 6.0e-4: fp16 rounding of x and dy
     backward = [v for v in report.values if v.role == "backward"]
     assert backward and max(v.rel_error for v in backward) < 2e-3
 
@@ -76,8 +76,8 @@ def test_bf16_adamw_tiny_mlp_stays_close():
     feeds = {"x": RNG.standard_normal((16, 4)).astype(np.float32), "label": RNG.integers(0, 2, 16)}
     report = compare_train(step, low, feeds)
     assert report.scale == 1.0 and len(report.gradients) == len(report.updates) == 6
-    assert report.loss_rel_error < 1e-3  # measured 3.9e-5
-    assert max(g.rel_error for g in report.gradients) < 2e-2  # measured 3.7e-3 (bf16 has 8 bits)
+    assert report.loss_rel_error < 1e-3  # measured 1.5e-4
+    assert max(g.rel_error for g in report.gradients) < 2e-2  # measured 5.6e-3 (bf16 has 8 bits)
 
 
 class _Tags(HTMLParser):

@@ -55,7 +55,7 @@ def test_keeps_exactly_the_planted_overflowing_op_and_the_policy_reproduces_it(t
     assert result.kept == [PLANTED] and result.kept_ops == ["MatMul"]
     assert result.error_before == float("inf") and result.met
     assert result.error_after < 1e-3  # measured 5.4e-4, fp16's rounding with the op float32
-    assert result.seconds < 60 and result.evaluations <= 5  # measured 0.4 s, 3 conversions
+    assert result.seconds < 60 and result.evaluations <= 5  # the issue's bound; measured 0.3-0.8 s, 3 conversions
     path = tmp_path / "tuned.yaml"
     path.write_text(result.policy_yaml())
     policy = load_policy(str(path))
