@@ -149,7 +149,7 @@ def train(
         error = _ort_error(e, f"to load {step}")
         if error is None:
             raise
-        raise error from None
+        raise error from e
     tok = token_input(trainer.data_inputs)
     vocab = _vocab(trainer, tok.name) if tok is not None else None
     dataset = dataset_for_model(data, trainer.data_inputs, seed=seed, vocab=vocab)
@@ -221,7 +221,7 @@ def train(
             error = _ort_error(e, f"running step {trainer.steps + 1} of {step}")
             if error is None:
                 raise
-            raise error from None
+            raise error from e
     elapsed = time.perf_counter() - began
     save()
     write_reports()

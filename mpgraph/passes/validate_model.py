@@ -39,8 +39,8 @@ def check_onnx(proto_or_path: onnx.ModelProto | str, input_problem: str | None =
             raise ValidationError(
                 f"rewritten model is invalid ONNX: {first} (the input model already fails strict "
                 f"shape inference: {input_problem})"
-            ) from None
-        raise ValidationError(f"rewritten model is invalid ONNX: {first}") from None
+            ) from e
+        raise ValidationError(f"rewritten model is invalid ONNX: {first}") from e
 
 
 def check_precision_invariants(model: ir.Model) -> None:

@@ -538,7 +538,7 @@ class Trainer:
             return ort.InferenceSession(model or self._session_bytes, options, providers=providers)
         except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
             what = " with CUDA graph capture" if graph else ""
-            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider}{what}: {str(e).splitlines()[0]}") from None
+            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider}{what}: {str(e).splitlines()[0]}") from e
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
