@@ -186,12 +186,14 @@ def _sequence(*, seq_len: int, vocab: int, size: int, seed: int) -> Dataset:
     )
 
 
-def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError) -> dict[str, np.ndarray]:
+def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError, *,
+             what: str = "a readable .npz file", hint: bool = True) -> dict[str, np.ndarray]:
     """Every array of an ``.npz`` file (no pickles); ``error`` with one line if unreadable.
 
     Recognised and named: a missing file, a folder, an empty file, a single ``.npy`` array
     renamed ``.npz``, a file that is not a zip archive, a truncated archive or one whose CRC
-    check fails, object (pickled) arrays, and an archive without arrays.
+    check fails, object (pickled) arrays, and an archive without arrays. The message reads
+    ``PATH: not WHAT (reason)``; ``hint`` adds how to write one with numpy.
     """
     p = Path(path)
     if not p.exists():
@@ -203,13 +205,13 @@ def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError
             head = f.read(6)
     except OSError as e:
         raise error(f"{p}: cannot read ({e.strerror or e})") from e
-    how = "save arrays with np.savez(path, name=array, ...)"
+    how = "; save arrays with np.savez(path, name=array, ...)" if hint else ""
     if not head:
-        raise error(f"{p}: not a readable .npz file (the file is empty; {how})")
+        raise error(f"{p}: not {what} (the file is empty{how})")
     if head == b"\x93NUMPY":
-        raise error(f"{p}: not a readable .npz file (it is a single .npy array; {how})")
+        raise error(f"{p}: not {what} (it is a single .npy array{how})")
     if not head.startswith(b"PK"):
-        raise error(f"{p}: not a readable .npz file (no zip header; {how})")
+        raise error(f"{p}: not {what} (no zip header{how})")
     try:
         with np.load(p, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
@@ -217,9 +219,9 @@ def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError
         reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
         if "allow_pickle" in reason or "Object arrays" in reason:
             reason = "it holds object arrays (pickles), which mpgraph does not load"
-        raise error(f"{p}: not a readable .npz file ({reason})") from e
+        raise error(f"{p}: not {what} ({reason})") from e
     if not arrays:
-        raise error(f"{p}: not a readable .npz file (the archive holds no arrays)")
+        raise error(f"{p}: not {what} (the archive holds no arrays)")
     return arrays
 
 

@@ -127,6 +127,10 @@ def _value_type(m: onnx.ModelProto) -> None:
     m.graph.input[0].type.tensor_type.elem_type = 99
 
 
+def _value_type_0(m: onnx.ModelProto) -> None:
+    m.graph.input[0].type.tensor_type.elem_type = 0
+
+
 def _init_bytes(m: onnx.ModelProto) -> None:
     m.graph.initializer[0].dims[0] += 1
 
@@ -152,6 +156,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["cast99"] = _mutant(tmp, "cast99", _cast_to(99))
     out["init999"] = _mutant(tmp, "init999", _init_type)
     out["value99"] = _mutant(tmp, "value99", _value_type)
+    out["value0"] = _mutant(tmp, "value0", _value_type_0)
     out["init_bytes"] = _mutant(tmp, "init_bytes", _init_bytes)
     step = onnx.load(str(out["step"]))
     for prop in step.metadata_props:
@@ -189,7 +194,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-P = "/proc/mpgraph-not-writable"  # a folder no process can create files in, even as root
+P = "/sys"  # sysfs: creating a file there is "Permission denied", even for root
 
 
 # Per command: case name -> (arguments from the files and a fresh tmp folder, phrase in the error line).
@@ -217,6 +222,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/cast_to_99": (lambda f, t: ["convert", str(f["cast99"]), "-o", str(t / "o.onnx")], "Cast 'cast99' casts to unknown element type 99"),
     "convert/initializer_type_999": (lambda f, t: ["convert", str(f["init999"]), "-o", str(t / "o.onnx")], "unknown element type 999"),
     "convert/value_type_99": (lambda f, t: ["convert", str(f["value99"]), "-o", str(t / "o.onnx")], "input 'x' has unknown element type 99"),
+    "convert/value_type_0": (lambda f, t: ["convert", str(f["value0"]), "-o", str(t / "o.onnx")], "input 'x' has no element type (0, UNDEFINED)"),
     "convert/initializer_bytes": (lambda f, t: ["convert", str(f["init_bytes"]), "-o", str(t / "o.onnx")], "bytes, but shape"),
     "convert/policy_recursive_alias": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["rec_yaml"]), "-o", str(t / "o.onnx")], "recursive alias"),
     "convert/policy_alias_bomb": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["bomb_yaml"]), "-o", str(t / "o.onnx")], "alias bomb"),
@@ -270,6 +276,9 @@ TABLE: dict[str, tuple[Case, str]] = {
     # train: resume
     "train/resume_missing": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(t / "c.npz")], "no such checkpoint"),
     "train/resume_not_checkpoint": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_good"])], "no __meta__ array; it holds label, x"),
+    "train/resume_empty": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_empty"])], "not an mpgraph checkpoint (the file is empty"),
+    "train/resume_bad_crc": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_bad_crc"])], "not an mpgraph checkpoint"),
+    "train/resume_npy": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_npy"])], "single .npy array"),
     "train/resume_truncated": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_truncated"])], "not an mpgraph checkpoint"),
     "train/resume_other_graph": (lambda f, t: ["train", str(f["sgd_step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"])], "different graph"),
     "train/resume_meta_missing_key": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_no_fingerprint"])], "has no 'fingerprint'"),

@@ -950,15 +950,11 @@ class Trainer:
                 array of another shape or dtype, or a checkpoint of a different graph.
         """
         from mpgraph.data import read_npz
-        from mpgraph.errors import DataError
 
         p = Path(path)
         if not p.exists():
             raise CheckpointError(f"{p}: no such checkpoint")
-        try:
-            arrays_in = read_npz(p)
-        except DataError as e:
-            raise CheckpointError(f"{p}: not an mpgraph checkpoint ({str(e).removeprefix(f'{p}: ')})") from e
+        arrays_in = read_npz(p, CheckpointError, what="an mpgraph checkpoint", hint=False)
         if "__meta__" not in arrays_in:
             raise CheckpointError(f"{p}: not an mpgraph checkpoint (no __meta__ array; it holds "
                                   f"{', '.join(sorted(arrays_in)[:8])})")
