@@ -327,19 +327,23 @@ def tune(
     inputs = dict(feeds) if feeds is not None else random_feeds(reference, seed=seed)
     error_of = objective.bind(reference, inputs)
     evaluations = 0
-    cache: dict[frozenset[str], tuple[float, ir.Model]] = {}
+    cache: dict[frozenset[str], float] = {}
+    latest: dict[frozenset[str], ir.Model] = {}  # no override and the last candidate, for compare
 
-    def evaluate(kept: frozenset[str]) -> tuple[float, ir.Model]:
+    def evaluate(kept: frozenset[str]) -> tuple[float, ir.Model | None]:
         nonlocal evaluations
         if kept in cache:
-            return cache[kept]
+            return cache[kept], latest.get(kept)
         if evaluations >= max_evaluations:
             raise _Budget
         pol = dataclasses.replace(base, overrides=(_NodeSet("<tune>", "float32", "tune", kept),) + base.overrides)
         candidate = convert(ir.from_proto(proto), pol, emulate=True, validate=False, calibrate=None)
         err = error_of(candidate)
         evaluations += 1
-        cache[kept] = (err, candidate)
+        cache[kept] = err
+        for key in [k for k in latest if k]:  # keep the unmodified conversion: the search starts there
+            del latest[key]
+        latest[kept] = candidate
         if progress is not None:
             progress(evaluations, err, len(kept))
         logger.info("tune: %d kept -> error %.3g", len(kept), err)
@@ -349,6 +353,7 @@ def tune(
         return evaluate(kept)[0] <= objective.tol
 
     first_err, first_model = evaluate(frozenset())
+    assert first_model is not None
     low_name = base.dtype.name.lower()
     order = [n.name for n in first_model.graph
              if n.name and not n.metadata_props.get(md.NODE_INSERTED) and n.metadata_props.get(md.NODE_PRECISION) == low_name]
@@ -388,7 +393,7 @@ class _Budget(Exception):
 
 def _search(
     order: Sequence[str],
-    evaluate: Callable[[frozenset[str]], tuple[float, ir.Model]],
+    evaluate: Callable[[frozenset[str]], tuple[float, ir.Model | None]],
     holds: Callable[[frozenset[str]], bool],
     reference: ir.Model,
     inputs: Mapping[str, np.ndarray],
@@ -416,8 +421,10 @@ def _search(
     return kept
 
 
-def _first_divergent(reference: ir.Model, candidate: ir.Model, inputs: Mapping[str, np.ndarray],
+def _first_divergent(reference: ir.Model, candidate: ir.Model | None, inputs: Mapping[str, np.ndarray],
                      compare: Callable[..., object]) -> str | None:
+    if candidate is None:
+        return None
     try:
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in overflowing values
             if reference.metadata_props.get(md.MODEL_TRAINING) == "true":
