@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -51,8 +50,28 @@ def test_native_bf16_on_cpu_is_a_clear_error(feeds):
 
 
 def test_cli_compare(tmp_path):
+    from tests.helpers import mpgraph_cli
+
     out = tmp_path / "alex.emu.onnx"
     mpgraph.convert_file(ALEXNET, out, "bf16", emulate=True)
-    result = subprocess.run([sys.executable, "-m", "mpgraph", "compare", ALEXNET, str(out)], capture_output=True, text=True, timeout=300)
+    result = mpgraph_cli("compare", ALEXNET, str(out))
     assert result.returncode == 0, result.stderr
     assert "graph outputs" in result.stdout and "worst" in result.stdout
+
+
+def test_cli_compare_prints_the_readme_line(tmp_path):
+    """README's compare example, line for line: '[float16]' is text, not Rich markup to drop."""
+    from tests.helpers import mpgraph_cli
+
+    out = tmp_path / "alexnet.emu.onnx"
+    converted = mpgraph_cli("convert", ALEXNET, "-p", "fp16", "--emulate", "--no-calibrate", "-o", str(out))
+    assert converted.returncode == 0, converted.stderr
+    result = mpgraph_cli("compare", ALEXNET, str(out))
+    assert result.returncode == 0, result.stderr
+    line = next(x for x in result.stdout.splitlines() if x.startswith("first divergence"))
+    assert line == (
+        "first divergence (rel error > 0.01, topological order): value 'r12' from Conv 'n12' [float16]: "
+        "overflow, rel error inf, non-finite 36864, flushed to zero 0"
+    )
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert line in readme
