@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import onnx
 import pytest
+
+from tests.helpers import Ran, mpgraph_cli
 
 NET = '''
 import torch
@@ -21,8 +21,9 @@ class Net(torch.nn.Module):
 '''
 
 
-def mpgraph(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "mpgraph", *args], capture_output=True, text=True, timeout=300)
+def mpgraph(*args: str) -> Ran:
+    """In-process, against mpgraph.cli.main's real app (a new interpreter costs 3-5 s with torch)."""
+    return mpgraph_cli(*args)
 
 
 @pytest.fixture
