@@ -102,6 +102,42 @@ def print_summary(policy: str, s: dict[str, Any]) -> None:
         print(f"  {r['ms']:7.3f} ms  {r['role']:10s} {r['op']:20s} {r['node'][:70]}  {r['outputs']}")
 
 
+def kernel_names(args: argparse.Namespace) -> None:
+    """Top CUDA kernels by GPU time per step, by name, for each policy."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    spec = gpu_step.gpt_spec(args.small)
+    policies = args.policy.split(",")
+    graphs = gpu_step.step_graphs(spec, args.flat, policies)
+    report = {}
+    for policy in policies:
+        trainer = Trainer(graphs[policy], args.provider, cuda_graph=False)
+        data = next(s.name for s in trainer.data_inputs if s.name != "label")
+        for i in range(3):
+            trainer.step({data: spec.inputs[i % 4], "label": spec.labels[i % 4]})
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(args.steps):
+                trainer.step({data: spec.inputs[i % 4], "label": spec.labels[i % 4]})
+            torch.cuda.synchronize()
+        table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
+        for event in prof.events():
+            if event.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
+            table[event.name[:150]][0] += 1
+            table[event.name[:150]][1] += us
+        rows = sorted(table.items(), key=lambda kv: -kv[1][1])
+        total = sum(us for _, (_, us) in rows) / args.steps / 1e3
+        print(f"== {policy}: {sum(n for _, (n, _) in rows) / args.steps:.0f} kernels, {total:.2f} ms GPU per step ==")
+        for name, (n, us) in rows[: args.top]:
+            print(f"  {us / args.steps / 1e3:7.3f} ms {n / args.steps:6.0f}x  {name}")
+        report[policy] = [{"name": k, "per_step": n / args.steps, "ms": us / args.steps / 1e3} for k, (n, us) in rows]
+    with open(os.path.join(args.out, "kernel_names.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
@@ -111,7 +147,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--flat", action="store_true")
+    ap.add_argument("--kernels", action="store_true",
+                    help="instead: CUDA kernels by name (CUPTI via torch.profiler), time per step, no CUDA graph")
     args = ap.parse_args()
+    if args.kernels:
+        return kernel_names(args)
     spec = gpu_step.gpt_spec(args.small)
     policies = args.policy.split(",")
     graphs = gpu_step.step_graphs(spec, args.flat, policies)
