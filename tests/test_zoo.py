@@ -50,7 +50,7 @@ def committed(name: str, with_loss: bool) -> onnx.ModelProto:
 def session(model: onnx.ModelProto | bytes) -> ort.InferenceSession:
     options = ort.SessionOptions()
     options.log_severity_level = 3  # ORT warns that initializers are also inputs: by design
-    options.intra_op_num_threads = 2
+    options.intra_op_num_threads = 1  # as torch (tests/conftest.py): one thread each
     data = model if isinstance(model, bytes) else model.SerializeToString()
     return ort.InferenceSession(data, options, providers=["CPUExecutionProvider"])
 
