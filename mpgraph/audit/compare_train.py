@@ -34,11 +34,11 @@ from mpgraph import metadata as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 
-__all__ = ["TensorError", "ValueError_", "TrainCompareReport", "compare_train", "render_html"]
+__all__ = ["TensorDivergence", "StepValueDivergence", "TrainCompareReport", "compare_train", "render_html"]
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorError:
+class TensorDivergence:
     """One gradient (or update) of the candidate against the reference.
 
     Attributes:
@@ -57,7 +57,7 @@ class TensorError:
 
 
 @dataclasses.dataclass(frozen=True)
-class ValueError_:  # noqa: N801 - "ValueError" is the builtin's name
+class StepValueDivergence:
     """One value along the graph (topological order of the candidate).
 
     Attributes:
@@ -102,12 +102,12 @@ class TrainCompareReport:
     loss_rel_error: float
     scale: float
     found_inf: bool
-    gradients: list[TensorError]
-    updates: list[TensorError]
-    values: list[ValueError_]
+    gradients: list[TensorDivergence]
+    updates: list[TensorDivergence]
+    values: list[StepValueDivergence]
     threshold: float
-    first_divergence: ValueError_ | None
-    first_backward_divergence: ValueError_ | None
+    first_divergence: StepValueDivergence | None
+    first_backward_divergence: StepValueDivergence | None
 
     def to_json(self) -> str:
         def clean(x: object) -> object:
@@ -241,7 +241,7 @@ def compare_train(
             got = cand_value(match[1])
         errs = _errors(ref[grad], got) if grad in ref else None
         if errs is not None:
-            gradients.append(TensorError(param, grad, *errs))
+            gradients.append(TensorDivergence(param, grad, *errs))
 
     updates = []
     for param, _ in json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]")):
@@ -251,7 +251,7 @@ def compare_train(
             continue
         errs = _errors(ref[out] - start, cand[out] - start)
         if errs is not None:
-            updates.append(TensorError(param, out, *errs))
+            updates.append(TensorDivergence(param, out, *errs))
 
     values = []
     for node in candidate.graph:
@@ -266,7 +266,7 @@ def compare_train(
                 continue
             errs = _errors(ref[match[0]], cand_value(match[1]))
             if errs is not None:
-                values.append(ValueError_(match[0], label, role, precision, *errs))
+                values.append(StepValueDivergence(match[0], label, role, precision, *errs))
     first = next((v for v in values if v.rel_error > threshold), None)
     first_back = next((v for v in values if v.role == "backward" and v.rel_error > threshold), None)
     return TrainCompareReport(loss_ref, loss_cand, loss_err, scale, found_inf, gradients, updates, values, threshold,
@@ -314,13 +314,13 @@ def render_html(report: TrainCompareReport, *, title: str = "mpgraph compare (tr
            f'<text x="{width / 2}" y="{height - 8}" font-size="11" text-anchor="middle">values in topological order '
            f"(forward, loss, backward, optimizer)</text></svg>")
 
-    def table(rows: Sequence[TensorError], head: str) -> str:
+    def table(rows: Sequence[TensorDivergence], head: str) -> str:
         body = "".join(f"<tr><td>{esc(r.name)}</td><td>{r.rel_error:.3g}</td><td>{r.underflow:.3g}</td>"
                        f"<td>{r.nonfinite}</td></tr>" for r in rows)
         return (f"<h2>{esc(head)}</h2><table><tr><th>parameter</th><th>rel error</th><th>underflow share</th>"
                 f"<th>non-finite</th></tr>{body}</table>")
 
-    def first(v: ValueError_ | None) -> str:
+    def first(v: StepValueDivergence | None) -> str:
         if v is None:
             return f"none past {report.threshold:g}"
         return f"{esc(v.name)} from {esc(v.producer)} [{esc(v.precision)}]: rel error {v.rel_error:.3g}"
