@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -31,6 +32,7 @@ __all__ = [
     "check_metadata",
     "check_external_data",
     "check_tensor_sizes",
+    "shape_only_initializers",
     "EXTERNAL_DATA_THRESHOLD",
 ]
 
@@ -530,6 +532,29 @@ def clean_stale_temporaries(path: str | os.PathLike[str]) -> list[Path]:
         logger.info("removed %d stale temporary file(s) of %s: %s", len(removed), target,
                     ", ".join(p.name for p in removed))
     return removed
+
+
+@contextlib.contextmanager
+def shape_only_initializers(model: ir.Model, keep_bytes: int = 4096) -> Iterator[None]:
+    """Within the block, float initializers over ``keep_bytes`` serialise without their bytes.
+
+    ``ir.to_proto(model)`` then keeps their names, dtypes and shapes (as an external-data
+    reference to nowhere) but copies no weight bytes: shape inference needs no float weight
+    values, and a full copy of a 2.5 GB model would add 2.5 GB to the peak memory.
+    """
+    swapped = {}
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or value.dtype is None or not value.dtype.is_floating_point() or tensor.nbytes <= keep_bytes:
+            continue
+        swapped[value] = tensor
+        value.const_value = ir.ExternalTensor("mpgraph-shape-only", 0, tensor.nbytes, tensor.dtype,
+                                              shape=tensor.shape, name=value.name or "")
+    try:
+        yield
+    finally:
+        for value, tensor in swapped.items():
+            value.const_value = tensor
 
 
 def _first_line(e: BaseException) -> str:

@@ -42,7 +42,10 @@ class InferTypesPass(ir.passes.InPlacePass):
         }
         modified = False
         if untyped:
-            proto = ir.to_proto(model)
+            from mpgraph.io import shape_only_initializers
+
+            with shape_only_initializers(model, _KEEP_BYTES):  # no copy of the weights (2.5 GB models)
+                proto = ir.to_proto(model)
             # Large float weights carry no shape information (shape arithmetic reads integer
             # tensors and small constants); dropping their bytes makes inference ~5x faster.
             for tensor in proto.graph.initializer:

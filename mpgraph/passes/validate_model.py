@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 
 #: Above this many bytes a model proto cannot be serialised in one piece; validate the saved file.
 PROTO_LIMIT = 2_000_000_000
+#: Above this many bytes of initializers, validate a saved copy (external data) to save memory.
+FILE_CHECK_BYTES = 256 * 2**20
 
 
 def check_onnx(proto_or_path: onnx.ModelProto | str, input_problem: str | None = None) -> None:
@@ -71,8 +73,9 @@ class ValidateModelPass(ir.passes.InPlacePass):
     Models too large for one protobuf (2 GB) are never serialised here: protobuf cannot
     even measure them (``ByteSize`` raises ``EncodeError``), and a copy would double the
     memory. Their float weights alone over ``PROTO_LIMIT``: ``convert_file`` checks the saved
-    file (external data). Otherwise, when the proto still comes out too large, the model is
-    written to a temporary folder with external data and the file is checked.
+    file (external data). Models whose tensors exceed ``FILE_CHECK_BYTES`` are written to a
+    temporary folder with external data and the file is checked: an in-memory check would
+    hold three more copies of the weights (the proto, its serialisation, the checker's parse).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -81,6 +84,9 @@ class ValidateModelPass(ir.passes.InPlacePass):
             logger.info("model too large for one protobuf: checked from the saved file")
             return ir.passes.PassResult(model, False)
         problem = model.meta.get(INPUT_INVALID_META)
+        if _tensor_bytes(model) > FILE_CHECK_BYTES:
+            check_saved(model, problem)
+            return ir.passes.PassResult(model, False)
         proto = ir.to_proto(model)
         try:
             size = proto.ByteSize()
@@ -92,6 +98,10 @@ class ValidateModelPass(ir.passes.InPlacePass):
             del proto
             check_saved(model, problem)
         return ir.passes.PassResult(model, False)
+
+
+def _tensor_bytes(model: ir.Model) -> int:
+    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
 def _float_weight_bytes(model: ir.Model) -> int:
