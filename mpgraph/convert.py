@@ -191,49 +191,9 @@ def _convert(
         # The float32 model, serialized once: what the range check runs, and the start of a retry.
         pristine = ir.to_proto(ir_model)
     calibration = _calibrate(ir_model, pol, calibrate, pristine) if pristine is not None else None
-    kept: dict[int, str] = {}  # node index -> why it stays float32 (non-finite in the low dtype)
-    for attempt in range(MAX_FINITE_ROUNDS + 1):
-        if attempt:
-            assert pristine is not None
-            ir_model = ir.from_proto(pristine)
-            for i, node in enumerate(ir_model.graph):
-                if i in kept:
-                    node.metadata_props[md.NODE_PRECISION] = "float32"
-                    node.metadata_props[md.NODE_REASON] = kept[i]
-        nodes = list(ir_model.graph)
-        passes = build_pipeline(effective, emulate=emulate, validate=False, calibration=calibration)
-        if pristine is not None:
-            passes = [p for p in passes if not isinstance(p, InferTypesPass)]  # types came with the proto
-        for p in passes:
-            p(ir_model)
-        if calibration is None or not _checks_finite(ir_model, pol):
-            break
-        try:
-            bad, culprits = _nonfinite_sources(ir_model, calibration, emulate, pol.dtype)
-        except MpgraphError as e:
-            if not (isinstance(calibrate, str) and calibrate == "auto"):
-                raise type(e)(f"finite check of the {pol.dtype.name.lower()} result failed: {e}") from None
-            logger.warning("finite check skipped (%s); --no-calibrate silences this", e)
-            break
-        if not bad:
-            break
-        if not culprits:
-            raise MpgraphError(
-                f"outputs {bad[:3]} are non-finite in {pol.dtype.name.lower()} on the calibration inputs "
-                f"({calibration.source}) where float32 is finite, and no low-precision node leads there; "
-                "pass calibrate=None (--no-calibrate) to write it anyway"
-            )
-        new = {nodes.index(n): f"calibration: output non-finite in {pol.dtype.name.lower()} where float32 is finite" for n in culprits}
-        if attempt == MAX_FINITE_ROUNDS or set(new) <= set(kept):
-            names = ", ".join(f"{n.op_type} '{n.name}'" for n in culprits[:3])
-            raise MpgraphError(
-                f"the {pol.dtype.name.lower()} conversion is non-finite on the calibration inputs "
-                f"({calibration.source}) where float32 is finite, at {names}, even with "
-                f"{len(kept)} ops kept float32; pass calibrate=None (--no-calibrate) to write it anyway, "
-                "or keep these nodes float32 with a policy override"
-            )
-        kept.update(new)
-        logger.info("kept %d ops float32 whose outputs turned non-finite; converting again", len(new))
+    ir_model = _lower_until_finite(
+        ir_model, effective, emulate=emulate, calibrate=calibrate, calibration=calibration, pristine=pristine
+    )
     if validate:
         ValidateModelPass()(ir_model)
     props = ir_model.metadata_props
@@ -247,6 +207,60 @@ def _convert(
         props.setdefault(md.MODEL_TARGET, target)
     if calibration is not None:
         props[md.MODEL_CALIBRATION] = _calibration_summary(ir_model, calibration, pol)
+    return ir_model
+
+
+def _lower_until_finite(
+    ir_model: ir.Model,
+    policy: Policy,
+    *,
+    emulate: bool,
+    calibrate: CalibrateSpec,
+    calibration: Calibration | None,
+    pristine: onnx.ModelProto | None,
+) -> ir.Model:
+    """Run the pipeline; with a calibration, again from ``pristine`` while outputs turn non-finite.
+
+    Each round keeps float32 the nodes where the (emulated) result first turns non-finite on
+    the calibration inputs while float32 stays finite, until none does (``MAX_FINITE_ROUNDS``).
+    """
+    low = policy.dtype.name.lower()
+    kept: dict[int, str] = {}  # node index -> why it stays float32 (non-finite in the low dtype)
+    for attempt in range(MAX_FINITE_ROUNDS + 1):
+        if attempt:
+            assert pristine is not None
+            ir_model = ir.from_proto(pristine)
+            for i, node in enumerate(ir_model.graph):
+                if i in kept:
+                    node.metadata_props[md.NODE_PRECISION] = "float32"
+                    node.metadata_props[md.NODE_REASON] = kept[i]
+        position = {node: i for i, node in enumerate(ir_model.graph)}
+        passes = build_pipeline(policy, emulate=emulate, validate=False, calibration=calibration)
+        if pristine is not None:
+            passes = [p for p in passes if not isinstance(p, InferTypesPass)]  # types came with the proto
+        for p in passes:
+            p(ir_model)
+        if calibration is None or not _checks_finite(ir_model, policy):
+            return ir_model
+        try:
+            bad, culprits = _nonfinite_sources(ir_model, calibration, emulate, policy.dtype)
+        except MpgraphError as e:
+            if not (isinstance(calibrate, str) and calibrate == "auto"):
+                raise type(e)(f"finite check of the {low} result failed: {e}") from None
+            logger.warning("finite check skipped (%s); --no-calibrate silences this", e)
+            return ir_model
+        if not bad:
+            return ir_model
+        new = {position[n]: f"calibration: output non-finite in {low} where float32 is finite" for n in culprits}
+        if not culprits or attempt == MAX_FINITE_ROUNDS or set(new) <= set(kept):
+            where = ", ".join(f"{n.op_type} '{n.name}'" for n in culprits[:3]) or "no low-precision node leads there"
+            raise MpgraphError(
+                f"outputs {bad[:3]} of the {low} conversion are non-finite on the calibration inputs "
+                f"({calibration.source}) where float32 is finite ({where}; {len(kept)} ops kept float32 so far); "
+                "pass calibrate=None (--no-calibrate) to write it anyway, or keep nodes float32 with a policy override"
+            )
+        kept.update(new)
+        logger.info("kept %d ops float32 whose outputs turned non-finite; converting again", len(new))
     return ir_model
 
 
@@ -285,9 +299,11 @@ def _emulated_view(model: ir.Model, emulate: bool, low: ir.DataType) -> ir.Model
     """``model`` itself when emulated, else an emulated copy (ORT CPU runs native float16 in float32)."""
     if emulate:
         return model
+    # A serialized round trip, not Model.clone(): a clone shares state the emulation edits (the
+    # original then failed validation). The casts the emulation leaves as float32 identities
+    # run as they are (no FoldCastsPass: this is a view for one run).
     copy = ir.from_proto(ir.to_proto(model))
     EmulatePrecisionPass(low)(copy)
-    FoldCastsPass()(copy)
     return copy
 
 
