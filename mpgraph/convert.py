@@ -186,7 +186,14 @@ def _convert(
     effective = with_target(pol, target, ir_model, emulate=emulate)
     already = md.MODEL_POLICY in ir_model.metadata_props
     pristine = None
-    if not already and _wants_check(pol, calibrate):
+    checking = not already and _wants_check(pol, calibrate)
+    if checking and float_weight_bytes(ir_model) >= PROTO_LIMIT:
+        # ORT opens models from serialized bytes here, which protobuf caps at 2 GB.
+        if not (isinstance(calibrate, str) and calibrate == "auto"):
+            raise MpgraphError("the range check runs models under 2 GB of weights only; pass calibrate=None (--no-calibrate)")
+        logger.warning("range check skipped: over 2 GB of weights; the %s model is not range-checked", pol.dtype.name.lower())
+        checking = False
+    if checking:
         InferTypesPass()(ir_model)  # the range check reduces float values only: it needs their types
         # The float32 model, serialized once: what the range check runs, and the start of a retry.
         pristine = ir.to_proto(ir_model)
