@@ -458,10 +458,14 @@ def test_nonfinite_data_stops_at_the_batch_and_checkpoints_the_last_good_step(fi
 
 def test_nonfinite_data_skip_mode_and_json_metrics_with_nan(files: dict[str, Path], tmp_path: Path):
     data = _data(tmp_path, nan_at=5)
+    with np.load(data) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez(data, **arrays, test_x=arrays["x"][:16], test_label=arrays["label"][:16])  # NaN in the test split too
     metrics = tmp_path / "m.json"
     code, text = run("train", str(files["step"]), "--data", str(data), "--steps", "12", "--batch", "16", "-q",
                      "--on-nonfinite", "skip", "--metrics", str(metrics))
     assert code == 0, text
+    assert "no accuracy (dataset" in text and "(test split): 'x' has 1 non-finite value(s)" in " ".join(text.split())
     doc = json.loads(metrics.read_text())  # valid JSON although some losses are NaN
     assert doc["summary"]["steps"] == 12
     assert doc["summary"]["nonfinite_losses"] == 3  # the NaN sample's batch, once per 4-batch epoch

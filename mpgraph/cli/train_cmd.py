@@ -101,7 +101,7 @@ def train(
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
     from mpgraph.cli.checks import finite, positive_int
     from mpgraph.cli.main import console, err_console
-    from mpgraph.data import check_labels, dataset_for_model, token_input
+    from mpgraph.data import check_finite, check_labels, dataset_for_model, token_input
     from mpgraph.errors import CheckpointError, TrainingError, UsageError
     from mpgraph.runtime.trainer import (
         NONFINITE_MODES,
@@ -246,6 +246,7 @@ def train(
         parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
     if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
         try:
+            check_finite(dataset.test, f"dataset '{data}' (test split)")
             acc = trainer.evaluate(dataset.test)
             parts.append(f"test accuracy {acc['accuracy']:.3f}")
         except MpgraphError as e:
