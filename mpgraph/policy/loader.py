@@ -133,7 +133,7 @@ def _load_file(path: str, chain: tuple[str, ...]) -> Policy:
     except FileNotFoundError:
         raise PolicyError(f"{path}: policy file not found") from None
     except (OSError, UnicodeDecodeError) as e:
-        raise PolicyError(f"{path}: cannot read policy file ({e})") from None
+        raise PolicyError(f"{path}: cannot read policy file ({e})") from e
     return parse_policy(text, path, _chain=(*chain, path))
 
 
@@ -163,7 +163,7 @@ class _Doc:
             mark = getattr(e, "problem_mark", None)
             line = f":{mark.line + 1}" if mark is not None else ""
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise PolicyError(f"{path}{line}: invalid YAML: {problem}") from None
+            raise PolicyError(f"{path}{line}: invalid YAML: {problem}") from e
         if node is not None:
             self._measure(node, {}, set(), 0)
         self.data = self._build(node, ()) if node is not None else None
@@ -227,7 +227,7 @@ class _Doc:
             return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise PolicyError(f"{self.path}:{node.start_mark.line + 1}: invalid YAML: {problem}") from None
+            raise PolicyError(f"{self.path}:{node.start_mark.line + 1}: invalid YAML: {problem}") from e
 
     def fail(self, keypath: tuple[str, ...], message: str) -> NoReturn:
         line = ""
