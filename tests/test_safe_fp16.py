@@ -6,8 +6,9 @@ range / 2, then runs the (emulated) result on the same inputs and keeps float32 
 outputs turn non-finite where float32's are finite. The issue's "done" models: the onnx wheel's
 9 light models, the zoo, and a T5 whose feed-forward outputs overflow float16, all give finite
 emulated outputs within 2e-3 of float32 with default flags, here on inputs of another seed
-than the calibration's (measured worst: 7.2e-4 on the zoo and 6.2e-4 on the T5; the light
-models' outputs are a softmax of equal logits, so for them the finite check is what counts).
+than the calibration's (measured worst, benchmarks/results/safe_fp16.txt: 8.1e-4 on the zoo's
+wide MLP, 4.9e-4 on DenseNet-121, 6.5e-4 on the T5; the other light models' outputs are a
+softmax of equal logits, so for them the finite check is what counts).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ LIGHT = sorted(glob.glob(os.path.join(LIGHT_DIR, "*.onnx")))
 ZOO = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "models", "onnx", "*.onnx")))
 #: Light models that convert in about a second; the rest run with --runslow.
 FAST_LIGHT = ("light_squeezenet.onnx", "light_inception_v1.onnx")
-#: Relative L2 error allowed against float32 (the issue's bound; measured worst 7.2e-4).
+#: Relative L2 error allowed against float32 (the issue's bound; measured worst 8.1e-4).
 TOLERANCE = 2e-3
 
 
@@ -176,7 +177,7 @@ def test_t5_default_fp16_keeps_the_overflowing_matmuls(t5: onnx.ModelProto) -> N
     assert sum(n.op_type == "MatMul" and n.metadata_props[md.NODE_PRECISION] == "float16" for n in emulated.graph) >= 20
     out = _run(emulated, feeds)[0]
     assert np.isfinite(out).all()
-    assert _rel(out, ref) <= TOLERANCE  # measured 6.2e-4
+    assert _rel(out, ref) <= TOLERANCE  # measured 6.5e-4
 
 
 # --- the finite check ----------------------------------------------------------------------------
