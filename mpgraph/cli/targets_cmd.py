@@ -98,6 +98,9 @@ def conversion_notes(model: ir.Model, *, emulate: bool) -> list[str]:
             f"target {target}: {gaps} ops kept float32 for lack of a {dtype} kernel there"
             + ("" if emulate else " (`mpgraph targets`; --target cpu|cuda|any)")
         )
+    lowered = sum(n.metadata_props.get(md.NODE_PRECISION) == dtype for n in model.graph)
+    if not emulate and target == "cpu" and gaps and not lowered:
+        lines.append(f"[yellow]note:[/] nothing lowered: ORT CPU has no {dtype} kernel for these ops; --emulate shows {dtype} numbers on CPU")
     if not emulate and dtype == "float16" and target in ("cpu", "any"):
         lines.append(
             "[yellow]note:[/] ORT CPU computes native float16 ops in float32 (it inserts Casts), so overflow and "
