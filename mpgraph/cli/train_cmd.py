@@ -143,6 +143,8 @@ def train(
             options[key] = value
         trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback,
                           provider_options=options, tf32=tf32, cuda_graph=None if cuda_graph else False)
+        for note in trainer.notes:
+            err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
     except MpgraphError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types

@@ -61,6 +61,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph import metadata as md
+from mpgraph import targets
 from mpgraph.data import Batches, Dataset, InputSpec
 from mpgraph.errors import CheckpointError, MpgraphError, OutputError, TrainingError, UsageError
 from mpgraph.io import write_atomic
@@ -444,6 +445,9 @@ class Trainer:
                 f"(no {dtype} compute kernels); convert the fp32 step graph with --emulate for CPU, or use --provider cuda"
             )
         self.provider = provider
+        #: Notes about running this graph on ``provider`` (``mpgraph.targets.check_runnable``,
+        #: which refuses a graph converted for a target whose kernels ``provider`` lacks).
+        self.notes: list[str] = targets.check_runnable(self.model, provider)
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = device_id if provider == "cuda" else 0
         self.fingerprint = graph_fingerprint(self.model)
