@@ -17,6 +17,7 @@ from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.train_graph import build_training_graph
 
+
 def tiny_gradient_model() -> ir.Model:
     """Gradients ~1e-8 through a 16x4 MatMul (models/underflow.py), as an SGD step graph."""
     return build_training_graph(underflow_model(16, 4), optimizer="sgd", lr=1.0)
