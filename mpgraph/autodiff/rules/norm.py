@@ -32,6 +32,13 @@ def softmax(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     if attention is not None:
         o, do = attention
         dot = ctx.op("ReduceSum", ctx.op("Mul", do, o), ctx.ints([-1]), keepdims=1)
+        last = y.shape[-1] if y.shape is not None else None
+        if isinstance(last, int):
+            # [rows, T] - [rows, 1]: ORT CUDA's per-channel broadcast kernel. The [..., T] -
+            # [..., 1] form takes its generic broadcast path (about 2x the time on the H200
+            # GPT's [8, 16, 512, 512]); the Reshapes are views.
+            rows = ctx.op("Sub", ctx.op("Reshape", dy, ctx.ints([-1, last])), ctx.op("Reshape", dot, ctx.ints([-1, 1])))
+            return (ctx.op("Mul", y, ctx.op("Reshape", rows, ctx.shape(y))),)
     else:
         dot = ctx.op("ReduceSum", ctx.op("Mul", dy, y), ctx.ints([axis]), keepdims=1)
     return (ctx.op("Mul", y, ctx.op("Sub", dy, dot)),)
