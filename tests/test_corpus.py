@@ -54,9 +54,17 @@ def _params():
 
 @functools.cache
 def _exported(model: str, exporter: str) -> check.Exported:
-    warnings.filterwarnings("ignore")
-    logging.getLogger("mpgraph").setLevel(logging.ERROR)
-    return check.export(build(model), exporter)
+    # The exporters' warnings and mpgraph's own would flood the log; silence them for the
+    # export only, and restore both (a global level left at ERROR hid later tests' warnings).
+    mpgraph_logger = logging.getLogger("mpgraph")
+    level = mpgraph_logger.level
+    mpgraph_logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return check.export(build(model), exporter)
+    finally:
+        mpgraph_logger.setLevel(level)
 
 
 @functools.cache

@@ -36,7 +36,7 @@ def test_every_preset_round_trips_through_its_commented_copy(name: str) -> None:
 
 def test_policy_yaml_names_a_missing_file_resolves_to_the_preset(tmp_path: Path, monkeypatch, caplog) -> None:
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.WARNING, logger="mpgraph"):
         policy = load_policy("bf16.yaml")
     assert policy == load_policy("bf16")
     [record] = caplog.records
