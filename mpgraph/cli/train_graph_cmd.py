@@ -26,6 +26,7 @@ def train_graph_command(
     batchnorm: Annotated[str, typer.Option("--batchnorm", help="train (batch statistics as a BatchNormalization node: fastest on ORT CPU), train-ops (the same as explicit ops: needed on ORT CUDA) or eval.")] = "train",
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
     flat_optimizer: Annotated[bool, typer.Option("--flat-optimizer", help="Update all float32 parameters as one flat buffer (a constant optimizer node count; slower on ORT CUDA for large models today, see docs/performance.md).")] = False,
+    target: Annotated[str, typer.Option("--target", help="cpu or cuda: where the step will run; picks the conv weight-gradient forms that measured fastest there (same math).")] = "cpu",
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
     from mpgraph import metadata as md
@@ -63,7 +64,7 @@ def train_graph_command(
         options["flat"] = True
     step = build_training_graph(
         forward, optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
-        optimizer_options=options, batchnorm=batchnorm,
+        optimizer_options=options, batchnorm=batchnorm, target=target,
     )
     save_model(step, out)
     pairs = state_pairs(step)

@@ -9,7 +9,9 @@ shape; MaxPool routes gradients through its indices output.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -32,6 +34,20 @@ UNIT_STRIDE_AS_CONV = True
 #: Slice + MatMul form (one group, static dims), ``"im2col"`` the one-hot im2col forms
 #: (SpaceToDepth where it applies). Tests and benchmarks set it to cover each form.
 WEIGHT_GRAD_FORM: str | None = None
+
+
+@contextlib.contextmanager
+def weight_grad_form(form: str | None) -> Iterator[None]:
+    """Within the block, emit ``form`` (see ``WEIGHT_GRAD_FORM``); ``None`` changes nothing,
+    and a form already forced (tests, benchmarks) wins."""
+    global WEIGHT_GRAD_FORM
+    previous = WEIGHT_GRAD_FORM
+    if form is not None and previous is None:
+        WEIGHT_GRAD_FORM = form
+    try:
+        yield
+    finally:
+        WEIGHT_GRAD_FORM = previous
 
 
 def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
