@@ -73,17 +73,25 @@ class CompareReport:
         return json.dumps(dataclasses.asdict(self), indent=2)
 
 
-def _run_all(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_all(model: ir.Model, feeds: Mapping[str, np.ndarray], *, with_bool: bool = False,
+            what: str = "model") -> dict[str, np.ndarray]:
+    """Run ``model`` on ORT CPU with every float value (and bool ones, ``with_bool``) exposed.
+
+    Raises:
+        MpgraphError: ORT failed; for a native bfloat16 ``what``, the message points to
+            ``--emulate``.
+    """
     def expose(value: ir.Value) -> bool:
         # Untyped values (no value_info in the file) are exposed too; numpy reads no bfloat16.
-        return value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16)
+        return (value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16)
+                or (with_bool and value.dtype == ir.DataType.BOOL))
 
     try:
         return run_with_values(model, feeds, expose)
     except MpgraphError as e:
         props = model.metadata_props
         if props.get(md.MODEL_DTYPE) == "bfloat16" and props.get(md.MODEL_EMULATED) != "true":
-            raise MpgraphError(f"{e} (a native bfloat16 model cannot run on ORT CPU: compare the --emulate conversion)") from None
+            raise MpgraphError(f"{e} (a native bfloat16 {what} cannot run on ORT CPU: compare the --emulate conversion)") from None
         raise
 
 
@@ -141,8 +149,8 @@ def compare(
         inputs = load_feeds(feeds)
     else:
         inputs = dict(feeds)
-    ref = _run_all(reference, inputs)
-    cand = _run_all(candidate, inputs)
+    ref = run_all(reference, inputs)
+    cand = run_all(candidate, inputs)
     values: list[ValueDivergence] = []
     for node in candidate.graph:
         if node.metadata_props.get(md.NODE_INSERTED):

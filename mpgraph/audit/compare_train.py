@@ -31,7 +31,6 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph import metadata as md
-from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 
 __all__ = ["TensorDivergence", "StepValueDivergence", "TrainCompareReport", "compare_train", "render_html"]
@@ -140,18 +139,9 @@ def _errors(ref: np.ndarray, cand: np.ndarray) -> tuple[float, float, int] | Non
 
 
 def _run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from mpgraph.passes.calibrate_range import run_with_values
+    from mpgraph.audit.compare import run_all
 
-    def expose(value: ir.Value) -> bool:
-        return value.dtype is None or (is_float(value.dtype) and value.dtype != ir.DataType.BFLOAT16) or value.dtype == ir.DataType.BOOL
-
-    try:
-        return run_with_values(model, feeds, expose)
-    except MpgraphError as e:
-        props = model.metadata_props
-        if props.get(md.MODEL_DTYPE) == "bfloat16" and props.get(md.MODEL_EMULATED) != "true":
-            raise MpgraphError(f"{e} (a native bfloat16 step graph cannot run on ORT CPU: compare the --emulate conversion)") from None
-        raise
+    return run_all(model, feeds, with_bool=True, what="step graph")
 
 
 def _scaled_values(model: ir.Model) -> set[str]:
