@@ -16,8 +16,9 @@ from onnx import numpy_helper
 __all__ = ["underflow_model"]
 
 
-def underflow_model(d_in: int, d_out: int) -> onnx.ModelProto:
-    """The model with ``x: [N, d_in]``, ``t: [N, d_out]`` and the parameter ``W: [d_in, d_out]``."""
+def underflow_model(d_in: int, d_out: int, tiny: float = 1e-8) -> onnx.ModelProto:
+    """The model with ``x: [N, d_in]``, ``t: [N, d_out]`` and the parameter ``W: [d_in, d_out]``;
+    ``tiny`` is the constant factor that scales the loss (and every gradient) down."""
     nodes = [
         h.make_node("MatMul", ["x", "W"], ["y"], name="matmul"),
         h.make_node("Sub", ["y", "t"], ["d"], name="sub"),
@@ -32,7 +33,7 @@ def underflow_model(d_in: int, d_out: int) -> onnx.ModelProto:
          h.make_tensor_value_info("W", T.FLOAT, [d_in, d_out])],
         [h.make_tensor_value_info("loss", T.FLOAT, [])],
         initializer=[numpy_helper.from_array(np.zeros((d_in, d_out), np.float32), "W"),
-                     numpy_helper.from_array(np.array(1e-8, np.float32), "tiny")],
+                     numpy_helper.from_array(np.array(tiny, np.float32), "tiny")],
     )
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
     model.ir_version = 9

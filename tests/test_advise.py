@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 import pytest
-from onnx import numpy_helper
 from typer.testing import CliRunner
 
 import mpgraph
@@ -23,11 +22,7 @@ from mpgraph.runtime.cpu_runner import CpuRunner
 
 def step_graph(loss_factor: float | None = None) -> ir.Model:
     """The underflow model's SGD step graph; ``loss_factor`` replaces its 1e-8 loss factor."""
-    model = underflow_model(16, 4)
-    if loss_factor is not None:
-        for init in model.graph.initializer:
-            if init.name == "tiny":
-                init.CopyFrom(numpy_helper.from_array(np.array(loss_factor, np.float32), "tiny"))
+    model = underflow_model(16, 4) if loss_factor is None else underflow_model(16, 4, tiny=loss_factor)
     return mpgraph.build_training_graph(model, optimizer="sgd", lr=1.0)
 
 

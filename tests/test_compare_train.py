@@ -7,7 +7,6 @@ from html.parser import HTMLParser
 
 import numpy as np
 import pytest
-from onnx import numpy_helper
 from typer.testing import CliRunner
 
 import mpgraph
@@ -22,11 +21,7 @@ NO_SCALING = "extends: fp16\nloss_scaling: {mode: none}\n"
 
 
 def underflow_step(loss_factor: float | None = None):
-    model = underflow_model(16, 4)
-    if loss_factor is not None:
-        for init in model.graph.initializer:
-            if init.name == "tiny":
-                init.CopyFrom(numpy_helper.from_array(np.array(loss_factor, np.float32), "tiny"))
+    model = underflow_model(16, 4) if loss_factor is None else underflow_model(16, 4, tiny=loss_factor)
     return mpgraph.build_training_graph(model, optimizer="sgd", lr=1.0)
 
 
