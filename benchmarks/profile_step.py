@@ -9,9 +9,11 @@ per step grouped by ``(mpgraph.role, op_type)``, by output dtype, and the top no
     python3 benchmarks/profile_step.py --policy bf16 --out DIR          # the H200 GPT
     python3 benchmarks/profile_step.py --policy fp32 --small --provider cpu   # a dry run
 
-Times are ORT's per-node ``kernel_time`` (host-side, including the launch on CUDA), averaged
-over the profiled steps after a warm-up; they add up to more than the GPU-busy time when
-launches overlap execution, so read them as a ranking, and read ``gpu_step.py`` for ms/step.
+Times are ORT's per-node ``kernel_time``, averaged over the profiled steps after a warm-up.
+On CPU that is the node's run time. On CUDA it is only the host side of the launch (the
+kernels run asynchronously: on the H200 GPT every node read about 0.05 ms whatever its size),
+so it ranks nothing there; use ``--kernels``, which times the CUDA kernels themselves (CUPTI
+through torch.profiler), by kernel name.
 """
 
 from __future__ import annotations
