@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import mpgraph  # noqa: E402
-from mpgraph.metadata import NODE_GRAD_OF, NODE_INSERTED, NODE_ROLE  # noqa: E402
+from mpgraph._ir.meta import NODE_GRAD_OF, NODE_INSERTED, NODE_ROLE  # noqa: E402
 
 ZOO_GPT = ROOT / "models" / "onnx" / "gpt.loss.onnx"
 # Forward ops whose backward this script itemises (the deny ops and the erf-GELU pieces).

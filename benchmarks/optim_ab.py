@@ -35,7 +35,7 @@ import onnx_ir as ir
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import mpgraph  # noqa: E402
-from mpgraph import metadata as md  # noqa: E402
+from mpgraph._ir import meta as md  # noqa: E402
 from mpgraph.optim import base as optim_base  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
 from mpgraph.train_graph import build_training_graph  # noqa: E402

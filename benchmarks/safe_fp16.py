@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from test_safe_fp16 import LIGHT, ZOO, _rel, _run, random_feeds, t5_overflowing  # noqa: E402
 
 import mpgraph  # noqa: E402
-from mpgraph import metadata as md  # noqa: E402
+from mpgraph._ir import meta as md  # noqa: E402
 
 
 def row(name: str, model: onnx.ModelProto, **kwargs: object) -> None:

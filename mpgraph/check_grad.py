@@ -57,7 +57,7 @@ from mpgraph.autodiff import registry
 from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext, input_gradients
 from mpgraph.data import read_npz
 from mpgraph.errors import MpgraphError
-from mpgraph.metadata import MODEL_LOSS, NODE_ROLE
+from mpgraph._ir.meta import MODEL_LOSS, NODE_ROLE
 
 __all__ = ["check_grad", "GradCheckReport", "ParamCheck", "NodeCheck", "InputsError"]
 

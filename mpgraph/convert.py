@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model

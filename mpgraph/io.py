@@ -101,7 +101,7 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
     Raises:
         ModelLoadError: Naming the key and what is wrong with it.
     """
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
 
     props = {p.key: p.value for p in proto.metadata_props}
     if not any(k.startswith("mpgraph.") for k in props):

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.policy.schema import Policy
 

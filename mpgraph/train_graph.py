@@ -59,7 +59,7 @@ from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
 from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
-from mpgraph.metadata import (
+from mpgraph._ir.meta import (
     MODEL_GRAD_SEED,
     MODEL_GRADIENTS,
     MODEL_LOSS,

@@ -39,7 +39,7 @@ import onnx
 import onnx_ir as ir
 import yaml
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.io import load_model
 from mpgraph.policy import Policy, load_policy

@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.train_graph import build_training_graph
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"

@@ -19,7 +19,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mpgraph.metadata import MODEL_STATE_PAIRS
+from mpgraph._ir.meta import MODEL_STATE_PAIRS
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.train_graph import build_training_graph
 

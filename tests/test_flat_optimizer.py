@@ -18,7 +18,7 @@ import pytest
 from onnx import helper, numpy_helper
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.optim import base
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner

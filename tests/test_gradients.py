@@ -715,7 +715,7 @@ def test_erf_gelu_and_masked_softmax_patterns(fill: float, read_cdf: bool) -> No
     """The erf-GELU pattern gets one compact backward (no rule runs for Div/Erf/Add inside it),
     and Where(-inf) before Softmax passes dy through; both match torch. A finite fill keeps
     the Where's select (a fully masked row would not give exact zeros)."""
-    from mpgraph.metadata import NODE_GRAD_OF
+    from mpgraph._ir.meta import NODE_GRAD_OF
 
     model = _gelu_softmax_model(fill, read_cdf)
     step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])

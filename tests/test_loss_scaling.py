@@ -11,7 +11,7 @@ import torch
 
 import mpgraph
 from models.underflow import underflow_model
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer

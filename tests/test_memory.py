@@ -10,7 +10,7 @@ from onnx import helper as h
 from typer.testing import CliRunner
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.audit.memory import estimate_memory
 from mpgraph.cli.main import app
 from tests.helpers import init, make_model, vi

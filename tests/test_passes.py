@@ -17,7 +17,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.audit import audit
 from mpgraph.dtypes import FLOAT_FORMATS, is_lossless
 from mpgraph.errors import MpgraphError

@@ -501,7 +501,7 @@ def test_other_domain_op_types_are_not_checked() -> None:
 def test_tf32_preset_differs_from_fp32_only_in_the_tf32_flag(tmp_path):
     """tf32 lowers nothing (the graph equals fp32's) and records the runtime flag; fp32 says strict."""
     import mpgraph
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
 
     src = Path(__file__).resolve().parents[1] / "models" / "onnx" / "tiny_mlp.loss.onnx"
     strict, loose = mpgraph.convert(str(src), "fp32"), mpgraph.convert(str(src), "tf32")

@@ -31,7 +31,7 @@ from onnx import helper as h
 from onnx import numpy_helper
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.audit import compare
 from mpgraph.errors import MpgraphError
 from mpgraph.passes.calibrate_range import random_feeds

@@ -24,7 +24,7 @@ from onnx import TensorProto as T
 from onnx import helper as h
 
 import mpgraph
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.passes.calibrate_range import random_feeds
 from mpgraph.policy import parse_policy

@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 
 from mpgraph.errors import GradientError, MpgraphError
-from mpgraph.metadata import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE, ROLES
+from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE, ROLES
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.train_graph import build_training_graph
 

@@ -11,7 +11,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.data import Batches, InputSpec, dataset_for_model, fit_to_inputs, load_dataset
 from mpgraph.errors import MpgraphError
 from mpgraph.io import save_model

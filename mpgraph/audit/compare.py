@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.passes.calibrate_range import load_feeds, random_feeds, run_with_values

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 
 __all__ = ["TensorDivergence", "StepValueDivergence", "TrainCompareReport", "compare_train", "render_html"]

@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 
 __all__ = ["MemoryReport", "estimate_memory", "ROLES", "VIEW_OPS"]

@@ -26,7 +26,7 @@ import onnx_ir as ir
 
 from mpgraph.autodiff import registry
 from mpgraph.errors import GradientError
-from mpgraph.metadata import NODE_GRAD_OF, NODE_ROLE
+from mpgraph._ir.meta import NODE_GRAD_OF, NODE_ROLE
 
 __all__ = ["GradContext", "differentiate", "input_gradients", "FLOAT_TYPES"]
 

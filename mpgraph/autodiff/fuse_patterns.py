@@ -32,7 +32,7 @@ import math
 
 import onnx_ir as ir
 
-from mpgraph.metadata import NODE_ROLE
+from mpgraph._ir.meta import NODE_ROLE
 
 __all__ = ["ErfGelu", "match_erf_gelu", "masked_softmax_input"]
 

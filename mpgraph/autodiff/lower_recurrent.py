@@ -44,7 +44,7 @@ import onnx_ir.passes.common
 from mpgraph.autodiff.driver import GradContext, differentiate
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
-from mpgraph.metadata import NODE_GRAD_OF, NODE_ROLE
+from mpgraph._ir.meta import NODE_GRAD_OF, NODE_ROLE
 
 __all__ = ["RECURRENT_OPS", "lower_recurrent", "unroll"]
 

@@ -14,7 +14,7 @@ __all__ = ["compare_train_report", "is_step_graph"]
 
 def is_step_graph(model: Any) -> bool:
     """Whether ``model`` (an onnx-ir model) is a training step graph."""
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
 
     return model.metadata_props.get(md.MODEL_TRAINING) == "true"
 

@@ -16,7 +16,7 @@ def step_graph_for(model: Path, optimizer: str | None, policy: str | None):  # n
     A forward model gets ``train-graph`` with ``optimizer`` (default ``adamw``), then
     ``convert`` with ``policy`` when given; a float32 step graph is converted with ``policy``.
     """
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
     from mpgraph.convert import convert
     from mpgraph.errors import MpgraphError
     from mpgraph.io import load_model

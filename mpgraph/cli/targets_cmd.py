@@ -67,7 +67,7 @@ def targets_command(
 
 def conversion_notes(model: ir.Model, *, emulate: bool) -> list[str]:
     """Lines ``convert`` prints after its summary: range check, target, CPU float16 caveat."""
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
 
     props = model.metadata_props
     lines: list[str] = []

@@ -29,7 +29,7 @@ def train_graph_command(
     target: Annotated[str, typer.Option("--target", help="cpu or cuda: where the step will run; picks the conv weight-gradient forms that measured fastest there (same math).")] = "cpu",
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
-    from mpgraph import metadata as md
+    from mpgraph._ir import meta as md
     from mpgraph.cli.checks import check_output_path, finite
     from mpgraph.errors import UnsupportedModelError
     from mpgraph.io import load_model, save_model

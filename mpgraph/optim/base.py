@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.errors import GradientError
-from mpgraph.metadata import FLAT_GRADIENT, FLAT_PARAM, FLAT_SPLIT, NODE_FLAT
+from mpgraph._ir.meta import FLAT_GRADIENT, FLAT_PARAM, FLAT_SPLIT, NODE_FLAT
 
 __all__ = ["Optimizer", "StateFactory", "OPTIMIZERS", "make_optimizer", "slots"]
 

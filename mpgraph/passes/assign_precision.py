@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import CONTROL_FLOW_OPS, SHAPE_SLOTS, NodeTyping, node_typing, opset_version

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import short_name
 from mpgraph.passes.assign_precision import constant_tensor
 from mpgraph.passes.naming import NameScope, make_cast

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing, type_string

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 
 __all__ = ["NameScope", "make_cast"]
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 from mpgraph.passes.naming import NameScope
 from mpgraph.policy.schema import LossScaling

@@ -10,7 +10,7 @@ import google.protobuf.message
 import onnx
 import onnx_ir as ir
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph.dtypes import is_float
 from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing

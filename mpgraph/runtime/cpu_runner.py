@@ -21,7 +21,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph.errors import MpgraphError
-from mpgraph.metadata import MODEL_STATE_PAIRS
+from mpgraph._ir.meta import MODEL_STATE_PAIRS
 
 __all__ = ["CpuRunner"]
 

@@ -60,7 +60,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from mpgraph import metadata as md
+from mpgraph._ir import meta as md
 from mpgraph import targets
 from mpgraph.data import Batches, Dataset, InputSpec
 from mpgraph.errors import CheckpointError, MpgraphError, OutputError, TrainingError, UsageError

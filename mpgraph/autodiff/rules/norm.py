@@ -8,7 +8,7 @@ import onnx_ir as ir
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
-from mpgraph.metadata import NODE_ROLE
+from mpgraph._ir.meta import NODE_ROLE
 
 __all__: list[str] = []
 

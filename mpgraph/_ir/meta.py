@@ -6,7 +6,12 @@ and ``model.metadata_props``), so Netron shows them and a saved model carries it
 
 from __future__ import annotations
 
+import enum
+import sys
+
 __all__ = [
+    "Role",
+    "Precision",
     "NODE_PRECISION",
     "NODE_REASON",
     "NODE_INSERTED",
@@ -102,4 +107,35 @@ GROWTH_TRACKER = "loss_scale/growth_tracker"
 #: Bool scalar graph output: true when a gradient was inf/NaN and the update was skipped.
 FOUND_INF = "found_inf"
 
-ROLES = ("forward", "backward", "loss", "optimizer")
+if sys.version_info >= (3, 11):
+    StrEnum = enum.StrEnum
+else:  # pragma: no cover - Python 3.10
+
+    class StrEnum(str, enum.Enum):
+        def __str__(self) -> str:
+            return str(self.value)
+
+
+class Role(StrEnum):
+    """``NODE_ROLE`` of a node in a training step graph.
+
+    >>> Role.BACKWARD == "backward", str(Role.OPTIMIZER)
+    (True, 'optimizer')
+    """
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    LOSS = "loss"
+    OPTIMIZER = "optimizer"
+
+
+class Precision(StrEnum):
+    """``NODE_PRECISION``: the dtype a node computes in, or ``none`` (it touches no float)."""
+
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+    NONE = "none"
+
+
+ROLES = tuple(Role)
