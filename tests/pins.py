@@ -5,6 +5,8 @@ same bytes before and after. ``tests/test_pins.py`` checks the table in ``tests/
 after a change that is meant to alter graphs, regenerate it and say why in the commit::
 
     .venv/bin/python -m tests.pins            # rewrites tests/pins.json, prints what changed
+    .venv/bin/python -m tests.pins --check convert/ step/gpt   # compares cases whose id
+                                              # contains any of the words; writes nothing
 
 The cases: every zoo model converted under every preset (native and emulated); the onnx wheel's
 nine light models under every preset (native, and emulated for the low-precision ones); every
@@ -118,9 +120,17 @@ def load() -> dict[str, str]:
     return json.loads(PINS.read_text())
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     old = load() if PINS.exists() else {}
+    if argv[:1] == ["--check"]:
+        words = argv[1:]
+        got = compute(lambda case: not words or any(w in case for w in words))
+        bad = sorted(k for k in got if old.get(k) != got[k])
+        for case in bad:
+            print(f"changed: {case}")
+        print(f"{len(got)} cases checked, {len(bad)} changed")
+        return 1 if bad else 0
     new = compute()
     changed = sorted(k for k in new if old.get(k) != new[k])
     for case in changed:
@@ -133,4 +143,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
