@@ -68,6 +68,7 @@ from mpgraph._ir.meta import (
     NODE_ROLE,
 )
 from mpgraph.optim import make_optimizer
+from mpgraph.runtime.probe import evaluate_nodes
 
 __all__ = ["build_training_graph", "BUILTIN_LOSSES", "MIN_OPSET", "LR_INPUT", "state_pairs"]
 
@@ -270,7 +271,7 @@ def _fold_constants(graph: ir.Graph, inputs_mark_params: bool) -> int:
                 and (o.is_graph_output() or any(u not in folded_nodes for u, _ in o.uses()))]
     if not frontier:
         return 0
-    values = _evaluate(graph, folding, frontier)
+    values = evaluate_nodes(graph, folding, frontier)
     if values is None:
         return 0
     count = 0
@@ -297,31 +298,6 @@ def _remove_unused(graph: ir.Graph, nodes: set[ir.Node]) -> None:
     for node in reversed(list(graph)):
         if node in nodes and not any(o.uses() or o.is_graph_output() for o in node.outputs):
             graph.remove(node, safe=True)
-
-
-def _evaluate(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> list[np.ndarray] | None:
-    """Run ``nodes`` (constant inputs only) in ONNX Runtime and return ``values``."""
-    import onnxruntime as ort
-
-    inits = {v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer()}
-    proto = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [ir.serde.serialize_node(n) for n in nodes], "fold", [],
-            [onnx.helper.make_tensor_value_info(_name(v), int(v.dtype), None) for v in values if v.dtype is not None],
-            [ir.serde.serialize_tensor(graph.initializers[name].const_value) for name in sorted(n for n in inits if n)],
-        ),
-        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
-    )
-    proto.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(proto.opset_import), True))
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return [np.asarray(a) for a in session.run([_name(v) for v in values], {})]
-    except Exception as e:  # noqa: BLE001 - ORT raises many types; folding is an optimization
-        logger.warning("constant folding skipped: ONNX Runtime cannot evaluate the constant subgraphs (%s)", str(e).splitlines()[0])
-        return None
 
 
 def _warn_folded_batchnorm(graph: ir.Graph) -> list[str]:
