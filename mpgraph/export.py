@@ -52,13 +52,16 @@ same bytes (node metadata such as source stack traces, which embed file paths, i
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import io
 import logging
 import os
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -81,6 +84,7 @@ __all__ = [
     "LOGITS_NAME",
     "LOSS_NAME",
     "export_module",
+    "export_file",
 ]
 
 logger = logging.getLogger(__name__)
@@ -219,6 +223,93 @@ def export_module(
     if path is not None:
         save_model(model, path, external_data=False)
     return proto
+
+
+def export_file(
+    target: str,
+    inputs: Sequence[tuple[Sequence[int], str]],
+    path: str | os.PathLike[str],
+    *,
+    loss: LossKind | None = None,
+    train: bool = True,
+    opset: int = 18,
+    seed: int = 0,
+) -> onnx.ModelProto:
+    """Export the module class ``FILE.py:ClassName`` names (what ``mpgraph export`` runs).
+
+    FILE.py is imported, so its code runs with your permissions: export only code you trust.
+    The class is constructed without arguments after ``torch.manual_seed(seed)``, put in
+    train or eval mode, and exported with ``export_module`` on example inputs drawn next:
+    ``randn`` for ``float32``, zeros for ``int64``. Any failure of the user's code,
+    ``sys.exit`` included, becomes one ``ExportError`` line.
+
+    Args:
+        target: ``path/to/model.py:Net``.
+        inputs: ``(shape, dtype)`` per data input, batch first; dtype ``float32`` or ``int64``.
+        path: Where to write the model.
+        loss: As ``export_module``.
+        train: Export train-mode behaviour (BatchNorm batch statistics) or eval mode.
+        opset: Default-domain opset, 18 to 22.
+        seed: ``torch.manual_seed`` before constructing the module.
+
+    Returns:
+        The written model.
+
+    Raises:
+        ExportError: The file, the class, its construction or its export fails.
+    """
+    torch = _import_torch()
+    cls = _load_module_class(target)
+    if not issubclass(cls, torch.nn.Module):
+        raise ExportError(f"{target}: '{cls.__name__}' is not a torch.nn.Module subclass")
+    torch.manual_seed(seed)
+    module = _user_code("constructing the module", target, cls)
+    if not isinstance(module, torch.nn.Module):
+        raise ExportError(f"{target}: constructing it gave a {type(module).__name__}, not a torch.nn.Module")
+    module.train(train)
+    examples = [torch.zeros(list(shape), dtype=torch.int64) if dtype == "int64" else torch.randn(list(shape))
+                for shape, dtype in inputs]
+    return _user_code("exporting (running forward)", target,
+                      lambda: export_module(module, examples, path, loss=loss, opset=opset))
+
+
+def _load_module_class(target: str) -> type:
+    """``path/to/model.py:Net`` -> the class ``Net`` defined in that file."""
+    path_text, sep, name = target.rpartition(":")
+    if not sep or not path_text or not name:
+        raise ExportError(f"{target}: expected FILE.py:ClassName")
+    path = Path(path_text)
+    if not path.is_file():
+        raise ExportError(f"{path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"mpgraph_user_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ExportError(f"{path}: cannot import as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SystemExit as e:
+        raise ExportError(f"{path}: importing it called sys.exit({e.code!r}); the file must define the class "
+                          "without running a program (guard it with if __name__ == '__main__')") from None
+    except Exception as e:  # noqa: BLE001 - user code may raise anything
+        raise ExportError(f"{path}: importing it failed: {type(e).__name__}: {_first_line(e)}") from e
+    cls = getattr(module, name, None)
+    if not isinstance(cls, type):
+        raise ExportError(f"{path}: defines no class '{name}'")
+    return cls
+
+
+def _user_code(what: str, target: str, call: Callable[[], Any]) -> Any:
+    """Run user code (a constructor, an export that runs ``forward``): any failure, including
+    ``sys.exit``, becomes one line."""
+    try:
+        return call()
+    except MpgraphError:
+        raise
+    except SystemExit as e:
+        raise ExportError(f"{target}: {what} called sys.exit({e.code!r})") from None
+    except Exception as e:  # noqa: BLE001 - user code may raise anything
+        raise ExportError(f"{target}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
 
 
 def _import_torch() -> Any:

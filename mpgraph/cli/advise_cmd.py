@@ -9,7 +9,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-__all__ = ["register", "advise_scale_command", "split_batches"]
+from mpgraph.cli.console import console
+
+__all__ = ["advise_scale_command", "split_batches"]
 
 
 def split_batches(arrays: dict, parts: int) -> list[dict]:
@@ -38,11 +40,10 @@ def advise_scale_command(
 ) -> None:
     """Measure backward values on float32 batches; recommend an initial loss scale and say if it must be dynamic."""
     from mpgraph.advise import advise_scale, scale_label
-    from mpgraph.cli.main import console, finite
-    from mpgraph.data import read_npz
+    from mpgraph.cli.checks import finite
+    from mpgraph.data import random_feeds, read_npz
     from mpgraph.errors import UsageError
     from mpgraph.io import load_model
-    from mpgraph.passes.calibrate_range import random_feeds
 
     finite(max_flush, "--max-flush", low=0.0, high=1.0)
     finite(headroom, "--headroom", low=1.0)
@@ -85,10 +86,3 @@ def advise_scale_command(
         console.print(f"[bold]recommended initial scale: {init} ({label})[/], {mode} scaling: {advice.reason}",
                       highlight=False, soft_wrap=True)
         console.print(f"policy: loss_scaling: {{mode: {mode}, init: {init}}}", highlight=False)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``advise-scale`` to the ``mpgraph`` app."""
-    from mpgraph.cli.main import handle_errors
-
-    app.command("advise-scale")(handle_errors(advise_scale_command))

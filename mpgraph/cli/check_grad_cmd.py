@@ -14,7 +14,9 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["register", "check_grad_command"]
+from mpgraph.cli.console import console, err_console
+
+__all__ = ["check_grad_command"]
 
 
 def check_grad_command(
@@ -32,7 +34,6 @@ def check_grad_command(
 ) -> None:
     """Check every parameter's gradient against central finite differences (no torch needed)."""
     from mpgraph.check_grad import check_grad
-    from mpgraph.cli.main import console, err_console
     from mpgraph.errors import MpgraphError
 
     if batch < 1:
@@ -85,10 +86,3 @@ def check_grad_command(
             console.print(f"no single node's rule disagrees on its own ({report.nodes_checked} checked)", highlight=False)
     if not report.passed:
         raise typer.Exit(1)
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``check-grad`` to the ``mpgraph`` app."""
-    from mpgraph.cli.main import handle_errors
-
-    app.command("check-grad")(handle_errors(check_grad_command))

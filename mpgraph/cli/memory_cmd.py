@@ -7,6 +7,8 @@ from pathlib import Path
 
 from rich.table import Table
 
+from mpgraph.cli.console import console
+
 __all__ = ["memory_report", "step_graph_for"]
 
 
@@ -47,7 +49,6 @@ def _mib(n: int) -> str:
 def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool) -> None:
     """Print ``estimate_memory`` for ``model`` (table or JSON)."""
     from mpgraph.audit.memory import ROLES, estimate_memory
-    from mpgraph.cli.main import console
     from mpgraph.errors import UsageError
 
     if batch < 1:

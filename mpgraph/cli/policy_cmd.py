@@ -1,4 +1,4 @@
-"""``mpgraph policy init``: a commented copy of a preset (or policy file) to edit."""
+"""``mpgraph policy show|list|check|init``: show, list, validate and copy precision policies."""
 
 from __future__ import annotations
 
@@ -6,8 +6,53 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
 
-__all__ = ["register", "policy_init"]
+from mpgraph.cli.console import console
+
+__all__ = ["policy_show", "policy_list", "policy_check", "policy_init"]
+
+
+def policy_show(name: Annotated[str, typer.Argument(help="Preset name or YAML path.")]) -> None:
+    """Print a policy (preset or file), fully resolved."""
+    from mpgraph.policy import load_policy
+
+    pol = load_policy(name)
+    console.print(f"[bold]{pol.name}[/]: dtype {pol.dtype.name.lower()}, unlisted ops: {pol.default_category}")
+    if pol.description:
+        console.print(pol.description)
+    table = Table()
+    for col in ("category", "op type", "reason"):
+        table.add_column(col)
+    for category in ("allow", "infer", "clear", "deny"):
+        for op_type, (cat, reason) in sorted(pol.ops.items()):
+            if cat == category:
+                table.add_row(category, op_type, reason)
+    if pol.ops:
+        console.print(table)
+    for override in pol.overrides:
+        console.print(f"override {override.pattern!r} -> {override.precision}: {override.reason}")
+    for pin in pol.pins:
+        console.print(f"pin {pin.op_type} inputs {list(pin.inputs)}: {pin.reason}")
+    console.print(f"keep_io_types: {pol.keep_io_types}   initializers: {pol.initializers}")
+    console.print(f"loss_scaling: {pol.loss_scaling}")
+
+
+def policy_list() -> None:
+    """List the presets."""
+    from mpgraph.policy import list_presets, load_policy
+
+    for name in list_presets():
+        pol = load_policy(name)
+        console.print(f"{name:16s} {pol.dtype.name.lower():9s} loss scaling: {pol.loss_scaling.mode}")
+
+
+def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]) -> None:
+    """Validate a policy file; errors name file, line, key path, bad value and valid choices."""
+    from mpgraph.policy import load_policy_file
+
+    pol = load_policy_file(path)
+    console.print(f"{path}: ok ({pol.dtype.name.lower()}, {len(pol.ops)} ops listed)")
 
 
 def policy_init(
@@ -16,8 +61,6 @@ def policy_init(
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
 ) -> None:
     """Write a self-contained, commented copy of a policy to edit, then use with --policy OUTPUT."""
-    from rich.console import Console
-
     from mpgraph.errors import UsageError
     from mpgraph.io import write_atomic
     from mpgraph.policy import list_presets, load_policy
@@ -28,18 +71,8 @@ def policy_init(
     policy = load_policy(source)
     label = f"preset {source}" if source in list_presets() else str(source)
     write_atomic(output, policy_yaml(policy, name=output.stem, source=label).encode("utf-8"))
-    Console().print(
+    console.print(
         f"wrote {output} ({label}, {policy.dtype.name.lower()}, {len(policy.ops)} ops listed); "
         f"edit it, then: mpgraph convert MODEL --policy {output}",
         highlight=False, soft_wrap=True,
     )
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``policy init`` to the ``policy`` command group of ``app``."""
-    command = policy_init
-    try:  # the shared wrapper turns MpgraphError into one line and exit code 2
-        from mpgraph.cli.main import handle_errors, policy_app
-    except ImportError:
-        return
-    policy_app.command("init")(handle_errors(command))

@@ -8,13 +8,12 @@ from typing import Annotated
 
 import onnx_ir as ir
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-__all__ = ["register", "targets_command", "conversion_notes"]
+from mpgraph.cli.console import console
 
-console = Console()
+__all__ = ["targets_command", "conversion_notes"]
 
 _MARK = {"ok": "[green]ok[/]", "fp32": "[yellow]fp32[/]", "no": "[red]no[/]", "n/a": "[dim]n/a[/]", None: "[dim]-[/]"}
 
@@ -107,15 +106,3 @@ def conversion_notes(model: ir.Model, *, emulate: bool) -> list[str]:
             "underflow do not show there; --emulate rounds like float16 hardware on CPU"
         )
     return lines
-
-
-def register(app: typer.Typer) -> None:
-    """Add the ``targets`` command to ``app``."""
-    command = targets_command
-    try:  # the shared wrapper turns MpgraphError into one line and exit code 2
-        from mpgraph.cli.main import handle_errors
-
-        command = handle_errors(command)
-    except ImportError:
-        pass
-    app.command("targets")(command)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -9,7 +10,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-__all__ = ["register", "tune_command"]
+from mpgraph.cli.console import console, err_console
+
+__all__ = ["tune_command"]
 
 
 def tune_command(
@@ -26,7 +29,6 @@ def tune_command(
     import dataclasses
     import json
 
-    from mpgraph.cli.main import console, err_console
     from mpgraph.data import read_npz
     from mpgraph.errors import UsageError
     from mpgraph.io import write_atomic
@@ -39,7 +41,7 @@ def tune_command(
     pol = load_policy(policy)
     out = output or model.with_name(f"{model.stem}.{pol.name}.tuned.yaml")
     feeds = read_npz(inputs) if inputs is not None else None
-    with err_console.status("tuning", spinner="dots") if not as_json else _Null() as status:
+    with err_console.status("tuning", spinner="dots") if not as_json else contextlib.nullcontext() as status:
         def progress(n: int, err: float, kept: int) -> None:
             if status is not None:
                 status.update(f"tuning: {n} conversions, last error {err:.3g} with {kept} ops float32")
@@ -65,18 +67,3 @@ def tune_command(
     console.print(f"wrote {out}  (use it: mpgraph convert {model} --policy {out})", highlight=False, soft_wrap=True)
     if not result.met:
         raise typer.Exit(1)
-
-
-class _Null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def register(app: typer.Typer) -> None:
-    """Add ``tune`` to the ``mpgraph`` app."""
-    from mpgraph.cli.main import handle_errors
-
-    app.command("tune")(handle_errors(tune_command))

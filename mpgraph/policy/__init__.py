@@ -1,6 +1,12 @@
 """Precision policies: schema, YAML loading and the presets in ``rules/``."""
 
-from mpgraph.policy.loader import list_presets, load_policy, parse_policy, preset_path
+from mpgraph.policy.loader import (
+    list_presets,
+    load_policy,
+    load_policy_file,
+    parse_policy,
+    preset_path,
+)
 from mpgraph.policy.schema import (
     CATEGORIES,
     InitializerRange,
@@ -19,6 +25,7 @@ __all__ = [
     "Policy",
     "list_presets",
     "load_policy",
+    "load_policy_file",
     "parse_policy",
     "preset_path",
 ]

@@ -56,7 +56,7 @@ from mpgraph.policy.schema import (
     Policy,
 )
 
-__all__ = ["load_policy", "list_presets", "preset_path", "parse_policy"]
+__all__ = ["load_policy", "load_policy_file", "list_presets", "preset_path", "parse_policy"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +123,20 @@ def load_policy(spec: str | os.PathLike[str] | Policy) -> Policy:
         return _load_file(str(preset_path(stem)), ())
     path = Path(text) if looks_like_path else preset_path(text)
     return _load_file(str(path.resolve()) if looks_like_path else str(path), ())
+
+
+def load_policy_file(path: str | os.PathLike[str]) -> Policy:
+    """Load a policy from a YAML file, never a preset (``bf16.yaml`` must exist here).
+
+    Raises:
+        PolicyError: The file is missing, a directory, or not a valid policy.
+    """
+    file = Path(path)
+    if not file.exists():
+        raise PolicyError(f"{file}: policy file not found")
+    if file.is_dir():
+        raise PolicyError(f"{file}: is a directory, expected a policy .yaml file")
+    return _load_file(str(file.resolve()), ())
 
 
 def _load_file(path: str, chain: tuple[str, ...]) -> Policy:

@@ -1,0 +1,89 @@
+"""``mpgraph audit``: which ops run in which precision and why, casts and weight bytes."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+from rich.table import Table
+
+from mpgraph.cli.console import console, human_bytes
+
+if TYPE_CHECKING:
+    from mpgraph.audit import AuditReport
+
+__all__ = ["audit_command"]
+
+
+def audit_command(
+    model: Annotated[Path, typer.Argument(help="A model written by `mpgraph convert`.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    nodes: Annotated[bool, typer.Option("--nodes", help="Also list every node with its precision and reason.")] = False,
+    memory: Annotated[bool, typer.Option("--memory", help="Estimate a training step's memory: bytes per parameter by role, activations by liveness.")] = False,
+    batch: Annotated[int, typer.Option("--batch", help="With --memory: the batch size symbolic dims take.")] = 1,
+    optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
+    mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
+) -> None:
+    """Show which ops run in which precision, the casts inserted, and weight bytes."""
+    from mpgraph.audit import audit
+    from mpgraph.io import load_model
+
+    if memory:
+        from mpgraph.cli.memory_cmd import memory_report
+
+        return memory_report(model, batch=batch, optimizer=optimizer, policy=mem_policy, as_json=as_json)
+    report = audit(load_model(model))
+    if as_json:
+        sys.stdout.write(report.to_json() + "\n")
+        return
+    if report.policy is None:
+        console.print(f"[yellow]{model} was not converted by mpgraph (no decisions recorded)[/]")
+    console.print(
+        f"[bold]{model}[/]  policy={report.policy}  dtype={report.dtype}"
+        + ("  [cyan](CPU emulation)[/]" if report.emulated else "")
+    )
+    _print_op_tables(report)
+    console.print(
+        f"casts inserted: {report.casts_inserted}   emulation roundings: {report.rounds_inserted}   "
+        f"Cast nodes in graph: {report.casts_total}"
+    )
+    console.print(
+        f"float weights: {human_bytes(report.weight_bytes_before)} before -> {human_bytes(report.weight_bytes_after)} after"
+    )
+    for event in report.initializer_range:
+        console.print(
+            f"[yellow]range:[/] {event['name']}: {event['overflow']} overflow, {event['underflow']} underflow -> {event['action']}"
+        )
+    _print_reasons(report, nodes=nodes)
+
+
+def _print_op_tables(report: AuditReport) -> None:
+    """One table per role: op types by precision, with totals."""
+    for role, ops in report.ops.items():
+        precisions = sorted({p for counts in ops.values() for p in counts})
+        table = Table(title=None if role == "all" else f"role: {role}", show_footer=True)
+        table.add_column("op type", footer="total")
+        for p in precisions:
+            table.add_column(p, justify="right", footer=str(sum(c.get(p, 0) for c in ops.values())))
+        for op_type, counts in ops.items():
+            table.add_row(op_type, *(str(counts.get(p, "")) for p in precisions))
+        console.print(table)
+
+
+def _print_reasons(report: AuditReport, *, nodes: bool) -> None:
+    """The 15 most common reasons, then (``--nodes``) every node's decision."""
+    reasons = Table(title="why (nodes per reason)")
+    reasons.add_column("nodes", justify="right")
+    reasons.add_column("reason")
+    for reason, count in list(report.reasons.items())[:15]:
+        reasons.add_row(str(count), reason)
+    console.print(reasons)
+    if nodes:
+        detail = Table(title="nodes")
+        for col in ("name", "op_type", "role", "precision", "reason"):
+            detail.add_column(col)
+        for rec in report.nodes:
+            detail.add_row(*(rec[c] for c in ("name", "op_type", "role", "precision", "reason")))
+        console.print(detail)
