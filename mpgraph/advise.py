@@ -42,6 +42,7 @@ from mpgraph._ir import meta as md
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.policy import Policy, load_policy
+from mpgraph.runtime.probe import run_with_values
 
 __all__ = ["TensorScaleStats", "ScaleAdvice", "advise_scale", "low_backward_values", "scale_label", "CANDIDATE_SCALES"]
 
@@ -160,8 +161,6 @@ def advise_scale(
     Raises:
         MpgraphError: Not a float32 step graph, no batches, or the policy lowers no backward value.
     """
-    from mpgraph.passes.calibrate_range import run_with_values
-
     props = step.metadata_props
     if props.get(md.MODEL_TRAINING) != "true":
         raise MpgraphError("advise-scale needs a training step graph (run train-graph first)")

@@ -14,19 +14,13 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.data import random_feeds, read_npz
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
 from mpgraph.optypes import node_typing
 from mpgraph.passes.assign_precision import AssignPrecisionPass
-from mpgraph.passes.calibrate_range import (
-    CalibrateRangePass,
-    Calibration,
-    load_feeds,
-    measure_ranges,
-    random_feeds,
-    run_with_values,
-)
+from mpgraph.passes.calibrate_range import CalibrateRangePass
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
@@ -34,6 +28,7 @@ from mpgraph.passes.insert_casts import InsertCastsPass
 from mpgraph.passes.scale_loss import ScaleLossPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
 from mpgraph.policy import Policy, load_policy
+from mpgraph.runtime.probe import Calibration, measure_ranges, run_with_values
 from mpgraph.targets import resolve_target, with_target
 
 __all__ = ["convert", "convert_file", "build_pipeline", "float_weight_bytes", "CalibrateSpec"]
@@ -54,12 +49,12 @@ def build_pipeline(
     *,
     emulate: bool = False,
     validate: bool = True,
-    calibration: Calibration | Mapping[str, np.ndarray] | None = None,
+    calibration: Calibration | None = None,
 ) -> list[ir.passes.PassBase]:
     """The passes ``convert`` runs, in order, as data."""
     passes: list[ir.passes.PassBase] = [InferTypesPass()]
     if calibration is not None and not policy.is_identity:
-        passes.append(CalibrateRangePass(calibration, policy.dtype))
+        passes.append(CalibrateRangePass(calibration.absmax()))
     if not policy.is_identity:
         # Training step graphs only; the loss-scale nodes it adds are float32 optimizer nodes.
         passes.append(ScaleLossPass(policy.loss_scaling))
@@ -284,7 +279,7 @@ def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec, proto:
     if calibrate is True or (isinstance(calibrate, str) and calibrate in ("auto", "random")):
         feeds, source = random_feeds(model, seed=0), "random inputs, seed 0"
     elif isinstance(calibrate, (str, os.PathLike)):
-        feeds, source = load_feeds(calibrate), str(calibrate)
+        feeds, source = read_npz(calibrate), str(calibrate)
     else:
         feeds, source = dict(calibrate), "given inputs"
     try:

@@ -18,7 +18,8 @@ Three sources, picked by name:
 
 ``dataset_for_model`` loads one of them and renames/reshapes its arrays to a model's data
 inputs; ``Batches`` iterates over a split in seeded, reshuffled-per-epoch order and has an
-exact, checkpointable position.
+exact, checkpointable position. ``random_feeds`` makes seeded sample inputs that respect a
+model, for the range check, ``compare`` and ``tune``.
 
 Example:
     >>> ds = load_dataset("sequence", seq_len=8, vocab=16, size=32)
@@ -34,13 +35,16 @@ Example:
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import onnx_ir as ir
 
+from mpgraph.dtypes import is_float
 from mpgraph.errors import DataError, MpgraphError
 
 __all__ = [
@@ -54,11 +58,18 @@ __all__ = [
     "read_npz",
     "check_finite",
     "check_labels",
+    "random_feeds",
 ]
 
 BUILTIN_DATASETS = ("digits", "sequence")
 _SPLIT_SEED = 1234
 _TEST_PREFIX = "test_"
+
+# Ops an integer input passes through unchanged on its way to a Gather index or a label.
+_PASS_THROUGH = frozenset({"Cast", "Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity", "Expand", "Transpose"})
+_LABEL_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
+_MASK_NAME = re.compile(r"mask", re.IGNORECASE)
+_LENGTH_NAME = re.compile(r"(^|[_.\-/])(seq_?)?len(gth)?s?($|[_.\-/])", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -454,3 +465,70 @@ def check_labels(arrays: Mapping[str, np.ndarray], bounds: Mapping[str, tuple[in
             valid = f"0..{classes - 1}" + (f" or the ignore index {ignore}" if ignore is not None else "")
             raise DataError(f"{what}: '{name}' holds {int(a[index])} at sample {index[0]} "
                             f"({int(bad.sum())} value(s) out of range); the graph has {classes} classes: valid {valid}")
+
+
+def _int_bound(value: ir.Value) -> int | None:
+    """Exclusive upper bound for an integer input: the rows of the table it indexes, or the classes it labels."""
+    bounds: list[int] = []
+    stack, seen = [value], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for use in current.uses():
+            node, idx = use.node, use.idx
+            if node.op_type in _PASS_THROUGH and idx == 0:
+                stack.extend(node.outputs)
+            elif node.op_type == "Gather" and idx == 1 and node.inputs[0] is not None:
+                axis_attr = node.attributes.get("axis")
+                axis = axis_attr.value if axis_attr is not None else 0
+                shape = node.inputs[0].shape
+                if shape is not None and -len(shape) <= axis < len(shape) and isinstance(shape[axis], int):
+                    bounds.append(shape[axis])
+            elif node.op_type in _LABEL_OPS and idx == 1 and node.inputs[0] is not None:
+                shape = node.inputs[0].shape
+                if shape is not None and len(shape) > 1 and isinstance(shape[1], int):
+                    bounds.append(shape[1])
+    return min(bounds) if bounds else None
+
+
+def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np.ndarray]:
+    """Seeded sample inputs that respect the model; dynamic dims become ``batch``.
+
+    Float inputs are standard normal; integer inputs that index a table (``Gather``) or label
+    classes (``SoftmaxCrossEntropyLoss``) are uniform over its rows or classes; inputs named
+    like a mask are ones, like a length 1 (positive, and within any sequence); bool inputs are
+    true; other integers are uniform in [0, 2).
+
+    Example:
+        >>> from onnx import helper as h, TensorProto as T
+        >>> g = h.make_graph([h.make_node("Gather", ["table", "ids"], ["y"])], "g",
+        ...     [h.make_tensor_value_info("ids", T.INT64, [2, 3])], [h.make_tensor_value_info("y", T.FLOAT, None)],
+        ...     [h.make_tensor("table", T.FLOAT, [5, 1], [0.0] * 5)])
+        >>> ids = random_feeds(ir.from_proto(h.make_model(g)))["ids"]
+        >>> bool(ids.min() >= 0 and ids.max() < 5)
+        True
+    """
+    rng = np.random.default_rng(seed)
+    inputs = [
+        v
+        for v in model.graph.inputs
+        if not v.is_initializer() and v.dtype is not None and v.shape is not None and v.name
+    ]
+    shapes = {v.name: [d if isinstance(d, int) else batch for d in v.shape] for v in inputs}  # type: ignore[union-attr]
+    feeds: dict[str, np.ndarray] = {}
+    for value in inputs:
+        name = value.name or ""
+        shape = shapes[name]
+        np_dtype = value.dtype.numpy()  # type: ignore[union-attr]
+        if value.dtype == ir.DataType.BOOL or _MASK_NAME.search(name):
+            feeds[name] = np.ones(shape, dtype=np_dtype)
+        elif is_float(value.dtype):
+            feeds[name] = rng.standard_normal(shape).astype(np_dtype)
+        elif _LENGTH_NAME.search(name):
+            feeds[name] = np.ones(shape, dtype=np_dtype)
+        else:
+            high = _int_bound(value) or 2
+            feeds[name] = rng.integers(0, max(high, 1), size=shape).astype(np_dtype)
+    return feeds

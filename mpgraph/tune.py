@@ -40,10 +40,12 @@ import onnx_ir as ir
 import yaml
 
 from mpgraph._ir import meta as md
+from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.io import load_model
 from mpgraph.policy import Policy, load_policy
 from mpgraph.policy.schema import Override
+from mpgraph.runtime.probe import run
 
 __all__ = ["Objective", "OutputTolerance", "GradientTolerance", "LossAfterSteps", "TuneResult", "tune", "parse_objective"]
 
@@ -60,32 +62,6 @@ class Objective(Protocol):
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
         """Run the reference once; return the error function of a candidate."""
         ...
-
-
-def _session(model: ir.Model):  # noqa: ANN202 - onnxruntime.InferenceSession
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 1
-    # Unoptimized, as compare runs: no fusion may skip an emulation rounding, and a 10k-node
-    # graph's session is made in a third of the time.
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    try:
-        return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        raise MpgraphError(f"ONNX Runtime (CPU) cannot load the model: {str(e).strip().splitlines()[0]}") from None
-
-
-def _run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    session = _session(model)
-    wanted = {i.name for i in session.get_inputs()}
-    names = [o.name for o in session.get_outputs()]
-    try:
-        results = session.run(names, {k: v for k, v in feeds.items() if k in wanted})
-    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        raise MpgraphError(f"ONNX Runtime (CPU) cannot run the model: {str(e).strip().splitlines()[0]}") from None
-    return dict(zip(names, results))
 
 
 def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
@@ -117,10 +93,10 @@ class OutputTolerance:
         return f"output relative error <= {self.tol:g}"
 
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
-        ref = {k: v for k, v in _run(reference, feeds).items() if isinstance(v, np.ndarray) and v.dtype.kind == "f"}
+        ref = {k: v for k, v in run(reference, feeds, threads=1).items() if v.dtype.kind == "f"}
 
         def error(candidate: ir.Model) -> float:
-            got = _run(candidate, feeds)
+            got = run(candidate, feeds, threads=1)
             return max((relative_error(r, got[k]) for k, r in ref.items() if k in got), default=0.0)
 
         return error
@@ -138,15 +114,14 @@ class LossAfterSteps:
         return f"loss after {self.steps} steps within {self.tol:g} relative"
 
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
-        from mpgraph.runtime.cpu_runner import CpuRunner
+        from mpgraph.runtime.trainer import Trainer
 
         if reference.metadata_props.get(md.MODEL_TRAINING) != "true":
             raise MpgraphError("objective 'loss' needs a training step graph (run train-graph first)")
 
         def final_loss(model: ir.Model) -> float:
-            runner = CpuRunner(model, threads=1, spin=False)
-            data = {k: v for k, v in feeds.items() if k not in dict(runner.pairs)}
-            losses = [runner.step(data) for _ in range(self.steps)]
+            trainer = Trainer(model, threads=1, track_scale=False)
+            losses = [trainer.step(feeds).loss for _ in range(self.steps)]
             return losses[-1]
 
         ref = final_loss(reference)
@@ -313,7 +288,6 @@ def tune(
     """
     from mpgraph.audit.compare import compare
     from mpgraph.convert import convert
-    from mpgraph.passes.calibrate_range import random_feeds
 
     start = time.perf_counter()
     base = load_policy(policy)

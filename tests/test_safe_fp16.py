@@ -34,7 +34,7 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.audit import compare
 from mpgraph.errors import MpgraphError
-from mpgraph.passes.calibrate_range import random_feeds
+from mpgraph.data import random_feeds
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT = sorted(glob.glob(os.path.join(LIGHT_DIR, "*.onnx")))

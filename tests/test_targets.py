@@ -26,7 +26,7 @@ from onnx import helper as h
 import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, UsageError
-from mpgraph.passes.calibrate_range import random_feeds
+from mpgraph.data import random_feeds
 from mpgraph.policy import parse_policy
 from mpgraph.targets import check_runnable, kernel_cell, kernel_gaps, tables
 

@@ -23,9 +23,10 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.data import random_feeds, read_npz
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
-from mpgraph.passes.calibrate_range import load_feeds, random_feeds, run_with_values
+from mpgraph.runtime.probe import run_with_values
 from mpgraph.targets import check_runnable
 
 __all__ = ["ValueDivergence", "CompareReport", "compare"]
@@ -146,7 +147,7 @@ def compare(
     if feeds is None:
         inputs = random_feeds(reference, seed=seed)
     elif isinstance(feeds, (str, os.PathLike)):
-        inputs = load_feeds(feeds)
+        inputs = read_npz(feeds)
     else:
         inputs = dict(feeds)
     ref = run_all(reference, inputs)

@@ -33,7 +33,7 @@ def compare_train_report(
     from mpgraph.audit.compare_train import compare_train, write_html
     from mpgraph.cli.main import console
     from mpgraph.errors import MpgraphError
-    from mpgraph.passes.calibrate_range import random_feeds
+    from mpgraph.data import random_feeds
 
     if not is_step_graph(cand_model):
         raise MpgraphError("the reference is a training step graph but the candidate is not; compare like with like")
