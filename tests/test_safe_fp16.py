@@ -33,8 +33,8 @@ from onnx import numpy_helper
 import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.audit import compare
-from mpgraph.errors import MpgraphError
 from mpgraph.data import random_feeds
+from mpgraph.errors import MpgraphError
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT = sorted(glob.glob(os.path.join(LIGHT_DIR, "*.onnx")))

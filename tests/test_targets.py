@@ -25,8 +25,8 @@ from onnx import helper as h
 
 import mpgraph
 from mpgraph._ir import meta as md
-from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.data import random_feeds
+from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.policy import parse_policy
 from mpgraph.targets import check_runnable, kernel_cell, kernel_gaps, tables
 

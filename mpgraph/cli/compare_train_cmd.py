@@ -32,8 +32,8 @@ def compare_train_report(
     """Print (and optionally write as HTML) ``compare_train`` of two step graphs."""
     from mpgraph.audit.compare_train import compare_train, write_html
     from mpgraph.cli.main import console
-    from mpgraph.errors import MpgraphError
     from mpgraph.data import random_feeds
+    from mpgraph.errors import MpgraphError
 
     if not is_step_graph(cand_model):
         raise MpgraphError("the reference is a training step graph but the candidate is not; compare like with like")
