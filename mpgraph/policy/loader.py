@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import onnx
+import onnx_ir as ir
 import yaml
 
 from mpgraph.errors import PolicyError
@@ -306,6 +307,11 @@ def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = 
 def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] = ()) -> Policy:
     """Parse and validate a policy from YAML text.
 
+    The keys are read one section at a time, in this order (so the first bad key reported
+    is the first in this list): ``extends`` (the base every other key starts from), then
+    ``dtype``, ``default``, ``ops``, ``overrides``, ``pins``, ``keep_io_types``,
+    ``initializers``, ``loss_scaling``, ``tf32``, ``name`` and ``description``.
+
     Args:
         text: YAML source.
         path: Shown in errors; also the default ``name`` (its stem).
@@ -318,62 +324,101 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
     if not isinstance(data, dict):
         doc.fail((), f"a policy is a YAML mapping with keys {', '.join(_TOP_KEYS)}")
     _check_keys(doc, (), data, _TOP_KEYS)
-
-    base: Policy | None = None
-    if "extends" in data:
-        parent = data["extends"]
-        if not isinstance(parent, str):
-            doc.fail(("extends",), f"invalid value {parent!r}; expected a preset name or path")
-        if parent.endswith((".yaml", ".yml")):
-            parent_path = Path(parent)
-            if not parent_path.is_absolute():
-                parent_path = Path(path).parent / parent_path
-            resolved = str(parent_path.resolve())
-            if resolved in _chain:
-                doc.fail(("extends",), f"cycle {' -> '.join((*_chain, resolved))}")
-            if not Path(resolved).is_file():
-                doc.fail(("extends",), f"policy file not found: {resolved}")
-            base = _load_file(resolved, _chain)
-        elif parent in list_presets():
-            base = _load_file(str(preset_path(parent)), _chain)
-        else:
-            doc.fail(
-                ("extends",),
-                f"unknown preset {parent!r}{_suggest(parent, list_presets())}; "
-                f"valid: {', '.join(list_presets())} (or a path ending in .yaml)",
-            )
-
-    if "dtype" in data:
-        dtype = DTYPES[_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
-    elif base is not None:
-        dtype = base.dtype
-    else:
-        doc.fail(("dtype",), f"missing required key; valid: {', '.join(DTYPES)}")
-
+    base = _parse_extends(doc, data, path, _chain)
+    dtype = _parse_dtype(doc, data, base)
     default = base.default_category if base else "deny"
     if "default" in data:
         default = _choice(doc, ("default",), data["default"], CATEGORIES)
+    ops = _parse_ops(doc, data, base)
+    overrides = _parse_overrides(doc, data, base)
+    pins = _parse_pins(doc, data, base)
+    keep_io = _parse_keep_io_types(doc, data, base)
+    init_range = _parse_initializers(doc, data, base)
+    loss = _parse_loss_scaling(doc, data, base)
+    tf32 = base.tf32 if base else False
+    if "tf32" in data:
+        if not isinstance(data["tf32"], bool):
+            doc.fail(("tf32",), f"invalid value {data['tf32']!r}; expected true or false")
+        tf32 = data["tf32"]
+    name = data.get("name", Path(path).stem)
+    description = data.get("description", base.description if base else "")
+    return Policy(
+        name=str(name),
+        dtype=dtype,
+        ops=ops,
+        default_category=default,
+        overrides=overrides,
+        pins=pins,
+        keep_io_types=keep_io,
+        initializers=init_range,
+        loss_scaling=loss,
+        description=str(description).strip(),
+        tf32=tf32,
+    )
 
+
+def _parse_extends(doc: _Doc, data: dict[str, Any], path: str, chain: tuple[str, ...]) -> Policy | None:
+    """The policy ``extends`` names (a preset, or a file relative to ``path``), if any."""
+    if "extends" not in data:
+        return None
+    parent = data["extends"]
+    if not isinstance(parent, str):
+        doc.fail(("extends",), f"invalid value {parent!r}; expected a preset name or path")
+    if parent.endswith((".yaml", ".yml")):
+        parent_path = Path(parent)
+        if not parent_path.is_absolute():
+            parent_path = Path(path).parent / parent_path
+        resolved = str(parent_path.resolve())
+        if resolved in chain:
+            doc.fail(("extends",), f"cycle {' -> '.join((*chain, resolved))}")
+        if not Path(resolved).is_file():
+            doc.fail(("extends",), f"policy file not found: {resolved}")
+        return _load_file(resolved, chain)
+    if parent in list_presets():
+        return _load_file(str(preset_path(parent)), chain)
+    doc.fail(
+        ("extends",),
+        f"unknown preset {parent!r}{_suggest(parent, list_presets())}; "
+        f"valid: {', '.join(list_presets())} (or a path ending in .yaml)",
+    )
+
+
+def _parse_dtype(doc: _Doc, data: dict[str, Any], base: Policy | None) -> ir.DataType:
+    """``dtype`` (required unless the base has one)."""
+    if "dtype" in data:
+        return DTYPES[_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
+    if base is not None:
+        return base.dtype
+    doc.fail(("dtype",), f"missing required key; valid: {', '.join(DTYPES)}")
+
+
+def _parse_ops(doc: _Doc, data: dict[str, Any], base: Policy | None) -> dict[str, tuple[str, str]]:
+    """``ops``: category -> {op type: reason} or [op type]; each op type listed once."""
     ops: dict[str, tuple[str, str]] = dict(base.ops) if base else {}
-    if "ops" in data:
-        _check_keys(doc, ("ops",), data["ops"], CATEGORIES)
-        seen: dict[str, str] = {}
-        for category, entries in data["ops"].items():
-            kp = ("ops", category)
-            if entries is None:
-                continue
-            if isinstance(entries, list):
-                entries = {str(e): "" for e in entries}
-            if not isinstance(entries, dict):
-                doc.fail(kp, f"expected a mapping of op type to reason or a list, got {entries!r}")
-            for op_type, reason in entries.items():
-                okp = (*kp, op_type)
-                _check_op_type(doc, okp, op_type)
-                if op_type in seen:
-                    doc.fail(okp, f"op type listed twice (also in ops.{seen[op_type]})")
-                seen[op_type] = category
-                ops[op_type] = (category, str(reason) if reason is not None else "")
+    if "ops" not in data:
+        return ops
+    _check_keys(doc, ("ops",), data["ops"], CATEGORIES)
+    seen: dict[str, str] = {}
+    for category, entries in data["ops"].items():
+        kp = ("ops", category)
+        if entries is None:
+            continue
+        if isinstance(entries, list):
+            entries = {str(e): "" for e in entries}
+        if not isinstance(entries, dict):
+            doc.fail(kp, f"expected a mapping of op type to reason or a list, got {entries!r}")
+        for op_type, reason in entries.items():
+            okp = (*kp, op_type)
+            _check_op_type(doc, okp, op_type)
+            if op_type in seen:
+                doc.fail(okp, f"op type listed twice (also in ops.{seen[op_type]})")
+            seen[op_type] = category
+            ops[op_type] = (category, str(reason) if reason is not None else "")
+    return ops
 
+
+def _parse_overrides(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[Override, ...]:
+    """``overrides``: this file's, then the base's (first match wins)."""
     overrides: list[Override] = []
     if "overrides" in data:
         if not isinstance(data["overrides"], list):
@@ -387,83 +432,78 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
             overrides.append(Override(entry["match"], precision, str(entry.get("reason", ""))))
     # First match wins, so the extending file's overrides go before its parent's.
     overrides += base.overrides if base else ()
+    return tuple(overrides)
 
+
+def _parse_pins(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[Pin, ...]:
+    """``pins``: the base's, then this file's; each ``{op, inputs, reason}``."""
     pins = list(base.pins) if base else []
-    if "pins" in data:
-        if not isinstance(data["pins"], list):
-            doc.fail(("pins",), "expected a list of {op, inputs, reason}")
-        for i, entry in enumerate(data["pins"]):
-            kp = ("pins", str(i))
-            _check_keys(doc, kp, entry, ("op", "inputs", "reason"))
-            op_type = entry.get("op")
-            if not isinstance(op_type, str):
-                doc.fail((*kp, "op"), "missing or non-string op type")
-            _check_op_type(doc, (*kp, "op"), op_type)
-            slots = entry.get("inputs")
-            if not isinstance(slots, list) or not all(
-                isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots
-            ):
-                doc.fail((*kp, "inputs"), f"invalid value {slots!r}; expected a list of input indices >= 0")
-            pins.append(Pin(op_type, tuple(slots), str(entry.get("reason", ""))))
+    if "pins" not in data:
+        return tuple(pins)
+    if not isinstance(data["pins"], list):
+        doc.fail(("pins",), "expected a list of {op, inputs, reason}")
+    for i, entry in enumerate(data["pins"]):
+        kp = ("pins", str(i))
+        _check_keys(doc, kp, entry, ("op", "inputs", "reason"))
+        op_type = entry.get("op")
+        if not isinstance(op_type, str):
+            doc.fail((*kp, "op"), "missing or non-string op type")
+        _check_op_type(doc, (*kp, "op"), op_type)
+        slots = entry.get("inputs")
+        if not isinstance(slots, list) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots
+        ):
+            doc.fail((*kp, "inputs"), f"invalid value {slots!r}; expected a list of input indices >= 0")
+        pins.append(Pin(op_type, tuple(slots), str(entry.get("reason", ""))))
+    return tuple(pins)
 
-    keep_io: bool | tuple[str, ...] = base.keep_io_types if base else True
-    if "keep_io_types" in data:
-        value = data["keep_io_types"]
-        if isinstance(value, bool):
-            keep_io = value
-        elif isinstance(value, list) and all(isinstance(v, str) for v in value):
-            keep_io = tuple(value)
-        else:
-            doc.fail(("keep_io_types",), f"invalid value {value!r}; expected true, false or a list of names")
 
+def _parse_keep_io_types(doc: _Doc, data: dict[str, Any], base: Policy | None) -> bool | tuple[str, ...]:
+    """``keep_io_types``: true, false or a list of input/output names."""
+    if "keep_io_types" not in data:
+        return base.keep_io_types if base else True
+    value = data["keep_io_types"]
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return tuple(value)
+    doc.fail(("keep_io_types",), f"invalid value {value!r}; expected true, false or a list of names")
+
+
+def _parse_initializers(doc: _Doc, data: dict[str, Any], base: Policy | None) -> InitializerRange:
+    """``initializers``: what to do with weights beyond the low dtype's range."""
     init_range = base.initializers if base else InitializerRange()
-    if "initializers" in data:
-        _check_keys(doc, ("initializers",), data["initializers"], _INIT_KEYS)
-        section = data["initializers"]
-        init_range = InitializerRange(
-            overflow=_choice(doc, ("initializers", "overflow"), section.get("overflow", init_range.overflow), OVERFLOW_ACTIONS),
-            underflow=_choice(doc, ("initializers", "underflow"), section.get("underflow", init_range.underflow), UNDERFLOW_ACTIONS),
-        )
-
-    loss = base.loss_scaling if base else LossScaling()
-    if "loss_scaling" in data:
-        section = data["loss_scaling"]
-        _check_keys(doc, ("loss_scaling",), section, _LOSS_KEYS)
-        values = dataclasses.asdict(loss)
-        for key, value in section.items():
-            kp = ("loss_scaling", key)
-            if key == "mode":
-                values[key] = _choice(doc, kp, value, LOSS_SCALING_MODES)
-            elif key == "growth_interval":
-                values[key] = int(_number(doc, kp, value, integer=True))
-                if values[key] < 1:
-                    doc.fail(kp, f"invalid value {value!r}; expected an integer >= 1")
-            else:
-                values[key] = float(_number(doc, kp, value))
-        loss = LossScaling(**values)
-        _validate_loss_scaling(doc, loss)
-
-    tf32 = base.tf32 if base else False
-    if "tf32" in data:
-        if not isinstance(data["tf32"], bool):
-            doc.fail(("tf32",), f"invalid value {data['tf32']!r}; expected true or false")
-        tf32 = data["tf32"]
-
-    name = data.get("name", Path(path).stem)
-    description = data.get("description", base.description if base else "")
-    return Policy(
-        name=str(name),
-        dtype=dtype,
-        ops=ops,
-        default_category=default,
-        overrides=tuple(overrides),
-        pins=tuple(pins),
-        keep_io_types=keep_io,
-        initializers=init_range,
-        loss_scaling=loss,
-        description=str(description).strip(),
-        tf32=tf32,
+    if "initializers" not in data:
+        return init_range
+    _check_keys(doc, ("initializers",), data["initializers"], _INIT_KEYS)
+    section = data["initializers"]
+    return InitializerRange(
+        overflow=_choice(doc, ("initializers", "overflow"), section.get("overflow", init_range.overflow), OVERFLOW_ACTIONS),
+        underflow=_choice(doc, ("initializers", "underflow"), section.get("underflow", init_range.underflow), UNDERFLOW_ACTIONS),
     )
+
+
+def _parse_loss_scaling(doc: _Doc, data: dict[str, Any], base: Policy | None) -> LossScaling:
+    """``loss_scaling``: the base's settings with this file's keys replaced, then checked."""
+    loss = base.loss_scaling if base else LossScaling()
+    if "loss_scaling" not in data:
+        return loss
+    section = data["loss_scaling"]
+    _check_keys(doc, ("loss_scaling",), section, _LOSS_KEYS)
+    values = dataclasses.asdict(loss)
+    for key, value in section.items():
+        kp = ("loss_scaling", key)
+        if key == "mode":
+            values[key] = _choice(doc, kp, value, LOSS_SCALING_MODES)
+        elif key == "growth_interval":
+            values[key] = int(_number(doc, kp, value, integer=True))
+            if values[key] < 1:
+                doc.fail(kp, f"invalid value {value!r}; expected an integer >= 1")
+        else:
+            values[key] = float(_number(doc, kp, value))
+    loss = LossScaling(**values)
+    _validate_loss_scaling(doc, loss)
+    return loss
 
 
 def _validate_loss_scaling(doc: _Doc, loss: LossScaling) -> None:
