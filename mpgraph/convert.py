@@ -18,7 +18,7 @@ from mpgraph.data import random_feeds, read_npz
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
-from mpgraph.optypes import node_typing
+from mpgraph.passes import Pipeline
 from mpgraph.passes.assign_precision import AssignPrecisionPass
 from mpgraph.passes.calibrate_range import CalibrateRangePass
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
@@ -26,6 +26,7 @@ from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
 from mpgraph.passes.insert_casts import InsertCastsPass
 from mpgraph.passes.scale_loss import ScaleLossPass
+from mpgraph.passes.upgrade_opset import UpgradeOpsetPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
 from mpgraph.policy import Policy, load_policy
 from mpgraph.runtime.probe import Calibration, measure_ranges, run_with_values
@@ -50,9 +51,23 @@ def build_pipeline(
     emulate: bool = False,
     validate: bool = True,
     calibration: Calibration | None = None,
-) -> list[ir.passes.PassBase]:
-    """The passes ``convert`` runs, in order, as data."""
-    passes: list[ir.passes.PassBase] = [InferTypesPass()]
+    infer_types: bool = True,
+) -> Pipeline:
+    """The passes ``convert`` runs, in order, as one ``PassManager``.
+
+    Args:
+        policy: The policy (with the target's kernel gaps, ``targets.with_target``).
+        emulate: Add the CPU emulation (``EmulatePrecisionPass``).
+        validate: End with ``ValidateModelPass``.
+        calibration: Ranges measured on sample inputs (``CalibrateRangePass`` records them).
+        infer_types: Start with ``InferTypesPass``; off when the types are already known.
+
+    Example:
+        >>> build_pipeline(load_policy("fp16"), emulate=True).names  # doctest: +NORMALIZE_WHITESPACE
+        ['InferTypesPass', 'ScaleLossPass', 'AssignPrecisionPass', 'InsertCastsPass', 'FoldCastsPass',
+         'EmulatePrecisionPass', 'FoldCastsPass', 'ValidateModelPass']
+    """
+    passes: list[ir.passes.PassBase] = [InferTypesPass()] if infer_types else []
     if calibration is not None and not policy.is_identity:
         passes.append(CalibrateRangePass(calibration.absmax()))
     if not policy.is_identity:
@@ -65,7 +80,7 @@ def build_pipeline(
             passes += [EmulatePrecisionPass(policy.dtype), FoldCastsPass()]
     if validate:
         passes.append(ValidateModelPass())
-    return passes
+    return Pipeline(passes)
 
 
 def float_weight_bytes(model: ir.Model) -> int:
@@ -168,7 +183,7 @@ def _convert(
         raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
     props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
     if upgrade_opset and not pol.is_identity:
-        ir_model = _upgrade_opset(ir_model, with_target(pol, target, ir_model, emulate=emulate))
+        UpgradeOpsetPass(with_target(pol, target, ir_model, emulate=emulate))(ir_model)
         stranded = cuda_opset_gaps(ir_model) if md.MODEL_OPSET_UPGRADED in ir_model.metadata_props and not emulate else []
         if stranded:
             logger.warning(
@@ -237,11 +252,9 @@ def _lower_until_finite(
                     node.metadata_props[md.NODE_PRECISION] = "float32"
                     node.metadata_props[md.NODE_REASON] = kept[i]
         position = {node: i for i, node in enumerate(ir_model.graph)}
-        passes = build_pipeline(policy, emulate=emulate, validate=False, calibration=calibration)
-        if pristine is not None:
-            passes = [p for p in passes if not isinstance(p, InferTypesPass)]  # types came with the proto
-        for p in passes:
-            p(ir_model)
+        # Without InferTypesPass when the types came with the proto.
+        build_pipeline(policy, emulate=emulate, validate=False, calibration=calibration,
+                       infer_types=pristine is None)(ir_model)
         if calibration is None or not _checks_finite(ir_model, policy):
             return ir_model
         try:
@@ -399,70 +412,6 @@ def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Poli
         },
         sort_keys=True,
     )
-
-
-#: Upgrades stop here: opset 22 needs IR 10, which ONNX Runtime 1.31 loads (it refuses IR > 13,
-#: and e.g. ConvTranspose admits bfloat16 only from opset 28). Ops needing more stay float32.
-MAX_UPGRADE_OPSET = 22
-
-
-def _needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
-    """Lowest opset at which every non-deny float op of the model admits the low dtype."""
-    latest = min(onnx.defs.onnx_opset_version(), MAX_UPGRADE_OPSET)
-
-    def admits(node: ir.Node, version: int) -> bool:
-        typing = node_typing(node, {"": version})
-        return typing.schema is not None and bool(typing.compute_vars) and typing.allows(policy.dtype)
-
-    first: dict[str, int | None] = {}  # op type -> first opset admitting the low dtype
-    needed = current
-    for node in model.graph:
-        if node.domain not in ("", "ai.onnx") or policy.category(node.op_type)[0] == "deny":
-            continue
-        typing = node_typing(node, {"": current})
-        if typing.schema is None or not typing.compute_vars or typing.allows(policy.dtype):
-            continue
-        if node.op_type not in first:
-            first[node.op_type] = next((v for v in range(current + 1, latest + 1) if admits(node, v)), None)
-        version = first[node.op_type]
-        if version is not None:
-            needed = max(needed, version)
-    return needed
-
-
-def _upgrade_opset(model: ir.Model, policy: Policy) -> ir.Model:
-    current = model.opset_imports.get("", model.opset_imports.get("ai.onnx"))
-    if current is None or md.MODEL_POLICY in model.metadata_props:
-        return model
-    target = _needed_opset(model, policy, current)
-    if target <= current:
-        return model
-    from onnx import version_converter
-
-    try:
-        upgraded = version_converter.convert_version(ir.to_proto(model), target)
-        upgraded.ir_version = max(
-            upgraded.ir_version, onnx.helper.find_min_ir_version_for(list(upgraded.opset_import), True)
-        )
-        new = ir.from_proto(upgraded)
-    except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
-        logger.warning(
-            "opset %d -> %d upgrade failed (%s); ops without %s stay float32",
-            current,
-            target,
-            str(e).splitlines()[0] if str(e) else type(e).__name__,
-            policy.dtype.name.lower(),
-        )
-        return model
-    # onnx's version converter drops node metadata, and with it the training roles that keep
-    # the optimizer float32: carry every node's metadata across by name.
-    old_props = {n.name: dict(n.metadata_props) for n in model.graph if n.name and n.metadata_props}
-    for node in new.graph:
-        for key, value in old_props.get(node.name or "", {}).items():
-            node.metadata_props.setdefault(key, value)
-    new.metadata_props[md.MODEL_OPSET_UPGRADED] = f"{current}->{target}"
-    logger.info("upgraded opset %d -> %d so ops admit %s", current, target, policy.dtype.name.lower())
-    return new
 
 
 #: Ops that ONNX Runtime 1.31's CUDA provider registers only below opset 22 (any dtype;
