@@ -25,6 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 __all__ = [
+    "FLOAT_TYPES",
     "FloatFormat",
     "FLOAT_FORMATS",
     "is_float",
@@ -67,6 +68,11 @@ FLOAT_FORMATS: dict[ir.DataType, FloatFormat] = {
     ir.DataType.FLOAT8E5M2: FloatFormat(5, 2),
     ir.DataType.FLOAT8E5M2FNUZ: FloatFormat(5, 2, has_inf=False, has_negative_zero=False, bias_shift=1),
 }
+
+#: The float dtypes that compute: values of these types are differentiated, are parameters,
+#: and are what a precision policy lowers or keeps. (The fp8 formats are storage only; cast
+#: folding knows them through ``FLOAT_FORMATS``.)
+FLOAT_TYPES = frozenset({ir.DataType.DOUBLE, ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16})
 
 _SHORT = {
     ir.DataType.DOUBLE: "fp64",

@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "TrainingError",
     "OutputError",
+    "first_line",
 ]
 
 
@@ -69,3 +70,16 @@ class TrainingError(MpgraphError):
 
 class OutputError(ModelSaveError):
     """An output path (checkpoint, metrics, plot, model) cannot be written."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an exception's message, or its type name when the message is empty.
+
+    What a one-line error shows of an underlying exception (ORT, protobuf and the checker
+    write several lines).
+
+    >>> first_line(ValueError("bad shape\\n  at node 3")), first_line(KeyError())
+    ('bad shape', 'KeyError')
+    """
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -18,11 +18,15 @@ import onnx
 import onnx.external_data_helper
 import onnx_ir as ir
 
-from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError
+from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError, first_line
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "ModelLike",
+    "as_model",
+    "as_proto",
+    "load_proto",
     "load_model",
     "save_model",
     "write_atomic",
@@ -40,8 +44,65 @@ __all__ = [
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
 
 
+#: What the API accepts as a model: onnx-ir, a protobuf, serialized bytes, or a path.
+ModelLike = ir.Model | onnx.ModelProto | bytes | str | os.PathLike
+
+
+def as_model(model: ModelLike, *, copy: bool = False) -> ir.Model:
+    """The one way into onnx-ir: ``model`` as an ``ir.Model``.
+
+    An ``ir.Model`` is returned as it is (a deep copy with ``copy``); a protobuf or bytes are
+    deserialized (a new object, the argument is never changed); a path is read by
+    ``load_model`` with all its checks.
+
+    Raises:
+        ModelLoadError: See ``load_model``.
+    """
+    if isinstance(model, ir.Model):
+        return ir.from_proto(ir.to_proto(model)) if copy else model
+    if isinstance(model, onnx.ModelProto):
+        return ir.from_proto(model)
+    if isinstance(model, bytes):
+        return ir.from_proto(onnx.load_from_string(model))
+    return load_model(model)
+
+
+def as_proto(model: ModelLike) -> onnx.ModelProto:
+    """``model`` as a protobuf the caller may edit (a copy: the argument is never changed).
+
+    For the proto-level tools (``onnx.version_converter``, shape inference); a path is read by
+    ``load_proto`` with all its checks.
+
+    Raises:
+        ModelLoadError: See ``load_model``.
+    """
+    if isinstance(model, ir.Model):
+        return ir.to_proto(model)
+    if isinstance(model, onnx.ModelProto):
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+        return proto
+    if isinstance(model, bytes):
+        return onnx.load_from_string(model)
+    return load_proto(model)
+
+
 def load_model(path: str | os.PathLike[str]) -> ir.Model:
-    """Read an ONNX file (external data included) into onnx-ir.
+    """Read an ONNX file (external data included) into onnx-ir, checked by ``load_proto``.
+
+    Raises:
+        ModelLoadError: Missing, unreadable, truncated or non-ONNX file; bad external data
+            (naming the tensor and the path); malformed tensors or names.
+    """
+    proto = load_proto(path)
+    try:
+        return ir.from_proto(proto)
+    except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
+        raise ModelLoadError(f"{Path(path)}: malformed ONNX model ({first_line(e)})") from e
+
+
+def load_proto(path: str | os.PathLike[str]) -> onnx.ModelProto:
+    """Read an ONNX file (external data included) as a protobuf, checked.
 
     Before anything is loaded, every external-data reference is checked by mpgraph itself:
     its location must be a relative path inside the model's folder, not a symlink, an
@@ -61,7 +122,7 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
     try:
         proto = onnx.load(str(p), load_external_data=False)
     except (google.protobuf.message.DecodeError, RuntimeError, ValueError, UnicodeDecodeError, EOFError) as e:
-        raise ModelLoadError(f"{p}: not a valid ONNX model (truncated or not ONNX: {_first_line(e)})") from e
+        raise ModelLoadError(f"{p}: not a valid ONNX model (truncated or not ONNX: {first_line(e)})") from e
     except OSError as e:
         raise ModelLoadError(f"{p}: cannot read ({e.strerror or e})") from e
     if proto.ir_version == 0 or not proto.HasField("graph"):
@@ -72,19 +133,16 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
     try:
         onnx.external_data_helper.load_external_data_for_model(proto, str(p.parent))
     except (OSError, ValueError, onnx.checker.ValidationError) as e:
-        raise ModelLoadError(f"{p}: cannot read external data ({_first_line(e)})") from e
+        raise ModelLoadError(f"{p}: cannot read external data ({first_line(e)})") from e
     check_tensor_sizes(proto, p)
-    try:
-        return ir.from_proto(proto)
-    except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
-        raise ModelLoadError(f"{p}: malformed ONNX model ({_first_line(e)})") from e
+    return proto
 
 
 def _json_meta(props: dict[str, str], key: str, path: str | os.PathLike[str]) -> object:
     try:
         return json.loads(props[key])
     except (ValueError, RecursionError) as e:
-        raise ModelLoadError(f"{path}: metadata '{key}' is not valid JSON ({_first_line(e)})") from e
+        raise ModelLoadError(f"{path}: metadata '{key}' is not valid JSON ({first_line(e)})") from e
 
 
 def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
@@ -556,7 +614,3 @@ def shape_only_initializers(model: ir.Model, keep_bytes: int = 4096) -> Iterator
         for value, tensor in swapped.items():
             value.const_value = tensor
 
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -24,21 +24,15 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import NODE_GRAD_OF
 from mpgraph.autodiff import registry
+from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
-from mpgraph._ir.meta import NODE_GRAD_OF, NODE_ROLE
 
-__all__ = ["GradContext", "differentiate", "input_gradients", "FLOAT_TYPES"]
+__all__ = ["GradContext", "differentiate", "input_gradients"]
 
 logger = logging.getLogger(__name__)
-
-FLOAT_TYPES = frozenset(
-    {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16}
-)
-_INT64_OUT = frozenset({"Shape", "Size", "NonZero", "ArgMax", "ArgMin"})
-_BOOL_OUT = frozenset(
-    {"Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "Not", "And", "Or", "IsNaN", "IsInf"}
-)
 
 # dtypes of optional outputs that the driver adds, where they differ from the first input's.
 _EXTRA_OUTPUT_DTYPES = {
@@ -53,8 +47,13 @@ def _is_float(value: ir.Value | None) -> bool:
     return value is not None and value.dtype in FLOAT_TYPES
 
 
-class GradContext:
-    """Builder handed to gradient rules: creates nodes, constants and shape helpers.
+class GradContext(Builder):
+    """The builder handed to gradient rules: a ``Builder`` that knows the forward node.
+
+    Node building (``op``, ``const``, ``scalar``, ``ints``, ``cast``, ``shape``,
+    ``zeros_like``) is the ``Builder``'s; what is autodiff's is here: the current forward
+    node (named in generated names, ``grad/<node>/<op>``, and recorded as ``mpgraph.grad_of``),
+    its inputs and attributes, which inputs need a gradient, and un-broadcasting.
 
     Args:
         graph: The graph that receives the backward nodes (appended at the end).
@@ -63,80 +62,26 @@ class GradContext:
     """
 
     def __init__(self, graph: ir.Graph, role: str = "backward", scope: str = "grad") -> None:
-        self.graph = graph
-        self.role = role
-        self.scope = scope
+        super().__init__(graph, role=role, scope=scope)
         self.node: ir.Node | None = None
         self.needed: Sequence[bool] = ()
         #: The total gradient of a value whose consumers are all differentiated already
         #: (``None`` otherwise, or outside ``differentiate``): a rule may read it for a
         #: forward value downstream of its node (see the Softmax rule).
         self.gradient_of: Callable[[ir.Value], ir.Value | None] = lambda value: None
-        self._names: set[str] = {v.name for v in _all_values(graph) if v.name}
-        self._names |= {n.name for n in graph if n.name}
-        self._consts: dict[tuple[Any, ...], ir.Value] = {}
 
-    # -- naming -------------------------------------------------------------------------
-    def unique(self, name: str) -> str:
-        """Return ``name`` or ``name_<k>``, unused so far in the graph."""
-        candidate, k = name, 1
-        while candidate in self._names:
-            candidate = f"{name}_{k}"
-            k += 1
-        self._names.add(candidate)
-        return candidate
+    @property
+    def site(self) -> str:
+        """The forward node whose rule is emitting (``step`` outside a rule)."""
+        return str(self.node.name) if self.node is not None else super().site
 
-    # -- node building ----------------------------------------------------------------------
-    def op(self, op_type: str, *inputs: ir.Value | None, **attrs: Any) -> ir.Value:
-        """Append a single-output node; ``attrs`` are Python values (ints, floats, lists)."""
-        return self.op_multi(op_type, *inputs, num_outputs=1, **attrs)[0]
-
-    def op_multi(
-        self, op_type: str, *inputs: ir.Value | None, num_outputs: int, **attrs: Any
-    ) -> list[ir.Value]:
-        """Append a node with ``num_outputs`` outputs and return them."""
-        where = self.node.name if self.node is not None else "step"
-        name = self.unique(f"{self.scope}/{where}/{op_type}")
-        attributes = ir.convenience.convert_attributes(
-            {k: v for k, v in attrs.items() if v is not None}
-        )
-        props = {NODE_ROLE: self.role}
+    def metadata(self) -> dict[str, str]:
+        """The role, and which forward node's rule emitted the node: policies keep the
+        backward of deny ops float32."""
+        props = super().metadata()
         if self.node is not None and self.node.name:
-            # Which forward node's rule emitted this: policies keep backward of deny ops fp32.
             props[NODE_GRAD_OF] = self.node.name
-        node = ir.Node(
-            "", op_type, list(inputs), attributes, num_outputs=num_outputs, name=name,
-            metadata_props=props,
-        )
-        for i, out in enumerate(node.outputs):
-            out.name = name if num_outputs == 1 else self.unique(f"{name}:{i}")
-            guessed = _guess_dtype(op_type, inputs, attrs)
-            if guessed is not None:
-                out.dtype = guessed
-        self.graph.append(node)
-        return list(node.outputs)
-
-    def const(self, array: Any, dtype: ir.DataType | None = None) -> ir.Value:
-        """A constant initializer (deduplicated by dtype, shape and bytes)."""
-        arr = np.asarray(array, dtype=dtype.numpy() if dtype is not None else None)
-        key = (arr.dtype.str, arr.shape, arr.tobytes())
-        if key not in self._consts:
-            name = self.unique(f"{self.scope}/const")
-            value = ir.Value(name=name, const_value=ir.tensor(arr, name=name))
-            value.dtype = ir.DataType.from_numpy(arr.dtype)
-            value.shape = ir.Shape(arr.shape)
-            self.graph.register_initializer(value)
-            self._consts[key] = value
-        return self._consts[key]
-
-    def scalar(self, number: float, like: ir.Value | None) -> ir.Value:
-        """A rank-0 constant with the dtype of ``like``."""
-        assert like is not None
-        return self.const(number, like.dtype or ir.DataType.FLOAT)
-
-    def ints(self, values: Sequence[int]) -> ir.Value:
-        """A 1-D int64 constant."""
-        return self.const(np.asarray(list(values), dtype=np.int64))
+        return props
 
     # -- node inspection -------------------------------------------------------------------
     def attr(self, name: str, default: Any = None) -> Any:
@@ -212,16 +157,6 @@ class GradContext:
         assert value is not None
         return [d if isinstance(d, int) else None for d in (value.shape or ())]
 
-    def shape(self, value: ir.Value | None, start: int | None = None, end: int | None = None) -> ir.Value:
-        """Runtime ``Shape`` of a value (optionally sliced)."""
-        return self.op("Shape", value, start=start, end=end)
-
-    def zeros_like(self, value: ir.Value | None) -> ir.Value:
-        """Runtime zeros with the shape and dtype of ``value``."""
-        assert value is not None
-        zero = ir.tensor(np.zeros((1,), dtype=(value.dtype or ir.DataType.FLOAT).numpy()))
-        return self.op("ConstantOfShape", self.shape(value), value=zero)
-
     def count_ratio(self, big: ir.Value | None, small: ir.Value | None, like: ir.Value | None) -> ir.Value:
         """``Size(big) / Size(small)`` as a scalar of ``like``'s dtype (e.g. a mean's count)."""
         ratio = self.op("Div", self.op("Size", big), self.op("Size", small))
@@ -278,35 +213,6 @@ class GradContext:
         return self.op("Reshape", summed, xshape)
 
 
-def _guess_dtype(
-    op_type: str, inputs: Sequence[ir.Value | None], attrs: dict[str, Any]
-) -> ir.DataType | None:
-    if op_type in _INT64_OUT:
-        return ir.DataType.INT64
-    if op_type in _BOOL_OUT:
-        return ir.DataType.BOOL
-    if op_type == "Cast":
-        return ir.DataType(attrs["to"])
-    if op_type in ("ConstantOfShape", "Constant"):
-        v = attrs.get("value")
-        return v.dtype if v is not None else ir.DataType.FLOAT
-    if op_type == "Where":
-        inputs = inputs[1:]
-    if op_type == "OneHot":
-        inputs = inputs[2:]
-    for v in inputs:
-        if v is not None and v.dtype is not None:
-            return v.dtype
-    return None
-
-
-def _all_values(graph: ir.Graph) -> list[ir.Value]:
-    values = list(graph.inputs) + list(graph.initializers.values())
-    for node in graph:
-        values.extend(node.outputs)
-    return values
-
-
 def input_gradients(ctx: GradContext, node: ir.Node, rule: registry.GradientRule,
                     dys: Sequence[ir.Value | None]) -> list[tuple[ir.Value, ir.Value]]:
     """``(input, gradient)`` for each input ``ctx.needed`` marks, from ``rule`` applied to
@@ -351,18 +257,51 @@ def differentiate(
     if not _is_float(loss):
         raise GradientError(f"loss '{loss.name}' is not a float tensor (dtype {loss.dtype})")
     nodes = list(graph)
+    active = _active_values(nodes, wrt)
+    if loss not in active:
+        raise GradientError(
+            f"loss '{loss.name}' does not depend on any trainable parameter; check --freeze"
+        )
+    path, needed = _gradient_path(graph, nodes, loss, active, opset)
+    ctx = GradContext(graph)
+    _name_optional_outputs(ctx, path)
+    fan_in = _FanIn(Builder(graph, role="backward", scope="grad", names=ctx.names))
+    ctx.gradient_of = fan_in.totals.get
+    fan_in.add(loss, seed if seed is not None else _ones_seed(ctx, loss))
+    for node, rule in path:
+        dys = [fan_in.total(o) for o in node.outputs]
+        if all(d is None for d in dys):
+            continue
+        ctx.node = node
+        ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
+        for inp, grad in input_gradients(ctx, node, rule, dys):
+            fan_in.add(inp, grad)
+    ctx.node = None
+    result: dict[str, ir.Value] = {}
+    for value in wrt:
+        grad = fan_in.total(value)
+        result[value.name or ""] = grad if grad is not None else ctx.zeros_like(value)
+    logger.debug("differentiated %d nodes for %d values", len(path), len(wrt))
+    return result
 
-    # 1. Pruning: forward activity from wrt, then backward need from the loss.
+
+def _active_values(nodes: Sequence[ir.Node], wrt: Sequence[ir.Value]) -> set[ir.Value]:
+    """Pruning, forward: the float values that depend on ``wrt`` through differentiable ops."""
     active: set[ir.Value] = set(wrt)
     for node in nodes:
         if any(v in active for v in node.inputs if v is not None):
             if registry.is_non_differentiable(node.domain, node.op_type):
                 continue
             active.update(o for o in node.outputs if _is_float(o))
-    if loss not in active:
-        raise GradientError(
-            f"loss '{loss.name}' does not depend on any trainable parameter; check --freeze"
-        )
+    return active
+
+
+def _gradient_path(
+    graph: ir.Graph, nodes: Sequence[ir.Node], loss: ir.Value, active: set[ir.Value], opset: int
+) -> tuple[list[tuple[ir.Node, registry.GradientRule]], set[ir.Value]]:
+    """Pruning, backward: the nodes between ``active`` values and the loss with their rules, in
+    reverse order, and the values whose gradient is needed. A missing rule raises here, before
+    the graph is modified."""
     needed: set[ir.Value] = {loss}
     path: list[tuple[ir.Node, registry.GradientRule]] = []
     for node in reversed(nodes):
@@ -377,9 +316,12 @@ def differentiate(
         assert isinstance(rule, registry.GradientRule)
         path.append((node, rule))
         needed.update(v for v in node.inputs if v is not None and v in active)
+    return path, needed
 
-    ctx = GradContext(graph)
-    # Optional forward outputs some rules need (Dropout mask, MaxPool indices, ...).
+
+def _name_optional_outputs(ctx: GradContext, path: Sequence[tuple[ir.Node, registry.GradientRule]]) -> None:
+    """Add the optional forward outputs some rules read (Dropout mask, MaxPool indices, ...),
+    named ``<node>/output_<i>``, with their dtypes."""
     for node, rule in path:
         if rule.outputs > len(node.outputs):
             node.resize_outputs(rule.outputs)
@@ -391,50 +333,37 @@ def differentiate(
             if out.dtype is None and extra is not None:
                 out.dtype = extra
 
-    # 2-4. Reverse sweep.
-    contributions: dict[ir.Value, list[ir.Value]] = {}
-    totals: dict[ir.Value, ir.Value] = {}
 
-    def total(value: ir.Value) -> ir.Value | None:
-        if value in totals:
-            return totals[value]
-        parts = contributions.get(value)
+def _ones_seed(ctx: GradContext, loss: ir.Value) -> ir.Value:
+    """``dloss/dloss``: a scalar one, or ones shaped like the loss at runtime."""
+    if loss.shape is not None and len(loss.shape) == 0:
+        return ctx.scalar(1.0, loss)
+    one = ir.tensor(np.ones((1,), dtype=(loss.dtype or ir.DataType.FLOAT).numpy()))
+    return ctx.op("ConstantOfShape", ctx.shape(loss), value=one)
+
+
+class _FanIn:
+    """Fan-in: a value used by several nodes gets the sum of its gradient contributions,
+    computed once, by a ``Sum`` named ``grad/<value>`` (``sums``' scope is ``grad``)."""
+
+    def __init__(self, sums: Builder) -> None:
+        self.sums = sums
+        self.contributions: dict[ir.Value, list[ir.Value]] = {}
+        self.totals: dict[ir.Value, ir.Value] = {}
+
+    def add(self, value: ir.Value, grad: ir.Value) -> None:
+        """Record one contribution to ``value``'s gradient."""
+        self.contributions.setdefault(value, []).append(grad)
+
+    def total(self, value: ir.Value) -> ir.Value | None:
+        """The gradient of ``value`` (``None`` when nothing contributed); final once read."""
+        if value in self.totals:
+            return self.totals[value]
+        parts = self.contributions.get(value)
         if not parts:
             return None
-        if len(parts) == 1:
-            result = parts[0]
-        else:
-            name = ctx.unique(f"grad/{value.name}")
-            node = ir.Node("", "Sum", parts, name=name, metadata_props={NODE_ROLE: "backward"})
-            node.outputs[0].name = name
-            if value.dtype is not None:
-                node.outputs[0].dtype = value.dtype
-            graph.append(node)
-            result = node.outputs[0]
-        totals[value] = result
+        result = parts[0] if len(parts) == 1 else self.sums.op("Sum", *parts, name=str(value.name))
+        if len(parts) > 1 and value.dtype is not None:
+            result.dtype = value.dtype
+        self.totals[value] = result
         return result
-
-    ctx.gradient_of = totals.get
-    ctx.node = None
-    if seed is None:
-        if loss.shape is not None and len(loss.shape) == 0:
-            seed = ctx.scalar(1.0, loss)
-        else:
-            one = ir.tensor(np.ones((1,), dtype=(loss.dtype or ir.DataType.FLOAT).numpy()))
-            seed = ctx.op("ConstantOfShape", ctx.shape(loss), value=one)
-    contributions[loss] = [seed]
-    for node, rule in path:
-        dys = [total(o) for o in node.outputs]
-        if all(d is None for d in dys):
-            continue
-        ctx.node = node
-        ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
-        for inp, grad in input_gradients(ctx, node, rule, dys):
-            contributions.setdefault(inp, []).append(grad)
-    ctx.node = None
-    result: dict[str, ir.Value] = {}
-    for value in wrt:
-        grad = total(value)
-        result[value.name or ""] = grad if grad is not None else ctx.zeros_like(value)
-    logger.debug("differentiated %d nodes for %d values", len(path), len(wrt))
-    return result

@@ -44,7 +44,6 @@ import onnx_ir.passes.common
 from mpgraph.autodiff.driver import GradContext, differentiate
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
-from mpgraph._ir.meta import NODE_GRAD_OF, NODE_ROLE
 
 __all__ = ["RECURRENT_OPS", "lower_recurrent", "unroll"]
 
@@ -376,9 +375,7 @@ def _inline(scratch: ir.Graph, host: GradContext, bindings: dict[V, V], keep: Se
         n.name = host.unique(f"{prefix}/{n.op_type}" + (f"_{k}" if k else ""))
         for k, out in enumerate(n.outputs):
             out.name = n.name if len(n.outputs) == 1 else host.unique(f"{n.name}:{k}")
-        n.metadata_props[NODE_ROLE] = host.role
-        if host.node is not None and host.node.name:
-            n.metadata_props[NODE_GRAD_OF] = host.node.name
+        n.metadata_props.update(host.metadata())
     if before is None:
         host.graph.extend(nodes)
     elif nodes:

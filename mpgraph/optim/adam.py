@@ -6,7 +6,7 @@ import dataclasses
 
 import onnx_ir as ir
 
-from mpgraph.autodiff.driver import GradContext
+from mpgraph._ir.builder import Builder
 from mpgraph.optim.base import OPTIMIZERS, StateFactory, slots, unpack
 
 __all__ = ["Adam", "AdamW"]
@@ -39,44 +39,43 @@ class Adam:
     decoupled = False
 
     def build(
-        self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
+        self, b: Builder, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
         state: StateFactory,
     ) -> tuple[dict[str, ir.Value], list[tuple[ir.Value, ir.Value]]]:
         """Emit the update (see ``Optimizer.build``)."""
-        ctx.node = None
         step = state("optim/step", None, 0.0)
-        t = ctx.op("Add", step, ctx.scalar(1.0, step))
+        t = b.op("Add", step, b.scalar(1.0, step))
         pairs = [(step, t)]
         # Bias corrections in float64, as torch computes them on Python floats.
-        t64 = ctx.op("Cast", t, to=ir.DataType.DOUBLE)
-        one = ctx.scalar(1.0, t64)
-        bc1 = ctx.op("Sub", one, ctx.op("Pow", ctx.scalar(self.beta1, t64), t64))
-        bc2 = ctx.op("Sub", one, ctx.op("Pow", ctx.scalar(self.beta2, t64), t64))
-        lr64 = ctx.op("Cast", lr, to=ir.DataType.DOUBLE)
-        step_size = ctx.op("Cast", ctx.op("Div", lr64, bc1), to=ir.DataType.FLOAT)
-        bc2_sqrt = ctx.op("Cast", ctx.op("Sqrt", bc2), to=ir.DataType.FLOAT)
+        t64 = b.op("Cast", t, to=ir.DataType.DOUBLE)
+        one = b.scalar(1.0, t64)
+        bc1 = b.op("Sub", one, b.op("Pow", b.scalar(self.beta1, t64), t64))
+        bc2 = b.op("Sub", one, b.op("Pow", b.scalar(self.beta2, t64), t64))
+        lr64 = b.op("Cast", lr, to=ir.DataType.DOUBLE)
+        step_size = b.op("Cast", b.op("Div", lr64, bc1), to=ir.DataType.FLOAT)
+        bc2_sqrt = b.op("Cast", b.op("Sqrt", bc2), to=ir.DataType.FLOAT)
         decay = None
         if self.decoupled and self.weight_decay:
-            decay = ctx.op("Sub", ctx.scalar(1.0, lr), ctx.op("Mul", lr, ctx.scalar(self.weight_decay, lr)))
+            decay = b.op("Sub", b.scalar(1.0, lr), b.op("Mul", lr, b.scalar(self.weight_decay, lr)))
         updated: dict[str, ir.Value] = {}
-        for slot in slots(ctx, params, pack_small=self.pack, flat=self.flat):
+        for slot in slots(b, params, pack_small=self.pack, flat=self.flat):
             p, g = slot.param, slot.grad
             if self.weight_decay and not self.decoupled:
-                g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
-            p_decayed = ctx.op("Mul", p, decay) if decay is not None else p
+                g = b.op("Add", g, b.op("Mul", p, b.scalar(self.weight_decay, p)))
+            p_decayed = b.op("Mul", p, decay) if decay is not None else p
             m = state(f"optim/{slot.name}/m", p, 0.0)
             v = state(f"optim/{slot.name}/v", p, 0.0)
-            m_new = ctx.op("Add", m, ctx.op("Mul", ctx.op("Sub", g, m), ctx.scalar(1 - self.beta1, p)))
-            v_new = ctx.op("Add", ctx.op("Mul", v, ctx.scalar(self.beta2, p)),
-                           ctx.op("Mul", ctx.op("Mul", g, g), ctx.scalar(1 - self.beta2, p)))
+            m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.scalar(1 - self.beta1, p)))
+            v_new = b.op("Add", b.op("Mul", v, b.scalar(self.beta2, p)),
+                           b.op("Mul", b.op("Mul", g, g), b.scalar(1 - self.beta2, p)))
             second = v_new
             if self.amsgrad:
                 v_max = state(f"optim/{slot.name}/v_max", p, 0.0)
-                second = ctx.op("Max", v_max, v_new)
+                second = b.op("Max", v_max, v_new)
                 pairs.append((v_max, second))
-            denom = ctx.op("Add", ctx.op("Div", ctx.op("Sqrt", second), bc2_sqrt), ctx.scalar(self.eps, p))
-            update = ctx.op("Mul", ctx.op("Div", m_new, denom), step_size)
-            updated.update(unpack(ctx, slot, ctx.op("Sub", p_decayed, update)))
+            denom = b.op("Add", b.op("Div", b.op("Sqrt", second), bc2_sqrt), b.scalar(self.eps, p))
+            update = b.op("Mul", b.op("Div", m_new, denom), step_size)
+            updated.update(unpack(b, slot, b.op("Sub", p_decayed, update)))
             pairs += [(m, m_new), (v, v_new)]
         return updated, pairs
 

@@ -9,9 +9,9 @@ from typing import Any, Protocol
 
 import onnx_ir as ir
 
-from mpgraph.autodiff.driver import GradContext
-from mpgraph.errors import GradientError
+from mpgraph._ir.builder import Builder
 from mpgraph._ir.meta import FLAT_GRADIENT, FLAT_PARAM, FLAT_SPLIT, NODE_FLAT
+from mpgraph.errors import GradientError
 
 __all__ = ["Optimizer", "StateFactory", "OPTIMIZERS", "make_optimizer", "slots"]
 
@@ -25,7 +25,7 @@ class Optimizer(Protocol):
 
     def build(
         self,
-        ctx: GradContext,
+        b: Builder,
         params: list[tuple[ir.Value, ir.Value]],
         lr: ir.Value,
         state: StateFactory,
@@ -33,7 +33,7 @@ class Optimizer(Protocol):
         """Emit the update.
 
         Args:
-            ctx: Node builder (role ``optimizer``, scope ``optim``).
+            b: Node builder (role ``optimizer``, scope ``optim``).
             params: ``(parameter input, its gradient)`` pairs.
             lr: Scalar fp32 learning-rate input.
             state: Factory for optimizer state inputs.
@@ -101,7 +101,7 @@ def _numel(value: ir.Value) -> int | None:
     return n
 
 
-def slots(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], *, pack_small: bool, flat: bool) -> list[Slot]:
+def slots(b: Builder, params: list[tuple[ir.Value, ir.Value]], *, pack_small: bool, flat: bool) -> list[Slot]:
     """The slots an optimizer updates, per its ``pack`` and ``flat`` options.
 
     ``flat`` puts every static-shape float32 parameter into one slot (the multi-tensor form of
@@ -115,12 +115,12 @@ def slots(ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], *, pack_sma
             # Parameters with the same trailing dims sit next to each other (see ``unpack``).
             order = {key: i for i, key in reversed(list(enumerate(_trailing(p) for p, _ in members)))}
             members.sort(key=lambda pair: order[_trailing(pair[0])])
-        return pack(ctx, params, members=members, mark=True)
-    return pack(ctx, params) if pack_small else pack(ctx, params, threshold=0)
+        return pack(b, params, members=members, mark=True)
+    return pack(b, params) if pack_small else pack(b, params, threshold=0)
 
 
 def pack(
-    ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], threshold: int = PACK_BELOW, *,
+    b: Builder, params: list[tuple[ir.Value, ir.Value]], threshold: int = PACK_BELOW, *,
     members: list[tuple[ir.Value, ir.Value]] | None = None, mark: bool = False,
 ) -> list[Slot]:
     """Group small static-shape parameters (or ``members``) into one flat slot; others stay separate.
@@ -137,9 +137,9 @@ def pack(
     chosen = {id(p) for p, _ in small}
     result = [Slot(p.name or "", p, g) for p, g in params if id(p) not in chosen]
     if small:
-        flat = ctx.ints([-1])
-        param = _concat(ctx, [ctx.op("Reshape", p, flat) for p, _ in small])
-        grad = _concat(ctx, [ctx.op("Reshape", g, flat) for _, g in small])
+        flat = b.ints([-1])
+        param = _concat(b, [b.op("Reshape", p, flat) for p, _ in small])
+        grad = _concat(b, [b.op("Reshape", g, flat) for _, g in small])
         param.shape = ir.Shape([sum(_numel(p) or 0 for p, _ in small)])
         if mark:
             grad.shape = param.shape
@@ -158,27 +158,27 @@ def pack(
 MAX_FANOUT = 32
 
 
-def _concat(ctx: GradContext, values: list[ir.Value]) -> ir.Value:
+def _concat(b: Builder, values: list[ir.Value]) -> ir.Value:
     """``Concat(values, axis=0)``; the last node made is the one producing the result."""
     if len(values) > MAX_FANOUT:
-        values = [_concat(ctx, values[i:i + MAX_FANOUT]) for i in range(0, len(values), MAX_FANOUT)]
-    return values[0] if len(values) == 1 else ctx.op("Concat", *values, axis=0)
+        values = [_concat(b, values[i:i + MAX_FANOUT]) for i in range(0, len(values), MAX_FANOUT)]
+    return values[0] if len(values) == 1 else b.op("Concat", *values, axis=0)
 
 
-def _split(ctx: GradContext, value: ir.Value, sizes: list[int], trailing: tuple[int, ...] = ()) -> tuple[list[ir.Value], ir.Node]:
+def _split(b: Builder, value: ir.Value, sizes: list[int], trailing: tuple[int, ...] = ()) -> tuple[list[ir.Value], ir.Node]:
     """``Split(value, sizes, axis=0)`` as a tree of <= ``MAX_FANOUT`` outputs, and its root;
     ``trailing``: the dims of ``value`` after the first."""
     if len(sizes) <= MAX_FANOUT:
-        parts = ctx.op_multi("Split", value, ctx.ints(sizes), axis=0, num_outputs=len(sizes))
+        parts = b.op_multi("Split", value, b.ints(sizes), axis=0, num_outputs=len(sizes))
         root = parts[0].producer()
         assert root is not None
         return list(parts), root
     groups = [sizes[i:i + MAX_FANOUT] for i in range(0, len(sizes), MAX_FANOUT)]
-    heads, root = _split(ctx, value, [sum(g) for g in groups], trailing)
+    heads, root = _split(b, value, [sum(g) for g in groups], trailing)
     parts = []
     for head, group in zip(heads, groups, strict=True):
         head.shape = ir.Shape([sum(group), *trailing])
-        parts += _split(ctx, head, group, trailing)[0] if len(group) > 1 else [head]
+        parts += _split(b, head, group, trailing)[0] if len(group) > 1 else [head]
     return parts, root
 
 
@@ -200,7 +200,7 @@ def _trailing(value: ir.Value) -> tuple[int, ...]:
     return tuple(int(d) for d in list(value.shape or ())[1:])
 
 
-def _unpack_grouped(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
+def _unpack_grouped(b: Builder, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
     """Flat mode: one Split into runs of members with equal trailing dims, then per run one
     Split of its rows, ``Reshape(run, [-1, *trailing])`` first (a view: not a graph output).
     The pieces have their parameters' shapes, so they are the outputs as they are: a Reshape
@@ -218,38 +218,38 @@ def _unpack_grouped(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[s
     first: ir.Node | None = None
     segments = [new_param]
     if len(runs) > 1:
-        segments, first = _split(ctx, new_param, sizes)
+        segments, first = _split(b, new_param, sizes)
     updated: dict[str, ir.Value] = {}
     for run, segment, size in zip(runs, segments, sizes, strict=True):
         trailing = _trailing(run[0])
         segment.shape = ir.Shape([size])
         if trailing:
-            segment = ctx.op("Reshape", segment, ctx.ints([-1, *trailing]))
+            segment = b.op("Reshape", segment, b.ints([-1, *trailing]))
             segment.shape = ir.Shape([size // math.prod(trailing), *trailing])
         rows = [int(p.shape[0]) if p.shape is not None and len(p.shape) else 1 for p in run]
         parts, root = [segment], None
         if len(run) > 1:
-            parts, root = _split(ctx, segment, rows, trailing)
+            parts, root = _split(b, segment, rows, trailing)
         if first is None:
             first = segment.producer() if trailing else root
         for p, part, n in zip(run, parts, rows, strict=True):
             part.shape = ir.Shape([n, *trailing])
             if p.shape is not None and len(p.shape) == 0:
-                part = ctx.op("Reshape", part, ctx.ints([]))
+                part = b.op("Reshape", part, b.ints([]))
             updated[p.name or ""] = part
     if first is not None:  # None: a single vector, the update itself is the output
         first.metadata_props[NODE_FLAT] = FLAT_SPLIT
     return updated
 
 
-def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
+def unpack(b: Builder, slot: Slot, new_param: ir.Value) -> dict[str, ir.Value]:
     """``{param name: updated value}`` of a slot."""
     if slot.members is None:
         return {slot.name: new_param}
     if slot.marked and FLAT_UNPACK == "grouped":
-        return _unpack_grouped(ctx, slot, new_param)
+        return _unpack_grouped(b, slot, new_param)
     sizes = [_numel(p) or 0 for p in slot.members]
-    parts, top = _split(ctx, new_param, sizes)
+    parts, top = _split(b, new_param, sizes)
     if slot.marked:
         top.metadata_props[NODE_FLAT] = FLAT_SPLIT
     updated = {}
@@ -260,5 +260,5 @@ def unpack(ctx: GradContext, slot: Slot, new_param: ir.Value) -> dict[str, ir.Va
             part.shape = ir.Shape(dims)
             updated[p.name or ""] = part
         else:
-            updated[p.name or ""] = ctx.op("Reshape", part, ctx.ints(dims))
+            updated[p.name or ""] = b.op("Reshape", part, b.ints(dims))
     return updated

@@ -6,7 +6,7 @@ import dataclasses
 
 import onnx_ir as ir
 
-from mpgraph.autodiff.driver import GradContext
+from mpgraph._ir.builder import Builder
 from mpgraph.optim.base import OPTIMIZERS, StateFactory, slots, unpack
 
 __all__ = ["SGD"]
@@ -35,7 +35,7 @@ class SGD:
     flat: bool = False
 
     def build(
-        self, ctx: GradContext, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
+        self, b: Builder, params: list[tuple[ir.Value, ir.Value]], lr: ir.Value,
         state: StateFactory,
     ) -> tuple[dict[str, ir.Value], list[tuple[ir.Value, ir.Value]]]:
         """Emit the update (see ``Optimizer.build``)."""
@@ -43,22 +43,22 @@ class SGD:
         first = None
         if self.momentum and self.dampening:  # torch starts the buffer at g, undamped
             step = state("optim/step", None, 0.0)
-            pairs.append((step, ctx.op("Add", step, ctx.scalar(1.0, step))))
-            first = ctx.op("Equal", step, ctx.scalar(0.0, step))
+            pairs.append((step, b.op("Add", step, b.scalar(1.0, step))))
+            first = b.op("Equal", step, b.scalar(0.0, step))
         updated: dict[str, ir.Value] = {}
-        for slot in slots(ctx, params, pack_small=self.pack, flat=self.flat):
+        for slot in slots(b, params, pack_small=self.pack, flat=self.flat):
             p, g = slot.param, slot.grad
             if self.weight_decay:
-                g = ctx.op("Add", g, ctx.op("Mul", p, ctx.scalar(self.weight_decay, p)))
+                g = b.op("Add", g, b.op("Mul", p, b.scalar(self.weight_decay, p)))
             if self.momentum:
                 buf = state(f"optim/{slot.name}/momentum", p, 0.0)
-                new = ctx.op("Add", ctx.op("Mul", buf, ctx.scalar(self.momentum, p)),
-                             g if not self.dampening else ctx.op("Mul", g, ctx.scalar(1 - self.dampening, p)))
+                new = b.op("Add", b.op("Mul", buf, b.scalar(self.momentum, p)),
+                             g if not self.dampening else b.op("Mul", g, b.scalar(1 - self.dampening, p)))
                 if first is not None:
-                    new = ctx.op("Where", first, g, new)
+                    new = b.op("Where", first, g, new)
                 pairs.append((buf, new))
-                g = ctx.op("Add", g, ctx.op("Mul", new, ctx.scalar(self.momentum, p))) if self.nesterov else new
-            updated.update(unpack(ctx, slot, ctx.op("Sub", p, ctx.op("Mul", g, lr))))
+                g = b.op("Add", g, b.op("Mul", new, b.scalar(self.momentum, p))) if self.nesterov else new
+            updated.update(unpack(b, slot, b.op("Sub", p, b.op("Mul", g, lr))))
         return updated, pairs
 
 

@@ -6,9 +6,10 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.builder import make_cast
+from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import short_name
 from mpgraph.passes.assign_precision import constant_tensor
-from mpgraph.passes.naming import NameScope, make_cast
 
 __all__ = ["EmulatePrecisionPass"]
 

@@ -3,44 +3,20 @@
 from __future__ import annotations
 
 import json
-from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.names import NameScope
 from mpgraph.errors import MpgraphError
-from mpgraph.passes.naming import NameScope
 from mpgraph.policy.schema import LossScaling
 
 __all__ = ["ScaleLossPass"]
 
-
-class _Builder:
-    """Appends nodes with a role and scoped, fresh names."""
-
-    def __init__(self, graph: ir.Graph, names: NameScope, role: str) -> None:
-        self.graph, self.names, self.role = graph, names, role
-        self.nodes: list[ir.Node] = []
-
-    def op(self, op_type: str, *inputs: ir.Value, name: str, **attrs: Any) -> ir.Value:
-        fresh = self.names.fresh(f"loss_scale/{name}")
-        node = ir.Node(
-            "",
-            op_type,
-            list(inputs),
-            ir.convenience.convert_attributes(attrs),
-            name=fresh,
-            outputs=[ir.Value(name=fresh)],
-            metadata_props={md.NODE_ROLE: self.role},
-        )
-        self.graph.append(node)
-        self.nodes.append(node)
-        return node.outputs[0]
-
-    def const(self, value: float | bool, name: str) -> ir.Value:
-        array: np.ndarray = np.array(value, dtype=np.bool_ if isinstance(value, bool) else np.float32)
-        return self.op("Constant", name=name, value=ir.tensor(array, name=self.names.fresh(f"loss_scale/{name}_value")))
+#: Scope of every name the pass makes (``loss_scale/inv_scale``, ``loss_scale/<param>/unscaled``).
+_SCOPE = "loss_scale"
 
 
 class ScaleLossPass(ir.passes.InPlacePass):
@@ -76,126 +52,174 @@ class ScaleLossPass(ir.passes.InPlacePass):
         self.settings = settings
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        s = self.settings
-        props = model.metadata_props
-        if s.mode == "none" or props.get(md.MODEL_TRAINING) != "true":
+        if self.settings.mode == "none" or model.metadata_props.get(md.MODEL_TRAINING) != "true":
             return ir.passes.PassResult(model, False)
-        if md.LOSS_SCALE in {v.name for v in model.graph.inputs} or any(
-            v.name == md.FOUND_INF for v in model.graph.outputs
-        ):
-            return ir.passes.PassResult(model, False)  # already scaled
+        if _already_scaled(model):
+            return ir.passes.PassResult(model, False)
+        seed, grads = _seed_and_gradients(model)
         graph = model.graph
-        missing = [k for k in (md.MODEL_GRADIENTS, md.MODEL_GRAD_SEED, md.MODEL_STATE_PAIRS) if k not in props]
-        if missing:
-            raise MpgraphError(
-                f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
-                f"(missing metadata {', '.join(missing)})"
-            )
-        if not any(node.metadata_props.get(md.NODE_ROLE) == "optimizer" for node in graph):
-            # Rule 4 finds what to guard by role: without roles a skipped step would still
-            # apply its inf/NaN update. (onnx.version_converter drops node metadata.)
-            raise MpgraphError(
-                f"loss scaling: no node carries the '{md.NODE_ROLE}' optimizer role, so the update "
-                f"could not be skipped on overflow; the node metadata was lost (opset upgrade: "
-                f"{props.get(md.MODEL_OPSET_UPGRADED, 'none recorded')}); convert the step graph "
-                f"from `mpgraph train-graph` again with --no-opset-upgrade (upgrade_opset=False)"
-            )
-        values: dict[str, ir.Value] = {}
-        for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
-            if value.name:
-                values.setdefault(value.name, value)
-        seed = values.get(props[md.MODEL_GRAD_SEED])
-        grads = [(p, values.get(g)) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
-        if seed is None or any(g is None for _, g in grads):
-            raise MpgraphError("loss scaling: the gradient seed or a gradient named in the metadata is missing")
         names = NameScope(model)
-        bwd = _Builder(graph, names, "backward")
-        opt = _Builder(graph, names, "optimizer")
-        pairs: list[list[str]] = json.loads(props[md.MODEL_STATE_PAIRS])
-
-        if s.mode == "dynamic":
-            scale = _state_input(graph, md.LOSS_SCALE, s.init)
-            tracker = _state_input(graph, md.GROWTH_TRACKER, 0.0)
-        else:
-            scale = opt.const(float(s.init), "static_scale")
-        # Rule 1: scaled seed.
-        seed_uses = list(seed.uses())
-        scaled_seed = bwd.op("Mul", seed, scale, name="scaled_seed")
-        for use in seed_uses:
-            use.node.replace_input_with(use.idx, scaled_seed)
-        # Rule 2-3: unscale in fp32, finite check.
-        inv = opt.op("Reciprocal", scale, name="inv_scale")
-        zero = opt.const(0.0, "zero")
-        flat = _flat_nodes(graph)
-        checked: list[tuple[str, ir.Value]] = []
-        covered: set[ir.Value] = set()
-        if md.FLAT_GRADIENT in flat:
-            buffer = flat[md.FLAT_GRADIENT]
-            covered = _flat_members(buffer)
-            checked.append(("optim/flat", buffer.outputs[0]))
-        checked += [(param, grad) for param, grad in grads if grad is not None and grad not in covered]
-        total: ir.Value | None = None
-        for param, grad in checked:
-            uses = list(grad.uses())
-            g32 = grad
-            if grad.dtype != ir.DataType.FLOAT or md.FLAT_GRADIENT not in flat:
-                g32 = opt.op("Cast", grad, to=ir.DataType.FLOAT, name=f"{param}/grad_fp32")
-            unscaled = opt.op("Mul", g32, inv, name=f"{param}/unscaled")
-            for use in uses:
-                use.node.replace_input_with(use.idx, unscaled)
-            probe = opt.op("ReduceSum", opt.op("Mul", unscaled, zero, name=f"{param}/nan_probe"), keepdims=0, name=f"{param}/nan_sum")
-            total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/nan_total")
-        assert total is not None
-        found_inf = opt.op("IsNaN", total, name="found_inf_check")
-        # Rule 4: skip the optimizer's writes.
-        outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
-        inputs = {v.name: v for v in graph.inputs}
-        split = flat.get(md.FLAT_SPLIT)
-        if split is not None and md.FLAT_PARAM in flat:
-            old_flat, new_flat = flat[md.FLAT_PARAM].outputs[0], split.inputs[0]
-            assert new_flat is not None
-            guarded_flat = opt.op("Where", found_inf, old_flat, new_flat, name="optim/flat/skip")
-            guarded_flat.shape = old_flat.shape
-            split.replace_input_with(0, guarded_flat)
-        for state_in, state_out in pairs:
-            index, new = outputs[state_out]
-            producer = new.producer()
-            if producer is None or producer.metadata_props.get(md.NODE_ROLE) != "optimizer":
-                continue
-            if split is not None and _reads_split(producer, split):
-                continue  # guarded before the Split
-            new.name = names.fresh(f"{state_out}/unguarded")
-            guarded = opt.op("Where", found_inf, inputs[state_in], new, name=f"{state_in}/skip")
-            guarded.name = state_out
-            guarded.shape = new.shape or inputs[state_in].shape
-            graph.outputs[index] = guarded
-        # Rule 5: dynamic scale update.
-        if s.mode == "dynamic":
-            one = opt.const(1.0, "one")
-            grown_count = opt.op("Add", tracker, one, name="tracker_plus_one")
-            grow = opt.op("GreaterOrEqual", grown_count, opt.const(float(s.growth_interval), "growth_interval"), name="grow")
-            grown = opt.op("Min", opt.op("Mul", scale, opt.const(s.growth_factor, "growth_factor"), name="scale_grown"), opt.const(s.max, "max"), name="scale_grown_capped")
-            backed = opt.op("Max", opt.op("Mul", scale, opt.const(s.backoff_factor, "backoff_factor"), name="scale_backoff"), opt.const(s.min, "min"), name="scale_backoff_floored")
-            finite_scale = opt.op("Where", grow, grown, scale, name="finite_scale")
-            finite_count = opt.op("Where", grow, zero, grown_count, name="finite_tracker")
-            new_scale = opt.op("Where", found_inf, backed, finite_scale, name="new_scale")
-            new_count = opt.op("Where", found_inf, zero, finite_count, name="new_tracker")
-            new_scale.name = names.fresh(f"{md.LOSS_SCALE}/updated")
-            new_count.name = names.fresh(f"{md.GROWTH_TRACKER}/updated")
-            graph.outputs.extend([new_scale, new_count])
-            pairs += [[md.LOSS_SCALE, new_scale.name], [md.GROWTH_TRACKER, new_count.name]]
+        bwd = Builder(graph, role=md.Role.BACKWARD, scope=_SCOPE, names=names)
+        opt = Builder(graph, role=md.Role.OPTIMIZER, scope=_SCOPE, names=names)
+        pairs: list[list[str]] = json.loads(model.metadata_props[md.MODEL_STATE_PAIRS])
+        scale, tracker = self._scale(graph, opt)
+        _scale_seed(bwd, seed, scale)
+        zero, found_inf = _unscale_and_check(opt, graph, grads, scale)
+        _skip_on_overflow(opt, graph, pairs, found_inf)
+        if tracker is not None:
+            pairs += self._update_scale(opt, graph, scale, tracker, zero, found_inf)
         flag = opt.op("Identity", found_inf, name="found_inf")
         flag.name = md.FOUND_INF
+        flag.shape = ir.Shape([])
         graph.outputs.append(flag)
-        boolean = {"IsNaN", "GreaterOrEqual"}
-        for node in (*bwd.nodes, *opt.nodes):
-            is_bool = node.op_type in boolean or (node.op_type == "Identity" and node.inputs[0] is found_inf)
+        for node in (*bwd.tape.nodes, *opt.tape.nodes):
+            is_bool = node.op_type in ("IsNaN", "GreaterOrEqual") or (node.op_type == "Identity" and node.inputs[0] is found_inf)
             node.outputs[0].type = ir.TensorType(ir.DataType.BOOL if is_bool else ir.DataType.FLOAT)
-        for scalar in (found_inf, flag, total, *(() if s.mode != "dynamic" else (new_scale, new_count))):
-            scalar.shape = ir.Shape([])
-        props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        model.metadata_props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
         graph.sort()  # the seed product and the unscales were appended after their readers
         return ir.passes.PassResult(model, True)
+
+    def _scale(self, graph: ir.Graph, opt: Builder) -> tuple[ir.Value, ir.Value | None]:
+        """The loss scale, and in dynamic mode the growth tracker (both state inputs); static
+        mode's scale is a constant."""
+        if self.settings.mode == "dynamic":
+            return _state_input(graph, md.LOSS_SCALE, self.settings.init), _state_input(graph, md.GROWTH_TRACKER, 0.0)
+        return _constant(opt, float(self.settings.init), "static_scale"), None
+
+    def _update_scale(self, opt: Builder, graph: ir.Graph, scale: ir.Value, tracker: ir.Value, zero: ir.Value,
+                      found_inf: ir.Value) -> list[list[str]]:
+        """Rule 5: the updated scale and tracker as graph outputs; returns their state pairs."""
+        s = self.settings
+        grown_count = opt.op("Add", tracker, _constant(opt, 1.0, "one"), name="tracker_plus_one")
+        grow = opt.op("GreaterOrEqual", grown_count, _constant(opt, float(s.growth_interval), "growth_interval"), name="grow")
+        grown = opt.op("Min", opt.op("Mul", scale, _constant(opt, s.growth_factor, "growth_factor"), name="scale_grown"),
+                       _constant(opt, s.max, "max"), name="scale_grown_capped")
+        backed = opt.op("Max", opt.op("Mul", scale, _constant(opt, s.backoff_factor, "backoff_factor"), name="scale_backoff"),
+                        _constant(opt, s.min, "min"), name="scale_backoff_floored")
+        finite_scale = opt.op("Where", grow, grown, scale, name="finite_scale")
+        finite_count = opt.op("Where", grow, zero, grown_count, name="finite_tracker")
+        new_scale = opt.op("Where", found_inf, backed, finite_scale, name="new_scale")
+        new_count = opt.op("Where", found_inf, zero, finite_count, name="new_tracker")
+        new_scale.name = opt.unique(f"{md.LOSS_SCALE}/updated")
+        new_count.name = opt.unique(f"{md.GROWTH_TRACKER}/updated")
+        new_scale.shape = new_count.shape = ir.Shape([])
+        graph.outputs.extend([new_scale, new_count])
+        return [[md.LOSS_SCALE, new_scale.name], [md.GROWTH_TRACKER, new_count.name]]
+
+
+def _already_scaled(model: ir.Model) -> bool:
+    """Whether the step graph holds the loss-scale state already (then nothing is added)."""
+    return md.LOSS_SCALE in {v.name for v in model.graph.inputs} or any(
+        v.name == md.FOUND_INF for v in model.graph.outputs
+    )
+
+
+def _seed_and_gradients(model: ir.Model) -> tuple[ir.Value, list[tuple[str, ir.Value]]]:
+    """The gradient seed and the ``(parameter, gradient)`` pairs the metadata names.
+
+    Raises:
+        MpgraphError: A step graph not from ``train-graph`` with an optimizer, one whose node
+            roles were lost, or metadata naming missing values.
+    """
+    props, graph = model.metadata_props, model.graph
+    missing = [k for k in (md.MODEL_GRADIENTS, md.MODEL_GRAD_SEED, md.MODEL_STATE_PAIRS) if k not in props]
+    if missing:
+        raise MpgraphError(
+            f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
+            f"(missing metadata {', '.join(missing)})"
+        )
+    if not any(node.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER for node in graph):
+        # Rule 4 finds what to guard by role: without roles a skipped step would still
+        # apply its inf/NaN update. (onnx.version_converter drops node metadata.)
+        raise MpgraphError(
+            f"loss scaling: no node carries the '{md.NODE_ROLE}' optimizer role, so the update "
+            f"could not be skipped on overflow; the node metadata was lost (opset upgrade: "
+            f"{props.get(md.MODEL_OPSET_UPGRADED, 'none recorded')}); convert the step graph "
+            f"from `mpgraph train-graph` again with --no-opset-upgrade (upgrade_opset=False)"
+        )
+    values: dict[str, ir.Value] = {}
+    for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
+        if value.name:
+            values.setdefault(value.name, value)
+    seed = values.get(props[md.MODEL_GRAD_SEED])
+    grads = [(p, values.get(g)) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
+    if seed is None or any(g is None for _, g in grads):
+        raise MpgraphError("loss scaling: the gradient seed or a gradient named in the metadata is missing")
+    return seed, [(p, g) for p, g in grads if g is not None]
+
+
+def _scale_seed(bwd: Builder, seed: ir.Value, scale: ir.Value) -> None:
+    """Rule 1: every reader of the seed reads ``seed * scale``."""
+    uses = list(seed.uses())
+    scaled_seed = bwd.op("Mul", seed, scale, name="scaled_seed")
+    for use in uses:
+        use.node.replace_input_with(use.idx, scaled_seed)
+
+
+def _unscale_and_check(opt: Builder, graph: ir.Graph, grads: list[tuple[str, ir.Value]],
+                       scale: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Rules 2-3: the optimizer reads unscaled float32 gradients; returns the zero constant
+    and ``found_inf``."""
+    inv = opt.op("Reciprocal", scale, name="inv_scale")
+    zero = _constant(opt, 0.0, "zero")
+    flat = _flat_nodes(graph)
+    checked: list[tuple[str, ir.Value]] = []
+    covered: set[ir.Value] = set()
+    if md.FLAT_GRADIENT in flat:
+        buffer = flat[md.FLAT_GRADIENT]
+        covered = _flat_members(buffer)
+        checked.append(("optim/flat", buffer.outputs[0]))
+    checked += [(param, grad) for param, grad in grads if grad not in covered]
+    total: ir.Value | None = None
+    for param, grad in checked:
+        uses = list(grad.uses())
+        g32 = grad
+        if grad.dtype != ir.DataType.FLOAT or md.FLAT_GRADIENT not in flat:
+            g32 = opt.op("Cast", grad, to=ir.DataType.FLOAT, name=f"{param}/grad_fp32")
+        unscaled = opt.op("Mul", g32, inv, name=f"{param}/unscaled")
+        for use in uses:
+            use.node.replace_input_with(use.idx, unscaled)
+        probe = opt.op("ReduceSum", opt.op("Mul", unscaled, zero, name=f"{param}/nan_probe"), keepdims=0, name=f"{param}/nan_sum")
+        total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/nan_total")
+    assert total is not None
+    total.shape = ir.Shape([])
+    found_inf = opt.op("IsNaN", total, name="found_inf_check")
+    found_inf.shape = ir.Shape([])
+    return zero, found_inf
+
+
+def _skip_on_overflow(opt: Builder, graph: ir.Graph, pairs: list[list[str]], found_inf: ir.Value) -> None:
+    """Rule 4: every state output the optimizer writes becomes ``Where(found_inf, old, new)``
+    (a flat optimizer's updated parameter once, before its Split)."""
+    outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
+    inputs = {v.name: v for v in graph.inputs}
+    flat = _flat_nodes(graph)
+    split = flat.get(md.FLAT_SPLIT)
+    if split is not None and md.FLAT_PARAM in flat:
+        old_flat, new_flat = flat[md.FLAT_PARAM].outputs[0], split.inputs[0]
+        assert new_flat is not None
+        guarded_flat = opt.op("Where", found_inf, old_flat, new_flat, name="optim/flat/skip")
+        guarded_flat.shape = old_flat.shape
+        split.replace_input_with(0, guarded_flat)
+    for state_in, state_out in pairs:
+        index, new = outputs[state_out]
+        producer = new.producer()
+        if producer is None or producer.metadata_props.get(md.NODE_ROLE) != md.Role.OPTIMIZER:
+            continue
+        if split is not None and _reads_split(producer, split):
+            continue  # guarded before the Split
+        new.name = opt.unique(f"{state_out}/unguarded")
+        guarded = opt.op("Where", found_inf, inputs[state_in], new, name=f"{state_in}/skip")
+        guarded.name = state_out
+        guarded.shape = new.shape or inputs[state_in].shape
+        graph.outputs[index] = guarded
+
+
+def _constant(b: Builder, value: float | bool, name: str) -> ir.Value:
+    """A ``Constant`` node ``<scope>/<name>`` holding a float32 (or bool) scalar."""
+    array: np.ndarray = np.array(value, dtype=np.bool_ if isinstance(value, bool) else np.float32)
+    tensor = ir.tensor(array, name=b.unique(f"{b.scope}/{name}_value"))
+    return b.op("Constant", name=name, value=tensor)
 
 
 def _flat_nodes(graph: ir.Graph) -> dict[str, ir.Node]:

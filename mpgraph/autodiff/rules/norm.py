@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir.meta import NODE_ROLE
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
-from mpgraph._ir.meta import NODE_ROLE
 
 __all__: list[str] = []
 
