@@ -45,7 +45,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph.dtypes import is_float
-from mpgraph.errors import DataError, MpgraphError
+from mpgraph.errors import DataError, MpgraphError, first_line
 
 __all__ = [
     "BUILTIN_DATASETS",
@@ -227,7 +227,7 @@ def read_npz(path: str | os.PathLike[str], error: type[MpgraphError] = DataError
         with np.load(p, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # noqa: BLE001 - zipfile, zlib, numpy and pickle refusals all mean "unreadable"
-        reason = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        reason = first_line(e)
         if "allow_pickle" in reason or "Object arrays" in reason:
             reason = "it holds object arrays (pickles), which mpgraph does not load"
         raise error(f"{p}: not {what} ({reason})") from e

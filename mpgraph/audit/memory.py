@@ -33,7 +33,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import MpgraphError, first_line
 
 __all__ = ["MemoryReport", "estimate_memory", "ROLES", "VIEW_OPS"]
 
@@ -117,7 +117,7 @@ def _concrete(proto: onnx.ModelProto, batch: int, dims: Mapping[str, int]) -> di
     try:
         inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as e:  # noqa: BLE001 - onnx raises InferenceError and bare RuntimeErrors
-        raise MpgraphError(f"shape inference failed at batch {batch}: {str(e).splitlines()[0]}") from None
+        raise MpgraphError(f"shape inference failed at batch {batch}: {first_line(e)}") from None
     sizes: dict[str, int | None] = {}
     g = inferred.graph
     for info in (*g.value_info, *g.output, *g.input):

@@ -27,6 +27,7 @@ import onnx_ir as ir
 from onnx import version_converter
 
 from mpgraph._ir import meta as md
+from mpgraph.errors import first_line
 from mpgraph.optypes import node_typing
 from mpgraph.policy import Policy
 
@@ -104,8 +105,9 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
             )
             new = ir.from_proto(upgraded)
         except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            logger.warning("opset %d -> %d upgrade failed (%s); ops without %s stay float32", current, target, reason, low)
+            logger.warning(
+                "opset %d -> %d upgrade failed (%s); ops without %s stay float32", current, target, first_line(e), low
+            )
             return ir.passes.PassResult(model, False)
         old_props = {n.name: dict(n.metadata_props) for n in model.graph if n.name and n.metadata_props}
         for node in new.graph:

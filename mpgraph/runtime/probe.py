@@ -28,7 +28,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph.dtypes import is_float, smallest_subnormal
-from mpgraph.errors import DataError, MpgraphError
+from mpgraph.errors import DataError, MpgraphError, first_line
 
 __all__ = [
     "MATERIALIZE_BYTES",
@@ -36,7 +36,6 @@ __all__ = [
     "ValueRange",
     "cpu_session",
     "evaluate_nodes",
-    "first_line",
     "measure_ranges",
     "run",
     "run_with_values",
@@ -80,19 +79,6 @@ def cpu_session(
         return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         raise MpgraphError(f"ONNX Runtime (CPU) cannot load the model: {first_line(e)}") from None
-
-
-def first_line(error: BaseException) -> str:
-    """The first line of an exception's message, or its type name when it has none.
-
-    Example:
-        >>> first_line(ValueError("bad shape\\nat node 3"))
-        'bad shape'
-        >>> first_line(KeyError())
-        'KeyError'
-    """
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def evaluate_nodes(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> list[np.ndarray] | None:
