@@ -36,7 +36,7 @@ from gpu_train import profile_placement  # noqa: E402
 import mpgraph  # noqa: E402
 from mpgraph.data import Batches  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
-from mpgraph.train_graph import build_training_graph  # noqa: E402
+from mpgraph.training import build_training_graph  # noqa: E402
 
 ZOO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "models", "onnx")
 POLICIES = {"fp32": None, "bf16": "bf16", "fp16+dynamic": "fp16"}

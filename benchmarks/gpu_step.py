@@ -51,7 +51,7 @@ import mpgraph  # noqa: E402
 from models.zoo import GPT, NatureDQN, TinyMLP  # noqa: E402
 from mpgraph.export import export_module  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
-from mpgraph.train_graph import build_training_graph  # noqa: E402
+from mpgraph.training import build_training_graph  # noqa: E402
 
 #: bf16 dense matmul rate measured on the H200 with torch (DESIGN.md: 8192^3 MatMul).
 BF16_PEAK_TFLOPS = 796.0

@@ -34,7 +34,7 @@ from mpgraph.cli.train_cmd import _vocab  # noqa: E402
 from mpgraph.data import Batches, dataset_for_model  # noqa: E402
 from mpgraph.policy import parse_policy  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
-from mpgraph.train_graph import build_training_graph  # noqa: E402
+from mpgraph.training import build_training_graph  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ZOO = os.path.join(HERE, "..", "models", "onnx")

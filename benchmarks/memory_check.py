@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import mpgraph  # noqa: E402
 from mpgraph.audit.memory import estimate_memory  # noqa: E402
-from mpgraph.train_graph import build_training_graph  # noqa: E402
+from mpgraph.training import build_training_graph  # noqa: E402
 
 
 def zoo_gpt(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:

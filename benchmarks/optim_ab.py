@@ -38,7 +38,7 @@ import mpgraph  # noqa: E402
 from mpgraph._ir import meta as md  # noqa: E402
 from mpgraph.optim import base as optim_base  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
-from mpgraph.train_graph import build_training_graph  # noqa: E402
+from mpgraph.training import build_training_graph  # noqa: E402
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 VARIANTS = {"per-tensor": {"pack": False}, "packed": {}, "flat": {"flat": True}, "flat-grouped": {"flat": True}}

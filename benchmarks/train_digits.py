@@ -36,7 +36,7 @@ import mpgraph
 from mpgraph.data import dataset_for_model
 from mpgraph.export import export_module
 from mpgraph.runtime.trainer import Metrics, Trainer
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 POLICIES = ("fp32", "bf16", "fp16")
 MODELS = ("mlp", "cnn")

@@ -22,7 +22,7 @@ from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
 from mpgraph.policy import Policy, load_policy
 from mpgraph.runtime.trainer import Trainer
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 __all__ = [
     "MpgraphError",

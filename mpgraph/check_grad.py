@@ -251,7 +251,7 @@ def check_grad(
         InputsError: ``inputs`` lacks a data input or has a key the model does not take.
         MpgraphError: The gradient graph cannot be built or ONNX Runtime cannot run it.
     """
-    from mpgraph.train_graph import build_training_graph
+    from mpgraph.training import build_training_graph
 
     fwd = _load(model)
     notes: list[str] = []

@@ -30,7 +30,7 @@ normalises with its running statistics. ``export_module`` registers its own lowe
 
 - ``batch_norm="node"`` (default): ``BatchNormalization(training_mode=1)``, fed by the
   running statistics as constants named after their buffers (``bn.running_mean``), so
-  ``mpgraph.train_graph`` can carry them as training state. ONNX Runtime's CPU provider
+  ``mpgraph.training`` can carry them as training state. ONNX Runtime's CPU provider
   runs it with batch statistics, exactly as torch does. ONNX Runtime 1.31's CUDA provider
   refuses it when the session is created ("Training mode does not support BN opset 14 (or
   higher) yet"), loudly, never silently; a graph meant for CUDA needs it decomposed.

@@ -16,7 +16,7 @@ Values that depend on data (parameters, batches, state) are never folded: they a
 inputs, and an initializer that is also a graph input is an overridable default, not a constant.
 
 Example:
-    >>> from mpgraph.train_graph import build_training_graph
+    >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="sgd")  # doctest: +SKIP
     >>> fixed = specialize_shapes(step, {"x": (64, 4), "label": (64,)})  # doctest: +SKIP
 """

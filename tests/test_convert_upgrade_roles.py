@@ -8,7 +8,7 @@ from pathlib import Path
 
 import mpgraph
 from mpgraph._ir import meta as md
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
 

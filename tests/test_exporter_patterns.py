@@ -21,7 +21,7 @@ import pytest
 
 from mpgraph._ir.meta import MODEL_STATE_PAIRS
 from mpgraph.runtime.cpu_runner import CpuRunner
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -202,11 +202,11 @@ def test_dynamo_folded_batchnorm_is_reported(tmp_path: Path, caplog: pytest.LogC
                                     training=torch.onnx.TrainingMode.TRAINING)
     proto = program.model_proto
     assert not any(n.op_type == "BatchNormalization" for n in proto.graph.node), "dynamo kept the BatchNorm: test is moot"
-    with caplog.at_level("WARNING", logger="mpgraph.train_graph"):
+    with caplog.at_level("WARNING", logger="mpgraph.training"):
         build_training_graph(proto, optimizer=None)
     folded = [r.getMessage() for r in caplog.records if "folded into the preceding convolution" in r.getMessage()]
     assert len(folded) == 1 and "dynamo=False" in folded[0] and "\n" not in folded[0]
     caplog.clear()
-    with caplog.at_level("WARNING", logger="mpgraph.train_graph"):  # TorchScript keeps its BatchNorms
+    with caplog.at_level("WARNING", logger="mpgraph.training"):  # TorchScript keeps its BatchNorms
         build_training_graph(hf_resnet[1], optimizer=None)
     assert not any("folded" in r.getMessage() for r in caplog.records)

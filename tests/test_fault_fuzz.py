@@ -198,7 +198,7 @@ MUTATIONS: tuple[Mutation, ...] = (
 @pytest.fixture(scope="module")
 def bases(tmp_path_factory: pytest.TempPathFactory) -> dict[str, onnx.ModelProto]:
     from mpgraph.io import save_model
-    from mpgraph.train_graph import build_training_graph
+    from mpgraph.training import build_training_graph
 
     out = {name: onnx.load(str(ZOO / name)) for name in MODELS}
     step = tmp_path_factory.mktemp("fuzz") / "tiny.step.onnx"

@@ -138,7 +138,7 @@ def _init_bytes(m: onnx.ModelProto) -> None:
 @pytest.fixture(scope="module")
 def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from mpgraph.io import save_model
-    from mpgraph.train_graph import build_training_graph
+    from mpgraph.training import build_training_graph
 
     tmp = tmp_path_factory.mktemp("faults")
     out: dict[str, Path] = {f"npz_{k}": v for k, v in _npz_variants(tmp).items()}

@@ -23,7 +23,7 @@ from mpgraph.optim import base
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "models" / "onnx"
 

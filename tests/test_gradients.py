@@ -28,7 +28,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from mpgraph.autodiff import lookup_rule, registered_rules
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

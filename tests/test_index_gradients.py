@@ -18,7 +18,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 torch = pytest.importorskip("torch")
 F = torch.nn.functional

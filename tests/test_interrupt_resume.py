@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     from mpgraph.io import save_model
-    from mpgraph.train_graph import build_training_graph
+    from mpgraph.training import build_training_graph
 
     tmp = tmp_path_factory.mktemp("interrupt")
     step = tmp / "tiny.step.onnx"

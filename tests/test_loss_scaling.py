@@ -15,7 +15,7 @@ from mpgraph._ir import meta as md
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 
 def tiny_gradient_model() -> ir.Model:

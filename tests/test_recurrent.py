@@ -27,7 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.lower_recurrent import lower_recurrent
 from mpgraph.errors import GradientError
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 torch = pytest.importorskip("torch")
 

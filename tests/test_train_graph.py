@@ -20,7 +20,7 @@ import pytest
 from mpgraph.errors import GradientError, MpgraphError
 from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE, ROLES
 from mpgraph.runtime.cpu_runner import CpuRunner
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

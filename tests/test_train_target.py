@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 
 from mpgraph.errors import GradientError
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "models" / "onnx"
 

@@ -17,7 +17,7 @@ from mpgraph.errors import MpgraphError
 from mpgraph.io import save_model
 from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Metrics, Trainer, graph_fingerprint, plot_losses
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 from tests.helpers import Ran, mpgraph_cli
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()

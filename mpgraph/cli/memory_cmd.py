@@ -22,7 +22,7 @@ def step_graph_for(model: Path, optimizer: str | None, policy: str | None):  # n
     from mpgraph.convert import convert
     from mpgraph.errors import MpgraphError
     from mpgraph.io import load_model
-    from mpgraph.train_graph import build_training_graph
+    from mpgraph.training import build_training_graph
 
     loaded = load_model(model)
     props = loaded.metadata_props

@@ -9,7 +9,7 @@ import typer
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["register", "train_graph_command"]
+__all__ = ["train_graph_command"]
 
 
 def train_graph_command(
@@ -29,11 +29,15 @@ def train_graph_command(
     target: Annotated[str, typer.Option("--target", help="cpu or cuda: where the step will run; picks the conv weight-gradient forms that measured fastest there (same math).")] = "cpu",
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
-    from mpgraph._ir import meta as md
     from mpgraph.cli.checks import check_output_path, finite
-    from mpgraph.errors import UnsupportedModelError
     from mpgraph.io import load_model, save_model
-    from mpgraph.train_graph import build_training_graph, state_pairs
+    from mpgraph.training import (
+        build_training_graph,
+        refuse_step_graph,
+        state_pairs,
+        training_batchnorms,
+    )
+    from mpgraph.training.options import optimizer_options
 
     if lr is not None:
         finite(lr, "--lr", low=0.0)
@@ -46,44 +50,18 @@ def train_graph_command(
         raise MpgraphError(f"{out}: refusing to overwrite the input model (pass --overwrite-input)")
     check_output_path(out, "-o")
     forward = load_model(model)
-    if md.MODEL_STATE_PAIRS in forward.metadata_props or forward.metadata_props.get(md.MODEL_TRAINING) == "true":
-        raise UnsupportedModelError(f"{model}: is already a training step graph (built by `mpgraph train-graph`); "
-                                    "give the forward model")
-    options = {"momentum": momentum, "weight_decay": weight_decay}
-    if nesterov:
-        options["nesterov"] = True
-    if optimizer.lower() != "sgd":
-        options.pop("momentum")
-        if nesterov:
-            raise MpgraphError("--nesterov applies to --optimizer sgd only")
-    if amsgrad:
-        if optimizer.lower() == "sgd":
-            raise MpgraphError("--amsgrad applies to --optimizer adam and adamw only")
-        options["amsgrad"] = True
-    if flat_optimizer:
-        options["flat"] = True
+    refuse_step_graph(forward, model)
+    options = optimizer_options(optimizer, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                                amsgrad=amsgrad, flat=flat_optimizer)
     step = build_training_graph(
         forward, optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
         optimizer_options=options, batchnorm=batchnorm, target=target,
     )
     save_model(step, out)
-    pairs = state_pairs(step)
-    typer.echo(f"{out}: {len(step.graph)} nodes, {len(pairs)} state inputs paired with updated outputs "
+    typer.echo(f"{out}: {len(step.graph)} nodes, {len(state_pairs(step))} state inputs paired with updated outputs "
                f"(parameters, optimizer state, running statistics), optimizer {optimizer}")
-    batchnorms = sum(n.op_type == "BatchNormalization" for n in step.graph)
-    if batchnorms and batchnorm == "train":
+    batchnorms = training_batchnorms(step)
+    if batchnorms:
         # ORT's CUDA provider refuses BatchNormalization(training_mode=1) at opset >= 14.
         typer.echo(f"note: {batchnorms} BatchNormalization nodes in training mode run on ORT CPU only; "
                    "for CUDA build with --batchnorm train-ops")
-
-
-def register(app: typer.Typer) -> None:
-    """Add the ``train-graph`` command to ``app``."""
-    command = train_graph_command
-    try:  # the shared wrapper turns MpgraphError into one line and exit code 2
-        from mpgraph.cli.main import handle_errors
-
-        command = handle_errors(command)
-    except ImportError:
-        pass
-    app.command("train-graph")(command)

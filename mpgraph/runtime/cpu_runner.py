@@ -4,7 +4,7 @@ The state pairs come from the model's ``MODEL_STATE_PAIRS`` metadata; initial st
 are the same-named initializers that ``build_training_graph`` writes.
 
 Example:
-    >>> from mpgraph.train_graph import build_training_graph
+    >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="sgd")  # doctest: +SKIP
     >>> runner = CpuRunner(step)  # doctest: +SKIP
     >>> loss = runner.step({"x": x, "label": y}, lr=0.1)  # doctest: +SKIP

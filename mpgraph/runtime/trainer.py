@@ -29,7 +29,7 @@ into an inference session on the same provider, whose parameter inputs are bound
 trainer's state buffers, so evaluation copies no weights.
 
 Example:
-    >>> from mpgraph.train_graph import build_training_graph
+    >>> from mpgraph.training import build_training_graph
     >>> from mpgraph.data import load_dataset
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx")  # doctest: +SKIP
     >>> trainer = Trainer(step, provider="cpu")  # doctest: +SKIP

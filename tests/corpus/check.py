@@ -42,7 +42,7 @@ from onnx import numpy_helper
 
 from mpgraph.convert import convert
 from mpgraph.runtime.cpu_runner import CpuRunner
-from mpgraph.train_graph import build_training_graph
+from mpgraph.training import build_training_graph
 
 from .models import Case
 

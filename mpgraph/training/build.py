@@ -1,0 +1,297 @@
+"""``build_training_graph``: the training passes, the backward pass and the optimizer, in order."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnx_ir.passes.common
+
+from mpgraph._ir.meta import (
+    MODEL_GRAD_SEED,
+    MODEL_GRADIENTS,
+    MODEL_LOSS,
+    MODEL_STATE_PAIRS,
+    MODEL_TRAINING,
+    NODE_ROLE,
+)
+from mpgraph.autodiff import differentiate
+from mpgraph.autodiff.driver import GradContext
+from mpgraph.autodiff.rules import pool_conv
+from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
+from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
+from mpgraph.optim import make_optimizer
+from mpgraph.optim.base import Optimizer
+from mpgraph.training._common import name_of
+from mpgraph.training.attach_loss import AttachLossPass
+from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
+from mpgraph.training.select_parameters import SelectParametersPass
+from mpgraph.training.set_batchnorm_mode import SetBatchNormModePass
+
+__all__ = ["LR_INPUT", "MAX_IR_VERSION", "TARGET_WEIGHT_GRAD_FORM", "build_training_graph", "state_pairs"]
+
+logger = logging.getLogger(__name__)
+
+#: The conv weight-gradient form per ``target`` (``None``: by layer shape, from ORT CPU
+#: measurements). On ORT CUDA (H200) the one-hot im2col form beat the single Conv on the
+#: Nature DQN's 8x8/4 (0.085 vs 0.309 ms) and 4x4/2 layers (0.074 vs 0.117 ms).
+TARGET_WEIGHT_GRAD_FORM: dict[str, str | None] = {"cpu": None, "cuda": "im2col"}
+#: ONNX Runtime 1.31 refuses models with a higher ir_version (opset 28 needs 14).
+MAX_IR_VERSION = 13
+LR_INPUT = "lr"
+_DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
+
+State = list[tuple[ir.Value, ir.Value]]
+
+
+def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
+    """``[(state input, updated output)]`` recorded on a training step graph."""
+    raw = model.metadata_props.get(MODEL_STATE_PAIRS)
+    return [] if raw is None else [(a, b) for a, b in json.loads(raw)]
+
+
+def build_training_graph(
+    model: ir.Model | onnx.ModelProto | str | os.PathLike[str],
+    *,
+    optimizer: str | None = "adamw",
+    loss: str | None = None,
+    freeze: Sequence[str] = (),
+    lr: float | None = None,
+    optimizer_options: dict[str, Any] | None = None,
+    batchnorm: str = "train",
+    trainable_inputs: Sequence[str] = (),
+    validate: bool = True,
+    target: str | None = None,
+) -> ir.Model:
+    """Build the training step graph of a forward model.
+
+    Args:
+        model: The forward model (onnx-ir, protobuf or a path).
+        optimizer: ``sgd``, ``adam``, ``adamw``, or ``None`` for a gradient graph whose
+            outputs are the loss and ``grad/<param>`` for every parameter.
+        loss: ``None`` (the output named ``loss``, else the only output if it is a float
+            scalar), an output name, ``cross_entropy`` or ``mse``.
+        freeze: fnmatch patterns of parameters to keep fixed.
+        lr: Default learning rate (initializer of the ``lr`` input).
+        optimizer_options: Hyperparameters (``momentum``, ``nesterov``, ``dampening``,
+            ``weight_decay``, ``beta1``, ``beta2``, ``eps``), as in ``torch.optim``.
+        batchnorm: ``train`` (batch statistics, running statistics as state), ``train-ops``
+            (the same, written as ReduceMean/Sub/Mul/Sqrt ops: ONNX Runtime's CUDA provider
+            refuses ``BatchNormalization(training_mode=1)`` at opset >= 14) or ``eval``.
+        trainable_inputs: fnmatch patterns of float graph inputs without initializers to
+            differentiate as parameters (for models whose weights are runtime inputs).
+        validate: Run the ONNX checker (full) and strict shape inference on the result.
+        target: Where the step will run, for the gradient forms picked by measured speed:
+            ``None``/``cpu`` picks each conv weight gradient's form by layer shape from ORT
+            CPU measurements, ``cuda`` uses the one-hot im2col forms, which measured
+            fastest on ORT CUDA (``benchmarks/results/conv_dw_ab_cuda.txt``). Same math.
+
+    Returns:
+        The training step model, with the lowest ir_version its opsets allow (8 up to
+        opset 18, 11 at opset 23, at most ``MAX_IR_VERSION``).
+
+    Raises:
+        GradientError: No loss, nothing trainable, bad freeze pattern, op without a rule.
+        UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
+    """
+    set_batchnorm_mode = SetBatchNormModePass(batchnorm)
+    if target not in (None, "cpu", "cuda"):
+        raise GradientError(f"target must be 'cpu' or 'cuda', got '{target}'")
+    opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
+    forward = load_forward(model)
+    m = forward.model
+    NormalizeForwardPass(forward.inputs_mark_params)(m)
+    loss_value = AttachLossPass(loss)(m).loss
+    assert loss_value is not None
+    state = set_batchnorm_mode(m).state
+    params = SelectParametersPass(freeze, trainable_inputs, {name_of(s) for s, _ in state},
+                                  inputs_mark_params=forward.inputs_mark_params)(m).params
+    _keep_loss_only(m, loss_value, state)
+    grads = _differentiate(m, loss_value, params, target, forward.opset)
+    ctx = GradContext(m.graph, role="optimizer", scope="optim")
+    if opt is None:
+        outputs = _gradient_outputs(m.graph, params, grads)
+    else:
+        outputs: State = []
+        state = _attach_optimizer(m, ctx, opt, lr if lr is not None else _DEFAULT_LR[str(optimizer).lower()],
+                                  params, grads, state)
+    outputs += _state_outputs(m.graph, ctx, state)
+    _finish(m, state, outputs)
+    if validate:
+        _validate(m)
+    return m
+
+
+def _keep_loss_only(model: ir.Model, loss: ir.Value, state: State) -> None:
+    """The loss becomes the only output; what neither it nor a state update needs goes."""
+    graph = model.graph
+    graph.outputs.clear()
+    graph.outputs.append(loss)
+    live: set[ir.Value] = {loss} | {out for _, out in state}
+    for node in reversed(list(graph)):
+        if any(o in live for o in node.outputs):
+            live.update(v for v in node.inputs if v is not None)
+        else:
+            graph.remove(node, safe=False)
+    for name, value in list(graph.initializers.items()):
+        if value not in live and not value.is_graph_input():
+            del graph.initializers[name]
+    _infer_shapes(model)
+
+
+def _differentiate(model: ir.Model, loss: ir.Value, params: list[ir.Value], target: str | None,
+                   user_opset: int) -> dict[str, ir.Value]:
+    """The backward pass from a ``grad/seed`` value; records the seed and the loss."""
+    graph = model.graph
+    opset = graph.opset_imports[""]
+    seed = _gradient_seed(graph, loss)
+    try:
+        with pool_conv.weight_grad_form(TARGET_WEIGHT_GRAD_FORM.get(target or "cpu")):
+            grads = differentiate(graph, loss, params, opset=opset, seed=seed)
+    except GradientError as e:
+        if user_opset == opset:
+            raise
+        # The rules are looked up at the upgraded opset; the user knows their model's own.
+        raise GradientError(str(e).replace(f" at opset {opset} ", f" at opset {user_opset} (upgraded to {opset}) ")) from None
+    model.metadata_props[MODEL_GRAD_SEED] = name_of(seed)
+    model.metadata_props[MODEL_LOSS] = name_of(loss)
+    return grads
+
+
+def _gradient_seed(graph: ir.Graph, loss: ir.Value) -> ir.Value:
+    """A dedicated ``dloss/dloss = 1`` value named ``grad/seed`` (loss scaling multiplies it)."""
+    dtype = loss.dtype or ir.DataType.FLOAT
+    if loss.shape is not None and len(loss.shape) == 0:
+        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(1.0, dtype=dtype.numpy())))],
+                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
+    else:
+        shape = ir.Node("", "Shape", [loss], name="grad/seed_shape", metadata_props={NODE_ROLE: "backward"})
+        graph.append(shape)
+        one = ir.tensor(np.ones((1,), dtype=dtype.numpy()))
+        node = ir.Node("", "ConstantOfShape", [shape.outputs[0]], [ir.AttrTensor("value", one)],
+                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
+        shape.outputs[0].name = "grad/seed_shape"
+    node.outputs[0].name = "grad/seed"
+    node.outputs[0].dtype = dtype
+    node.outputs[0].shape = loss.shape
+    graph.append(node)
+    return node.outputs[0]
+
+
+def _gradient_outputs(graph: ir.Graph, params: list[ir.Value], grads: dict[str, ir.Value]) -> State:
+    """No optimizer: every parameter's gradient is an output named ``grad/<param>``."""
+    gctx = GradContext(graph, role="backward", scope="grad")
+    outputs = []
+    for p in params:
+        g = grads[name_of(p)]
+        if g.name != f"grad/{p.name}" or g.is_graph_output() or g.producer() is None:
+            g = gctx.op("Identity", g)
+            g.name = f"grad/{p.name}"
+        outputs.append((p, g))
+    return outputs
+
+
+class _StateInputs:
+    """The optimizer's ``StateFactory``: fp32 state inputs with same-named initializers."""
+
+    def __init__(self, graph: ir.Graph, ctx: GradContext) -> None:
+        self.graph = graph
+        self.ctx = ctx
+        self.inputs: list[ir.Value] = []
+
+    def __call__(self, name: str, like: ir.Value | None, init: float) -> ir.Value:
+        dims = [] if like is None or like.shape is None else list(like.shape)
+        if not all(isinstance(d, int) for d in dims):
+            raise GradientError(f"optimizer state '{name}' needs a static shape; '{like.name if like else ''}' has {dims}")
+        array = np.full([int(d) for d in dims if isinstance(d, int)], init, dtype=np.float32)
+        value = ir.Value(name=self.ctx.unique(name), type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(array.shape),
+                         const_value=ir.tensor(array))
+        array_tensor = value.const_value
+        assert array_tensor is not None
+        array_tensor.name = value.name
+        self.inputs.append(value)
+        self.graph.register_initializer(value)
+        return value
+
+
+def _attach_optimizer(model: ir.Model, ctx: GradContext, opt: Optimizer, lr: float, params: list[ir.Value],
+                      grads: dict[str, ir.Value], state: State) -> State:
+    """The optimizer update with an ``lr`` input; returns every state pair, parameters first.
+
+    The optimizer's state inputs join the graph inputs last (``_finish``), after ``lr``.
+    """
+    graph = model.graph
+    lr_value = ir.Value(name=LR_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                        const_value=ir.tensor(np.float32(lr), name=LR_INPUT))
+    graph.inputs.append(lr_value)
+    graph.register_initializer(lr_value)
+    make_state = _StateInputs(graph, ctx)
+    updated, opt_state = opt.build(ctx, [(p, grads[name_of(p)]) for p in params], lr_value, make_state)
+    model.metadata_props[MODEL_GRADIENTS] = json.dumps([[name_of(p), grads[name_of(p)].name] for p in params])
+    graph.inputs.extend(make_state.inputs)
+    return [(p, updated[name_of(p)]) for p in params] + state + opt_state
+
+
+def _state_outputs(graph: ir.Graph, ctx: GradContext, state: State) -> State:
+    """Every state update as an output named ``<state input>/updated`` (an Identity if needed)."""
+    outputs = []
+    for i, (inp, out) in enumerate(state):
+        if out.is_graph_output() or out.is_graph_input() or out.is_initializer():
+            out = ctx.op("Identity", out)
+            state[i] = (inp, out)
+        out.name = f"{inp.name}/updated"
+        outputs.append((inp, out))
+    return outputs
+
+
+def _finish(model: ir.Model, state: State, outputs: State) -> None:
+    """Outputs, roles, metadata, the ir_version and the shapes of the new outputs.
+
+    ``outputs`` pairs each new output with the value whose shape it has (its parameter or
+    state input), for when shape inference leaves it unknown.
+    """
+    graph = model.graph
+    graph.outputs.extend(out for _, out in outputs)
+    for node in graph:
+        node.metadata_props.setdefault(NODE_ROLE, "forward")
+    model.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
+    model.metadata_props[MODEL_TRAINING] = "true"
+    graph.name = graph.name or "train_step"
+    model.ir_version = max(8, onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()], True))
+    if model.ir_version > MAX_IR_VERSION:
+        raise UnsupportedModelError(
+            f"opset {graph.opset_imports['']} needs ir_version {model.ir_version}; ONNX Runtime 1.31 loads ir_version <= {MAX_IR_VERSION}"
+        )
+    # No data propagation here: onnx would propagate the flat optimizer's 1-D Concat of every
+    # parameter as if it were shape data (60 s for a 4M-parameter GPT, out of memory at 118M).
+    _infer_shapes(model, data_prop=False)
+    for like, out in outputs:
+        if out.shape is None:
+            out.shape = like.shape
+
+
+def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
+    infer = ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=data_prop)
+    try:
+        infer(model)
+        # onnx leaves GroupNormalization outputs untyped, which would cut gradient paths.
+        while infer_group_norm_types(model.graph):
+            infer(model)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("shape inference failed (%s); continuing with partial shapes", e)
+
+
+def _validate(model: ir.Model) -> None:
+    proto = ir.to_proto(model)
+    try:
+        if proto.ByteSize() < 1_500_000_000:
+            onnx.checker.check_model(proto, full_check=True)
+        onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
+    except Exception as e:  # noqa: BLE001 - checker errors are many types
+        raise ValidationError(f"internal error: the training graph is invalid: {str(e).splitlines()[0]}") from e

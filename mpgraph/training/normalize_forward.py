@@ -1,0 +1,257 @@
+"""Load a forward model and put it in the form the other training passes expect."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING
+from mpgraph.autodiff.driver import FLOAT_TYPES
+from mpgraph.errors import UnsupportedModelError
+from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
+
+__all__ = ["MIN_OPSET", "ForwardModel", "NormalizeForwardPass", "load_forward", "refuse_step_graph"]
+
+logger = logging.getLogger(__name__)
+
+#: The opset every step graph is built at; older models are upgraded to it.
+MIN_OPSET = 18
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardModel:
+    """A loaded forward model and what loading learned about it.
+
+    Attributes:
+        model: The model as onnx-ir, at opset >= ``MIN_OPSET``, with inferred shapes.
+        inputs_mark_params: Whether graph inputs can mark parameters (IR < 4 lists every
+            initializer as an input, so they cannot).
+        opset: The model's own opset (errors name it, not the one it was upgraded to).
+    """
+
+    model: ir.Model
+    inputs_mark_params: bool
+    opset: int
+
+
+def load_forward(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ForwardModel:
+    """Load ``model`` (a copy: the caller's object is never changed) and upgrade its opset.
+
+    Raises:
+        UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
+    """
+    if isinstance(model, (str, os.PathLike)):
+        proto = onnx.load(str(model))
+    elif isinstance(model, ir.Model):
+        proto = ir.to_proto(model)
+    else:
+        proto = onnx.ModelProto()
+        proto.CopyFrom(model)
+    if any(n.op_type in ("If", "Loop", "Scan") for n in proto.graph.node):
+        raise UnsupportedModelError("control flow (If/Loop/Scan) is not supported by train-graph")
+    opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
+    inputs_mark_params = proto.ir_version >= 4
+    if opset < 7:
+        _legacy_prelu_slopes(proto)
+    if opset < MIN_OPSET:
+        proto.ir_version = max(proto.ir_version, 8)
+        _inputs_for_initializers(proto)
+        try:
+            proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
+        except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
+            raise UnsupportedModelError(f"cannot upgrade opset {opset} to {MIN_OPSET}: {str(e).splitlines()[0]}") from None
+    try:
+        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("shape inference failed (%s); continuing with partial shapes", e)
+    return ForwardModel(ir.from_proto(proto), inputs_mark_params, opset)
+
+
+def refuse_step_graph(model: ir.Model, source: object) -> None:
+    """Refuse a training step graph where a forward model belongs (``source`` names it).
+
+    Raises:
+        UnsupportedModelError: ``model`` was built by ``train-graph``.
+    """
+    if MODEL_STATE_PAIRS in model.metadata_props or model.metadata_props.get(MODEL_TRAINING) == "true":
+        raise UnsupportedModelError(f"{source}: is already a training step graph (built by `mpgraph train-graph`); "
+                                    "give the forward model")
+
+
+def _legacy_prelu_slopes(proto: onnx.ModelProto) -> None:
+    """Before opset 7 a 1-D PRelu slope applied per channel; make that explicit ([C, 1, ...])."""
+    inferred = onnx.shape_inference.infer_shapes(proto)
+    ranks = {v.name: len(v.type.tensor_type.shape.dim) for v in list(inferred.graph.input) + list(inferred.graph.value_info)}
+    inits = {t.name: t for t in proto.graph.initializer}
+    for node in proto.graph.node:
+        if node.op_type != "PRelu" or node.input[1] not in inits:
+            continue
+        slope, rank = inits[node.input[1]], ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            new_dims = [slope.dims[0]] + [1] * (rank - 2)
+            del slope.dims[:]
+            slope.dims.extend(new_dims)
+            for value in proto.graph.input:
+                if value.name == slope.name:
+                    value.type.tensor_type.shape.CopyFrom(onnx.helper.make_tensor_type_proto(slope.data_type, new_dims).tensor_type.shape)
+
+
+def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
+    """Old IR versions list initializers as inputs; newer converters reject the mismatch."""
+    names = {i.name for i in proto.graph.input}
+    for init in proto.graph.initializer:
+        if init.name not in names:
+            proto.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+
+
+class NormalizeForwardPass(ir.passes.InPlacePass):
+    """Put a loaded forward model (``load_forward``) in the form the training passes expect.
+
+    Rules, in order:
+
+    1. The default opset is recorded as at least ``MIN_OPSET`` (``load_forward`` upgraded
+       the ops).
+    2. BatchNorm layers the exporter folded into convolutions are named in a warning (the
+       graph trains a model without them); nothing changes.
+    3. Unnamed nodes are named ``<op_type>_<index>``, unnamed outputs ``<node>/output_<k>``.
+    4. A ``ConstantOfShape`` with a constant shape and a float fill (as in compressed "light"
+       model files) becomes an initializer: a weight.
+    5. Float initializers the exporter deduplicated behind ``Identity`` nodes are untied:
+       each Identity-named value becomes an initializer of its own.
+    6. Constant-only subgraphs are folded (``FoldConstantSubgraphsPass``).
+
+    Example:
+        >>> import numpy as np
+        >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]))
+        >>> dims = ir.Value(name="dims", const_value=ir.tensor(np.int64([2]), name="dims"))
+        >>> half = ir.AttrTensor("value", ir.tensor(np.float32([0.5])))
+        >>> fill = ir.Node("", "ConstantOfShape", [dims], [half], name="fill")
+        >>> fill.outputs[0].name = "w"
+        >>> mul = ir.Node("", "Mul", [x, fill.outputs[0]], name="mul")
+        >>> graph = ir.Graph([x], mul.outputs, nodes=[fill, mul], initializers=[dims], opset_imports={"": 18})
+        >>> NormalizeForwardPass(inputs_mark_params=True)(ir.Model(graph, ir_version=8)).modified
+        True
+        >>> [n.name for n in graph], graph.initializers["w"].const_value.numpy().tolist()
+        (['mul'], [0.5, 0.5])
+    """
+
+    def __init__(self, inputs_mark_params: bool) -> None:
+        super().__init__()
+        self.inputs_mark_params = inputs_mark_params
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        graph = model.graph
+        opset = max(graph.opset_imports.get("", MIN_OPSET), MIN_OPSET)
+        modified = graph.opset_imports.get("") != opset
+        graph.opset_imports[""] = opset
+        _warn_folded_batchnorm(graph)
+        modified = _name_nodes(graph) > 0 or modified
+        modified = _materialize_constant_weights(graph) > 0 or modified
+        modified = _untie_identity_initializers(graph) > 0 or modified
+        modified = FoldConstantSubgraphsPass(self.inputs_mark_params)(model).modified or modified
+        return ir.passes.PassResult(model, modified)
+
+
+def _warn_folded_batchnorm(graph: ir.Graph) -> list[str]:
+    """Warn when the exporter folded BatchNorm layers into convolutions (and name them).
+
+    torch's dynamo exporter runs onnxscript's ``FuseBatchNormIntoConv`` even on a module in
+    train mode (``training=TrainingMode.TRAINING`` changes nothing): the running statistics
+    are baked into the conv weights and the BatchNorm is gone, so training the graph trains a
+    different model. The rewriter stamps the rule name on the fused node; the conv also keeps
+    the BatchNorm's torch class in its provenance metadata.
+    """
+    fused = [n.name or n.op_type for n in graph
+             if "FuseBatchNorm" in n.metadata_props.get("pkg.onnxscript.rewriter.rule_name", "")
+             or (n.op_type in ("Conv", "ConvTranspose", "Gemm")
+                 and "torch.nn.modules.batchnorm" in n.metadata_props.get("pkg.torch.onnx.class_hierarchy", ""))]
+    if fused:
+        logger.warning(
+            "%d BatchNorm layers were folded into the preceding convolution by the exporter (first: node '%s'); "
+            "training this graph trains a model without them. Export with torch.onnx.export(dynamo=False), or "
+            "dynamo=True with optimize=False", len(fused), fused[0],
+        )
+    return fused
+
+
+def _name_nodes(graph: ir.Graph) -> int:
+    """Name unnamed nodes and outputs; returns how many names were given."""
+    used = {n.name for n in graph if n.name}
+    named = 0
+    for i, node in enumerate(graph):
+        if not node.name:
+            name = f"{node.op_type}_{i}"
+            while name in used:
+                name += "_"
+            node.name = name
+            used.add(name)
+            named += 1
+        for k, out in enumerate(node.outputs):
+            if not out.name:
+                out.name = f"{node.name}/output_{k}"
+                named += 1
+    return named
+
+
+def _materialize_constant_weights(graph: ir.Graph) -> int:
+    """Rule 4; returns how many ``ConstantOfShape`` nodes became initializers."""
+    count = 0
+    for node in list(graph):
+        if node.op_type != "ConstantOfShape" or node.outputs[0].is_graph_output():
+            continue
+        dims = ir.convenience.get_const_tensor(node.inputs[0]) if node.inputs[0] is not None else None
+        if dims is None:
+            continue
+        attr = node.attributes.get("value")
+        fill = attr.value.numpy().reshape(-1) if attr is not None else np.zeros(1, np.float32)
+        if fill.dtype.kind != "f" or dims.numpy().size == 0:
+            continue
+        out = node.outputs[0]
+        array = np.full([int(d) for d in dims.numpy()], fill[0], dtype=fill.dtype)
+        value = ir.Value(name=out.name, const_value=ir.tensor(array, name=out.name),
+                         type=ir.TensorType(ir.DataType.from_numpy(array.dtype)), shape=ir.Shape(array.shape))
+        out.name = None
+        out.replace_all_uses_with(value)
+        graph.remove(node, safe=True)
+        graph.register_initializer(value)
+        count += 1
+    return count
+
+
+def _untie_identity_initializers(graph: ir.Graph) -> int:
+    """Give every float initializer reached through an ``Identity`` its own initializer.
+
+    The TorchScript exporter deduplicates equal-valued initializers (all LayerNorm weights, all
+    zero biases, BatchNorm scales and running variances) and brings each dropped one back as an
+    ``Identity`` named after it. torch trains those tensors apart, so each Identity-named value
+    becomes a separate initializer (a parameter, or BatchNorm state) with the same value.
+    Truly tied weights (GPT-2's lm_head and wte) are one initializer used directly, with no
+    Identity, and stay tied. Returns the number of untied values.
+    """
+    untied = 0
+    for node in list(graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, out = node.inputs[0], node.outputs[0]
+        if (source is None or not source.is_initializer() or source.const_value is None
+                or source.dtype not in FLOAT_TYPES or out.is_graph_output() or not out.name):
+            continue
+        name = out.name
+        tensor = ir.tensor(source.const_value.numpy(), name=name)
+        value = ir.Value(name=None, type=source.type, shape=source.shape, const_value=tensor)
+        out.replace_all_uses_with(value)
+        graph.remove(node, safe=True)
+        out.name = None
+        value.name = name
+        graph.register_initializer(value)
+        if source.is_graph_input():  # parameters marked as graph inputs: the copy is one too
+            graph.inputs.insert(graph.inputs.index(source) + 1, value)
+        untied += 1
+    if untied:
+        logger.info("untied %d initializers that the exporter had deduplicated behind Identity nodes", untied)
+    return untied
