@@ -287,7 +287,6 @@ def tune(
             lowered op float32.
     """
     from mpgraph.audit.compare import compare
-    from mpgraph.convert import convert
 
     start = time.perf_counter()
     base = load_policy(policy)
@@ -296,36 +295,10 @@ def tune(
     reference = model if isinstance(model, ir.Model) else (ir.from_proto(model) if isinstance(model, onnx.ModelProto) else load_model(model))
     if md.MODEL_POLICY in reference.metadata_props:
         raise MpgraphError("model was already converted; tune the original float32 model")
-    proto = ir.to_proto(reference)
     objective = objective or OutputTolerance()
     inputs = dict(feeds) if feeds is not None else random_feeds(reference, seed=seed)
-    error_of = objective.bind(reference, inputs)
-    evaluations = 0
-    cache: dict[frozenset[str], float] = {}
-    latest: dict[frozenset[str], ir.Model] = {}  # no override and the last candidate, for compare
-
-    def evaluate(kept: frozenset[str]) -> tuple[float, ir.Model | None]:
-        nonlocal evaluations
-        if kept in cache:
-            return cache[kept], latest.get(kept)
-        if evaluations >= max_evaluations:
-            raise _Budget
-        pol = dataclasses.replace(base, overrides=(_NodeSet("<tune>", "float32", "tune", kept),) + base.overrides)
-        candidate = convert(ir.from_proto(proto), pol, emulate=True, validate=False, calibrate=None)
-        err = error_of(candidate)
-        evaluations += 1
-        cache[kept] = err
-        for key in [k for k in latest if k]:  # keep the unmodified conversion: the search starts there
-            del latest[key]
-        latest[kept] = candidate
-        if progress is not None:
-            progress(evaluations, err, len(kept))
-        logger.info("tune: %d kept -> error %.3g", len(kept), err)
-        return err, candidate
-
-    def holds(kept: frozenset[str]) -> bool:
-        return evaluate(kept)[0] <= objective.tol
-
+    evaluate = _Evaluator(reference, base, objective.bind(reference, inputs), objective.tol, max_evaluations, progress)
+    # Phase 1, the ends: no override, then (if that fails) every lowered op float32.
     first_err, first_model = evaluate(frozenset())
     assert first_model is not None
     low_name = base.dtype.name.lower()
@@ -335,17 +308,17 @@ def tune(
     kept: frozenset[str] = frozenset()
     if first_err > objective.tol:
         every = frozenset(order)
-        if not holds(every):
+        if not evaluate.holds(every):
             raise MpgraphError(
                 f"objective ({objective.describe()}) fails even with all {len(order)} lowered ops float32 "
                 f"(error {evaluate(every)[0]:.3g}); loosen the tolerance or check the float32 model"
             )
         try:
-            kept = _search(order, evaluate, holds, reference, inputs, compare)
+            kept = _search(order, evaluate, evaluate.holds, reference, inputs, compare)
         except _Budget:
-            logger.warning("tune: stopped after %d conversions (max_evaluations)", evaluations)
+            logger.warning("tune: stopped after %d conversions (max_evaluations)", evaluate.count)
             kept = every
-    final_err = evaluate(kept)[0] if kept in cache else first_err
+    final_err = evaluate(kept)[0] if kept in evaluate.cache else first_err
     ordered = [n for n in order if n in kept]
     return TuneResult(
         policy=base.name,
@@ -355,10 +328,52 @@ def tune(
         candidates=len(order),
         error_before=first_err,
         error_after=final_err,
-        evaluations=evaluations,
+        evaluations=evaluate.count,
         seconds=time.perf_counter() - start,
         met=final_err <= objective.tol,
     )
+
+
+class _Evaluator:
+    """The objective's error of the conversion that keeps a set of nodes float32, measured once per set.
+
+    Conversions are emulated (the low dtype's numbers on any machine) and run without
+    ``convert``'s range check (tune is the search the check approximates). Raises ``_Budget``
+    past ``max_evaluations`` conversions.
+    """
+
+    def __init__(self, reference: ir.Model, base: Policy, error_of: Callable[[ir.Model], float], tol: float,
+                 max_evaluations: int, progress: Callable[[int, float, int], None] | None) -> None:
+        self.proto = ir.to_proto(reference)
+        self.base, self.error_of, self.tol = base, error_of, tol
+        self.max_evaluations, self.progress = max_evaluations, progress
+        self.count = 0
+        self.cache: dict[frozenset[str], float] = {}
+        self.latest: dict[frozenset[str], ir.Model] = {}  # no override and the last candidate, for compare
+
+    def __call__(self, kept: frozenset[str]) -> tuple[float, ir.Model | None]:
+        from mpgraph.convert import convert
+
+        if kept in self.cache:
+            return self.cache[kept], self.latest.get(kept)
+        if self.count >= self.max_evaluations:
+            raise _Budget
+        override = _NodeSet("<tune>", "float32", "tune", kept)
+        pol = dataclasses.replace(self.base, overrides=(override,) + self.base.overrides)
+        candidate = convert(ir.from_proto(self.proto), pol, emulate=True, validate=False, calibrate=None)
+        err = self.error_of(candidate)
+        self.count += 1
+        self.cache[kept] = err
+        for key in [k for k in self.latest if k]:  # keep the unmodified conversion: the search starts there
+            del self.latest[key]
+        self.latest[kept] = candidate
+        if self.progress is not None:
+            self.progress(self.count, err, len(kept))
+        logger.info("tune: %d kept -> error %.3g", len(kept), err)
+        return err, candidate
+
+    def holds(self, kept: frozenset[str]) -> bool:
+        return self(kept)[0] <= self.tol
 
 
 class _Budget(Exception):
