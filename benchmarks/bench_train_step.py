@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from models.zoo import ZOO  # noqa: E402
-from mpgraph.runtime.cpu_runner import CpuRunner  # noqa: E402
 from mpgraph.training import build_training_graph  # noqa: E402
+from tests.cpu_runner import CpuRunner  # noqa: E402
 
 BATCH = {"tiny_mlp": 64, "wide_mlp": 256, "dqn_cnn": 32, "gpt": 8, "resnet": 32}
 

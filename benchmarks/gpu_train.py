@@ -30,7 +30,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import mpgraph  # noqa: E402
 from models.underflow import underflow_model  # noqa: E402
-from mpgraph.cli.train_cmd import _vocab  # noqa: E402
 from mpgraph.data import Batches, dataset_for_model  # noqa: E402
 from mpgraph.policy import parse_policy  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
@@ -87,7 +86,7 @@ def profile_placement(model: ir.Model, provider: str, batch: dict[str, np.ndarra
 
 def gpt_data(trainer: Trainer, seed: int = 0):
     tokens = next(spec.name for spec in trainer.data_inputs if spec.dtype.kind in "iu")
-    return dataset_for_model("sequence", trainer.data_inputs, seed=seed, vocab=_vocab(trainer, tokens))
+    return dataset_for_model("sequence", trainer.data_inputs, seed=seed, vocab=trainer.vocab(tokens))
 
 
 def train(model: ir.Model, provider: str, steps: int, batch_size: int, seed: int) -> dict[str, object]:

@@ -17,7 +17,7 @@ from models.underflow import underflow_model
 from mpgraph.advise import advise_scale
 from mpgraph.cli.main import app
 from mpgraph.policy import parse_policy
-from mpgraph.runtime.cpu_runner import CpuRunner
+from tests.cpu_runner import CpuRunner
 
 
 def step_graph(loss_factor: float | None = None) -> ir.Model:

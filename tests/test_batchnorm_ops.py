@@ -8,8 +8,8 @@ import json
 import numpy as np
 
 import mpgraph
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 RESNET = "models/onnx/resnet.loss.onnx"
 

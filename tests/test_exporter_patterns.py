@@ -20,8 +20,8 @@ import onnxruntime as ort
 import pytest
 
 from mpgraph._ir.meta import MODEL_STATE_PAIRS
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

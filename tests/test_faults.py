@@ -581,7 +581,7 @@ def test_resume_without_lr_uses_the_checkpoint_lr(files: dict[str, Path], tmp_pa
 
 
 def test_checkpoints_do_not_grow_with_the_history(files: dict[str, Path], tmp_path: Path):
-    from mpgraph.runtime.trainer import metrics_path
+    from mpgraph.runtime.checkpoint import metrics_path
 
     data = _data(tmp_path)
     short, long = tmp_path / "short.npz", tmp_path / "long.npz"

@@ -21,9 +21,9 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.optim import base
 from mpgraph.policy import parse_policy
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "models" / "onnx"
 

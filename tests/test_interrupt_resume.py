@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mpgraph.runtime.trainer import Trainer, metrics_path
+from mpgraph.runtime.checkpoint import metrics_path
+from mpgraph.runtime.trainer import Trainer
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
 ROOT = Path(__file__).resolve().parents[1]

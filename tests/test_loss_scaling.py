@@ -13,9 +13,9 @@ import mpgraph
 from models.underflow import underflow_model
 from mpgraph._ir import meta as md
 from mpgraph.policy import parse_policy
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 
 def tiny_gradient_model() -> ir.Model:

@@ -19,8 +19,8 @@ import pytest
 
 from mpgraph.errors import GradientError, MpgraphError
 from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE, ROLES
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

@@ -12,12 +12,15 @@ import onnxruntime as ort
 import pytest
 
 from mpgraph._ir import meta as md
+from mpgraph.cli.plots import plot_losses
 from mpgraph.data import Batches, InputSpec, dataset_for_model, fit_to_inputs, load_dataset
 from mpgraph.errors import MpgraphError
 from mpgraph.io import save_model
-from mpgraph.runtime.cpu_runner import CpuRunner
-from mpgraph.runtime.trainer import Metrics, Trainer, graph_fingerprint, plot_losses
+from mpgraph.runtime.checkpoint import graph_fingerprint
+from mpgraph.runtime.metrics import Metrics
+from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 from tests.helpers import Ran, mpgraph_cli
 
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
@@ -437,7 +440,7 @@ def test_trainer_sessions_print_no_initializer_warnings(capfd: pytest.CaptureFix
 def test_cpu_runner_leaves_the_models_initial_weights_alone():
     """Stepping must not write trained weights into the model's initializers (it shared
     their memory once, so a later convert() of the same model started from trained weights)."""
-    from mpgraph.runtime.cpu_runner import CpuRunner
+    from tests.cpu_runner import CpuRunner
 
     step = build_training_graph(str(Path(__file__).resolve().parents[1] / "models" / "onnx" / "tiny_mlp.loss.onnx"),
                                 optimizer="adamw", lr=0.05)

@@ -4,7 +4,7 @@ Everything that can fail before the first step (numbers, output paths, model, pr
 dtype on that provider, dataset and its labels, resume checkpoint) is checked first, so a run
 that cannot start writes nothing and leaves an existing checkpoint as it was.
 
-A run never loses its work:
+A run never loses its work (``mpgraph.runtime.trainer.run_training``):
 
 1. SIGINT (Ctrl-C) and SIGTERM (schedulers, ``docker stop``) finish the step in flight, then
    write the checkpoint, metrics and plot, and exit 130 / 143; ``--resume`` continues bit for
@@ -17,10 +17,11 @@ A run never loses its work:
 
 from __future__ import annotations
 
-import re
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -35,45 +36,140 @@ from rich.progress import (
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["register", "train"]
+if TYPE_CHECKING:
+    from mpgraph.data import Dataset
+    from mpgraph.runtime.metrics import StepResult
+    from mpgraph.runtime.trainer import Trainer
+
+__all__ = ["train"]
 
 
-def _vocab(trainer: object, token_input: str) -> int | None:
-    """Rows of the embedding table a token input indexes (a Gather on it), if any."""
-    for node in trainer.model.graph:  # type: ignore[attr-defined]
-        if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None \
-                and node.inputs[1].name == token_input and node.inputs[0] is not None \
-                and node.inputs[0].shape is not None and isinstance(node.inputs[0].shape[0], int):
-            return int(node.inputs[0].shape[0])
-    return None
-
-
-_ORT_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)")
-
-
-def _ort_error(e: Exception, what: str) -> MpgraphError | None:
-    """One line for an ONNX Runtime failure (naming the node when ORT does), else ``None``."""
-    text = str(e).strip()
-    from_ort = type(e).__module__.startswith("onnxruntime") or (
-        isinstance(e, RuntimeError) and any(k in text for k in ("ONNXRuntimeError", "status code", "Error in execution")))
-    if not from_ort:
-        return None
-    match = _ORT_NODE.search(text)
-    if match is not None:
-        return MpgraphError(f"onnxruntime failed {what} at node '{match[2]}' ({match[1]}): {match[3].splitlines()[0]}")
-    first = text.splitlines()[0] if text else type(e).__name__
-    return MpgraphError(f"onnxruntime failed {what}: {first.replace('[ONNXRuntimeError] : ', '')}")
-
-
-def _check_folder(path: Path | None, what: str) -> None:
-    """The output path can be written (a real probe file), so no step runs in vain."""
-    from mpgraph.cli.checks import check_output_path
+def _check_args(step: Path, steps: int, batch: int, checkpoint_every: int, threads: int | None, lr: float | None,
+                on_nonfinite: str, checkpoint: Path | None, metrics: Path | None, plot: Path | None) -> None:
+    """Refuse bad numbers and output paths before any work starts."""
+    from mpgraph.cli.checks import check_output_path, finite, positive_int
+    from mpgraph.errors import UsageError
     from mpgraph.io import clean_stale_temporaries
+    from mpgraph.runtime.checkpoint import metrics_path
+    from mpgraph.runtime.trainer import NONFINITE_MODES
 
-    if path is None:
-        return
-    check_output_path(path, f"--{what}")
-    clean_stale_temporaries(path)
+    positive_int(steps, "--steps", minimum=0)
+    positive_int(batch, "--batch")
+    positive_int(checkpoint_every, "--checkpoint-every", minimum=0)
+    if threads is not None:
+        positive_int(threads, "--threads")
+    if lr is not None:
+        finite(lr, "--lr", low=0.0)
+    if on_nonfinite not in NONFINITE_MODES:
+        raise UsageError(f"--on-nonfinite: invalid value '{on_nonfinite}'; valid: {', '.join(NONFINITE_MODES)}")
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise UsageError(f"--plot {plot}: must end in .png")
+    if metrics is not None and metrics.suffix.lower() not in (".csv", ".json"):
+        raise UsageError(f"--metrics {metrics}: must end in .csv or .json")
+    outputs = [p.resolve() for p in (checkpoint, metrics, plot) if p is not None]
+    if len(set(outputs)) != len(outputs):
+        raise UsageError("--checkpoint, --metrics and --plot must name different files")
+    if checkpoint is not None and step.exists() and checkpoint.resolve() == step.resolve():
+        raise UsageError(f"--checkpoint {checkpoint}: is the step graph itself")
+    history = metrics_path(checkpoint) if checkpoint is not None else None
+    for path, what in ((checkpoint, "checkpoint"), (metrics, "metrics"), (plot, "plot"), (history, "checkpoint")):
+        if path is not None:
+            check_output_path(path, f"--{what}")  # a real probe file, so no step runs in vain
+            clean_stale_temporaries(path)
+
+
+def _provider_options(items: list[str] | None) -> dict[str, str]:
+    """``--provider-option KEY=VALUE`` flags as a dict."""
+    options = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise MpgraphError(f"--provider-option {item!r}: expected KEY=VALUE")
+        options[key] = value
+    return options
+
+
+def _open_trainer(step: Path, provider: str, **options: Any) -> Trainer:
+    """The trainer of ``step``, its notes printed; an ORT failure to load is one line."""
+    from mpgraph.cli.main import err_console
+    from mpgraph.runtime.session import ort_error
+    from mpgraph.runtime.trainer import Trainer
+
+    try:
+        trainer = Trainer(step, provider, **options)
+    except MpgraphError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
+        error = ort_error(e, f"to load {step}")
+        if error is None:
+            raise
+        raise error from e
+    for note in trainer.notes:
+        err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
+    return trainer
+
+
+@contextmanager
+def _progress(steps: int, start_step: int, quiet: bool) -> Iterator[Callable[[int, StepResult], None]]:
+    """A progress bar while the block runs; yields the per-step callback that updates it."""
+    from mpgraph.cli.main import console
+
+    columns = (
+        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
+        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
+    )
+    began = time.perf_counter()
+    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        task = bar.add_task("train", total=steps, info="")
+        skipped = 0
+
+        def on_step(n: int, result: StepResult) -> None:
+            nonlocal skipped
+            skipped += bool(result.skipped)
+            done = n - start_step
+            if done % 10 == 0 or done == steps:
+                rate = done / max(time.perf_counter() - began, 1e-9)
+                scale = result.loss_scale
+                info = f"loss {result.loss:.4g}" + (f"  scale {scale:g}" if scale is not None else "")
+                bar.update(task, completed=done, info=f"{info}  skipped {skipped}  {rate:.0f} steps/s")
+
+        yield on_step
+
+
+def _write_reports(trainer: Trainer, step: Path, data: str, metrics: Path | None, plot: Path | None) -> None:
+    from mpgraph.cli.plots import plot_losses
+
+    if metrics is not None:
+        if metrics.suffix.lower() == ".json":
+            trainer.metrics.to_json(metrics)
+        else:
+            trainer.metrics.to_csv(metrics)
+    if plot is not None:
+        plot_losses({step.stem: trainer.metrics}, plot, title=f"{step.name} on {data}")
+
+
+def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: float, evaluate: bool) -> str:
+    """The closing line: steps and speed, loss, scale, skips, CUDA graph, test accuracy."""
+    from mpgraph.data import check_finite
+
+    summary = trainer.metrics.summary()
+    parts = [f"{run} steps in {elapsed:.1f}s ({run / max(elapsed, 1e-9):.0f} steps/s) on {trainer.provider}"]
+    if summary["last_loss"] is not None and summary["first_loss"] is not None:
+        parts.append(f"loss {summary['first_loss']:.4g} -> {summary['last_loss']:.4g}")
+    if summary["nonfinite_losses"]:
+        parts.append(f"{summary['nonfinite_losses']} non-finite losses")
+    if summary["loss_scale"] is not None:
+        parts.append(f"scale {summary['loss_scale']:g}")
+    parts.append(f"skipped {summary['skipped']}")
+    if trainer.provider == "cuda":
+        parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
+    if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
+        try:
+            check_finite(dataset.test, f"dataset '{data}' (test split)")
+            parts.append(f"test accuracy {trainer.evaluate(dataset.test)['accuracy']:.3f}")
+        except MpgraphError as e:
+            parts.append(f"no accuracy ({e})")
+    return ", ".join(parts)
 
 
 def train(
@@ -99,166 +195,37 @@ def train(
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
-    from mpgraph.cli.checks import finite, positive_int
     from mpgraph.cli.main import console, err_console
-    from mpgraph.data import check_finite, check_labels, dataset_for_model, token_input
-    from mpgraph.errors import CheckpointError, TrainingError, UsageError
-    from mpgraph.runtime.trainer import (
-        NONFINITE_MODES,
-        Trainer,
-        metrics_path,
-        plot_losses,
-        stop_on_signals,
-    )
+    from mpgraph.errors import CheckpointError, TrainingError
+    from mpgraph.runtime.trainer import run_training
 
-    positive_int(steps, "--steps", minimum=0)
-    positive_int(batch, "--batch")
-    positive_int(checkpoint_every, "--checkpoint-every", minimum=0)
-    if threads is not None:
-        positive_int(threads, "--threads")
-    if lr is not None:
-        finite(lr, "--lr", low=0.0)
-    if on_nonfinite not in NONFINITE_MODES:
-        raise UsageError(f"--on-nonfinite: invalid value '{on_nonfinite}'; valid: {', '.join(NONFINITE_MODES)}")
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise UsageError(f"--plot {plot}: must end in .png")
-    if metrics is not None and metrics.suffix.lower() not in (".csv", ".json"):
-        raise UsageError(f"--metrics {metrics}: must end in .csv or .json")
-    outputs = [p.resolve() for p in (checkpoint, metrics, plot) if p is not None]
-    if len(set(outputs)) != len(outputs):
-        raise UsageError("--checkpoint, --metrics and --plot must name different files")
-    if checkpoint is not None and step.exists() and checkpoint.resolve() == step.resolve():
-        raise UsageError(f"--checkpoint {checkpoint}: is the step graph itself")
-    for path, what in ((checkpoint, "checkpoint"), (metrics, "metrics"), (plot, "plot")):
-        _check_folder(path, what)
-    if checkpoint is not None:
-        _check_folder(metrics_path(checkpoint), "checkpoint")
-
-    try:
-        options = {}
-        for item in provider_option or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key:
-                raise MpgraphError(f"--provider-option {item!r}: expected KEY=VALUE")
-            options[key] = value
-        trainer = Trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback,
-                          provider_options=options, tf32=tf32, cuda_graph=None if cuda_graph else False)
-        for note in trainer.notes:
-            err_console.print(f"note: {escape(note)}", highlight=False, soft_wrap=True)
-    except MpgraphError:
-        raise
-    except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
-        error = _ort_error(e, f"to load {step}")
-        if error is None:
-            raise
-        raise error from e
-    tok = token_input(trainer.data_inputs)
-    vocab = _vocab(trainer, tok.name) if tok is not None else None
-    dataset = dataset_for_model(data, trainer.data_inputs, seed=seed, vocab=vocab)
-    bounds = trainer.label_bounds()
-    check_labels(dataset.train, bounds, f"dataset '{data}'")
-    check_labels(dataset.test, bounds, f"dataset '{data}' (test split)")
+    _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
+    trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
+                            provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False)
+    dataset = trainer.load_data(data, seed=seed)
     if resume is not None:
         trainer.load_checkpoint(resume)
     start_step = trainer.steps
 
-    def save() -> None:
-        if checkpoint is not None:
-            trainer.save_checkpoint(checkpoint)
+    def warn(e: CheckpointError) -> None:
+        err_console.print(f"[yellow]warning:[/] {escape(str(e))}; training goes on", highlight=False, soft_wrap=True)
 
-    def write_reports() -> None:
-        if metrics is not None:
-            if metrics.suffix.lower() == ".json":
-                trainer.metrics.to_json(metrics)
-            else:
-                trainer.metrics.to_csv(metrics)
-        if plot is not None:
-            plot_losses({step.stem: trainer.metrics}, plot, title=f"{step.name} on {data}")
-
-    columns = (
-        TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn(),
-    )
-    began = time.perf_counter()
-    with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
-        task = bar.add_task("train", total=steps, info="")
-        skipped = 0
-
-        def on_step(n: int, result: object) -> None:
-            nonlocal skipped
-            skipped += bool(result.skipped)  # type: ignore[attr-defined]
-            done = n - start_step
-            if done % 10 == 0 or done == steps:
-                rate = done / max(time.perf_counter() - began, 1e-9)
-                scale = result.loss_scale  # type: ignore[attr-defined]
-                info = f"loss {result.loss:.4g}" + (f"  scale {scale:g}" if scale is not None else "")  # type: ignore[attr-defined]
-                bar.update(task, completed=done, info=f"{info}  skipped {skipped}  {rate:.0f} steps/s")
-            if checkpoint_every and n % checkpoint_every == 0:
-                try:
-                    save()
-                except CheckpointError as e:  # a full disk: keep training, keep the last good one
-                    err_console.print(f"[yellow]warning:[/] {escape(str(e))}; training goes on", highlight=False,
-                                      soft_wrap=True)
-
+    with _progress(steps, start_step, quiet) as on_step:
         try:
-            with stop_on_signals() as stop:
-                trainer.fit(dataset, steps, lr, batch_size=batch, seed=seed, callback=on_step,
-                            on_nonfinite=on_nonfinite, stop=stop)
-        except KeyboardInterrupt:
-            last = trainer.last_checkpoint_step
-            raise MpgraphError(
-                "interrupted again: stopped at once without writing a checkpoint"
-                + (f"; the last checkpoint ({checkpoint}, step {last}) is kept" if last is not None else "")
-            ) from None
-        except TrainingError as e:
-            written = ""
-            if checkpoint is not None:
-                save()
-                written = f"; wrote checkpoint {checkpoint} (step {trainer.steps})"
-            write_reports()
-            raise TrainingError(f"{e}{written}") from e
-        except MpgraphError:
+            stop, elapsed = run_training(trainer, dataset, steps, lr, batch_size=batch, seed=seed, on_nonfinite=on_nonfinite,
+                                checkpoint=checkpoint, checkpoint_every=checkpoint_every, callback=on_step,
+                                on_checkpoint_error=warn, what=str(step))
+        except TrainingError:
+            _write_reports(trainer, step, data, metrics, plot)
             raise
-        except Exception as e:  # noqa: BLE001
-            error = _ort_error(e, f"running step {trainer.steps + 1} of {step}")
-            if error is None:
-                raise
-            raise error from e
-    elapsed = time.perf_counter() - began
-    save()
-    write_reports()
+    _write_reports(trainer, step, data, metrics, plot)
     if stop():
-        code = 130 if stop.name == "SIGINT" else 143
         where = (f"checkpoint {checkpoint} written (resume with --resume {checkpoint})" if checkpoint is not None
                  else "no --checkpoint given, so the trained state is not saved")
         err_console.print(f"stopped by {stop.name} after step {trainer.steps}: {escape(where)}", highlight=False,
                           soft_wrap=True)
-        raise typer.Exit(code)
-    summary = trainer.metrics.summary()
-    run = trainer.steps - start_step
-    parts = [f"{run} steps in {elapsed:.1f}s ({run / max(elapsed, 1e-9):.0f} steps/s) on {provider}"]
-    if summary["last_loss"] is not None and summary["first_loss"] is not None:
-        parts.append(f"loss {summary['first_loss']:.4g} -> {summary['last_loss']:.4g}")
-    if summary["nonfinite_losses"]:
-        parts.append(f"{summary['nonfinite_losses']} non-finite losses")
-    if summary["loss_scale"] is not None:
-        parts.append(f"scale {summary['loss_scale']:g}")
-    parts.append(f"skipped {summary['skipped']}")
-    if provider == "cuda":
-        parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
-    if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
-        try:
-            check_finite(dataset.test, f"dataset '{data}' (test split)")
-            acc = trainer.evaluate(dataset.test)
-            parts.append(f"test accuracy {acc['accuracy']:.3f}")
-        except MpgraphError as e:
-            parts.append(f"no accuracy ({e})")
+        raise typer.Exit(130 if stop.name == "SIGINT" else 143)
+    line = _summary(trainer, dataset, data, trainer.steps - start_step, elapsed, evaluate)
     written = [str(p) for p in (checkpoint, metrics, plot) if p is not None]
-    console.print(", ".join(parts) + (f"; wrote {', '.join(written)}" if written else ""), highlight=False, soft_wrap=True)
+    console.print(line + (f"; wrote {', '.join(written)}" if written else ""), highlight=False, soft_wrap=True)
 
-
-def register(app: typer.Typer) -> None:
-    """Add ``train`` to the ``mpgraph`` app."""
-    from mpgraph.cli.main import handle_errors
-
-    app.command("train")(handle_errors(train))

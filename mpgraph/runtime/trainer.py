@@ -8,25 +8,19 @@ Two buffer sets and two prebuilt ``IOBinding`` objects alternate: binding A read
 writes set 2, binding B the reverse. A step binds only the batch, runs, and copies back the
 loss (and ``found_inf``/the loss scale when the graph has them), nothing else.
 
-Rules the trainer enforces before the first step:
+Before the first step the session rules of ``mpgraph.runtime.session`` apply: the provider
+must exist and be able to run the graph, and on CUDA no float node may fall back to CPU
+unless ``allow_cpu_fallback=True``. ``node_providers()`` returns the assignment.
 
-1. The provider must be available in this ORT build (``cuda`` needs onnxruntime-gpu).
-2. A native float16/bfloat16 lowering (``mpgraph.dtype`` set, ``mpgraph.emulated`` not
-   ``true``) does not run on the CPU provider; convert with ``--emulate`` for CPU.
-3. On CUDA, session-level fallback is disabled (a CUDA failure is an error, not a silent CPU
-   session), and no float-producing node may be assigned to the CPU provider unless
-   ``allow_cpu_fallback=True``. Integer/bool shape arithmetic that ORT places on CPU on
-   purpose is allowed. ``node_providers()`` returns the assignment.
+Checkpoints (``save_checkpoint``, ``mpgraph.runtime.checkpoint``) hold every state buffer,
+the step count, the data stream position, the lr and a fingerprint of the graph;
+``load_checkpoint`` refuses one from another graph, and continuing after it reproduces the
+uninterrupted run bit for bit on CPU.
 
-Checkpoints (``save_checkpoint``) hold every state buffer, the step count, the data stream
-position, the metrics so far and a fingerprint of the graph (inputs, outputs and nodes,
-initializer values excluded); ``load_checkpoint`` refuses one from another graph, and
-continuing after it reproduces the uninterrupted run bit for bit on CPU.
-
-Accuracy (``evaluate``): the forward part of the step graph is cut out (from the data
-inputs and parameters to the value named ``logits``, or else the first input of the loss op)
-into an inference session on the same provider, whose parameter inputs are bound to the
-trainer's state buffers, so evaluation copies no weights.
+Accuracy (``evaluate``): the forward part of the step graph (from the data inputs and
+parameters to the logits, ``session.forward_model``) runs in an inference session on the
+same provider, whose parameter inputs are bound to the trainer's state buffers, so
+evaluation copies no weights.
 
 Example:
     >>> from mpgraph.training import build_training_graph
@@ -39,9 +33,6 @@ Example:
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import io
 import json
 import logging
 import math
@@ -51,8 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,214 +51,33 @@ import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph._ir import meta as md
-from mpgraph import targets
-from mpgraph.data import Batches, Dataset, InputSpec
-from mpgraph.errors import CheckpointError, MpgraphError, OutputError, TrainingError, UsageError
-from mpgraph.io import write_atomic
+from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_model, token_input
+from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
+from mpgraph.runtime import session as ses
+from mpgraph.runtime.checkpoint import (
+    MetricsLog,
+    graph_fingerprint,
+    read_checkpoint,
+    write_checkpoint,
+)
+from mpgraph.runtime.metrics import Metrics, StepResult
 
 __all__ = [
     "Trainer",
-    "StepResult",
-    "Metrics",
-    "plot_losses",
-    "graph_fingerprint",
-    "metrics_path",
+    "run_training",
     "stop_on_signals",
     "StopRequest",
     "NONFINITE_MODES",
     "COLLAPSE_SKIPS",
-    "PROVIDERS",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: Short provider names -> ORT execution providers.
-PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 _LR = "lr"
-_LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
-_CHECKPOINT_FORMAT = 2  # 2: metrics history in its own file (1 embedded it; still read)
 #: ``fit(on_nonfinite=...)``: what a non-finite batch or loss does.
 NONFINITE_MODES = ("stop", "skip", "ignore")
 #: Consecutive skipped steps after which the loss scale counts as collapsed (a warning).
 COLLAPSE_SKIPS = 20
-_ORT_TYPES = {
-    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
-    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
-    "tensor(uint8)": np.uint8, "tensor(int8)": np.int8,
-}
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one step reports.
-
-    Attributes:
-        loss: The step's loss (float32 graph output, as a Python float).
-        loss_scale: The loss scale this step used (``None`` without loss scaling).
-        skipped: True when the graph found inf/NaN gradients and skipped the update.
-        seconds: Wall time of the step (binding, run, reading the loss).
-    """
-
-    loss: float
-    loss_scale: float | None
-    skipped: bool
-    seconds: float
-
-
-@dataclass
-class Metrics:
-    """Per-step records of a run: ``step`` (1-based), ``loss``, ``loss_scale``, ``skipped``,
-    ``seconds``. Written as CSV or JSON; ``plot_losses`` draws several runs."""
-
-    step: list[int] = field(default_factory=list)
-    loss: list[float] = field(default_factory=list)
-    loss_scale: list[float | None] = field(default_factory=list)
-    skipped: list[bool] = field(default_factory=list)
-    seconds: list[float] = field(default_factory=list)
-
-    def append(self, step: int, result: StepResult) -> None:
-        self.step.append(step)
-        self.loss.append(result.loss)
-        self.loss_scale.append(result.loss_scale)
-        self.skipped.append(result.skipped)
-        self.seconds.append(result.seconds)
-
-    def __len__(self) -> int:
-        return len(self.step)
-
-    def to_dict(self) -> dict[str, list[Any]]:
-        """Columns as lists; non-finite floats become ``None`` (valid JSON)."""
-
-        def clean(x: float | None) -> float | None:
-            return None if x is None or not math.isfinite(x) else x
-
-        return {
-            "step": list(self.step),
-            "loss": [clean(x) for x in self.loss],
-            "loss_scale": [clean(x) for x in self.loss_scale],
-            "skipped": list(self.skipped),
-            "seconds": list(self.seconds),
-        }
-
-    def rows(self, start: int = 0) -> list[dict[str, Any]]:
-        """Records ``start:`` as JSON-ready dicts (non-finite floats as ``None``)."""
-        d = self.to_dict()
-        return [{k: d[k][i] for k in d} for i in range(start, len(self))]
-
-    def truncate(self, steps: int) -> None:
-        """Keep only the records of steps ``<= steps``."""
-        keep = [i for i, s in enumerate(self.step) if s <= steps]
-        for name in ("step", "loss", "loss_scale", "skipped", "seconds"):
-            column = getattr(self, name)
-            setattr(self, name, [column[i] for i in keep])
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> Metrics:
-        return cls(
-            [int(s) for s in d["step"]],
-            [math.nan if x is None else float(x) for x in d["loss"]],
-            [None if x is None else float(x) for x in d["loss_scale"]],
-            [bool(x) for x in d["skipped"]],
-            [float(x) for x in d["seconds"]],
-        )
-
-    def summary(self) -> dict[str, Any]:
-        """Steps, first/last loss, skipped steps, final scale, median steps per second.
-
-        A non-finite loss or scale reads ``None`` (so the JSON stays valid); ``nonfinite_losses``
-        counts them.
-        """
-        secs = sorted(self.seconds)
-
-        def clean(x: float | None) -> float | None:
-            return None if x is None or not math.isfinite(x) else x
-
-        return {
-            "steps": len(self),
-            "first_loss": clean(self.loss[0]) if self.loss else None,
-            "last_loss": clean(self.loss[-1]) if self.loss else None,
-            "nonfinite_losses": sum(not math.isfinite(x) for x in self.loss),
-            "skipped": int(sum(self.skipped)),
-            "loss_scale": clean(self.loss_scale[-1]) if self.loss_scale else None,
-            "steps_per_s": 1.0 / secs[len(secs) // 2] if secs and secs[len(secs) // 2] > 0 else None,
-        }
-
-    def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write ``step,loss,loss_scale,skipped,seconds`` rows (atomically)."""
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        w.writerow(["step", "loss", "loss_scale", "skipped", "seconds"])
-        for row in zip(self.step, self.loss, self.loss_scale, self.skipped, self.seconds):
-            s, loss, scale, skipped, secs = row
-            w.writerow([s, repr(loss), "" if scale is None else repr(scale), int(skipped), f"{secs:.6g}"])
-        _write_atomic(path, buf.getvalue().encode())
-
-    def to_json(self, path: str | os.PathLike[str]) -> None:
-        """Write ``{"summary": ..., "metrics": {column: [...]}}`` (atomically)."""
-        doc = {"summary": self.summary(), "metrics": self.to_dict()}  # summary() and to_dict() drop NaN
-        _write_atomic(path, (json.dumps(doc, allow_nan=False) + "\n").encode())
-
-
-_write_atomic = write_atomic
-
-
-def graph_fingerprint(model: ir.Model | onnx.ModelProto) -> str:
-    """SHA-256 of a graph's interface and nodes, ignoring initializer values, docs and metadata.
-
-    Two step graphs share a fingerprint when their inputs, outputs (names, types, shapes),
-    opsets and nodes (op, domain, inputs, outputs, attributes) are equal, so a checkpoint
-    taken on one can be resumed on the other.
-    """
-    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
-    h = hashlib.sha256()
-    for op in sorted((o.domain, o.version) for o in proto.opset_import):
-        h.update(repr(op).encode())
-    for group in (proto.graph.input, proto.graph.output):
-        for v in group:
-            h.update(v.name.encode() + b"\0" + v.type.SerializeToString(deterministic=True))
-        h.update(b"\1")
-    for node in proto.graph.node:
-        n = onnx.NodeProto()
-        n.CopyFrom(node)
-        n.ClearField("doc_string")
-        n.ClearField("metadata_props")
-        h.update(n.SerializeToString(deterministic=True))
-    return h.hexdigest()[:32]
-
-
-def metrics_path(checkpoint: str | os.PathLike[str]) -> Path:
-    """The metrics history file of a checkpoint: ``run.ckpt.npz`` -> ``run.ckpt.metrics.jsonl``.
-
-    One JSON record per line (``step``, ``loss``, ``loss_scale``, ``skipped``, ``seconds``),
-    appended at every checkpoint, so checkpoints stay the size of the state however long the
-    run; a resume keeps the records up to the checkpoint's step.
-    """
-    p = Path(checkpoint)
-    return p.with_name(p.name.removesuffix(".npz") + ".metrics.jsonl")
-
-
-def _read_metrics_file(path: Path, steps: int) -> Metrics | None:
-    """Records of steps ``<= steps`` from a metrics history file (a torn last line is ignored)."""
-    if not path.is_file():
-        return None
-    rows: dict[int, dict[str, Any]] = {}
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
-    for line in text.splitlines():
-        try:
-            row = json.loads(line)
-            step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-        if 0 < step <= steps:
-            rows[step] = row
-    ordered = [rows[k] for k in sorted(rows)]
-    try:
-        return Metrics.from_dict({k: [r.get(k) for r in ordered] for k in ("step", "loss", "loss_scale", "skipped", "seconds")})
-    except (TypeError, ValueError):
-        return None
 
 
 class StopRequest:
@@ -328,6 +137,22 @@ def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) ->
     return load_model(model)
 
 
+def _state_pairs(model: ir.Model) -> list[tuple[str, str]]:
+    raw = model.metadata_props.get(md.MODEL_STATE_PAIRS)
+    if raw is None:
+        raise MpgraphError("not a training step graph (no mpgraph.state_pairs metadata); build one with `mpgraph train-graph`")
+    return [(a, b) for a, b in json.loads(raw)]
+
+
+def _data_inputs(model: ir.Model, state_names: set[str]) -> list[InputSpec]:
+    """The graph inputs a batch feeds: every input but the state and the lr."""
+    return [
+        InputSpec(v.name, np.dtype(v.dtype.numpy() if v.dtype is not None else np.float32),
+                  tuple(d if isinstance(d, int) else str(d) for d in v.shape) if v.shape is not None else None)
+        for v in model.graph.inputs if v.name and v.name not in state_names and v.name != _LR
+    ]
+
+
 def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
     """``"N non-finite values in 'x'"`` for the first float array with NaN/inf, else ``None``."""
     for name, a in batch.items():
@@ -335,38 +160,6 @@ def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
         if a.dtype.kind == "f" and a.size and not np.isfinite(a).all():
             return f"{int((~np.isfinite(a)).sum())} non-finite value(s) (NaN or inf) in '{name}'"
     return None
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_meta(meta: Any, p: Path) -> dict[str, Any]:
-    """Checkpoint metadata with every key present and of the right type, else one line."""
-    if not isinstance(meta, dict):
-        raise CheckpointError(f"{p}: checkpoint metadata is not a JSON object")
-    fmt = meta.get("format")
-    if fmt not in (1, _CHECKPOINT_FORMAT):
-        raise CheckpointError(f"{p}: checkpoint format {fmt!r} is not {_CHECKPOINT_FORMAT}")
-    for key, ok, what in (("fingerprint", lambda v: isinstance(v, str), "a string"),
-                          ("steps", lambda v: _is_int(v) and v >= 0, "a step count >= 0"),
-                          ("names", lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
-                           "a list of state names")):
-        if key not in meta:
-            raise CheckpointError(f"{p}: checkpoint metadata has no '{key}' ({what})")
-        if not ok(meta[key]):
-            raise CheckpointError(f"{p}: checkpoint metadata '{key}' should be {what}, got {str(meta[key])[:60]!r}")
-    data = meta.get("data")
-    if data is not None and not (isinstance(data, dict) and all(_is_int(data.get(k)) and data[k] >= 0
-                                                               for k in ("epoch", "index"))):
-        raise CheckpointError(f"{p}: checkpoint metadata 'data' should hold integers epoch and index >= 0, "
-                              f"got {str(data)[:80]!r}")
-    lr = meta.get("lr")
-    if lr is not None:
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:
-            raise CheckpointError(f"{p}: checkpoint metadata 'lr' should be a finite number >= 0, got {str(lr)[:40]!r}")
-        meta["lr"] = float(lr)
-    return meta
 
 
 @dataclass
@@ -425,55 +218,16 @@ class Trainer:
         cuda_graph: bool | None = None,
     ) -> None:
         self.model = _load(model)
-        props = self.model.metadata_props
-        raw = props.get(md.MODEL_STATE_PAIRS)
-        if raw is None:
-            raise MpgraphError("not a training step graph (no mpgraph.state_pairs metadata); build one with `mpgraph train-graph`")
-        self.pairs: list[tuple[str, str]] = [(a, b) for a, b in json.loads(raw)]
-        if provider not in PROVIDERS:
-            raise MpgraphError(f"unknown provider '{provider}'; valid: {', '.join(PROVIDERS)}")
-        ep = PROVIDERS[provider]
-        if ep not in ort.get_available_providers():
-            raise MpgraphError(
-                f"provider '{provider}' ({ep}) is not available in this onnxruntime build "
-                f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda"
-            )
-        dtype = props.get(md.MODEL_DTYPE)
-        if provider == "cpu" and dtype in ("float16", "bfloat16") and props.get(md.MODEL_EMULATED) != "true":
-            raise MpgraphError(
-                f"this graph is a native {dtype} lowering, which ORT's CPU provider cannot run "
-                f"(no {dtype} compute kernels); convert the fp32 step graph with --emulate for CPU, or use --provider cuda"
-            )
+        self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
         self.provider = provider
         #: Notes about running this graph on ``provider`` (``mpgraph.targets.check_runnable``,
         #: which refuses a graph converted for a target whose kernels ``provider`` lacks).
-        self.notes: list[str] = targets.check_runnable(self.model, provider)
+        self.notes: list[str] = ses.check_provider(self.model, provider)
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = device_id if provider == "cuda" else 0
-        self.fingerprint = graph_fingerprint(self.model)
-
-        state_names = {a for a, _ in self.pairs}
-        proto = ir.to_proto(self.model)
-        inits = {t.name: t for t in proto.graph.initializer}
-        missing = [a for a in state_names if a not in inits and (state is None or a not in state)]
-        if missing:
-            raise MpgraphError(f"state input(s) {', '.join(missing[:5])} have no initial value (initializer)")
-        initial = {a: (np.asarray(state[a]) if state is not None and a in state else onnx.numpy_helper.to_array(inits[a]))
-                   for a, _ in self.pairs}
-        lr_init = inits.get(_LR)
-        self.default_lr = float(onnx.numpy_helper.to_array(lr_init)) if lr_init is not None else None
-        # State initial values live in the trainer's buffers; the session gets no copy.
-        kept = [t for t in proto.graph.initializer if t.name not in state_names]
-        del proto.graph.initializer[:]
-        proto.graph.initializer.extend(kept)
-
-        self.tf32 = (props.get(md.MODEL_TF32) == "true") if tf32 is None else bool(tf32)
-        ep_options: dict[str, str] = {}
-        if provider == "cuda":
-            ep_options = {"device_id": str(device_id), "use_tf32": "1" if self.tf32 else "0"}
-        ep_options.update({str(k): str(v) for k, v in (provider_options or {}).items()})
-        self.provider_options = ep_options
-        self._session_bytes = proto.SerializeToString()
+        initial = self._prepare_graph(state)
+        self.tf32, self.provider_options = ses.provider_options(
+            self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=provider_options)
         self._threads = threads
         self.session = self._new_session(graph=False)
         # CUDA graphs are captured at the first step, from a copy of the graph specialised to
@@ -485,29 +239,9 @@ class Trainer:
             "cuda_graph=False" if provider == "cuda" else "CUDA graphs need the cuda provider")
         self._replay: _Replay | None = None
         if provider == "cuda":
-            self.session.disable_fallback()
-            if ep not in self.session.get_providers():
-                raise MpgraphError(f"onnxruntime did not start {ep} for this graph")
-            self._check_fallback(allow_cpu_fallback)
-        outputs = {o.name: o for o in self.session.get_outputs()}
-        self.loss_name = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else next(iter(outputs)))
-        self.found_inf_name = md.FOUND_INF if md.FOUND_INF in outputs else None
-        self.has_loss_scale = md.LOSS_SCALE in state_names
+            ses.check_cuda_session(self.session, self.model, allow_cpu_fallback=allow_cpu_fallback)
         self.track_scale = track_scale
-        state_outs = {b for _, b in self.pairs}
-        self._extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
-        graph_inputs = {v.name or "": v for v in self.model.graph.inputs}
-        self.data_inputs = [
-            InputSpec(name, np.dtype(v.dtype.numpy() if v.dtype is not None else np.float32),
-                      tuple(d if isinstance(d, int) else str(d) for d in v.shape) if v.shape is not None else None)
-            for name, v in graph_inputs.items() if name and name not in state_names and name != _LR
-        ]
-        self._has_lr = _LR in graph_inputs
-        if self._want_graph and self._extra_outputs:
-            # Outputs ORT allocates per run move between runs; a captured graph can't follow.
-            self._graph_off(f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})")
-        self._loss_out = self._out_buffer(outputs[self.loss_name], "cpu")
-        self._found_out = self._out_buffer(outputs[self.found_inf_name], "cpu") if self.found_inf_name else None
+        self._bind_outputs()
         self._keep: list[ort.OrtValue] = []
         self._lr_value: float | None = None
         self._lr_buf: ort.OrtValue | None = None
@@ -518,36 +252,64 @@ class Trainer:
         self._batches_source: Any = None
         self._pending_position: tuple[int, int] | None = None
         self._eval: tuple[ort.InferenceSession, str, list[str]] | None = None
-        self._metrics_written: dict[Path, int] = {}
+        self._metrics_log = MetricsLog()
         #: The step of the last checkpoint written (``None``: none yet in this run).
         self.last_checkpoint_step: int | None = None
+
+    def _prepare_graph(self, state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
+        """Set the fingerprint, default lr and session graph; return the initial state.
+
+        The state's initial values move to the trainer's buffers; the session's copy of the
+        graph has no initializers for them.
+        """
+        state_names = {a for a, _ in self.pairs}
+        proto = ir.to_proto(self.model)
+        self.fingerprint = graph_fingerprint(proto)
+        inits = self.model.graph.initializers
+        missing = [a for a in state_names
+                   if (a not in inits or inits[a].const_value is None) and (state is None or a not in state)]
+        if missing:
+            raise MpgraphError(f"state input(s) {', '.join(missing[:5])} have no initial value (initializer)")
+        initial = {a: np.asarray(state[a]) if state is not None and a in state else inits[a].const_value.numpy()
+                   for a, _ in self.pairs}
+        lr = inits.get(_LR)
+        self.default_lr = float(lr.const_value.numpy()) if lr is not None and lr.const_value is not None else None
+        kept = [t for t in proto.graph.initializer if t.name not in state_names]
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
+        self._session_bytes = proto.SerializeToString()
+        return initial
+
+    def _bind_outputs(self) -> None:
+        """Name the loss, ``found_inf`` and extra outputs, the data inputs, and the host
+        buffers the plain session writes the loss and ``found_inf`` to."""
+        props = self.model.metadata_props
+        state_names = {a for a, _ in self.pairs}
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.loss_name = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else next(iter(outputs)))
+        self.found_inf_name = md.FOUND_INF if md.FOUND_INF in outputs else None
+        self.has_loss_scale = md.LOSS_SCALE in state_names
+        state_outs = {b for _, b in self.pairs}
+        self._extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
+        self.data_inputs = _data_inputs(self.model, state_names)
+        self._has_lr = any(v.name == _LR for v in self.model.graph.inputs)
+        if self._want_graph and self._extra_outputs:
+            # Outputs ORT allocates per run move between runs; a captured graph can't follow.
+            self._graph_off(f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})")
+        self._loss_out = self._out_buffer(outputs[self.loss_name], "cpu")
+        self._found_out = self._out_buffer(outputs[self.found_inf_name], "cpu") if self.found_inf_name else None
 
     # -- buffers -------------------------------------------------------------------------
 
     def _new_session(self, graph: bool, model: bytes | None = None) -> ort.InferenceSession:
         """An ORT session of the step graph; ``graph`` turns on CUDA graph capture."""
-        options = ort.SessionOptions()
-        # Fatal only: warnings would be one "Initializer X appears in graph inputs" per state
-        # tensor, and a failing node's error log repeats the exception the caller reports.
-        options.log_severity_level = 4
-        options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-        if self._threads is not None:
-            options.intra_op_num_threads = self._threads
-        ep = PROVIDERS[self.provider]
-        ep_options = dict(self.provider_options)
-        if graph and self.provider == "cuda":
-            ep_options["enable_cuda_graph"] = "1"
-        providers: list[Any] = [(ep, ep_options)] + (["CPUExecutionProvider"] if self.provider == "cuda" else [])
-        try:
-            return ort.InferenceSession(model or self._session_bytes, options, providers=providers)
-        except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
-            what = " with CUDA graph capture" if graph else ""
-            raise MpgraphError(f"onnxruntime cannot load the step graph on {self.provider}{what}: {str(e).splitlines()[0]}") from e
+        return ses.new_session(model or self._session_bytes, self.provider, self.provider_options,
+                               threads=self._threads, cuda_graph=graph)
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
         shape = output.shape if output.shape and all(isinstance(d, int) for d in output.shape) else []
-        array = np.zeros(shape, _ORT_TYPES.get(output.type, np.float32))
+        array = np.zeros(shape, ses.ORT_TYPES.get(output.type, np.float32))
         if device == "cpu":
             return ort.OrtValue.ortvalue_from_numpy(array)
         return ort.OrtValue.ortvalue_from_numpy(array, device, self.device_id)
@@ -563,7 +325,7 @@ class Trainer:
         arrays = {name: np.asarray(values[name]) for name, _ in self.pairs}
         current = getattr(self, "_state", None)
         if current is not None and all(
-            tuple(current[n].shape()) == a.shape and np.dtype(_ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
+            tuple(current[n].shape()) == a.shape and np.dtype(ses.ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
             for n, a in arrays.items()
         ):
             for name, array in arrays.items():
@@ -876,7 +638,7 @@ class Trainer:
                 for o in node.outputs:
                     origin[o.name or ""] = origin[first.name]
                 continue
-            if node.op_type not in _LOSS_OPS or len(node.inputs) < 2:
+            if node.op_type not in ses.LOSS_OPS or len(node.inputs) < 2:
                 continue
             scores, labels = node.inputs[0], node.inputs[1]
             if labels is None or labels.name not in origin or scores is None or scores.shape is None:
@@ -886,6 +648,33 @@ class Trainer:
             attr = node.attributes.get("ignore_index")
             out[origin[labels.name]] = (int(scores.shape[1]), int(attr.as_int()) if attr is not None else None)
         return out
+
+    def vocab(self, token_input: str) -> int | None:
+        """Rows of the embedding table a token input indexes (a Gather on it), if any."""
+        for node in self.model.graph:
+            table = node.inputs[0] if node.inputs else None
+            if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None \
+                    and node.inputs[1].name == token_input and table is not None \
+                    and table.shape is not None and isinstance(table.shape[0], int):
+                return int(table.shape[0])
+        return None
+
+    def load_data(self, name: str | os.PathLike[str], *, seed: int = 0) -> Dataset:
+        """The dataset ``name`` (``digits``, ``sequence`` or a ``.npz``) fitted to this graph.
+
+        A token input's vocabulary is the embedding table's row count, and the labels of
+        both splits are checked against the loss's class count (``label_bounds``).
+
+        Raises:
+            DataError: Unknown dataset, arrays that do not fit the inputs, or labels out of range.
+        """
+        tok = token_input(self.data_inputs)
+        vocab = self.vocab(tok.name) if tok is not None else None
+        dataset = dataset_for_model(name, self.data_inputs, seed=seed, vocab=vocab)
+        bounds = self.label_bounds()
+        check_labels(dataset.train, bounds, f"dataset '{name}'")
+        check_labels(dataset.test, bounds, f"dataset '{name}' (test split)")
+        return dataset
 
     # -- checkpoints ---------------------------------------------------------------------
 
@@ -899,48 +688,15 @@ class Trainer:
                 is left as it was, and the message gives its step.
         """
         meta = {
-            "format": _CHECKPOINT_FORMAT,
             "fingerprint": self.fingerprint,
             "steps": self.steps,
             "names": [name for name, _ in self.pairs],
             "data": self._batches.state() if self._batches is not None else None,
             "lr": self._lr_value,
         }
-        arrays = {f"s{i}": self._state[name].numpy() for i, (name, _) in enumerate(self.pairs)}
-        buf = io.BytesIO()
-        np.savez(buf, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
-        try:
-            self._save_metrics(Path(path))
-            write_atomic(path, buf.getvalue())
-        except OutputError as e:
-            kept = (f"the last good checkpoint (step {self.last_checkpoint_step}) is kept"
-                    if self.last_checkpoint_step is not None and Path(path).exists()
-                    else "the previous checkpoint file is kept" if Path(path).exists()
-                    else "no checkpoint of this run exists")
-            raise CheckpointError(f"checkpoint at step {self.steps} not written: {e}; {kept}") from e
+        arrays = [self._state[name].numpy() for name, _ in self.pairs]
+        write_checkpoint(path, meta, arrays, self.metrics, self._metrics_log, self.last_checkpoint_step)
         self.last_checkpoint_step = self.steps
-
-    def _save_metrics(self, checkpoint: Path) -> None:
-        """Append the records since the last save to the history file (rewrite it whole,
-        atomically, the first time in this run or after a failed append)."""
-        target = metrics_path(checkpoint)
-        key = target.resolve()
-        done = self._metrics_written.get(key)
-        if done is None or not target.exists():
-            lines = "".join(json.dumps(r) + "\n" for r in self.metrics.rows())
-            write_atomic(target, lines.encode())
-        else:
-            rows = self.metrics.rows(done)
-            if rows:
-                try:
-                    with open(target, "a", encoding="utf-8") as f:
-                        f.write("".join(json.dumps(r) + "\n" for r in rows))
-                        f.flush()
-                        os.fsync(f.fileno())
-                except OSError as e:
-                    self._metrics_written.pop(key, None)  # maybe a torn line: rewrite the file next time
-                    raise OutputError(f"{target}: cannot write ({e.strerror or e})") from e
-        self._metrics_written[key] = len(self.metrics)
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by ``save_checkpoint`` for this same graph.
@@ -953,53 +709,12 @@ class Trainer:
             CheckpointError: Missing/unreadable file, bad metadata (naming the key), a state
                 array of another shape or dtype, or a checkpoint of a different graph.
         """
-        from mpgraph.data import read_npz
-
-        p = Path(path)
-        if not p.exists():
-            raise CheckpointError(f"{p}: no such checkpoint")
-        arrays_in = read_npz(p, CheckpointError, what="an mpgraph checkpoint", hint=False)
-        if "__meta__" not in arrays_in:
-            raise CheckpointError(f"{p}: not an mpgraph checkpoint (no __meta__ array; it holds "
-                                  f"{', '.join(sorted(arrays_in)[:8])})")
-        try:
-            meta = json.loads(arrays_in["__meta__"].tobytes().decode())
-        except (ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{p}: not an mpgraph checkpoint (metadata is not JSON: {e})") from e
-        meta = _check_meta(meta, p)
-        if meta["fingerprint"] != self.fingerprint:
-            raise CheckpointError(
-                f"{p}: checkpoint is from a different graph (fingerprint {meta['fingerprint']}, this graph "
-                f"{self.fingerprint}); resume with the step graph it was saved from"
-            )
-        names = meta["names"]
-        want_names = [name for name, _ in self.pairs]
-        if sorted(names) != sorted(want_names):
-            raise CheckpointError(f"{p}: checkpoint state names do not match the graph (missing "
-                                  f"{sorted(set(want_names) - set(names))[:5]}, extra {sorted(set(names) - set(want_names))[:5]})")
-        arrays = {}
-        for i, name in enumerate(names):
-            key = f"s{i}"
-            if key not in arrays_in:
-                raise CheckpointError(f"{p}: checkpoint has no array {key} for state '{name}'")
-            arrays[name] = arrays_in[key]
-        for name, array in arrays.items():
-            want = self._state[name]
-            want_dtype = _ORT_TYPES.get(want.data_type())
-            if list(array.shape) != list(want.shape()):
-                raise CheckpointError(f"{p}: state '{name}' has shape {list(array.shape)}, the graph wants {want.shape()}")
-            if want_dtype is not None and array.dtype != np.dtype(want_dtype):
-                raise CheckpointError(f"{p}: state '{name}' is {array.dtype}, the graph wants {np.dtype(want_dtype)}")
+        want = {name: (self._state[name].shape(), ses.ORT_TYPES.get(self._state[name].data_type()))
+                for name, _ in self.pairs}
+        meta, arrays, self.metrics = read_checkpoint(path, self.fingerprint, want)
         self._set_state(arrays)
         self.steps = meta["steps"]
-        history = _read_metrics_file(metrics_path(p), self.steps)
-        if history is None and isinstance(meta.get("metrics"), Mapping):
-            try:
-                history = Metrics.from_dict(meta["metrics"])
-            except (KeyError, TypeError, ValueError):
-                history = None
-        self.metrics = history if history is not None else Metrics()
-        self._metrics_written = {}
+        self._metrics_log = MetricsLog()
         self.last_checkpoint_step = self.steps
         data = meta.get("data")
         self._batches = None
@@ -1013,92 +728,15 @@ class Trainer:
 
     def node_providers(self) -> dict[str, str]:
         """Node name -> execution provider ORT assigned it (empty if this ORT cannot say)."""
-        get = getattr(self.session, "get_provider_graph_assignment_info", None)
-        if get is None:
-            return {}
-        out: dict[str, str] = {}
-        for sub in get():
-            for node in sub.get_nodes():
-                out[node.name] = sub.ep_name
-        return out
-
-    def _check_fallback(self, allow: bool) -> None:
-        assignment = self.node_providers()
-        if not assignment:
-            logger.warning("this onnxruntime does not report node placement; CPU fallback not checked")
-            return
-        nodes = {n.name: n for n in self.model.graph}
-        bad = []
-        for name, ep in assignment.items():
-            node = nodes.get(name)
-            if ep != "CPUExecutionProvider" or node is None:
-                continue
-            # A float result computed only from integer inputs (Cast(Size) in a mean's
-            # backward) is shape arithmetic that ORT keeps on CPU on purpose; float data isn't.
-            float_out = any(o.dtype is not None and o.dtype.is_floating_point() for o in node.outputs)
-            float_in = any(i is not None and i.dtype is not None and i.dtype.is_floating_point() for i in node.inputs)
-            if float_out and float_in:
-                bad.append(f"{name} ({node.op_type})")
-        if bad and not allow:
-            # ORT CUDA has no training-mode BatchNormalization kernel at opset >= 14.
-            hint = ("; build the step graph with `mpgraph train-graph --batchnorm train-ops` for CUDA"
-                    if any("(BatchNormalization)" in b for b in bad) else "")
-            raise MpgraphError(
-                f"{len(bad)} float node(s) fall back to CPU on cuda, e.g. {', '.join(bad[:4])}; "
-                f"pass --allow-cpu-fallback to run anyway{hint}"
-            )
-        if bad:
-            logger.warning("%d float nodes run on CPU: %s", len(bad), ", ".join(bad[:8]))
+        return ses.node_providers(self.session)
 
     # -- evaluation ----------------------------------------------------------------------
 
-    def _logits_name(self) -> str:
-        values = {v.name for n in self.model.graph for v in n.outputs}
-        if "logits" in values:
-            return "logits"
-        for node in self.model.graph:
-            if node.op_type in _LOSS_OPS and node.inputs[0] is not None and node.inputs[0].name:
-                return node.inputs[0].name
-        raise MpgraphError("cannot evaluate: the step graph has no 'logits' value and no SoftmaxCrossEntropyLoss/NLL loss op")
-
-    def forward_model(self) -> onnx.ModelProto:
-        """The forward part of the step graph: data inputs and parameters -> ``logits``."""
-        proto = ir.to_proto(self.model)
-        target = self._logits_name()
-        needed = {target}
-        keep = []
-        for node in reversed(proto.graph.node):
-            if any(o in needed for o in node.output):
-                keep.append(node)
-                needed.update(i for i in node.input if i)
-        keep.reverse()
-        state_names = {a for a, _ in self.pairs}
-        g = proto.graph
-        logits = next((v for n in self.model.graph for v in n.outputs if v.name == target), None)
-        elem = logits.dtype.value if logits is not None and logits.dtype is not None else onnx.TensorProto.FLOAT
-        output = target
-        if elem != onnx.TensorProto.FLOAT:
-            # Native low-precision logits: numpy has no bfloat16, so read them as float32.
-            output = f"{target}/float32"
-            keep.append(onnx.helper.make_node("Cast", [target], [output], name=output, to=onnx.TensorProto.FLOAT))
-        graph = onnx.helper.make_graph(
-            keep, "forward",
-            [i for i in g.input if i.name in needed],
-            [onnx.helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, None)],
-            initializer=[t for t in g.initializer if t.name in needed and t.name not in state_names],
-        )
-        fwd = onnx.helper.make_model(graph, opset_imports=list(proto.opset_import))
-        fwd.ir_version = proto.ir_version
-        return fwd
-
     def _eval_session(self) -> tuple[ort.InferenceSession, str, list[str]]:
         if self._eval is None:
-            fwd = self.forward_model()
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            providers = self.session.get_providers()
-            session = ort.InferenceSession(fwd.SerializeToString(), options, providers=providers)
-            self._eval = (session, fwd.graph.output[0].name, [i.name for i in fwd.graph.input])
+            forward = ses.forward_model(self._session_bytes, ses.logits_name(self.model))
+            session = ses.eval_session(forward, self.session.get_providers())
+            self._eval = (session, forward.graph.outputs[0].name or "", [v.name or "" for v in forward.graph.inputs])
         return self._eval
 
     def predict(self, arrays: Mapping[str, np.ndarray], batch_size: int = 512) -> np.ndarray:
@@ -1140,45 +778,93 @@ class Trainer:
         return {"accuracy": float((pred == labels).mean()), "samples": float(labels.size)}
 
 
-def plot_losses(runs: Mapping[str, Metrics | Mapping[str, Any]], path: str | os.PathLike[str], *,
-                title: str | None = None) -> None:
-    """Draw the loss curves of several runs in one PNG (skipped steps marked with x).
+def run_training(
+    trainer: Trainer,
+    data: Dataset | Mapping[str, np.ndarray],
+    steps: int,
+    lr: float | None = None,
+    *,
+    batch_size: int = 64,
+    seed: int = 0,
+    on_nonfinite: str = "stop",
+    checkpoint: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
+    callback: Callable[[int, StepResult], None] | None = None,
+    on_checkpoint_error: Callable[[CheckpointError], None] | None = None,
+    what: str = "the step graph",
+) -> tuple[StopRequest, float]:
+    """``trainer.fit`` as a run that never loses its work.
+
+    Rules:
+        1. SIGINT and SIGTERM finish the step in flight and end the run (the request says
+           which signal); a second signal stops at once, without writing anything.
+        2. With ``checkpoint``, the state is checkpointed every ``checkpoint_every`` steps
+           (a failed write goes to ``on_checkpoint_error`` and the run goes on), when a
+           non-finite step stops the run, and at the end.
+        3. An ONNX Runtime failure becomes one line naming the step and the node.
 
     Args:
-        runs: Label -> ``Metrics`` (or its ``to_dict()``).
-        path: Output ``.png`` (written atomically).
-        title: Figure title.
-    """
-    try:
-        import matplotlib
+        trainer: The trainer to run.
+        data: A ``Dataset`` (its train split) or arrays by input name.
+        steps: Steps to run now.
+        lr: Learning rate (``None``: the one in use).
+        batch_size: Samples per batch.
+        seed: Shuffle seed.
+        on_nonfinite: ``fit``'s ``on_nonfinite``.
+        checkpoint: Where to checkpoint (``None``: nowhere).
+        checkpoint_every: Also checkpoint every N steps (0: only at the end).
+        callback: Called after every step with the step number and its result.
+        on_checkpoint_error: Told of a periodic checkpoint that could not be written
+            (``None``: a logged warning).
+        what: The graph's name in error messages (e.g. its path).
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise MpgraphError("plotting needs matplotlib: pip install 'mpgraph[data]'") from None
-    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=100)
-    positive = True
+    Returns:
+        The stop request (true when a signal ended the run) and the seconds the steps took
+        (periodic checkpoints included, the one at the end not).
+
+    Raises:
+        TrainingError: A non-finite batch or loss with ``on_nonfinite="stop"`` (the message
+            says which checkpoint was written).
+        CheckpointError: The checkpoint at the end cannot be written.
+        MpgraphError: A second signal, or an ONNX Runtime failure.
+    """
+
+    def on_step(n: int, result: StepResult) -> None:
+        if callback is not None:
+            callback(n, result)
+        if checkpoint is not None and checkpoint_every and n % checkpoint_every == 0:
+            try:
+                trainer.save_checkpoint(checkpoint)
+            except CheckpointError as e:  # a full disk: keep training, keep the last good one
+                if on_checkpoint_error is None:
+                    logger.warning("%s; training goes on", e)
+                else:
+                    on_checkpoint_error(e)
+
+    began = time.perf_counter()
     try:
-        for label, m in runs.items():
-            d = m.to_dict() if isinstance(m, Metrics) else m
-            steps = np.asarray(d["step"])
-            loss = np.asarray([math.nan if x is None else x for x in d["loss"]], dtype=np.float64)
-            positive = positive and bool(np.all(loss[np.isfinite(loss)] > 0))
-            line, = ax.plot(steps, loss, label=label, linewidth=1.2)
-            skipped = np.asarray(d["skipped"], dtype=bool)
-            if skipped.any():
-                y = np.where(np.isfinite(loss[skipped]), loss[skipped], np.nanmax(loss) if np.isfinite(loss).any() else 1.0)
-                ax.scatter(steps[skipped], y, marker="x", color=line.get_color(), s=16, label=f"{label}: skipped")
-        if positive:
-            ax.set_yscale("log")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        if title:
-            ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    _write_atomic(path, buf.getvalue())
+        with stop_on_signals() as stop:
+            trainer.fit(data, steps, lr, batch_size=batch_size, seed=seed, callback=on_step,
+                        on_nonfinite=on_nonfinite, stop=stop)
+    except KeyboardInterrupt:
+        last = trainer.last_checkpoint_step
+        raise MpgraphError(
+            "interrupted again: stopped at once without writing a checkpoint"
+            + (f"; the last checkpoint ({checkpoint}, step {last}) is kept" if last is not None else "")
+        ) from None
+    except TrainingError as e:
+        if checkpoint is None:
+            raise
+        trainer.save_checkpoint(checkpoint)
+        raise TrainingError(f"{e}; wrote checkpoint {checkpoint} (step {trainer.steps})") from e
+    except MpgraphError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
+        error = ses.ort_error(e, f"running step {trainer.steps + 1} of {what}")
+        if error is None:
+            raise
+        raise error from e
+    seconds = time.perf_counter() - began
+    if checkpoint is not None:
+        trainer.save_checkpoint(checkpoint)
+    return stop, seconds

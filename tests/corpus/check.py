@@ -41,8 +41,8 @@ import torch
 from onnx import numpy_helper
 
 from mpgraph.convert import convert
-from mpgraph.runtime.cpu_runner import CpuRunner
 from mpgraph.training import build_training_graph
+from tests.cpu_runner import CpuRunner
 
 from .models import Case
 

@@ -1,4 +1,4 @@
-"""Step a training graph on ONNX Runtime CPU from Python, feeding state outputs back as inputs.
+"""Test support: step a training graph on ONNX Runtime CPU, feeding state outputs back as inputs.
 
 The state pairs come from the model's ``MODEL_STATE_PAIRS`` metadata; initial state values
 are the same-named initializers that ``build_training_graph`` writes.
@@ -20,8 +20,8 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from mpgraph.errors import MpgraphError
 from mpgraph._ir.meta import MODEL_STATE_PAIRS
+from mpgraph.errors import MpgraphError
 
 __all__ = ["CpuRunner"]
 

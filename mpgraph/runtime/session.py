@@ -1,0 +1,288 @@
+"""ONNX Runtime sessions of a step graph: providers, options, placement, and the forward part.
+
+Rules checked before a step graph gets a session (``check_provider``):
+
+1. The provider must be available in this ORT build (``cuda`` needs onnxruntime-gpu).
+2. A native float16/bfloat16 lowering (``mpgraph.dtype`` set, ``mpgraph.emulated`` not
+   ``true``) does not run on the CPU provider; convert with ``--emulate`` for CPU.
+3. A graph converted for a target whose kernels the provider lacks is refused
+   (``mpgraph.targets.check_runnable``).
+
+On CUDA (``check_cuda_session``) session-level fallback is disabled (a CUDA failure is an
+error, not a silent CPU session), and no float-producing node may be assigned to the CPU
+provider unless allowed. Integer/bool shape arithmetic that ORT places on CPU on purpose is
+allowed. ``node_providers`` returns the assignment.
+
+Example:
+    >>> PROVIDERS["cuda"]
+    'CUDAExecutionProvider'
+    >>> provider_options({}, "cuda", device_id=1, tf32=None, extra={"arena_extend_strategy": 1})
+    (False, {'device_id': '1', 'use_tf32': '0', 'arena_extend_strategy': '1'})
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from mpgraph import targets
+from mpgraph._ir import meta as md
+from mpgraph.errors import MpgraphError
+
+__all__ = [
+    "PROVIDERS",
+    "ORT_TYPES",
+    "check_provider",
+    "provider_options",
+    "new_session",
+    "check_cuda_session",
+    "node_providers",
+    "logits_name",
+    "forward_model",
+    "eval_session",
+    "ort_error",
+]
+
+logger = logging.getLogger(__name__)
+
+#: Short provider names -> ORT execution providers.
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+#: ORT's type strings -> numpy dtypes, for the buffers a trainer allocates.
+ORT_TYPES = {
+    "tensor(float)": np.float32, "tensor(double)": np.float64, "tensor(float16)": np.float16,
+    "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
+    "tensor(uint8)": np.uint8, "tensor(int8)": np.int8,
+}
+LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
+_ORT_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)")
+
+
+def check_provider(model: ir.Model, provider: str) -> list[str]:
+    """Refuse a provider that this ORT lacks or that cannot run ``model``; return notes.
+
+    Raises:
+        MpgraphError: Unknown or unavailable provider, a native low-precision graph on CPU,
+            or a graph converted for a target whose kernels ``provider`` lacks.
+    """
+    if provider not in PROVIDERS:
+        raise MpgraphError(f"unknown provider '{provider}'; valid: {', '.join(PROVIDERS)}")
+    ep = PROVIDERS[provider]
+    if ep not in ort.get_available_providers():
+        raise MpgraphError(
+            f"provider '{provider}' ({ep}) is not available in this onnxruntime build "
+            f"(available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu for cuda"
+        )
+    props = model.metadata_props
+    dtype = props.get(md.MODEL_DTYPE)
+    if provider == "cpu" and dtype in ("float16", "bfloat16") and props.get(md.MODEL_EMULATED) != "true":
+        raise MpgraphError(
+            f"this graph is a native {dtype} lowering, which ORT's CPU provider cannot run "
+            f"(no {dtype} compute kernels); convert the fp32 step graph with --emulate for CPU, or use --provider cuda"
+        )
+    return targets.check_runnable(model, provider)
+
+
+def provider_options(
+    props: Mapping[str, str], provider: str, *, device_id: int, tf32: bool | None, extra: Mapping[str, Any] | None
+) -> tuple[bool, dict[str, str]]:
+    """Whether float32 matmuls may run as TF32, and the execution provider's options.
+
+    Args:
+        props: The step graph's metadata; ``mpgraph.tf32`` (the ``tf32`` preset) decides
+            TF32 when ``tf32`` is ``None``. Absent means strict float32 (``use_tf32=0``),
+            because ORT's CUDA provider would otherwise use TF32 silently.
+        provider: ``cpu`` or ``cuda``.
+        device_id: CUDA device ordinal.
+        tf32: An explicit choice, or ``None`` for the graph's.
+        extra: The caller's options (ORT's names); they win over the derived ones.
+    """
+    use_tf32 = (props.get(md.MODEL_TF32) == "true") if tf32 is None else bool(tf32)
+    options: dict[str, str] = {}
+    if provider == "cuda":
+        options = {"device_id": str(device_id), "use_tf32": "1" if use_tf32 else "0"}
+    options.update({str(k): str(v) for k, v in (extra or {}).items()})
+    return use_tf32, options
+
+
+def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
+                cuda_graph: bool = False) -> ort.InferenceSession:
+    """An ORT session of a step graph on ``provider`` (CUDA falls back to CPU per node only).
+
+    Args:
+        model: The serialized graph.
+        provider: ``cpu`` or ``cuda``.
+        options: The execution provider's options (``provider_options``).
+        threads: Intra-op threads (``None``: ORT's default).
+        cuda_graph: Turn on CUDA graph capture (CUDA only).
+
+    Raises:
+        MpgraphError: ORT cannot load the graph (the first line of its message).
+    """
+    session_options = ort.SessionOptions()
+    # Fatal only: warnings would be one "Initializer X appears in graph inputs" per state
+    # tensor, and a failing node's error log repeats the exception the caller reports.
+    session_options.log_severity_level = 4
+    session_options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
+    if threads is not None:
+        session_options.intra_op_num_threads = threads
+    ep_options = dict(options)
+    if cuda_graph and provider == "cuda":
+        ep_options["enable_cuda_graph"] = "1"
+    providers: list[Any] = [(PROVIDERS[provider], ep_options)] + (["CPUExecutionProvider"] if provider == "cuda" else [])
+    try:
+        return ort.InferenceSession(model, session_options, providers=providers)
+    except Exception as e:  # noqa: BLE001 - ORT raises its own Fail/InvalidGraph types
+        what = " with CUDA graph capture" if cuda_graph else ""
+        raise MpgraphError(f"onnxruntime cannot load the step graph on {provider}{what}: {str(e).splitlines()[0]}") from e
+
+
+def node_providers(session: ort.InferenceSession) -> dict[str, str]:
+    """Node name -> execution provider ORT assigned it (empty if this ORT cannot say)."""
+    get = getattr(session, "get_provider_graph_assignment_info", None)
+    if get is None:
+        return {}
+    out: dict[str, str] = {}
+    for sub in get():
+        for node in sub.get_nodes():
+            out[node.name] = sub.ep_name
+    return out
+
+
+def check_cuda_session(session: ort.InferenceSession, model: ir.Model, *, allow_cpu_fallback: bool) -> None:
+    """Disable session-level fallback and refuse float nodes that ORT placed on CPU.
+
+    Raises:
+        MpgraphError: ORT did not start the CUDA provider, or float nodes run on CPU and
+            ``allow_cpu_fallback`` is false (naming them, with the fix).
+    """
+    session.disable_fallback()
+    if PROVIDERS["cuda"] not in session.get_providers():
+        raise MpgraphError(f"onnxruntime did not start {PROVIDERS['cuda']} for this graph")
+    assignment = node_providers(session)
+    if not assignment:
+        logger.warning("this onnxruntime does not report node placement; CPU fallback not checked")
+        return
+    nodes = {n.name: n for n in model.graph}
+    bad = []
+    for name, ep in assignment.items():
+        node = nodes.get(name)
+        if ep != "CPUExecutionProvider" or node is None:
+            continue
+        # A float result computed only from integer inputs (Cast(Size) in a mean's
+        # backward) is shape arithmetic that ORT keeps on CPU on purpose; float data isn't.
+        float_out = any(o.dtype is not None and o.dtype.is_floating_point() for o in node.outputs)
+        float_in = any(i is not None and i.dtype is not None and i.dtype.is_floating_point() for i in node.inputs)
+        if float_out and float_in:
+            bad.append(f"{name} ({node.op_type})")
+    if bad and not allow_cpu_fallback:
+        # ORT CUDA has no training-mode BatchNormalization kernel at opset >= 14.
+        hint = ("; build the step graph with `mpgraph train-graph --batchnorm train-ops` for CUDA"
+                if any("(BatchNormalization)" in b for b in bad) else "")
+        raise MpgraphError(
+            f"{len(bad)} float node(s) fall back to CPU on cuda, e.g. {', '.join(bad[:4])}; "
+            f"pass --allow-cpu-fallback to run anyway{hint}"
+        )
+    if bad:
+        logger.warning("%d float nodes run on CPU: %s", len(bad), ", ".join(bad[:8]))
+
+
+def logits_name(model: ir.Model) -> str:
+    """The logits of a step graph: the value its metadata records, else a guess.
+
+    Raises:
+        MpgraphError: No recorded logits, no value named ``logits`` and no loss op.
+    """
+    recorded = model.metadata_props.get(getattr(md, "MODEL_LOGITS", ""))  # TODO(E): key from D
+    if recorded:
+        return recorded
+    # Step graphs saved before train-graph recorded their logits: the value named
+    # ``logits``, else the scores input of the cross-entropy loss op.
+    values = {v.name for n in model.graph for v in n.outputs}
+    if "logits" in values:
+        return "logits"
+    for node in model.graph:
+        if node.op_type in LOSS_OPS and node.inputs[0] is not None and node.inputs[0].name:
+            return node.inputs[0].name
+    raise MpgraphError("cannot evaluate: the step graph has no 'logits' value and no SoftmaxCrossEntropyLoss/NLL loss op")
+
+
+def forward_model(step: bytes, target: str) -> ir.Model:
+    """The forward part of a serialized step graph: its inputs -> ``target`` as float32.
+
+    A new model: the nodes ``target`` depends on, the graph inputs and initializers they
+    read, and a Cast to float32 when ``target`` is in low precision (numpy has no bfloat16).
+
+    Args:
+        step: The step graph, serialized (its state inputs without initializers, so they
+            are bound at run time).
+        target: The value to compute (``logits_name``).
+    """
+    model = ir.from_proto(onnx.load_from_string(step))
+    graph = model.graph
+    value = next((v for n in graph for v in n.outputs if v.name == target), None)
+    if value is None:
+        raise MpgraphError(f"cannot evaluate: the step graph has no value '{target}'")
+    needed: set[ir.Node] = set()
+    stack = [value.producer()]
+    while stack:
+        node = stack.pop()
+        if node is None or node in needed:
+            continue
+        needed.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None)
+    output = value
+    if value.dtype != ir.DataType.FLOAT:
+        output = ir.Value(name=f"{target}/float32", type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)
+        graph.append(ir.node("Cast", [value], {"to": ir.DataType.FLOAT}, name=output.name, outputs=[output]))
+    graph.outputs.clear()
+    graph.outputs.append(output)
+    graph.remove([n for n in graph if n not in needed and n is not output.producer()], safe=True)
+    for node in graph:
+        for v in node.outputs:
+            if v is not output:
+                # No value_info: ORT then optimizes the forward graph as it always has (with
+                # them it fuses differently, and the zoo GPT's logits move by 6e-7).
+                v.type, v.shape = None, None
+    for v in [v for v in graph.inputs if not v.uses()]:
+        graph.inputs.remove(v)
+    for name in [name for name, v in graph.initializers.items() if not v.uses()]:
+        graph.initializers.pop(name)
+    model.metadata_props.clear()
+    return model
+
+
+def eval_session(model: ir.Model, providers: list[str]) -> ort.InferenceSession:
+    """An inference session of ``forward_model``'s result on the trainer's providers."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=providers)
+
+
+def ort_error(error: Exception, what: str) -> MpgraphError | None:
+    """One line for an ONNX Runtime failure (naming the node when ORT does), else ``None``.
+
+    Example:
+        >>> e = RuntimeError("[ONNXRuntimeError] : 1 : FAIL : Non-zero status code returned while "
+        ...                  "running Gather node. Name:'emb' Status Message: indices out of bounds")
+        >>> print(ort_error(e, "running step 1"))
+        onnxruntime failed running step 1 at node 'emb' (Gather): indices out of bounds
+        >>> ort_error(ValueError("not ours"), "running step 1") is None
+        True
+    """
+    text = str(error).strip()
+    from_ort = type(error).__module__.startswith("onnxruntime") or (
+        isinstance(error, RuntimeError) and any(k in text for k in ("ONNXRuntimeError", "status code", "Error in execution")))
+    if not from_ort:
+        return None
+    match = _ORT_NODE.search(text)
+    if match is not None:
+        return MpgraphError(f"onnxruntime failed {what} at node '{match[2]}' ({match[1]}): {match[3].splitlines()[0]}")
+    first = text.splitlines()[0] if text else type(error).__name__
+    return MpgraphError(f"onnxruntime failed {what}: {first.replace('[ONNXRuntimeError] : ', '')}")
