@@ -25,7 +25,7 @@ import html
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -211,16 +211,33 @@ def compare_train(
         base = name[len("round/"):] if name.startswith("round/") else name
         return array / scale if (base in scaled or name in scaled) and scale != 1.0 else array
 
+    loss_ref, loss_cand, loss_err = _loss(reference, candidate, ref, cand)
+    found_inf = bool(np.asarray(cand.get(md.FOUND_INF, False)).any())
+    params = json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]"))
+    values = _along_graph(candidate, ref, cand, cand_value)
+    first = next((v for v in values if v.rel_error > threshold), None)
+    first_back = next((v for v in values if v.role == "backward" and v.rel_error > threshold), None)
+    return TrainCompareReport(loss_ref, loss_cand, loss_err, scale, found_inf, _gradients(params, ref, cand, cand_value),
+                              _updates(reference, params, ref, cand), values, threshold, first, first_back)
+
+
+def _loss(reference: ir.Model, candidate: ir.Model, ref: Mapping[str, np.ndarray],
+          cand: Mapping[str, np.ndarray]) -> tuple[float, float, float]:
+    """(reference loss, candidate loss, relative error; inf when the candidate's is not finite)."""
     loss_name = reference.metadata_props.get(md.MODEL_LOSS, "loss")
     loss_ref = float(ref[loss_name])
     loss_cand = float(cand[candidate.metadata_props.get(md.MODEL_LOSS, loss_name)])
     loss_err = abs(loss_cand - loss_ref) / abs(loss_ref) if loss_ref else float(loss_cand != loss_ref)
     if not math.isfinite(loss_cand):
         loss_err = float("inf")
-    found_inf = bool(np.asarray(cand.get(md.FOUND_INF, False)).any())
+    return loss_ref, loss_cand, loss_err
 
+
+def _gradients(params: Sequence[tuple[str, str]], ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray],
+               cand_value: Callable[[str], np.ndarray]) -> list[TensorDivergence]:
+    """Each parameter's gradient as the optimizer reads it: the candidate's unscaled one when it has one."""
     gradients = []
-    for param, grad in json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]")):
+    for param, grad in params:
         unscaled = f"loss_scale/{param}/unscaled"
         if unscaled in cand:
             got = cand[unscaled]
@@ -232,9 +249,14 @@ def compare_train(
         errs = _errors(ref[grad], got) if grad in ref else None
         if errs is not None:
             gradients.append(TensorDivergence(param, grad, *errs))
+    return gradients
 
+
+def _updates(reference: ir.Model, params: Sequence[tuple[str, str]], ref: Mapping[str, np.ndarray],
+             cand: Mapping[str, np.ndarray]) -> list[TensorDivergence]:
+    """Each parameter's one-step update, ``<param>/updated - <param>``, from the reference's start."""
     updates = []
-    for param, _ in json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]")):
+    for param, _ in params:
         start = _state_value(reference, param)
         out = f"{param}/updated"
         if start is None or out not in ref or out not in cand:
@@ -242,7 +264,12 @@ def compare_train(
         errs = _errors(ref[out] - start, cand[out] - start)
         if errs is not None:
             updates.append(TensorDivergence(param, out, *errs))
+    return updates
 
+
+def _along_graph(candidate: ir.Model, ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray],
+                 cand_value: Callable[[str], np.ndarray]) -> list[StepValueDivergence]:
+    """Every matched value of the candidate's own nodes, in its topological order."""
     values = []
     for node in candidate.graph:
         if node.metadata_props.get(md.NODE_INSERTED):
@@ -257,10 +284,7 @@ def compare_train(
             errs = _errors(ref[match[0]], cand_value(match[1]))
             if errs is not None:
                 values.append(StepValueDivergence(match[0], label, role, precision, *errs))
-    first = next((v for v in values if v.rel_error > threshold), None)
-    first_back = next((v for v in values if v.role == "backward" and v.rel_error > threshold), None)
-    return TrainCompareReport(loss_ref, loss_cand, loss_err, scale, found_inf, gradients, updates, values, threshold,
-                              first, first_back)
+    return values
 
 
 _ROLE_COLORS = {"forward": "#1f77b4", "loss": "#9467bd", "backward": "#ff7f0e", "optimizer": "#2ca02c"}
