@@ -157,6 +157,36 @@ def export_module(
         ModelSaveError: ``path`` cannot be written.
     """
     torch = _import_torch()
+    _check_arguments(torch, module, loss, batch_norm, opset)
+    inputs = _as_tensor_tuple(torch, example_inputs)
+    names = _data_input_names(module, len(inputs), input_names)
+    if dynamic_batch:
+        _check_batch_sizes(names, inputs)
+    params, buffers = _named_state(module, names)
+    param_values = tuple(p.detach().to(torch.float32) for p in params.values())
+    buffer_values = tuple(b.detach() for b in buffers.values())
+    logits = _example_logits(torch, module, buffers, inputs)
+    label: tuple[Any, ...] = ()
+    if loss is not None:
+        label = (_example_label(torch, loss, logits, label_shape),)
+
+    wrapper = _make_wrapper(torch, module, len(inputs), list(params), list(buffers), loss)
+    args = (*inputs, *label, *param_values, *buffer_values)
+    data_names = [*names, *([LABEL_NAME] if label else [])]
+    output_names = [LOSS_NAME, LOGITS_NAME] if loss else [LOGITS_NAME]
+    dynamic = _dynamic_shapes(torch, len(args), len(data_names), dynamic_batch)
+    arg_names = [*data_names, *params, *buffers]
+    model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset, batch_norm)
+    _finish(model, params, buffers, dynamic_batch)
+    proto = ir.serde.serialize_model(model)
+    _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
+    logger.debug("exported %s: %d nodes", type(module).__name__, len(proto.graph.node))
+    if path is not None:
+        save_model(model, path, external_data=False)
+    return proto
+
+
+def _check_arguments(torch: Any, module: Any, loss: str | None, batch_norm: str, opset: int) -> None:
     if loss is not None and loss not in LOSS_KINDS:
         raise ExportError(f"unknown loss {loss!r}; valid choices: {', '.join(LOSS_KINDS)}")
     if batch_norm not in ("ops", "node"):
@@ -165,16 +195,21 @@ def export_module(
         raise ExportError(f"opset {opset} is not supported; use {_MIN_OPSET} to {_MAX_OPSET}")
     if not isinstance(module, torch.nn.Module):
         raise ExportError(f"expected a torch.nn.Module, got {type(module).__name__}")
-    inputs = _as_tensor_tuple(torch, example_inputs)
-    names = _data_input_names(module, len(inputs), input_names)
-    if dynamic_batch:
-        for name, tensor in zip(names, inputs, strict=True):
-            if tensor.dim() == 0 or tensor.shape[0] < 2:
-                raise ExportError(
-                    f"input {name!r} needs a batch dimension of size >= 2 to export a dynamic"
-                    f" batch; got shape {tuple(tensor.shape)}"
-                )
 
+
+def _check_batch_sizes(names: list[str], inputs: tuple[Any, ...]) -> None:
+    """A dynamic batch needs an example batch of at least 2: torch specialises 0 and 1."""
+    for name, tensor in zip(names, inputs, strict=True):
+        if tensor.dim() == 0 or tensor.shape[0] < 2:
+            raise ExportError(
+                f"input {name!r} needs a batch dimension of size >= 2 to export a dynamic"
+                f" batch; got shape {tuple(tensor.shape)}"
+            )
+
+
+def _named_state(module: Any, names: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The module's parameters and buffers by name; no name may clash with a graph input or
+    output, and every parameter is a float."""
     params = dict(module.named_parameters())
     buffers = dict(module.named_buffers())
     taken = [*names, LABEL_NAME, LOGITS_NAME, LOSS_NAME]
@@ -184,9 +219,11 @@ def export_module(
     for name, param in params.items():
         if not param.dtype.is_floating_point:
             raise ExportError(f"parameter {name!r} has dtype {param.dtype}; expected a float")
-    param_values = tuple(p.detach().to(torch.float32) for p in params.values())
-    buffer_values = tuple(b.detach() for b in buffers.values())
+    return params, buffers
 
+
+def _example_logits(torch: Any, module: Any, buffers: dict[str, Any], inputs: tuple[Any, ...]) -> Any:
+    """``forward`` on the example inputs, which must give one tensor (the logits)."""
     # Cloned buffers: a train-mode forward must not update the module's running statistics.
     state = {name: buffer.clone() for name, buffer in buffers.items()}
     try:
@@ -198,31 +235,17 @@ def export_module(
         raise ExportError(
             f"forward must return one tensor (the logits); got {type(logits).__name__}"
         )
+    return logits
 
-    label: tuple[Any, ...] = ()
-    if loss is not None:
-        label = (_example_label(torch, loss, logits, label_shape),)
 
-    wrapper = _make_wrapper(torch, module, len(inputs), list(params), list(buffers), loss)
-    args = (*inputs, *label, *param_values, *buffer_values)
-    data_names = [*names, *([LABEL_NAME] if label else [])]
-    output_names = [LOSS_NAME, LOGITS_NAME] if loss else [LOGITS_NAME]
-
-    dynamic: list[dict[int, Any] | None] = [None] * len(args)
+def _dynamic_shapes(torch: Any, num_args: int, num_batched: int, dynamic_batch: bool) -> list[dict[int, Any] | None]:
+    """torch.export's dynamic shape per argument: dim 0 of the data inputs and label is ``batch``."""
+    dynamic: list[dict[int, Any] | None] = [None] * num_args
     if dynamic_batch:
         batch = torch.export.Dim(BATCH_DIM)
-        for i in range(len(data_names)):
+        for i in range(num_batched):
             dynamic[i] = {0: batch}
-
-    arg_names = [*data_names, *params, *buffers]
-    model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset, batch_norm)
-    _finish(model, params, buffers, dynamic_batch)
-    proto = ir.serde.serialize_model(model)
-    _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
-    logger.debug("exported %s: %d nodes", type(module).__name__, len(proto.graph.node))
-    if path is not None:
-        save_model(model, path, external_data=False)
-    return proto
+    return dynamic
 
 
 def export_file(
@@ -431,69 +454,8 @@ def _batch_norm_translation(torch: Any, batch_norm: str) -> dict[Any, Callable[.
         momentum: float = 0.1,
         eps: float = 1e-5,
     ) -> tuple[Any, ...]:
-        rank = len(input.shape)
-        channels = op.Shape(input, start=1, end=2)
-        axes = op.Constant(value_ints=[0, *range(2, rank)])
-        if not training:
-            if running_mean is None or running_var is None:
-                training = True  # no running statistics: torch normalises with batch ones
-            else:
-                if weight is None:
-                    weight = op.Expand(op.CastLike(1.0, input), channels)
-                if bias is None:
-                    bias = op.Expand(op.CastLike(0.0, input), channels)
-                norm = op.BatchNormalization(
-                    input, weight, bias, running_mean, running_var, epsilon=eps
-                )
-                invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
-                return norm, running_mean, invstd, running_mean, running_var
-
-        mean = op.ReduceMean(input, axes)  # keepdims: [1, C, 1, ...]
-        centered = op.Sub(input, mean)
-        var = op.ReduceMean(op.Mul(centered, centered), axes)
-        invstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(eps, input))))
-        if batch_norm == "node":
-            if weight is None:
-                weight = op.Expand(op.CastLike(1.0, input), channels)
-            if bias is None:
-                bias = op.Expand(op.CastLike(0.0, input), channels)
-            # Without running statistics these inputs only feed the unused running outputs.
-            stats_mean = running_mean if running_mean is not None else op.Squeeze(mean, axes)
-            stats_var = running_var if running_var is not None else op.Squeeze(var, axes)
-            norm, _, _ = op.BatchNormalization(
-                input,
-                weight,
-                bias,
-                stats_mean,
-                stats_var,
-                epsilon=eps,
-                momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
-                training_mode=1,
-            )
-        else:
-            norm = op.Mul(centered, invstd)
-            column = op.Constant(value_ints=[-1, *([1] * (rank - 2))])
-            if weight is not None:
-                norm = op.Mul(norm, op.Reshape(weight, column) if rank > 2 else weight)
-            if bias is not None:
-                norm = op.Add(norm, op.Reshape(bias, column) if rank > 2 else bias)
-        mean = op.Squeeze(mean, axes)
-        var = op.Squeeze(var, axes)
-        invstd = op.Squeeze(invstd, axes)
-        if running_mean is None or running_var is None:
-            return norm, mean, invstd, mean, var
-        # The running statistics torch would store (unused: the graph does not output them).
-        count = op.CastLike(op.Div(op.Size(input), op.Squeeze(channels)), input)
-        unbiased = op.Mul(var, op.Div(count, op.Sub(count, op.CastLike(1.0, input))))
-        new_mean = op.Add(
-            op.Mul(op.CastLike(momentum, input), mean),
-            op.Mul(op.CastLike(1.0 - momentum, input), running_mean),
-        )
-        new_var = op.Add(
-            op.Mul(op.CastLike(momentum, input), unbiased),
-            op.Mul(op.CastLike(1.0 - momentum, input), running_var),
-        )
-        return norm, mean, invstd, new_mean, new_var
+        stats = (running_mean, running_var)
+        return _lower_batch_norm(op, batch_norm, input, (weight, bias), stats, training, momentum, eps)
 
     def lower_legit(
         input: Any,
@@ -519,6 +481,105 @@ def _batch_norm_translation(torch: Any, batch_norm: str) -> dict[Any, Callable[.
         aten._native_batch_norm_legit.no_stats: lower_no_stats,
         aten.native_batch_norm.default: lower_legit,
     }
+
+
+def _lower_batch_norm(
+    op: Any,
+    batch_norm: str,
+    input: Any,
+    affine: tuple[Any, Any],
+    stats: tuple[Any, Any],
+    training: bool,
+    momentum: float,
+    eps: float,
+) -> tuple[Any, ...]:
+    """aten's five batch norm outputs: normalised input, batch mean, batch inverse std, and
+    the running mean and variance torch would store.
+
+    An eval-mode BatchNorm with running statistics is an inference ``BatchNormalization``;
+    without running statistics torch normalises with batch ones, as in train mode. Train
+    mode normalises with batch statistics, as one ``BatchNormalization(training_mode=1)``
+    node (``batch_norm="node"``) or as explicit ops (``"ops"``).
+    """
+    running_mean, running_var = stats
+    rank = len(input.shape)
+    channels = op.Shape(input, start=1, end=2)
+    axes = op.Constant(value_ints=[0, *range(2, rank)])
+    if not training and running_mean is not None and running_var is not None:
+        weight, bias = _default_affine(op, input, channels, affine)
+        norm = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps)
+        invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
+        return norm, running_mean, invstd, running_mean, running_var
+
+    mean = op.ReduceMean(input, axes)  # keepdims: [1, C, 1, ...]
+    centered = op.Sub(input, mean)
+    var = op.ReduceMean(op.Mul(centered, centered), axes)
+    invstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(eps, input))))
+    if batch_norm == "node":
+        weight, bias = _default_affine(op, input, channels, affine)
+        # Without running statistics these inputs only feed the unused running outputs.
+        stats_mean = running_mean if running_mean is not None else op.Squeeze(mean, axes)
+        stats_var = running_var if running_var is not None else op.Squeeze(var, axes)
+        norm, _, _ = op.BatchNormalization(
+            input,
+            weight,
+            bias,
+            stats_mean,
+            stats_var,
+            epsilon=eps,
+            momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
+            training_mode=1,
+        )
+    else:
+        norm = _affine_ops(op, op.Mul(centered, invstd), affine, rank)
+    mean = op.Squeeze(mean, axes)
+    var = op.Squeeze(var, axes)
+    invstd = op.Squeeze(invstd, axes)
+    if running_mean is None or running_var is None:
+        return norm, mean, invstd, mean, var
+    new_mean, new_var = _running_statistics(op, input, channels, (mean, var), stats, momentum)
+    return norm, mean, invstd, new_mean, new_var
+
+
+def _default_affine(op: Any, input: Any, channels: Any, affine: tuple[Any, Any]) -> tuple[Any, Any]:
+    """Weight and bias for a ``BatchNormalization`` node: ones and zeros where torch has none."""
+    weight, bias = affine
+    if weight is None:
+        weight = op.Expand(op.CastLike(1.0, input), channels)
+    if bias is None:
+        bias = op.Expand(op.CastLike(0.0, input), channels)
+    return weight, bias
+
+
+def _affine_ops(op: Any, norm: Any, affine: tuple[Any, Any], rank: int) -> Any:
+    """``norm * weight + bias`` with the per-channel vectors shaped ``[C, 1, ...]``."""
+    weight, bias = affine
+    column = op.Constant(value_ints=[-1, *([1] * (rank - 2))])
+    if weight is not None:
+        norm = op.Mul(norm, op.Reshape(weight, column) if rank > 2 else weight)
+    if bias is not None:
+        norm = op.Add(norm, op.Reshape(bias, column) if rank > 2 else bias)
+    return norm
+
+
+def _running_statistics(
+    op: Any, input: Any, channels: Any, batch: tuple[Any, Any], stats: tuple[Any, Any], momentum: float
+) -> tuple[Any, Any]:
+    """The running mean and variance torch would store (unused: the graph does not output
+    them): ``momentum`` times the batch's (variance unbiased) plus the rest times the old."""
+    mean, var = batch
+    running_mean, running_var = stats
+    count = op.CastLike(op.Div(op.Size(input), op.Squeeze(channels)), input)
+    unbiased = op.Mul(var, op.Div(count, op.Sub(count, op.CastLike(1.0, input))))
+    new_mean = op.Add(
+        op.Mul(op.CastLike(momentum, input), mean),
+        op.Mul(op.CastLike(1.0 - momentum, input), running_mean),
+    )
+    new_var = op.Add(
+        op.Mul(op.CastLike(momentum, input), unbiased),
+        op.Mul(op.CastLike(1.0 - momentum, input), running_var),
+    )
+    return new_mean, new_var
 
 
 def _torch_export(
