@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.data import random_feeds, read_npz
-from mpgraph.dtypes import is_float
+from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import load_model, save_model
 from mpgraph.passes import Pipeline
@@ -32,7 +32,7 @@ from mpgraph.policy import Policy, load_policy
 from mpgraph.runtime.probe import Calibration, measure_ranges, run_with_values
 from mpgraph.targets import resolve_target, with_target
 
-__all__ = ["convert", "convert_file", "build_pipeline", "float_weight_bytes", "CalibrateSpec"]
+__all__ = ["convert", "convert_file", "build_pipeline", "CalibrateSpec"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,15 +81,6 @@ def build_pipeline(
     if validate:
         passes.append(ValidateModelPass())
     return Pipeline(passes)
-
-
-def float_weight_bytes(model: ir.Model) -> int:
-    """Bytes held by float initializers (weights) of the main graph."""
-    return sum(
-        v.const_value.nbytes
-        for v in model.graph.initializers.values()
-        if v.const_value is not None and is_float(v.dtype)
-    )
 
 
 def _as_model(model: ModelLike) -> ir.Model:

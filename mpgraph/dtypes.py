@@ -34,6 +34,7 @@ __all__ = [
     "numpy_dtype",
     "finite_max",
     "smallest_subnormal",
+    "float_weight_bytes",
 ]
 
 
@@ -139,3 +140,12 @@ def finite_max(dtype: ir.DataType) -> float:
 def smallest_subnormal(dtype: ir.DataType) -> float:
     """Smallest positive value of a float dtype; nonzeros below half of it flush to zero."""
     return float(ml_dtypes.finfo(numpy_dtype(dtype)).smallest_subnormal)
+
+
+def float_weight_bytes(model: ir.Model) -> int:
+    """Bytes held by the float initializers (weights) of ``model``'s main graph."""
+    return sum(
+        v.const_value.nbytes
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and is_float(v.dtype)
+    )

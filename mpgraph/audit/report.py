@@ -10,7 +10,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph.convert import float_weight_bytes
+from mpgraph.dtypes import float_weight_bytes
 
 __all__ = ["AuditReport", "audit"]
 
