@@ -68,7 +68,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import MpgraphError, first_line
 from mpgraph.io import save_model
 
 if TYPE_CHECKING:
@@ -230,7 +230,7 @@ def _example_logits(torch: Any, module: Any, buffers: dict[str, Any], inputs: tu
         with torch.no_grad():
             logits = torch.func.functional_call(module, state, inputs)
     except Exception as e:
-        raise ExportError(f"forward fails on the example inputs: {_first_line(e)}") from e
+        raise ExportError(f"forward fails on the example inputs: {first_line(e)}") from e
     if not isinstance(logits, torch.Tensor):
         raise ExportError(
             f"forward must return one tensor (the logits); got {type(logits).__name__}"
@@ -315,7 +315,7 @@ def _load_module_class(target: str) -> type:
         raise ExportError(f"{path}: importing it called sys.exit({e.code!r}); the file must define the class "
                           "without running a program (guard it with if __name__ == '__main__')") from None
     except Exception as e:  # noqa: BLE001 - user code may raise anything
-        raise ExportError(f"{path}: importing it failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise ExportError(f"{path}: importing it failed: {type(e).__name__}: {first_line(e)}") from e
     cls = getattr(module, name, None)
     if not isinstance(cls, type):
         raise ExportError(f"{path}: defines no class '{name}'")
@@ -332,7 +332,7 @@ def _user_code(what: str, target: str, call: Callable[[], Any]) -> Any:
     except SystemExit as e:
         raise ExportError(f"{target}: {what} called sys.exit({e.code!r})") from None
     except Exception as e:  # noqa: BLE001 - user code may raise anything
-        raise ExportError(f"{target}: {what} failed: {type(e).__name__}: {_first_line(e)}") from e
+        raise ExportError(f"{target}: {what} failed: {type(e).__name__}: {first_line(e)}") from e
 
 
 def _import_torch() -> Any:
@@ -607,7 +607,7 @@ def _torch_export(
                 wrapper, args, dynamic_shapes=(tuple(dynamic),), strict=False
             )
         except Exception as e:
-            raise ExportError(f"torch.export failed: {_first_line(e)}") from e
+            raise ExportError(f"torch.export failed: {first_line(e)}") from e
         try:
             onnx_program = torch.onnx.export(
                 program,
@@ -621,7 +621,7 @@ def _torch_export(
                 verbose=False,
             )
         except Exception as e:
-            raise ExportError(f"torch.onnx.export failed: {_first_line(e)}") from e
+            raise ExportError(f"torch.onnx.export failed: {first_line(e)}") from e
     return onnx_program.model
 
 
@@ -637,11 +637,6 @@ def _quiet_torch() -> Iterator[None]:
     finally:
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _finish(
@@ -740,4 +735,4 @@ def _validate(
     try:
         onnx.checker.check_model(proto, full_check=True)
     except onnx.checker.ValidationError as e:
-        raise ExportError(f"exported model fails the ONNX checker: {_first_line(e)}") from e
+        raise ExportError(f"exported model fails the ONNX checker: {first_line(e)}") from e

@@ -29,7 +29,7 @@ from mpgraph.cli.targets_cmd import targets_command
 from mpgraph.cli.train_cmd import train
 from mpgraph.cli.train_graph_cmd import train_graph_command
 from mpgraph.cli.tune_cmd import tune_command
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import MpgraphError, first_line
 
 __all__ = ["app", "main", "handle_errors", "COMMANDS", "console", "err_console"]
 
@@ -47,11 +47,6 @@ def _os_error_line(e: OSError) -> str:
     where = e.filename if e.filename is not None else None
     what = e.strerror or str(e) or type(e).__name__
     return f"{where}: {what}" if where is not None else what
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def handle_errors(fn: F) -> F:
@@ -92,7 +87,7 @@ def handle_errors(fn: F) -> F:
         except Exception as e:  # noqa: BLE001 - the boundary: an unforeseen failure is a bug
             if DEBUG:
                 raise
-            _say_error(f"internal error: {type(e).__name__}: {_first_line(e)} (run with --debug for the traceback)")
+            _say_error(f"internal error: {type(e).__name__}: {first_line(e)} (run with --debug for the traceback)")
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]
