@@ -115,10 +115,10 @@ def with_target(policy: Policy, target: str, model: ir.Model, *, emulate: bool =
     opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
     ops = {n.op_type for n in model.graph if n.domain in ("", "ai.onnx")}
     gaps = kernel_gaps(target, policy.dtype, opset, ops, emulate=emulate)
-    extra = {op: ("deny", why) for op, why in gaps.items() if policy.category(op)[0] != "deny"}
+    extra = {op: why for op, why in gaps.items() if policy.category(op)[0] != "deny"}
     if not extra:
         return policy
-    return dataclasses.replace(policy, ops={**policy.ops, **extra})
+    return dataclasses.replace(policy, kernel_gaps={**policy.kernel_gaps, **extra})
 
 
 def check_runnable(model: ir.Model, provider: str) -> list[str]:

@@ -40,6 +40,9 @@ __all__ = [
     "GROWTH_TRACKER",
     "FOUND_INF",
     "ROLES",
+    "Category",
+    "Phase",
+    "NODE_PHASE",
 ]
 
 #: Final compute precision of a node: a dtype name (``float32``, ``float16``, ``bfloat16``)
@@ -47,6 +50,8 @@ __all__ = [
 NODE_PRECISION = "mpgraph.precision"
 #: The rule or phase that decided ``NODE_PRECISION``, in words.
 NODE_REASON = "mpgraph.reason"
+#: The step that decided ``NODE_PRECISION``: one of ``Phase`` (code tests this, never the reason).
+NODE_PHASE = "mpgraph.phase"
 #: Set on nodes mpgraph created: ``cast`` (policy boundary), ``round`` (emulation rounding).
 NODE_INSERTED = "mpgraph.inserted"
 #: Role of a node in a training graph: one of ``ROLES``.
@@ -139,3 +144,62 @@ class Precision(StrEnum):
 
 
 ROLES = tuple(Role)
+
+
+class Category(StrEnum):
+    """A policy's category for an op type (TensorFlow AMP's lists).
+
+    >>> Category("deny") is Category.DENY, Category.ALLOW == "allow"
+    (True, True)
+    """
+
+    ALLOW = "allow"
+    INFER = "infer"
+    CLEAR = "clear"
+    DENY = "deny"
+
+
+class Phase(StrEnum):
+    """``NODE_PHASE``: the step that decided a node's precision (``AssignPrecisionPass``'s phases).
+
+    Validation, the range-check summary and ``mpgraph targets`` test this, never the reason's
+    words. Phase 0 (fixed decisions) is split by what fixed it, so each is testable.
+    """
+
+    #: Phase 0: the node cannot be lowered (no float, no schema, control flow, a training role,
+    #: shape arithmetic, a pin, the opset, a constant out of range).
+    FIXED = "fixed"
+    #: Phase 0: the input model already computes it in another float dtype.
+    INPUT_DTYPE = "input_dtype"
+    #: Phase 0: an activation beyond the low dtype's range / 2 on calibration data.
+    CALIBRATION = "calibration"
+    #: Phase 0: a node-name override of the policy.
+    OVERRIDE = "override"
+    #: The identity (float32) policy lowers nothing.
+    IDENTITY = "identity"
+    #: Phase 1: an ``allow`` op.
+    ALLOW = "allow"
+    #: Phase 2: deny spreads forward through ``infer``/``clear`` ops.
+    DENY_SPREAD = "deny_spread"
+    #: Phase 3: ``infer``/``clear`` between low ops.
+    BETWEEN = "between"
+    #: Phase 4: ``infer``/``clear`` whose float inputs all come from low ops.
+    FOLLOW = "follow"
+    #: Phase 5: backward elementwise ops follow their low forward op.
+    BACKWARD = "backward"
+    #: Phase 6: ``clear`` ops whose every consumer is low.
+    CLEAR_FEEDS_LOW = "clear_feeds_low"
+    #: Phase 7: a float32-accumulating kernel with low I/O (Softmax, bfloat16 ReduceSum).
+    LOW_IO = "low_io"
+    #: Phase 8: a ``deny`` op (listed, or by the policy's default category) stays float32.
+    DENY = "deny"
+    #: Phase 8: the target has no low kernel for the op (``mpgraph.targets``).
+    KERNEL_GAP = "kernel_gap"
+    #: Phase 8: an ``infer``/``clear`` op none of phases 3-6 lowered stays float32.
+    FLOAT32_INPUTS = "float32_inputs"
+    #: Convert's finite check: the low output turned non-finite where float32's is finite.
+    FINITE = "finite"
+    #: Inside a control-flow body (bodies stay float32).
+    BODY = "body"
+    #: Decided before this pass ran (a model converted earlier, without a recorded phase).
+    RECORDED = "recorded"

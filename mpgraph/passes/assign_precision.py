@@ -1,13 +1,15 @@
 """AssignPrecisionPass: decide, per node, whether it computes in the low dtype.
 
 The algorithm is TensorFlow AMP's, written as named phases over the graph's float edges. Each
-node ends with ``mpgraph.precision`` (a dtype name, or ``none`` for nodes that compute on no
-float tensor) and ``mpgraph.reason`` in its metadata; no types change here.
+node ends with a ``Decision``: ``mpgraph.precision`` (a dtype name, or ``none`` for nodes that
+compute on no float tensor) and ``mpgraph.reason`` in its metadata, written by
+``record_decision``; no types change here.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -15,20 +17,26 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.meta import Category, Phase, Precision, Role
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import CONTROL_FLOW_OPS, SHAPE_SLOTS, NodeTyping, node_typing, opset_version
 from mpgraph.passes.calibrate_range import ABSMAX_META
-from mpgraph.policy.schema import Policy
+from mpgraph.policy.schema import OpRule, Policy, RuleSource
 
-__all__ = ["AssignPrecisionPass", "constant_tensor", "constant_range", "CALIBRATION_MARGIN"]
+__all__ = [
+    "AssignPrecisionPass",
+    "Decision",
+    "record_decision",
+    "constant_tensor",
+    "constant_range",
+    "CALIBRATION_MARGIN",
+]
 
 #: Activations must stay below the low dtype's max / this factor on calibration data.
 CALIBRATION_MARGIN = 2.0
 
 logger = logging.getLogger(__name__)
-
-_LOW, _FP32, _NONE = "low", "float32", "none"
 
 #: Deny ops whose low-precision kernels compute in float32 inside (ORT CUDA's Softmax and
 #: LogSoftmax accumulate in float for bfloat16 and float16 I/O, ``AccumulationType_t``; the
@@ -86,175 +94,289 @@ def constant_tensor(value: ir.Value) -> ir.TensorProtocol | None:
     return None
 
 
+#: ``Precision`` of each policy dtype (the identity policy's ``FLOAT`` is ``float32``).
+_PRECISION = {
+    ir.DataType.FLOAT: Precision.FLOAT32,
+    ir.DataType.FLOAT16: Precision.FLOAT16,
+    ir.DataType.BFLOAT16: Precision.BFLOAT16,
+}
+_PHASES = {phase.value: phase for phase in Phase}
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One node's precision: what, decided by which phase, why, and under which policy rule.
+
+    >>> Decision(Precision.FLOAT32, Phase.DENY, "deny list: numerics").phase == "deny"
+    True
+
+    Attributes:
+        precision: The dtype the node computes in (``Precision.NONE``: it touches no float).
+        phase: The step that decided it. Code tests this, never ``reason``.
+        reason: Why, in words for people (the audit shows it).
+        rule: The policy's rule for the node (its op type's category, or the override that
+            matched); ``None`` where no policy rule took part (phase 0's type facts).
+    """
+
+    precision: Precision
+    phase: Phase
+    reason: str
+    rule: OpRule | None = None
+
+
+def record_decision(node: ir.Node, decision: Decision) -> bool:
+    """Write ``decision`` into ``node``'s metadata (the only writer of it); True if that changed it."""
+    changed = False
+    for key, value in ((md.NODE_PRECISION, decision.precision), (md.NODE_REASON, decision.reason)):
+        if node.metadata_props.get(key) != value:
+            node.metadata_props[key] = str(value)
+            changed = True
+    return changed
+
+
+def _recorded_decision(node: ir.Node, low: Precision) -> Decision | None:
+    """The decision an earlier run left on ``node`` (a converted model, convert's finite check)."""
+    recorded = node.metadata_props.get(md.NODE_PRECISION)
+    if recorded is None:
+        return None
+    if recorded == low or recorded == Precision.NONE:
+        precision = Precision(recorded)
+    else:
+        precision = Precision.FLOAT32
+    phase = _PHASES.get(node.metadata_props.get(md.NODE_PHASE, ""), Phase.RECORDED)
+    return Decision(precision, phase, node.metadata_props.get(md.NODE_REASON, "recorded earlier"))
+
+
 class AssignPrecisionPass(ir.passes.InPlacePass):
     """Decides every node's precision from a policy and records why.
 
-    Phases, in order (a node decided by an earlier phase keeps its decision):
+    The phases are the methods of ``_Assignment``, in order; a node decided by an earlier
+    phase keeps its decision (phases 5 and 6 may lower what phases 2-4 left float32). Each
+    decision is a ``Decision`` whose ``Phase`` is saved as ``mpgraph.phase``, and is logged at
+    DEBUG level.
 
-    0. **Fixed.** Nodes that cannot be lowered stay float32 with the reason: no float tensor
-       (precision ``none``), no ONNX schema, control flow (bodies stay float32), an output
-       type set by an attribute, a schema that does not admit the low dtype in this opset,
-       a float input feeding shape arithmetic (``Reshape``'s shape, ``Resize``'s scales, …,
-       and everything computing it), a policy pin on a compute-typed slot, or a constant
-       input outside the low dtype's range when the policy says ``keep_fp32``, or (after
-       ``CalibrateRangePass``) an activation beyond the low dtype's range / 2 on sample
-       inputs. Node-name overrides apply here too.
-       Example: ``MatMul`` in an opset-9 model has no ``tensor(bfloat16)`` -> float32.
-    1. **Allow.** ``allow`` ops become low. Example: every ``MatMul``/``Conv``.
-    2. **Deny spreads forward.** From every ``deny`` op, forward through ``infer``/``clear``
-       ops: those stay float32. Example: ``Softmax -> Mul -> MatMul``: the Mul stays fp32.
-    3. **Between allow.** ``infer``/``clear`` ops on a path from a low op to a low op, through
-       ``infer``/``clear`` ops only, become low (no casts in between).
-       Example: ``MatMul -> Add -> Relu -> MatMul``: Add and Relu become low.
-    4. **Follow allow.** ``infer``/``clear`` ops whose float inputs all come from low ops (or
-       constants, which are stored low) become low, in topological order.
-       Example: ``MatMul -> Add(bias)`` at the end of the graph: the Add becomes low.
-    5. **Backward follows forward.** In training graphs, the elementwise nodes a gradient
-       rule wrote for a low forward op (``mpgraph.grad_of``) become low, even where a deny
-       op among them would paint them float32: autocast runs a low op's backward in its
-       dtype too. Example: the erf GELU's backward (``Pow``, ``Exp``, ``Div``, ...) of a
-       bfloat16 GELU.
-    6. **Clear backward.** ``clear`` ops whose every float consumer is a low op become low,
-       so data movement happens in the low dtype; this includes clear ops that deny spread
-       painted, as moving data is exact in any dtype. Example: ``Softmax -> Transpose ->
-       MatMul`` (the attention backward's ``P^T``): the Transpose reads the Softmax output's
-       existing low cast instead of transposing float32 and casting again.
+    0. **Fixed** (``fixed``): nodes that cannot be lowered, and overrides.
+    1. **Allow** (``allow``): ``allow`` ops become low.
+    2. **Deny spreads forward** (``deny_spreads``) through ``infer``/``clear`` ops.
+    3. **Between allow** (``between_low``): ``infer``/``clear`` between low ops become low.
+    4. **Follow allow** (``follow_low``): ``infer``/``clear`` fed only by low ops become low.
+    5. **Backward follows forward** (``backward_follows_forward``), in training graphs.
+    6. **Clear feeds low** (``clear_feeds_low``): ``clear`` ops feeding only low ops.
+    7. **Low I/O kernels** (``low_io_kernels``): Softmax between low ops, bfloat16 sums.
+    8. **The rest** (``float32_rest``) stays float32 with its reason (``deny list: ...``,
+       ``infer op with float32 inputs``, a target's kernel gap).
 
     Training graphs (nodes carry ``mpgraph.role``): optimizer nodes stay float32, and backward
     nodes emitted for a ``deny`` forward op (``mpgraph.grad_of``) stay float32, in phase 0;
-    backward MatMul/Gemm/Conv are ``allow`` ops like their forward twins.
-
-    Everything else stays float32 with the reason (``infer op with float32 inputs``, …).
+    backward MatMul/Gemm/Conv are ``allow`` ops like their forward twins. The identity policy
+    runs phase 0 only; the rest stays float32 (``Phase.IDENTITY``).
     """
 
     def __init__(self, policy: Policy) -> None:
         super().__init__()
         self.policy = policy
-        self._deny_forward: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        policy = self.policy
-        low = policy.dtype
-        previous = model.metadata_props.get(md.MODEL_DTYPE)
-        if previous is not None and previous != low.name.lower() and not policy.is_identity:
-            raise MpgraphError(
-                f"model was already converted to {previous} (policy "
-                f"{model.metadata_props.get(md.MODEL_POLICY, '?')}); convert the original float32 model instead"
-            )
-        graph = model.graph
-        opsets = dict(model.opset_imports)
-        nodes = [n for n in graph if md.NODE_INSERTED not in n.metadata_props]
-        typings = {n: node_typing(n, opsets) for n in nodes}
-        state: dict[ir.Node, str] = {}
-        reason: dict[ir.Node, str] = {}
-        category: dict[ir.Node, str] = {}
+        _refuse_converted(model, self.policy)
+        run = _Assignment(model, self.policy)
+        run.fixed()
+        if self.policy.is_identity:
+            run.identity()
+        else:
+            run.allow()
+            run.deny_spreads()
+            run.between_low()
+            run.follow_low()
+            run.backward_follows_forward()
+            run.clear_feeds_low()
+            run.low_io_kernels()
+            run.float32_rest()
+        return ir.passes.PassResult(model, run.record(model))
 
-        def decide(node: ir.Node, precision: str, why: str) -> None:
-            state[node] = precision
-            reason[node] = why
 
-        for node in nodes:
-            recorded = node.metadata_props.get(md.NODE_PRECISION)
+def _refuse_converted(model: ir.Model, policy: Policy) -> None:
+    previous = model.metadata_props.get(md.MODEL_DTYPE)
+    if previous is not None and previous != policy.dtype.name.lower() and not policy.is_identity:
+        raise MpgraphError(
+            f"model was already converted to {previous} (policy "
+            f"{model.metadata_props.get(md.MODEL_POLICY, '?')}); convert the original float32 model instead"
+        )
+
+
+class _Assignment:
+    """One run of the phases over a graph: the facts they read and the decisions so far."""
+
+    def __init__(self, model: ir.Model, policy: Policy) -> None:
+        self.policy = policy
+        self.low = _PRECISION[policy.dtype]
+        self.opsets = dict(model.opset_imports)
+        self.nodes = [n for n in model.graph if md.NODE_INSERTED not in n.metadata_props]
+        self.typings = {n: node_typing(n, self.opsets) for n in self.nodes}
+        self.decisions: dict[ir.Node, Decision] = {}
+        #: The policy rule of every node phase 0 left open (and of overridden nodes).
+        self.rules: dict[ir.Node, OpRule] = {}
+        #: Nodes phase 0 decided; later phases never revisit them.
+        self.fixed_nodes: set[ir.Node] = set()
+        #: Undecided ``infer``/``clear`` nodes (phases 2-6 narrow it).
+        self.flexible: set[ir.Node] = set()
+        #: Node -> the deny node whose float32 spread to it (phase 2; phases 5-6 may undo).
+        self.painted: dict[ir.Node, ir.Node] = {}
+
+    def decide(self, node: ir.Node, precision: Precision, phase: Phase, reason: str) -> None:
+        decision = Decision(precision, phase, reason, self.rules.get(node))
+        self.decisions[node] = decision
+        logger.debug("%s: %s '%s' -> %s (%s)", phase, node.op_type, node.name, precision, reason)
+
+    def is_low(self, node: object) -> bool:
+        decision = self.decisions.get(node) if isinstance(node, ir.Node) else None
+        return decision is not None and decision.precision == self.low
+
+    def category(self, node: ir.Node) -> Category | None:
+        rule = self.rules.get(node)
+        return rule.category if rule is not None else None
+
+    def fixed(self) -> None:
+        """Phase 0: nodes that cannot be lowered stay float32 (or ``none``), with the reason.
+
+        No float tensor (precision ``none``), no ONNX schema, control flow (bodies stay
+        float32), an output type set by an attribute, an input model that already computes
+        the node in another float dtype (``Phase.INPUT_DTYPE``), a training role, a float
+        input feeding shape arithmetic (``Reshape``'s shape, ``Resize``'s scales, ..., and
+        everything computing it), a policy pin on a compute-typed slot, a schema that does
+        not admit the low dtype in this opset, a constant input outside the low dtype's range
+        when the policy says ``keep_fp32``, or (after ``CalibrateRangePass``) an activation
+        beyond the low dtype's range / 2 on sample inputs (``Phase.CALIBRATION``). Node-name
+        overrides apply here too (``Phase.OVERRIDE``). A decision already on the node (an
+        earlier conversion, convert's finite check) is kept. Every other node gets its op
+        type's policy rule for the phases below.
+
+        Example: ``MatMul`` in an opset-9 model has no ``tensor(bfloat16)`` -> float32.
+        """
+        facts = _Facts(self)
+        for node in self.nodes:
+            recorded = _recorded_decision(node, self.low)
             if recorded is not None:
-                state[node] = _LOW if recorded == low.name.lower() else (_NONE if recorded == "none" else _FP32)
-                reason[node] = node.metadata_props.get(md.NODE_REASON, "recorded earlier")
-        protected = _shape_protected_nodes(nodes)
-        # Training graphs: backward nodes of deny ops (norms, softmax, losses) stay float32.
-        self._deny_forward = {
-            n.name: n.op_type
-            for n in nodes
-            if n.name
-            and n.metadata_props.get(md.NODE_ROLE, "forward") in ("forward", "loss")
-            and policy.category(n.op_type, n.domain)[0] == "deny"
-        }
-
-        # Phase 0: fixed decisions and overrides.
-        for node in nodes:
-            if node in state:
+                self.decisions[node] = recorded
                 continue
-            fixed = self._fixed_reason(node, typings[node], opsets, protected)
+            fixed = facts.fixed(node)
             if fixed is not None:
-                precision, why = fixed
-                decide(node, precision, why)
-                if precision == _FP32 and why.startswith("override"):
-                    category[node] = "deny"
+                self.decide(node, *fixed)
                 continue
-            override = policy.override_for(node.name or "")
-            if override is not None:
-                why = f"override '{override.pattern}'" + (f": {override.reason}" if override.reason else "")
-                if override.precision == "low":
-                    decide(node, _LOW, why)
-                else:
-                    decide(node, _FP32, why)
-                    category[node] = "deny"
+            override = self.policy.override_for(node.name or "")
+            if override is None:
+                self.rules[node] = self.policy.rule(node.op_type, node.domain)
                 continue
-            category[node], cat_reason = policy.category(node.op_type, node.domain)
-            reason[node] = cat_reason
+            why = f"override '{override.pattern}'" + (f": {override.reason}" if override.reason else "")
+            float32 = override.precision == Precision.FLOAT32
+            self.rules[node] = OpRule(Category.DENY if float32 else Category.ALLOW, why, RuleSource.OVERRIDE)
+            self.decide(node, Precision.FLOAT32 if float32 else self.low, Phase.OVERRIDE, why)
+        self.fixed_nodes = set(self.decisions)
 
-        if policy.is_identity:
-            for node in nodes:
-                if node not in state:
-                    decide(node, _FP32, "identity policy (float32)")
-            return self._record(model, nodes, state, reason)
+    def identity(self) -> None:
+        """The identity policy: every node phase 0 left open stays float32."""
+        for node in self.nodes:
+            if node not in self.decisions:
+                self.decide(node, Precision.FLOAT32, Phase.IDENTITY, "identity policy (float32)")
 
-        fixed = set(state)
-        candidates = [n for n in nodes if n not in state]
-        # Phase 1: allow list.
-        for node in candidates:
-            if category[node] == "allow":
-                decide(node, _LOW, f"allow list: {reason[node] or node.op_type}")
-        # Phase 2: deny spreads forward through infer/clear.
-        flexible = {n for n in candidates if n not in state and category[n] in ("infer", "clear")}
-        painted: dict[ir.Node, ir.Node] = {}
-        queue = collections.deque(n for n in nodes if category.get(n) == "deny")
+    def allow(self) -> None:
+        """Phase 1: ``allow`` ops become low.
+
+        Example: every ``MatMul``/``Conv`` -> ``allow list: <the policy's reason>``.
+        """
+        for node in self.nodes:
+            if node not in self.decisions and self.category(node) == Category.ALLOW:
+                why = self.rules[node].reason or node.op_type
+                self.decide(node, self.low, Phase.ALLOW, f"allow list: {why}")
+
+    def deny_spreads(self) -> None:
+        """Phase 2: from every ``deny`` op, forward through ``infer``/``clear`` ops, float32.
+
+        Example: ``Softmax -> Mul -> MatMul``: the Mul stays float32.
+        """
+        self.flexible = {
+            n for n in self.nodes if n not in self.decisions and self.category(n) in (Category.INFER, Category.CLEAR)
+        }
+        queue = collections.deque(n for n in self.nodes if self.category(n) == Category.DENY)
         while queue:
             src = queue.popleft()
-            origin = painted.get(src, src)
+            origin = self.painted.get(src, src)
             for consumer in _float_consumers(src):
-                if consumer in flexible and consumer not in painted:
-                    painted[consumer] = origin
+                if consumer in self.flexible and consumer not in self.painted:
+                    self.painted[consumer] = origin
                     queue.append(consumer)
-        for node, origin in painted.items():
-            decide(node, _FP32, f"deny spreads forward from {origin.op_type} '{origin.name}' ({category[node]} op)")
-        flexible -= painted.keys()
-        # Phase 3: infer/clear between low nodes.
-        lows = [n for n in nodes if state.get(n) == _LOW]
-        downstream = _reach(lows, flexible, _float_consumers)
-        upstream = _reach(lows, flexible, _float_producers)
-        for node in candidates:
+        for node, origin in self.painted.items():
+            why = f"deny spreads forward from {origin.op_type} '{origin.name}' ({self.category(node)} op)"
+            self.decide(node, Precision.FLOAT32, Phase.DENY_SPREAD, why)
+        self.flexible -= self.painted.keys()
+
+    def between_low(self) -> None:
+        """Phase 3: ``infer``/``clear`` ops on a path from a low op to a low op, through
+        ``infer``/``clear`` ops only, become low (no casts in between).
+
+        Example: ``MatMul -> Add -> Relu -> MatMul``: Add and Relu become low.
+        """
+        lows = [n for n in self.nodes if self.is_low(n)]
+        downstream = _reach(lows, self.flexible, _float_consumers)
+        upstream = _reach(lows, self.flexible, _float_producers)
+        for node in self.nodes:
             if node in downstream and node in upstream:
-                decide(node, _LOW, f"between low-precision ops ({category[node]} op)")
-        flexible = {n for n in flexible if n not in state}
-        # Phase 4: follow allow, in topological order.
-        for node in nodes:
-            if node not in flexible:
+                self.decide(node, self.low, Phase.BETWEEN, f"between low-precision ops ({self.category(node)} op)")
+        self.flexible = {n for n in self.flexible if n not in self.decisions}
+
+    def follow_low(self) -> None:
+        """Phase 4: ``infer``/``clear`` ops whose float inputs all come from low ops (or
+        constants, which are stored low) become low, in topological order.
+
+        Example: ``MatMul -> Add(bias)`` at the end of the graph: the Add becomes low.
+        """
+        for node in self.nodes:
+            if node not in self.flexible:
                 continue
-            sources = [_input_source(v) for v in _float_inputs(node, typings[node])]
-            from_low = [s for s in sources if isinstance(s, ir.Node) and state.get(s) == _LOW]
-            if from_low and all(s == "const" or (isinstance(s, ir.Node) and state.get(s) == _LOW) for s in sources):
-                decide(node, _LOW, f"inputs come from low-precision ops ({category[node]} op)")
-                flexible.discard(node)
-        # Phase 5: backward follows its low forward op.
-        if any(n.metadata_props.get(md.NODE_ROLE) == "backward" for n in nodes):
-            twins = {n.name: n for n in nodes if n.name and n.metadata_props.get(md.NODE_ROLE) in ("forward", "loss")}
-            for node in nodes:
-                twin = twins.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
-                if (
-                    node in fixed
-                    or twin is None
-                    or state.get(twin) != _LOW
-                    or node.op_type not in FOLLOW_FORWARD_OPS
-                    or node.domain not in ("", "ai.onnx")
-                    or category.get(node) == "allow"
-                ):
-                    continue
-                decide(node, _LOW, f"backward of low-precision {twin.op_type} '{twin.name}' follows it")
-                flexible.discard(node)
-                painted.pop(node, None)
-        # Phase 6: clear ops feeding only low ops (also those deny spread painted: moving data
-        # is exact in any dtype, so only the consumers matter).
-        for node in reversed(nodes):
-            if not (node in flexible or node in painted) or category[node] != "clear":
+            sources = [_input_source(v) for v in _float_inputs(node, self.typings[node])]
+            if any(self.is_low(s) for s in sources) and all(s == "const" or self.is_low(s) for s in sources):
+                why = f"inputs come from low-precision ops ({self.category(node)} op)"
+                self.decide(node, self.low, Phase.FOLLOW, why)
+                self.flexible.discard(node)
+
+    def backward_follows_forward(self) -> None:
+        """Phase 5: in training graphs, the elementwise nodes a gradient rule wrote for a low
+        forward op (``mpgraph.grad_of``) become low, even where a deny op among them would
+        paint them float32: autocast runs a low op's backward in its dtype too.
+
+        Example: the erf GELU's backward (``Pow``, ``Exp``, ``Div``, ...) of a bfloat16 GELU.
+        """
+        if not any(n.metadata_props.get(md.NODE_ROLE) == Role.BACKWARD for n in self.nodes):
+            return
+        forward = (Role.FORWARD, Role.LOSS)
+        twins = {n.name: n for n in self.nodes if n.name and n.metadata_props.get(md.NODE_ROLE) in forward}
+        for node in self.nodes:
+            twin = twins.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
+            if (
+                node in self.fixed_nodes
+                or twin is None
+                or not self.is_low(twin)
+                or node.op_type not in FOLLOW_FORWARD_OPS
+                or node.domain not in _DEFAULT_DOMAINS
+                or self.category(node) == Category.ALLOW
+            ):
+                continue
+            why = f"backward of low-precision {twin.op_type} '{twin.name}' follows it"
+            self.decide(node, self.low, Phase.BACKWARD, why)
+            self.flexible.discard(node)
+            self.painted.pop(node, None)
+
+    def clear_feeds_low(self) -> None:
+        """Phase 6: ``clear`` ops whose every float consumer is a low op become low, so data
+        movement happens in the low dtype; this includes clear ops that deny spread painted,
+        as moving data is exact in any dtype (only the consumers matter).
+
+        Example: ``Softmax -> Transpose -> MatMul`` (the attention backward's ``P^T``): the
+        Transpose reads the Softmax output's existing low cast instead of transposing float32
+        and casting again.
+        """
+        for node in reversed(self.nodes):
+            if not (node in self.flexible or node in self.painted) or self.category(node) != Category.CLEAR:
                 continue
             outs = [v for v in node.outputs if is_float(v.dtype)]
             consumers = [u.node for v in outs for u in v.uses()]
@@ -262,117 +384,156 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
                 outs
                 and consumers
                 and not any(v.is_graph_output() for v in outs)
-                and all(state.get(c) == _LOW for c in consumers)
+                and all(self.is_low(c) for c in consumers)
             ):
-                decide(node, _LOW, "clear op feeding only low-precision ops")
-                flexible.discard(node)
-                painted.pop(node, None)
-        # Phase 7: a softmax between low ops, or a sum of a low value, keeps float32 math in a
-        # low-I/O kernel.
-        for node in nodes:
-            if node in state or node.domain not in ("", "ai.onnx"):
-                continue
-            if node.op_type in LOW_IO_FLOAT32_SUMS and low == ir.DataType.BFLOAT16 and category.get(node) == "deny":
-                sources = [_input_source(v) for v in _float_inputs(node, typings[node])]
-                if sources and all(isinstance(s, ir.Node) and state.get(s) == _LOW for s in sources):
-                    decide(node, _LOW, f"{node.op_type} of a bfloat16 value: float32 accumulation in the kernel, bfloat16 out")
-                continue
-            if node.op_type not in LOW_IO_FLOAT32_KERNELS:
-                continue
-            sources = [_input_source(v) for v in _float_inputs(node, typings[node])]
-            consumers = [u.node for v in node.outputs for u in v.uses()]
-            if (
-                category.get(node) == "deny"
-                and sources
-                and all(isinstance(s, ir.Node) and state.get(s) == _LOW for s in sources)
-                and consumers
-                and not any(v.is_graph_output() for v in node.outputs)
-                and all(state.get(c) == _LOW or c.metadata_props.get(md.NODE_ROLE) == "backward" for c in consumers)
-                and any(state.get(c) == _LOW for c in consumers)
-            ):
-                decide(node, _LOW, f"{node.op_type} between low-precision ops: float32 math in a {low.name.lower()}-in, {low.name.lower()}-out kernel")
-        for node in nodes:
-            if node not in state:
-                cat = category[node]
-                why = reason[node] if cat == "deny" else f"{cat} op with float32 inputs"
-                # A target's kernel gap (mpgraph.targets) is no policy entry: its reason stands alone.
-                if cat == "deny" and not why.startswith("not listed") and " kernel on " not in why:
-                    why = f"deny list: {why}"
-                decide(node, _FP32, why)
-        return self._record(model, nodes, state, reason)
+                self.decide(node, self.low, Phase.CLEAR_FEEDS_LOW, "clear op feeding only low-precision ops")
+                self.flexible.discard(node)
+                self.painted.pop(node, None)
 
-    def _record(
-        self,
-        model: ir.Model,
-        nodes: list[ir.Node],
-        state: dict[ir.Node, str],
-        reason: dict[ir.Node, str],
-    ) -> ir.passes.PassResult:
-        low_name = self.policy.dtype.name.lower()
+    def low_io_kernels(self) -> None:
+        """Phase 7: a ``deny`` op whose low kernel computes in float32 inside takes low I/O
+        where that costs nothing: a Softmax/LogSoftmax between low ops
+        (``LOW_IO_FLOAT32_KERNELS``), a ReduceSum of a bfloat16 value (``LOW_IO_FLOAT32_SUMS``).
+
+        Example: ``MatMul -> Softmax -> MatMul`` (attention, forward consumers low): the
+        Softmax reads and writes bfloat16 and computes float32 inside.
+        """
+        low = self.low
+        for node in self.nodes:
+            if node in self.decisions or node.domain not in _DEFAULT_DOMAINS or self.category(node) != Category.DENY:
+                continue
+            sources = [_input_source(v) for v in _float_inputs(node, self.typings[node])]
+            from_low = bool(sources) and all(self.is_low(s) for s in sources)
+            if node.op_type in LOW_IO_FLOAT32_SUMS and low == Precision.BFLOAT16:
+                if from_low:
+                    why = f"{node.op_type} of a bfloat16 value: float32 accumulation in the kernel, bfloat16 out"
+                    self.decide(node, low, Phase.LOW_IO, why)
+            elif node.op_type in LOW_IO_FLOAT32_KERNELS and from_low and self._feeds_low_forward(node):
+                why = f"{node.op_type} between low-precision ops: float32 math in a {low}-in, {low}-out kernel"
+                self.decide(node, low, Phase.LOW_IO, why)
+
+    def _feeds_low_forward(self, node: ir.Node) -> bool:
+        """Every consumer low or backward, one at least low, and no graph output."""
+        consumers = [u.node for v in node.outputs for u in v.uses()]
+        return (
+            bool(consumers)
+            and not any(v.is_graph_output() for v in node.outputs)
+            and all(self.is_low(c) or c.metadata_props.get(md.NODE_ROLE) == Role.BACKWARD for c in consumers)
+            and any(self.is_low(c) for c in consumers)
+        )
+
+    def float32_rest(self) -> None:
+        """Phase 8: every node still open stays float32, with the reason of its rule.
+
+        Example: ``Softmax`` (deny) -> ``deny list: <the policy's reason>``; an unlisted op
+        -> ``not listed (default deny)``; ``Add`` after a float32 input -> ``infer op with
+        float32 inputs``; an op the target has no low kernel for -> ``no bfloat16 kernel on
+        cpu (...)`` (``Phase.KERNEL_GAP``).
+        """
+        for node in self.nodes:
+            if node in self.decisions:
+                continue
+            rule = self.rules[node]
+            if rule.category != Category.DENY:
+                self.decide(node, Precision.FLOAT32, Phase.FLOAT32_INPUTS, f"{rule.category} op with float32 inputs")
+            elif rule.source == RuleSource.TARGET:
+                self.decide(node, Precision.FLOAT32, Phase.KERNEL_GAP, rule.reason)
+            elif rule.source == RuleSource.POLICY:
+                self.decide(node, Precision.FLOAT32, Phase.DENY, f"deny list: {rule.reason}")
+            else:
+                self.decide(node, Precision.FLOAT32, Phase.DENY, rule.reason)
+
+    def record(self, model: ir.Model) -> bool:
+        """Write every decision, and float32 on control-flow bodies; whether anything changed."""
         modified = False
-        for node in nodes:
-            precision = {_LOW: low_name, _FP32: "float32", _NONE: "none"}[state[node]]
-            for key, val in ((md.NODE_PRECISION, precision), (md.NODE_REASON, reason[node])):
-                if node.metadata_props.get(key) != val:
-                    node.metadata_props[key] = val
-                    modified = True
+        for node in self.nodes:
+            modified |= record_decision(node, self.decisions[node])
+        body = Decision(Precision.FLOAT32, Phase.BODY, "inside a control-flow body (bodies stay float32)")
         for node in ir.traversal.RecursiveGraphIterator(model.graph):
             if node.graph is model.graph or md.NODE_PRECISION in node.metadata_props:
                 continue
-            node.metadata_props[md.NODE_PRECISION] = "float32"
-            node.metadata_props[md.NODE_REASON] = "inside a control-flow body (bodies stay float32)"
+            record_decision(node, body)
             modified = True
-        return ir.passes.PassResult(model, modified)
+        return modified
 
-    def _fixed_reason(
-        self,
-        node: ir.Node,
-        typing: NodeTyping,
-        opsets: dict[str, int],
-        protected: dict[ir.Node, str],
-    ) -> tuple[str, str] | None:
-        low = self.policy.dtype
-        has_float = any(is_float(v.dtype) for v in (*node.inputs, *node.outputs) if v is not None)
-        if not has_float:
-            return _NONE, "no float tensors"
-        label = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
-        if typing.schema is None:
-            return _FP32, f"no ONNX schema for {label} (opset {opset_version(node, opsets)}); kept float32"
-        if node.op_type in CONTROL_FLOW_OPS:
-            return _FP32, "control flow (bodies stay float32)"
-        if not typing.compute_vars:
-            if any(v is not None and typing.bound.get(v) is not None and is_float(typing.bound[v]) for v in typing.output_vars):
-                return _FP32, "output dtype set by an attribute or fixed by the schema"
-            return _NONE, "no float compute (float inputs only read for shape or dtype-neutral)"
-        if any(typing.bound[v] != ir.DataType.FLOAT for v in typing.compute_vars):
-            bound = {typing.bound[v].name.lower() for v in typing.compute_vars}
-            if bound == {low.name.lower()}:
-                return _LOW, f"already computes in {low.name.lower()}"
-            return _FP32, f"computes in {'/'.join(sorted(bound))}; only float32 ops are lowered"
-        if self.policy.is_identity:
+
+class _Facts:
+    """Phase 0's tests of one node: its types, its role, shape arithmetic, pins, ranges."""
+
+    def __init__(self, run: _Assignment) -> None:
+        self.policy = run.policy
+        self.opsets = run.opsets
+        self.typings = run.typings
+        self.protected = _shape_protected_nodes(run.nodes)
+        # Training graphs: backward nodes of deny ops (norms, softmax, losses) stay float32.
+        self.deny_forward = {
+            n.name: n.op_type
+            for n in run.nodes
+            if n.name
+            and n.metadata_props.get(md.NODE_ROLE, Role.FORWARD) in (Role.FORWARD, Role.LOSS)
+            and run.policy.category(n.op_type, n.domain)[0] == Category.DENY
+        }
+
+    def fixed(self, node: ir.Node) -> tuple[Precision, Phase, str] | None:
+        """The phase-0 decision of ``node``, or ``None`` when the policy's rules decide it."""
+        typing = self.typings[node]
+        found = self._types(node, typing)
+        if found is not None or self.policy.is_identity:
+            return found
+        found = self._policy(node, typing)
+        if found is not None:
+            return Precision.FLOAT32, Phase.FIXED, found
+        override = self.policy.override_for(node.name or "")
+        if override is not None and override.precision != Precision.FLOAT32:
             return None
-        if node.metadata_props.get(md.NODE_ROLE) == "optimizer":
-            return _FP32, "optimizer step and its state stay float32"
+        why = self._range_reason(node, typing)
+        if why is not None:
+            return Precision.FLOAT32, Phase.FIXED, why
+        why = self._activation_reason(node, typing)
+        return None if why is None else (Precision.FLOAT32, Phase.CALIBRATION, why)
+
+    def _types(self, node: ir.Node, typing: NodeTyping) -> tuple[Precision, Phase, str] | None:
+        """What the node's types and schema allow, whatever the policy."""
+        low = self.policy.dtype.name.lower()
+        if not any(is_float(v.dtype) for v in (*node.inputs, *node.outputs) if v is not None):
+            return Precision.NONE, Phase.FIXED, "no float tensors"
+        if typing.schema is None:
+            why = f"no ONNX schema for {_label(node)} (opset {opset_version(node, self.opsets)}); kept float32"
+            return Precision.FLOAT32, Phase.FIXED, why
+        if node.op_type in CONTROL_FLOW_OPS:
+            return Precision.FLOAT32, Phase.FIXED, "control flow (bodies stay float32)"
+        if not typing.compute_vars:
+            if any(v is not None and is_float(typing.bound.get(v)) for v in typing.output_vars):
+                return Precision.FLOAT32, Phase.FIXED, "output dtype set by an attribute or fixed by the schema"
+            return Precision.NONE, Phase.FIXED, "no float compute (float inputs only read for shape or dtype-neutral)"
+        bound = {typing.bound[v].name.lower() for v in typing.compute_vars}
+        if bound == {"float"}:
+            return None
+        if bound == {low}:
+            return _PRECISION[self.policy.dtype], Phase.INPUT_DTYPE, f"already computes in {low}"
+        why = f"computes in {'/'.join(sorted(bound))}; only float32 ops are lowered"
+        return Precision.FLOAT32, Phase.INPUT_DTYPE, why
+
+    def _policy(self, node: ir.Node, typing: NodeTyping) -> str | None:
+        """Why a float32 node stays float32 under the policy: its role, shapes, pins, opset."""
+        if node.metadata_props.get(md.NODE_ROLE) == Role.OPTIMIZER:
+            return "optimizer step and its state stay float32"
         twin = node.metadata_props.get(md.NODE_GRAD_OF)
-        if twin is not None and twin in self._deny_forward:
-            return _FP32, f"backward of deny op {self._deny_forward[twin]} '{twin}' stays float32"
-        if node in protected:
-            return _FP32, protected[node]
+        if twin is not None and twin in self.deny_forward:
+            return f"backward of deny op {self.deny_forward[twin]} '{twin}' stays float32"
+        if node in self.protected:
+            return self.protected[node]
         for slot, why in self.policy.pinned_slots(node.op_type, node.domain).items():
             if slot < len(typing.input_vars) and typing.input_vars[slot] in typing.compute_vars:
-                return _FP32, f"input {slot} pinned to float32: {why}"
+                return f"input {slot} pinned to float32: {why}"
+        low = self.policy.dtype
         if not typing.allows(low):
-            return _FP32, (
-                f"{label} in opset {opset_version(node, opsets)} has no {low.name.lower()} type; "
-                "upgrade the opset to lower it"
-            )
-        override = self.policy.override_for(node.name or "")
-        if override is not None and override.precision == "low":
-            return None
-        return self._range_reason(node, typing) or self._activation_reason(node, typing)
+            version = opset_version(node, self.opsets)
+            return f"{_label(node)} in opset {version} has no {low.name.lower()} type; upgrade the opset to lower it"
+        return None
 
-    def _activation_reason(self, node: ir.Node, typing: NodeTyping) -> tuple[str, str] | None:
-        if self.policy.category(node.op_type, node.domain)[0] == "deny":
+    def _activation_reason(self, node: ir.Node, typing: NodeTyping) -> str | None:
+        if self.policy.category(node.op_type, node.domain)[0] == Category.DENY:
             return None  # float32 anyway; its deny reason says why
         limit = finite_max(self.policy.dtype) / CALIBRATION_MARGIN
         slots = [node.inputs[i] for i in typing.compute_inputs()] + [node.outputs[i] for i in typing.compute_outputs()]
@@ -381,13 +542,13 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
                 continue
             absmax = value.meta.get(ABSMAX_META)
             if absmax is not None and absmax > limit:
-                return _FP32, (
+                return (
                     f"calibration: '{value.name}' reaches |x| = {absmax:.4g}, beyond "
                     f"{self.policy.dtype.name.lower()}'s range / {CALIBRATION_MARGIN:g}"
                 )
         return None
 
-    def _range_reason(self, node: ir.Node, typing: NodeTyping) -> tuple[str, str] | None:
+    def _range_reason(self, node: ir.Node, typing: NodeTyping) -> str | None:
         ranges = self.policy.initializers
         if ranges.overflow != "keep_fp32" and ranges.underflow != "keep_fp32":
             return None
@@ -401,14 +562,18 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
                 continue
             absmax, overflow, tiny = constant_range(value, low)
             if ranges.overflow == "keep_fp32" and overflow:
-                return _FP32, (
+                return (
                     f"constant '{value.name}' exceeds {low.name.lower()} range "
                     f"(max |x| = {absmax:.4g} > {finite_max(low):.4g})"
                 )
-            if ranges.underflow == "keep_fp32":
-                if tiny:
-                    return _FP32, f"constant '{value.name}' has {tiny} nonzeros that flush to zero in {low.name.lower()}"
+            if ranges.underflow == "keep_fp32" and tiny:
+                return f"constant '{value.name}' has {tiny} nonzeros that flush to zero in {low.name.lower()}"
         return None
+
+
+def _label(node: ir.Node) -> str:
+    return node.op_type if node.domain in _DEFAULT_DOMAINS else f"{node.domain}.{node.op_type}"
+
 
 
 def _float_inputs(node: ir.Node, typing: NodeTyping) -> list[ir.Value]:

@@ -48,108 +48,142 @@ class InsertCastsPass(ir.passes.InPlacePass):
         self.policy = policy
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        policy = self.policy
-        if policy.is_identity:
+        if self.policy.is_identity:
             return ir.passes.PassResult(model, False)
-        low = policy.dtype
-        low_name = low.name.lower()
-        graph = model.graph
+        run = _Rewrite(model, self.policy)
+        run.store_constants_low()
+        run.lower_inputs()
+        lowered = run.retype_outputs()
+        run.keep_output_names(lowered)
+        run.cast_low_inputs()
+        run.cast_back(lowered)
+        if run.events:
+            model.metadata_props[md.MODEL_INIT_RANGE] = json.dumps(run.events, sort_keys=True)
+        return ir.passes.PassResult(model, run.modified)
+
+
+class _Rewrite:
+    """One run of ``InsertCastsPass`` over a graph: its facts and the casts made so far."""
+
+    def __init__(self, model: ir.Model, policy: Policy) -> None:
+        self.policy = policy
+        self.low = policy.dtype
+        self.graph = model.graph
+        self.names = NameScope(model)
+        self.nodes = [n for n in self.graph if md.NODE_INSERTED not in n.metadata_props]
         opsets = dict(model.opset_imports)
-        names = NameScope(model)
-        nodes = [n for n in graph if md.NODE_INSERTED not in n.metadata_props]
-        typings = {n: node_typing(n, opsets) for n in nodes}
-        is_low = {n: n.metadata_props.get(md.NODE_PRECISION) == low_name for n in nodes}
-        first_node = next(iter(graph), None)
+        self.typings = {n: node_typing(n, opsets) for n in self.nodes}
+        low_name = self.low.name.lower()
+        self.is_low = {n: n.metadata_props.get(md.NODE_PRECISION) == low_name for n in self.nodes}
+        self.first_node = next(iter(self.graph), None)
         # A training step's inputs and outputs are master weights and state: always float32.
-        training = model.metadata_props.get(md.MODEL_TRAINING) == "true"
+        self.training = model.metadata_props.get(md.MODEL_TRAINING) == "true"
+        self.modified = False
+        self.to_low: dict[ir.Value, ir.Value] = {}
+        self.to_f32: dict[ir.Value, ir.Value] = {}
+        self.events: list[dict[str, object]] = json.loads(model.metadata_props.get(md.MODEL_INIT_RANGE, "[]"))
 
-        def keeps_io(name: str) -> bool:
-            return training or policy.keeps_io(name)
+    def keeps_io(self, name: str) -> bool:
+        return self.training or self.policy.keeps_io(name)
 
-        modified = False
-        to_low: dict[ir.Value, ir.Value] = {}
-        to_f32: dict[ir.Value, ir.Value] = {}
-        events: list[dict[str, object]] = json.loads(model.metadata_props.get(md.MODEL_INIT_RANGE, "[]"))
+    def low_use(self, node: ir.Node, index: int) -> bool:
+        """Whether input ``index`` of ``node`` is a compute slot of a low node."""
+        typing = self.typings.get(node)
+        return bool(typing and self.is_low[node] and typing.input_vars[index] in typing.compute_vars)
 
-        def low_use(node: ir.Node, index: int) -> bool:
-            typing = typings.get(node)
-            return bool(typing and is_low[node] and typing.input_vars[index] in typing.compute_vars)
+    def add_cast(self, value: ir.Value, dtype: ir.DataType, why: str) -> ir.Value:
+        """Rule 2: one ``Cast`` of ``value`` to ``dtype``, right after its producer."""
+        node = make_cast(self.names.fresh(f"cast/{value.name}_{short_name(dtype)}"), value, dtype, "cast", why)
+        producer = value.producer()
+        if producer is not None and producer.graph is self.graph:
+            self.graph.insert_after(producer, node)
+        elif self.first_node is not None:
+            self.graph.insert_before(self.first_node, node)
+        else:
+            self.graph.append(node)
+        return node.outputs[0]
 
-        def add_cast(value: ir.Value, dtype: ir.DataType, why: str) -> ir.Value:
-            node = make_cast(names.fresh(f"cast/{value.name}_{short_name(dtype)}"), value, dtype, "cast", why)
-            producer = value.producer()
-            if producer is not None and producer.graph is graph:
-                graph.insert_after(producer, node)
-            elif first_node is not None:
-                graph.insert_before(first_node, node)
-            else:
-                graph.append(node)
-            return node.outputs[0]
-
-        # Rule 3: constants used only by low compute slots are stored low.
-        for value in _float32_constants(graph, nodes):
+    def store_constants_low(self) -> None:
+        """Rule 3: constants used only by low compute slots are stored low."""
+        for value in _float32_constants(self.graph, self.nodes):
             uses = list(value.uses())
-            if uses and not value.is_graph_output() and all(low_use(u.node, u.idx) for u in uses if u.node in typings) and all(u.node in typings for u in uses):
-                events.extend(_store_low(value, low, policy))
-                modified = True
-        # Rule 5, inputs: without keep_io_types an input read only by low nodes becomes low.
-        for value in graph.inputs:
-            if value.dtype != ir.DataType.FLOAT or keeps_io(value.name or "") or value.is_initializer():
+            if (
+                uses
+                and not value.is_graph_output()
+                and all(self.low_use(u.node, u.idx) for u in uses if u.node in self.typings)
+                and all(u.node in self.typings for u in uses)
+            ):
+                self.events.extend(_store_low(value, self.low, self.policy))
+                self.modified = True
+
+    def lower_inputs(self) -> None:
+        """Rule 5, inputs: without keep_io_types an input read only by low nodes becomes low."""
+        for value in self.graph.inputs:
+            if value.dtype != ir.DataType.FLOAT or self.keeps_io(value.name or "") or value.is_initializer():
                 continue
             uses = list(value.uses())
-            if uses and all(u.node in typings and low_use(u.node, u.idx) for u in uses):
-                value.dtype = low
-                modified = True
-        # Rule 1: retype low outputs.
+            if uses and all(u.node in self.typings and self.low_use(u.node, u.idx) for u in uses):
+                value.dtype = self.low
+                self.modified = True
+
+    def retype_outputs(self) -> list[ir.Value]:
+        """Rule 1: a low node's compute-typed float32 outputs take the low dtype; returns them."""
         lowered: list[ir.Value] = []
-        for node in nodes:
-            if not is_low[node]:
+        for node in self.nodes:
+            if not self.is_low[node]:
                 continue
-            for i in typings[node].compute_outputs():
+            for i in self.typings[node].compute_outputs():
                 out = node.outputs[i]
                 if out.dtype == ir.DataType.FLOAT:
-                    out.dtype = low
+                    out.dtype = self.low
                     lowered.append(out)
-                    modified = True
-        # Rule 5, outputs: keep names and float32.
+                    self.modified = True
+        return lowered
+
+    def keep_output_names(self, lowered: list[ir.Value]) -> None:
+        """Rule 5, outputs: a kept output is computed under ``<name>_<bf16>`` and cast to ``<name>``."""
+        graph = self.graph
         for index, out in enumerate(list(graph.outputs)):
-            if out in lowered and keeps_io(out.name or ""):
+            if out in lowered and self.keeps_io(out.name or ""):
                 original = out.name or ""
-                out.name = names.fresh(f"{original}_{short_name(low)}")
-                cast = add_cast(out, ir.DataType.FLOAT, "graph output keeps float32 (keep_io_types)")
+                out.name = self.names.fresh(f"{original}_{short_name(self.low)}")
+                cast = self.add_cast(out, ir.DataType.FLOAT, "graph output keeps float32 (keep_io_types)")
                 cast.name = original
                 graph.outputs[index] = cast
-                to_f32[out] = cast
-        # Rule 1-2: low inputs of low nodes.
-        for node in nodes:
-            if not is_low[node]:
+                self.to_f32[out] = cast
+
+    def cast_low_inputs(self) -> None:
+        """Rules 1-2: a low node reads the low version of its compute-typed float32 inputs."""
+        low_name = self.low.name.lower()
+        for node in self.nodes:
+            if not self.is_low[node]:
                 continue
-            for i in typings[node].compute_inputs():
-                maybe = node.inputs[i]
-                if maybe is None or maybe.dtype != ir.DataType.FLOAT:
+            for i in self.typings[node].compute_inputs():
+                value = node.inputs[i]
+                if value is None or value.dtype != ir.DataType.FLOAT:
                     continue
-                value = maybe
-                if value not in to_low:
-                    to_low[value] = add_cast(value, low, f"to {low_name} for low-precision consumers")
+                if value not in self.to_low:
+                    self.to_low[value] = self.add_cast(value, self.low, f"to {low_name} for low-precision consumers")
                     if constant_tensor(value) is not None:
-                        events.extend(_range_events(value, low, "cast at run time (also read in float32)"))
-                node.replace_input_with(i, to_low[value])
-                modified = True
-        # Rule 4: low values read in float32.
-        for value in [*lowered, *(v for v in graph.inputs if v.dtype == low)]:
+                        self.events.extend(_range_events(value, self.low, "cast at run time (also read in float32)"))
+                node.replace_input_with(i, self.to_low[value])
+                self.modified = True
+
+    def cast_back(self, lowered: list[ir.Value]) -> None:
+        """Rule 4: a low value read in float32 goes through one ``Cast`` back to float32."""
+        for value in [*lowered, *(v for v in self.graph.inputs if v.dtype == self.low)]:
             for use in list(value.uses()):
                 node, idx = use.node, use.idx
-                if md.NODE_INSERTED in node.metadata_props and node.graph is graph:
+                if md.NODE_INSERTED in node.metadata_props and node.graph is self.graph:
                     continue
-                if node in typings and (low_use(node, idx) or _reads_any_float(typings[node], idx, low)):
+                if node in self.typings and (
+                    self.low_use(node, idx) or _reads_any_float(self.typings[node], idx, self.low)
+                ):
                     continue
-                if value not in to_f32:
-                    to_f32[value] = add_cast(value, ir.DataType.FLOAT, "back to float32 for float32 consumers")
-                node.replace_input_with(idx, to_f32[value])
-                modified = True
-        if events:
-            model.metadata_props[md.MODEL_INIT_RANGE] = json.dumps(events, sort_keys=True)
-        return ir.passes.PassResult(model, modified)
+                if value not in self.to_f32:
+                    self.to_f32[value] = self.add_cast(value, ir.DataType.FLOAT, "back to float32 for float32 consumers")
+                node.replace_input_with(idx, self.to_f32[value])
+                self.modified = True
 
 
 def _reads_any_float(typing: NodeTyping, index: int, low: ir.DataType) -> bool:

@@ -11,6 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.meta import Precision
 from mpgraph.dtypes import is_float
 from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing
@@ -49,7 +50,7 @@ def check_precision_invariants(model: ir.Model) -> None:
     """No low-precision value reaches a compute slot of a node decided float32."""
     opsets = dict(model.opset_imports)
     for node in model.graph:
-        if node.metadata_props.get(md.NODE_PRECISION) != "float32":
+        if node.metadata_props.get(md.NODE_PRECISION) != Precision.FLOAT32:
             continue
         if node.metadata_props.get(md.NODE_REASON, "").startswith("computes in"):
             continue  # the input model already ran this node in another float type

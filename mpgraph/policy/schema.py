@@ -20,8 +20,12 @@ from collections.abc import Mapping
 
 import onnx_ir as ir
 
+from mpgraph._ir.meta import Category, StrEnum
+
 __all__ = [
     "CATEGORIES",
+    "OpRule",
+    "RuleSource",
     "DTYPES",
     "LOSS_SCALING_MODES",
     "OVERFLOW_ACTIONS",
@@ -33,7 +37,7 @@ __all__ = [
     "Policy",
 ]
 
-CATEGORIES = ("allow", "infer", "clear", "deny")
+CATEGORIES = tuple(Category)
 
 #: Accepted spellings of each target dtype.
 DTYPES: Mapping[str, ir.DataType] = {
@@ -50,6 +54,38 @@ DTYPES: Mapping[str, ir.DataType] = {
 LOSS_SCALING_MODES = ("none", "static", "dynamic")
 OVERFLOW_ACTIONS = ("keep_fp32", "clamp", "error")
 UNDERFLOW_ACTIONS = ("keep", "keep_fp32", "error")
+
+
+class RuleSource(StrEnum):
+    """Where an op type's category comes from."""
+
+    #: The policy lists the op type.
+    POLICY = "policy"
+    #: The policy does not list it: its ``default_category``.
+    DEFAULT = "default"
+    #: The conversion target has no low kernel for it (``mpgraph.targets.with_target``).
+    TARGET = "target"
+    #: A node-name ``Override`` (a rule for one node, not an op type).
+    OVERRIDE = "override"
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRule:
+    """What a policy says about one op type.
+
+    >>> Policy("p", ir.DataType.BFLOAT16, ops={"MatMul": ("allow", "fast")}).rule("MatMul")
+    OpRule(category=<Category.ALLOW: 'allow'>, reason='fast', source=<RuleSource.POLICY: 'policy'>)
+
+    Attributes:
+        category: The op type's category.
+        reason: Why, in words (the policy's text, or the target's kernel gap).
+        source: Whether the policy lists it, defaults it, the target denies it, or an
+            override decides the node.
+    """
+
+    category: Category
+    reason: str
+    source: RuleSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +132,7 @@ class Override:
 
     Attributes:
         pattern: fnmatch pattern over node names (``*`` matches ``/``).
-        precision: ``low`` (the policy's dtype) or ``float32``.
+        precision: ``low`` (the policy's dtype) or ``float32`` (``Precision.FLOAT32``).
         reason: Why, shown in the audit.
     """
 
@@ -134,6 +170,8 @@ class Policy:
         dtype: Target low dtype (``FLOAT`` means the identity policy).
         ops: Op type -> (category, reason).
         default_category: Category of ops the policy does not list.
+        kernel_gaps: Op type -> reason, for ops the conversion target cannot run in ``dtype``
+            (set by ``mpgraph.targets.with_target``): they are ``deny`` whatever ``ops`` says.
         overrides: Per-node overrides, first match wins.
         pins: Per-op input-slot float32 pins.
         keep_io_types: ``True`` keeps every graph input/output float32; a tuple names the ones
@@ -149,7 +187,8 @@ class Policy:
     name: str
     dtype: ir.DataType
     ops: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
-    default_category: str = "deny"
+    default_category: Category = Category.DENY
+    kernel_gaps: Mapping[str, str] = dataclasses.field(default_factory=dict)
     overrides: tuple[Override, ...] = ()
     pins: tuple[Pin, ...] = ()
     keep_io_types: bool | tuple[str, ...] = True
@@ -163,12 +202,21 @@ class Policy:
         """True when the policy lowers nothing (dtype float32)."""
         return self.dtype == ir.DataType.FLOAT
 
-    def category(self, op_type: str, domain: str = "") -> tuple[str, str]:
+    def category(self, op_type: str, domain: str = "") -> tuple[Category, str]:
         """Category and reason for an op type; unlisted ops get ``default_category``."""
+        rule = self.rule(op_type, domain)
+        return rule.category, rule.reason
+
+    def rule(self, op_type: str, domain: str = "") -> OpRule:
+        """The op type's ``OpRule``: a target's kernel gap, else the policy's entry, else its default."""
         key = op_type if domain in ("", "ai.onnx") else f"{domain}.{op_type}"
+        if key in self.kernel_gaps:
+            return OpRule(Category.DENY, self.kernel_gaps[key], RuleSource.TARGET)
         if key in self.ops:
-            return self.ops[key]
-        return self.default_category, f"not listed (default {self.default_category})"
+            category, reason = self.ops[key]
+            return OpRule(Category(category), reason, RuleSource.POLICY)
+        default = Category(self.default_category)
+        return OpRule(default, f"not listed (default {default})", RuleSource.DEFAULT)
 
     def override_for(self, node_name: str) -> Override | None:
         """The first override whose pattern matches ``node_name``."""
