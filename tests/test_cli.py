@@ -219,3 +219,34 @@ def test_train_provider_option_must_be_key_value(tmp_path):
     assert r.returncode == 2
     assert "--provider-option 'oops': expected KEY=VALUE" in r.stderr + r.stdout
     assert "Traceback" not in r.stderr
+
+
+def test_commands_are_registered_from_one_table():
+    """main.COMMANDS names every command once, in --help order; each lives in cli/<name>_cmd.py."""
+    import importlib
+    import pkgutil
+
+    from typer.main import get_command
+
+    from mpgraph.cli.main import COMMANDS, app
+
+    root = get_command(app)
+    listed = root.list_commands(root.context_class(root))  # the --help order
+    policy = root.get_command(root.context_class(root), "policy")
+    assert listed == [*(name for group, name, _ in COMMANDS if not group), "policy"]
+    assert policy.list_commands(policy.context_class(policy)) == [name for group, name, _ in COMMANDS if group == "policy"]
+    assert len({(group, name) for group, name, _ in COMMANDS}) == len(COMMANDS)
+    assert all(fn.__module__.startswith("mpgraph.cli.") and fn.__module__.endswith("_cmd") for _, _, fn in COMMANDS)
+    for info in pkgutil.iter_modules(importlib.import_module("mpgraph.cli").__path__, "mpgraph.cli."):
+        assert not hasattr(importlib.import_module(info.name), "register"), f"{info.name}: a second registration style"
+
+
+def test_policy_check_refuses_a_folder_and_a_missing_file(tmp_path: Path):
+    missing = mpgraph("policy", "check", str(tmp_path / "nope.yaml"))
+    folder = mpgraph("policy", "check", str(tmp_path))
+    assert missing.returncode == 2 and "nope.yaml: policy file not found" in missing.stderr
+    assert folder.returncode == 2 and "is a directory, expected a policy .yaml file" in folder.stderr
+    good = tmp_path / "mine.yaml"
+    good.write_text("extends: bf16\n")
+    ok = mpgraph("policy", "check", str(good))
+    assert ok.returncode == 0 and "ok (bfloat16" in " ".join(ok.stdout.split())
