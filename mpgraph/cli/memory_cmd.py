@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.table import Table
 
 from mpgraph.cli.console import console
 
+if TYPE_CHECKING:
+    import onnx_ir as ir
+
 __all__ = ["memory_report", "step_graph_for"]
 
 
-def step_graph_for(model: Path, optimizer: str | None, policy: str | None):  # noqa: ANN201 - ir.Model, imported lazily
+def step_graph_for(model: Path, optimizer: str | None, policy: str | None) -> ir.Model:
     """The training step graph to estimate: ``model`` itself when it is one, else built from it.
 
     A forward model gets ``train-graph`` with ``optimizer`` (default ``adamw``), then
