@@ -17,8 +17,10 @@ inputs, and an initializer that is also a graph input is an overridable default,
 
 Example:
     >>> from mpgraph.training import build_training_graph
-    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="sgd")  # doctest: +SKIP
-    >>> fixed = specialize_shapes(step, {"x": (64, 4), "label": (64,)})  # doctest: +SKIP
+    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="sgd")
+    >>> fixed = specialize_shapes(step, {"x": (64, 4), "label": (64,)})
+    >>> [sum(n.op_type in ("Shape", "Size") for n in g.graph) for g in (step, fixed)]
+    [2, 0]
 """
 
 from __future__ import annotations
