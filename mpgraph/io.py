@@ -18,6 +18,7 @@ import onnx
 import onnx.external_data_helper
 import onnx_ir as ir
 
+from mpgraph._ir import meta as md
 from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError, first_line
 
 logger = logging.getLogger(__name__)
@@ -155,12 +156,12 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
         3. ``initializer_range`` is a JSON list of objects with ``name``, ``overflow``,
            ``underflow`` and ``action``; ``weight_bytes_before`` is an integer.
         4. ``training``, ``emulated`` and ``tf32`` are ``true`` or ``false``.
+        5. ``loss_scale_state`` is a JSON object whose ``found_inf`` names a graph output and
+           whose ``scale`` and ``growth_tracker`` (when present) name graph inputs.
 
     Raises:
         ModelLoadError: Naming the key and what is wrong with it.
     """
-    from mpgraph._ir import meta as md
-
     props = {p.key: p.value for p in proto.metadata_props}
     if not any(k.startswith("mpgraph.") for k in props):
         return
@@ -198,6 +199,19 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
     for key in (md.MODEL_TRAINING, md.MODEL_EMULATED, md.MODEL_TF32):
         if key in props and props[key] not in ("true", "false"):
             raise ModelLoadError(f"{path}: metadata '{key}' should be true or false, got {props[key][:40]!r}")
+    if md.MODEL_LOSS_SCALE_STATE in props:
+        _check_loss_scale_state(_json_meta(props, md.MODEL_LOSS_SCALE_STATE, path), inputs, outputs, path)
+
+
+def _check_loss_scale_state(state: object, inputs: set[str], outputs: set[str], path: str | os.PathLike[str]) -> None:
+    key = md.MODEL_LOSS_SCALE_STATE
+    if not isinstance(state, dict) or "found_inf" not in state:
+        raise ModelLoadError(f"{path}: metadata '{key}' should be a JSON object naming found_inf")
+    for role, name in state.items():
+        where = outputs if role == "found_inf" else inputs
+        if role not in ("found_inf", "scale", "growth_tracker") or not isinstance(name, str) or name not in where:
+            raise ModelLoadError(f"{path}: metadata '{key}' names {role} {name!r}, which is not a graph "
+                                 f"{'output' if role == 'found_inf' else 'input'} (roles: found_inf, scale, growth_tracker)")
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

@@ -43,6 +43,7 @@ __all__ = [
     "Category",
     "Phase",
     "NODE_PHASE",
+    "MODEL_LOSS_SCALE_STATE",
 ]
 
 #: Final compute precision of a node: a dtype name (``float32``, ``float16``, ``bfloat16``)
@@ -203,3 +204,16 @@ class Phase(StrEnum):
     BODY = "body"
     #: Decided before this pass ran (a model converted earlier, without a recorded phase).
     RECORDED = "recorded"
+
+
+#: JSON object naming, by role, the loss-scale state ``ScaleLossPass`` added to a step graph:
+#: ``found_inf`` (the bool graph output), and in dynamic mode ``scale`` and ``growth_tracker``
+#: (state inputs). Its presence, never a value's name, says the step graph is loss-scaled.
+MODEL_LOSS_SCALE_STATE = "mpgraph.loss_scale_state"
+
+#: Name of the logits value of a training step graph (what a runtime evaluates): the value
+#: named ``logits`` if there is one, else the scores input of the loss op. Absent when neither.
+MODEL_LOGITS = "mpgraph.logits"
+#: JSON list of the forward model's output names that a training step graph still computes.
+MODEL_FORWARD_OUTPUTS = "mpgraph.forward_outputs"
+__all__ += ["MODEL_LOGITS", "MODEL_FORWARD_OUTPUTS"]

@@ -45,6 +45,11 @@ class ScaleLossPass(ir.passes.InPlacePass):
            ``torch.amp.GradScaler``: on overflow ``scale = max(scale * backoff, min)`` and the
            tracker resets; after ``growth_interval`` finite steps in a row
            ``scale = min(scale * growth, max)``. Static mode keeps ``loss_scale`` a constant.
+        6. The state is recorded by role in ``mpgraph.loss_scale_state`` (``found_inf``, and
+           ``scale`` and ``growth_tracker`` in dynamic mode). A graph with that record is
+           scaled already and left as it is; one without it whose own input or output is
+           named ``loss_scale``, ``loss_scale/growth_tracker`` or ``found_inf`` is refused
+           (the runtime would read the user's value as the scale).
     """
 
     def __init__(self, settings: LossScaling) -> None:
@@ -76,6 +81,10 @@ class ScaleLossPass(ir.passes.InPlacePass):
             is_bool = node.op_type in ("IsNaN", "GreaterOrEqual") or (node.op_type == "Identity" and node.inputs[0] is found_inf)
             node.outputs[0].type = ir.TensorType(ir.DataType.BOOL if is_bool else ir.DataType.FLOAT)
         model.metadata_props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        state = {"found_inf": flag.name}
+        if tracker is not None:
+            state.update(scale=md.LOSS_SCALE, growth_tracker=md.GROWTH_TRACKER)
+        model.metadata_props[md.MODEL_LOSS_SCALE_STATE] = json.dumps(state)
         graph.sort()  # the seed product and the unscales were appended after their readers
         return ir.passes.PassResult(model, True)
 
@@ -108,10 +117,24 @@ class ScaleLossPass(ir.passes.InPlacePass):
 
 
 def _already_scaled(model: ir.Model) -> bool:
-    """Whether the step graph holds the loss-scale state already (then nothing is added)."""
-    return md.LOSS_SCALE in {v.name for v in model.graph.inputs} or any(
-        v.name == md.FOUND_INF for v in model.graph.outputs
-    )
+    """Whether ``MODEL_LOSS_SCALE_STATE`` records the step graph as loss-scaled already.
+
+    Raises:
+        MpgraphError: Without that record, a graph input or output that has the name of the
+            state the pass adds: a user's value, which the runtime would take for the state.
+    """
+    if md.MODEL_LOSS_SCALE_STATE in model.metadata_props:
+        return True
+    graph = model.graph
+    taken = [v.name for v in graph.inputs if v.name in (md.LOSS_SCALE, md.GROWTH_TRACKER)]
+    taken += [v.name for v in graph.outputs if v.name == md.FOUND_INF]
+    if taken:
+        raise MpgraphError(
+            f"loss scaling: the step graph has a value named '{taken[0]}', but it is not the loss-scale "
+            f"state (metadata '{md.MODEL_LOSS_SCALE_STATE}' does not record one); rename that input or "
+            f"output of the model, since loss scaling adds its state under that name"
+        )
+    return False
 
 
 def _seed_and_gradients(model: ir.Model) -> tuple[ir.Value, list[tuple[str, ir.Value]]]:
