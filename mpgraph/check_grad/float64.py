@@ -1,0 +1,338 @@
+"""A float64 copy of a float32 graph, for finite differences that rounding does not swamp.
+
+``to_float64`` retypes every float32 tensor, Cast and constant to float64. An op type ORT's CPU
+provider has no float64 kernel for (``keep32``) runs in float32 between Casts, except the ones
+rewritten into float64 ops here, whose float32 rounding would dominate every CNN's finite
+differences:
+
+1. A 2-D ``Conv`` with static channels and spatial dims becomes Pad, one strided Slice per
+   kernel tap, Concat and a grouped MatMul (``_conv_taps``).
+2. A 2-D ``ConvTranspose`` (explicit pads, no ``output_shape``) becomes zeros inserted between
+   the input's pixels, then the Conv above with the kernel's channels swapped and its taps
+   flipped.
+3. ``GlobalAveragePool`` / ``GlobalMaxPool`` become ``ReduceMean`` / ``ReduceMax``.
+
+Example:
+    >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 1, 2, 2]))
+    >>> node = ir.Node("", "GlobalAveragePool", [x], name="pool")
+    >>> node.outputs[0].name = "y"
+    >>> model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=8)
+    >>> proto, islands = to_float64(model, frozenset({"GlobalAveragePool"}))
+    >>> [n.op_type for n in proto.graph.node], islands, proto.graph.output[0].type.tensor_type.elem_type
+    (['Constant', 'ReduceMean'], set(), 11)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+
+__all__ = ["CONV_OPS", "to_float64"]
+
+logger = logging.getLogger(__name__)
+
+#: Op types rewritten into float64 ops when ORT has no float64 kernel for them; they need
+#: static input shapes (``check_grad`` measures them with one float32 run).
+CONV_OPS = frozenset({"Conv", "ConvTranspose"})
+_F32, _F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
+_INT64_MIN = int(np.iinfo(np.int64).min)
+Shapes = Mapping[str, Sequence[int | None]]
+
+
+def to_float64(model: ir.Model, keep32: frozenset[str] = frozenset(),
+               input_shapes: Mapping[str, tuple[int, ...]] | None = None) -> tuple[onnx.ModelProto, set[str]]:
+    """A copy of ``model`` computing in float64 instead of float32, and the op types left in float32.
+
+    Args:
+        model: The float32 model (left unchanged).
+        keep32: Op types without a float64 kernel in ORT: rewritten (see the module docstring)
+            or run in float32 between Casts.
+        input_shapes: Runtime shapes of graph inputs (made static) and of Conv inputs.
+
+    Returns:
+        The float64 model as protobuf, its types re-inferred (strict), ready for a session;
+        and the op types that run in float32 inside it.
+
+    Raises:
+        ValueError: The float64 graph's output types cannot be inferred.
+    """
+    copy = _static_copy(model, keep32, input_shapes or {})
+    graph = copy.graph
+    was_f32 = {v for v in _values(graph) if v.dtype == _F32}
+    shapes = _shapes(graph, input_shapes or {})
+    _retype_graph(graph)
+    islands: set[str] = set()
+    for node in list(graph):
+        emulated = _emulate(graph, node, shapes) if node.op_type in keep32 else None
+        if emulated is not None:
+            if node.outputs[0] in was_f32:  # a float32 island downstream casts it
+                was_f32.add(emulated)
+            continue
+        if node.op_type in keep32:
+            islands.add(node.op_type)
+            _float32_island(graph, node, was_f32)
+        else:
+            _retype_node(graph, node, was_f32)
+    proto = onnx.shape_inference.infer_shapes(ir.to_proto(copy), strict_mode=True)
+    if any(v.type.tensor_type.elem_type == 0 for v in proto.graph.output):
+        raise ValueError("the float64 graph's output types cannot be inferred")
+    return proto, islands
+
+
+def _static_copy(model: ir.Model, keep32: frozenset[str], input_shapes: Mapping[str, tuple[int, ...]]) -> ir.Model:
+    """A copy whose fed inputs have the fed shapes; with shapes inferred when Convs will be
+    rewritten (their weight gradients' shapes are only known after that)."""
+    proto = ir.to_proto(model)
+    copy = ir.from_proto(proto)
+    for v in copy.graph.inputs:  # the check feeds one shape: make it static
+        if v.name in input_shapes:
+            v.shape = ir.Shape(input_shapes[v.name])
+    if "Conv" not in keep32:
+        return copy
+    cleared = ir.from_proto(ir.to_proto(copy))
+    for v in _values(cleared.graph):
+        if v.producer() is not None and not v.is_graph_output():
+            v.type, v.shape = None, None
+    try:
+        return ir.from_proto(onnx.shape_inference.infer_shapes(ir.to_proto(cleared), data_prop=True))
+    except Exception as e:  # noqa: BLE001 - inference is best effort here
+        logger.debug("shape inference before float64 conversion failed: %s", e)
+        return copy
+
+
+def _values(graph: ir.Graph) -> list[ir.Value]:
+    """Graph inputs, initializers and every node output."""
+    values = [*graph.inputs, *(v for v in graph.initializers.values() if not v.is_graph_input())]
+    return values + [o for node in graph for o in node.outputs]
+
+
+def _shapes(graph: ir.Graph, input_shapes: Mapping[str, tuple[int, ...]]) -> dict[str, list[int | None]]:
+    """Static dims (``None`` where symbolic) of every value with a shape, runtime shapes first."""
+    shapes = {v.name or "": [d if isinstance(d, int) else None for d in v.shape] for v in _values(graph) if v.shape is not None}
+    shapes.update({k: list(v) for k, v in input_shapes.items()})
+    return shapes
+
+
+def _retype_graph(graph: ir.Graph) -> None:
+    """float32 initializers and inputs become float64; every node output is re-inferred (some
+    stay float32: LayerNormalization's mean)."""
+    for value in graph.initializers.values():
+        if value.const_value is not None and value.const_value.dtype == _F32:
+            value.const_value = ir.tensor(np.asarray(value.const_value.numpy(), np.float64), name=value.const_value.name)
+            value.dtype = _F64
+    for value in graph.inputs:
+        if value.dtype == _F32:
+            value.dtype = _F64
+    for node in graph:
+        for value in node.outputs:
+            value.type, value.shape = None, None
+
+
+def _retype_node(graph: ir.Graph, node: ir.Node, was_f32: set[ir.Value]) -> None:
+    """float32 attributes (``Cast.to``, constant tensors) become float64."""
+    for name, attr in list(node.attributes.items()):
+        if name in ("to", "dtype") and attr.type == ir.AttributeType.INT and attr.value == _F32:
+            node.attributes[name] = ir.AttrInt64(name, _F64)
+        elif attr.type == ir.AttributeType.TENSOR and attr.value.dtype == _F32:
+            node.attributes[name] = ir.AttrTensor(name, ir.tensor(np.asarray(attr.value.numpy(), np.float64), name=attr.value.name))
+        elif node.op_type == "Constant" and name in ("value_float", "value_floats"):
+            del node.attributes[name]
+            node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.array(attr.value, np.float64)))
+    if node.op_type == "LayerNormalization":
+        # Its mean and inverse deviation are float32 by schema (stash_type) for any input.
+        for value in node.outputs[1:]:
+            if value.name:
+                _cast_output(graph, node, value, was_f32)
+
+
+def _float32_island(graph: ir.Graph, node: ir.Node, was_f32: set[ir.Value]) -> None:
+    """Run ``node`` in float32: Casts to float32 before it and back to float64 after it."""
+    casts: dict[ir.Value, ir.Value] = {}
+    for k, value in enumerate(node.inputs):
+        if value is not None and value in was_f32:
+            if value not in casts:  # one Cast per input value, even when it fills two slots
+                cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", _F32)], name=f"{value.name}/f32/{node.name}")
+                cast.outputs[0].name = f"{value.name}/f32/{node.name}"
+                graph.insert_before(node, cast)
+                casts[value] = cast.outputs[0]
+            node.replace_input_with(k, casts[value])
+    for value in node.outputs:
+        if value in was_f32:
+            _cast_output(graph, node, value, was_f32)
+
+
+def _cast_output(graph: ir.Graph, node: ir.Node, value: ir.Value, was_f32: set[ir.Value]) -> None:
+    """Insert ``Cast(value, float64)`` after ``node``; it takes over ``value``'s name and uses
+    (and its float32 origin: a float32 island that reads it casts it back)."""
+    name = value.name or ""
+    users = list(value.uses())
+    cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", _F64)], name=f"{name}/f64")
+    graph.insert_after(node, cast)
+    for user, slot in users:
+        user.replace_input_with(slot, cast.outputs[0])
+    for i, output in enumerate(graph.outputs):
+        if output is value:
+            graph.outputs[i] = cast.outputs[0]
+    value.name = f"{name}/f32"
+    cast.outputs[0].name = name
+    if value in was_f32:
+        was_f32.add(cast.outputs[0])
+
+
+def _emulate(graph: ir.Graph, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """Replace ``node`` by float64 ops (see the module docstring) and return their output;
+    ``None`` when it cannot be."""
+    prefix = node.name or node.outputs[0].name or node.op_type
+    emitter = _Emitter(prefix)
+    if node.op_type == "Conv":
+        out = _conv(emitter, node, shapes)
+    elif node.op_type == "ConvTranspose":
+        out = _conv_transpose(emitter, node, shapes)
+    elif node.op_type in ("GlobalAveragePool", "GlobalMaxPool"):
+        out = _global_pool(emitter, node, shapes)
+    else:
+        out = None
+    if out is None:
+        return None
+    old = node.outputs[0]
+    graph.insert_before(node, emitter.tape.nodes)
+    ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
+    graph.remove(node, safe=True)
+    name, old.name = old.name, None
+    out.name = name
+    return out
+
+
+class _Emitter:
+    """Nodes recorded on a tape, their values named ``<prefix>/f64conv/<name>``."""
+
+    def __init__(self, prefix: str) -> None:
+        self.tape = ir.tape.Tape()
+        self.prefix = f"{prefix}/f64conv"
+
+    def op(self, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs: object) -> ir.Value:
+        return self.tape.op(op_type, inputs, attrs or None, output=ir.Value(name=f"{self.prefix}/{name}"))  # type: ignore[arg-type]
+
+    def ints(self, name: str, values: Sequence[int]) -> ir.Value:
+        """An int64 vector ``Constant``."""
+        tensor = ir.tensor(np.array(values, np.int64), name=f"{self.prefix}/{name}")
+        return self.op("Constant", [], name, value=tensor)
+
+
+def _attrs(node: ir.Node) -> dict[str, object]:
+    return {name: attr.value for name, attr in node.attributes.items()}
+
+
+def _static(shape: Sequence[int | None] | None, rank: int) -> bool:
+    return shape is not None and len(shape) == rank and None not in shape[1:]
+
+
+def _conv(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    x, w = node.inputs[0], node.inputs[1]
+    assert x is not None and w is not None
+    x_shape, w_shape = shapes.get(x.name or ""), shapes.get(w.name or "")
+    if not _static(x_shape, 4) or not _static(w_shape, 4) or None in w_shape:  # type: ignore[operator]
+        return None
+    assert x_shape is not None and w_shape is not None
+    attrs = _attrs(node)
+    strides = list(attrs.get("strides", [1, 1]))  # type: ignore[call-overload]
+    dilations = list(attrs.get("dilations", [1, 1]))  # type: ignore[call-overload]
+    pads = _explicit_pads(attrs, x_shape[2:], w_shape[2:], strides, dilations)  # type: ignore[arg-type]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    return _conv_taps(em, x, w, bias, x_shape[1:], w_shape, int(attrs.get("group", 1)), strides, dilations, pads)  # type: ignore[arg-type, call-overload]
+
+
+def _explicit_pads(attrs: Mapping[str, object], spatial: Sequence[int], kernel: Sequence[int],
+                   strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
+    """A Conv's ``[top, left, bottom, right]`` pads, ``auto_pad`` resolved."""
+    auto = str(attrs.get("auto_pad", "NOTSET"))
+    if auto == "VALID":
+        return [0, 0, 0, 0]
+    if auto not in ("SAME_UPPER", "SAME_LOWER"):
+        return list(attrs.get("pads", [0, 0, 0, 0]))  # type: ignore[call-overload]
+    pads = [0, 0, 0, 0]
+    for axis, (size, k, st, dl) in enumerate(zip(spatial, kernel, strides, dilations, strict=True)):
+        total = max((-(-size // st) - 1) * st + (k - 1) * dl + 1 - size, 0)
+        small, big = total // 2, total - total // 2
+        pads[axis], pads[axis + 2] = (small, big) if auto == "SAME_UPPER" else (big, small)
+    return pads
+
+
+def _conv_taps(em: _Emitter, x: ir.Value, w: ir.Value, bias: ir.Value | None, chw: Sequence[int], w_shape: Sequence[int],
+               group: int, strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int]) -> ir.Value:
+    """A 2-D Conv as Pad, one strided Slice per kernel tap, Concat and a grouped MatMul (all
+    with float64 kernels in ORT CPU). Negative pads crop."""
+    c, h, w_ = chw
+    m, cg, kh, kw = w_shape
+    (sh, sw), (dh, dw) = strides, dilations
+    hp, wp = h + pads[0] + pads[2], w_ + pads[1] + pads[3]
+    oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
+    pad_v, axes, steps, unsq = (em.ints("pads", [0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]),
+                                em.ints("axes", [2, 3]), em.ints("steps", [sh, sw]), em.ints("unsq", [2]))
+    cols_shape = em.ints("cols_shape", [-1, group, (c // group) * kh * kw, oh * ow])
+    w_mat_shape, y_shape = em.ints("w_shape", [group, m // group, cg * kh * kw]), em.ints("y_shape", [-1, m, oh, ow])
+    padded = em.op("Pad", [x, pad_v], "padded")
+    taps = []
+    for i in range(kh):
+        for j in range(kw):
+            start = [i * dh, j * dw]
+            end = [start[0] + sh * (oh - 1) + 1, start[1] + sw * (ow - 1) + 1]
+            tap = em.op("Slice", [padded, em.ints(f"s{i}_{j}", start), em.ints(f"e{i}_{j}", end), axes, steps], f"tap{i}_{j}")
+            taps.append(em.op("Unsqueeze", [tap, unsq], f"tapu{i}_{j}"))
+    # [N, C, taps, OH, OW] -> [N, G, C/G * taps, OH * OW]: channel-major, tap-minor like W.
+    cols = em.op("Reshape", [em.op("Concat", taps, "cols5", axis=2), cols_shape], "cols")
+    y4 = em.op("MatMul", [em.op("Reshape", [w, w_mat_shape], "w"), cols], "y4")
+    y = em.op("Reshape", [y4, y_shape], "y")
+    if bias is None:
+        return y
+    return em.op("Add", [y, em.op("Reshape", [bias, em.ints("b_shape", [m, 1, 1])], "b")], "out")
+
+
+def _conv_transpose(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """ConvTranspose = zeros inserted between the input's pixels (stride), padded by
+    ``dilation * (k - 1) - pad`` (plus ``output_padding`` at the end), convolved with the
+    kernel's in/out channels swapped per group and its taps flipped."""
+    x, w = node.inputs[0], node.inputs[1]
+    assert x is not None and w is not None
+    x_shape, w_shape = shapes.get(x.name or ""), shapes.get(w.name or "")
+    attrs = _attrs(node)
+    if (not _static(x_shape, 4) or not _static(w_shape, 4) or None in w_shape  # type: ignore[operator]
+            or "output_shape" in attrs or str(attrs.get("auto_pad", "NOTSET")) != "NOTSET"):
+        return None
+    assert x_shape is not None and w_shape is not None
+    _, c, h, w_ = x_shape
+    _, mg, kh, kw = w_shape
+    group = int(attrs.get("group", 1))  # type: ignore[call-overload]
+    sh, sw = attrs.get("strides", [1, 1])  # type: ignore[misc]
+    dh, dw = attrs.get("dilations", [1, 1])  # type: ignore[misc]
+    pt, pl, pb, pr = attrs.get("pads", [0, 0, 0, 0])  # type: ignore[misc]
+    oph, opw = attrs.get("output_padding", [0, 0])  # type: ignore[misc]
+    # [N, C, H, W] -> [N, C, H, 1, W, 1] -> zeros after each pixel -> [N, C, H*sh, W*sw]
+    spread = em.op("Reshape", [x, em.ints("x6_shape", [-1, c, h, 1, w_, 1])], "x6")
+    spread = em.op("Pad", [spread, em.ints("zeros", [0] * 9 + [sh - 1, 0, sw - 1])], "x6z")
+    spread = em.op("Reshape", [spread, em.ints("xz_shape", [-1, c, h * sh, w_ * sw])], "xz")
+    # The trailing stride - 1 zeros of the last pixel are not part of the zero-inserted input.
+    pads = [dh * (kh - 1) - pt, dw * (kw - 1) - pl, dh * (kh - 1) - pb + oph - (sh - 1), dw * (kw - 1) - pr + opw - (sw - 1)]
+    kernel = em.op("Reshape", [w, em.ints("wg_shape", [group, c // group, mg, kh, kw])], "wg")
+    kernel = em.op("Transpose", [kernel], "wt", perm=[0, 2, 1, 3, 4])
+    kernel = em.op("Reshape", [kernel, em.ints("wc_shape", [group * mg, c // group, kh, kw])], "wc")
+    flip = [em.ints("flip_start", [-1, -1]), em.ints("flip_end", [_INT64_MIN, _INT64_MIN]), em.ints("flip_axes", [2, 3]),
+            em.ints("flip_steps", [-1, -1])]
+    kernel = em.op("Slice", [kernel, *flip], "wf")
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    return _conv_taps(em, spread, kernel, bias, (c, h * sh, w_ * sw), (group * mg, c // group, kh, kw), group,
+                      (1, 1), (dh, dw), pads)
+
+
+def _global_pool(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    x = node.inputs[0]
+    assert x is not None
+    rank = len(shapes.get(x.name or "") or ())
+    if rank <= 2:
+        return None
+    reduce = "ReduceMean" if node.op_type == "GlobalAveragePool" else "ReduceMax"
+    return em.op(reduce, [x, em.ints("axes", list(range(2, rank)))], "pool", keepdims=1)
