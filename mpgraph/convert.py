@@ -166,56 +166,85 @@ def _convert(
     target: str,
 ) -> ir.Model:
     ir_model = _as_model(model)
-    props = ir_model.metadata_props
-    if props.get(md.MODEL_EMULATED) == "true":
-        if emulate and props.get(md.MODEL_POLICY) == pol.name:
-            logger.info("model is already the emulated lowering of policy %s; nothing to do", pol.name)
-            return ir_model
-        raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
-    props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
+    if _emulated_already(ir_model, pol, emulate):
+        return ir_model
+    ir_model.metadata_props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
     if upgrade_opset and not pol.is_identity:
-        UpgradeOpsetPass(with_target(pol, target, ir_model, emulate=emulate))(ir_model)
-        stranded = cuda_opset_gaps(ir_model) if md.MODEL_OPSET_UPGRADED in ir_model.metadata_props and not emulate else []
-        if stranded:
-            logger.warning(
-                "opset upgraded %s: onnxruntime-gpu 1.31 has no CUDA kernel for %s at that opset, so on "
-                "CUDA they run on the CPU provider; upgrade_opset=False (--no-opset-upgrade) keeps the "
-                "original opset (ops that need the upgrade then stay float32)",
-                ir_model.metadata_props[md.MODEL_OPSET_UPGRADED], ", ".join(stranded),
-            )
+        _upgrade_opset(ir_model, pol, target, emulate)
     # Kernel gaps at the opset the model ends with (before the upgrade they decided what it needs).
     effective = with_target(pol, target, ir_model, emulate=emulate)
-    already = md.MODEL_POLICY in ir_model.metadata_props
-    pristine = None
-    checking = not already and _wants_check(pol, calibrate)
-    if checking and float_weight_bytes(ir_model) >= PROTO_LIMIT:
-        # ORT opens models from serialized bytes here, which protobuf caps at 2 GB.
-        if not (isinstance(calibrate, str) and calibrate == "auto"):
-            raise MpgraphError("the range check runs models under 2 GB of weights only; pass calibrate=None (--no-calibrate)")
-        logger.warning("range check skipped: over 2 GB of weights; the %s model is not range-checked", pol.dtype.name.lower())
-        checking = False
-    if checking:
-        InferTypesPass()(ir_model)  # the range check reduces float values only: it needs their types
-        # The float32 model, serialized once: what the range check runs, and the start of a retry.
-        pristine = ir.to_proto(ir_model)
+    pristine = _range_check_start(ir_model, pol, calibrate)
     calibration = _calibrate(ir_model, pol, calibrate, pristine) if pristine is not None else None
     ir_model = _lower_until_finite(
         ir_model, effective, emulate=emulate, calibrate=calibrate, calibration=calibration, pristine=pristine
     )
     if validate:
         ValidateModelPass()(ir_model)
-    props = ir_model.metadata_props
-    props[md.MODEL_POLICY] = pol.name
-    props[md.MODEL_DTYPE] = pol.dtype.name.lower()
-    props[md.MODEL_TF32] = "true" if pol.tf32 else "false"
+    _record(ir_model, pol, target, calibration)
+    return ir_model
+
+
+def _emulated_already(model: ir.Model, policy: Policy, emulate: bool) -> bool:
+    """True when ``model`` is already the emulated lowering asked for (nothing to do).
+
+    Raises:
+        MpgraphError: ``model`` is an emulated lowering of something else.
+    """
+    props = model.metadata_props
+    if props.get(md.MODEL_EMULATED) != "true":
+        return False
+    if emulate and props.get(md.MODEL_POLICY) == policy.name:
+        logger.info("model is already the emulated lowering of policy %s; nothing to do", policy.name)
+        return True
+    raise MpgraphError("model is a CPU-emulated lowering; convert the original float32 model instead")
+
+
+def _upgrade_opset(model: ir.Model, policy: Policy, target: str, emulate: bool) -> None:
+    """``UpgradeOpsetPass`` for ``policy`` on ``target``; warn of ops CUDA cannot run at the new opset."""
+    UpgradeOpsetPass(with_target(policy, target, model, emulate=emulate))(model)
+    stranded = cuda_opset_gaps(model) if md.MODEL_OPSET_UPGRADED in model.metadata_props and not emulate else []
+    if stranded:
+        logger.warning(
+            "opset upgraded %s: onnxruntime-gpu 1.31 has no CUDA kernel for %s at that opset, so on "
+            "CUDA they run on the CPU provider; upgrade_opset=False (--no-opset-upgrade) keeps the "
+            "original opset (ops that need the upgrade then stay float32)",
+            model.metadata_props[md.MODEL_OPSET_UPGRADED], ", ".join(stranded),
+        )
+
+
+def _range_check_start(model: ir.Model, policy: Policy, calibrate: CalibrateSpec) -> onnx.ModelProto | None:
+    """The float32 ``model``, typed and serialized once, when the range check runs; else None.
+
+    The proto is what the range check runs, and the start of every retry.
+
+    Raises:
+        MpgraphError: A range check asked for explicitly on 2 GB of weights or more.
+    """
+    if md.MODEL_POLICY in model.metadata_props or not _wants_check(policy, calibrate):
+        return None
+    if float_weight_bytes(model) >= PROTO_LIMIT:
+        # ORT opens models from serialized bytes here, which protobuf caps at 2 GB.
+        if not (isinstance(calibrate, str) and calibrate == "auto"):
+            raise MpgraphError("the range check runs models under 2 GB of weights only; pass calibrate=None (--no-calibrate)")
+        logger.warning("range check skipped: over 2 GB of weights; the %s model is not range-checked", policy.dtype.name.lower())
+        return None
+    InferTypesPass()(model)  # the range check reduces float values only: it needs their types
+    return ir.to_proto(model)
+
+
+def _record(model: ir.Model, policy: Policy, target: str, calibration: Calibration | None) -> None:
+    """Write what the conversion was into ``model``'s metadata (in this order: it is serialized)."""
+    props = model.metadata_props
+    props[md.MODEL_POLICY] = policy.name
+    props[md.MODEL_DTYPE] = policy.dtype.name.lower()
+    props[md.MODEL_TF32] = "true" if policy.tf32 else "false"
     props[md.MODEL_LOSS_SCALING] = json.dumps(
-        {k: getattr(pol.loss_scaling, k) for k in pol.loss_scaling.__dataclass_fields__}, sort_keys=True
+        {k: getattr(policy.loss_scaling, k) for k in policy.loss_scaling.__dataclass_fields__}, sort_keys=True
     )
-    if not pol.is_identity:
+    if not policy.is_identity:
         props.setdefault(md.MODEL_TARGET, target)
     if calibration is not None:
-        props[md.MODEL_CALIBRATION] = _calibration_summary(ir_model, calibration, pol)
-    return ir_model
+        props[md.MODEL_CALIBRATION] = _calibration_summary(model, calibration, policy)
 
 
 def _lower_until_finite(
