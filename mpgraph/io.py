@@ -19,6 +19,7 @@ import onnx.external_data_helper
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError, first_line
 
 logger = logging.getLogger(__name__)
@@ -617,7 +618,7 @@ def shape_only_initializers(model: ir.Model, keep_bytes: int = 4096) -> Iterator
     swapped = {}
     for value in model.graph.initializers.values():
         tensor = value.const_value
-        if tensor is None or value.dtype is None or not value.dtype.is_floating_point() or tensor.nbytes <= keep_bytes:
+        if tensor is None or value.dtype not in FLOAT_TYPES or tensor.nbytes <= keep_bytes:
             continue
         swapped[value] = tensor
         value.const_value = ir.ExternalTensor("mpgraph-shape-only", 0, tensor.nbytes, tensor.dtype,

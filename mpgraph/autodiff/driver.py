@@ -25,7 +25,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.builder import Builder
-from mpgraph._ir.meta import NODE_GRAD_OF
+from mpgraph._ir.meta import NODE_GRAD_OF, Role
 from mpgraph.autodiff import registry
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
@@ -61,7 +61,7 @@ class GradContext(Builder):
         scope: Prefix of generated names.
     """
 
-    def __init__(self, graph: ir.Graph, role: str = "backward", scope: str = "grad") -> None:
+    def __init__(self, graph: ir.Graph, role: str = Role.BACKWARD, scope: str = "grad") -> None:
         super().__init__(graph, role=role, scope=scope)
         self.node: ir.Node | None = None
         self.needed: Sequence[bool] = ()
@@ -265,7 +265,7 @@ def differentiate(
     path, needed = _gradient_path(graph, nodes, loss, active, opset)
     ctx = GradContext(graph)
     _name_optional_outputs(ctx, path)
-    fan_in = _FanIn(Builder(graph, role="backward", scope="grad", names=ctx.names))
+    fan_in = _FanIn(Builder(graph, role=Role.BACKWARD, scope="grad", names=ctx.names))
     ctx.gradient_of = fan_in.totals.get
     fan_in.add(loss, seed if seed is not None else _ones_seed(ctx, loss))
     for node, rule in path:

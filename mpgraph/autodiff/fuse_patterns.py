@@ -32,7 +32,7 @@ import math
 
 import onnx_ir as ir
 
-from mpgraph._ir.meta import NODE_ROLE
+from mpgraph._ir.meta import NODE_ROLE, Role
 
 __all__ = ["ErfGelu", "match_erf_gelu", "masked_softmax_input"]
 
@@ -133,7 +133,7 @@ def masked_softmax_input(node: ir.Node) -> int | None:
     slot = 2 if _is_minus_inf(node.inputs[1]) else 1 if _is_minus_inf(node.inputs[2]) else None
     if slot is None:
         return None
-    forward = [c for c in node.outputs[0].consumers() if c.metadata_props.get(NODE_ROLE) != "backward"]
+    forward = [c for c in node.outputs[0].consumers() if c.metadata_props.get(NODE_ROLE) != Role.BACKWARD]
     if not forward or any(c.op_type != "Softmax" or c.domain not in ("", "ai.onnx") for c in forward):
         return None
     return slot

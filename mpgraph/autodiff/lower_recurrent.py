@@ -41,6 +41,8 @@ import numpy as np
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import Role
 from mpgraph.autodiff.driver import GradContext, differentiate
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
@@ -347,7 +349,7 @@ def _scratch(node: ir.Node, opset: int, role: str) -> tuple[GradContext, list[V 
     return b, stand_ins
 
 
-def _inline(scratch: ir.Graph, host: GradContext, bindings: dict[V, V], keep: Sequence[V], prefix: str,
+def _inline(scratch: ir.Graph, host: Builder, bindings: dict[V, V], keep: Sequence[V], prefix: str,
             before: ir.Node | None) -> None:
     """Move the scratch nodes that ``keep`` needs into ``host``'s graph (before ``before`` or at
     the end), binding stand-ins to real values, constants to host constants, and naming every
@@ -369,8 +371,8 @@ def _inline(scratch: ir.Graph, host: GradContext, bindings: dict[V, V], keep: Se
     scratch.remove(nodes, safe=False)
     counts: dict[str, int] = {}
     for n in nodes:
-        # Numbered here: GradContext.unique probes name_1, name_2, ... one by one, which is
-        # quadratic over the thousands of same-op nodes of a long unrolled sequence.
+        # Numbered per op type here (<prefix>/<op>_<k>), then made unique: a taken name gets
+        # its own suffix instead of shifting every later node's number.
         k = counts[n.op_type] = counts.get(n.op_type, -1) + 1
         n.name = host.unique(f"{prefix}/{n.op_type}" + (f"_{k}" if k else ""))
         for k, out in enumerate(n.outputs):
@@ -397,10 +399,10 @@ def lower_recurrent(graph: ir.Graph) -> int:
     targets = [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in RECURRENT_OPS]
     if not targets:
         return 0
-    host = GradContext(graph, role="forward", scope="unroll")
+    host = Builder(graph, role=Role.FORWARD, scope="unroll")
     opset = graph.opset_imports.get("", 18)
     for node in targets:
-        b, stand_ins = _scratch(node, opset, "forward")
+        b, stand_ins = _scratch(node, opset, Role.FORWARD)
         outs = unroll(b, node, stand_ins)
         pairs = [(old, new) for old, new in zip(node.outputs, outs, strict=True)
                  if new is not None and (old.uses() or old.is_graph_output())]

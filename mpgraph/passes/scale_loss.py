@@ -266,7 +266,7 @@ def _flat_members(concat: ir.Node) -> set[ir.Value]:
     for value in concat.inputs:
         assert value is not None
         producer = value.producer()
-        if producer is not None and producer.op_type == "Concat" and producer.metadata_props.get(md.NODE_ROLE) == "optimizer":
+        if producer is not None and producer.op_type == "Concat" and producer.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER:
             members |= _flat_members(producer)
         elif producer is not None and producer.op_type == "Reshape" and producer.inputs[0] is not None:
             members.add(producer.inputs[0])
@@ -279,7 +279,7 @@ def _reads_split(node: ir.Node, split: ir.Node) -> bool:
     """``node`` is the flat Split or reads one of its outputs through Reshapes, Identities and
     the optimizer's inner Splits (a Split built as a tree)."""
     while node is not split:
-        inner_split = node.op_type == "Split" and node.metadata_props.get(md.NODE_ROLE) == "optimizer"
+        inner_split = node.op_type == "Split" and node.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER
         if not (inner_split or node.op_type in ("Reshape", "Identity")) or node.inputs[0] is None:
             return False
         producer = node.inputs[0].producer()

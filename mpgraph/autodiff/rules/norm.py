@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.meta import NODE_ROLE
+from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.registry import register
 from mpgraph.errors import GradientError
@@ -51,7 +51,7 @@ def _attention_output(ctx: Ctx, node: ir.Node, axis: int) -> tuple[V, V] | None:
     rank = len(y.shape) if y.shape is not None else None
     if rank is None or rank < 2 or axis % rank != rank - 1 or y.is_graph_output():
         return None
-    consumers = {use.node for use in y.uses() if use.node.metadata_props.get(NODE_ROLE) != "backward"}
+    consumers = {use.node for use in y.uses() if use.node.metadata_props.get(NODE_ROLE) != Role.BACKWARD}
     if len(consumers) != 1:
         return None
     (matmul,) = consumers
