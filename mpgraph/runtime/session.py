@@ -199,7 +199,7 @@ def logits_name(model: ir.Model) -> str:
     Raises:
         MpgraphError: No recorded logits, no value named ``logits`` and no loss op.
     """
-    recorded = model.metadata_props.get(getattr(md, "MODEL_LOGITS", ""))  # TODO(E): key from D
+    recorded = model.metadata_props.get(md.MODEL_LOGITS)
     if recorded:
         return recorded
     # Step graphs saved before train-graph recorded their logits: the value named

@@ -153,6 +153,18 @@ def _data_inputs(model: ir.Model, state_names: set[str]) -> list[InputSpec]:
     ]
 
 
+def _loss_scale_state(props: Mapping[str, str], outputs: set[str], state: set[str]) -> tuple[str | None, str | None]:
+    """The ``found_inf`` output and the loss-scale state input of a step graph (each ``None``
+    when absent; static scaling has no scale input), as ``MODEL_LOSS_SCALE_STATE`` records them."""
+    raw = props.get(md.MODEL_LOSS_SCALE_STATE)
+    if raw is None:
+        # Step graphs saved before the record existed: the names loss scaling gives its state.
+        return (md.FOUND_INF if md.FOUND_INF in outputs else None), (md.LOSS_SCALE if md.LOSS_SCALE in state else None)
+    record = json.loads(raw)
+    found, scale = record.get("found_inf"), record.get("scale")
+    return (found if found in outputs else None), (scale if scale in state else None)
+
+
 def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
     """``"N non-finite values in 'x'"`` for the first float array with NaN/inf, else ``None``."""
     for name, a in batch.items():
@@ -287,8 +299,8 @@ class Trainer:
         state_names = {a for a, _ in self.pairs}
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.loss_name = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else next(iter(outputs)))
-        self.found_inf_name = md.FOUND_INF if md.FOUND_INF in outputs else None
-        self.has_loss_scale = md.LOSS_SCALE in state_names
+        self.found_inf_name, self._scale_name = _loss_scale_state(props, set(outputs), state_names)
+        self.has_loss_scale = self._scale_name is not None
         state_outs = {b for _, b in self.pairs}
         self._extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
         self.data_inputs = _data_inputs(self.model, state_names)
@@ -373,7 +385,7 @@ class Trainer:
     @property
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` without loss scaling."""
-        return float(self._state[md.LOSS_SCALE].numpy().reshape(-1)[0]) if self.has_loss_scale else None
+        return float(self._state[self._scale_name].numpy().reshape(-1)[0]) if self._scale_name is not None else None
 
     # -- CUDA graphs ---------------------------------------------------------------------
 
@@ -780,7 +792,7 @@ class Trainer:
 
 def run_training(
     trainer: Trainer,
-    data: Dataset | Mapping[str, np.ndarray],
+    data: Dataset | Mapping[str, np.ndarray] | Iterable[Mapping[str, np.ndarray]],
     steps: int,
     lr: float | None = None,
     *,
@@ -805,7 +817,7 @@ def run_training(
 
     Args:
         trainer: The trainer to run.
-        data: A ``Dataset`` (its train split) or arrays by input name.
+        data: What ``fit`` takes: a ``Dataset``, arrays by input name, or ready batches.
         steps: Steps to run now.
         lr: Learning rate (``None``: the one in use).
         batch_size: Samples per batch.
