@@ -9,11 +9,12 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.builder import make_cast
+from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing, type_string
 from mpgraph.passes.assign_precision import constant_range, constant_tensor
-from mpgraph.passes.naming import NameScope, make_cast
 from mpgraph.policy.schema import Policy
 
 __all__ = ["InsertCastsPass"]
