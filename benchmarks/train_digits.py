@@ -35,7 +35,8 @@ import numpy as np
 import mpgraph
 from mpgraph.data import dataset_for_model
 from mpgraph.export import export_module
-from mpgraph.runtime.trainer import Metrics, Trainer
+from mpgraph.runtime.metrics import Metrics
+from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 
 POLICIES = ("fp32", "bf16", "fp16")
