@@ -200,7 +200,9 @@ def compare_train(
     for label, model in (("reference", reference), ("candidate", candidate)):
         if model.metadata_props.get(md.MODEL_TRAINING) != "true":
             raise MpgraphError(f"{label} is not a training step graph (run train-graph first)")
-    scale_value = _state_value(candidate, md.LOSS_SCALE)
+    # The loss-scale state, by role (ScaleLossPass's record); none recorded: not loss-scaled.
+    state = json.loads(candidate.metadata_props.get(md.MODEL_LOSS_SCALE_STATE, "{}"))
+    scale_value = _state_value(candidate, state["scale"]) if "scale" in state else None
     scale = float(scale_value) if scale_value is not None else 1.0
     ref = _run(reference, feeds)
     cand = _run(candidate, feeds)
@@ -212,7 +214,7 @@ def compare_train(
         return array / scale if (base in scaled or name in scaled) and scale != 1.0 else array
 
     loss_ref, loss_cand, loss_err = _loss(reference, candidate, ref, cand)
-    found_inf = bool(np.asarray(cand.get(md.FOUND_INF, False)).any())
+    found_inf = "found_inf" in state and bool(np.asarray(cand.get(state["found_inf"], False)).any())
     params = json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]"))
     values = _along_graph(candidate, ref, cand, cand_value)
     first = next((v for v in values if v.rel_error > threshold), None)
