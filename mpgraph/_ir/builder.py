@@ -68,7 +68,9 @@ def guess_dtype(op_type: str, inputs: Sequence[ir.Value | None], attrs: dict[str
 class Builder:
     """Appends nodes and constants to ``graph`` with deterministic names and a role.
 
-    Built directly over ``onnx_ir.tape.Tape`` (``tape.nodes`` lists what was made, in order).
+    Built over ``onnx_ir.tape.Tape``: the tape makes each node, appends it to ``graph`` and
+    registers each constant (``tape.nodes`` lists what was made, in order); the Builder adds
+    the names, metadata, dtypes and deduplication.
 
     Args:
         graph: The graph that receives the nodes (appended at the end) and constants.
