@@ -145,3 +145,28 @@ def test_load_checks_the_loss_scale_state_names():
     step.metadata_props[md.MODEL_LOSS_SCALE_STATE] = json.dumps({"found_inf": "found_inf", "scale": "nowhere"})
     with pytest.raises(ModelLoadError, match="scale 'nowhere', which is not a graph input"):
         check_metadata(ir.to_proto(step))
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_optimizers_build_the_same_step_with_a_builder_or_a_grad_context(name):
+    from mpgraph.optim import make_optimizer
+
+    def build(make) -> list[tuple[str, str, dict[str, str]]]:
+        graph, x = _graph()
+        grad = ir.Value(name="grad/x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 3]))
+        lr = ir.Value(name="lr", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]))
+        graph.inputs.extend([grad, lr])
+        b = make(graph)
+
+        def state(state_name: str, like: ir.Value | None, init: float) -> ir.Value:
+            value = ir.Value(name=b.unique(state_name), type=ir.TensorType(ir.DataType.FLOAT),
+                             shape=ir.Shape([]) if like is None else like.shape)
+            graph.inputs.append(value)
+            return value
+
+        make_optimizer(name).build(b, [(x, grad)], lr, state)
+        return [(n.name, n.op_type, dict(n.metadata_props)) for n in graph]
+
+    plain = build(lambda g: Builder(g, role=md.Role.OPTIMIZER, scope="optim"))
+    assert plain == build(lambda g: GradContext(g, role=md.Role.OPTIMIZER, scope="optim"))
+    assert plain[0][0].startswith("optim/step/") and plain[0][2] == {md.NODE_ROLE: "optimizer"}
