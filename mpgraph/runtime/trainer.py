@@ -23,12 +23,16 @@ same provider, whose parameter inputs are bound to the trainer's state buffers, 
 evaluation copies no weights.
 
 Example:
+    >>> import numpy as np
     >>> from mpgraph.training import build_training_graph
-    >>> from mpgraph.data import load_dataset
-    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx")  # doctest: +SKIP
-    >>> trainer = Trainer(step, provider="cpu")  # doctest: +SKIP
-    >>> metrics = trainer.fit(dataset, steps=100, lr=1e-3)  # doctest: +SKIP
-    >>> trainer.save_checkpoint("run.ckpt.npz")  # doctest: +SKIP
+    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw", lr=0.05)
+    >>> rng = np.random.default_rng(0)
+    >>> x = rng.standard_normal((256, 4)).astype(np.float32)
+    >>> data = {"x": x, "label": (x[:, 0] > 0).astype(np.int64)}
+    >>> trainer = Trainer(step, provider="cpu", threads=1)
+    >>> metrics = trainer.fit(data, steps=60, batch_size=32)
+    >>> metrics.loss[-1] < metrics.loss[0], trainer.evaluate(data)["accuracy"] > 0.9
+    (True, True)
 """
 
 from __future__ import annotations
