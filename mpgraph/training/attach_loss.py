@@ -11,7 +11,7 @@ from mpgraph._ir.meta import NODE_ROLE
 from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
 from mpgraph.errors import GradientError
 
-__all__ = ["BUILTIN_LOSSES", "LOSS_OPS", "AttachLossPass", "LossResult"]
+__all__ = ["BUILTIN_LOSSES", "LOSS_OPS", "AttachLossPass", "LossResult", "find_logits"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +79,26 @@ class AttachLossPass(ir.passes.InPlacePass):
             node.metadata_props[NODE_ROLE] = "loss"
         modified = len(roles) != len(graph) or roles != [n.metadata_props.get(NODE_ROLE) for n in graph]
         return LossResult(model, modified, value)
+
+
+def find_logits(graph: ir.Graph) -> str | None:
+    """The logits of a step graph: the value named ``logits``, else the scores of the loss op.
+
+    ``None`` when the graph has neither (an mse loss on an output not named ``logits``).
+
+    Example:
+        >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(["N", 3]))
+        >>> label = ir.Value(name="label", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["N"]))
+        >>> ce = ir.Node("", "SoftmaxCrossEntropyLoss", [x, label], name="ce")
+        >>> find_logits(ir.Graph([x, label], ce.outputs, nodes=[ce]))
+        'x'
+    """
+    if any(v.name == "logits" for node in graph for v in node.outputs):
+        return "logits"
+    for node in graph:
+        if node.op_type in LOSS_OPS and node.inputs[0] is not None and node.inputs[0].name:
+            return node.inputs[0].name
+    return None
 
 
 def _attach_builtin(graph: ir.Graph, loss: str, ctx: GradContext) -> ir.Value:

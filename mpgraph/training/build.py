@@ -14,8 +14,10 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from mpgraph._ir.meta import (
+    MODEL_FORWARD_OUTPUTS,
     MODEL_GRAD_SEED,
     MODEL_GRADIENTS,
+    MODEL_LOGITS,
     MODEL_LOSS,
     MODEL_STATE_PAIRS,
     MODEL_TRAINING,
@@ -29,7 +31,7 @@ from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
 from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
-from mpgraph.training.attach_loss import AttachLossPass
+from mpgraph.training.attach_loss import AttachLossPass, find_logits
 from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
 from mpgraph.training.select_parameters import SelectParametersPass
 from mpgraph.training.set_batchnorm_mode import SetBatchNormModePass
@@ -107,6 +109,7 @@ def build_training_graph(
     forward = load_forward(model)
     m = forward.model
     NormalizeForwardPass(forward.inputs_mark_params)(m)
+    forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None
     state = set_batchnorm_mode(m).state
@@ -123,6 +126,7 @@ def build_training_graph(
                                   params, grads, state)
     outputs += _state_outputs(m.graph, ctx, state)
     _finish(m, state, outputs)
+    _record_forward(m, forward_outputs)
     if validate:
         _validate(m)
     return m
@@ -274,6 +278,16 @@ def _finish(model: ir.Model, state: State, outputs: State) -> None:
     for like, out in outputs:
         if out.shape is None:
             out.shape = like.shape
+
+
+def _record_forward(model: ir.Model, forward_outputs: list[str]) -> None:
+    """Record the logits and the forward outputs the step computes, so runtimes need not guess."""
+    graph = model.graph
+    logits = find_logits(graph)
+    if logits is not None:
+        model.metadata_props[MODEL_LOGITS] = logits
+    computed = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.inputs}
+    model.metadata_props[MODEL_FORWARD_OUTPUTS] = json.dumps([name for name in forward_outputs if name in computed])
 
 
 def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
