@@ -41,6 +41,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
+from mpgraph.io import as_model
 from mpgraph.policy import Policy, load_policy
 from mpgraph.runtime.probe import run_with_values
 
@@ -122,7 +123,7 @@ def low_backward_values(step: ir.Model, policy: Policy) -> dict[str, str]:
         return node is not None and node.metadata_props.get(md.NODE_ROLE) == "backward"
 
     low = policy.dtype.name.lower()
-    converted = convert(ir.from_proto(ir.to_proto(step)), policy, validate=False, calibrate=None)
+    converted = convert(as_model(step, copy=True), policy, validate=False, calibrate=None)
     held: dict[str, str] = {}
     for node in converted.graph:
         inserted = node.metadata_props.get(md.NODE_INSERTED)

@@ -17,7 +17,7 @@ from mpgraph._ir import meta as md
 from mpgraph.data import random_feeds, read_npz
 from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import MpgraphError
-from mpgraph.io import load_model, save_model
+from mpgraph.io import ModelLike, as_model, load_model, save_model
 from mpgraph.passes import Pipeline
 from mpgraph.passes.assign_precision import AssignPrecisionPass
 from mpgraph.passes.calibrate_range import CalibrateRangePass
@@ -36,7 +36,6 @@ __all__ = ["convert", "convert_file", "build_pipeline", "CalibrateSpec"]
 
 logger = logging.getLogger(__name__)
 
-ModelLike = ir.Model | onnx.ModelProto | str | os.PathLike
 #: ``"auto"`` (random feeds when the low dtype is float16), ``"random"``, an ``.npz`` path,
 #: a mapping of inputs, or ``None``/``False`` (no range check).
 CalibrateSpec = str | os.PathLike | Mapping[str, np.ndarray] | bool | None
@@ -83,14 +82,6 @@ def build_pipeline(
     return Pipeline(passes)
 
 
-def _as_model(model: ModelLike) -> ir.Model:
-    if isinstance(model, ir.Model):
-        return model
-    if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(model)
-    return load_model(model)
-
-
 def convert(
     model: ModelLike,
     policy: str | os.PathLike | Policy = "bf16",
@@ -104,7 +95,7 @@ def convert(
     """Rewrite ``model`` so it computes per ``policy``; the input object is modified in place.
 
     Args:
-        model: An ``onnx_ir.Model``, an ``onnx.ModelProto`` or a path.
+        model: An ``onnx_ir.Model``, an ``onnx.ModelProto``, its bytes or a path.
         policy: A preset name (``bf16``), a YAML path, or a ``Policy``.
         emulate: Produce the CPU emulation (float32 compute, low-precision rounding) instead
             of the native lowering.
@@ -165,7 +156,7 @@ def _convert(
     upgrade_opset: bool,
     target: str,
 ) -> ir.Model:
-    ir_model = _as_model(model)
+    ir_model = as_model(model)
     if _emulated_already(ir_model, pol, emulate):
         return ir_model
     ir_model.metadata_props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
@@ -337,7 +328,7 @@ def _emulated_view(model: ir.Model, emulate: bool, low: ir.DataType) -> ir.Model
     # A serialized round trip, not Model.clone(): a clone shares state the emulation edits (the
     # original then failed validation). The casts the emulation leaves as float32 identities
     # run as they are (no FoldCastsPass: this is a view for one run).
-    copy = ir.from_proto(ir.to_proto(model))
+    copy = as_model(model, copy=True)
     EmulatePrecisionPass(low)(copy)
     return copy
 

@@ -32,6 +32,7 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from mpgraph.errors import MpgraphError
+from mpgraph.io import as_model
 
 __all__ = ["specialize_shapes", "shape_ops"]
 
@@ -60,7 +61,7 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
     """
     import onnxscript.optimizer  # an optional speed path: imported only when used
 
-    m = ir.from_proto(ir.to_proto(model))
+    m = as_model(model, copy=True)
     inputs = {v.name: v for v in m.graph.inputs}
     for name, shape in shapes.items():
         value = inputs.get(name)

@@ -35,14 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import yaml
 
 from mpgraph._ir import meta as md
 from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError, UsageError
-from mpgraph.io import load_model
+from mpgraph.io import ModelLike, as_model
 from mpgraph.policy import Policy, load_policy
 from mpgraph.policy.schema import Override
 from mpgraph.runtime.probe import run
@@ -262,7 +261,7 @@ def _producer_name(label: str) -> str | None:
 
 
 def tune(
-    model: ir.Model | onnx.ModelProto | str | os.PathLike,
+    model: ModelLike,
     policy: str | os.PathLike | Policy = "fp16",
     *,
     objective: Objective | None = None,
@@ -292,7 +291,7 @@ def tune(
     base = load_policy(policy)
     if base.is_identity:
         raise UsageError("tune needs a low-precision policy (fp16, bf16, ...), not fp32")
-    reference = model if isinstance(model, ir.Model) else (ir.from_proto(model) if isinstance(model, onnx.ModelProto) else load_model(model))
+    reference = as_model(model)
     if md.MODEL_POLICY in reference.metadata_props:
         raise MpgraphError("model was already converted; tune the original float32 model")
     objective = objective or OutputTolerance()
