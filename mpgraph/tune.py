@@ -39,6 +39,7 @@ import onnx_ir as ir
 import yaml
 
 from mpgraph._ir import meta as md
+from mpgraph.audit.compare import compare, relative_error
 from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.io import ModelLike, as_model
@@ -61,25 +62,6 @@ class Objective(Protocol):
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
         """Run the reference once; return the error function of a candidate."""
         ...
-
-
-def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
-    """``||cand - ref|| / ||ref||``; ``inf`` when the candidate is non-finite where ``ref`` is finite.
-
-    Example:
-        >>> relative_error(np.array([3.0, 4.0]), np.array([3.0, 4.5]))
-        0.1
-        >>> relative_error(np.array([1.0]), np.array([np.inf]))
-        inf
-    """
-    r = ref.astype(np.float64)
-    c = cand.astype(np.float64)
-    finite = np.isfinite(r)
-    if (finite & ~np.isfinite(c)).any():
-        return float("inf")
-    norm = float(np.linalg.norm(r[finite]))
-    diff = float(np.linalg.norm((c - r)[finite]))
-    return diff / norm if norm > 0 else float(diff > 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,8 +267,6 @@ def tune(
         MpgraphError: The model was already converted, or the objective fails even with every
             lowered op float32.
     """
-    from mpgraph.audit.compare import compare
-
     start = time.perf_counter()
     base = load_policy(policy)
     if base.is_identity:

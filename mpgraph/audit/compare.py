@@ -29,7 +29,7 @@ from mpgraph.errors import MpgraphError
 from mpgraph.runtime.probe import run_with_values
 from mpgraph.targets import check_runnable
 
-__all__ = ["ValueDivergence", "CompareReport", "compare"]
+__all__ = ["ValueDivergence", "CompareReport", "compare", "match_value", "relative_error", "run_all"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,43 @@ def run_all(model: ir.Model, feeds: Mapping[str, np.ndarray], *, with_bool: bool
         raise
 
 
+def relative_error(ref: np.ndarray, cand: np.ndarray) -> float:
+    """``||cand - ref|| / ||ref||``; ``inf`` when the candidate is non-finite where ``ref`` is finite.
+
+    Example:
+        >>> relative_error(np.array([3.0, 4.0]), np.array([3.0, 4.5]))
+        0.1
+        >>> relative_error(np.array([1.0]), np.array([np.inf]))
+        inf
+    """
+    r = ref.astype(np.float64)
+    c = cand.astype(np.float64)
+    finite = np.isfinite(r)
+    if (finite & ~np.isfinite(c)).any():
+        return float("inf")
+    norm = float(np.linalg.norm(r[finite]))
+    diff = float(np.linalg.norm((c - r)[finite]))
+    return diff / norm if norm > 0 else float(diff > 0)
+
+
+def match_value(name: str, ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> tuple[str, str] | None:
+    """(reference name, candidate name) of a candidate value, or None when either has none.
+
+    A lowered graph output is computed under ``<name>_<bf16|fp16>`` (emulated:
+    ``<name>_unrounded``), and an emulated graph holds a low value rounded as ``round/<name>``.
+
+    Example:
+        >>> match_value("y_bf16", {"y": 0}, {"y_bf16": 0, "round/y_bf16": 0})
+        ('y', 'round/y_bf16')
+    """
+    base = name
+    for suffix in ("_bf16", "_fp16", "_unrounded"):
+        if base not in ref and base.endswith(suffix):
+            base = base[: -len(suffix)]
+    held = f"round/{name}" if f"round/{name}" in cand else name
+    return (base, held) if base in ref and held in cand else None
+
+
 def _error(name: str, ref: np.ndarray, cand: np.ndarray, producer: str, precision: str) -> ValueDivergence | None:
     if ref.shape != cand.shape or ref.dtype.kind != "f" or cand.dtype.kind != "f":
         return None
@@ -159,16 +196,9 @@ def compare(
         label = f"{node.op_type} '{node.name}'"
         precision = node.metadata_props.get(md.NODE_PRECISION, "?")
         for value in node.outputs:
-            name = value.name or ""
-            # Lowered graph outputs are computed under <name>_<bf16|fp16> (emulated: <name>_unrounded).
-            base = name
-            for suffix in ("_bf16", "_fp16", "_unrounded"):
-                if base not in ref and base.endswith(suffix):
-                    base = base[: -len(suffix)]
-            # An emulated graph holds a low value as round/<name> (rounded to the low dtype).
-            held = f"round/{name}" if f"round/{name}" in cand else name
-            if base in ref and held in cand:
-                err = _error(base, ref[base], cand[held], label, precision)
+            match = match_value(value.name or "", ref, cand)
+            if match is not None:
+                err = _error(match[0], ref[match[0]], cand[match[1]], label, precision)
                 if err is not None:
                     values.append(err)
     outputs = []

@@ -31,6 +31,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.audit.compare import match_value, relative_error, run_all
 from mpgraph.errors import MpgraphError
 
 __all__ = ["TensorDivergence", "StepValueDivergence", "TrainCompareReport", "compare_train", "render_html"]
@@ -131,16 +132,10 @@ def _errors(ref: np.ndarray, cand: np.ndarray) -> tuple[float, float, int] | Non
     nonfinite = int((finite & ~np.isfinite(c)).sum())
     nonzero = finite & (r != 0)
     underflow = float((nonzero & (c == 0)).sum() / nonzero.sum()) if nonzero.any() else 0.0
-    if nonfinite:
-        return float("inf"), underflow, nonfinite
-    norm = float(np.linalg.norm(r[finite]))
-    diff = float(np.linalg.norm((c - r)[finite]))
-    return (diff / norm if norm > 0 else float(diff > 0)), underflow, 0
+    return relative_error(r, c), underflow, nonfinite
 
 
 def _run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    from mpgraph.audit.compare import run_all
-
     return run_all(model, feeds, with_bool=True, what="step graph")
 
 
@@ -162,16 +157,6 @@ def _scaled_values(model: ir.Model) -> set[str]:
                 continue
             stack.extend(node.outputs)
     return scaled
-
-
-def _matched(name: str, ref: Mapping[str, np.ndarray], cand: Mapping[str, np.ndarray]) -> tuple[str, str] | None:
-    """(reference name, candidate name) for a candidate value, as ``compare`` matches them."""
-    base = name
-    for suffix in ("_bf16", "_fp16", "_unrounded"):
-        if base not in ref and base.endswith(suffix):
-            base = base[: -len(suffix)]
-    held = f"round/{name}" if f"round/{name}" in cand else name
-    return (base, held) if base in ref and held in cand else None
 
 
 def _state_value(model: ir.Model, name: str) -> np.ndarray | None:
@@ -244,7 +229,7 @@ def _gradients(params: Sequence[tuple[str, str]], ref: Mapping[str, np.ndarray],
         if unscaled in cand:
             got = cand[unscaled]
         else:
-            match = _matched(grad, ref, cand)
+            match = match_value(grad, ref, cand)
             if match is None:
                 continue
             got = cand_value(match[1])
@@ -280,7 +265,7 @@ def _along_graph(candidate: ir.Model, ref: Mapping[str, np.ndarray], cand: Mappi
         role = node.metadata_props.get(md.NODE_ROLE, "forward")
         precision = node.metadata_props.get(md.NODE_PRECISION, "?")
         for value in node.outputs:
-            match = _matched(value.name or "", ref, cand)
+            match = match_value(value.name or "", ref, cand)
             if match is None:
                 continue
             errs = _errors(ref[match[0]], cand_value(match[1]))
