@@ -100,9 +100,10 @@ class MemoryReport:
 
 
 def _itemsize(elem_type: int) -> int | None:
+    """Bytes per element as numpy holds it (ORT too); None for an unknown or undefined type."""
     try:
-        return int(np.dtype(onnx.helper.tensor_dtype_to_np_dtype(elem_type)).itemsize)
-    except (KeyError, TypeError, ValueError):
+        return int(np.dtype(ir.DataType(elem_type).numpy()).itemsize)
+    except (TypeError, ValueError):
         return None
 
 
