@@ -298,29 +298,33 @@ def _range_of(array: np.ndarray, low: ir.DataType) -> ValueRange:
 def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType) -> dict[str, tuple[str, str]]:
     """Append ``absmax`` and ``flushed share`` nodes per value to ``proto``'s graph, made outputs."""
     graph = proto.graph
-    helper = onnx.helper
     zero, tiny = "calib/zero", "calib/tiny"
     # Constant nodes, not initializers: IR version 3 models must list initializers as inputs.
     nodes = [
-        helper.make_node("Constant", [], [zero], value=onnx.numpy_helper.from_array(np.array(0.0, np.float32))),
-        helper.make_node(
-            "Constant", [], [tiny], value=onnx.numpy_helper.from_array(np.array(smallest_subnormal(low) / 2, np.float32))
-        ),
+        _node("Constant", [], zero, value=np.array(0.0, np.float32)),
+        _node("Constant", [], tiny, value=np.array(smallest_subnormal(low) / 2, np.float32)),
     ]
     stats: dict[str, tuple[str, str]] = {}
     for i, name in enumerate(names):
         p = f"calib/{i}"
         mx, fl = f"{p}/absmax", f"{p}/flushed"
         nodes += [
-            helper.make_node("Abs", [name], [f"{p}/abs"]),
-            helper.make_node("ReduceMax", [f"{p}/abs"], [mx], keepdims=0),
-            helper.make_node("Less", [f"{p}/abs", tiny], [f"{p}/lt"]),
-            helper.make_node("Greater", [f"{p}/abs", zero], [f"{p}/gt"]),
-            helper.make_node("And", [f"{p}/lt", f"{p}/gt"], [f"{p}/and"]),
-            helper.make_node("Cast", [f"{p}/and"], [f"{p}/f"], to=onnx.TensorProto.FLOAT),
-            helper.make_node("ReduceMean", [f"{p}/f"], [fl], keepdims=0),
+            _node("Abs", [name], f"{p}/abs"),
+            _node("ReduceMax", [f"{p}/abs"], mx, keepdims=0),
+            _node("Less", [f"{p}/abs", tiny], f"{p}/lt"),
+            _node("Greater", [f"{p}/abs", zero], f"{p}/gt"),
+            _node("And", [f"{p}/lt", f"{p}/gt"], f"{p}/and"),
+            _node("Cast", [f"{p}/and"], f"{p}/f", to=ir.DataType.FLOAT.value),
+            _node("ReduceMean", [f"{p}/f"], fl, keepdims=0),
         ]
         graph.output.extend([onnx.ValueInfoProto(name=mx), onnx.ValueInfoProto(name=fl)])
         stats[name] = (mx, fl)
     graph.node.extend(nodes)
     return stats
+
+
+def _node(op_type: str, inputs: list[str], output: str, **attributes: int | np.ndarray) -> onnx.NodeProto:
+    """One serialized default-domain node over values named ``inputs``; ints and arrays as attributes."""
+    attrs = [ir.AttrInt64(k, v) if isinstance(v, int) else ir.AttrTensor(k, ir.tensor(v)) for k, v in attributes.items()]
+    node = ir.Node("", op_type, [ir.Value(name=n) for n in inputs], attrs, outputs=[ir.Value(name=output)])
+    return ir.serde.serialize_node(node)
