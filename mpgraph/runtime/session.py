@@ -28,13 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph import targets
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
+from mpgraph.io import as_model
 
 __all__ = [
     "PROVIDERS",
@@ -224,7 +224,7 @@ def forward_model(step: bytes, target: str) -> ir.Model:
             are bound at run time).
         target: The value to compute (``logits_name``).
     """
-    model = ir.from_proto(onnx.load_from_string(step))
+    model = as_model(step)
     graph = model.graph
     value = next((v for n in graph for v in n.outputs if v.name == target), None)
     if value is None:

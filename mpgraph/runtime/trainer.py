@@ -50,13 +50,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
 from mpgraph._ir import meta as md
 from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_model, token_input
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
+from mpgraph.io import ModelLike, as_model, as_proto
 from mpgraph.runtime import session as ses
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
@@ -127,18 +127,6 @@ def stop_on_signals(signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)) ->
     finally:
         for sig, old in previous.items():
             signal.signal(sig, old)
-
-
-def _load(model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str]) -> ir.Model:
-    if isinstance(model, ir.Model):
-        return model
-    if isinstance(model, onnx.ModelProto):
-        return ir.from_proto(model)
-    if isinstance(model, bytes):
-        return ir.from_proto(onnx.load_from_string(model))
-    from mpgraph.io import load_model
-
-    return load_model(model)
 
 
 def _state_pairs(model: ir.Model) -> list[tuple[str, str]]:
@@ -221,7 +209,7 @@ class Trainer:
 
     def __init__(
         self,
-        model: ir.Model | onnx.ModelProto | bytes | str | os.PathLike[str],
+        model: ModelLike,
         provider: str = "cpu",
         *,
         device_id: int = 0,
@@ -233,7 +221,7 @@ class Trainer:
         tf32: bool | None = None,
         cuda_graph: bool | None = None,
     ) -> None:
-        self.model = _load(model)
+        self.model = as_model(model)
         self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
         self.provider = provider
         #: Notes about running this graph on ``provider`` (``mpgraph.targets.check_runnable``,
@@ -279,7 +267,7 @@ class Trainer:
         graph has no initializers for them.
         """
         state_names = {a for a, _ in self.pairs}
-        proto = ir.to_proto(self.model)
+        proto = as_proto(self.model)  # a copy: the session gets the graph without the state
         self.fingerprint = graph_fingerprint(proto)
         inits = self.model.graph.initializers
         missing = [a for a in state_names
@@ -410,7 +398,7 @@ class Trainer:
         names = [spec.name for spec in self.data_inputs]
         signature = self._signature(batch, names)
         try:
-            fixed = specialize_shapes(ir.from_proto(onnx.load_from_string(self._session_bytes)),
+            fixed = specialize_shapes(as_model(self._session_bytes),
                                       {n: shape for n, (shape, _) in signature.items()})
             session = self._new_session(graph=True, model=ir.to_proto(fixed).SerializeToString())
         except MpgraphError as e:
