@@ -87,20 +87,15 @@ def evaluate_nodes(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]
     Used to fold constant subgraphs; None (with a warning) when ORT cannot evaluate them,
     since folding is an optimization.
     """
-    inits = {v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer()}
-    names = [v.name or "" for v in values]
-    proto = onnx.helper.make_model(
-        onnx.helper.make_graph(
-            [ir.serde.serialize_node(n) for n in nodes], "fold", [],
-            [onnx.helper.make_tensor_value_info(v.name, int(v.dtype), None) for v in values if v.dtype is not None],
-            [ir.serde.serialize_tensor(graph.initializers[name].const_value) for name in sorted(n for n in inits if n)],
-        ),
-        opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in graph.opset_imports.items()],
-    )
-    proto.ir_version = max(8, onnx.helper.find_min_ir_version_for(list(proto.opset_import), True))
+    inits = sorted({v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer() and v.name})
+    # A view: the nodes stay in ``graph``.
+    view = ir.GraphView([], values, nodes=nodes, initializers=[graph.initializers[name] for name in inits],
+                        opset_imports=dict(graph.opset_imports), name="fold")
+    opsets = [onnx.OperatorSetIdProto(domain=d, version=v) for d, v in graph.opset_imports.items()]
+    ir_version = max(8, onnx.helper.find_min_ir_version_for(opsets, True))
     try:
-        session = cpu_session(proto, log_severity=3)
-        return [np.asarray(a) for a in session.run(names, {})]
+        session = cpu_session(ir.to_proto(ir.Model(view, ir_version=ir_version)), log_severity=3)  # type: ignore[arg-type]
+        return [np.asarray(a) for a in session.run([v.name or "" for v in values], {})]
     except Exception as e:  # noqa: BLE001 - ORT raises many types; folding is an optimization
         logger.warning("constant folding skipped: ONNX Runtime cannot evaluate the constant subgraphs (%s)", first_line(e))
         return None
