@@ -14,12 +14,13 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.meta import Phase, Precision
 from mpgraph.data import random_feeds, read_npz
 from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import ModelLike, as_model, load_model, save_model
 from mpgraph.passes import Pipeline
-from mpgraph.passes.assign_precision import AssignPrecisionPass
+from mpgraph.passes.assign_precision import AssignPrecisionPass, Decision, record_decision
 from mpgraph.passes.calibrate_range import CalibrateRangePass
 from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
@@ -260,8 +261,7 @@ def _lower_until_finite(
             ir_model = ir.from_proto(pristine)
             for i, node in enumerate(ir_model.graph):
                 if i in kept:
-                    node.metadata_props[md.NODE_PRECISION] = "float32"
-                    node.metadata_props[md.NODE_REASON] = kept[i]
+                    record_decision(node, Decision(Precision.FLOAT32, Phase.FINITE, kept[i]))
         position = {node: i for i, node in enumerate(ir_model.graph)}
         # Without InferTypesPass when the types came with the proto.
         build_pipeline(policy, emulate=emulate, validate=False, calibration=calibration,
@@ -408,9 +408,9 @@ def _origin(value: ir.Value) -> ir.Value:
 def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Policy) -> str:
     kept: dict[str, int] = {}
     for node in model.graph:
-        why = node.metadata_props.get(md.NODE_REASON, "")
-        if why.startswith("calibration:"):
-            kind = "non-finite" if "non-finite" in why else "range"
+        phase = node.metadata_props.get(md.NODE_PHASE)
+        if phase in (Phase.CALIBRATION, Phase.FINITE):
+            kind = "non-finite" if phase == Phase.FINITE else "range"
             kept[kind] = kept.get(kind, 0) + 1
     flushing = [[name, float(f"{r.flushed:.3g}")] for name, r in calibration.flushing()[:5]]
     return json.dumps(

@@ -91,7 +91,7 @@ def conversion_notes(model: ir.Model, *, emulate: bool) -> list[str]:
     elif dtype == "float16" and md.MODEL_TRAINING not in props:
         lines.append("[yellow]no range check[/] (--no-calibrate, or ORT CPU cannot run the float32 model): float16 may overflow")
     target = props.get(md.MODEL_TARGET)
-    gaps = sum(" kernel on " in n.metadata_props.get(md.NODE_REASON, "") for n in model.graph)
+    gaps = sum(n.metadata_props.get(md.NODE_PHASE) == md.Phase.KERNEL_GAP for n in model.graph)
     if target:
         lines.append(
             f"target {target}: {gaps} ops kept float32 for lack of a {dtype} kernel there"

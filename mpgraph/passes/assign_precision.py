@@ -126,9 +126,13 @@ class Decision:
 
 
 def record_decision(node: ir.Node, decision: Decision) -> bool:
-    """Write ``decision`` into ``node``'s metadata (the only writer of it); True if that changed it."""
+    """Write ``decision`` into ``node``'s metadata (the only writer of it); True if that changed it.
+
+    ``mpgraph.precision``, ``mpgraph.reason`` and ``mpgraph.phase``, in that order.
+    """
     changed = False
-    for key, value in ((md.NODE_PRECISION, decision.precision), (md.NODE_REASON, decision.reason)):
+    keys = (md.NODE_PRECISION, md.NODE_REASON, md.NODE_PHASE)
+    for key, value in zip(keys, (decision.precision, decision.reason, decision.phase)):
         if node.metadata_props.get(key) != value:
             node.metadata_props[key] = str(value)
             changed = True

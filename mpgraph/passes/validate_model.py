@@ -11,7 +11,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph._ir.meta import Precision
+from mpgraph._ir.meta import Phase, Precision
 from mpgraph.dtypes import is_float
 from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing
@@ -52,7 +52,7 @@ def check_precision_invariants(model: ir.Model) -> None:
     for node in model.graph:
         if node.metadata_props.get(md.NODE_PRECISION) != Precision.FLOAT32:
             continue
-        if node.metadata_props.get(md.NODE_REASON, "").startswith("computes in"):
+        if node.metadata_props.get(md.NODE_PHASE) == Phase.INPUT_DTYPE:
             continue  # the input model already ran this node in another float type
         typing = node_typing(node, opsets)
         for i in typing.compute_inputs():
