@@ -7,8 +7,9 @@ import logging
 
 import onnx_ir as ir
 
-from mpgraph._ir.meta import NODE_ROLE
-from mpgraph.autodiff.driver import FLOAT_TYPES, GradContext
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import NODE_ROLE, Role
+from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
 
 __all__ = ["BUILTIN_LOSSES", "LOSS_OPS", "AttachLossPass", "LossResult", "find_logits"]
@@ -63,7 +64,7 @@ class AttachLossPass(ir.passes.InPlacePass):
         graph = model.graph
         roles = [n.metadata_props.get(NODE_ROLE) for n in graph]
         for node in graph:
-            node.metadata_props[NODE_ROLE] = "forward"
+            node.metadata_props[NODE_ROLE] = Role.FORWARD
         loss = self.loss if self.loss is not None else _default_loss(graph)
         outputs = {v.name: v for v in graph.outputs}
         if loss in outputs:
@@ -73,10 +74,10 @@ class AttachLossPass(ir.passes.InPlacePass):
             loss_nodes = _loss_nodes(value)
         else:
             before = len(graph)
-            value = _attach_builtin(graph, loss, GradContext(graph, role="loss", scope="loss"))
+            value = _attach_builtin(graph, loss, Builder(graph, role=Role.LOSS, scope="loss"))
             loss_nodes = list(graph)[before:]
         for node in loss_nodes:
-            node.metadata_props[NODE_ROLE] = "loss"
+            node.metadata_props[NODE_ROLE] = Role.LOSS
         modified = len(roles) != len(graph) or roles != [n.metadata_props.get(NODE_ROLE) for n in graph]
         return LossResult(model, modified, value)
 
@@ -101,7 +102,7 @@ def find_logits(graph: ir.Graph) -> str | None:
     return None
 
 
-def _attach_builtin(graph: ir.Graph, loss: str, ctx: GradContext) -> ir.Value:
+def _attach_builtin(graph: ir.Graph, loss: str, ctx: Builder) -> ir.Value:
     """Rules 3 to 5: the attached loss value, named ``loss`` (or ``loss_<k>``)."""
     if loss not in BUILTIN_LOSSES:
         raise GradientError(

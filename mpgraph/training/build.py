@@ -13,6 +13,7 @@ import onnx
 import onnx_ir as ir
 import onnx_ir.passes.common
 
+from mpgraph._ir.builder import Builder
 from mpgraph._ir.meta import (
     MODEL_FORWARD_OUTPUTS,
     MODEL_GRAD_SEED,
@@ -22,9 +23,9 @@ from mpgraph._ir.meta import (
     MODEL_STATE_PAIRS,
     MODEL_TRAINING,
     NODE_ROLE,
+    Role,
 )
 from mpgraph.autodiff import differentiate
-from mpgraph.autodiff.driver import GradContext
 from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
@@ -117,7 +118,7 @@ def build_training_graph(
                                   inputs_mark_params=forward.inputs_mark_params)(m).params
     _keep_loss_only(m, loss_value, state)
     grads = _differentiate(m, loss_value, params, target, forward.opset)
-    ctx = GradContext(m.graph, role="optimizer", scope="optim")
+    ctx = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
     if opt is None:
         outputs = _gradient_outputs(m.graph, params, grads)
     else:
@@ -171,26 +172,20 @@ def _differentiate(model: ir.Model, loss: ir.Value, params: list[ir.Value], targ
 def _gradient_seed(graph: ir.Graph, loss: ir.Value) -> ir.Value:
     """A dedicated ``dloss/dloss = 1`` value named ``grad/seed`` (loss scaling multiplies it)."""
     dtype = loss.dtype or ir.DataType.FLOAT
+    b = Builder(graph, role=Role.BACKWARD, scope="grad")
     if loss.shape is not None and len(loss.shape) == 0:
-        node = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(1.0, dtype=dtype.numpy())))],
-                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
+        seed = b.op("Constant", value=ir.tensor(np.array(1.0, dtype=dtype.numpy())), name="seed")
     else:
-        shape = ir.Node("", "Shape", [loss], name="grad/seed_shape", metadata_props={NODE_ROLE: "backward"})
-        graph.append(shape)
-        one = ir.tensor(np.ones((1,), dtype=dtype.numpy()))
-        node = ir.Node("", "ConstantOfShape", [shape.outputs[0]], [ir.AttrTensor("value", one)],
-                       name="grad/seed", metadata_props={NODE_ROLE: "backward"})
-        shape.outputs[0].name = "grad/seed_shape"
-    node.outputs[0].name = "grad/seed"
-    node.outputs[0].dtype = dtype
-    node.outputs[0].shape = loss.shape
-    graph.append(node)
-    return node.outputs[0]
+        shape = b.op("Shape", loss, name="seed_shape")
+        seed = b.op("ConstantOfShape", shape, value=ir.tensor(np.ones((1,), dtype=dtype.numpy())), name="seed")
+    seed.dtype = dtype
+    seed.shape = loss.shape
+    return seed
 
 
 def _gradient_outputs(graph: ir.Graph, params: list[ir.Value], grads: dict[str, ir.Value]) -> State:
     """No optimizer: every parameter's gradient is an output named ``grad/<param>``."""
-    gctx = GradContext(graph, role="backward", scope="grad")
+    gctx = Builder(graph, role=Role.BACKWARD, scope="grad")
     outputs = []
     for p in params:
         g = grads[name_of(p)]
@@ -204,7 +199,7 @@ def _gradient_outputs(graph: ir.Graph, params: list[ir.Value], grads: dict[str, 
 class _StateInputs:
     """The optimizer's ``StateFactory``: fp32 state inputs with same-named initializers."""
 
-    def __init__(self, graph: ir.Graph, ctx: GradContext) -> None:
+    def __init__(self, graph: ir.Graph, ctx: Builder) -> None:
         self.graph = graph
         self.ctx = ctx
         self.inputs: list[ir.Value] = []
@@ -224,7 +219,7 @@ class _StateInputs:
         return value
 
 
-def _attach_optimizer(model: ir.Model, ctx: GradContext, opt: Optimizer, lr: float, params: list[ir.Value],
+def _attach_optimizer(model: ir.Model, ctx: Builder, opt: Optimizer, lr: float, params: list[ir.Value],
                       grads: dict[str, ir.Value], state: State) -> State:
     """The optimizer update with an ``lr`` input; returns every state pair, parameters first.
 
@@ -242,7 +237,7 @@ def _attach_optimizer(model: ir.Model, ctx: GradContext, opt: Optimizer, lr: flo
     return [(p, updated[name_of(p)]) for p in params] + state + opt_state
 
 
-def _state_outputs(graph: ir.Graph, ctx: GradContext, state: State) -> State:
+def _state_outputs(graph: ir.Graph, ctx: Builder, state: State) -> State:
     """Every state update as an output named ``<state input>/updated`` (an Identity if needed)."""
     outputs = []
     for i, (inp, out) in enumerate(state):
@@ -263,7 +258,7 @@ def _finish(model: ir.Model, state: State, outputs: State) -> None:
     graph = model.graph
     graph.outputs.extend(out for _, out in outputs)
     for node in graph:
-        node.metadata_props.setdefault(NODE_ROLE, "forward")
+        node.metadata_props.setdefault(NODE_ROLE, Role.FORWARD)
     model.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
     model.metadata_props[MODEL_TRAINING] = "true"
     graph.name = graph.name or "train_step"

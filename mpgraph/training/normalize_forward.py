@@ -11,7 +11,8 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING
-from mpgraph.autodiff.driver import FLOAT_TYPES
+from mpgraph._ir.names import NameScope
+from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import UnsupportedModelError
 from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
 
@@ -118,7 +119,8 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
        the ops).
     2. BatchNorm layers the exporter folded into convolutions are named in a warning (the
        graph trains a model without them); nothing changes.
-    3. Unnamed nodes are named ``<op_type>_<index>``, unnamed outputs ``<node>/output_<k>``.
+    3. Unnamed nodes are named ``<op_type>_<index>``, unnamed outputs ``<node>/output_<k>``
+       (with ``_1``, ``_2``... when the name is taken).
     4. A ``ConstantOfShape`` with a constant shape and a float fill (as in compressed "light"
        model files) becomes an initializer: a weight.
     5. Float initializers the exporter deduplicated behind ``Identity`` nodes are untied:
@@ -180,20 +182,16 @@ def _warn_folded_batchnorm(graph: ir.Graph) -> list[str]:
 
 
 def _name_nodes(graph: ir.Graph) -> int:
-    """Name unnamed nodes and outputs; returns how many names were given."""
-    used = {n.name for n in graph if n.name}
+    """Rule 3; returns how many names were given (fresh ones: ``_1``, ``_2``... on a clash)."""
+    names = NameScope(graph)
     named = 0
     for i, node in enumerate(graph):
         if not node.name:
-            name = f"{node.op_type}_{i}"
-            while name in used:
-                name += "_"
-            node.name = name
-            used.add(name)
+            node.name = names.fresh(f"{node.op_type}_{i}")
             named += 1
         for k, out in enumerate(node.outputs):
             if not out.name:
-                out.name = f"{node.name}/output_{k}"
+                out.name = names.fresh(f"{node.name}/output_{k}")
                 named += 1
     return named
 

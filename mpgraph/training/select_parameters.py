@@ -8,7 +8,7 @@ from collections.abc import Collection, Sequence
 
 import onnx_ir as ir
 
-from mpgraph.autodiff.driver import FLOAT_TYPES
+from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
 from mpgraph.training._common import name_of
 

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.meta import NODE_ROLE
-from mpgraph.autodiff.driver import GradContext
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import Role
 from mpgraph.errors import GradientError, UnsupportedModelError
 
 __all__ = ["BATCHNORM_MODES", "SetBatchNormModePass", "StateResult", "training_batchnorms"]
@@ -64,7 +64,7 @@ class SetBatchNormModePass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> StateResult:
         graph = model.graph
-        ctx = GradContext(graph, role="loss", scope="loss")
+        ctx = Builder(graph, role=Role.FORWARD, scope="loss")
         state: list[tuple[ir.Value, ir.Value]] = []
         modified = False
         for node in list(graph):
@@ -110,7 +110,7 @@ def _eval(node: ir.Node) -> bool:
     return changed
 
 
-def _train(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> list[tuple[ir.Value | None, ir.Value]]:
+def _train(graph: ir.Graph, node: ir.Node, ctx: Builder) -> list[tuple[ir.Value | None, ir.Value]]:
     """Rules 2 and 3: three outputs, named statistics, running statistics as graph inputs."""
     if len(node.outputs) < 3:
         node.resize_outputs(3)
@@ -123,7 +123,7 @@ def _train(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> list[tuple[ir.Va
     return [(node.inputs[3], node.outputs[1]), (node.inputs[4], node.outputs[2])]
 
 
-def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx: GradContext) -> ir.Value:
+def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx: Builder) -> ir.Value:
     """The running statistic at input ``slot`` of ``node``, as a value only this node uses.
 
     Every training-mode BatchNormalization needs its running statistics as state: ONNX Runtime
@@ -156,7 +156,7 @@ def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx:
     return own
 
 
-def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> list[tuple[ir.Value | None, ir.Value]]:
+def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: Builder) -> list[tuple[ir.Value | None, ir.Value]]:
     """Replace a training-mode BatchNormalization with the ops of its definition (ONNX opset 15).
 
     ``Y = (X - mean) / sqrt(var + eps) * scale + B`` with the batch mean and biased variance
@@ -174,15 +174,10 @@ def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> li
     reduce_axes = ctx.const(np.array([0, *range(2, rank)], dtype=np.int64))
     channel_axes = ctx.const(np.array([0, *range(2, rank)], dtype=np.int64))
     flat = ctx.const(np.array([-1], dtype=np.int64))
-    new_nodes: list[ir.Node] = []
+    ops = Builder(graph, role=Role.FORWARD, scope=f"{node.name}/bn", names=ctx.names)
 
     def op(op_type: str, *inputs: ir.Value, **attrs: Any) -> ir.Value:
-        name = ctx.unique(f"{node.name}/bn/{op_type}")
-        n = ir.Node("", op_type, list(inputs), ir.convenience.convert_attributes(attrs), name=name,
-                    metadata_props={NODE_ROLE: "forward"})
-        n.outputs[0].name = name
-        new_nodes.append(n)
-        return n.outputs[0]
+        return ops.op(op_type, *inputs, name=op_type, **attrs)
 
     def scalar(value: float) -> ir.Value:
         return ctx.const(np.array(value, dtype=(x.dtype or ir.DataType.FLOAT).numpy()))
@@ -194,7 +189,9 @@ def _decompose_batchnorm(graph: ir.Graph, node: ir.Node, ctx: GradContext) -> li
     y = op("Add", op("Mul", normed, op("Unsqueeze", scale, channel_axes)), op("Unsqueeze", bias, channel_axes))
     rm = op("Add", op("Mul", mean_in, scalar(mom_v)), op("Mul", op("Reshape", mean, flat), scalar(1 - mom_v)))
     rv = op("Add", op("Mul", var_in, scalar(mom_v)), op("Mul", op("Reshape", var, flat), scalar(1 - mom_v)))
-    graph.insert_before(node, new_nodes)
+    # The Builder appends; the definition goes where the node was.
+    graph.remove(ops.tape.nodes)
+    graph.insert_before(node, ops.tape.nodes)
     for old, new in zip(node.outputs, (y, rm, rv)):
         name = old.name
         new.shape = old.shape
