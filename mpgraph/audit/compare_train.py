@@ -281,39 +281,7 @@ def render_html(report: TrainCompareReport, *, title: str = "mpgraph compare (tr
     """A self-contained page: the summary, the relative error of every value along the graph
     (topological order, log scale, colored by role) as inline SVG, and the gradient and update tables."""
     esc = html.escape
-    points = report.values
-    width, height, pad = 1000, 320, 48
-    lo, hi = -8.0, 1.0
-
-    def y_of(err: float) -> float:
-        e = hi if not math.isfinite(err) else min(max(math.log10(err) if err > 0 else lo, lo), hi)
-        return pad + (hi - e) / (hi - lo) * (height - 2 * pad)
-
-    def x_of(i: int) -> float:
-        return pad + i / max(len(points) - 1, 1) * (width - 2 * pad)
-
-    marks = []
-    for i, v in enumerate(points):
-        color = "#d62728" if v.nonfinite else _ROLE_COLORS.get(v.role, "#7f7f7f")
-        tip = f"{i}: {v.name} ({v.producer}, {v.role}, {v.precision}) rel error {v.rel_error:.3g}, " \
-              f"underflow {v.underflow:.3g}, non-finite {v.nonfinite}"
-        marks.append(f'<circle cx="{x_of(i):.1f}" cy="{y_of(v.rel_error):.1f}" r="2.5" fill="{color}">'
-                     f"<title>{esc(tip)}</title></circle>")
-    grid = []
-    for e in range(int(lo), int(hi) + 1):
-        y = y_of(10.0**e)
-        grid.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
-                    f'<text x="{pad - 6}" y="{y + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
-    ty = y_of(report.threshold)
-    grid.append(f'<line x1="{pad}" x2="{width - pad}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#d62728" stroke-dasharray="4 3"/>')
-    if report.first_backward_divergence is not None:
-        i = points.index(report.first_backward_divergence)
-        grid.append(f'<line x1="{x_of(i):.1f}" x2="{x_of(i):.1f}" y1="{pad}" y2="{height - pad}" stroke="#d62728"/>')
     legend = " ".join(f'<span style="color:{c}">&#9679; {r}</span>' for r, c in _ROLE_COLORS.items())
-    svg = (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
-           f'aria-label="relative error along the graph">{"".join(grid)}{"".join(marks)}'
-           f'<text x="{width / 2}" y="{height - 8}" font-size="11" text-anchor="middle">values in topological order '
-           f"(forward, loss, backward, optimizer)</text></svg>")
 
     def table(rows: Sequence[TensorDivergence], head: str) -> str:
         body = "".join(f"<tr><td>{esc(r.name)}</td><td>{r.rel_error:.3g}</td><td>{r.underflow:.3g}</td>"
@@ -335,8 +303,45 @@ def render_html(report: TrainCompareReport, *, title: str = "mpgraph compare (tr
              "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}td+td{text-align:right}")
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{esc(title)}</title><style>{style}</style>"
             f"</head><body><h1>{esc(title)}</h1>{summary}<h2>relative error of every value</h2><p>{legend}; red: "
-            f"non-finite; dashed: threshold {report.threshold:g}; vertical: first backward divergence</p>{svg}"
+            f"non-finite; dashed: threshold {report.threshold:g}; vertical: first backward divergence</p>{_svg(report)}"
             f"{table(report.gradients, 'gradients')}{table(report.updates, 'one-step updates')}</body></html>")
+
+
+def _svg(report: TrainCompareReport) -> str:
+    """The relative error of every value along the graph: log scale, colored by role, with the
+    threshold (dashed) and the first backward divergence (vertical)."""
+    points = report.values
+    width, height, pad = 1000, 320, 48
+    lo, hi = -8.0, 1.0
+
+    def y_of(err: float) -> float:
+        e = hi if not math.isfinite(err) else min(max(math.log10(err) if err > 0 else lo, lo), hi)
+        return pad + (hi - e) / (hi - lo) * (height - 2 * pad)
+
+    def x_of(i: int) -> float:
+        return pad + i / max(len(points) - 1, 1) * (width - 2 * pad)
+
+    marks = []
+    for i, v in enumerate(points):
+        color = "#d62728" if v.nonfinite else _ROLE_COLORS.get(v.role, "#7f7f7f")
+        tip = f"{i}: {v.name} ({v.producer}, {v.role}, {v.precision}) rel error {v.rel_error:.3g}, " \
+              f"underflow {v.underflow:.3g}, non-finite {v.nonfinite}"
+        marks.append(f'<circle cx="{x_of(i):.1f}" cy="{y_of(v.rel_error):.1f}" r="2.5" fill="{color}">'
+                     f"<title>{html.escape(tip)}</title></circle>")
+    grid = []
+    for e in range(int(lo), int(hi) + 1):
+        y = y_of(10.0**e)
+        grid.append(f'<line x1="{pad}" x2="{width - pad}" y1="{y:.1f}" y2="{y:.1f}" stroke="#eee"/>'
+                    f'<text x="{pad - 6}" y="{y + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    ty = y_of(report.threshold)
+    grid.append(f'<line x1="{pad}" x2="{width - pad}" y1="{ty:.1f}" y2="{ty:.1f}" stroke="#d62728" stroke-dasharray="4 3"/>')
+    if report.first_backward_divergence is not None:
+        i = points.index(report.first_backward_divergence)
+        grid.append(f'<line x1="{x_of(i):.1f}" x2="{x_of(i):.1f}" y1="{pad}" y2="{height - pad}" stroke="#d62728"/>')
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+            f'aria-label="relative error along the graph">{"".join(grid)}{"".join(marks)}'
+            f'<text x="{width / 2}" y="{height - 8}" font-size="11" text-anchor="middle">values in topological order '
+            f"(forward, loss, backward, optimizer)</text></svg>")
 
 
 def write_html(report: TrainCompareReport, path: str | os.PathLike) -> None:
