@@ -28,7 +28,7 @@ from mpgraph._ir.meta import (
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
-from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError
+from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError, first_line
 from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
@@ -303,4 +303,4 @@ def _validate(model: ir.Model) -> None:
             onnx.checker.check_model(proto, full_check=True)
         onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
     except Exception as e:  # noqa: BLE001 - checker errors are many types
-        raise ValidationError(f"internal error: the training graph is invalid: {str(e).splitlines()[0]}") from e
+        raise ValidationError(f"internal error: the training graph is invalid: {first_line(e)}") from e

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import numpy as np
 import onnx
@@ -13,7 +12,8 @@ import onnx_ir as ir
 from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING
 from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import FLOAT_TYPES
-from mpgraph.errors import UnsupportedModelError
+from mpgraph.errors import UnsupportedModelError, first_line
+from mpgraph.io import ModelLike, as_proto
 from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
 
 __all__ = ["MIN_OPSET", "ForwardModel", "NormalizeForwardPass", "load_forward", "refuse_step_graph"]
@@ -40,19 +40,14 @@ class ForwardModel:
     opset: int
 
 
-def load_forward(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> ForwardModel:
+def load_forward(model: ModelLike) -> ForwardModel:
     """Load ``model`` (a copy: the caller's object is never changed) and upgrade its opset.
 
     Raises:
+        ModelLoadError: A path that ``mpgraph.io.load_proto`` refuses.
         UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
     """
-    if isinstance(model, (str, os.PathLike)):
-        proto = onnx.load(str(model))
-    elif isinstance(model, ir.Model):
-        proto = ir.to_proto(model)
-    else:
-        proto = onnx.ModelProto()
-        proto.CopyFrom(model)
+    proto = as_proto(model)
     if any(n.op_type in ("If", "Loop", "Scan") for n in proto.graph.node):
         raise UnsupportedModelError("control flow (If/Loop/Scan) is not supported by train-graph")
     opset = next((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), MIN_OPSET)
@@ -65,7 +60,7 @@ def load_forward(model: ir.Model | onnx.ModelProto | str | os.PathLike[str]) -> 
         try:
             proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
         except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
-            raise UnsupportedModelError(f"cannot upgrade opset {opset} to {MIN_OPSET}: {str(e).splitlines()[0]}") from None
+            raise UnsupportedModelError(f"cannot upgrade opset {opset} to {MIN_OPSET}: {first_line(e)}") from None
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as e:  # noqa: BLE001
