@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import onnx
@@ -214,8 +215,8 @@ class _Emitter:
         self.tape = ir.tape.Tape()
         self.prefix = f"{prefix}/f64conv"
 
-    def op(self, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs: object) -> ir.Value:
-        return self.tape.op(op_type, inputs, attrs or None, output=ir.Value(name=f"{self.prefix}/{name}"))  # type: ignore[arg-type]
+    def op(self, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs: Any) -> ir.Value:
+        return self.tape.op(op_type, inputs, attrs or None, output=ir.Value(name=f"{self.prefix}/{name}"))
 
     def ints(self, name: str, values: Sequence[int]) -> ir.Value:
         """An int64 vector ``Constant``."""
@@ -223,37 +224,39 @@ class _Emitter:
         return self.op("Constant", [], name, value=tensor)
 
 
-def _attrs(node: ir.Node) -> dict[str, object]:
-    return {name: attr.value for name, attr in node.attributes.items()}
+def _static_dims(shapes: Shapes, value: ir.Value | None, whole: bool) -> list[int] | None:
+    """The 4-D shape of ``value`` when its dims are static (the batch may be symbolic unless
+    ``whole``), else ``None``."""
+    shape = shapes.get(value.name or "") if value is not None else None
+    if shape is None or len(shape) != 4 or None in (shape if whole else shape[1:]):
+        return None
+    return [d if d is not None else -1 for d in shape]
 
 
-def _static(shape: Sequence[int | None] | None, rank: int) -> bool:
-    return shape is not None and len(shape) == rank and None not in shape[1:]
+def _ints(node: ir.Node, name: str, default: Sequence[int]) -> list[int]:
+    return list(node.attributes.get_ints(name, default))
 
 
 def _conv(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     x, w = node.inputs[0], node.inputs[1]
-    assert x is not None and w is not None
-    x_shape, w_shape = shapes.get(x.name or ""), shapes.get(w.name or "")
-    if not _static(x_shape, 4) or not _static(w_shape, 4) or None in w_shape:  # type: ignore[operator]
+    x_shape, w_shape = _static_dims(shapes, x, whole=False), _static_dims(shapes, w, whole=True)
+    if x is None or w is None or x_shape is None or w_shape is None:
         return None
-    assert x_shape is not None and w_shape is not None
-    attrs = _attrs(node)
-    strides = list(attrs.get("strides", [1, 1]))  # type: ignore[call-overload]
-    dilations = list(attrs.get("dilations", [1, 1]))  # type: ignore[call-overload]
-    pads = _explicit_pads(attrs, x_shape[2:], w_shape[2:], strides, dilations)  # type: ignore[arg-type]
+    strides, dilations = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1])
+    pads = _explicit_pads(node, x_shape[2:], w_shape[2:], strides, dilations)
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    return _conv_taps(em, x, w, bias, x_shape[1:], w_shape, int(attrs.get("group", 1)), strides, dilations, pads)  # type: ignore[arg-type, call-overload]
+    group = node.attributes.get_int("group", 1)
+    return _conv_taps(em, x, w, bias, x_shape[1:], w_shape, group, strides, dilations, pads)
 
 
-def _explicit_pads(attrs: Mapping[str, object], spatial: Sequence[int], kernel: Sequence[int],
+def _explicit_pads(node: ir.Node, spatial: Sequence[int], kernel: Sequence[int],
                    strides: Sequence[int], dilations: Sequence[int]) -> list[int]:
     """A Conv's ``[top, left, bottom, right]`` pads, ``auto_pad`` resolved."""
-    auto = str(attrs.get("auto_pad", "NOTSET"))
+    auto = node.attributes.get_string("auto_pad", "NOTSET")
     if auto == "VALID":
         return [0, 0, 0, 0]
     if auto not in ("SAME_UPPER", "SAME_LOWER"):
-        return list(attrs.get("pads", [0, 0, 0, 0]))  # type: ignore[call-overload]
+        return _ints(node, "pads", [0, 0, 0, 0])
     pads = [0, 0, 0, 0]
     for axis, (size, k, st, dl) in enumerate(zip(spatial, kernel, strides, dilations, strict=True)):
         total = max((-(-size // st) - 1) * st + (k - 1) * dl + 1 - size, 0)
@@ -297,20 +300,17 @@ def _conv_transpose(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | N
     ``dilation * (k - 1) - pad`` (plus ``output_padding`` at the end), convolved with the
     kernel's in/out channels swapped per group and its taps flipped."""
     x, w = node.inputs[0], node.inputs[1]
-    assert x is not None and w is not None
-    x_shape, w_shape = shapes.get(x.name or ""), shapes.get(w.name or "")
-    attrs = _attrs(node)
-    if (not _static(x_shape, 4) or not _static(w_shape, 4) or None in w_shape  # type: ignore[operator]
-            or "output_shape" in attrs or str(attrs.get("auto_pad", "NOTSET")) != "NOTSET"):
+    x_shape, w_shape = _static_dims(shapes, x, whole=False), _static_dims(shapes, w, whole=True)
+    if (x is None or w is None or x_shape is None or w_shape is None or "output_shape" in node.attributes
+            or node.attributes.get_string("auto_pad", "NOTSET") != "NOTSET"):
         return None
-    assert x_shape is not None and w_shape is not None
     _, c, h, w_ = x_shape
     _, mg, kh, kw = w_shape
-    group = int(attrs.get("group", 1))  # type: ignore[call-overload]
-    sh, sw = attrs.get("strides", [1, 1])  # type: ignore[misc]
-    dh, dw = attrs.get("dilations", [1, 1])  # type: ignore[misc]
-    pt, pl, pb, pr = attrs.get("pads", [0, 0, 0, 0])  # type: ignore[misc]
-    oph, opw = attrs.get("output_padding", [0, 0])  # type: ignore[misc]
+    group = node.attributes.get_int("group", 1)
+    sh, sw = _ints(node, "strides", [1, 1])
+    dh, dw = _ints(node, "dilations", [1, 1])
+    pt, pl, pb, pr = _ints(node, "pads", [0, 0, 0, 0])
+    oph, opw = _ints(node, "output_padding", [0, 0])
     # [N, C, H, W] -> [N, C, H, 1, W, 1] -> zeros after each pixel -> [N, C, H*sh, W*sw]
     spread = em.op("Reshape", [x, em.ints("x6_shape", [-1, c, h, 1, w_, 1])], "x6")
     spread = em.op("Pad", [spread, em.ints("zeros", [0] * 9 + [sh - 1, 0, sw - 1])], "x6z")

@@ -10,7 +10,7 @@ closest to the loss is where the backward pass first goes wrong. Ops with ties o
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -155,7 +155,7 @@ def _jitter(feeds: dict[str, np.ndarray], names: Sequence[str], rng: np.random.G
         feeds[w] = np.where(np.isfinite(x), x + jitter, x).astype(x.dtype)
 
 
-def _input_error(objective, feeds: Mapping[str, np.ndarray], w: str, grad: np.ndarray,  # type: ignore[no-untyped-def]
+def _input_error(objective: Callable[[Mapping[str, np.ndarray]], float], feeds: Mapping[str, np.ndarray], w: str, grad: np.ndarray,
                  f0: float, dtype: str, rng: np.random.Generator) -> tuple[float, float, float] | None:
     """``(analytic, numeric, rel_error)`` when input ``w``'s cotangent disagrees with finite
     differences of ``objective`` beyond their own spread; ``None`` when it agrees."""
