@@ -94,7 +94,7 @@ def _legacy_prelu_slopes(proto: onnx.ModelProto) -> None:
             slope.dims.extend(new_dims)
             for value in proto.graph.input:
                 if value.name == slope.name:
-                    value.type.tensor_type.shape.CopyFrom(onnx.helper.make_tensor_type_proto(slope.data_type, new_dims).tensor_type.shape)
+                    _set_dims(value.type.tensor_type.shape, new_dims)
 
 
 def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
@@ -102,7 +102,17 @@ def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
     names = {i.name for i in proto.graph.input}
     for init in proto.graph.initializer:
         if init.name not in names:
-            proto.graph.input.append(onnx.helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            value = proto.graph.input.add(name=init.name)
+            value.type.tensor_type.elem_type = init.data_type
+            _set_dims(value.type.tensor_type.shape, list(init.dims))
+
+
+def _set_dims(shape: onnx.TensorShapeProto, dims: list[int]) -> None:
+    """Make ``shape`` exactly ``dims`` (present even when empty: a scalar, not an unknown rank)."""
+    shape.SetInParent()
+    del shape.dim[:]
+    for d in dims:
+        shape.dim.add(dim_value=d)
 
 
 class NormalizeForwardPass(ir.passes.InPlacePass):
