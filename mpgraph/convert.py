@@ -31,7 +31,7 @@ from mpgraph.passes.upgrade_opset import UpgradeOpsetPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
 from mpgraph.policy import Policy, load_policy
 from mpgraph.runtime.probe import Calibration, measure_ranges, run_with_values
-from mpgraph.targets import resolve_target, with_target
+from mpgraph.targets import cuda_opset_gaps, resolve_target, with_target
 
 __all__ = ["convert", "convert_file", "build_pipeline", "CalibrateSpec"]
 
@@ -423,19 +423,6 @@ def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Poli
         },
         sort_keys=True,
     )
-
-
-#: Ops that ONNX Runtime 1.31's CUDA provider registers only below opset 22 (any dtype;
-#: measured by benchmarks/cuda_kernel_probe.py, benchmarks/results/cuda_kernels.log).
-CUDA_NO_OPSET22_KERNEL = frozenset({"Dropout", "Elu", "MaxPool", "Selu"})
-
-
-def cuda_opset_gaps(model: ir.Model) -> list[str]:
-    """Op types of ``model`` that ORT 1.31 CUDA cannot run at the model's opset (sorted)."""
-    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
-    if opset < 22:
-        return []
-    return sorted({n.op_type for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type in CUDA_NO_OPSET22_KERNEL})
 
 
 def convert_file(

@@ -32,8 +32,10 @@ from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.policy.schema import Policy
 
 __all__ = [
+    "CUDA_NO_OPSET22_KERNEL",
     "TARGETS",
     "check_runnable",
+    "cuda_opset_gaps",
     "default_target",
     "kernel_cell",
     "kernel_gaps",
@@ -151,3 +153,16 @@ def check_runnable(model: ir.Model, provider: str) -> list[str]:
             "do not show; convert with --emulate to see float16 rounding on CPU"
         ]
     return []
+
+
+#: Ops that ONNX Runtime 1.31's CUDA provider registers only below opset 22 (any dtype;
+#: measured by benchmarks/cuda_kernel_probe.py, benchmarks/results/cuda_kernels.log).
+CUDA_NO_OPSET22_KERNEL = frozenset({"Dropout", "Elu", "MaxPool", "Selu"})
+
+
+def cuda_opset_gaps(model: ir.Model) -> list[str]:
+    """Op types of ``model`` that ORT 1.31 CUDA cannot run at the model's opset (sorted)."""
+    opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+    if opset < 22:
+        return []
+    return sorted({n.op_type for n in model.graph if n.domain in ("", "ai.onnx") and n.op_type in CUDA_NO_OPSET22_KERNEL})
