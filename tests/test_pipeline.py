@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import logging
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -28,6 +30,18 @@ def _mlp(opset: int = 18, ir_version: int = 8) -> ir.Model:
         [h.make_tensor("w", T.FLOAT, [3, 4], np.ones(12, np.float32))],
     )
     return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", opset)], ir_version=ir_version))
+
+
+def test_passes_import_nothing_that_runs_a_model() -> None:
+    """The compiler's passes only read what a probe measured: no onnxruntime, no mpgraph.runtime."""
+    bad = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "mpgraph" / "passes").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            bad += [f"{path.name}:{node.lineno} {n}" for n in names if n.split(".")[0] == "onnxruntime"
+                    or n == "mpgraph.runtime" or n.startswith("mpgraph.runtime.")]
+    assert not bad, bad
 
 
 # --- the pipeline ---------------------------------------------------------------------------
