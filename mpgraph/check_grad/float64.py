@@ -3,7 +3,7 @@
 ``to_float64`` retypes every float32 tensor, Cast and constant to float64. An op type ORT's CPU
 provider has no float64 kernel for (``keep32``) runs in float32 between Casts, except the ones
 rewritten into float64 ops here, whose float32 rounding would dominate every CNN's finite
-differences:
+differences (built with ``_ir.builder.Builder``, placed where the node was):
 
 1. A 2-D ``Conv`` with static channels and spatial dims becomes Pad, one strided Slice per
    kernel tap, Concat and a grouped MatMul (``_conv_taps``).
@@ -19,18 +19,21 @@ Example:
     >>> model = ir.Model(ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18}), ir_version=8)
     >>> proto, islands = to_float64(model, frozenset({"GlobalAveragePool"}))
     >>> [n.op_type for n in proto.graph.node], islands, proto.graph.output[0].type.tensor_type.elem_type
-    (['Constant', 'ReduceMean'], set(), 11)
+    (['ReduceMean'], set(), 11)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import onnx
 import onnx_ir as ir
+
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import Role
+from mpgraph._ir.names import NameScope
 
 __all__ = ["CONV_OPS", "to_float64"]
 
@@ -67,8 +70,9 @@ def to_float64(model: ir.Model, keep32: frozenset[str] = frozenset(),
     shapes = _shapes(graph, input_shapes or {})
     _retype_graph(graph)
     islands: set[str] = set()
+    names = NameScope(graph)
     for node in list(graph):
-        emulated = _emulate(graph, node, shapes) if node.op_type in keep32 else None
+        emulated = _emulate(graph, node, shapes, names) if node.op_type in keep32 else None
         if emulated is not None:
             if node.outputs[0] in was_f32:  # a float32 island downstream casts it
                 was_f32.add(emulated)
@@ -184,44 +188,25 @@ def _cast_output(graph: ir.Graph, node: ir.Node, value: ir.Value, was_f32: set[i
         was_f32.add(cast.outputs[0])
 
 
-def _emulate(graph: ir.Graph, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+def _emulate(graph: ir.Graph, node: ir.Node, shapes: Shapes, names: NameScope) -> ir.Value | None:
     """Replace ``node`` by float64 ops (see the module docstring) and return their output;
     ``None`` when it cannot be."""
-    prefix = node.name or node.outputs[0].name or node.op_type
-    emitter = _Emitter(prefix)
-    if node.op_type == "Conv":
-        out = _conv(emitter, node, shapes)
-    elif node.op_type == "ConvTranspose":
-        out = _conv_transpose(emitter, node, shapes)
-    elif node.op_type in ("GlobalAveragePool", "GlobalMaxPool"):
-        out = _global_pool(emitter, node, shapes)
-    else:
-        out = None
+    rewrite = _REWRITES.get(node.op_type)
+    builder = Builder(graph, role=Role.FORWARD, scope=f"{node.name or node.op_type}/f64", names=names)
+    out = rewrite(builder, node, shapes) if rewrite is not None else None
     if out is None:
         return None
+    made = list(builder.tape.nodes)
+    graph.remove(made)  # the builder appends; the rewrite goes where the node was
+    graph.insert_before(node, made)
+    for value in (o for n in made for o in n.outputs):
+        value.type = None  # the builder guesses from inputs whose types are cleared: re-inferred
     old = node.outputs[0]
-    graph.insert_before(node, emitter.tape.nodes)
     ir.convenience.replace_all_uses_with(old, out, replace_graph_outputs=True)
     graph.remove(node, safe=True)
     name, old.name = old.name, None
     out.name = name
     return out
-
-
-class _Emitter:
-    """Nodes recorded on a tape, their values named ``<prefix>/f64conv/<name>``."""
-
-    def __init__(self, prefix: str) -> None:
-        self.tape = ir.tape.Tape()
-        self.prefix = f"{prefix}/f64conv"
-
-    def op(self, op_type: str, inputs: Sequence[ir.Value | None], name: str, **attrs: Any) -> ir.Value:
-        return self.tape.op(op_type, inputs, attrs or None, output=ir.Value(name=f"{self.prefix}/{name}"))
-
-    def ints(self, name: str, values: Sequence[int]) -> ir.Value:
-        """An int64 vector ``Constant``."""
-        tensor = ir.tensor(np.array(values, np.int64), name=f"{self.prefix}/{name}")
-        return self.op("Constant", [], name, value=tensor)
 
 
 def _static_dims(shapes: Shapes, value: ir.Value | None, whole: bool) -> list[int] | None:
@@ -237,7 +222,7 @@ def _ints(node: ir.Node, name: str, default: Sequence[int]) -> list[int]:
     return list(node.attributes.get_ints(name, default))
 
 
-def _conv(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+def _conv(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     x, w = node.inputs[0], node.inputs[1]
     x_shape, w_shape = _static_dims(shapes, x, whole=False), _static_dims(shapes, w, whole=True)
     if x is None or w is None or x_shape is None or w_shape is None:
@@ -246,7 +231,7 @@ def _conv(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     pads = _explicit_pads(node, x_shape[2:], w_shape[2:], strides, dilations)
     bias = node.inputs[2] if len(node.inputs) > 2 else None
     group = node.attributes.get_int("group", 1)
-    return _conv_taps(em, x, w, bias, x_shape[1:], w_shape, group, strides, dilations, pads)
+    return _conv_taps(b, x, w, bias, x_shape[1:], w_shape, group, strides, dilations, pads)
 
 
 def _explicit_pads(node: ir.Node, spatial: Sequence[int], kernel: Sequence[int],
@@ -265,7 +250,7 @@ def _explicit_pads(node: ir.Node, spatial: Sequence[int], kernel: Sequence[int],
     return pads
 
 
-def _conv_taps(em: _Emitter, x: ir.Value, w: ir.Value, bias: ir.Value | None, chw: Sequence[int], w_shape: Sequence[int],
+def _conv_taps(b: Builder, x: ir.Value, w: ir.Value, bias: ir.Value | None, chw: Sequence[int], w_shape: Sequence[int],
                group: int, strides: Sequence[int], dilations: Sequence[int], pads: Sequence[int]) -> ir.Value:
     """A 2-D Conv as Pad, one strided Slice per kernel tap, Concat and a grouped MatMul (all
     with float64 kernels in ORT CPU). Negative pads crop."""
@@ -274,28 +259,24 @@ def _conv_taps(em: _Emitter, x: ir.Value, w: ir.Value, bias: ir.Value | None, ch
     (sh, sw), (dh, dw) = strides, dilations
     hp, wp = h + pads[0] + pads[2], w_ + pads[1] + pads[3]
     oh, ow = (hp - dh * (kh - 1) - 1) // sh + 1, (wp - dw * (kw - 1) - 1) // sw + 1
-    pad_v, axes, steps, unsq = (em.ints("pads", [0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]),
-                                em.ints("axes", [2, 3]), em.ints("steps", [sh, sw]), em.ints("unsq", [2]))
-    cols_shape = em.ints("cols_shape", [-1, group, (c // group) * kh * kw, oh * ow])
-    w_mat_shape, y_shape = em.ints("w_shape", [group, m // group, cg * kh * kw]), em.ints("y_shape", [-1, m, oh, ow])
-    padded = em.op("Pad", [x, pad_v], "padded")
+    padded = b.op("Pad", x, b.ints([0, 0, pads[0], pads[1], 0, 0, pads[2], pads[3]]))
     taps = []
     for i in range(kh):
         for j in range(kw):
             start = [i * dh, j * dw]
             end = [start[0] + sh * (oh - 1) + 1, start[1] + sw * (ow - 1) + 1]
-            tap = em.op("Slice", [padded, em.ints(f"s{i}_{j}", start), em.ints(f"e{i}_{j}", end), axes, steps], f"tap{i}_{j}")
-            taps.append(em.op("Unsqueeze", [tap, unsq], f"tapu{i}_{j}"))
+            tap = b.op("Slice", padded, b.ints(start), b.ints(end), b.ints([2, 3]), b.ints([sh, sw]))
+            taps.append(b.op("Unsqueeze", tap, b.ints([2])))
     # [N, C, taps, OH, OW] -> [N, G, C/G * taps, OH * OW]: channel-major, tap-minor like W.
-    cols = em.op("Reshape", [em.op("Concat", taps, "cols5", axis=2), cols_shape], "cols")
-    y4 = em.op("MatMul", [em.op("Reshape", [w, w_mat_shape], "w"), cols], "y4")
-    y = em.op("Reshape", [y4, y_shape], "y")
+    cols = b.op("Reshape", b.op("Concat", *taps, axis=2), b.ints([-1, group, (c // group) * kh * kw, oh * ow]))
+    y4 = b.op("MatMul", b.op("Reshape", w, b.ints([group, m // group, cg * kh * kw])), cols)
+    y = b.op("Reshape", y4, b.ints([-1, m, oh, ow]))
     if bias is None:
         return y
-    return em.op("Add", [y, em.op("Reshape", [bias, em.ints("b_shape", [m, 1, 1])], "b")], "out")
+    return b.op("Add", y, b.op("Reshape", bias, b.ints([m, 1, 1])))
 
 
-def _conv_transpose(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+def _conv_transpose(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     """ConvTranspose = zeros inserted between the input's pixels (stride), padded by
     ``dilation * (k - 1) - pad`` (plus ``output_padding`` at the end), convolved with the
     kernel's in/out channels swapped per group and its taps flipped."""
@@ -312,27 +293,29 @@ def _conv_transpose(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | N
     pt, pl, pb, pr = _ints(node, "pads", [0, 0, 0, 0])
     oph, opw = _ints(node, "output_padding", [0, 0])
     # [N, C, H, W] -> [N, C, H, 1, W, 1] -> zeros after each pixel -> [N, C, H*sh, W*sw]
-    spread = em.op("Reshape", [x, em.ints("x6_shape", [-1, c, h, 1, w_, 1])], "x6")
-    spread = em.op("Pad", [spread, em.ints("zeros", [0] * 9 + [sh - 1, 0, sw - 1])], "x6z")
-    spread = em.op("Reshape", [spread, em.ints("xz_shape", [-1, c, h * sh, w_ * sw])], "xz")
+    spread = b.op("Reshape", x, b.ints([-1, c, h, 1, w_, 1]))
+    spread = b.op("Pad", spread, b.ints([0] * 9 + [sh - 1, 0, sw - 1]))
+    spread = b.op("Reshape", spread, b.ints([-1, c, h * sh, w_ * sw]))
     # The trailing stride - 1 zeros of the last pixel are not part of the zero-inserted input.
     pads = [dh * (kh - 1) - pt, dw * (kw - 1) - pl, dh * (kh - 1) - pb + oph - (sh - 1), dw * (kw - 1) - pr + opw - (sw - 1)]
-    kernel = em.op("Reshape", [w, em.ints("wg_shape", [group, c // group, mg, kh, kw])], "wg")
-    kernel = em.op("Transpose", [kernel], "wt", perm=[0, 2, 1, 3, 4])
-    kernel = em.op("Reshape", [kernel, em.ints("wc_shape", [group * mg, c // group, kh, kw])], "wc")
-    flip = [em.ints("flip_start", [-1, -1]), em.ints("flip_end", [_INT64_MIN, _INT64_MIN]), em.ints("flip_axes", [2, 3]),
-            em.ints("flip_steps", [-1, -1])]
-    kernel = em.op("Slice", [kernel, *flip], "wf")
+    kernel = b.op("Reshape", w, b.ints([group, c // group, mg, kh, kw]))
+    kernel = b.op("Reshape", b.op("Transpose", kernel, perm=[0, 2, 1, 3, 4]), b.ints([group * mg, c // group, kh, kw]))
+    kernel = b.op("Slice", kernel, b.ints([-1, -1]), b.ints([_INT64_MIN, _INT64_MIN]), b.ints([2, 3]), b.ints([-1, -1]))
     bias = node.inputs[2] if len(node.inputs) > 2 else None
-    return _conv_taps(em, spread, kernel, bias, (c, h * sh, w_ * sw), (group * mg, c // group, kh, kw), group,
+    return _conv_taps(b, spread, kernel, bias, (c, h * sh, w_ * sw), (group * mg, c // group, kh, kw), group,
                       (1, 1), (dh, dw), pads)
 
 
-def _global_pool(em: _Emitter, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+def _global_pool(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     x = node.inputs[0]
     assert x is not None
     rank = len(shapes.get(x.name or "") or ())
     if rank <= 2:
         return None
     reduce = "ReduceMean" if node.op_type == "GlobalAveragePool" else "ReduceMax"
-    return em.op(reduce, [x, em.ints("axes", list(range(2, rank)))], "pool", keepdims=1)
+    return b.op(reduce, x, b.ints(list(range(2, rank))), keepdims=1)
+
+
+_REWRITES: dict[str, Callable[[Builder, ir.Node, Shapes], ir.Value | None]] = {
+    "Conv": _conv, "ConvTranspose": _conv_transpose, "GlobalAveragePool": _global_pool, "GlobalMaxPool": _global_pool,
+}
