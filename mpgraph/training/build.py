@@ -199,8 +199,7 @@ def _gradient_outputs(graph: ir.Graph, params: list[ir.Value], grads: dict[str, 
 class _StateInputs:
     """The optimizer's ``StateFactory``: fp32 state inputs with same-named initializers."""
 
-    def __init__(self, graph: ir.Graph, ctx: Builder) -> None:
-        self.graph = graph
+    def __init__(self, ctx: Builder) -> None:
         self.ctx = ctx
         self.inputs: list[ir.Value] = []
 
@@ -209,13 +208,8 @@ class _StateInputs:
         if not all(isinstance(d, int) for d in dims):
             raise GradientError(f"optimizer state '{name}' needs a static shape; '{like.name if like else ''}' has {dims}")
         array = np.full([int(d) for d in dims if isinstance(d, int)], init, dtype=np.float32)
-        value = ir.Value(name=self.ctx.unique(name), type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(array.shape),
-                         const_value=ir.tensor(array))
-        array_tensor = value.const_value
-        assert array_tensor is not None
-        array_tensor.name = value.name
+        value = self.ctx.tape.initializer(ir.tensor(array, name=self.ctx.unique(name)))
         self.inputs.append(value)
-        self.graph.register_initializer(value)
         return value
 
 
@@ -223,14 +217,12 @@ def _attach_optimizer(model: ir.Model, ctx: Builder, opt: Optimizer, lr: float, 
                       grads: dict[str, ir.Value], state: State) -> State:
     """The optimizer update with an ``lr`` input; returns every state pair, parameters first.
 
-    The optimizer's state inputs join the graph inputs last (``_finish``), after ``lr``.
+    The optimizer's state inputs join the graph inputs after ``lr``.
     """
     graph = model.graph
-    lr_value = ir.Value(name=LR_INPUT, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
-                        const_value=ir.tensor(np.float32(lr), name=LR_INPUT))
+    lr_value = ctx.tape.initializer(ir.tensor(np.float32(lr), name=LR_INPUT))
     graph.inputs.append(lr_value)
-    graph.register_initializer(lr_value)
-    make_state = _StateInputs(graph, ctx)
+    make_state = _StateInputs(ctx)
     updated, opt_state = opt.build(ctx, [(p, grads[name_of(p)]) for p in params], lr_value, make_state)
     model.metadata_props[MODEL_GRADIENTS] = json.dumps([[name_of(p), grads[name_of(p)].name] for p in params])
     graph.inputs.extend(make_state.inputs)

@@ -115,7 +115,7 @@ def _train(graph: ir.Graph, node: ir.Node, ctx: Builder) -> list[tuple[ir.Value 
     if len(node.outputs) < 3:
         node.resize_outputs(3)
     for k, what in ((1, "mean"), (2, "var")):
-        out, stat = node.outputs[k], _own_running_stat(graph, node, k + 2, what, ctx)
+        out, stat = node.outputs[k], _own_running_stat(node, k + 2, what, ctx)
         if not out.name:
             out.name = ctx.unique(f"{node.name}/output_{k}")
         if not stat.is_graph_input():
@@ -123,7 +123,7 @@ def _train(graph: ir.Graph, node: ir.Node, ctx: Builder) -> list[tuple[ir.Value 
     return [(node.inputs[3], node.outputs[1]), (node.inputs[4], node.outputs[2])]
 
 
-def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx: Builder) -> ir.Value:
+def _own_running_stat(node: ir.Node, slot: int, what: str, ctx: Builder) -> ir.Value:
     """The running statistic at input ``slot`` of ``node``, as a value only this node uses.
 
     Every training-mode BatchNormalization needs its running statistics as state: ONNX Runtime
@@ -149,8 +149,7 @@ def _own_running_stat(graph: ir.Graph, node: ir.Node, slot: int, what: str, ctx:
             "other nodes use too; give the node its own running statistics"
         )
     name = ctx.unique(f"{node.name}/running_{what}")
-    own = ir.Value(name=name, type=stat.type, shape=stat.shape, const_value=ir.tensor(stat.const_value.numpy(), name=name))
-    graph.register_initializer(own)
+    own = ctx.tape.initializer(ir.tensor(stat.const_value.numpy(), name=name))
     node.replace_input_with(slot, own)
     logger.info("BatchNormalization '%s': running %s '%s' is shared; it gets its own state '%s'", node.name, what, stat.name, name)
     return own
