@@ -118,14 +118,14 @@ def build_training_graph(
                                   inputs_mark_params=forward.inputs_mark_params)(m).params
     _keep_loss_only(m, loss_value, state)
     grads = _differentiate(m, loss_value, params, target, forward.opset)
-    ctx = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
+    optim = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
+    outputs: State = []
     if opt is None:
         outputs = _gradient_outputs(m.graph, params, grads)
     else:
-        outputs: State = []
-        state = _attach_optimizer(m, ctx, opt, lr if lr is not None else _DEFAULT_LR[str(optimizer).lower()],
+        state = _attach_optimizer(m, optim, opt, lr if lr is not None else _DEFAULT_LR[str(optimizer).lower()],
                                   params, grads, state)
-    outputs += _state_outputs(m.graph, ctx, state)
+    outputs += _state_outputs(m.graph, optim, state)
     _finish(m, state, outputs)
     _record_forward(m, forward_outputs)
     if validate:

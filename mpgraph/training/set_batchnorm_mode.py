@@ -64,6 +64,7 @@ class SetBatchNormModePass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> StateResult:
         graph = model.graph
+        # Copies and constants are named loss/..., the names step graphs have always had.
         ctx = Builder(graph, role=Role.FORWARD, scope="loss")
         state: list[tuple[ir.Value, ir.Value]] = []
         modified = False
