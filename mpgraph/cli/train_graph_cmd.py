@@ -33,11 +33,11 @@ def train_graph_command(
     from mpgraph.io import load_model, save_model
     from mpgraph.training import (
         build_training_graph,
+        optimizer_options,
         refuse_step_graph,
         state_pairs,
         training_batchnorms,
     )
-    from mpgraph.training.options import optimizer_options
 
     if lr is not None:
         finite(lr, "--lr", low=0.0)

@@ -33,7 +33,7 @@ Example:
 
 from __future__ import annotations
 
-from mpgraph.training.attach_loss import BUILTIN_LOSSES, AttachLossPass, LossResult
+from mpgraph.training.attach_loss import BUILTIN_LOSSES, AttachLossPass, LossResult, find_logits
 from mpgraph.training.build import LR_INPUT, MAX_IR_VERSION, build_training_graph, state_pairs
 from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
 from mpgraph.training.normalize_forward import (
@@ -43,6 +43,7 @@ from mpgraph.training.normalize_forward import (
     load_forward,
     refuse_step_graph,
 )
+from mpgraph.training.options import optimizer_options
 from mpgraph.training.select_parameters import ParametersResult, SelectParametersPass
 from mpgraph.training.set_batchnorm_mode import (
     SetBatchNormModePass,
@@ -65,7 +66,9 @@ __all__ = [
     "SetBatchNormModePass",
     "StateResult",
     "build_training_graph",
+    "find_logits",
     "load_forward",
+    "optimizer_options",
     "refuse_step_graph",
     "state_pairs",
     "training_batchnorms",
