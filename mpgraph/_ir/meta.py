@@ -36,6 +36,7 @@ __all__ = [
     "FLAT_GRADIENT",
     "FLAT_PARAM",
     "FLAT_SPLIT",
+    "NODE_ON_SKIP",
     "LOSS_SCALE",
     "GROWTH_TRACKER",
     "FOUND_INF",
@@ -105,6 +106,11 @@ FLAT_GRADIENT = "gradient"
 FLAT_PARAM = "param"
 #: ``NODE_FLAT`` of the Split of the updated flat parameter back into the parameters.
 FLAT_SPLIT = "split"
+#: On an optimizer node whose scalar output is a per-step coefficient: the value it must take
+#: on a step that loss scaling skips (``"0"`` or ``"1"``), so the update leaves every state
+#: value as it was. ``ScaleLossPass`` gates these, zeroes the gradients the optimizer reads on
+#: overflow, and then needs no select over each state tensor (see ``optim.adam``).
+NODE_ON_SKIP = "mpgraph.on_skip"
 
 #: Graph state input holding the current loss scale (fp32 scalar) when loss scaling is on.
 LOSS_SCALE = "loss_scale"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.builder import Builder
+from mpgraph._ir.meta import NODE_ON_SKIP
 from mpgraph.optim.base import OPTIMIZERS, StateFactory, slots, unpack
 
 __all__ = ["Adam", "AdamW"]
@@ -44,7 +46,8 @@ class Adam:
     ) -> tuple[dict[str, ir.Value], list[tuple[ir.Value, ir.Value]]]:
         """Emit the update (see ``Optimizer.build``)."""
         step = state("optim/step", None, 0.0)
-        t = b.op("Add", step, b.scalar(1.0, step))
+        coefficients = _Coefficients(b)
+        t = b.op("Add", step, coefficients.get("step_increment", 1.0, step, on_skip=0))
         pairs = [(step, t)]
         # Bias corrections in float64, as torch computes them on Python floats.
         t64 = b.op("Cast", t, to=ir.DataType.DOUBLE)
@@ -52,11 +55,11 @@ class Adam:
         bc1 = b.op("Sub", one, b.op("Pow", b.scalar(self.beta1, t64), t64))
         bc2 = b.op("Sub", one, b.op("Pow", b.scalar(self.beta2, t64), t64))
         lr64 = b.op("Cast", lr, to=ir.DataType.DOUBLE)
-        step_size = b.op("Cast", b.op("Div", lr64, bc1), to=ir.DataType.FLOAT)
+        step_size = _gate(b.op("Cast", b.op("Div", lr64, bc1), to=ir.DataType.FLOAT), on_skip=0)
         bc2_sqrt = b.op("Cast", b.op("Sqrt", bc2), to=ir.DataType.FLOAT)
         decay = None
         if self.decoupled and self.weight_decay:
-            decay = b.op("Sub", b.scalar(1.0, lr), b.op("Mul", lr, b.scalar(self.weight_decay, lr)))
+            decay = _gate(b.op("Sub", b.scalar(1.0, lr), b.op("Mul", lr, b.scalar(self.weight_decay, lr))), on_skip=1)
         updated: dict[str, ir.Value] = {}
         for slot in slots(b, params, pack_small=self.pack, flat=self.flat):
             p, g = slot.param, slot.grad
@@ -65,9 +68,11 @@ class Adam:
             p_decayed = b.op("Mul", p, decay) if decay is not None else p
             m = state(f"optim/{slot.name}/m", p, 0.0)
             v = state(f"optim/{slot.name}/v", p, 0.0)
-            m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), b.scalar(1 - self.beta1, p)))
-            v_new = b.op("Add", b.op("Mul", v, b.scalar(self.beta2, p)),
-                           b.op("Mul", b.op("Mul", g, g), b.scalar(1 - self.beta2, p)))
+            c1 = coefficients.get("beta1_complement", 1 - self.beta1, p, on_skip=0)
+            b2 = coefficients.get("beta2", self.beta2, p, on_skip=1)
+            c2 = coefficients.get("beta2_complement", 1 - self.beta2, p, on_skip=0)
+            m_new = b.op("Add", m, b.op("Mul", b.op("Sub", g, m), c1))
+            v_new = b.op("Add", b.op("Mul", v, b2), b.op("Mul", b.op("Mul", g, g), c2))
             second = v_new
             if self.amsgrad:
                 v_max = state(f"optim/{slot.name}/v_max", p, 0.0)
@@ -78,6 +83,36 @@ class Adam:
             updated.update(unpack(b, slot, b.op("Sub", p_decayed, update)))
             pairs += [(m, m_new), (v, v_new)]
         return updated, pairs
+
+
+class _Coefficients:
+    """Scalar ``Constant`` nodes ``optim/<name>`` (one per name and dtype) that loss scaling
+    may gate; the other constants stay shared initializers."""
+
+    def __init__(self, b: Builder) -> None:
+        self.b = b
+        self.made: dict[tuple[str, ir.DataType], ir.Value] = {}
+
+    def get(self, name: str, value: float, like: ir.Value, *, on_skip: int) -> ir.Value:
+        dtype = like.dtype or ir.DataType.FLOAT
+        key = (name, dtype)
+        if key not in self.made:
+            array = np.array(value, dtype=dtype.numpy())
+            self.made[key] = _gate(self.b.op("Constant", name=name, value=ir.tensor(array)), on_skip=on_skip)
+        return self.made[key]
+
+
+def _gate(value: ir.Value, *, on_skip: int) -> ir.Value:
+    """Mark ``value``'s producer with the value it takes on a skipped step (``NODE_ON_SKIP``).
+
+    With every coefficient below gated, a skipped step computes exactly the old state from a
+    zeroed gradient: ``m + (g - m) * 0``, ``v * 1 + g * g * 0``, ``p * 1 - u * 0`` and
+    ``step + 0``. Loss scaling then selects nothing per state tensor.
+    """
+    producer = value.producer()
+    assert producer is not None
+    producer.metadata_props[NODE_ON_SKIP] = str(on_skip)
+    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -41,6 +41,14 @@ class ScaleLossPass(ir.passes.InPlacePass):
            optimizer's updated parameter is guarded once, before its Split:
            ``Split(Where(found_inf, flat_param, flat_new))`` copies the old values back
            exactly, so the per-parameter outputs it feeds get no Where of their own.
+           An optimizer that marks its per-step coefficients (``mpgraph.on_skip`` on their
+           nodes: Adam and AdamW) is gated instead: each marked coefficient becomes
+           ``Where(found_inf, on_skip, c)`` and each gradient it reads
+           ``Where(found_inf, 0, g)``, so the skipped update computes the old state itself
+           (``m + (0 - m) * 0``, ``v * 1 + 0``, ``p * 1 - u * 0``, ``step + 0``; a parameter
+           of -0.0 may come back as +0.0) with one select per gradient instead of one per
+           state tensor. Example: AdamW on the H200 benchmark GPT reads 36 gradient tensors
+           and writes 109 state tensors.
         5. Dynamic mode adds state ``loss_scale`` and ``loss_scale/growth_tracker`` updated as
            ``torch.amp.GradScaler``: on overflow ``scale = max(scale * backoff, min)`` and the
            tracker resets; after ``growth_interval`` finite steps in a row
@@ -69,8 +77,12 @@ class ScaleLossPass(ir.passes.InPlacePass):
         pairs: list[list[str]] = json.loads(model.metadata_props[md.MODEL_STATE_PAIRS])
         scale, tracker = self._scale(graph, opt)
         _scale_seed(bwd, seed, scale)
-        zero, found_inf = _unscale_and_check(opt, graph, grads, scale)
-        _skip_on_overflow(opt, graph, pairs, found_inf)
+        gates = [n for n in graph if md.NODE_ON_SKIP in n.metadata_props and n.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER]
+        zero, found_inf, reads = _unscale_and_check(opt, graph, grads, scale)
+        if gates:
+            _gate_on_overflow(opt, gates, reads, found_inf, zero)
+        else:
+            _skip_on_overflow(opt, graph, pairs, found_inf)
         if tracker is not None:
             pairs += self._update_scale(opt, graph, scale, tracker, zero, found_inf)
         flag = opt.op("Identity", found_inf, name="found_inf")
@@ -180,9 +192,9 @@ def _scale_seed(bwd: Builder, seed: ir.Value, scale: ir.Value) -> None:
 
 
 def _unscale_and_check(opt: Builder, graph: ir.Graph, grads: list[tuple[str, ir.Value]],
-                       scale: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """Rules 2-3: the optimizer reads unscaled float32 gradients; returns the zero constant
-    and ``found_inf``."""
+                       scale: ir.Value) -> tuple[ir.Value, ir.Value, list[tuple[ir.Value, list[ir.Usage]]]]:
+    """Rules 2-3: the optimizer reads unscaled float32 gradients; returns the zero constant,
+    ``found_inf``, and each unscaled gradient with the optimizer's reads of it."""
     inv = opt.op("Reciprocal", scale, name="inv_scale")
     zero = _constant(opt, 0.0, "zero")
     flat = _flat_nodes(graph)
@@ -194,6 +206,7 @@ def _unscale_and_check(opt: Builder, graph: ir.Graph, grads: list[tuple[str, ir.
         checked.append(("optim/flat", buffer.outputs[0]))
     checked += [(param, grad) for param, grad in grads if grad not in covered]
     total: ir.Value | None = None
+    reads: list[tuple[ir.Value, list[ir.Usage]]] = []
     for param, grad in checked:
         uses = list(grad.uses())
         g32 = grad
@@ -202,13 +215,34 @@ def _unscale_and_check(opt: Builder, graph: ir.Graph, grads: list[tuple[str, ir.
         unscaled = opt.op("Mul", g32, inv, name=f"{param}/unscaled")
         for use in uses:
             use.node.replace_input_with(use.idx, unscaled)
+        reads.append((unscaled, uses))
         probe = opt.op("ReduceSum", opt.op("Mul", unscaled, zero, name=f"{param}/nan_probe"), keepdims=0, name=f"{param}/nan_sum")
         total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/nan_total")
     assert total is not None
     total.shape = ir.Shape([])
     found_inf = opt.op("IsNaN", total, name="found_inf_check")
     found_inf.shape = ir.Shape([])
-    return zero, found_inf
+    return zero, found_inf, reads
+
+
+def _gate_on_overflow(opt: Builder, gates: list[ir.Node], reads: list[tuple[ir.Value, list[ir.Usage]]],
+                      found_inf: ir.Value, zero: ir.Value) -> None:
+    """Rule 4, gated form: each marked coefficient takes its ``on_skip`` value on overflow,
+    and the optimizer reads zeros instead of the non-finite gradients."""
+    one = _constant(opt, 1.0, "one_on_skip")
+    for node in gates:
+        value = node.outputs[0]
+        uses = list(value.uses())
+        skipped = zero if node.metadata_props[md.NODE_ON_SKIP] == "0" else one
+        gated = opt.op("Where", found_inf, skipped, value, name=f"{node.name}/gated")
+        gated.shape = value.shape
+        for use in uses:
+            use.node.replace_input_with(use.idx, gated)
+    for unscaled, uses in reads:
+        safe = opt.op("Where", found_inf, zero, unscaled, name=f"{unscaled.name}/finite")
+        safe.shape = unscaled.shape
+        for use in uses:
+            use.node.replace_input_with(use.idx, safe)
 
 
 def _skip_on_overflow(opt: Builder, graph: ir.Graph, pairs: list[list[str]], found_inf: ir.Value) -> None:
