@@ -198,11 +198,13 @@ class Phase(StrEnum):
     CLEAR_FEEDS_LOW = "clear_feeds_low"
     #: Phase 7: a float32-accumulating kernel with low I/O (Softmax, bfloat16 ReduceSum).
     LOW_IO = "low_io"
-    #: Phase 8: a ``deny`` op (listed, or by the policy's default category) stays float32.
+    #: Phase 8: the backward of a Softmax that phase 7 gave low I/O follows it.
+    LOW_IO_BACKWARD = "low_io_backward"
+    #: Phase 9: a ``deny`` op (listed, or by the policy's default category) stays float32.
     DENY = "deny"
-    #: Phase 8: the target has no low kernel for the op (``mpgraph.targets``).
+    #: Phase 9: the target has no low kernel for the op (``mpgraph.targets``).
     KERNEL_GAP = "kernel_gap"
-    #: Phase 8: an ``infer``/``clear`` op none of phases 3-6 lowered stays float32.
+    #: Phase 9: an ``infer``/``clear`` op none of phases 3-6 lowered stays float32.
     FLOAT32_INPUTS = "float32_inputs"
     #: Convert's finite check: the low output turned non-finite where float32's is finite.
     FINITE = "finite"

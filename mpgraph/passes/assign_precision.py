@@ -55,6 +55,12 @@ LOW_IO_FLOAT32_KERNELS = frozenset({"Softmax", "LogSoftmax"})
 #: 0.4 GB a layer.
 LOW_IO_FLOAT32_SUMS = frozenset({"ReduceSum"})
 
+#: Data movement in a softmax's backward (the row-wise reshapes of its attention form), which
+#: phase 8 lowers with the elementwise ops when the softmax has low I/O.
+LOW_IO_BACKWARD_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
+
+_SUMS = frozenset({"ReduceSum", "ReduceMean"})
+
 #: Elementwise ops a gradient rule writes for its forward op: when that forward op computes
 #: low, they compute low too (phase 5), as autocast runs a low op's backward in its dtype.
 #: The backward then moves half the bytes: on the H200 GPT the erf GELU's backward and the
@@ -156,7 +162,8 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
     """Decides every node's precision from a policy and records why.
 
     The phases are the methods of ``_Assignment``, in order; a node decided by an earlier
-    phase keeps its decision (phases 5 and 6 may lower what phases 2-4 left float32). Each
+    phase keeps its decision (phases 5 and 6 may lower what phases 2-4 left float32, and
+    phase 8 the float32 backward that phase 0 fixed for a softmax phase 7 lowered). Each
     decision is a ``Decision`` whose ``Phase`` is saved as ``mpgraph.phase``, and is logged at
     DEBUG level.
 
@@ -168,11 +175,13 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
     5. **Backward follows forward** (``backward_follows_forward``), in training graphs.
     6. **Clear feeds low** (``clear_feeds_low``): ``clear`` ops feeding only low ops.
     7. **Low I/O kernels** (``low_io_kernels``): Softmax between low ops, bfloat16 sums.
-    8. **The rest** (``float32_rest``) stays float32 with its reason (``deny list: ...``,
+    8. **Low-I/O backward** (``low_io_backward``): the backward of such a softmax follows it.
+    9. **The rest** (``float32_rest``) stays float32 with its reason (``deny list: ...``,
        ``infer op with float32 inputs``, a target's kernel gap).
 
     Training graphs (nodes carry ``mpgraph.role``): optimizer nodes stay float32, and backward
-    nodes emitted for a ``deny`` forward op (``mpgraph.grad_of``) stay float32, in phase 0;
+    nodes emitted for a ``deny`` forward op (``mpgraph.grad_of``) stay float32, in phase 0
+    (except a low-I/O softmax's, phase 8);
     backward MatMul/Gemm/Conv are ``allow`` ops like their forward twins. The identity policy
     runs phase 0 only; the rest stays float32 (``Phase.IDENTITY``).
     """
@@ -195,6 +204,7 @@ class AssignPrecisionPass(ir.passes.InPlacePass):
             run.backward_follows_forward()
             run.clear_feeds_low()
             run.low_io_kernels()
+            run.low_io_backward()
             run.float32_rest()
         return ir.passes.PassResult(model, run.record(model))
 
@@ -426,8 +436,38 @@ class _Assignment:
             and any(self.is_low(c) for c in consumers)
         )
 
+    def low_io_backward(self) -> None:
+        """Phase 8: the backward of a Softmax/LogSoftmax that phase 7 gave low I/O follows it:
+        its elementwise and data-movement nodes become low, except a product that feeds a sum
+        (the row sum keeps float32 products and accumulation). Phase 0 had kept them float32
+        as the backward of a deny op; this phase revisits exactly those.
+
+        Autocast's reasoning, as in phase 5: the softmax output and its gradient are low
+        already (the MatMuls around them are), so float32 here bought only casts. Example:
+        attention's ``dx = y * (dy - rowsum)`` over ``[batch, heads, T, T]`` computes in
+        bfloat16 instead of casting ``y`` and ``dy`` up and ``dx`` back: on the H200 benchmark
+        GPT, cast kernels 4.12 -> 2.82 ms and the bf16 step 24.2 -> 22.2 ms
+        (``benchmarks/results/gpu_step_softmax_bwd_prototype.log``).
+        """
+        lowered = {n.name: n for n in self.nodes if n.name and n.op_type in LOW_IO_FLOAT32_KERNELS and self.is_low(n)}
+        if not lowered:
+            return
+        for node in self.nodes:
+            twin = lowered.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
+            if twin is None or node.metadata_props.get(md.NODE_ROLE) != Role.BACKWARD or node.domain not in _DEFAULT_DOMAINS:
+                continue
+            movement = node.op_type in LOW_IO_BACKWARD_MOVES
+            if not (movement or node.op_type in FOLLOW_FORWARD_OPS):
+                continue
+            consumers = [u.node for v in node.outputs for u in v.uses()]
+            if not movement and consumers and all(c.op_type in _SUMS for c in consumers):
+                continue
+            why = f"backward of low-I/O {twin.op_type} '{twin.name}' follows it"
+            self.decide(node, self.low, Phase.LOW_IO_BACKWARD, why)
+            self.fixed_nodes.discard(node)
+
     def float32_rest(self) -> None:
-        """Phase 8: every node still open stays float32, with the reason of its rule.
+        """Phase 9: every node still open stays float32, with the reason of its rule.
 
         Example: ``Softmax`` (deny) -> ``deny list: <the policy's reason>``; an unlisted op
         -> ``not listed (default deny)``; ``Add`` after a float32 input -> ``infer op with

@@ -162,7 +162,8 @@ class ValueRange:
     """What one float32 value held on the calibration inputs.
 
     Attributes:
-        absmax: Largest |x| (inf or NaN when the float32 value itself is not finite).
+        absmax: Largest finite |x|: entries that are inf or NaN in float32 are so in any
+            dtype, so they are no overflow of the low dtype.
         flushed: Share of the entries that are nonzero but below half the low dtype's
             smallest subnormal, so they would round to zero in it.
     """
@@ -287,17 +288,19 @@ def _range_of(array: np.ndarray, low: ir.DataType) -> ValueRange:
         return ValueRange(0.0, 0.0)
     mag = np.abs(array.astype(np.float32, copy=False))
     tiny = smallest_subnormal(low) / 2
-    return ValueRange(float(mag.max()), float(((mag > 0) & (mag < tiny)).mean()))
+    finite = np.where(np.isfinite(mag), mag, np.float32(0))  # as _add_range_nodes: inf is no overflow
+    return ValueRange(float(finite.max()), float(((mag > 0) & (mag < tiny)).mean()))
 
 
 def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType) -> dict[str, tuple[str, str]]:
     """Append ``absmax`` and ``flushed share`` nodes per value to ``proto``'s graph, made outputs."""
     graph = proto.graph
-    zero, tiny = "calib/zero", "calib/tiny"
+    zero, tiny, big = "calib/zero", "calib/tiny", "calib/inf"
     # Constant nodes, not initializers: IR version 3 models must list initializers as inputs.
     nodes = [
         _node("Constant", [], zero, value=np.array(0.0, np.float32)),
         _node("Constant", [], tiny, value=np.array(smallest_subnormal(low) / 2, np.float32)),
+        _node("Constant", [], big, value=np.array(np.inf, np.float32)),
     ]
     stats: dict[str, tuple[str, str]] = {}
     for i, name in enumerate(names):
@@ -305,7 +308,11 @@ def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType)
         mx, fl = f"{p}/absmax", f"{p}/flushed"
         nodes += [
             _node("Abs", [name], f"{p}/abs"),
-            _node("ReduceMax", [f"{p}/abs"], mx, keepdims=0),
+            # inf in float32 (a masked_fill's -inf) is inf in the low dtype too: no overflow.
+            # (Less, not IsInf: opset 9 has no IsInf; Less(NaN, inf) is false as well.)
+            _node("Less", [f"{p}/abs", big], f"{p}/is_finite"),
+            _node("Where", [f"{p}/is_finite", f"{p}/abs", zero], f"{p}/finite"),
+            _node("ReduceMax", [f"{p}/finite"], mx, keepdims=0),
             _node("Less", [f"{p}/abs", tiny], f"{p}/lt"),
             _node("Greater", [f"{p}/abs", zero], f"{p}/gt"),
             _node("And", [f"{p}/lt", f"{p}/gt"], f"{p}/and"),
