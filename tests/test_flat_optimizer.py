@@ -152,9 +152,9 @@ def test_flat_node_count_is_independent_of_parameter_count(unpack: str, monkeypa
     assert counts["tiny_mlp"] == counts["wide_mlp"] == counts["gpt"], counts
     assert counts["gpt"]["Concat"] == 2
     # 2 Concat, 15 elementwise ops on the flat buffers (Max for amsgrad), 13 scalar ops for
-    # the step counter and bias corrections, and the 4 coefficient Constants loss scaling may
-    # gate (step increment, 1 - beta1, beta2, 1 - beta2).
-    assert sum(counts["gpt"].values()) == 34
+    # the step counter and bias corrections, and the 3 coefficient Constants loss scaling may
+    # gate (1 - beta1, beta2, 1 - beta2).
+    assert sum(counts["gpt"].values()) == 33
     assert per_tensor["gpt"] > 4 * per_tensor["tiny_mlp"]  # what the flat form removes
 
 
@@ -178,8 +178,8 @@ def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
         added[name] = {op: after[op] - before[op] for op in ("Where", "ReduceSum", "Mul", "IsNaN")}
         again = mpgraph.convert(model, _fp16(1024.0), emulate=True)
         assert ir.to_proto(again).SerializeToString() == ir.to_proto(model).SerializeToString()
-    # Where: the flat gradient zeroed on overflow, the 6 gated Adam coefficients (scalars), and
-    # 4 for the dynamic scale; Mul: seed, unscale, nan probe, scale growth and backoff.
+    # Where: the flat gradient zeroed on overflow, the 5 gated Adam coefficients and the step
+    # counter (scalars), and 4 for the dynamic scale; Mul: seed, unscale, nan probe, scale growth and backoff.
     assert added["tiny_mlp"] == added["gpt"] == added["deep_mlp"] == {"Where": 11, "ReduceSum": 1, "Mul": 5, "IsNaN": 1}
 
 

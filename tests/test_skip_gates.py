@@ -28,9 +28,10 @@ VARIANTS = {
     "adamw": ("adamw", {"weight_decay": 0.1}),
     "adamw-flat": ("adamw", {"weight_decay": 0.1, "flat": True}),
 }
-# finite, finite, overflow, finite, overflow, overflow, finite: the scale grows, backs off,
-# and the step counter must not advance on the skipped steps.
-PATTERN = [False, False, True, False, True, True, False]
+# overflow first (at step 0 the bias corrections are 1 - beta**0 = 0: the skipped update
+# must not divide by them), then finite, finite, overflow, finite, overflow, overflow, finite:
+# the scale grows, backs off, and the step counter must not advance on the skipped steps.
+PATTERN = [True, False, False, True, False, True, True, False]
 
 
 def _batch(step: int, bad: bool) -> dict[str, np.ndarray]:
@@ -71,11 +72,13 @@ def test_gated_skip_trains_exactly_as_the_select_form(variant: str) -> None:
         for name in ours:
             assert np.array_equal(ours[name], theirs[name]), (variant, step, name)
     # The skipped steps left the model and the optimizer as they were (the scale moved).
+    initial = Trainer(_step_graph(optimizer, options, gated=True), provider="cpu").state
     for step, bad in enumerate(PATTERN):
-        if bad and step:
+        if bad:
+            previous = gated_states[step - 1] if step else initial
             for name, value in gated_states[step].items():
                 if name not in (md.LOSS_SCALE, md.GROWTH_TRACKER):
-                    assert np.array_equal(value, gated_states[step - 1][name]), (variant, step, name)
+                    assert np.array_equal(value, previous[name]), (variant, step, name)
     assert float(gated_states[-1]["optim/step"]) == PATTERN.count(False)
 
 
@@ -89,14 +92,16 @@ def test_gated_skip_selects_once_per_gradient_not_per_state() -> None:
     grads = len(json.loads(step.metadata_props[md.MODEL_GRADIENTS]))
     states = len(json.loads(step.metadata_props[md.MODEL_STATE_PAIRS]))
     model = mpgraph.convert(step, "fp16")
-    # step increment, step size, decay, 1 - beta1, beta2, 1 - beta2
+    # step counter (selected back), step size, decay, 1 - beta1, beta2, 1 - beta2
     assert n_gates == 6
     checked = collections.Counter(n.name.endswith("/finite") for n in model.graph if n.op_type == "Where")[True]
     # Every gradient the optimizer reads is zeroed on overflow once: the packed small
     # parameters share one flat gradient, so that is fewer than the parameters.
     assert 0 < checked <= grads
-    # the gates, the zeroed gradients, and the dynamic scale's four selects; no state select
+    # the gates, the zeroed gradients, and the dynamic scale's four selects; of the state, only
+    # the step counter is selected back
     assert _optimizer_selects(model) == n_gates + checked + 4
+    assert [n.name for n in model.graph if n.op_type == "Where" and n.name.endswith("/skip")] == ["loss_scale/optim/step/skip"]
     assert states > checked
 
 

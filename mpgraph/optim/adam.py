@@ -47,7 +47,9 @@ class Adam:
         """Emit the update (see ``Optimizer.build``)."""
         step = state("optim/step", None, 0.0)
         coefficients = _Coefficients(b)
-        t = b.op("Add", step, coefficients.get("step_increment", 1.0, step, on_skip=0))
+        # The counter itself is selected back on a skipped step ("old"): the bias corrections
+        # below must see t >= 1 (at t = 0 they divide by zero).
+        t = _gate(b.op("Add", step, b.scalar(1.0, step)), on_skip="old")
         pairs = [(step, t)]
         # Bias corrections in float64, as torch computes them on Python floats.
         t64 = b.op("Cast", t, to=ir.DataType.DOUBLE)
@@ -93,7 +95,7 @@ class _Coefficients:
         self.b = b
         self.made: dict[tuple[str, ir.DataType], ir.Value] = {}
 
-    def get(self, name: str, value: float, like: ir.Value, *, on_skip: int) -> ir.Value:
+    def get(self, name: str, value: float, like: ir.Value, *, on_skip: int | str) -> ir.Value:
         dtype = like.dtype or ir.DataType.FLOAT
         key = (name, dtype)
         if key not in self.made:
@@ -102,12 +104,13 @@ class _Coefficients:
         return self.made[key]
 
 
-def _gate(value: ir.Value, *, on_skip: int) -> ir.Value:
-    """Mark ``value``'s producer with the value it takes on a skipped step (``NODE_ON_SKIP``).
+def _gate(value: ir.Value, *, on_skip: int | str) -> ir.Value:
+    """Mark ``value``'s producer with what it becomes on a skipped step (``NODE_ON_SKIP``):
+    ``0`` or ``1``, or ``old`` for a state update that is selected back (the step counter).
 
     With every coefficient below gated, a skipped step computes exactly the old state from a
-    zeroed gradient: ``m + (g - m) * 0``, ``v * 1 + g * g * 0``, ``p * 1 - u * 0`` and
-    ``step + 0``. Loss scaling then selects nothing per state tensor.
+    zeroed gradient: ``m + (g - m) * 0``, ``v * 1 + g * g * 0`` and ``p * 1 - u * 0``. Loss
+    scaling then selects only the scalar step counter.
     """
     producer = value.producer()
     assert producer is not None

@@ -45,9 +45,9 @@ class ScaleLossPass(ir.passes.InPlacePass):
            nodes: Adam and AdamW) is gated instead: each marked coefficient becomes
            ``Where(found_inf, on_skip, c)`` and each gradient it reads
            ``Where(found_inf, 0, g)``, so the skipped update computes the old state itself
-           (``m + (0 - m) * 0``, ``v * 1 + 0``, ``p * 1 - u * 0``, ``step + 0``; a parameter
-           of -0.0 may come back as +0.0) with one select per gradient instead of one per
-           state tensor. Example: AdamW on the H200 benchmark GPT reads 36 gradient tensors
+           (``m + (0 - m) * 0``, ``v * 1 + 0``, ``p * 1 - u * 0``; a parameter of -0.0 may
+           come back as +0.0) with one select per gradient instead of one per state tensor;
+           state marked ``old`` (the step counter, a scalar) is selected back as above. Example: AdamW on the H200 benchmark GPT reads 36 gradient tensors
            and writes 109 state tensors.
         5. Dynamic mode adds state ``loss_scale`` and ``loss_scale/growth_tracker`` updated as
            ``torch.amp.GradScaler``: on overflow ``scale = max(scale * backoff, min)`` and the
@@ -80,7 +80,8 @@ class ScaleLossPass(ir.passes.InPlacePass):
         gates = [n for n in graph if md.NODE_ON_SKIP in n.metadata_props and n.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER]
         zero, found_inf, reads = _unscale_and_check(opt, graph, grads, scale)
         if gates:
-            _gate_on_overflow(opt, gates, reads, found_inf, zero)
+            _gate_on_overflow(opt, [n for n in gates if n.metadata_props[md.NODE_ON_SKIP] != "old"], reads, found_inf, zero)
+            _skip_on_overflow(opt, graph, pairs, found_inf, only={n for n in gates if n.metadata_props[md.NODE_ON_SKIP] == "old"})
         else:
             _skip_on_overflow(opt, graph, pairs, found_inf)
         if tracker is not None:
@@ -245,14 +246,16 @@ def _gate_on_overflow(opt: Builder, gates: list[ir.Node], reads: list[tuple[ir.V
             use.node.replace_input_with(use.idx, safe)
 
 
-def _skip_on_overflow(opt: Builder, graph: ir.Graph, pairs: list[list[str]], found_inf: ir.Value) -> None:
+def _skip_on_overflow(opt: Builder, graph: ir.Graph, pairs: list[list[str]], found_inf: ir.Value,
+                      only: set[ir.Node] | None = None) -> None:
     """Rule 4: every state output the optimizer writes becomes ``Where(found_inf, old, new)``
-    (a flat optimizer's updated parameter once, before its Split)."""
+    (a flat optimizer's updated parameter once, before its Split); with ``only``, just the
+    outputs those nodes make (a gated optimizer's ``old`` marks)."""
     outputs = {v.name: (i, v) for i, v in enumerate(graph.outputs)}
     inputs = {v.name: v for v in graph.inputs}
     flat = _flat_nodes(graph)
     split = flat.get(md.FLAT_SPLIT)
-    if split is not None and md.FLAT_PARAM in flat:
+    if split is not None and md.FLAT_PARAM in flat and only is None:
         old_flat, new_flat = flat[md.FLAT_PARAM].outputs[0], split.inputs[0]
         assert new_flat is not None
         guarded_flat = opt.op("Where", found_inf, old_flat, new_flat, name="optim/flat/skip")
@@ -262,6 +265,8 @@ def _skip_on_overflow(opt: Builder, graph: ir.Graph, pairs: list[list[str]], fou
         index, new = outputs[state_out]
         producer = new.producer()
         if producer is None or producer.metadata_props.get(md.NODE_ROLE) != md.Role.OPTIMIZER:
+            continue
+        if only is not None and producer not in only:
             continue
         if split is not None and _reads_split(producer, split):
             continue  # guarded before the Split
