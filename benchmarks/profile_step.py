@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import gpu_step  # noqa: E402
+
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
 
 
@@ -163,7 +164,7 @@ def main() -> None:
         trainer = profiled_trainer(graphs[policy], args.provider, prefix)
         names = [s.name for s in trainer.data_inputs]
         data = next(n for n in names if n != "label")
-        feed = lambda i: {data: spec.inputs[i % 4], "label": spec.labels[i % 4]}  # noqa: E731
+        feed = lambda i, data=data: {data: spec.inputs[i % 4], "label": spec.labels[i % 4]}  # noqa: E731
         for i in range(2):  # warm-up: not separable in the profile, so subtracted below
             trainer.step(feed(i))
         path = trainer.session.end_profiling()
