@@ -17,8 +17,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mpgraph.errors import GradientError, MpgraphError
 from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING, NODE_ROLE, ROLES
+from mpgraph.errors import GradientError, MpgraphError
 from mpgraph.training import build_training_graph
 from tests.cpu_runner import CpuRunner
 
