@@ -9,7 +9,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import google.protobuf.descriptor
@@ -30,6 +30,7 @@ __all__ = [
     "as_proto",
     "load_proto",
     "load_model",
+    "min_ir_version",
     "save_model",
     "write_atomic",
     "clean_stale_temporaries",
@@ -101,6 +102,16 @@ def load_model(path: str | os.PathLike[str]) -> ir.Model:
         return ir.from_proto(proto)
     except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
         raise ModelLoadError(f"{Path(path)}: malformed ONNX model ({first_line(e)})") from e
+
+
+def min_ir_version(opset_imports: Mapping[str, int]) -> int:
+    """The lowest IR version that a model importing these opsets may declare (onnx's table).
+
+    >>> min_ir_version({"": 18}), min_ir_version({"": 23})
+    (8, 11)
+    """
+    ids = [onnx.helper.make_opsetid(domain, version) for domain, version in opset_imports.items()]
+    return int(onnx.helper.find_min_ir_version_for(ids, True))
 
 
 def load_proto(path: str | os.PathLike[str]) -> onnx.ModelProto:

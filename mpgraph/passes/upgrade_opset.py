@@ -28,6 +28,7 @@ from onnx import version_converter
 
 from mpgraph._ir import meta as md
 from mpgraph.errors import first_line
+from mpgraph.io import min_ir_version
 from mpgraph.optypes import node_typing
 from mpgraph.policy import Policy
 
@@ -101,7 +102,7 @@ class UpgradeOpsetPass(ir.passes.InPlacePass):
         try:
             upgraded = version_converter.convert_version(ir.to_proto(model), target)
             upgraded.ir_version = max(
-                upgraded.ir_version, onnx.helper.find_min_ir_version_for(list(upgraded.opset_import), True)
+                upgraded.ir_version, min_ir_version({o.domain: o.version for o in upgraded.opset_import})
             )
             new = ir.from_proto(upgraded)
         except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors

@@ -12,7 +12,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.meta import Phase, Precision
-from mpgraph.dtypes import is_float
+from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import ValidationError
 from mpgraph.optypes import node_typing
 from mpgraph.passes.infer_types import INPUT_INVALID_META
@@ -81,7 +81,7 @@ class ValidateModelPass(ir.passes.InPlacePass):
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         check_precision_invariants(model)
-        if _float_weight_bytes(model) >= PROTO_LIMIT:
+        if float_weight_bytes(model) >= PROTO_LIMIT:
             logger.info("model too large for one protobuf: checked from the saved file")
             return ir.passes.PassResult(model, False)
         problem = model.meta.get(INPUT_INVALID_META)
@@ -103,11 +103,6 @@ class ValidateModelPass(ir.passes.InPlacePass):
 
 def _tensor_bytes(model: ir.Model) -> int:
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-
-
-def _float_weight_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values()
-               if v.const_value is not None and v.dtype is not None and is_float(v.dtype))
 
 
 def check_saved(model: ir.Model, input_problem: str | None = None) -> None:

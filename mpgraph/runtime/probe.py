@@ -29,6 +29,7 @@ import onnxruntime as ort
 
 from mpgraph.dtypes import is_float, smallest_subnormal
 from mpgraph.errors import DataError, MpgraphError, first_line
+from mpgraph.io import min_ir_version
 
 __all__ = [
     "MATERIALIZE_BYTES",
@@ -91,8 +92,7 @@ def evaluate_nodes(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]
     # A view: the nodes stay in ``graph``.
     view = ir.GraphView([], values, nodes=nodes, initializers=[graph.initializers[name] for name in inits],
                         opset_imports=dict(graph.opset_imports), name="fold")
-    opsets = [onnx.OperatorSetIdProto(domain=d, version=v) for d, v in graph.opset_imports.items()]
-    ir_version = max(8, onnx.helper.find_min_ir_version_for(opsets, True))
+    ir_version = max(8, min_ir_version(graph.opset_imports))
     try:
         session = cpu_session(ir.to_proto(ir.Model(view, ir_version=ir_version)), log_severity=3)  # type: ignore[arg-type]
         return [np.asarray(a) for a in session.run([v.name or "" for v in values], {})]

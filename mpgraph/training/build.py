@@ -29,6 +29,7 @@ from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError, first_line
+from mpgraph.io import min_ir_version
 from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
@@ -254,7 +255,7 @@ def _finish(model: ir.Model, state: State, outputs: State) -> None:
     model.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
     model.metadata_props[MODEL_TRAINING] = "true"
     graph.name = graph.name or "train_step"
-    model.ir_version = max(8, onnx.helper.find_min_ir_version_for([onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()], True))
+    model.ir_version = max(8, min_ir_version(model.opset_imports))
     if model.ir_version > MAX_IR_VERSION:
         raise UnsupportedModelError(
             f"opset {graph.opset_imports['']} needs ir_version {model.ir_version}; ONNX Runtime 1.31 loads ir_version <= {MAX_IR_VERSION}"
