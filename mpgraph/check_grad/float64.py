@@ -11,6 +11,8 @@ differences (built with ``_ir.builder.Builder``, placed where the node was):
    the input's pixels, then the Conv above with the kernel's channels swapped and its taps
    flipped.
 3. ``GlobalAveragePool`` / ``GlobalMaxPool`` become ``ReduceMean`` / ``ReduceMax``.
+4. ``AveragePool`` (1-D/2-D) and ``Resize`` (linear/nearest) become one MatMul by a constant
+   float64 matrix per spatial axis (``resample``); ``Erf`` a positive series in ``x**2``.
 
 Example:
     >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 1, 2, 2]))
@@ -34,14 +36,15 @@ import onnx_ir as ir
 from mpgraph._ir.builder import Builder
 from mpgraph._ir.meta import Role
 from mpgraph._ir.names import NameScope
+from mpgraph.check_grad.resample import ERF_CLIP, erf_series, pool_matrix, resize_matrix
 
-__all__ = ["CONV_OPS", "to_float64"]
+__all__ = ["SHAPED_OPS", "to_float64"]
 
 logger = logging.getLogger(__name__)
 
-#: Op types rewritten into float64 ops when ORT has no float64 kernel for them; they need
-#: static input shapes (``check_grad`` measures them with one float32 run).
-CONV_OPS = frozenset({"Conv", "ConvTranspose"})
+#: Op types rewritten into float64 ops when ORT has no float64 kernel for them that need
+#: static input (and Resize output) shapes (``check_grad`` measures them with one float32 run).
+SHAPED_OPS = frozenset({"Conv", "ConvTranspose", "AveragePool", "Resize"})
 _F32, _F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
 _INT64_MIN = int(np.iinfo(np.int64).min)
 Shapes = Mapping[str, Sequence[int | None]]
@@ -96,7 +99,7 @@ def _static_copy(model: ir.Model, keep32: frozenset[str], input_shapes: Mapping[
     for v in copy.graph.inputs:  # the check feeds one shape: make it static
         if v.name in input_shapes:
             v.shape = ir.Shape(input_shapes[v.name])
-    if "Conv" not in keep32:
+    if not keep32 & SHAPED_OPS:
         return copy
     cleared = ir.from_proto(ir.to_proto(copy))
     for v in _values(cleared.graph):
@@ -147,6 +150,8 @@ def _retype_node(graph: ir.Graph, node: ir.Node, was_f32: set[ir.Value]) -> None
         elif node.op_type == "Constant" and name in ("value_float", "value_floats"):
             del node.attributes[name]
             node.attributes["value"] = ir.AttrTensor("value", ir.tensor(np.array(attr.value, np.float64)))
+    if node.op_type == "Resize" and len(node.inputs) > 2 and node.inputs[2] in was_f32:
+        _cast_input(graph, node, 2, {})  # scales are float32 by schema for any input
     if node.op_type == "LayerNormalization":
         # Its mean and inverse deviation are float32 by schema (stash_type) for any input.
         for value in node.outputs[1:]:
@@ -159,15 +164,23 @@ def _float32_island(graph: ir.Graph, node: ir.Node, was_f32: set[ir.Value]) -> N
     casts: dict[ir.Value, ir.Value] = {}
     for k, value in enumerate(node.inputs):
         if value is not None and value in was_f32:
-            if value not in casts:  # one Cast per input value, even when it fills two slots
-                cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", _F32)], name=f"{value.name}/f32/{node.name}")
-                cast.outputs[0].name = f"{value.name}/f32/{node.name}"
-                graph.insert_before(node, cast)
-                casts[value] = cast.outputs[0]
-            node.replace_input_with(k, casts[value])
+            _cast_input(graph, node, k, casts)
     for value in node.outputs:
         if value in was_f32:
             _cast_output(graph, node, value, was_f32)
+
+
+def _cast_input(graph: ir.Graph, node: ir.Node, slot: int, casts: dict[ir.Value, ir.Value]) -> None:
+    """Feed ``node``'s input ``slot`` through ``Cast(value, float32)``: one Cast per input value
+    (in ``casts``), even when it fills two slots."""
+    value = node.inputs[slot]
+    assert value is not None
+    if value not in casts:
+        cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", _F32)], name=f"{value.name}/f32/{node.name}")
+        cast.outputs[0].name = f"{value.name}/f32/{node.name}"
+        graph.insert_before(node, cast)
+        casts[value] = cast.outputs[0]
+    node.replace_input_with(slot, casts[value])
 
 
 def _cast_output(graph: ir.Graph, node: ir.Node, value: ir.Value, was_f32: set[ir.Value]) -> None:
@@ -316,6 +329,68 @@ def _global_pool(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     return b.op(reduce, x, b.ints(list(range(2, rank))), keepdims=1)
 
 
+def _per_axis(b: Builder, x: ir.Value, matrices: Sequence[np.ndarray]) -> ir.Value:
+    """``x`` ([N, C, *spatial], 1 or 2 spatial axes) with each ``[out, size]`` matrix applied to
+    its spatial axis: ``P_h @ x @ P_w^T`` (MatMul broadcasts over N and C)."""
+    if len(matrices) == 2:
+        x = b.op("MatMul", b.const(matrices[0]), x)
+    return b.op("MatMul", x, b.const(np.ascontiguousarray(matrices[-1].T)))
+
+
+def _average_pool(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """AveragePool (1-D or 2-D, explicit pads, no dilation) as one matrix per spatial axis."""
+    x = node.inputs[0]
+    shape = shapes.get(x.name or "") if x is not None else None
+    if (x is None or shape is None or len(shape) not in (3, 4) or None in shape[2:]
+            or node.attributes.get_string("auto_pad", "NOTSET") not in ("NOTSET", "VALID")
+            or any(d != 1 for d in _ints(node, "dilations", []))):
+        return None
+    rank = len(shape) - 2
+    kernel, strides = _ints(node, "kernel_shape", []), _ints(node, "strides", [1] * rank)
+    pads = _ints(node, "pads", [0] * 2 * rank) if node.attributes.get_string("auto_pad", "NOTSET") == "NOTSET" else [0] * 2 * rank
+    ceil_mode, include = bool(node.attributes.get_int("ceil_mode", 0)), bool(node.attributes.get_int("count_include_pad", 0))
+    matrices = [pool_matrix(int(size), kernel[a], strides[a], (pads[a], pads[a + rank]), ceil_mode, include)
+                for a, size in enumerate(shape[2:])]
+    return _per_axis(b, x, matrices)
+
+
+def _resize(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """Resize (linear or nearest, of the last one or two axes only) as one matrix per axis; the
+    scale is the ``scales`` input, else output / input length (ORT's rule)."""
+    x, y = node.inputs[0], node.outputs[0]
+    shape, out_shape = shapes.get(x.name or "") if x is not None else None, shapes.get(y.name or "")
+    if (x is None or shape is None or out_shape is None or len(shape) not in (3, 4) or len(out_shape) != len(shape)
+            or None in (*shape[2:], *out_shape[2:]) or node.attributes.get_int("antialias", 0)
+            or "axes" in node.attributes or list(shape[:2]) != list(out_shape[:2])):
+        return None
+    scales = ir.convenience.get_const_tensor(node.inputs[2]) if len(node.inputs) > 2 and node.inputs[2] is not None else None
+    mode, transform = node.attributes.get_string("mode", "nearest"), node.attributes.get_string("coordinate_transformation_mode", "half_pixel")
+    nearest = node.attributes.get_string("nearest_mode", "round_prefer_floor")
+    matrices = []
+    for a in range(2, len(shape)):
+        scale = float(scales.numpy()[a]) if scales is not None and scales.numpy().size else out_shape[a] / shape[a]
+        matrix = resize_matrix(int(shape[a]), int(out_shape[a]), scale, mode, transform, nearest)
+        if matrix is None:
+            return None
+        matrices.append(matrix)
+    return _per_axis(b, x, matrices)
+
+
+def _erf(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """Erf as a positive series in ``x**2`` (see ``resample.erf_series``), ``x`` clipped to
+    ``±ERF_CLIP`` where erf is ``±1`` in float64."""
+    del shapes
+    x = node.inputs[0]
+    assert x is not None
+    powers, coefs = erf_series()
+    xc = b.op("Clip", x, b.const(-ERF_CLIP), b.const(ERF_CLIP))
+    x2 = b.op("Mul", xc, xc)
+    terms = b.op("Mul", b.op("Pow", b.op("Unsqueeze", x2, b.ints([-1])), b.const(powers)), b.const(coefs))
+    series = b.op("ReduceSum", terms, b.ints([-1]), keepdims=0)
+    return b.op("Mul", b.op("Mul", xc, b.op("Exp", b.op("Neg", x2))), series)
+
+
 _REWRITES: dict[str, Callable[[Builder, ir.Node, Shapes], ir.Value | None]] = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "GlobalAveragePool": _global_pool, "GlobalMaxPool": _global_pool,
+    "AveragePool": _average_pool, "Resize": _resize, "Erf": _erf,
 }

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.check_grad.float64 import CONV_OPS, to_float64
+from mpgraph.check_grad.float64 import SHAPED_OPS, to_float64
 from mpgraph.errors import MpgraphError
 from mpgraph.runtime.check_session import CheckSession, ort_message
 
@@ -102,14 +102,15 @@ def session_in_best_dtype(model: ir.Model, float64: bool,
 
 
 def conv_shapes(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
-    """Runtime shapes of every Conv and ConvTranspose input (one float32 run): shape inference
-    does not reach every backward Conv, and their float64 rewrites need them static."""
+    """Runtime shapes of the inputs (and Resize's output) of every op in ``SHAPED_OPS`` (one
+    float32 run): shape inference does not reach every backward Conv, nor a Resize's computed
+    sizes, and their float64 rewrites need them static."""
     probe = ir.from_proto(ir.to_proto(model))
     outputs = {v.name for v in probe.graph.outputs}
     wanted: dict[str, ir.Value] = {}
     for node in probe.graph:
-        if node.op_type in CONV_OPS:
-            for v in node.inputs[:2]:
+        if node.op_type in SHAPED_OPS:
+            for v in [*node.inputs[:2], *(node.outputs[:1] if node.op_type == "Resize" else [])]:
                 if v is not None and v.name and v.name not in outputs and v.name not in feeds:
                     wanted[v.name] = v
     if not wanted:
