@@ -313,3 +313,11 @@ def test_average_pool_resize_erf_run_in_float64() -> None:
     assert not {"AveragePool", "Resize", "Erf"} & set(report.analytic_dtype.replace(",", " ").split()), report.analytic_dtype
     assert report.rtol == 1e-5 and report.passed, report.params
     assert all(p.status == "pass" for p in report.params), report.params
+
+
+def test_float64_copy_keeps_resize_scales_float32() -> None:
+    # Resize's scales are float32 by schema: retyped to float64, shape inference failed and the
+    # whole check fell back to float32 before ORT could name Resize as the op to rewrite.
+    model = _one_op_model("Resize", [2, 3, 4, 5], [("roi", None), ("scales", np.array([1, 1, 2, 2], np.float32))], mode="linear")
+    converted, islands = to_float64(ir.from_proto(model), frozenset())
+    assert islands == set() and converted.graph.output[0].type.tensor_type.elem_type == T.DOUBLE
