@@ -36,7 +36,7 @@ import onnx_ir as ir
 from mpgraph._ir.builder import Builder
 from mpgraph._ir.meta import Role
 from mpgraph._ir.names import NameScope
-from mpgraph.check_grad.resample import ERF_CLIP, erf_series, pool_matrix, resize_matrix
+from mpgraph.check_grad.resample import ERF_CLIP, ERF_SCALE, erf_series, pool_matrix, resize_matrix
 
 __all__ = ["SHAPED_OPS", "to_float64"]
 
@@ -377,17 +377,18 @@ def _resize(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
 
 
 def _erf(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
-    """Erf as a positive series in ``x**2`` (see ``resample.erf_series``), ``x`` clipped to
-    ``±ERF_CLIP`` where erf is ``±1`` in float64."""
+    """Erf as a positive series in ``x**2`` (see ``resample.erf_series``), nested by Horner's
+    rule (three elementwise nodes a term), ``x`` clipped to ``±ERF_CLIP`` where erf is ``±1``."""
     del shapes
     x = node.inputs[0]
     assert x is not None
-    powers, coefs = erf_series()
     xc = b.op("Clip", x, b.const(-ERF_CLIP), b.const(ERF_CLIP))
     x2 = b.op("Mul", xc, xc)
-    terms = b.op("Mul", b.op("Pow", b.op("Unsqueeze", x2, b.ints([-1])), b.const(powers)), b.const(coefs))
-    series = b.op("ReduceSum", terms, b.ints([-1]), keepdims=0)
-    return b.op("Mul", b.op("Mul", xc, b.op("Exp", b.op("Neg", x2))), series)
+    one = b.const(1.0)
+    series = one  # nested: 1 + r_1 t (1 + r_2 t (1 + ...)), elementwise, no [..., terms] tensor
+    for ratio in erf_series()[::-1]:
+        series = b.op("Add", one, b.op("Mul", b.op("Mul", x2, b.const(ratio)), series))
+    return b.op("Mul", b.op("Mul", xc, b.op("Exp", b.op("Neg", x2))), b.op("Mul", series, b.const(ERF_SCALE)))
 
 
 _REWRITES: dict[str, Callable[[Builder, ir.Node, Shapes], ir.Value | None]] = {

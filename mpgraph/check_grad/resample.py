@@ -19,10 +19,12 @@ import math
 
 import numpy as np
 
-__all__ = ["ERF_CLIP", "erf_series", "pool_matrix", "resize_matrix"]
+__all__ = ["ERF_CLIP", "ERF_SCALE", "erf_series", "pool_matrix", "resize_matrix"]
 
 #: ``|x|`` beyond which ``erf(x)`` is ``±1`` in float64 (``erfc(6) = 2e-17``).
 ERF_CLIP = 6.0
+#: ``2 / sqrt(pi)``, the series' leading factor.
+ERF_SCALE = 2.0 / math.sqrt(math.pi)
 _ERF_TERMS = 100
 #: ``RESIZE_TRANSFORMS[mode](x_out, scale, in_len, out_len)``: the input coordinate of an
 #: output index (ONNX Resize ``coordinate_transformation_mode``).
@@ -84,12 +86,12 @@ def resize_matrix(size: int, out: int, scale: float, mode: str, transform: str, 
     return matrix
 
 
-def erf_series() -> tuple[np.ndarray, np.ndarray]:
-    """Exponents ``n`` and coefficients ``2**n / (2n+1)!!`` of
-    ``erf(x) = 2/sqrt(pi) * x * exp(-x**2) * sum_n c_n * (x**2)**n``: every term positive (no
-    cancellation); 100 terms reach 1e-15 for ``|x| <= ERF_CLIP``."""
-    n = np.arange(_ERF_TERMS, dtype=np.float64)
-    coef = np.ones(_ERF_TERMS)
-    for k in range(1, _ERF_TERMS):
-        coef[k] = coef[k - 1] * 2.0 / (2 * k + 1)
-    return n, coef * (2.0 / math.sqrt(math.pi))
+def erf_series() -> np.ndarray:
+    """Ratios ``r_n = 2 / (2n+1)``, ``n >= 1``, of the terms of
+    ``erf(x) = ERF_SCALE * x * exp(-x**2) * (1 + r_1 t (1 + r_2 t (1 + ...)))``, ``t = x**2``:
+    every term positive (no cancellation). A Horner chain on the coefficients
+    ``2**n / (2n+1)!!`` themselves (down to 1e-157) lost its high terms under ORT's default
+    optimizations (not without them); these ratios lie in [0.01, 0.67]. 100 terms reach 2e-15
+    for ``|x| <= ERF_CLIP``."""
+    n = np.arange(1, _ERF_TERMS, dtype=np.float64)
+    return 2.0 / (2 * n + 1)
