@@ -31,7 +31,7 @@ def compare_train_report(
 ) -> None:
     """Print (and optionally write as HTML) ``compare_train`` of two step graphs."""
     from mpgraph.audit.compare_train import compare_train, write_html
-    from mpgraph.cli.main import console
+    from mpgraph.cli.console import console
     from mpgraph.data import random_feeds
     from mpgraph.errors import MpgraphError
 
