@@ -199,3 +199,13 @@ def test_loss_scaling_refuses_a_step_graph_without_roles():
     settings = policy("extends: fp16\nloss_scaling: {mode: dynamic}\n").loss_scaling
     with pytest.raises(MpgraphError, match="optimizer role"):
         ScaleLossPass(settings)(step)
+
+
+def test_audit_reports_the_loss_scaling_settings() -> None:
+    """``mpgraph.loss_scaling`` (the policy's settings) is read back by the audit, only for a
+    step graph that loss scaling rewrote."""
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adam")
+    scaled = mpgraph.audit(mpgraph.convert(step, policy("extends: fp16\nloss_scaling: {mode: dynamic, init: 1024}\n"), emulate=True))
+    assert scaled.loss_scaling is not None and scaled.loss_scaling["mode"] == "dynamic" and scaled.loss_scaling["init"] == 1024
+    unscaled = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adam")
+    assert mpgraph.audit(mpgraph.convert(unscaled, "bf16", emulate=True)).loss_scaling is None

@@ -32,6 +32,8 @@ class AuditReport:
         reasons: ``reason -> count`` over decided nodes.
         initializer_range: Range events (overflow/underflow) recorded at conversion.
         nodes: Per-node records (name, op_type, role, precision, reason).
+        loss_scaling: The policy's loss-scaling settings (``mpgraph.loss_scaling``) when the
+            model is a training step graph that loss scaling rewrote, else ``None``.
     """
 
     policy: str | None
@@ -46,6 +48,7 @@ class AuditReport:
     reasons: dict[str, int]
     initializer_range: list[dict[str, Any]]
     nodes: list[dict[str, str]]
+    loss_scaling: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -92,4 +95,5 @@ def audit(model: ir.Model) -> AuditReport:
         reasons=dict(reasons.most_common()),
         initializer_range=json.loads(props.get(md.MODEL_INIT_RANGE, "[]")),
         nodes=nodes,
+        loss_scaling=json.loads(props[md.MODEL_LOSS_SCALING]) if md.MODEL_LOSS_SCALE_STATE in props else None,
     )

@@ -52,6 +52,9 @@ def audit_command(
     console.print(
         f"float weights: {human_bytes(report.weight_bytes_before)} before -> {human_bytes(report.weight_bytes_after)} after"
     )
+    if report.loss_scaling is not None:
+        scaling = report.loss_scaling
+        console.print("loss scaling: " + ", ".join(f"{k}={scaling[k]}" for k in sorted(scaling)), highlight=False)
     for event in report.initializer_range:
         console.print(
             f"[yellow]range:[/] {event['name']}: {event['overflow']} overflow, {event['underflow']} underflow -> {event['action']}"
