@@ -18,6 +18,7 @@ def test_pins_cover_every_case() -> None:
     assert sorted(CASES) == sorted(PINNED), "tests/pins.json is stale: run python -m tests.pins"
 
 
+@pytest.mark.slow  # 255 builds, about 60 s on 2 cores: CI runs it (--runslow), `pytest -q` does not
 @pytest.mark.parametrize("case", CASES)
 def test_bytes_unchanged(case: str) -> None:
     got = pins.compute(only=lambda c: c == case)[case]
