@@ -26,6 +26,26 @@ def init(name, array):
     return onnx.numpy_helper.from_array(np.asarray(array), name)
 
 
+def mlp_model() -> onnx.ModelProto:
+    """x -> MatMul(allow1) -> Add(infer1) -> Relu(clear1) -> MatMul(allow2) -> Softmax(deny1) -> Mul(infer2)
+
+    Nodes named after their category, so tests of the precision phases read like a spec.
+    """
+    rng = np.random.default_rng(0)
+    w1 = rng.standard_normal((4, 8)).astype(np.float32)
+    b1 = rng.standard_normal(8).astype(np.float32)
+    w2 = rng.standard_normal((8, 3)).astype(np.float32)
+    nodes = [
+        h.make_node("MatMul", ["x", "w1"], ["a"], name="allow1"),
+        h.make_node("Add", ["a", "b1"], ["b"], name="infer1"),
+        h.make_node("Relu", ["b"], ["c"], name="clear1"),
+        h.make_node("MatMul", ["c", "w2"], ["d"], name="allow2"),
+        h.make_node("Softmax", ["d"], ["e"], name="deny1", axis=-1),
+        h.make_node("Mul", ["e", "e"], ["y"], name="infer2"),
+    ]
+    return make_model(nodes, [vi("x", ["N", 4])], [vi("y", ["N", 3])], [init("w1", w1), init("b1", b1), init("w2", w2)])
+
+
 def run(model, feeds):
     proto = model if isinstance(model, onnx.ModelProto) else __import__("onnx_ir").to_proto(model)
     options = ort.SessionOptions()

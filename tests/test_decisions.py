@@ -25,7 +25,7 @@ from mpgraph.passes.assign_precision import AssignPrecisionPass, Decision, recor
 from mpgraph.passes.infer_types import InferTypesPass
 from mpgraph.passes.validate_model import check_precision_invariants
 from mpgraph.policy.schema import Override, Policy
-from tests.helpers import init, make_model, vi
+from tests.helpers import init, make_model, mlp_model, vi
 
 #: A policy that states every category these tests use.
 SPEC = Policy(
@@ -57,25 +57,6 @@ def meta(model: ir.Model, name: str, key: str) -> str | None:
     return model.graph.node(name).metadata_props.get(key)
 
 
-def mlp() -> onnx.ModelProto:
-    """x -> MatMul(allow1) -> Add(infer1) -> Relu(clear1) -> MatMul(allow2) -> Softmax(deny1) -> Mul(infer2)"""
-    rng = np.random.default_rng(0)
-    nodes = [
-        h.make_node("MatMul", ["x", "w1"], ["a"], name="allow1"),
-        h.make_node("Add", ["a", "b1"], ["b"], name="infer1"),
-        h.make_node("Relu", ["b"], ["c"], name="clear1"),
-        h.make_node("MatMul", ["c", "w2"], ["d"], name="allow2"),
-        h.make_node("Softmax", ["d"], ["e"], name="deny1", axis=-1),
-        h.make_node("Mul", ["e", "e"], ["y"], name="infer2"),
-    ]
-    weights = [
-        init("w1", rng.standard_normal((4, 8)).astype(np.float32)),
-        init("b1", rng.standard_normal(8).astype(np.float32)),
-        init("w2", rng.standard_normal((8, 3)).astype(np.float32)),
-    ]
-    return make_model(nodes, [vi("x", ["N", 4])], [vi("y", ["N", 3])], weights)
-
-
 def attention() -> onnx.ModelProto:
     """x -> MatMul(allow1) -> Softmax(deny1) -> MatMul(allow2) -> Add(infer1) at the end."""
     rng = np.random.default_rng(1)
@@ -94,7 +75,7 @@ def attention() -> onnx.ModelProto:
 
 
 def test_allow1_is_decided_by_the_allow_phase():
-    m = decide(mlp())
+    m = decide(mlp_model())
     for name in ("allow1", "allow2"):
         assert phase(m, name) == Phase.ALLOW
         assert meta(m, name, md.NODE_PRECISION) == Precision.BFLOAT16
@@ -102,13 +83,13 @@ def test_allow1_is_decided_by_the_allow_phase():
 
 
 def test_infer1_and_clear1_between_allow_ops():
-    m = decide(mlp())
+    m = decide(mlp_model())
     assert phase(m, "infer1") == Phase.BETWEEN
     assert phase(m, "clear1") == Phase.BETWEEN
 
 
 def test_deny1_is_denied_and_spreads_to_infer2():
-    m = decide(mlp())
+    m = decide(mlp_model())
     assert phase(m, "deny1") == Phase.DENY
     assert meta(m, "deny1", md.NODE_REASON) == "deny list: range"
     assert phase(m, "infer2") == Phase.DENY_SPREAD
@@ -177,15 +158,15 @@ def test_allow1_backward_follows_its_forward_twin():
 
 def test_deny1_kernel_gap_of_the_target():
     policy = Policy("spec", ir.DataType.BFLOAT16, ops=SPEC.ops, kernel_gaps={"Relu": "no bfloat16 kernel on cpu (test)"})
-    m = decide(mlp(), policy)
+    m = decide(mlp_model(), policy)
     assert phase(m, "clear1") == Phase.KERNEL_GAP
     assert meta(m, "clear1", md.NODE_REASON) == "no bfloat16 kernel on cpu (test)"  # no "deny list: "
 
 
 def test_identity_policy_and_recorded_phases_are_kept():
-    m = decide(mlp(), Policy("fp32", ir.DataType.FLOAT))
+    m = decide(mlp_model(), Policy("fp32", ir.DataType.FLOAT))
     assert {phase(m, n.name) for n in m.graph} == {Phase.IDENTITY}
-    m = decide(mlp())
+    m = decide(mlp_model())
     before = {n.name: dict(n.metadata_props) for n in m.graph}
     assert not AssignPrecisionPass(SPEC)(m).modified
     assert {n.name: dict(n.metadata_props) for n in m.graph} == before
@@ -193,7 +174,7 @@ def test_identity_policy_and_recorded_phases_are_kept():
 
 @pytest.mark.parametrize("preset", ["bf16", "fp16", "fp32"])
 def test_every_decided_node_of_a_conversion_has_a_phase(preset):
-    m = mpgraph.convert(mlp(), preset)
+    m = mpgraph.convert(mlp_model(), preset)
     for node in m.graph:
         if md.NODE_INSERTED not in node.metadata_props:
             assert node.metadata_props.get(md.NODE_PHASE) in set(Phase), node.name
@@ -201,7 +182,7 @@ def test_every_decided_node_of_a_conversion_has_a_phase(preset):
 
 def test_decisions_are_logged(caplog):
     with caplog.at_level(logging.DEBUG, logger="mpgraph.passes.assign_precision"):
-        decide(mlp())
+        decide(mlp_model())
     logged = [r.getMessage() for r in caplog.records if r.name == "mpgraph.passes.assign_precision"]
     assert len(logged) == 6
     assert "allow: MatMul 'allow1' -> bfloat16 (allow list: fast)" in logged
@@ -229,7 +210,7 @@ def test_validation_keys_off_the_phase_not_the_reason():
 
 def test_target_notes_count_kernel_gaps_by_phase():
     policy = Policy("spec", ir.DataType.BFLOAT16, ops=SPEC.ops, kernel_gaps={"Relu": "reworded: no kernel"})
-    m = decide(mlp(), policy)
+    m = decide(mlp_model(), policy)
     m.metadata_props[md.MODEL_DTYPE] = "bfloat16"
     m.metadata_props[md.MODEL_TARGET] = "cpu"
     assert any(line.startswith("target cpu: 1 ops kept float32") for line in conversion_notes(m, emulate=True))

@@ -26,7 +26,7 @@ from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
 from mpgraph.passes.insert_casts import InsertCastsPass
 from mpgraph.policy import load_policy, parse_policy
-from tests.helpers import init, make_model, run, vi
+from tests.helpers import init, make_model, mlp_model, run, vi
 
 
 def precision(model: ir.Model, name: str) -> str:
@@ -35,25 +35,6 @@ def precision(model: ir.Model, name: str) -> str:
 
 def casts(model: ir.Model) -> list[ir.Node]:
     return [n for n in model.graph if n.op_type == "Cast"]
-
-
-def mlp_model() -> onnx.ModelProto:
-    """x -> MatMul(allow1) -> Add(infer1) -> Relu(clear1) -> MatMul(allow2) -> Softmax(deny1) -> Mul(infer2)"""
-    rng = np.random.default_rng(0)
-    w1 = rng.standard_normal((4, 8)).astype(np.float32)
-    b1 = rng.standard_normal(8).astype(np.float32)
-    w2 = rng.standard_normal((8, 3)).astype(np.float32)
-    nodes = [
-        h.make_node("MatMul", ["x", "w1"], ["a"], name="allow1"),
-        h.make_node("Add", ["a", "b1"], ["b"], name="infer1"),
-        h.make_node("Relu", ["b"], ["c"], name="clear1"),
-        h.make_node("MatMul", ["c", "w2"], ["d"], name="allow2"),
-        h.make_node("Softmax", ["d"], ["e"], name="deny1", axis=-1),
-        h.make_node("Mul", ["e", "e"], ["y"], name="infer2"),
-    ]
-    return make_model(
-        nodes, [vi("x", ["N", 4])], [vi("y", ["N", 3])], [init("w1", w1), init("b1", b1), init("w2", w2)]
-    )
 
 
 def test_phases_on_mlp():
