@@ -55,10 +55,6 @@ LOW_IO_FLOAT32_KERNELS = frozenset({"Softmax", "LogSoftmax"})
 #: 0.4 GB a layer.
 LOW_IO_FLOAT32_SUMS = frozenset({"ReduceSum"})
 
-#: Data movement in a softmax's backward (the row-wise reshapes of its attention form), which
-#: phase 8 lowers with the elementwise ops when the softmax has low I/O.
-LOW_IO_BACKWARD_MOVES = frozenset({"Reshape", "Transpose", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
-
 _SUMS = frozenset({"ReduceSum", "ReduceMean"})
 
 #: Elementwise ops a gradient rule writes for its forward op: when that forward op computes
@@ -449,14 +445,19 @@ class _Assignment:
         GPT, cast kernels 4.12 -> 2.82 ms and the bf16 step 24.2 -> 22.2 ms
         (``benchmarks/results/gpu_step_softmax_bwd_prototype.log``).
         """
-        lowered = {n.name: n for n in self.nodes if n.name and n.op_type in LOW_IO_FLOAT32_KERNELS and self.is_low(n)}
+        lowered = {n.name: n for n in self.nodes
+                   if n.name and n in self.decisions and self.decisions[n].phase == Phase.LOW_IO and n.op_type in LOW_IO_FLOAT32_KERNELS}
         if not lowered:
             return
         for node in self.nodes:
             twin = lowered.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
             if twin is None or node.metadata_props.get(md.NODE_ROLE) != Role.BACKWARD or node.domain not in _DEFAULT_DOMAINS:
                 continue
-            movement = node.op_type in LOW_IO_BACKWARD_MOVES
+            decided = self.decisions.get(node)
+            if decided is not None and decided.precision != Precision.FLOAT32:
+                continue  # only phase 0's float32; a Shape (precision none) stays as it is
+            # Data movement (the policy's clear ops, as in phase 6) is exact in any dtype.
+            movement = self.policy.rule(node.op_type, node.domain).category == Category.CLEAR
             if not (movement or node.op_type in FOLLOW_FORWARD_OPS):
                 continue
             consumers = [u.node for v in node.outputs for u in v.uses()]
