@@ -16,12 +16,16 @@ a precomputed ``0 / -inf`` bias gives the same values bit for bit (``x + 0 = x``
 from __future__ import annotations
 
 import argparse
-import time
+import os
+import sys
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from optim_probe import time_binding  # noqa: E402
 
 DTYPES = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}
 
@@ -58,14 +62,7 @@ def time_variant(model: onnx.ModelProto, shape: list[int], np_dtype: str, iters:
     elem = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16, "float32": TensorProto.FLOAT}[np_dtype]
     binding.bind_input("x", "cuda", 0, elem, shape, x.data_ptr())
     binding.bind_output("y", "cuda", 0, elem, shape, y.data_ptr())
-    for _ in range(3):
-        session.run_with_iobinding(binding)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        session.run_with_iobinding(binding)
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e3
+    return time_binding(session, binding, iters)
 
 
 def main() -> None:
