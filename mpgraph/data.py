@@ -59,6 +59,7 @@ __all__ = [
     "check_finite",
     "check_labels",
     "random_feeds",
+    "index_bound",
 ]
 
 BUILTIN_DATASETS = ("digits", "sequence")
@@ -467,8 +468,9 @@ def check_labels(arrays: Mapping[str, np.ndarray], bounds: Mapping[str, tuple[in
                             f"({int(bad.sum())} value(s) out of range); the graph has {classes} classes: valid {valid}")
 
 
-def _int_bound(value: ir.Value) -> int | None:
-    """Exclusive upper bound for an integer input: the rows of the table it indexes, or the classes it labels."""
+def index_bound(value: ir.Value) -> int | None:
+    """Exclusive upper bound for an integer input: the rows of the table it indexes (``Gather``,
+    ``GatherElements``), or the classes it labels; the smallest when several read it."""
     bounds: list[int] = []
     stack, seen = [value], set()
     while stack:
@@ -480,7 +482,7 @@ def _int_bound(value: ir.Value) -> int | None:
             node, idx = use.node, use.idx
             if node.op_type in _PASS_THROUGH and idx == 0:
                 stack.extend(node.outputs)
-            elif node.op_type == "Gather" and idx == 1 and node.inputs[0] is not None:
+            elif node.op_type in ("Gather", "GatherElements") and idx == 1 and node.inputs[0] is not None:
                 axis_attr = node.attributes.get("axis")
                 axis = axis_attr.value if axis_attr is not None else 0
                 shape = node.inputs[0].shape
@@ -529,6 +531,6 @@ def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np
         elif _LENGTH_NAME.search(name):
             feeds[name] = np.ones(shape, dtype=np_dtype)
         else:
-            high = _int_bound(value) or 2
+            high = index_bound(value) or 2
             feeds[name] = rng.integers(0, max(high, 1), size=shape).astype(np_dtype)
     return feeds

@@ -11,15 +11,13 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph.check_grad.report import InputsError
-from mpgraph.data import read_npz
+from mpgraph.data import index_bound, read_npz
 
 __all__ = ["generate_inputs", "random_weights", "read_inputs"]
 
 #: Default size of a symbolic dimension: the leading one (the batch) and the others.
 BATCH = 2
 OTHER_DIM = 8
-_SHAPE_PRESERVING = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Cast", "Identity", "Transpose"})
-_LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 
 
 def read_inputs(inputs: str | os.PathLike[str] | Mapping[str, np.ndarray], specs: Sequence[ir.Value]) -> dict[str, np.ndarray]:
@@ -88,31 +86,6 @@ def generate_inputs(specs: Sequence[ir.Value], rng: np.random.Generator, batch: 
             else:
                 feeds[v.name or ""] = rng.integers(0, bound, dims).astype(dtype)
     return feeds
-
-
-def index_bound(value: ir.Value) -> int | None:
-    """Exclusive upper bound of an integer input: rows of a Gather table, classes of a loss."""
-    frontier, seen = [value], set()
-    while frontier:
-        v = frontier.pop()
-        if v in seen:
-            continue
-        seen.add(v)
-        for node, slot in v.uses():
-            if node.op_type in _SHAPE_PRESERVING and slot == 0:
-                frontier.extend(node.outputs)
-            elif node.op_type in ("Gather", "GatherElements") and slot == 1:
-                table = node.inputs[0]
-                axis = int(node.attributes["axis"].value) if "axis" in node.attributes else 0
-                dims = list(table.shape or ()) if table is not None else []
-                if dims and isinstance(dims[axis], int):
-                    return int(dims[axis])
-            elif node.op_type in _LOSS_OPS and slot == 1:
-                scores = node.inputs[0]
-                dims = list(scores.shape or ()) if scores is not None else []
-                if len(dims) > 1 and isinstance(dims[1], int):
-                    return int(dims[1])
-    return None
 
 
 def random_weights(base: Mapping[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
