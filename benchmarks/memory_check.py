@@ -1,47 +1,84 @@
-"""``audit --memory``'s estimate next to the device memory ORT CUDA really takes for one step.
+"""``audit --memory``'s estimate next to the device memory ORT CUDA really takes for a step.
 
 For the zoo GPT (``models/onnx/gpt.loss.onnx``) and the benchmark GPT of ``gpu_step.py`` (d1024,
-8 layers, T512, vocab 8192, batch 8), AdamW, policies fp32 and bf16, it prints the estimated
-peak (``mpgraph.audit.memory.estimate_memory``) and the measured one: the device memory in use
-after a few steps minus before the session was made (``cudaMemGetInfo`` through torch), with
-ORT's arena told to grow by exactly what is requested (``arena_extend_strategy=kSameAsRequested``)
-so that the arena's size is its peak rather than the next power of two, and without CUDA graphs
-(``--cuda-graph`` measures with them). The measured number also
-holds cuBLAS/cuDNN workspaces and handles, which the estimate does not model.
+8 layers, T512, vocab 8192, batch 8), AdamW, policies fp32 and bf16, with ORT's memory pattern
+on (its default) and off, it prints the estimate (``mpgraph.audit.memory.estimate_memory``) and
+what a CUDA ``Trainer`` takes, split into parts:
 
-Run on a GPU machine (onnxruntime-gpu, torch with CUDA)::
+- **measured**: device memory in use (``cudaMemGetInfo`` through torch) after ``--steps`` steps,
+  minus before anything of ORT existed. ORT's arena grows by exactly what is requested
+  (``arena_extend_strategy=kSameAsRequested``), so its size is its peak and not the next power
+  of two; no CUDA graphs.
+- **fixed provider overhead**: the same measurement, in the same fresh process just before, for
+  the zoo's tiny MLP (4,610 parameters; 0.1 MiB by the estimate) under the same policy, provider
+  options and memory-pattern setting. It holds what any CUDA Trainer takes whatever the model:
+  the CUDA libraries' handles and workspaces (cuBLAS/cuBLASLt, cuDNN), kernel code loaded on
+  first use, the stream, the arenas' first regions. The estimate models the graph's own tensors,
+  so it is compared with **measured minus fixed** (the model's own memory). The overhead is
+  measured, not fitted, and shown in its own column: a user adds it once per process.
+- **by phase**: what the session and state upload take (init), then step 1, step 2 and later
+  steps. With the memory pattern on, ORT traces step 1's allocations and from step 2 allocates
+  one block holding every planned intermediate at its planned offset; the arena keeps step 1's
+  regions too, so the activations are held about twice. The step-2 row shows that block.
+- **arena log**: ORT's BFC arenas log every extension at INFO on the default logger. Each
+  measurement's log (``--out``/logs) is parsed per phase: bytes the device arena grew by, and
+  its largest request in step 2 (the memory-pattern block, ORT's own planned activation peak).
 
-    python benchmarks/memory_check.py                 # both GPTs, fp32 and bf16
-    python benchmarks/memory_check.py --estimate-only # the estimates alone (any machine)
-    python benchmarks/memory_check.py --cpu --models zoo_gpt --policies fp32 --zoo-batch 1024
-                                                      # float32 on ORT CPU: peak RSS of a fresh process
+Every measurement runs in its own process (``--child``): ORT keeps allocators per process, so a
+second Trainer in the same process would be served from the first one's freed arena.
 
-Output: one line per (model, policy): estimate, measured, and the error (estimate / measured - 1).
+Run on a GPU machine (onnxruntime-gpu, torch with CUDA), from the repository root::
+
+    python3 benchmarks/memory_check.py --out DIR       # both GPTs, fp32 and bf16, pattern on and off
+    python3 benchmarks/memory_check.py --estimate-only # the estimates alone (any machine)
+    python3 benchmarks/memory_check.py --provider cpu --models zoo_gpt --policies fp32 --out DIR
+                                                       # the same procedure on ORT CPU: arena logs
+                                                       # only (no device memory); a dry run
+    python3 benchmarks/memory_check.py --cpu --models zoo_gpt --policies fp32 --zoo-batch 1024
+                                                       # float32 on ORT CPU: peak RSS of a fresh process
+
+Output: per (model, policy, pattern) the estimate and its parts, measured, fixed overhead,
+measured minus fixed, and the error both ways (estimate / own - 1 and own / estimate - 1);
+``--out DIR`` also gets ``memory_check.json`` (every number) and the ORT logs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 import mpgraph  # noqa: E402
-from mpgraph.audit.memory import estimate_memory  # noqa: E402
+from mpgraph.audit.memory import MemoryReport, estimate_memory  # noqa: E402
+from mpgraph.io import save_model  # noqa: E402
 from mpgraph.training import build_training_graph  # noqa: E402
+
+TINY = "models/onnx/tiny_mlp.loss.onnx"
+TINY_BATCH = 64
+MIB = 2**20
+MARK = "MPGRAPH-MARK"
 
 
 def zoo_gpt(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:
     from models.zoo import GPT_SEQ, GPT_VOCAB
 
-    step = build_training_graph("models/onnx/gpt.loss.onnx", optimizer="adamw", optimizer_options={"weight_decay": 0.01})
+    step = build_training_graph(str(ROOT / "models/onnx/gpt.loss.onnx"), optimizer="adamw",
+                                optimizer_options={"weight_decay": 0.01})
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, GPT_VOCAB, (batch, GPT_SEQ), dtype=np.int64),
              "label": rng.integers(0, GPT_VOCAB, (batch, GPT_SEQ), dtype=np.int64)}
@@ -66,31 +103,260 @@ def bench_gpt(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:
     return step, {data: tokens, "label": rng.integers(0, vocab, (batch, seq), dtype=np.int64)}
 
 
-def device_used() -> int:
+def tiny_mlp(batch: int) -> tuple[ir.Model, dict[str, np.ndarray]]:
+    step = build_training_graph(str(ROOT / TINY), optimizer="adamw", optimizer_options={"weight_decay": 0.01})
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((batch, 4)).astype(np.float32)
+    return step, {"x": x, "label": (x[:, 0] > 0).astype(np.int64)}
+
+
+def convert(step: ir.Model, policy: str) -> ir.Model:
+    fresh = ir.from_proto(ir.to_proto(step))
+    return fresh if policy == "fp32" else mpgraph.convert(fresh, policy, validate=False)
+
+
+# -- the child: one fresh process, one tiny Trainer (the fixed overhead), one model ---------------
+
+
+def _device_used() -> int | None:
     import torch
 
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return total - free
 
 
-def measure(step: ir.Model, feeds: dict[str, np.ndarray], steps: int, cuda_graph: bool) -> int:
-    """Device bytes a CUDA Trainer for ``step`` holds after ``steps`` steps."""
+def _device_name() -> str:
     import torch
 
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+@contextlib.contextmanager
+def _mem_pattern(enabled: bool):
+    """Every ``ort.SessionOptions()`` made inside has ``enable_mem_pattern`` set to ``enabled``
+    (the Trainer builds its own options; ORT's default is on)."""
+    import onnxruntime as ort
+
+    real = ort.SessionOptions
+
+    def make() -> ort.SessionOptions:
+        options = real()
+        options.enable_mem_pattern = enabled
+        return options
+
+    ort.SessionOptions = make
+    try:
+        yield
+    finally:
+        ort.SessionOptions = real
+
+
+def _mark(phase: str) -> None:
+    os.write(2, f"{MARK} {phase}\n".encode())
+
+
+def _run_trainer(path: str, feeds: dict[str, np.ndarray], provider: str, steps: int, pattern: bool,
+                 tag: str, before: int | None) -> dict[str, int | None]:
+    """Device bytes over ``before`` after init and after each step, the Trainer deleted after."""
     from mpgraph.runtime.trainer import Trainer
 
-    torch.cuda.init()
-    gc.collect()
-    before = device_used()
-    trainer = Trainer(step, "cuda", provider_options={"arena_extend_strategy": "kSameAsRequested"}, cuda_graph=cuda_graph)
-    for _ in range(steps):
+    def used() -> int | None:
+        now = _device_used()
+        return None if now is None or before is None else now - before
+
+    options = {"arena_extend_strategy": "kSameAsRequested"} if provider == "cuda" else None
+    out: dict[str, int | None] = {}
+    _mark(f"{tag}:init")
+    with _mem_pattern(pattern):
+        trainer = Trainer(path, provider, provider_options=options, cuda_graph=False if provider == "cuda" else None)
+    out["init"] = used()
+    for i in range(1, steps + 1):
+        _mark(f"{tag}:step{min(i, 3)}")
         trainer.step(feeds)
-    torch.cuda.synchronize()
-    used = device_used() - before
+        out[f"step{i}"] = used()
+    _mark(f"{tag}:deleted")
     del trainer
     gc.collect()
-    return used
+    out["after_delete"] = used()
+    return out
 
+
+def child(args: argparse.Namespace) -> None:
+    """Measure the tiny MLP then the model, in this fresh process; print one JSON line."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
+    with open(args.log, "w") as log:
+        os.dup2(log.fileno(), 2)
+    if args.provider == "cuda":
+        import torch
+
+        torch.cuda.init()
+    before = _device_used()
+    versions = {"onnxruntime": ort.__version__, "device": _device_name()}
+    pattern = args.pattern == "on"
+    tiny_feeds = dict(np.load(args.tiny_feeds))
+    result = {"tiny": _run_trainer(args.tiny, tiny_feeds, args.provider, args.steps, pattern, "tiny", before)}
+    start = time.perf_counter()
+    result["model"] = _run_trainer(args.model_file, dict(np.load(args.feeds)), args.provider, args.steps, pattern,
+                                   "model", before)
+    result["model_seconds"] = time.perf_counter() - start
+    result["versions"] = versions
+    print(json.dumps(result), flush=True)
+
+
+# -- the parent: graphs, estimates, children, the table ----------------------------------------------
+
+_EXTENDING = re.compile(r"Extending BFCArena for (\w+)\. .*num_bytes: (\d+)")
+_EXTENDED = re.compile(r"Extended allocation by (\d+) bytes")
+_RESERVING = re.compile(r"Reserving memory in BFCArena for (\w+) size: (\d+)")
+_CREATING = re.compile(r"Creating BFCArena for (\w+) with .*arena_extend_strategy: (-?\d+)")
+
+
+def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
+    """Per phase (``tiny:step1``...) and arena name: bytes ``extended``, their ``count``, the
+    ``largest`` single request, bytes ``reserved`` (initializers), arenas ``created``."""
+    phases: dict[str, dict[str, dict[str, int]]] = {}
+    phase, arena = "start", "?"
+
+    def slot(name: str) -> dict[str, int]:
+        return phases.setdefault(phase, {}).setdefault(
+            name, {"extended": 0, "count": 0, "largest": 0, "reserved": 0, "created": 0})
+
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            phase = line.split(maxsplit=1)[1].strip()
+        elif m := _EXTENDING.search(line):
+            arena = m.group(1)
+            slot(arena)["largest"] = max(slot(arena)["largest"], int(m.group(2)))
+        elif m := _EXTENDED.search(line):
+            slot(arena)["extended"] += int(m.group(1))
+            slot(arena)["count"] += 1
+        elif m := _RESERVING.search(line):
+            slot(m.group(1))["reserved"] += int(m.group(2))
+        elif m := _CREATING.search(line):
+            slot(m.group(1))["created"] += 1
+    return phases
+
+
+def run_child(files: dict[str, str], policy: str, pattern: str, args: argparse.Namespace, log: Path) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model-file", files["model"],
+           "--feeds", files["feeds"], "--tiny", files["tiny"], "--tiny-feeds", files["tiny_feeds"],
+           "--pattern", pattern, "--steps", str(args.steps), "--provider", args.provider, "--log", str(log)]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout, check=False)
+    text = log.read_text(errors="replace") if log.exists() else ""
+    if done.returncode != 0 or not done.stdout.strip():
+        tail = (done.stderr or text)[-1500:]
+        return {"error": f"child exit {done.returncode}: {tail}"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result["arena"] = parse_arena_log(text)
+    return result
+
+
+def estimate_parts(report: MemoryReport, pattern: bool) -> dict[str, int]:
+    """The estimate as the measurement sees it: persistent and output buffers (the Trainer's two
+    state sets and the batch), step 1's intermediates, and with the memory pattern its block."""
+    parts = {"persistent": report.persistent_bytes, "outputs": report.output_bytes,
+             "transient": report.transient_peak_bytes,
+             "pattern_block": report.pattern_block_bytes if pattern else 0}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def summarize(row: dict) -> dict:
+    """Measured, fixed, own (measured - fixed) and the phase/arena numbers of one child."""
+    tiny, model = row["result"]["tiny"], row["result"]["model"]
+    steps = [k for k in model if k.startswith("step")]
+    last = model[steps[-1]]
+    arena = row["result"]["arena"]
+    device = "Cuda" if row["provider"] == "cuda" else "Cpu"
+    out = {
+        "measured": last, "fixed": tiny[[k for k in tiny if k.startswith("step")][-1]],
+        "init": model["init"], "step1": model["step1"], "step2": model.get("step2"),
+        "after_tiny_delete": tiny["after_delete"],
+        "arena_step1": arena.get("model:step1", {}).get(device, {}).get("extended", 0),
+        "arena_step2": arena.get("model:step2", {}).get(device, {}).get("extended", 0),
+        "arena_step2_largest": arena.get("model:step2", {}).get(device, {}).get("largest", 0),
+        "arena_init": arena.get("model:init", {}).get(device, {}).get("extended", 0),
+        "arena_later": arena.get("model:step3", {}).get(device, {}).get("extended", 0),
+        "arenas_created": sorted({a for p in arena.values() for a, s in p.items() if s["created"]}),
+    }
+    if last is not None and out["fixed"] is not None:
+        out["own"] = last - out["fixed"]
+    return out
+
+
+def _mib(value: int | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def print_row(row: dict, file=None) -> None:
+    est = row["estimate"]
+    head = f"{row['model']:10s} {row['policy']:6s} {row['pattern']:>4s} {row['batch']:5d} {est['total'] / MIB:9.1f}"
+    if "result" not in row:
+        print(head + ("  " + row["error"][:300] if "error" in row else ""), file=file, flush=True)
+        return
+    s = row["summary"]
+    own = s.get("own")
+    err = (f"{est['total'] / own - 1:+7.1%} {own / est['total'] - 1:+7.1%}" if own else f"{'-':>7s} {'-':>7s}")
+    print(f"{head} {_mib(s['measured']):>9s} {_mib(s['fixed']):>7s} {_mib(own):>9s} {err}", file=file)
+    print(f"    estimate: persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + transient "
+          f"{_mib(est['transient'])} + pattern block {_mib(est['pattern_block'])};  measured by phase: init "
+          f"{_mib(s['init'])}, after step 1 {_mib(s['step1'])}, after step 2 {_mib(s['step2'])};  arena grew: "
+          f"init {_mib(s['arena_init'])}, step 1 {_mib(s['arena_step1'])}, step 2 {_mib(s['arena_step2'])} "
+          f"(largest request {_mib(s['arena_step2_largest'])}: ORT's pattern block), later {_mib(s['arena_later'])};  "
+          f"kept after the tiny Trainer was deleted {_mib(s['after_tiny_delete'])}; model run "
+          f"{row['result']['model_seconds']:.0f} s", file=file, flush=True)
+
+
+HEADER = (f"{'model':10s} {'policy':6s} {'pat':>4s} {'batch':>5s} {'estimate':>9s} {'measured':>9s} {'fixed':>7s} "
+          f"{'meas-fix':>9s} {'est/own':>7s} {'own/est':>7s}   (MiB; own = measured - fixed)")
+
+
+def measure_all(args: argparse.Namespace) -> list[dict]:
+    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
+    work = Path(tempfile.mkdtemp(prefix="memory_check."))
+    out = Path(args.out) if args.out else None
+    if out:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    tiny_step, tiny_feeds = tiny_mlp(TINY_BATCH)
+    np.savez(work / "tiny_feeds.npz", **tiny_feeds)
+    rows = []
+    print(HEADER, flush=True)
+    for name in args.models.split(","):
+        make, batch = makers[name]
+        step, feeds = make(batch)
+        np.savez(work / f"{name}_feeds.npz", **feeds)
+        for policy in args.policies.split(","):
+            graph = convert(step, policy)
+            report = estimate_memory(graph, batch=batch)
+            files = {"feeds": str(work / f"{name}_feeds.npz"), "tiny_feeds": str(work / "tiny_feeds.npz"),
+                     "model": str(work / f"{name}_{policy}.onnx"), "tiny": str(work / f"tiny_{policy}.onnx")}
+            if not args.estimate_only:
+                save_model(graph, files["model"], external_data=True)
+                save_model(convert(tiny_step, policy), files["tiny"], external_data=False)
+            for pattern in args.patterns.split(","):
+                row = {"model": name, "policy": policy, "pattern": pattern, "batch": batch, "provider": args.provider,
+                       "estimate": estimate_parts(report, pattern == "on"), "report": json.loads(report.to_json())}
+                if not args.estimate_only:
+                    log = (out / "logs" if out else work) / f"{name}_{policy}_pattern-{pattern}.log"
+                    result = run_child(files, policy, pattern, args, log)
+                    if "error" in result:
+                        row["error"] = result["error"]
+                    else:
+                        row["result"] = result
+                        row["summary"] = summarize(row)
+                print_row(row)
+                rows.append(row)
+            del graph
+    return rows
+
+
+# -- ORT CPU, peak RSS (the liveness check on a machine without a GPU) --------------------------------
 
 _CPU_CHILD = r"""
 import ctypes, resource, sys, numpy as np, onnxruntime as ort
@@ -118,9 +384,6 @@ print(status("VmHWM") - before)
 def measure_cpu(step: ir.Model, feeds: dict[str, np.ndarray], arena: bool) -> int:
     """Peak resident bytes two steps add to a loaded ORT CPU session for ``step`` (fresh process):
     the run's share of the estimate is outputs + transient peak (the weights are loaded before)."""
-    import subprocess
-    import tempfile
-
     with tempfile.TemporaryDirectory() as tmp:
         model, data = Path(tmp) / "step.onnx", Path(tmp) / "feeds.npz"
         model.write_bytes(ir.to_proto(step).SerializeToString())
@@ -133,48 +396,59 @@ def measure_cpu(step: ir.Model, feeds: dict[str, np.ndarray], arena: bool) -> in
     return int(out.stdout.strip().splitlines()[-1])
 
 
+def rss_check(args: argparse.Namespace) -> None:
+    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
+    print(f"{'model':10s} {'policy':6s} {'batch':>5s} {'params':>11s} {'estimate MiB':>13s} {'measured MiB':>13s} "
+          f"{'error':>7s}  (estimate: outputs + transient peak, vs the RSS two steps add)")
+    for name in args.models.split(","):
+        make, batch = makers[name]
+        step, feeds = make(batch)
+        report = estimate_memory(step, batch=batch)
+        got = measure_cpu(step, feeds, args.cpu_arena) / MIB
+        estimate = (report.output_bytes + report.transient_peak_bytes) / MIB
+        print(f"{name:10s} {'fp32':6s} {batch:5d} {report.parameters:11,d} {estimate:13.1f} {got:13.1f} "
+              f"{estimate / got - 1:+7.1%}  (persistent {report.persistent_bytes / MIB:.1f}, outputs "
+              f"{report.output_bytes / MIB:.1f}, transient {report.transient_peak_bytes / MIB:.1f}, saved for "
+              f"backward {report.saved_for_backward_bytes / MIB:.1f})", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="zoo_gpt,bench_gpt")
     parser.add_argument("--policies", default="fp32,bf16")
+    parser.add_argument("--patterns", default="on,off", help="ORT memory pattern settings to measure (on is ORT's default).")
     parser.add_argument("--zoo-batch", type=int, default=256)
     parser.add_argument("--bench-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="Measure with the Trainer's CUDA graphs (off by default: the capture's pools are not the step's).")
+    parser.add_argument("--provider", default="cuda", choices=("cuda", "cpu"),
+                        help="cpu: the same procedure on ORT CPU (arena logs only, no device memory): a dry run.")
+    parser.add_argument("--out", help="Folder for memory_check.txt, memory_check.json and the ORT logs.")
+    parser.add_argument("--child-timeout", type=int, default=300)
+    parser.add_argument("--estimate-only", action="store_true", help="Print the estimates; run nothing.")
     parser.add_argument("--cpu", action="store_true",
-                        help="Measure float32 on ORT CPU instead (peak RSS of a fresh process; the same allocation "
-                             "planner as CUDA): a check of the liveness model on a machine without a GPU.")
+                        help="Float32 on ORT CPU instead: peak RSS two steps add to a loaded session (fresh process).")
     parser.add_argument("--cpu-arena", action="store_true", help="With --cpu: keep ORT's CPU arena (off by default).")
-    parser.add_argument("--estimate-only", action="store_true", help="Print the estimates; run nothing on a GPU.")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    for name in ("--model-file", "--feeds", "--tiny", "--tiny-feeds", "--pattern", "--log"):
+        parser.add_argument(name, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
-    what = "outputs + transient peak, vs the RSS two steps add" if args.cpu else "persistent + outputs + transient peak"
-    print(f"{'model':10s} {'policy':6s} {'batch':>5s} {'params':>11s} {'estimate MiB':>13s} {'measured MiB':>13s} "
-          f"{'error':>7s}  (estimate: {what})")
-    for name in args.models.split(","):
-        make, batch = makers[name]
-        step, feeds = make(batch)
-        for policy in args.policies.split(","):
-            fresh = ir.from_proto(ir.to_proto(step))
-            graph = fresh if policy == "fp32" else mpgraph.convert(fresh, policy, validate=False)
-            report = estimate_memory(graph, batch=batch)
-            estimate = report.estimated_peak_bytes / 2**20
-            measured = error = ""
-            if args.cpu and policy != "fp32":
-                pass  # ORT CPU runs no bf16 and computes fp16 in float32: only float32 is comparable
-            elif args.cpu:
-                got = measure_cpu(graph, feeds, args.cpu_arena) / 2**20
-                run_estimate = (report.output_bytes + report.transient_peak_bytes) / 2**20
-                measured, error = f"{got:13.1f}", f"{run_estimate / got - 1:+7.1%}"
-                estimate = run_estimate
-            elif not args.estimate_only:
-                got = measure(graph, feeds, args.steps, args.cuda_graph) / 2**20
-                measured, error = f"{got:13.1f}", f"{estimate / got - 1:+7.1%}"
-            print(f"{name:10s} {policy:6s} {batch:5d} {report.parameters:11,d} {estimate:13.1f} {measured:>13s} {error:>7s}"
-                  f"  (persistent {report.persistent_bytes / 2**20:.1f}, outputs {report.output_bytes / 2**20:.1f}, "
-                  f"transient {report.transient_peak_bytes / 2**20:.1f}, saved for backward "
-                  f"{report.saved_for_backward_bytes / 2**20:.1f})", flush=True)
+    if args.child:
+        child(args)
+    elif args.cpu:
+        rss_check(args)
+    else:
+        start = time.perf_counter()
+        rows = measure_all(args)
+        versions = next((r["result"]["versions"] for r in rows if "result" in r), {})
+        footer = f"({time.perf_counter() - start:.0f} s; {versions})"
+        print(footer)
+        if args.out:
+            Path(args.out, "memory_check.json").write_text(json.dumps(rows, indent=1, default=str))
+            with open(Path(args.out, "memory_check.txt"), "w") as f:
+                print(f"# python3 benchmarks/memory_check.py {' '.join(sys.argv[1:])}   {footer}", file=f)
+                print(HEADER, file=f)
+                for row in rows:
+                    print_row(row, file=f)
 
 
 if __name__ == "__main__":

@@ -9,17 +9,25 @@ questions a user asks before renting a GPU:
    weights, fp32 master weights and Adam's two moments are 2 + 4 + 4 + 4 = 14 bytes per
    parameter, before gradients and activations.
 2. **Activation memory.** Shapes are inferred with every symbolic dimension set to the batch
-   size (or ``dims``); each buffer lives from the node that makes it to the last node that
-   reads it, walking the graph's node order (a topological order, the one ORT receives).
-   View ops (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Flatten``, ``Identity``) alias their
-   input, as ORT's kernels do. "Kept for the backward" is every forward buffer that a
-   backward node reads; the transient peak is the largest sum of live buffers.
+   size (or ``dims``). The nodes are walked in ORT's execution order (``ort_order``); each
+   buffer lives from the node that makes it to the last node that reads it. View ops
+   (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Flatten``, ``Identity``) alias their input, as
+   ORT's kernels do. "Kept for the backward" is every forward buffer that a backward node
+   reads; the transient peak is the largest sum of live buffers.
+3. **ORT's memory pattern.** With ``enable_mem_pattern`` (ORT's default, and the Trainer's),
+   ORT records the first step's allocations and from the second step on allocates one block
+   that holds every intermediate at a planned offset. The arena keeps the first step's
+   buffers as well, so the intermediates are held twice: the transient peak, and the block
+   (``_pattern_block`` packs the same buffers as ORT's planner does; gaps make it larger).
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
-second set of buffers), plus the transient peak. Kernel workspaces (cuBLAS, cuDNN) and the
-allocator's rounding are not modelled; ``benchmarks/memory_check.py`` measures the gap on
-ORT CUDA.
+second set of buffers), plus the transient peak, plus the pattern block. It is the graph's
+own memory, with ORT's arena growing by what is requested (``kSameAsRequested``; the default
+power-of-two growth can hold up to twice the requests). Not modelled: the fixed overhead of a
+CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
+``benchmarks/memory_check.py``), kernel scratch buffers, the nodes that ORT's graph
+optimizations fuse or remove, and the buffers ORT's planner reuses in place.
 """
 
 from __future__ import annotations
@@ -35,10 +43,12 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, first_line
 
-__all__ = ["MemoryReport", "estimate_memory", "ROLES", "VIEW_OPS"]
+__all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT"]
 
 #: Roles of the per-parameter table, in print order.
 ROLES = ("low_weights", "master_weights", "gradients", "optimizer_state")
+#: ORT's allocation alignment (``kAllocAlignment``): the memory pattern rounds every buffer up to it.
+PATTERN_ALIGNMENT = 64
 #: Ops whose output shares its input's buffer in ORT (no new allocation).
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
@@ -63,7 +73,10 @@ class MemoryReport:
         saved_for_backward_values: How many such buffers.
         transient_peak_bytes: Largest sum of live intermediate buffers.
         transient_peak_node: Node at which that peak happens.
-        estimated_peak_bytes: Persistent + outputs + transient peak.
+        pattern_block_bytes: ORT's memory-pattern block: the same buffers packed at fixed offsets
+            as ORT's ``MemPatternPlanner`` does (``_pattern_block``).
+        estimated_peak_bytes: Persistent + outputs + transient peak + pattern block (ORT's
+            default, ``enable_mem_pattern``; ``peak_without_pattern_bytes`` without it).
         unknown_shapes: Intermediate values whose shape could not be inferred (not counted).
         nodes: Nodes walked.
     """
@@ -82,9 +95,15 @@ class MemoryReport:
     saved_for_backward_values: int
     transient_peak_bytes: int
     transient_peak_node: str
+    pattern_block_bytes: int
     estimated_peak_bytes: int
     unknown_shapes: int
     nodes: int
+
+    @property
+    def peak_without_pattern_bytes(self) -> int:
+        """The peak with ORT's memory pattern off (``SessionOptions.enable_mem_pattern = False``)."""
+        return self.estimated_peak_bytes - self.pattern_block_bytes
 
     @property
     def persistent_bytes(self) -> int:
@@ -96,6 +115,7 @@ class MemoryReport:
     def to_json(self) -> str:
         data = dataclasses.asdict(self)
         data["persistent_bytes"] = self.persistent_bytes
+        data["peak_without_pattern_bytes"] = self.peak_without_pattern_bytes
         return json.dumps(data, indent=2, sort_keys=True)
 
 
@@ -143,10 +163,10 @@ def _per_parameter(model: ir.Model, state: str) -> bool:
     return value is None or value.shape is None or value.shape.rank() > 0
 
 
-def _buffers(model: ir.Model) -> dict[str, str]:
+def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
     """Value name -> name of the buffer it lives in (view ops alias their input)."""
     owner: dict[str, str] = {}
-    for node in model.graph:
+    for node in nodes:
         for value in node.outputs:
             if not value.name:
                 continue
@@ -202,7 +222,9 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     outputs = {v.name for v in model.graph.outputs}
     output_bytes = sum(size(n or "") for n in outputs)
 
-    peak, peak_node, saved, saved_n, unknown = _liveness(model, sizes, outputs)
+    nodes = ort_order(model)
+    buffers, saved, saved_n, unknown = _walk(nodes, sizes, outputs)
+    (peak, peak_node), block = _peak(buffers, nodes), _pattern_block(buffers)
     persistent = roles["master_weights"] + roles["optimizer_state"] + other_state + data + constants
     return MemoryReport(
         policy=props.get(md.MODEL_POLICY),
@@ -219,18 +241,59 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         saved_for_backward_values=saved_n,
         transient_peak_bytes=peak,
         transient_peak_node=peak_node,
-        estimated_peak_bytes=persistent + output_bytes + peak,
+        pattern_block_bytes=block,
+        estimated_peak_bytes=persistent + output_bytes + peak + block,
         unknown_shapes=unknown,
         nodes=len(model.graph),
     )
 
 
-def _liveness(
-    model: ir.Model, sizes: Mapping[str, int | None], outputs: set[str | None]
-) -> tuple[int, str, int, int, int]:
-    """Walk the node order: (transient peak, its node, saved-for-backward bytes and count, unknown)."""
-    owner = _buffers(model)
+def ort_order(model: ir.Model) -> list[ir.Node]:
+    """The nodes in the order ORT's default execution plan runs them.
+
+    ORT numbers nodes as the file lists them and sorts topologically by a reverse depth-first
+    walk: from the nodes no node consumes (the last one first), a node is emitted after its
+    producers, visiting the producer with the highest number first (``GraphViewer`` with
+    ``ExecutionOrder::DEFAULT``). ORT's graph optimizations then fuse some nodes, which this
+    order does not follow.
+    """
     nodes = list(model.graph)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    consumed = {id(v.producer()) for n in nodes for v in n.inputs if v is not None and v.producer() is not None}
+    stack: list[tuple[ir.Node, bool]] = [(n, False) for n in nodes if id(n) not in consumed]
+    visited: set[int] = set()
+    order: list[ir.Node] = []
+    while stack:
+        node, leave = stack.pop()
+        if leave:
+            order.append(node)
+            continue
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        stack.append((node, True))
+        producers = {id(p): p for v in node.inputs if v is not None and (p := v.producer()) is not None}
+        stack.extend((p, False) for p in sorted(producers.values(), key=lambda p: index[id(p)])
+                     if id(p) not in visited)
+    return order
+
+
+@dataclasses.dataclass(frozen=True)
+class _Buffer:
+    """An intermediate buffer: made by node ``start``, last read by node ``end`` (walk positions)."""
+
+    name: str
+    start: int
+    end: int
+    nbytes: int
+
+
+def _walk(
+    nodes: list[ir.Node], sizes: Mapping[str, int | None], outputs: set[str | None]
+) -> tuple[list[_Buffer], int, int, int]:
+    """Buffers of the intermediates (not outputs) in ``nodes``' order, and the saved-for-backward
+    bytes, their count and the intermediates of unknown size."""
+    owner = _buffers(nodes)
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     role_of: dict[str, str] = {}
@@ -261,18 +324,21 @@ def _liveness(
             end[buf] = max(end.get(buf, i), i)
             if value.name in outputs:
                 end[buf] = len(nodes)
-    unknown = 0
+    known = [b for b in start if b not in outputs and sizes.get(b) is not None]
+    unknown = sum(1 for b in start if b not in outputs and sizes.get(b) is None)
+    buffers = [_Buffer(b, start[b], end[b], sizes[b] or 0) for b in known]
+    kept = [b for b in backward_reads if role_of.get(b) in ("forward", "loss") and sizes.get(b) is not None]
+    return buffers, sum(sizes[b] or 0 for b in kept), len(kept), unknown
+
+
+def _peak(buffers: list[_Buffer], nodes: list[ir.Node]) -> tuple[int, str]:
+    """Largest sum of live buffers, and the node where it happens. A node's outputs are allocated
+    while its inputs are still alive; a buffer is freed after the last node that reads it."""
     alloc: dict[int, int] = {}
     free: dict[int, int] = {}
-    for buf, i in start.items():
-        if buf in outputs:
-            continue  # outputs are bound to their own buffers, counted separately
-        nbytes = sizes.get(buf)
-        if nbytes is None:
-            unknown += 1
-            continue
-        alloc[i] = alloc.get(i, 0) + nbytes
-        free[end[buf]] = free.get(end[buf], 0) + nbytes
+    for b in buffers:
+        alloc[b.start] = alloc.get(b.start, 0) + b.nbytes
+        free[b.end] = free.get(b.end, 0) + b.nbytes
     live = peak = 0
     peak_node = ""
     for i, node in enumerate(nodes):
@@ -280,5 +346,31 @@ def _liveness(
         if live > peak:
             peak, peak_node = live, f"{node.op_type} '{node.name}'"
         live -= free.get(i, 0)
-    kept = [b for b in backward_reads if role_of.get(b) in ("forward", "loss") and sizes.get(b) is not None]
-    return peak, peak_node, sum(sizes[b] or 0 for b in kept), len(kept), unknown
+    return peak, peak_node
+
+
+def _pattern_block(buffers: list[_Buffer], align: int = PATTERN_ALIGNMENT) -> int:
+    """Size of ORT's memory-pattern block for these buffers.
+
+    ORT's ``MemPatternPlanner`` replays the first step's allocations: each buffer takes the
+    smallest gap between live blocks that fits it (rounded up to ``align`` bytes), or goes after
+    the live block with the highest offset; the block is the highest end ever reached. Gaps
+    left by freed buffers make it larger than the live peak.
+    """
+    events = sorted([(b.start, 0, k) for k, b in enumerate(buffers)] + [(b.end, 1, k) for k, b in enumerate(buffers)])
+    blocks: list[tuple[int, int, int]] = []  # (offset, size, buffer) sorted by offset
+    size = 0
+    for _, kind, k in events:
+        if kind == 1:
+            blocks = [blk for blk in blocks if blk[2] != k]
+            continue
+        need = -(-buffers[k].nbytes // align) * align
+        best, best_offset, waste, current = len(blocks), (blocks[-1][0] + blocks[-1][1]) if blocks else 0, None, 0
+        for j, (offset, nbytes, _) in enumerate(blocks):
+            gap = offset - current
+            if gap >= need and (waste is None or gap - need < waste):
+                best, best_offset, waste = j, current, gap - need
+            current = offset + nbytes
+        size = max(size, best_offset + need)
+        blocks.insert(best, (best_offset, need, k))
+    return size

@@ -78,7 +78,9 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
         ("other state", report.other_state_bytes, "running statistics, loss scale, step counter"),
         ("constants", report.constant_bytes, ""),
         ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
-        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + transient peak"),
+        ("ORT memory-pattern block", report.pattern_block_bytes, "from step 2, beside step 1's buffers (ORT's default)"),
+        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + transient peak + pattern block"),
+        ("  without the pattern", report.peak_without_pattern_bytes, "SessionOptions.enable_mem_pattern = False"),
     ]
     extra = Table(title=f"one step at batch {batch}")
     for col in ("what", "bytes", "note"):

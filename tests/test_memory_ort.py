@@ -1,0 +1,76 @@
+"""audit --memory models what ORT does: its execution order and its memory-pattern block."""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx import helper as h
+
+from mpgraph._ir import meta as md
+from mpgraph.audit.memory import (
+    PATTERN_ALIGNMENT,
+    _Buffer,
+    _pattern_block,
+    estimate_memory,
+    ort_order,
+)
+from tests.helpers import make_model, vi
+
+
+def _step(nodes, inputs, outputs) -> ir.Model:
+    model = ir.from_proto(make_model(nodes, inputs, outputs, []))
+    model.metadata_props.update({md.MODEL_GRADIENTS: "[]", md.MODEL_STATE_PAIRS: "[]"})
+    return model
+
+
+def test_ort_order_is_the_reverse_depth_first_walk_from_the_last_leaf():
+    """File order A, B, C, D with D reading B and C, C reading A: ORT visits D's producer with
+    the highest index (C) first, so it runs A, C, B, D; a leaf listed later runs first."""
+    nodes = [
+        h.make_node("Relu", ["x"], ["a"], name="A"),
+        h.make_node("Relu", ["x"], ["b"], name="B"),
+        h.make_node("Relu", ["a"], ["c"], name="C"),
+        h.make_node("Add", ["b", "c"], ["y"], name="D"),
+        h.make_node("Neg", ["x"], ["z"], name="E"),  # a second leaf, after D in the file
+    ]
+    model = _step(nodes, [vi("x", ["N", 4])], [vi("y", ["N", 4]), vi("z", ["N", 4])])
+    assert [n.name for n in ort_order(model)] == ["E", "A", "C", "B", "D"]
+
+
+def test_liveness_follows_ort_order():
+    """x -> A (big) -> C, x -> B (small) -> D(b, c). In file order B's small output waits while A
+    and C run; ORT runs A, C first and B last, so at C only a and c are alive, at D b and c."""
+    nodes = [
+        h.make_node("Tile", ["x", "reps"], ["a"], name="A"),       # [N, 32]
+        h.make_node("Relu", ["x"], ["b"], name="B"),                # [N, 4]
+        h.make_node("Relu", ["a"], ["c"], name="C"),                # [N, 32]
+        h.make_node("ReduceSum", ["c", "axes"], ["c2"], name="R", keepdims=1),  # [N, 1]
+        h.make_node("Add", ["b", "c2"], ["y"], name="D"),
+    ]
+    model = ir.from_proto(make_model(nodes, [vi("x", ["N", 4])], [vi("y", ["N", 4])], [
+        h.make_tensor("reps", 7, [2], [1, 8]), h.make_tensor("axes", 7, [1], [1])]))
+    model.metadata_props.update({md.MODEL_GRADIENTS: "[]", md.MODEL_STATE_PAIRS: "[]"})
+    report = estimate_memory(model, batch=2)
+    # ORT order A, C, R, B, D: the peak is at C (a and c: 2 * 4 * 2 * 32 bytes), b is made later.
+    assert [n.name for n in ort_order(model)] == ["A", "C", "R", "B", "D"]
+    assert report.transient_peak_bytes == 2 * 4 * 2 * 32
+    assert report.transient_peak_node == "Relu 'C'"
+
+
+def test_pattern_block_packs_like_ort_mem_pattern_planner():
+    """a (128 B) at offset 0, b (64 B) at 128; a is freed; c (192 B) does not fit the 128-byte gap
+    below b, so ORT puts it after b: the block is 384 bytes while at most 256 are alive."""
+    buffers = [_Buffer("a", 0, 1, 128), _Buffer("b", 1, 3, 64), _Buffer("c", 2, 3, 192)]
+    assert _pattern_block(buffers) == 128 + 64 + 192
+    # A later buffer that fits the gap takes the smallest one that fits (best fit), not the end.
+    buffers.append(_Buffer("d", 4, 5, 100))  # after everything is freed: offset 0
+    assert _pattern_block(buffers) == 384
+    assert _pattern_block([_Buffer("e", 0, 0, 1)]) == PATTERN_ALIGNMENT
+
+
+def test_estimated_peak_holds_the_pattern_block_beside_the_first_step():
+    nodes = [h.make_node("Relu", ["x"], ["a"], name="r1"), h.make_node("Relu", ["a"], ["y"], name="r2")]
+    report = estimate_memory(_step(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])]), batch=16)
+    assert report.transient_peak_bytes == report.pattern_block_bytes == 4 * 16 * 8
+    assert report.estimated_peak_bytes == (report.persistent_bytes + report.output_bytes
+                                           + report.transient_peak_bytes + report.pattern_block_bytes)
+    assert report.peak_without_pattern_bytes == report.estimated_peak_bytes - report.pattern_block_bytes
