@@ -135,9 +135,10 @@ def _device_name() -> str:
 
 
 @contextlib.contextmanager
-def _mem_pattern(enabled: bool):
+def _session_options(enabled: bool, env_allocators: bool):
     """Every ``ort.SessionOptions()`` made inside has ``enable_mem_pattern`` set to ``enabled``
-    (the Trainer builds its own options; ORT's default is on)."""
+    (the Trainer builds its own options; ORT's default is on) and, with ``env_allocators``, uses
+    the process's registered allocators (the CPU arena with ``kSameAsRequested``)."""
     import onnxruntime as ort
 
     real = ort.SessionOptions
@@ -145,6 +146,8 @@ def _mem_pattern(enabled: bool):
     def make() -> ort.SessionOptions:
         options = real()
         options.enable_mem_pattern = enabled
+        if env_allocators:
+            options.add_session_config_entry("session.use_env_allocators", "1")
         return options
 
     ort.SessionOptions = make
@@ -170,7 +173,7 @@ def _run_trainer(path: str, feeds: dict[str, np.ndarray], provider: str, steps: 
     options = {"arena_extend_strategy": "kSameAsRequested"} if provider == "cuda" else None
     out: dict[str, int | None] = {}
     _mark(f"{tag}:init")
-    with _mem_pattern(pattern):
+    with _session_options(pattern, env_allocators=provider == "cpu"):
         trainer = Trainer(path, provider, provider_options=options, cuda_graph=False if provider == "cuda" else None)
     out["init"] = used()
     for i in range(1, steps + 1):
@@ -189,6 +192,9 @@ def child(args: argparse.Namespace) -> None:
     import onnxruntime as ort
 
     ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
+    if args.provider == "cpu":  # the CPU arena grows as the CUDA one is told to: by what is requested
+        info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
+        ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))  # max_mem, kSameAsRequested
     with open(args.log, "w") as log:
         os.dup2(log.fileno(), 2)
     if args.provider == "cuda":
@@ -285,9 +291,17 @@ def summarize(row: dict) -> dict:
         "arena_later": arena.get("model:step3", {}).get(device, {}).get("extended", 0),
         "arenas_created": sorted({a for p in arena.values() for a, s in p.items() if s["created"]}),
     }
+    out["arena_steps"] = out["arena_step1"] + out["arena_step2"] + out["arena_later"]
     if last is not None and out["fixed"] is not None:
         out["own"] = last - out["fixed"]
     return out
+
+
+def _errors(estimate: int, got: int | None) -> str:
+    """``estimate / got - 1`` and ``got / estimate - 1``."""
+    if not got or not estimate:
+        return f"{'-':>7s} {'-':>7s}"
+    return f"{estimate / got - 1:+7.1%} {got / estimate - 1:+7.1%}"
 
 
 def _mib(value: int | None) -> str:
@@ -302,8 +316,9 @@ def print_row(row: dict, file=None) -> None:
         return
     s = row["summary"]
     own = s.get("own")
-    err = (f"{est['total'] / own - 1:+7.1%} {own / est['total'] - 1:+7.1%}" if own else f"{'-':>7s} {'-':>7s}")
-    print(f"{head} {_mib(s['measured']):>9s} {_mib(s['fixed']):>7s} {_mib(own):>9s} {err}", file=file)
+    steps = est["transient"] + est["pattern_block"]
+    print(f"{head} {_mib(s['measured']):>9s} {_mib(s['fixed']):>7s} {_mib(own):>9s} {_errors(est['total'], own)}"
+          f" {steps / MIB:9.1f} {_mib(s['arena_steps']):>9s} {_errors(steps, s['arena_steps'])}", file=file)
     print(f"    estimate: persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + transient "
           f"{_mib(est['transient'])} + pattern block {_mib(est['pattern_block'])};  measured by phase: init "
           f"{_mib(s['init'])}, after step 1 {_mib(s['step1'])}, after step 2 {_mib(s['step2'])};  arena grew: "
@@ -314,7 +329,9 @@ def print_row(row: dict, file=None) -> None:
 
 
 HEADER = (f"{'model':10s} {'policy':6s} {'pat':>4s} {'batch':>5s} {'estimate':>9s} {'measured':>9s} {'fixed':>7s} "
-          f"{'meas-fix':>9s} {'est/own':>7s} {'own/est':>7s}   (MiB; own = measured - fixed)")
+          f"{'meas-fix':>9s} {'est/own':>7s} {'own/est':>7s} {'est steps':>9s} {'arena':>9s} {'est/ar':>7s} {'ar/est':>7s}"
+          "\n(MiB; own = measured - fixed; est steps = transient + pattern block; arena = what ORT's device arena grew by "
+          "during the steps, from its log)")
 
 
 def measure_all(args: argparse.Namespace) -> list[dict]:
