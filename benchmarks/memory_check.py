@@ -189,14 +189,14 @@ def _run_trainer(path: str, feeds: dict[str, np.ndarray], provider: str, steps: 
 
 def child(args: argparse.Namespace) -> None:
     """Measure the tiny MLP then the model, in this fresh process; print one JSON line."""
+    with open(args.log, "w") as log:  # ORT logs to the process's stderr: all of it goes to the log
+        os.dup2(log.fileno(), 2)
     import onnxruntime as ort
 
     ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
     if args.provider == "cpu":  # the CPU arena grows as the CUDA one is told to: by what is requested
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))  # max_mem, kSameAsRequested
-    with open(args.log, "w") as log:
-        os.dup2(log.fileno(), 2)
     if args.provider == "cuda":
         import torch
 
@@ -248,7 +248,7 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     return phases
 
 
-def run_child(files: dict[str, str], policy: str, pattern: str, args: argparse.Namespace, log: Path) -> dict:
+def run_child(files: dict[str, str], pattern: str, args: argparse.Namespace, log: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model-file", files["model"],
            "--feeds", files["feeds"], "--tiny", files["tiny"], "--tiny-feeds", files["tiny_feeds"],
            "--pattern", pattern, "--steps", str(args.steps), "--provider", args.provider, "--log", str(log)]
@@ -256,8 +256,9 @@ def run_child(files: dict[str, str], policy: str, pattern: str, args: argparse.N
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.child_timeout, check=False)
     text = log.read_text(errors="replace") if log.exists() else ""
     if done.returncode != 0 or not done.stdout.strip():
-        tail = (done.stderr or text)[-1500:]
-        return {"error": f"child exit {done.returncode}: {tail}"}
+        lines = (text + "\n" + done.stderr).strip().splitlines() or [""]
+        tail = next((line for line in reversed(lines) if "Error" in line), lines[-1])
+        return {"error": f"child exit {done.returncode}: {tail[:500]} (log: {log})"}
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["arena"] = parse_arena_log(text)
     return result
@@ -312,7 +313,7 @@ def print_row(row: dict, file=None) -> None:
     est = row["estimate"]
     head = f"{row['model']:10s} {row['policy']:6s} {row['pattern']:>4s} {row['batch']:5d} {est['total'] / MIB:9.1f}"
     if "result" not in row:
-        print(head + ("  " + row["error"][:300] if "error" in row else ""), file=file, flush=True)
+        print(head + ("  " + row["error"] if "error" in row else ""), file=file, flush=True)
         return
     s = row["summary"]
     own = s.get("own")
@@ -335,41 +336,46 @@ HEADER = (f"{'model':10s} {'policy':6s} {'pat':>4s} {'batch':>5s} {'estimate':>9
 
 
 def measure_all(args: argparse.Namespace) -> list[dict]:
-    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
-    work = Path(tempfile.mkdtemp(prefix="memory_check."))
     out = Path(args.out) if args.out else None
     if out:
         (out / "logs").mkdir(parents=True, exist_ok=True)
+    print(HEADER, flush=True)
+    with tempfile.TemporaryDirectory(prefix="memory_check.") as tmp:
+        return [row for name in args.models.split(",") for row in measure_model(name, args, Path(tmp), out)]
+
+
+def measure_model(name: str, args: argparse.Namespace, work: Path, out: Path | None) -> list[dict]:
+    """Every (policy, pattern) row of one model: estimates, and a child per measurement."""
+    makers = {"zoo_gpt": (zoo_gpt, args.zoo_batch), "bench_gpt": (bench_gpt, args.bench_batch)}
+    make, batch = makers[name]
+    step, feeds = make(batch)
     tiny_step, tiny_feeds = tiny_mlp(TINY_BATCH)
     np.savez(work / "tiny_feeds.npz", **tiny_feeds)
+    np.savez(work / f"{name}_feeds.npz", **feeds)
     rows = []
-    print(HEADER, flush=True)
-    for name in args.models.split(","):
-        make, batch = makers[name]
-        step, feeds = make(batch)
-        np.savez(work / f"{name}_feeds.npz", **feeds)
-        for policy in args.policies.split(","):
-            graph = convert(step, policy)
-            report = estimate_memory(graph, batch=batch)
-            files = {"feeds": str(work / f"{name}_feeds.npz"), "tiny_feeds": str(work / "tiny_feeds.npz"),
-                     "model": str(work / f"{name}_{policy}.onnx"), "tiny": str(work / f"tiny_{policy}.onnx")}
+    for policy in args.policies.split(","):
+        graph = convert(step, policy)
+        report = estimate_memory(graph, batch=batch)
+        files = {"feeds": str(work / f"{name}_feeds.npz"), "tiny_feeds": str(work / "tiny_feeds.npz"),
+                 "model": str(work / f"{name}_{policy}.onnx"), "tiny": str(work / f"tiny_{policy}.onnx")}
+        if not args.estimate_only:
+            save_model(graph, files["model"], external_data=True)
+            save_model(convert(tiny_step, policy), files["tiny"], external_data=False)
+        for pattern in args.patterns.split(","):
+            row = {"model": name, "policy": policy, "pattern": pattern, "batch": batch, "provider": args.provider,
+                   "estimate": estimate_parts(report, pattern == "on"), "report": json.loads(report.to_json())}
             if not args.estimate_only:
-                save_model(graph, files["model"], external_data=True)
-                save_model(convert(tiny_step, policy), files["tiny"], external_data=False)
-            for pattern in args.patterns.split(","):
-                row = {"model": name, "policy": policy, "pattern": pattern, "batch": batch, "provider": args.provider,
-                       "estimate": estimate_parts(report, pattern == "on"), "report": json.loads(report.to_json())}
-                if not args.estimate_only:
-                    log = (out / "logs" if out else work) / f"{name}_{policy}_pattern-{pattern}.log"
-                    result = run_child(files, policy, pattern, args, log)
-                    if "error" in result:
-                        row["error"] = result["error"]
-                    else:
-                        row["result"] = result
-                        row["summary"] = summarize(row)
-                print_row(row)
-                rows.append(row)
-            del graph
+                log = (out / "logs" if out else work) / f"{name}_{policy}_pattern-{pattern}.log"
+                result = run_child(files, pattern, args, log)
+                if "error" in result:
+                    row["error"] = result["error"]
+                else:
+                    row["result"] = result
+                    row["summary"] = summarize(row)
+            print_row(row)
+            rows.append(row)
+        for path in (files["model"], files["model"] + ".data"):
+            Path(path).unlink(missing_ok=True)
     return rows
 
 

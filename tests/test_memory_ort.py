@@ -74,3 +74,20 @@ def test_estimated_peak_holds_the_pattern_block_beside_the_first_step():
     assert report.estimated_peak_bytes == (report.persistent_bytes + report.output_bytes
                                            + report.transient_peak_bytes + report.pattern_block_bytes)
     assert report.peak_without_pattern_bytes == report.estimated_peak_bytes - report.pattern_block_bytes
+
+
+def test_a_transpose_read_only_by_matmuls_is_folded_away():
+    """The exported Linear: MatMul(x, Transpose(W)). ORT folds the Transpose into the MatMul
+    (MatmulTransposeFusion), so no transposed copy of W exists; a Transpose read by anything
+    else (here a Relu) keeps its own buffer."""
+    nodes = [
+        h.make_node("Transpose", ["w"], ["wt"], name="t", perm=[1, 0]),
+        h.make_node("MatMul", ["x", "wt"], ["a"], name="mm"),
+        h.make_node("Relu", ["a"], ["y"], name="relu"),
+    ]
+    inputs = [vi("x", ["N", 8]), vi("w", [4, 8])]
+    folded = estimate_memory(_step(nodes, inputs, [vi("y", ["N", 4])]), batch=16)
+    assert folded.transient_peak_bytes == 4 * 16 * 4  # a alone
+    also_relu = [*nodes, h.make_node("Relu", ["wt"], ["z"], name="other")]
+    kept = estimate_memory(_step(also_relu, inputs, [vi("y", ["N", 4]), vi("z", [8, 4])]), batch=16)
+    assert kept.transient_peak_bytes == folded.transient_peak_bytes + 4 * 8 * 4  # plus wt

@@ -163,14 +163,30 @@ def _per_parameter(model: ir.Model, state: str) -> bool:
     return value is None or value.shape is None or value.shape.rank() > 0
 
 
+def _folded_transpose(node: ir.Node) -> bool:
+    """A ``Transpose`` that ORT folds into the matmuls reading it (``MatmulTransposeFusion``,
+    ``GemmTransposeFusion``): every consumer is a ``MatMul`` (the last two axes swapped) or a
+    ``Gemm`` (a 2-D transpose), and it is no graph output. ORT removes it, and its consumers
+    read its input with a transpose flag: no buffer. The exported ``Linear`` is such a
+    ``Transpose`` of the weight, a copy of every weight kept for the backward otherwise."""
+    perm_attr = node.attributes.get("perm")
+    if node.op_type != "Transpose" or perm_attr is None or node.outputs[0].is_graph_output():
+        return False
+    perm = list(perm_attr.as_ints())
+    swaps_last_two = len(perm) >= 2 and perm == [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]
+    uses = [use.node.op_type for use in node.outputs[0].uses()]
+    return bool(uses) and swaps_last_two and all(op == "MatMul" or (op == "Gemm" and len(perm) == 2) for op in uses)
+
+
 def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
-    """Value name -> name of the buffer it lives in (view ops alias their input)."""
+    """Value name -> name of the buffer it lives in (view ops and folded transposes alias their input)."""
     owner: dict[str, str] = {}
     for node in nodes:
         for value in node.outputs:
             if not value.name:
                 continue
-            src = node.inputs[0] if node.op_type in VIEW_OPS and node.inputs and node.inputs[0] is not None else None
+            alias = node.op_type in VIEW_OPS or _folded_transpose(node)
+            src = node.inputs[0] if alias and node.inputs and node.inputs[0] is not None else None
             owner[value.name] = owner.get(src.name or "", src.name or "") if src is not None else value.name
     return owner
 
