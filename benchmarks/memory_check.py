@@ -313,7 +313,9 @@ def print_row(row: dict, file=None) -> None:
     est = row["estimate"]
     head = f"{row['model']:10s} {row['policy']:6s} {row['pattern']:>4s} {row['batch']:5d} {est['total'] / MIB:9.1f}"
     if "result" not in row:
-        print(head + ("  " + row["error"] if "error" in row else ""), file=file, flush=True)
+        parts = (f"  (persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + transient "
+                 f"{_mib(est['transient'])} + pattern block {_mib(est['pattern_block'])})")
+        print(head + ("  " + row["error"] if "error" in row else parts), file=file, flush=True)
         return
     s = row["summary"]
     own = s.get("own")
