@@ -167,7 +167,7 @@ def _run_trainer(path: str, feeds: dict[str, np.ndarray], provider: str, steps: 
     from mpgraph.runtime.trainer import Trainer
 
     def used() -> int | None:
-        now = _device_used()
+        now = None if before is None else _device_used()
         return None if now is None or before is None else now - before
 
     options = {"arena_extend_strategy": "kSameAsRequested"} if provider == "cuda" else None
@@ -201,8 +201,8 @@ def child(args: argparse.Namespace) -> None:
         import torch
 
         torch.cuda.init()
-    before = _device_used()
-    versions = {"onnxruntime": ort.__version__, "device": _device_name()}
+    before = _device_used() if args.provider == "cuda" else None
+    versions = {"onnxruntime": ort.__version__, "device": _device_name() if args.provider == "cuda" else "cpu"}
     pattern = args.pattern == "on"
     tiny_feeds = dict(np.load(args.tiny_feeds))
     result = {"tiny": _run_trainer(args.tiny, tiny_feeds, args.provider, args.steps, pattern, "tiny", before)}
