@@ -266,11 +266,12 @@ def run_child(files: dict[str, str], pattern: str, args: argparse.Namespace, log
 
 def estimate_parts(report: MemoryReport, pattern: bool) -> dict[str, int]:
     """The estimate as the measurement sees it: persistent and output buffers (the Trainer's two
-    state sets and the batch), step 1's intermediates, and with the memory pattern its block."""
+    state sets and the batch), the first step's arena, and with the memory pattern its block."""
     parts = {"persistent": report.persistent_bytes, "outputs": report.output_bytes,
-             "transient": report.transient_peak_bytes,
+             "first_step_arena": report.first_step_arena_bytes,
              "pattern_block": report.pattern_block_bytes if pattern else 0}
     parts["total"] = sum(parts.values())
+    parts["transient"] = report.transient_peak_bytes  # inside the first step's arena, not added
     return parts
 
 
@@ -313,17 +314,19 @@ def print_row(row: dict, file=None) -> None:
     est = row["estimate"]
     head = f"{row['model']:10s} {row['policy']:6s} {row['pattern']:>4s} {row['batch']:5d} {est['total'] / MIB:9.1f}"
     if "result" not in row:
-        parts = (f"  (persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + transient "
-                 f"{_mib(est['transient'])} + pattern block {_mib(est['pattern_block'])})")
+        parts = (f"  (persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + first-step arena "
+                 f"{_mib(est['first_step_arena'])} (transient peak {_mib(est['transient'])}) + pattern block "
+                 f"{_mib(est['pattern_block'])})")
         print(head + ("  " + row["error"] if "error" in row else parts), file=file, flush=True)
         return
     s = row["summary"]
     own = s.get("own")
-    steps = est["transient"] + est["pattern_block"]
+    steps = est["first_step_arena"] + est["pattern_block"]
     print(f"{head} {_mib(s['measured']):>9s} {_mib(s['fixed']):>7s} {_mib(own):>9s} {_errors(est['total'], own)}"
           f" {steps / MIB:9.1f} {_mib(s['arena_steps']):>9s} {_errors(steps, s['arena_steps'])}", file=file)
-    print(f"    estimate: persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + transient "
-          f"{_mib(est['transient'])} + pattern block {_mib(est['pattern_block'])};  measured by phase: init "
+    print(f"    estimate: persistent {_mib(est['persistent'])} + outputs {_mib(est['outputs'])} + first-step arena "
+          f"{_mib(est['first_step_arena'])} (transient peak {_mib(est['transient'])}) + pattern block "
+          f"{_mib(est['pattern_block'])};  measured by phase: init "
           f"{_mib(s['init'])}, after step 1 {_mib(s['step1'])}, after step 2 {_mib(s['step2'])};  arena grew: "
           f"init {_mib(s['arena_init'])}, step 1 {_mib(s['arena_step1'])}, step 2 {_mib(s['arena_step2'])} "
           f"(largest request {_mib(s['arena_step2_largest'])}: ORT's pattern block), later {_mib(s['arena_later'])};  "
@@ -333,8 +336,8 @@ def print_row(row: dict, file=None) -> None:
 
 HEADER = (f"{'model':10s} {'policy':6s} {'pat':>4s} {'batch':>5s} {'estimate':>9s} {'measured':>9s} {'fixed':>7s} "
           f"{'meas-fix':>9s} {'est/own':>7s} {'own/est':>7s} {'est steps':>9s} {'arena':>9s} {'est/ar':>7s} {'ar/est':>7s}"
-          "\n(MiB; own = measured - fixed; est steps = transient + pattern block; arena = what ORT's device arena grew by "
-          "during the steps, from its log)")
+          "\n(MiB; own = measured - fixed; est steps = first-step arena + pattern block; arena = what ORT's device arena "
+          "grew by during the steps, from its log)")
 
 
 def measure_all(args: argparse.Namespace) -> list[dict]:

@@ -7,7 +7,9 @@ from onnx import helper as h
 
 from mpgraph._ir import meta as md
 from mpgraph.audit.memory import (
+    ARENA_UNIT,
     PATTERN_ALIGNMENT,
+    _arena_bytes,
     _Buffer,
     _pattern_block,
     estimate_memory,
@@ -67,12 +69,25 @@ def test_pattern_block_packs_like_ort_mem_pattern_planner():
     assert _pattern_block([_Buffer("e", 0, 0, 1)]) == PATTERN_ALIGNMENT
 
 
+def test_the_arena_grows_past_the_peak_when_a_freed_chunk_is_too_small():
+    """a (256 B) gets region 1, b (512 B) region 2; a is freed, but c (512 B) does not fit its
+    256-byte chunk, so the arena grows a third region: 1280 bytes for a peak of 1024. Later
+    requests take the smallest free chunk that fits, split when it is twice the request."""
+    buffers = [_Buffer("a", 0, 1, 256), _Buffer("b", 1, 3, 512), _Buffer("c", 2, 3, 512)]
+    assert _arena_bytes(buffers) == 256 + 512 + 512
+    # Then all is free: d (200 -> 256 B) takes a's chunk exactly; e (256 B) the first 512-byte
+    # chunk, split in two; f (1000 -> 1024 B) fits no free chunk (256, 512: regions stay apart).
+    buffers += [_Buffer("d", 4, 6, 200), _Buffer("e", 5, 6, 256), _Buffer("f", 5, 6, 1000)]
+    assert _arena_bytes(buffers) == 256 + 512 + 512 + 1024
+    assert _arena_bytes([_Buffer("g", 0, 0, 1)]) == ARENA_UNIT
+
+
 def test_estimated_peak_holds_the_pattern_block_beside_the_first_step():
     nodes = [h.make_node("Relu", ["x"], ["a"], name="r1"), h.make_node("Relu", ["a"], ["y"], name="r2")]
     report = estimate_memory(_step(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])]), batch=16)
-    assert report.transient_peak_bytes == report.pattern_block_bytes == 4 * 16 * 8
+    assert report.transient_peak_bytes == report.pattern_block_bytes == report.first_step_arena_bytes == 4 * 16 * 8
     assert report.estimated_peak_bytes == (report.persistent_bytes + report.output_bytes
-                                           + report.transient_peak_bytes + report.pattern_block_bytes)
+                                           + report.first_step_arena_bytes + report.pattern_block_bytes)
     assert report.peak_without_pattern_bytes == report.estimated_peak_bytes - report.pattern_block_bytes
 
 
@@ -91,3 +106,23 @@ def test_a_transpose_read_only_by_matmuls_is_folded_away():
     also_relu = [*nodes, h.make_node("Relu", ["wt"], ["z"], name="other")]
     kept = estimate_memory(_step(also_relu, inputs, [vi("y", ["N", 4]), vi("z", [8, 4])]), batch=16)
     assert kept.transient_peak_bytes == folded.transient_peak_bytes + 4 * 8 * 4  # plus wt
+
+
+def test_a_transpose_of_a_transpose_reads_the_original():
+    """x -> Transpose t1 -> MatMul (forward), and later Transpose(t1) -> Relu (backward-like). ORT
+    composes the two transposes into one transpose of x, so t1 dies after the MatMul: at the
+    second transpose only x (an input) and the new buffer are alive, not t1."""
+    nodes = [
+        h.make_node("Transpose", ["x"], ["t1"], name="t1", perm=[1, 0]),
+        h.make_node("MatMul", ["t1", "w"], ["a"], name="mm"),
+        h.make_node("Transpose", ["t1"], ["t2"], name="t2", perm=[1, 0]),
+        h.make_node("Relu", ["t2"], ["z"], name="relu2"),
+        h.make_node("Relu", ["a"], ["y"], name="relu"),  # the last leaf: its chain runs first
+    ]
+    model = _step(nodes, [vi("x", [8, "N"]), vi("w", [8, 4])], [vi("y", ["N", 4]), vi("z", [8, "N"])])
+    report = estimate_memory(model, batch=16)
+    # ORT order: t1, mm, relu, then t2 (z's chain). t1 (512 B) and a (256 B) are alive at mm; t2
+    # (512 B) alone at relu2, as t1 died after the MatMul. Read by t2, t1 would be alive beside
+    # t2: 1024 bytes.
+    assert [n.name for n in ort_order(model)] == ["t1", "mm", "relu", "t2", "relu2"]
+    assert report.transient_peak_bytes == 4 * 8 * 16 + 4 * 16 * 4

@@ -12,22 +12,27 @@ questions a user asks before renting a GPU:
    size (or ``dims``). The nodes are walked in ORT's execution order (``ort_order``); each
    buffer lives from the node that makes it to the last node that reads it. View ops
    (``Reshape``, ``Squeeze``, ``Unsqueeze``, ``Flatten``, ``Identity``) alias their input, as
-   ORT's kernels do. "Kept for the backward" is every forward buffer that a backward node
-   reads; the transient peak is the largest sum of live buffers.
-3. **ORT's memory pattern.** With ``enable_mem_pattern`` (ORT's default, and the Trainer's),
-   ORT records the first step's allocations and from the second step on allocates one block
-   that holds every intermediate at a planned offset. The arena keeps the first step's
-   buffers as well, so the intermediates are held twice: the transient peak, and the block
-   (``_pattern_block`` packs the same buffers as ORT's planner does; gaps make it larger).
+   ORT's kernels do; so does a ``Transpose`` that ORT folds into the matmuls reading it, and a
+   ``Transpose`` of a ``Transpose`` reads the first one's input, as ORT composes them.
+   "Kept for the backward" is every forward buffer that a backward node reads; the transient
+   peak is the largest sum of live buffers.
+3. **ORT's arena and memory pattern.** In the first step ORT allocates each buffer from its
+   BFC arena; freed chunks are reused, but the arena's regions never merge, so it grows past
+   the transient peak (``_arena_bytes`` replays the buffers through the same best-fit
+   allocator). With ``enable_mem_pattern`` (ORT's default, and the Trainer's), ORT records that
+   first step and from the second step on allocates one block that holds every intermediate at
+   a planned offset; the arena keeps the first step's regions as well, so the intermediates are
+   held twice (``_pattern_block`` packs the buffers as ORT's planner does).
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
-second set of buffers), plus the transient peak, plus the pattern block. It is the graph's
+second set of buffers), plus the first step's arena, plus the pattern block. It is the graph's
 own memory, with ORT's arena growing by what is requested (``kSameAsRequested``; the default
 power-of-two growth can hold up to twice the requests). Not modelled: the fixed overhead of a
 CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
-``benchmarks/memory_check.py``), kernel scratch buffers, the nodes that ORT's graph
-optimizations fuse or remove, and the buffers ORT's planner reuses in place.
+``benchmarks/memory_check.py``), kernel scratch buffers, the graph optimizations of ORT other
+than folding transposes into matmuls and composing transposes, and the buffers ORT's planner
+reuses in place.
 """
 
 from __future__ import annotations
@@ -49,6 +54,11 @@ __all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", 
 ROLES = ("low_weights", "master_weights", "gradients", "optimizer_state")
 #: ORT's allocation alignment (``kAllocAlignment``): the memory pattern rounds every buffer up to it.
 PATTERN_ALIGNMENT = 64
+#: ORT's BFC arena rounds every request up to this many bytes (``kMinAllocationSize``).
+ARENA_UNIT = 256
+#: The arena splits a free chunk when it is twice the request or more, or would leave this many
+#: bytes unused (``max_dead_bytes_per_chunk``, 128 MiB by default).
+ARENA_MAX_DEAD = 128 << 20
 #: Ops whose output shares its input's buffer in ORT (no new allocation).
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
@@ -73,9 +83,11 @@ class MemoryReport:
         saved_for_backward_values: How many such buffers.
         transient_peak_bytes: Largest sum of live intermediate buffers.
         transient_peak_node: Node at which that peak happens.
+        first_step_arena_bytes: What ORT's arena grows by in the first step: the buffers
+            allocated one by one, with the arena's fragmentation (``_arena_bytes``).
         pattern_block_bytes: ORT's memory-pattern block: the same buffers packed at fixed offsets
             as ORT's ``MemPatternPlanner`` does (``_pattern_block``).
-        estimated_peak_bytes: Persistent + outputs + transient peak + pattern block (ORT's
+        estimated_peak_bytes: Persistent + outputs + first-step arena + pattern block (ORT's
             default, ``enable_mem_pattern``; ``peak_without_pattern_bytes`` without it).
         unknown_shapes: Intermediate values whose shape could not be inferred (not counted).
         nodes: Nodes walked.
@@ -95,6 +107,7 @@ class MemoryReport:
     saved_for_backward_values: int
     transient_peak_bytes: int
     transient_peak_node: str
+    first_step_arena_bytes: int
     pattern_block_bytes: int
     estimated_peak_bytes: int
     unknown_shapes: int
@@ -163,19 +176,47 @@ def _per_parameter(model: ir.Model, state: str) -> bool:
     return value is None or value.shape is None or value.shape.rank() > 0
 
 
+def _perm(node: ir.Node) -> list[int] | None:
+    """A ``Transpose``'s permutation (``None`` when its rank is unknown and ``perm`` is absent)."""
+    attr = node.attributes.get("perm")
+    if attr is not None:
+        return list(attr.as_ints())
+    rank = node.inputs[0].shape.rank() if node.inputs[0] is not None and node.inputs[0].shape is not None else None
+    return None if rank is None else list(reversed(range(rank)))
+
+
+def _transpose_source(node: ir.Node) -> tuple[ir.Value, list[int] | None]:
+    """What a ``Transpose`` reads once ORT's transpose optimizer has composed it with the
+    ``Transpose`` chain that makes its input: the chain's first input and the composed
+    permutation. A chain of transposes becomes one transpose of the original tensor, so the
+    intermediate transposes are not kept alive by this one."""
+    value, perm = node.inputs[0], _perm(node)
+    while value is not None and perm is not None and (inner := value.producer()) is not None \
+            and inner.op_type == "Transpose" and (inner_perm := _perm(inner)) is not None:
+        value, perm = inner.inputs[0], [inner_perm[k] for k in perm]
+    return value, perm
+
+
 def _folded_transpose(node: ir.Node) -> bool:
     """A ``Transpose`` that ORT folds into the matmuls reading it (``MatmulTransposeFusion``,
-    ``GemmTransposeFusion``): every consumer is a ``MatMul`` (the last two axes swapped) or a
-    ``Gemm`` (a 2-D transpose), and it is no graph output. ORT removes it, and its consumers
-    read its input with a transpose flag: no buffer. The exported ``Linear`` is such a
-    ``Transpose`` of the weight, a copy of every weight kept for the backward otherwise."""
-    perm_attr = node.attributes.get("perm")
-    if node.op_type != "Transpose" or perm_attr is None or node.outputs[0].is_graph_output():
+    ``GemmTransposeFusion``): every consumer is a ``MatMul`` (the last two axes swapped, after
+    composing with the transposes before it) or a ``Gemm`` (a 2-D transpose), and it is no graph
+    output. ORT removes it, and its consumers read its source with a transpose flag: no buffer.
+    The exported ``Linear`` is such a ``Transpose`` of the weight, a copy of every weight kept for
+    the backward otherwise."""
+    if node.op_type != "Transpose" or node.outputs[0].is_graph_output():
         return False
-    perm = list(perm_attr.as_ints())
+    perm = _transpose_source(node)[1]
+    if perm is None:
+        return False
     swaps_last_two = len(perm) >= 2 and perm == [*range(len(perm) - 2), len(perm) - 1, len(perm) - 2]
     uses = [use.node.op_type for use in node.outputs[0].uses()]
     return bool(uses) and swaps_last_two and all(op == "MatMul" or (op == "Gemm" and len(perm) == 2) for op in uses)
+
+
+def _reads(node: ir.Node) -> list[ir.Value | None]:
+    """The values ``node`` reads in ORT: a ``Transpose`` reads its chain's source."""
+    return [_transpose_source(node)[0]] if node.op_type == "Transpose" and node.inputs else list(node.inputs)
 
 
 def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
@@ -186,7 +227,7 @@ def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
             if not value.name:
                 continue
             alias = node.op_type in VIEW_OPS or _folded_transpose(node)
-            src = node.inputs[0] if alias and node.inputs and node.inputs[0] is not None else None
+            src = _reads(node)[0] if alias and node.inputs and node.inputs[0] is not None else None
             owner[value.name] = owner.get(src.name or "", src.name or "") if src is not None else value.name
     return owner
 
@@ -238,9 +279,8 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     outputs = {v.name for v in model.graph.outputs}
     output_bytes = sum(size(n or "") for n in outputs)
 
-    nodes = ort_order(model)
-    buffers, saved, saved_n, unknown = _walk(nodes, sizes, outputs)
-    (peak, peak_node), block = _peak(buffers, nodes), _pattern_block(buffers)
+    buffers, saved, saved_n, unknown = _walk(nodes := ort_order(model), sizes, outputs)
+    (peak, peak_node), block, arena = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers)
     persistent = roles["master_weights"] + roles["optimizer_state"] + other_state + data + constants
     return MemoryReport(
         policy=props.get(md.MODEL_POLICY),
@@ -257,8 +297,9 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         saved_for_backward_values=saved_n,
         transient_peak_bytes=peak,
         transient_peak_node=peak_node,
+        first_step_arena_bytes=arena,
         pattern_block_bytes=block,
-        estimated_peak_bytes=persistent + output_bytes + peak + block,
+        estimated_peak_bytes=persistent + output_bytes + arena + block,
         unknown_shapes=unknown,
         nodes=len(model.graph),
     )
@@ -324,7 +365,7 @@ def _walk(
             role = roles.get(src.name or "", "forward") if src is not None and src.producer() is not None else "weight"
         for value in node.outputs:
             roles[value.name or ""] = role
-        for value in node.inputs:
+        for value in _reads(node):
             buf = owner.get(value.name or "") if value is not None else None
             if buf is not None:
                 end[buf] = max(end.get(buf, i), i)
@@ -390,3 +431,50 @@ def _pattern_block(buffers: list[_Buffer], align: int = PATTERN_ALIGNMENT) -> in
         size = max(size, best_offset + need)
         blocks.insert(best, (best_offset, need, k))
     return size
+def _arena_bytes(buffers: list[_Buffer]) -> int:
+    """Bytes ORT's BFC arena holds after the first step, growing by what is requested.
+
+    Each buffer takes the smallest free chunk that fits (rounded up to ``ARENA_UNIT``), split
+    when the chunk is twice the request or more (or would leave ``ARENA_MAX_DEAD`` unused).
+    When none fits, the arena grows by a region of exactly the request (``kSameAsRequested``).
+    A freed chunk merges with its free neighbours in its region, but regions never merge, so
+    the arena ends above the transient peak.
+    """
+    events = sorted([(b.start, 0, k) for k, b in enumerate(buffers)] + [(b.end, 1, k) for k, b in enumerate(buffers)])
+    regions: list[list[list[int]]] = []  # per region, its chunks [offset, size, buffer or -1] by offset
+    where: dict[int, tuple[int, list[int]]] = {}
+    total = 0
+    for _, kind, k in events:
+        if kind == 1:
+            if k in where:
+                _free_chunk(regions, *where.pop(k))
+            continue
+        need = -(-buffers[k].nbytes // ARENA_UNIT) * ARENA_UNIT
+        if need == 0:
+            continue
+        fits = [(c[1], r, c[0], id(c), c) for r, chunks in enumerate(regions) for c in chunks if c[2] < 0 and c[1] >= need]
+        if not fits:
+            regions.append([[0, need, -1]])
+            total += need
+            fits = [(need, len(regions) - 1, 0, 0, regions[-1][0])]
+        _, r, _, _, chunk = min(fits, key=lambda f: f[:3])
+        if chunk[1] >= 2 * need or chunk[1] - need >= ARENA_MAX_DEAD:
+            chunks = regions[r]
+            chunks.insert(next(i for i, c in enumerate(chunks) if c is chunk) + 1, [chunk[0] + need, chunk[1] - need, -1])
+            chunk[1] = need
+        chunk[2] = k
+        where[k] = (r, chunk)
+    return total
+
+
+def _free_chunk(regions: list[list[list[int]]], region: int, chunk: list[int]) -> None:
+    """Free ``chunk`` and merge it with the free chunks next to it in its region."""
+    chunks = regions[region]
+    chunk[2] = -1
+    i = next(i for i, c in enumerate(chunks) if c is chunk)
+    if i + 1 < len(chunks) and chunks[i + 1][2] < 0:
+        chunk[1] += chunks.pop(i + 1)[1]
+    if i > 0 and chunks[i - 1][2] < 0:
+        chunks[i - 1][1] += chunks.pop(i)[1]
+
+

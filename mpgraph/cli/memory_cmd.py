@@ -78,8 +78,9 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
         ("other state", report.other_state_bytes, "running statistics, loss scale, step counter"),
         ("constants", report.constant_bytes, ""),
         ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
+        ("first step's arena", report.first_step_arena_bytes, "step 1's buffers in ORT's arena (kSameAsRequested), with its gaps"),
         ("ORT memory-pattern block", report.pattern_block_bytes, "from step 2, beside step 1's buffers (ORT's default)"),
-        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + transient peak + pattern block"),
+        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + first step's arena + pattern block"),
         ("  without the pattern", report.peak_without_pattern_bytes, "SessionOptions.enable_mem_pattern = False"),
     ]
     extra = Table(title=f"one step at batch {batch}")
