@@ -50,6 +50,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--small", action="store_true", help="the small GPT (dry runs)")
+    p.add_argument("--repeat", action="store_true",
+                   help="also run the graph without the rewrite a second time: how far two runs of one "
+                        "graph drift apart on this provider (ORT CUDA's atomics, e.g. ScatterND's reduction)")
     args = p.parse_args()
     policies = args.policies.split(",")
     spec = gpu_step.gpt_spec(args.small)
@@ -59,7 +62,10 @@ def main() -> None:
         off = gpu_step.step_graphs(spec, False, policies, target="cuda")
     runs = []
     for policy in policies:
-        for label, graph in ((f"{policy} without {args.variant}", off[policy]), (f"{policy} with {args.variant}", on[policy])):
+        pairs = [(f"{policy} without {args.variant}", off[policy]), (f"{policy} with {args.variant}", on[policy])]
+        if args.repeat:
+            pairs.append((f"{policy} without {args.variant} (again)", off[policy]))
+        for label, graph in pairs:
             runs.append(gpu_step.mpgraph_run(label, graph, spec, provider, None))
     for r in range(args.rounds + 1):
         for run in runs:
@@ -70,7 +76,8 @@ def main() -> None:
         ms = run.round_ms[1:]
         print(f"{run.label:<36}{statistics.median(ms):>9.3f}  {min(ms):.3f}-{max(ms):.3f}  {run.losses[-1]:.8f}"
               f"  {'cuda graph' if run.trainer is not None and run.trainer.cuda_graph else ''}{run.error}")
-    for i in range(0, len(runs), 2):
+    per = 3 if args.repeat else 2
+    for i in range(0, len(runs), per):
         a, b = runs[i], runs[i + 1]
         print(f"{b.label} / {a.label}: {statistics.median(b.round_ms[1:]) / statistics.median(a.round_ms[1:]):.3f}")
     if provider == "cuda":
