@@ -11,7 +11,10 @@ rounds (median of round medians, microseconds):
 - ``readback``: ``numpy()`` of the device loss buffer alone;
 - ``cpu step``: the same step graph on ORT CPU at 2 threads, for the crossover.
 
-    python3 benchmarks/step_overhead_probe.py [--rounds 20] [--steps 200]
+With ``--kernels`` it then lists every CUDA kernel of one replayed step by name (CUPTI through
+torch.profiler), in launch order: which ONNX nodes a launch-bound step spends its kernels on.
+
+    python3 benchmarks/step_overhead_probe.py [--rounds 20] [--steps 200] [--kernels]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--kernels", action="store_true", help="list the kernels of one step by name")
     args = p.parse_args()
     spec = gpu_step.tiny_spec()
     cuda_graph = gpu_step.step_graphs(spec, False, ["fp32"], target="cuda")["fp32"]
@@ -82,6 +86,25 @@ def main() -> None:
     print(f"{'part':<14}{'us (median)':>12}{'min':>9}{'max':>9}")
     for name, values in samples.items():
         print(f"{name:<14}{statistics.median(values):>12.1f}{min(values):>9.1f}{max(values):>9.1f}")
+    if args.kernels:
+        list_kernels(lambda: trainer.step(batch))
+
+
+def list_kernels(step: Callable[[], object]) -> None:
+    """Every CUDA kernel and copy of one step, in launch order, with its GPU time."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.time_range.start)
+    print(f"-- {len(events)} kernels in one step")
+    for e in events:
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        print(f"{us:8.1f} us  {e.name[:140]}")
 
 
 if __name__ == "__main__":
