@@ -267,7 +267,8 @@ def time_round(run: Run, steps: int) -> None:
 KERNEL_CLASSES = [
     ("matmul", re.compile(r"gemm|cutlass|xmma|sm90_|sm80_|cublas|nvjet|matmul", re.I)),
     ("conv", re.compile(r"conv|winograd|implicit|cudnn|wgrad|dgrad|fprop", re.I)),
-    ("cast", re.compile(r"cast", re.I)),
+    # Not "broadcast": ORT's Where kernels carry ``BroadcastIndexType`` in their names.
+    ("cast", re.compile(r"(?<!broad)cast", re.I)),
     ("reduce", re.compile(r"reduce|reduction", re.I)),
     ("norm/softmax", re.compile(r"softmax|layernorm|layer_norm|norm", re.I)),
     ("memcpy/transpose", re.compile(r"memcpy|memset|transpose|copy|concat|split|slice|gather|scatter|expand", re.I)),

@@ -112,7 +112,7 @@ def kernel_names(args: argparse.Namespace) -> None:
 
     spec = gpu_step.gpt_spec(args.small)
     policies = args.policy.split(",")
-    graphs = gpu_step.step_graphs(spec, args.flat, policies)
+    graphs = gpu_step.step_graphs(spec, args.flat, policies, target="cuda" if args.provider == "cuda" else None)
     report = {}
     for policy in policies:
         trainer = Trainer(graphs[policy], args.provider, cuda_graph=False)
@@ -157,7 +157,7 @@ def main() -> None:
         return kernel_names(args)
     spec = gpu_step.gpt_spec(args.small)
     policies = args.policy.split(",")
-    graphs = gpu_step.step_graphs(spec, args.flat, policies)
+    graphs = gpu_step.step_graphs(spec, args.flat, policies, target="cuda" if args.provider == "cuda" else None)
     report = {}
     for policy in policies:
         prefix = os.path.join(args.out, f"ort_profile_{policy}")

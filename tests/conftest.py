@@ -1,4 +1,8 @@
-"""Test options: ``--runslow`` runs the tests marked ``slow`` (skipped by default).
+"""Test options: ``--runslow`` runs the tests marked ``slow``; without it they are deselected.
+
+Deselected, not skipped: ``pytest -rs`` then lists only the skips that depend on the machine
+(on a CPU machine, the tests that need CUDA), and the summary line counts the slow tests as
+"deselected". CI (``.ci/run``) passes ``--runslow``, so it runs every test.
 
 Threads: torch (and numpy's BLAS) read ``OMP_NUM_THREADS`` when first imported, which happens
 after this file loads, so it is set here to 1 unless the caller set it. Tests that compare
@@ -25,7 +29,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if config.getoption("--runslow"):
         return
-    skip = pytest.mark.skip(reason="slow: pass --runslow to run it")
-    for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if "slow" not in item.keywords]

@@ -329,6 +329,11 @@ CASES: list[Case] = _binary_cases() + [
          [Var((4, 5, 2)), ints(0, 3, 4, 1, 2, 2, 0, 1).reshape(4, 2), R.random(5) + 0.5], {"ignore_index": 1},
          lambda s, y, w: (F.cross_entropy(s, y, w, ignore_index=1), torch.log_softmax(s, 1)), outputs=2, used=(0, 1),
          dtype="float32", note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
+    # Only the loss differentiated: the rule's (softmax - one_hot) * scale form.
+    Case("SoftmaxCrossEntropyLoss-weights-ignore", "SoftmaxCrossEntropyLoss",
+         [Var((4, 5, 2)), ints(0, 3, 4, 1, 2, 2, 0, 1).reshape(4, 2), R.random(5) + 0.5], {"ignore_index": 1},
+         lambda s, y, w: F.cross_entropy(s, y, w, ignore_index=1), dtype="float32",
+         note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
     Case("SoftmaxCrossEntropyLoss-none", "SoftmaxCrossEntropyLoss", [Var((3, 4)), ints(0, 3, 2)], {"reduction": "none"},
          lambda s, y: F.cross_entropy(s, y, reduction="none"), dtype="float32", note="ORT CPU SoftmaxCrossEntropyLoss is float32 only"),
     Case("NegativeLogLikelihoodLoss-sum", "NegativeLogLikelihoodLoss", [Var((3, 4)), ints(0, 3, 2)], {"reduction": "sum"},

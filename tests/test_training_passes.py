@@ -31,7 +31,10 @@ from mpgraph.training.attach_loss import find_logits
 from mpgraph.training.options import optimizer_options
 from tests.helpers import init, make_model, vi
 
-RNG = np.random.default_rng(0)
+
+def _weights(shape: tuple[int, ...]) -> np.ndarray:
+    """Seeded per call, so a model's weights do not depend on which tests ran before."""
+    return np.random.default_rng(0).standard_normal(shape).astype(np.float32)
 
 
 def _ir(*args, **kwargs) -> ir.Model:
@@ -44,7 +47,7 @@ def _linear(out: str = "logits", params_as_inputs: bool = False) -> ir.Model:
     return _ir(
         [h.make_node("MatMul", ["x", "w"], ["xw"], name="mm"), h.make_node("Add", ["xw", "b"], [out], name="add")],
         inputs, [vi(out, ["N", 4])],
-        [init("w", RNG.standard_normal((3, 4)).astype(np.float32)), init("b", np.zeros(4, np.float32))],
+        [init("w", _weights((3, 4))), init("b", np.zeros(4, np.float32))],
     )
 
 
@@ -56,7 +59,7 @@ def _with_loss() -> ir.Model:
          h.make_node("SoftmaxCrossEntropyLoss", ["logits", "label"], ["ce"], name="ce", reduction="mean"),
          h.make_node("Identity", ["ce"], ["loss"], name="out")],
         [vi("x", ["N", 3]), vi("label", ["N"], T.INT64)], [vi("loss", [])],
-        [init("w", RNG.standard_normal((3, 4)).astype(np.float32))],
+        [init("w", _weights((3, 4)))],
     )).model
 
 

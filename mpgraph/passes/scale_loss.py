@@ -32,9 +32,12 @@ class ScaleLossPass(ir.passes.InPlacePass):
         2. Each gradient the optimizer reads becomes ``Cast(g, float) * (1 / loss_scale)``.
            A flat optimizer's gradient buffer (the node tagged ``mpgraph.flat = gradient``)
            is unscaled once, and its member gradients are left alone.
-        3. ``found_inf = IsNaN(sum_i ReduceSum(g_i * 0))``: ``x * 0`` is NaN exactly for
-           inf/NaN, so the check is exact and cheap. ``found_inf`` is a graph output.
-           Example: a flat optimizer over 150 parameters: one Mul and one ReduceSum.
+        3. ``found_inf = IsNaN(sum_i ReduceSum(g_i) * 0)``: a sum is inf or NaN when one of
+           its terms is (``x * 0`` is NaN exactly for inf/NaN), so one read of each gradient
+           finds them. A sum of finite gradients that overflows float32 (its terms then
+           average above 3.4e38 / count) counts as an overflow too: such a step is skipped
+           and the scale backs off, where ``GradScaler`` would step. ``found_inf`` is a
+           graph output. Example: a flat optimizer over 150 parameters: one ReduceSum.
         4. Every state output written by the optimizer (parameters, moments, step counter)
            becomes ``Where(found_inf, old, new)``: a skipped step leaves them bit-identical.
            BatchNorm running statistics update as in PyTorch (the forward ran). A flat
@@ -220,11 +223,12 @@ def _unscale_and_check(opt: Builder, graph: ir.Graph, grads: list[tuple[str, ir.
         for use in uses:
             use.node.replace_input_with(use.idx, unscaled)
         reads.append((unscaled, uses))
-        probe = opt.op("ReduceSum", opt.op("Mul", unscaled, zero, name=f"{param}/nan_probe"), keepdims=0, name=f"{param}/nan_sum")
-        total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/nan_total")
+        probe = opt.op("ReduceSum", unscaled, keepdims=0, name=f"{param}/sum")
+        total = probe if total is None else opt.op("Add", total, probe, name=f"{param}/sum_total")
     assert total is not None
     total.shape = ir.Shape([])
-    found_inf = opt.op("IsNaN", total, name="found_inf_check")
+    # Not IsFinite(total): IsNaN(total * 0), one scalar Mul.
+    found_inf = opt.op("IsNaN", opt.op("Mul", total, zero, name="found_inf_probe"), name="found_inf_check")
     found_inf.shape = ir.Shape([])
     return zero, found_inf, reads
 

@@ -34,6 +34,7 @@ from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
 from mpgraph.training.attach_loss import AttachLossPass, find_logits
+from mpgraph.training.expand_conditions import ExpandWhereConditionsPass
 from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
 from mpgraph.training.select_parameters import SelectParametersPass
 from mpgraph.training.set_batchnorm_mode import SetBatchNormModePass
@@ -94,7 +95,8 @@ def build_training_graph(
         target: Where the step will run, for the gradient forms picked by measured speed:
             ``None``/``cpu`` picks each conv weight gradient's form by layer shape from ORT
             CPU measurements, ``cuda`` uses the one-hot im2col forms, which measured
-            fastest on ORT CUDA (``benchmarks/results/conv_dw_ab_cuda.txt``). Same math.
+            fastest on ORT CUDA (``benchmarks/results/conv_dw_ab_cuda.txt``), and gives
+            ``Where`` full-size conditions (``ExpandWhereConditionsPass``). Same math.
 
     Returns:
         The training step model, with the lowest ir_version its opsets allow (8 up to
@@ -119,6 +121,8 @@ def build_training_graph(
                                   inputs_mark_params=forward.inputs_mark_params)(m).params
     _keep_loss_only(m, loss_value, state)
     grads = _differentiate(m, loss_value, params, target, forward.opset)
+    if target == "cuda":
+        ExpandWhereConditionsPass()(m)
     optim = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
     outputs: State = []
     if opt is None:
