@@ -56,7 +56,7 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
                     producer.attributes["value"] = ir.AttrTensor("value", widened)
                 else:
                     value.const_value = widened
-                value.dtype = ir.DataType.FLOAT
+                value.type = ir.TensorType(ir.DataType.FLOAT)  # a new type: clones share it
                 modified = True
                 continue
             producer = value.producer()
@@ -64,7 +64,7 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
             rounded = value
             new_nodes: list[ir.Node] = []
             if not is_cast and producer is not None:
-                value.dtype = ir.DataType.FLOAT
+                value.type = ir.TensorType(ir.DataType.FLOAT)  # a new type: clones share it
                 down = _cast(names.fresh(f"round/{value.name}_{short_name(low)}"), value, low)
                 new_nodes.append(down)
                 rounded = down.outputs[0]
