@@ -3,18 +3,20 @@
 Builds an ONNX graph of N pre-LN transformer blocks (LayerNormalization, q/k/v MatMul + bias,
 Reshape/Transpose into heads, scaled QK^T, Softmax, attention MatMul, output projection,
 residual Add, LayerNormalization, 4x MLP with erf-form GELU, residual Add) with random float32
-weights (d=64, 4 heads, seq 16), then times, in one run, best of ``--repeat``:
+weights (d=64, 4 heads, seq 16), then times, in one run, the best of ``--repeat`` rounds (each
+round runs every configuration once, so load from other work lands on all rows alike):
 
 * ``mpgraph.convert(model, bf16|fp16, validate=True|False)`` (native lowering; the time
   includes reading the ModelProto into onnx-ir, not serialising the result), float16 both
   without the range check (``calibrate=None``) and with it (the default: the float32 graph
-  runs once on seeded random inputs with in-graph range reductions, then the emulated result
-  runs once to check its outputs are finite), so the two rows give the check's cost;
+  runs once on seeded random inputs and every float activation comes back to be reduced in
+  numpy, as activations under ``probe.MATERIALIZE_BYTES`` do; then the emulated result runs
+  once to check its outputs are finite), so the two rows give the check's cost;
 * ``onnxconverter_common.float16.convert_float_to_float16(model, keep_io_types=True)``;
 
 and prints a table with the ratio to onnxconverter-common, plus whether each result loads and
-runs in ONNX Runtime's CPU provider. ``--profile`` adds a cProfile of the slowest mpgraph
-configuration.
+runs in ONNX Runtime's CPU provider, and the load average at start and end (the machine may
+be shared). ``--profile`` adds a cProfile of the slowest mpgraph configuration.
 
 Usage:
     .venv/bin/python benchmarks/bench_convert.py [--blocks 310] [--repeat 3] [--profile]
@@ -124,15 +126,26 @@ def build_transformer(blocks: int, seed: int = 0) -> onnx.ModelProto:
     return model
 
 
-def best_of(repeat: int, fn, model: onnx.ModelProto) -> tuple[float, object]:
-    best, result = float("inf"), None
+def time_once(fn, model: onnx.ModelProto) -> tuple[float, object]:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    start = time.perf_counter()
+    result = fn(copy)
+    return time.perf_counter() - start, result
+
+
+def best_of_interleaved(repeat: int, fns: list, model: onnx.ModelProto) -> list[tuple[float, object]]:
+    """Best time of each of ``fns`` over ``repeat`` rounds, each round running every one once.
+
+    Interleaved rather than one function's repeats after another's, so a burst of load from
+    other work on a shared machine lands on all of them alike, not on one row.
+    """
+    best: list[tuple[float, object]] = [(float("inf"), None)] * len(fns)
     for _ in range(repeat):
-        copy = onnx.ModelProto()
-        copy.CopyFrom(model)
-        start = time.perf_counter()
-        result = fn(copy)
-        best = min(best, time.perf_counter() - start)
-    return best, result
+        for i, fn in enumerate(fns):
+            seconds, result = time_once(fn, model)
+            best[i] = (min(best[i][0], seconds), result)
+    return best
 
 
 def ort_status(model: onnx.ModelProto | ir.Model, feed: np.ndarray) -> str:
@@ -168,6 +181,7 @@ def main() -> None:
     from onnxconverter_common import __version__ as occ_version
     from onnxconverter_common import float16
 
+    print("load average at start: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     model = build_transformer(args.blocks)
     feed = np.random.default_rng(1).standard_normal((2, SEQ, D_MODEL)).astype(np.float32)
     print(
@@ -179,10 +193,6 @@ def main() -> None:
         f"onnx {onnx.__version__}, onnx-ir {ir.__version__}, onnxruntime {ort.__version__}, "
         f"onnxconverter-common {occ_version}; best of {args.repeat}\n"
     )
-    baseline, occ_model = best_of(
-        args.repeat, lambda m: float16.convert_float_to_float16(m, keep_io_types=True), model
-    )
-    rows = [("onnxconverter-common fp16 (keep_io_types)", baseline, ort_status(occ_model, feed))]  # type: ignore[arg-type]
     timings: dict[tuple[str, bool], float] = {}
     configs = [
         ("bf16", True, None, "bf16, validate=on"),
@@ -192,12 +202,14 @@ def main() -> None:
         ("fp16", True, "auto", "fp16, validate=on, range check (default)"),
         ("fp16", False, "auto", "fp16, validate=off, range check (default)"),
     ]
-    for policy, validate, calibrate, label in configs:
-        seconds, result = best_of(
-            args.repeat,
-            lambda m, p=policy, v=validate, c=calibrate: convert(m, p, validate=v, calibrate=c),
-            model,
-        )
+    fns = [lambda m: float16.convert_float_to_float16(m, keep_io_types=True)]
+    fns += [
+        lambda m, p=policy, v=validate, c=calibrate: convert(m, p, validate=v, calibrate=c)
+        for policy, validate, calibrate, _ in configs
+    ]
+    (baseline, occ_model), *results = best_of_interleaved(args.repeat, fns, model)
+    rows = [("onnxconverter-common fp16 (keep_io_types)", baseline, ort_status(occ_model, feed))]  # type: ignore[arg-type]
+    for (_, validate, _, label), (seconds, result) in zip(configs, results):
         timings[(label, validate)] = seconds
         rows.append((f"mpgraph {label}", seconds, ort_status(result, feed)))  # type: ignore[arg-type]
     width = max(len(r[0]) for r in rows)
@@ -216,6 +228,7 @@ def main() -> None:
         )
     slowest = max(timings, key=timings.__getitem__)
     print(f"slowest mpgraph configuration: {slowest[0]} took {timings[slowest]:.2f} s")
+    print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.profile:
         copy = onnx.ModelProto()
         copy.CopyFrom(model)
