@@ -14,9 +14,10 @@ round runs every configuration once, so load from other work lands on all rows a
   once to check its outputs are finite), so the two rows give the check's cost;
 * ``onnxconverter_common.float16.convert_float_to_float16(model, keep_io_types=True)``;
 
-and prints a table with the ratio to onnxconverter-common, plus whether each result loads and
-runs in ONNX Runtime's CPU provider, and the load average at start and end (the machine may
-be shared). ``--profile`` adds a cProfile of the slowest mpgraph configuration.
+and prints a table of wall-clock and process CPU seconds (all threads; CPU time stretches far
+less when other work loads the machine), each with its ratio to onnxconverter-common, plus
+whether each result loads and runs in ONNX Runtime's CPU provider, and the load average at
+start and end (the machine may be shared). ``--profile`` adds a cProfile of the slowest mpgraph configuration.
 
 Usage:
     .venv/bin/python benchmarks/bench_convert.py [--blocks 310] [--repeat 3] [--profile]
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import logging
 import os
@@ -126,25 +128,31 @@ def build_transformer(blocks: int, seed: int = 0) -> onnx.ModelProto:
     return model
 
 
-def time_once(fn, model: onnx.ModelProto) -> tuple[float, object]:
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)
-    start = time.perf_counter()
-    result = fn(copy)
-    return time.perf_counter() - start, result
+@dataclasses.dataclass
+class Best:
+    """Best wall-clock and process CPU seconds (all threads) over the rounds, and a result."""
+
+    wall: float = float("inf")
+    cpu: float = float("inf")
+    result: object = None
 
 
-def best_of_interleaved(repeat: int, fns: list, model: onnx.ModelProto) -> list[tuple[float, object]]:
-    """Best time of each of ``fns`` over ``repeat`` rounds, each round running every one once.
+def best_of_interleaved(repeat: int, fns: list, model: onnx.ModelProto) -> list[Best]:
+    """Best times of each of ``fns`` over ``repeat`` rounds, each round running every one once.
 
     Interleaved rather than one function's repeats after another's, so a burst of load from
-    other work on a shared machine lands on all of them alike, not on one row.
+    other work on a shared machine lands on all of them alike, not on one row. CPU time is
+    kept beside wall time: on a loaded machine it stretches far less.
     """
-    best: list[tuple[float, object]] = [(float("inf"), None)] * len(fns)
+    best = [Best() for _ in fns]
     for _ in range(repeat):
-        for i, fn in enumerate(fns):
-            seconds, result = time_once(fn, model)
-            best[i] = (min(best[i][0], seconds), result)
+        for fn, b in zip(fns, best):
+            copy = onnx.ModelProto()
+            copy.CopyFrom(model)
+            wall, cpu = time.perf_counter(), time.process_time()
+            b.result = fn(copy)
+            b.wall = min(b.wall, time.perf_counter() - wall)
+            b.cpu = min(b.cpu, time.process_time() - cpu)
     return best
 
 
@@ -193,7 +201,7 @@ def main() -> None:
         f"onnx {onnx.__version__}, onnx-ir {ir.__version__}, onnxruntime {ort.__version__}, "
         f"onnxconverter-common {occ_version}; best of {args.repeat}\n"
     )
-    timings: dict[tuple[str, bool], float] = {}
+    timings: dict[tuple[str, bool], Best] = {}
     configs = [
         ("bf16", True, None, "bf16, validate=on"),
         ("bf16", False, None, "bf16, validate=off"),
@@ -207,15 +215,18 @@ def main() -> None:
         lambda m, p=policy, v=validate, c=calibrate: convert(m, p, validate=v, calibrate=c)
         for policy, validate, calibrate, _ in configs
     ]
-    (baseline, occ_model), *results = best_of_interleaved(args.repeat, fns, model)
-    rows = [("onnxconverter-common fp16 (keep_io_types)", baseline, ort_status(occ_model, feed))]  # type: ignore[arg-type]
-    for (_, validate, _, label), (seconds, result) in zip(configs, results):
-        timings[(label, validate)] = seconds
-        rows.append((f"mpgraph {label}", seconds, ort_status(result, feed)))  # type: ignore[arg-type]
+    baseline, *results = best_of_interleaved(args.repeat, fns, model)
+    rows = [("onnxconverter-common fp16 (keep_io_types)", baseline, ort_status(baseline.result, feed))]  # type: ignore[arg-type]
+    for (_, validate, _, label), best in zip(configs, results):
+        timings[(label, validate)] = best
+        rows.append((f"mpgraph {label}", best, ort_status(best.result, feed)))  # type: ignore[arg-type]
     width = max(len(r[0]) for r in rows)
-    print(f"{'converter':<{width}}  {'seconds':>8}  {'vs occ':>7}  ORT CPU")
-    for label, seconds, status in rows:
-        print(f"{label:<{width}}  {seconds:8.3f}  {seconds / baseline:6.2f}x  {status}")
+    print(f"{'converter':<{width}}  {'seconds':>8}  {'vs occ':>7}  {'CPU s':>7}  {'vs occ':>7}  ORT CPU")
+    for label, best, status in rows:
+        print(
+            f"{label:<{width}}  {best.wall:8.3f}  {best.wall / baseline.wall:6.2f}x  "
+            f"{best.cpu:7.3f}  {best.cpu / baseline.cpu:6.2f}x  {status}"
+        )
     print(
         "\n(bf16 native has no ORT CPU compute kernels, so 'no: ... NOT_IMPLEMENTED' is expected there.)"
     )
@@ -223,11 +234,12 @@ def main() -> None:
         off = timings[(f"fp16, validate={'on' if validate else 'off'}, no range check", validate)]
         on = timings[(f"fp16, validate={'on' if validate else 'off'}, range check (default)", validate)]
         print(
-            f"range check cost, validate={'on' if validate else 'off'}: {on - off:.2f} s "
-            f"({on:.2f} s with, {off:.2f} s without: x{on / off:.2f})"
+            f"range check cost, validate={'on' if validate else 'off'}: {on.wall - off.wall:.2f} s "
+            f"({on.wall:.2f} s with, {off.wall:.2f} s without: x{on.wall / off.wall:.2f}); CPU time "
+            f"{on.cpu - off.cpu:.2f} s ({on.cpu:.2f} s with, {off.cpu:.2f} s without: x{on.cpu / off.cpu:.2f})"
         )
-    slowest = max(timings, key=timings.__getitem__)
-    print(f"slowest mpgraph configuration: {slowest[0]} took {timings[slowest]:.2f} s")
+    slowest = max(timings, key=lambda key: timings[key].wall)
+    print(f"slowest mpgraph configuration: {slowest[0]} took {timings[slowest].wall:.2f} s")
     print("load average at end: " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.profile:
         copy = onnx.ModelProto()
