@@ -63,3 +63,39 @@ def test_left_alone(cond_shape: list[object], x_shape: list[object], fill_shape:
     model = _model(cond_shape, x_shape, fill_shape)
     assert not ExpandWhereConditionsPass()(model).modified
     assert [n.op_type for n in model.graph].count("Expand") == 0
+
+
+def _per_layer_masks(second_flips: bool) -> ir.Model:
+    """Two masked fills, each with its own ``Not`` of the graph input ``c`` (as each exported
+    decoder layer slices its own mask); with ``second_flips`` the second mask is ``c`` itself."""
+    second = "c" if second_flips else "m1"
+    nodes = [
+        helper.make_node("Not", ["c"], ["m0"], name="not0"),
+        helper.make_node("Where", ["m0", "fill", "x"], ["w0"], name="where0"),
+        *([] if second_flips else [helper.make_node("Not", ["c"], ["m1"], name="not1")]),
+        helper.make_node("Where", [second, "fill", "w0"], ["w1"], name="where1"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, [4, 4]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 3, 4, 4])],
+        [helper.make_tensor_value_info("w1", TensorProto.FLOAT, None)],
+        [helper.make_tensor("fill", TensorProto.FLOAT, [], [-1e4])],
+    )
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return ir.serde.deserialize_model(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
+
+
+@pytest.mark.parametrize("second_flips", [False, True])
+def test_conditions_computed_alike_share_one_expand(second_flips: bool) -> None:
+    model = _per_layer_masks(second_flips)
+    rng = np.random.default_rng(0)
+    feeds = {"c": np.triu(np.ones((4, 4), bool), 1), "x": rng.standard_normal((2, 3, 4, 4)).astype(np.float32)}
+    before = _run(model, feeds)
+    ExpandWhereConditionsPass()(model)
+    ops = [n.op_type for n in model.graph]
+    if second_flips:  # c and Not(c) differ: two Expands, both Nots' readers kept
+        assert ops.count("Expand") == 2, ops
+    else:  # Not(c) twice: one Expand, and the second Not, now unread, is gone
+        assert ops == ["Not", "Shape", "Expand", "Where", "Where"], ops
+    np.testing.assert_array_equal(_run(model, feeds), before)

@@ -21,6 +21,53 @@ def _dims(value: ir.Value) -> tuple[object, ...] | None:
     return None if any(d is None for d in dims) else dims
 
 
+#: Ops whose outputs differ between runs: never the same value twice.
+_RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
+                     "Bernoulli", "Dropout"})
+#: How deep ``_structure`` follows producers before it stops calling two values equal.
+_DEPTH = 24
+
+
+def _attr_key(attr: ir.Attr) -> object:
+    if attr.type == ir.AttributeType.TENSOR:
+        tensor = attr.as_tensor()
+        return (tensor.dtype, tuple(tensor.shape), tensor.tobytes())
+    return repr(attr.value)
+
+
+def _structure(value: ir.Value, memo: dict[int, object], depth: int = _DEPTH) -> object:
+    """A key equal for two values exactly when they are computed the same way from the same
+    graph inputs, initializers and constants (one key per value otherwise): each layer of an
+    exported decoder slices its own copy of the causal mask from the same buffer."""
+    if id(value) in memo:
+        return memo[id(value)]
+    node = value.producer()
+    key: object
+    if node is None or depth == 0 or node.op_type in _RANDOM or any(
+        attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()
+    ):
+        key = ("value", id(value))
+    else:
+        attrs = tuple(sorted((name, _attr_key(attr)) for name, attr in node.attributes.items()))
+        inputs = tuple(None if v is None else _structure(v, memo, depth - 1) for v in node.inputs)
+        key = (node.op_type, node.domain, attrs, inputs, list(node.outputs).index(value))
+    memo[id(value)] = key
+    return key
+
+
+def _remove_dead(graph: ir.Graph, value: ir.Value) -> None:
+    """Remove ``value``'s producer and, in turn, its producers, while nothing reads them."""
+    outputs = set(graph.outputs)
+    stack = [value]
+    while stack:
+        node = stack.pop().producer()
+        if node is None or node.graph is not graph or any(o.uses() or o in outputs for o in node.outputs):
+            continue
+        inputs = [v for v in node.inputs if v is not None]
+        graph.remove(node, safe=True)
+        stack += inputs
+
+
 def _is_scalar(dims: tuple[object, ...]) -> bool:
     return all(d == 1 for d in dims)
 
@@ -57,25 +104,28 @@ class ExpandWhereConditionsPass(ir.passes.InPlacePass):
     ``[B, H, T, T]`` takes the per-element broadcast path instead: 0.094 ms a call for the
     GPT benchmark's bfloat16 scores (``benchmarks/results/kernel_names_bf16_fp16.txt``).
     One ``Expand(cond, Shape(scores))`` before the first such ``Where`` serves every
-    ``Where`` with the same condition and output shape (one per layer). Same values.
+    ``Where`` whose condition is computed the same way (``_structure``) and whose output has
+    the same shape; conditions left unread are removed. Same values.
 
-    Example: ``Where(mask[T,T], -inf, s[B,H,T,T])`` in each of 8 layers becomes one
-    ``Expand(mask, Shape(s_0))`` and 8 ``Where(expanded, -inf, s_i)``.
+    Example: ``Where(mask_i[T,T], -inf, s_i[B,H,T,T])`` in each of 8 layers, each ``mask_i``
+    sliced from the same buffer, becomes one ``Expand(mask_0, Shape(s_0))`` and 8
+    ``Where(expanded, -inf, s_i)``: one Expand a step where shapes stay symbolic, none once
+    ``Trainer`` fixes them for CUDA graph capture (ORT folds it into a constant).
     """
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        expanded: dict[tuple[int, tuple[object, ...]], ir.Value] = {}
+        expanded: dict[tuple[object, tuple[object, ...]], ir.Value] = {}
+        memo: dict[int, object] = {}
         b = Builder(graph, role=Role.FORWARD, scope="expand")
         for node in [n for n in graph if n.op_type == "Where" and n.domain in ("", "ai.onnx")]:
             full = _full_input(node)
             if full is None:
                 continue
             cond = node.inputs[0]
-            assert cond is not None
             out_dims = _dims(node.outputs[0])
-            assert out_dims is not None
-            key = (id(cond), out_dims)
+            assert cond is not None and out_dims is not None
+            key = (_structure(cond, memo), out_dims)
             if key not in expanded:
                 value = b.op("Expand", cond, b.op("Shape", full), name=f"{node.name}/condition")
                 value.shape, value.dtype = ir.Shape(node.outputs[0].shape), ir.DataType.BOOL
@@ -85,5 +135,6 @@ class ExpandWhereConditionsPass(ir.passes.InPlacePass):
                 graph.insert_before(node, made)
                 expanded[key] = value
             node.replace_input_with(0, expanded[key])
+            _remove_dead(graph, cond)
         logger.debug("expanded %d Where conditions", len(expanded))
         return ir.passes.PassResult(model, modified=bool(expanded))
