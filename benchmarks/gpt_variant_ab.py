@@ -64,6 +64,8 @@ def main() -> None:
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--small", action="store_true", help="the small GPT (dry runs)")
     p.add_argument("--repeat", action="store_true", help="run the baseline graph twice (run-to-run drift)")
+    p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false",
+                   help="Trainer(cuda_graph=False): shapes stay symbolic, every node runs every step")
     args = p.parse_args()
     policies = args.policies.split(",")
     spec = gpu_step.gpt_spec(args.small)
@@ -77,7 +79,8 @@ def main() -> None:
             if args.repeat:
                 pairs.append((f"{policy} baseline (again)", old[policy]))
             for label, graph in pairs:
-                runs.append(gpu_step.mpgraph_run(label, graph, spec, provider, None))
+                runs.append(gpu_step.mpgraph_run(label, graph, spec, provider, None,
+                                                 cuda_graph=None if args.cuda_graph else False))
     for r in range(args.rounds + 1):
         for run in runs:
             gpu_step.time_round(run, args.steps_per_round)
