@@ -81,7 +81,7 @@ class Run:
     losses: list[float] = field(default_factory=list)
     round_ms: list[float] = field(default_factory=list)
     memory_mib: float | None = None
-    mem_before: float = 0.0
+    mem_created: float = 0.0
     note: str = ""
     error: str = ""
     trainer: Trainer | None = None
@@ -324,7 +324,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         except Exception as e:  # noqa: BLE001 - one broken configuration must not stop the rest
             traceback.print_exc()
             run = Run(label, lambda i: float("nan"), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-        run.mem_before = before
+        # What creating it took (weights, state, sessions); round 0 adds what its steps take.
+        run.mem_created = device_used_mib() - before if cuda else 0.0
         runs.append(run)
 
     if cuda:
@@ -351,12 +352,16 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         for run in runs:
             if run.device == "cpu":
                 torch.set_num_threads(2)
+            measure = r == 0 and cuda and run.memory_mib is None and run.device == "cuda"
+            before = device_used_mib() if measure else 0.0
             time_round(run, args.steps_per_round)
             torch.set_num_threads(threads)
-            if r == 0 and cuda and run.memory_mib is None and run.device == "cuda":
-                # Device memory this configuration added (its weights, state, arenas): ORT
-                # keeps its arenas, torch's cache is emptied before each torch config is made.
-                run.memory_mib = device_used_mib() - run.mem_before
+            if measure:
+                # Device memory this configuration holds: what creating it took plus what its
+                # first steps added (ORT keeps its arenas; torch's cache is emptied after each
+                # torch configuration's first round). Every configuration exists before round
+                # 0, so a difference against the time it was made would count the later ones.
+                run.memory_mib = run.mem_created + device_used_mib() - before
                 if run.label.startswith("torch"):
                     torch.cuda.empty_cache()
         print(f"[{spec.name}] round {r} done", flush=True)
