@@ -19,6 +19,7 @@ import onnx_ir as ir
 from mpgraph.dtypes import is_float
 
 __all__ = [
+    "NONDETERMINISTIC_OPS",
     "NodeTyping",
     "SHAPE_SLOTS",
     "CONTROL_FLOW_OPS",
@@ -26,6 +27,11 @@ __all__ = [
     "opset_version",
     "type_string",
 ]
+
+#: Ops whose outputs differ between runs on the same inputs: random generators, and Dropout
+#: (random in training mode). Never folded to a constant, never taken for an equal value.
+NONDETERMINISTIC_OPS = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike",
+                                  "Multinomial", "Bernoulli", "Dropout"})
 
 #: Input slots that carry shapes, sizes, indices or coordinates. A float tensor feeding one of
 #: them (and everything that computes it) is never lowered.

@@ -8,6 +8,7 @@ import onnx_ir as ir
 
 from mpgraph._ir.builder import Builder
 from mpgraph._ir.meta import Role
+from mpgraph.optypes import NONDETERMINISTIC_OPS
 
 __all__ = ["ExpandWhereConditionsPass"]
 
@@ -21,9 +22,6 @@ def _dims(value: ir.Value) -> tuple[object, ...] | None:
     return None if any(d is None for d in dims) else dims
 
 
-#: Ops whose outputs differ between runs: never the same value twice.
-_RANDOM = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-                     "Bernoulli", "Dropout"})
 #: How deep ``_structure`` follows producers before it stops calling two values equal.
 _DEPTH = 24
 
@@ -35,15 +33,18 @@ def _attr_key(attr: ir.Attr) -> object:
     return repr(attr.value)
 
 
-def _structure(value: ir.Value, memo: dict[int, object], depth: int = _DEPTH) -> object:
+def _structure(value: ir.Value, memo: dict[ir.Value, object], depth: int = _DEPTH) -> object:
     """A key equal for two values exactly when they are computed the same way from the same
     graph inputs, initializers and constants (one key per value otherwise): each layer of an
-    exported decoder slices its own copy of the causal mask from the same buffer."""
-    if id(value) in memo:
-        return memo[id(value)]
+    exported decoder slices its own copy of the causal mask from the same buffer.
+
+    ``memo`` is keyed by the values themselves, not their ids: it keeps them alive, so no
+    value the pass removes can pass its id on to a new one."""
+    if value in memo:
+        return memo[value]
     node = value.producer()
     key: object
-    if node is None or depth == 0 or node.op_type in _RANDOM or any(
+    if node is None or depth == 0 or node.op_type in NONDETERMINISTIC_OPS or any(
         attr.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for attr in node.attributes.values()
     ):
         key = ("value", id(value))
@@ -51,7 +52,7 @@ def _structure(value: ir.Value, memo: dict[int, object], depth: int = _DEPTH) ->
         attrs = tuple(sorted((name, _attr_key(attr)) for name, attr in node.attributes.items()))
         inputs = tuple(None if v is None else _structure(v, memo, depth - 1) for v in node.inputs)
         key = (node.op_type, node.domain, attrs, inputs, list(node.outputs).index(value))
-    memo[id(value)] = key
+    memo[value] = key
     return key
 
 
@@ -116,7 +117,7 @@ class ExpandWhereConditionsPass(ir.passes.InPlacePass):
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         expanded: dict[tuple[object, tuple[object, ...]], ir.Value] = {}
-        memo: dict[int, object] = {}
+        memo: dict[ir.Value, object] = {}
         b = Builder(graph, role=Role.FORWARD, scope="expand")
         for node in [n for n in graph if n.op_type == "Where" and n.domain in ("", "ai.onnx")]:
             full = _full_input(node)

@@ -7,6 +7,7 @@ import logging
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph.optypes import NONDETERMINISTIC_OPS
 from mpgraph.runtime.probe import evaluate_nodes
 from mpgraph.training.select_parameters import parameter_like
 
@@ -14,9 +15,6 @@ __all__ = ["FoldConstantSubgraphsPass"]
 
 logger = logging.getLogger(__name__)
 
-#: Ops never folded: random generators (and Dropout) give a new value every run.
-_NO_FOLD = frozenset({"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial",
-                      "Bernoulli", "Dropout"})
 #: Folded results larger than this (elements) stay computed, so the graph does not grow.
 _FOLD_LIMIT = 1 << 20
 
@@ -91,7 +89,7 @@ def _foldable(graph: ir.Graph, params: set[ir.Value]) -> list[ir.Node]:
         if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
             constant.update(node.outputs)
             folding.append(node)
-        elif (node.domain in ("", "ai.onnx") and node.op_type not in _NO_FOLD and node.inputs
+        elif (node.domain in ("", "ai.onnx") and node.op_type not in NONDETERMINISTIC_OPS and node.inputs
               and all(v is None or v in constant for v in node.inputs)
               and not any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values())):
             constant.update(node.outputs)
