@@ -112,7 +112,7 @@ def provider_options(
 
 
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
-                cuda_graph: bool = False) -> ort.InferenceSession:
+                cuda_graph: bool = False, custom_ops: str | None = None) -> ort.InferenceSession:
     """An ORT session of a step graph on ``provider`` (CUDA falls back to CPU per node only).
 
     Args:
@@ -121,6 +121,7 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         options: The execution provider's options (``provider_options``).
         threads: Intra-op threads (``None``: ORT's default).
         cuda_graph: Turn on CUDA graph capture (CUDA only).
+        custom_ops: A custom-op library to register (``mpgraph.kernels.library``).
 
     Raises:
         MpgraphError: ORT cannot load the graph (the first line of its message).
@@ -132,6 +133,8 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
     session_options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     if threads is not None:
         session_options.intra_op_num_threads = threads
+    if custom_ops is not None:
+        session_options.register_custom_ops_library(custom_ops)
     ep_options = dict(options)
     if cuda_graph and provider == "cuda":
         ep_options["enable_cuda_graph"] = "1"

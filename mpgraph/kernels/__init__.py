@@ -1,0 +1,56 @@
+"""Fused kernels for ONNX Runtime, as a custom-op library mpgraph builds on first use.
+
+ONNX has no op that updates a parameter and its Adam moments in one pass: mpgraph's AdamW is 14
+elementwise ops a tensor, each a kernel that reads and writes parameter-sized memory. This
+package holds the C++/CUDA source of fused replacements (``csrc/``), builds it with the
+machine's compiler (``build``), and rewrites a session's copy of a step graph to use it
+(``fuse``). The results are bit-identical to the ONNX ops they replace; the saved step graph
+keeps its standard ops.
+
+Example:
+    >>> from mpgraph import kernels
+    >>> path = kernels.library("cpu")            # builds once (g++), then cached
+    >>> model = kernels.lower(step_model)         # AdamWUpdate nodes instead of 14 ops a tensor
+    >>> options.register_custom_ops_library(str(path))
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import onnx_ir as ir
+
+from mpgraph.kernels.build import KernelBuildError, build_library
+from mpgraph.kernels.fuse import DOMAIN, fuse_adamw
+
+__all__ = ["DOMAIN", "KernelBuildError", "library", "lower", "unavailable_reason"]
+
+
+@functools.cache
+def library(provider: str) -> Path:
+    """The kernel library for ``provider`` (``cpu`` or ``cuda``), built on first use.
+
+    Raises:
+        KernelBuildError: It cannot be built here.
+    """
+    path = build_library(cuda=provider == "cuda")
+    lib = ctypes.CDLL(str(path))
+    if provider == "cuda" and not lib.MpgraphKernelsHaveCuda():
+        raise KernelBuildError(f"{path} was built without CUDA kernels")
+    return path
+
+
+def unavailable_reason(provider: str) -> str | None:
+    """Why the library cannot be had for ``provider``, or ``None`` when it can."""
+    try:
+        library(provider)
+    except KernelBuildError as e:
+        return str(e)
+    return None
+
+
+def lower(model: ir.Model) -> int:
+    """Rewrite ``model`` in place to use the library's fused ops; how many nodes were fused."""
+    return fuse_adamw(model)

@@ -1,0 +1,108 @@
+"""Build mpgraph's kernel library (``csrc/``) for this machine, once, into a cache.
+
+The CPU kernels need a C++ compiler (``$CXX`` or ``g++``/``c++``); the CUDA kernels need ``nvcc``
+(on ``PATH`` or in ``$CUDA_HOME/bin``). The result is cached under ``$MPGRAPH_CACHE`` (default
+``~/.cache/mpgraph``) by a hash of the sources, the command and the compiler's version, so a
+second session loads it at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from mpgraph.errors import MpgraphError
+
+__all__ = ["KernelBuildError", "build_library", "cache_dir"]
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+#: CUDA architectures compiled into the library: machine code for each, plus PTX of the newest
+#: for GPUs after it. ``$MPGRAPH_CUDA_ARCHS`` overrides (e.g. ``90``).
+DEFAULT_ARCHS = ("80", "90")
+
+
+class KernelBuildError(MpgraphError):
+    """The kernel library cannot be built here (no compiler, or the compiler failed)."""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MPGRAPH_CACHE") or Path.home() / ".cache" / "mpgraph") / "kernels"
+
+
+def _which(*names: str) -> str | None:
+    for name in names:
+        if name and (found := shutil.which(name)):
+            return found
+    return None
+
+
+def _nvcc() -> str | None:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [str(Path(home) / "bin" / "nvcc")] if home else []
+    return _which(*candidates, "nvcc", "/usr/local/cuda/bin/nvcc")
+
+
+def _version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _command(cuda: bool, out: Path) -> list[str]:
+    cc = str(SOURCES / "kernels.cc")
+    if cuda:
+        nvcc = _nvcc()
+        if nvcc is None:
+            raise KernelBuildError("the CUDA kernels need nvcc (not on PATH, nor in $CUDA_HOME/bin)")
+        archs = [a.strip() for a in os.environ.get("MPGRAPH_CUDA_ARCHS", ",".join(DEFAULT_ARCHS)).split(",") if a.strip()]
+        gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+        gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
+        return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode,
+                "-Xcompiler", "-fPIC,-ffp-contract=off,-fvisibility=hidden",
+                cc, str(SOURCES / "adamw.cu"), "-o", str(out)]
+    cxx = _which(os.environ.get("CXX", ""), "g++", "c++", "clang++")
+    if cxx is None:
+        raise KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")
+    # -ffp-contract=off: no fused multiply-adds, so each operation rounds as ORT's ops do.
+    return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fvisibility=hidden", cc, "-o", str(out)]
+
+
+def build_library(cuda: bool) -> Path:
+    """The path of the built library, building it first if the cache lacks it.
+
+    Args:
+        cuda: Include the CUDA kernels (needs ``nvcc``); the CPU kernels are always in.
+
+    Raises:
+        KernelBuildError: No compiler, or it failed (its last lines are in the message).
+    """
+    probe = _command(cuda, Path("OUT"))
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    digest.update(" ".join(probe).encode() + _version(probe[0]).encode())
+    target = cache_dir() / digest.hexdigest()[:16] / f"libmpgraph_kernels{'_cuda' if cuda else ''}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        command = _command(cuda, out)
+        logger.info("building mpgraph kernels: %s", " ".join(command))
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.SubprocessError) as e:
+            raise KernelBuildError(f"building the kernel library failed: {e}") from e
+        if done.returncode != 0:
+            tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+            raise KernelBuildError(f"building the kernel library failed ({Path(command[0]).name} exit {done.returncode}):\n{tail}")
+        os.replace(out, target)  # atomic: a concurrent build of the same key writes the same file
+    return target

@@ -1,0 +1,171 @@
+"""Replace each tensor's AdamW update (14 ONNX ops) with one ``ai.mpgraph.AdamWUpdate`` node.
+
+``mpgraph.optim.adam`` writes one tensor's update as::
+
+    m' = Add(m, Mul(Sub(g, m), c1))
+    v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))
+    p' = Sub(p_decayed, Mul(Div(m', Add(Div(Sqrt(v'), bc2_sqrt), eps)), step_size))
+    p_decayed = Mul(p, decay)   # AdamW; plain Adam reads p itself
+
+where the seven coefficients are scalars. The fused node reads p, g, m, v and the scalars once
+and writes p', m', v' (a missing ``decay`` becomes the constant 1, which changes no bit). The
+match is exact: every intermediate must have its one reader inside the chain, so nothing else
+in the graph loses a value. AMSGrad (``Max`` before the ``Sqrt``) and any other variant do not
+match and keep their ONNX ops.
+
+This is a lowering for sessions that load mpgraph's kernel library (``mpgraph.kernels``); the
+step graph a user saves keeps its standard ONNX ops.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = ["DOMAIN", "fuse_adamw"]
+
+#: The custom-op domain of mpgraph's kernel library.
+DOMAIN = "ai.mpgraph"
+
+
+def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:
+    return len(value.uses()) == 1 and value not in graph_outputs
+
+
+def _is_scalar(value: ir.Value | None) -> bool:
+    if value is None or value.dtype != ir.DataType.FLOAT or value.shape is None:
+        return False
+    return all(isinstance(d, int) and d == 1 for d in value.shape)
+
+
+def _same_shape(*values: ir.Value) -> bool:
+    """Float32 values of one static shape, as far as shape inference knows: the first must be
+    static, and the others agree with it wherever a dim is known (a gradient's dims are often
+    symbolic). The kernel checks the sizes again at run time, so a wrong guess fails loudly."""
+    if any(v.dtype != ir.DataType.FLOAT or v.shape is None for v in values):
+        return False
+    first = list(values[0].shape)  # type: ignore[arg-type]
+    if not all(isinstance(d, int) for d in first):
+        return False
+    return all(
+        len(v.shape) == len(first) and all(not isinstance(d, int) or d == f for d, f in zip(v.shape, first))  # type: ignore[arg-type]
+        for v in values[1:]
+    )
+
+
+def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[ir.Node], ir.Value, ir.Value] | None:
+    """The fused node's inputs, the nodes it replaces, and m', v' (``None``: no match)."""
+    p_decayed, update = sub.inputs
+    chain: list[ir.Node] = [sub]
+    mul_step = _producer(update, "Mul")
+    if mul_step is None or not _only_reader(update, outputs):
+        return None
+    quotient, step_size = mul_step.inputs
+    div = _producer(quotient, "Div")
+    if div is None or not _only_reader(quotient, outputs):
+        return None
+    m_new, denom = div.inputs
+    add_eps = _producer(denom, "Add")
+    if add_eps is None or not _only_reader(denom, outputs):
+        return None
+    scaled, eps = add_eps.inputs
+    div_bc = _producer(scaled, "Div")
+    if div_bc is None or not _only_reader(scaled, outputs):
+        return None
+    root, bc2_sqrt = div_bc.inputs
+    sqrt = _producer(root, "Sqrt")
+    if sqrt is None or not _only_reader(root, outputs):
+        return None
+    v_new = sqrt.inputs[0]
+    chain += [mul_step, div, add_eps, div_bc, sqrt]
+    # v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))
+    add_v = _producer(v_new, "Add")
+    if add_v is None:
+        return None
+    decayed_v, fresh_v = add_v.inputs
+    mul_b2, mul_c2 = _producer(decayed_v, "Mul"), _producer(fresh_v, "Mul")
+    if mul_b2 is None or mul_c2 is None or not (_only_reader(decayed_v, outputs) and _only_reader(fresh_v, outputs)):
+        return None
+    v, b2 = mul_b2.inputs
+    squared, c2 = mul_c2.inputs
+    square = _producer(squared, "Mul")
+    if square is None or not _only_reader(squared, outputs) or square.inputs[0] is not square.inputs[1]:
+        return None
+    g = square.inputs[0]
+    chain += [add_v, mul_b2, mul_c2, square]
+    # m' = Add(m, Mul(Sub(g, m), c1))
+    add_m = _producer(m_new, "Add")
+    if add_m is None:
+        return None
+    m, step_m = add_m.inputs
+    mul_c1 = _producer(step_m, "Mul")
+    if mul_c1 is None or not _only_reader(step_m, outputs):
+        return None
+    diff, c1 = mul_c1.inputs
+    sub_m = _producer(diff, "Sub")
+    if sub_m is None or not _only_reader(diff, outputs) or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
+        return None
+    chain += [add_m, mul_c1, sub_m]
+    # p_decayed = Mul(p, decay), or p itself
+    decay: ir.Value | None = None
+    p = p_decayed
+    mul_decay = _producer(p_decayed, "Mul")
+    if mul_decay is not None and _only_reader(p_decayed, outputs) and _is_scalar(mul_decay.inputs[1]) \
+            and _same_shape(mul_decay.inputs[0], p_decayed):
+        p, decay = mul_decay.inputs
+        chain.append(mul_decay)
+    # m' and v' are read by the chain (Div, Sqrt) and otherwise only as graph outputs (state).
+    if any(use.node is not div for use in m_new.uses()) or any(use.node is not sqrt for use in v_new.uses()):
+        return None
+    scalars = [c1, b2, c2, bc2_sqrt, eps, step_size]
+    if not all(_is_scalar(s) for s in scalars) or not _same_shape(p, g, m, v, m_new, v_new):
+        return None
+    assert p is not None and g is not None and m is not None and v is not None
+    inputs = [p, g, m, v, *scalars, decay]
+    return inputs, chain, m_new, v_new  # type: ignore[return-value]
+
+
+def fuse_adamw(model: ir.Model) -> int:
+    """Fuse every matching AdamW/Adam tensor update in ``model``'s main graph, in place.
+
+    Returns:
+        How many updates became ``AdamWUpdate`` nodes.
+    """
+    graph = model.graph
+    outputs = set(graph.outputs)
+    one: ir.Value | None = None
+    fused = 0
+    for sub in [n for n in graph if n.op_type == "Sub" and n.domain in ("", "ai.onnx")]:
+        if sub.graph is None:  # removed as part of an earlier match
+            continue
+        found = _match(sub, outputs)
+        if found is None:
+            continue
+        inputs, chain, m_new, v_new = found
+        if inputs[-1] is None:
+            if one is None:
+                one = ir.Value(name="ai.mpgraph/one", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
+                               const_value=ir.tensor(np.array(1.0, np.float32)))
+                graph.register_initializer(one)
+            inputs[-1] = one
+        p_new = sub.outputs[0]
+        node = ir.Node(DOMAIN, "AdamWUpdate", inputs, num_outputs=3, name=f"{sub.name}/AdamWUpdate",
+                       metadata_props=dict(sub.metadata_props))
+        for new, old in zip(node.outputs, (p_new, m_new, v_new), strict=True):
+            new.shape, new.type = old.shape, old.type
+        graph.insert_before(sub, node)
+        for new, old in zip(node.outputs, (p_new, m_new, v_new), strict=True):
+            old.replace_all_uses_with(new, replace_graph_outputs=True)
+            name = old.name
+            old.name = None
+            new.name = name
+        graph.remove(chain, safe=True)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused

@@ -1,0 +1,181 @@
+"""mpgraph's fused kernels (``mpgraph.kernels``): the C ABI slots, the AdamW fusion, and
+bit-identical training with and without it on ORT's CPU provider (the CUDA kernel is checked
+on the GPU machine: benchmarks/results/kernels_cuda.txt)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from mpgraph import kernels
+from mpgraph.convert import convert
+from mpgraph.runtime.trainer import Trainer
+from mpgraph.training import build_training_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "models/onnx/gpt.loss.onnx"
+MLP = ROOT / "models/onnx/tiny_mlp.loss.onnx"
+ABI = ROOT / "mpgraph/kernels/csrc/ort_abi.h"
+
+
+def _slots() -> dict[str, int]:
+    return {name: int(index) for name, index in re.findall(r"\bk(\w+) = (\d+),", ABI.read_text())}
+
+
+def test_abi_slots_are_the_functions_they_name():
+    """Call the slots the kernels use through the installed ORT's own table (ctypes), each
+    with an effect only the named function has: a wrong index fails here, not in a session."""
+    lib = ctypes.CDLL(str(next((Path(ort.__file__).parent / "capi").glob("libonnxruntime.so*"))))
+    lib.OrtGetApiBase.restype = ctypes.POINTER(ctypes.c_void_p * 2)
+    get_api = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(lib.OrtGetApiBase().contents[0])
+    table = ctypes.cast(get_api(17), ctypes.POINTER(ctypes.c_void_p * 200)).contents
+    slots = _slots()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+
+    def fn(name, restype, *args):
+        return ctypes.CFUNCTYPE(restype, *args)(table[slots[name]])
+
+    status = fn("CreateStatus", vp, ctypes.c_int, ctypes.c_char_p)(2, b"slot check")
+    assert fn("GetErrorMessage", ctypes.c_char_p, vp)(status) == b"slot check"
+    assert fn("GetErrorCode", ctypes.c_int, vp)(status) == 2
+    fn("ReleaseStatus", None, vp)(status)
+
+    # A CPU tensor over our own buffer (slots 69 CreateCpuMemoryInfo, 49 CreateTensorWithData).
+    info = vp()
+    assert ctypes.CFUNCTYPE(vp, ctypes.c_int, ctypes.c_int, ctypes.POINTER(vp))(table[69])(1, 0, ctypes.byref(info)) is None
+    data = np.arange(6, dtype=np.float32)
+    shape = (ctypes.c_int64 * 2)(2, 3)
+    value = vp()
+    create = ctypes.CFUNCTYPE(vp, vp, vp, sz, ctypes.POINTER(ctypes.c_int64), sz, ctypes.c_int, ctypes.POINTER(vp))(table[49])
+    assert create(info, data.ctypes.data, data.nbytes, shape, 2, 1, ctypes.byref(value)) is None
+
+    has = ctypes.c_int()
+    assert fn("HasValue", vp, vp, ctypes.POINTER(ctypes.c_int))(value, ctypes.byref(has)) is None and has.value == 1
+    ptr = vp()
+    assert fn("GetTensorMutableData", vp, vp, ctypes.POINTER(vp))(value, ctypes.byref(ptr)) is None
+    assert ptr.value == data.ctypes.data
+    tinfo = vp()
+    assert fn("GetTensorTypeAndShape", vp, vp, ctypes.POINTER(vp))(value, ctypes.byref(tinfo)) is None
+    rank, count, etype = sz(), sz(), ctypes.c_int()
+    assert fn("GetDimensionsCount", vp, vp, ctypes.POINTER(sz))(tinfo, ctypes.byref(rank)) is None and rank.value == 2
+    dims = (ctypes.c_int64 * 2)()
+    assert fn("GetDimensions", vp, vp, ctypes.POINTER(ctypes.c_int64), sz)(tinfo, dims, 2) is None and list(dims) == [2, 3]
+    assert fn("GetTensorShapeElementCount", vp, vp, ctypes.POINTER(sz))(tinfo, ctypes.byref(count)) is None and count.value == 6
+    assert fn("GetTensorElementType", vp, vp, ctypes.POINTER(ctypes.c_int))(tinfo, ctypes.byref(etype)) is None and etype.value == 1
+    fn("ReleaseTensorTypeAndShapeInfo", None, vp)(tinfo)
+    ctypes.CFUNCTYPE(None, vp)(table[96])(value)  # ReleaseValue
+    ctypes.CFUNCTYPE(None, vp)(table[94])(info)  # ReleaseMemoryInfo
+
+
+def _count(model: ir.Model, op_type: str) -> int:
+    return sum(1 for n in model.graph if n.op_type == op_type)
+
+
+@pytest.mark.parametrize("options, expected", [
+    ({}, 1),                               # the zoo GPT's tensors are all small: one packed slot
+    ({"pack": False}, None),               # one slot per parameter tensor
+    ({"flat": True}, 1),
+])
+def test_every_adamw_slot_is_fused(options, expected):
+    step = build_training_graph(GPT, optimizer="adamw", optimizer_options=options)
+    # One slot per first-moment state input (optim/<slot>/m).
+    slots = sum(1 for v in step.graph.inputs if re.fullmatch(r"optim/.+/m", v.name or ""))
+    assert slots == expected if expected else slots > 20
+    before, sqrt = sum(1 for _ in step.graph), _count(step, "Sqrt")
+    assert kernels.lower(step) == slots
+    assert _count(step, "AdamWUpdate") == slots and _count(step, "Sqrt") == sqrt - slots
+    # 14 ops a slot became one node (13 fewer); no other node went.
+    assert sum(1 for _ in step.graph) == before - 13 * slots
+    assert step.opset_imports[kernels.DOMAIN] == 1
+
+
+def test_amsgrad_and_sgd_keep_their_ops():
+    for optimizer, options in (("adam", {"amsgrad": True}), ("sgd", {"momentum": 0.9})):
+        step = build_training_graph(MLP, optimizer=optimizer, optimizer_options=options)
+        assert kernels.lower(step) == 0
+
+
+def _train(step: ir.Model, fused: bool, steps: int = 6) -> tuple[list[float], dict[str, np.ndarray], int]:
+    trainer = Trainer(step, "cpu", threads=1, kernels=fused)
+    rng = np.random.default_rng(0)
+    losses = []
+    for _ in range(steps):
+        batch = {}
+        for spec in trainer.data_inputs:
+            shape = [d if isinstance(d, int) else 16 for d in spec.shape]
+            if spec.dtype.kind == "i":
+                batch[spec.name] = rng.integers(0, 2, shape).astype(spec.dtype)
+            else:
+                batch[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+        losses.append(float(trainer.step(batch, lr=3e-3).loss))
+    return losses, trainer.state, trainer.kernels_fused
+
+
+@pytest.mark.parametrize("optimizer, options", [
+    ("adamw", {}),
+    ("adamw", {"pack": False, "weight_decay": 0.1}),
+    ("adam", {"weight_decay": 0.01}),      # L2: the gradient gains p * wd before the update
+    ("adamw", {"flat": True}),
+])
+def test_fused_training_is_bit_identical(optimizer, options):
+    step = build_training_graph(MLP, optimizer=optimizer, optimizer_options=options)
+    plain, fused = _train(step, False), _train(step, True)
+    assert plain[2] == 0 and fused[2] >= 1
+    assert plain[0] == fused[0]
+    for name, value in plain[1].items():
+        assert np.array_equal(value, fused[1][name]), name
+
+
+def test_fused_training_with_dynamic_loss_scaling_is_bit_identical():
+    """fp16 with dynamic loss scaling gates the coefficients on overflow: the fused node reads
+    the gated scalars, so a skipped step still leaves p, m and v unchanged."""
+    step = build_training_graph(MLP, optimizer="adamw")
+    low = convert(step, "fp16", emulate=True, calibrate=None)
+    plain, fused = _train(low, False), _train(low, True)
+    assert fused[2] == 1
+    assert plain[0] == fused[0]
+    for name, value in plain[1].items():
+        assert np.array_equal(value, fused[1][name], equal_nan=True), name
+
+
+def test_kernels_off_by_default_on_cpu_and_say_why():
+    trainer = Trainer(build_training_graph(MLP, optimizer="adamw"), "cpu")
+    assert trainer.kernels_fused == 0 and "off by default on CPU" in trainer.kernels_reason
+
+
+def test_a_size_mismatch_fails_loudly():
+    """The fusion trusts shape inference where a gradient's dims are symbolic; the kernel
+    checks the sizes again and refuses, instead of reading past a buffer."""
+    step = build_training_graph(MLP, optimizer="adamw", optimizer_options={"pack": False})
+    kernels.lower(step)
+    node = next(n for n in step.graph if n.op_type == "AdamWUpdate")
+    size = int(np.prod(list(node.inputs[0].shape)))
+    wrong = next(v for v in step.graph.inputs if v.dtype == ir.DataType.FLOAT and v.shape is not None and len(v.shape)
+                 and all(isinstance(d, int) for d in v.shape) and int(np.prod(list(v.shape))) != size)
+    node.replace_input_with(1, wrong)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    feeds = {}
+    for i in session.get_inputs():
+        shape = [d if isinstance(d, int) else 4 for d in i.shape]
+        feeds[i.name] = np.ones(shape, np.int64 if "int" in i.type else np.float32)
+    with pytest.raises(Exception, match="p, g, m and v differ in size"):
+        session.run(None, feeds)
+
+
+def test_the_cuda_build_compiles_and_carries_the_cpu_kernels_too():
+    """nvcc builds the CUDA library here (no GPU needed); its CPU op is the same code."""
+    path = kernels.library("cuda")
+    assert ctypes.CDLL(str(path)).MpgraphKernelsHaveCuda() == 1
+    step = build_training_graph(MLP, optimizer="adamw")
+    kernels.lower(step)
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(path))
+    ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
