@@ -10,6 +10,10 @@ each, and the kernel breakdown of each.
     git worktree add /tmp/base <commit>        # or: git archive <commit> mpgraph ... | tar -x
     python3 benchmarks/gpt_variant_ab.py --baseline-tree /tmp/base [--policies bf16,tf32] [--repeat]
 
+``--kernels-ab`` instead times one graph of this tree with ``Trainer(kernels=False)`` (the
+baseline) against ``kernels=True`` (mpgraph's fused kernels, ``mpgraph.kernels``), and checks
+nothing else differs: no baseline tree is needed.
+
 ``--repeat`` runs the baseline graph a second time: how far two runs of one graph drift
 apart on this provider (ORT CUDA's atomic adds, e.g. the embedding gradient's ScatterND
 reduction, make the losses of two runs differ).
@@ -58,7 +62,8 @@ def baseline_graphs(tree: str, policies: list[str], small: bool, out: str) -> di
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--baseline-tree", required=True, help="a checkout of the baseline commit")
+    p.add_argument("--baseline-tree", help="a checkout of the baseline commit")
+    p.add_argument("--kernels-ab", action="store_true", help="this tree's graph with kernels off (baseline) and on")
     p.add_argument("--policies", default="bf16,tf32")
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--steps-per-round", type=int, default=10)
@@ -70,17 +75,25 @@ def main() -> None:
     policies = args.policies.split(",")
     spec = gpu_step.gpt_spec(args.small)
     provider = "cuda" if gpu_step.torch.cuda.is_available() else "cpu"
+    if not args.kernels_ab and not args.baseline_tree:
+        p.error("give --baseline-tree or --kernels-ab")
     new = gpu_step.step_graphs(spec, False, policies, target="cuda")
     runs = []
+    graph_flag = None if args.cuda_graph else False
     with tempfile.TemporaryDirectory() as tmp:
-        old = baseline_graphs(args.baseline_tree, policies, args.small, tmp)
+        old = new if args.kernels_ab else baseline_graphs(args.baseline_tree, policies, args.small, tmp)
         for policy in policies:
-            pairs = [(f"{policy} baseline", old[policy]), (f"{policy} this tree", new[policy])]
+            if args.kernels_ab:
+                pairs = [(f"{policy} kernels off", old[policy], False), (f"{policy} kernels on", new[policy], True)]
+            else:
+                pairs = [(f"{policy} baseline", old[policy], None), (f"{policy} this tree", new[policy], None)]
             if args.repeat:
-                pairs.append((f"{policy} baseline (again)", old[policy]))
-            for label, graph in pairs:
-                runs.append(gpu_step.mpgraph_run(label, graph, spec, provider, None,
-                                                 cuda_graph=None if args.cuda_graph else False))
+                pairs.append((f"{pairs[0][0]} (again)", old[policy], pairs[0][2]))
+            for label, graph, fused in pairs:
+                kw = {} if fused is None else {"kernels": fused}
+                runs.append(gpu_step.mpgraph_run(label, graph, spec, provider, None, cuda_graph=graph_flag, **kw))
+                if fused:
+                    print(f"{label}: {runs[-1].trainer.kernels_fused} nodes fused", flush=True)
     for r in range(args.rounds + 1):
         for run in runs:
             gpu_step.time_round(run, args.steps_per_round)
