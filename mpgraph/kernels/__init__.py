@@ -23,7 +23,7 @@ from pathlib import Path
 import onnx_ir as ir
 
 from mpgraph.kernels.build import KernelBuildError, build_library
-from mpgraph.kernels.fuse import DOMAIN, fuse_adamw
+from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
 
 __all__ = ["DOMAIN", "KernelBuildError", "library", "lower", "unavailable_reason"]
 
@@ -53,4 +53,4 @@ def unavailable_reason(provider: str) -> str | None:
 
 def lower(model: ir.Model) -> int:
     """Rewrite ``model`` in place to use the library's fused ops; how many nodes were fused."""
-    return fuse_adamw(model)
+    return fuse_adamw(model) + fuse_layernorm_grad(model)

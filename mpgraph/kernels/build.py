@@ -67,7 +67,7 @@ def _command(cuda: bool, out: Path) -> list[str]:
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
         return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode,
                 "-Xcompiler", "-fPIC,-ffp-contract=off,-fvisibility=hidden",
-                cc, str(SOURCES / "adamw.cu"), "-o", str(out)]
+                cc, *(str(p) for p in sorted(SOURCES.glob("*.cu"))), "-o", str(out)]
     cxx = _which(os.environ.get("CXX", ""), "g++", "c++", "clang++")
     if cxx is None:
         raise KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")

@@ -1,4 +1,8 @@
-"""Replace each tensor's AdamW update (14 ONNX ops) with one ``ai.mpgraph.AdamWUpdate`` node.
+"""Lower a step graph onto mpgraph's fused kernels (``ai.mpgraph`` ops).
+
+``fuse_adamw``: each tensor's AdamW update (14 ONNX ops) becomes one ``AdamWUpdate`` node.
+``fuse_layernorm_grad``: each float32 LayerNormalization backward (11 nodes) becomes one
+``LayerNormGrad`` node.
 
 ``mpgraph.optim.adam`` writes one tensor's update as::
 
@@ -22,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-__all__ = ["DOMAIN", "fuse_adamw"]
+__all__ = ["DOMAIN", "fuse_adamw", "fuse_layernorm_grad"]
 
 #: The custom-op domain of mpgraph's kernel library.
 DOMAIN = "ai.mpgraph"
@@ -164,6 +168,147 @@ def fuse_adamw(model: ir.Model) -> int:
             name = old.name
             old.name = None
             new.name = name
+        graph.remove(chain, safe=True)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
+
+
+def _consts(value: ir.Value | None) -> list[int] | None:
+    if value is None or value.const_value is None:
+        producer = value.producer() if value is not None else None
+        if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+            return None
+        array = producer.attributes["value"].as_tensor().numpy()
+    else:
+        array = value.const_value.numpy()
+    return [int(a) for a in np.asarray(array).reshape(-1)]
+
+
+def _uses(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
+    """The nodes reading ``value`` (``None`` when it is also a graph output)."""
+    return None if value in outputs else [use.node for use in value.uses()]
+
+
+def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], outputs: set[ir.Value]) -> tuple | None:
+    """For ``xhat = LayerNormalization(x, ones)`` (the rule's recompute), the nodes of
+    ``mpgraph.autodiff.rules.norm.layer_norm``'s dx and dscale, and the fused node's inputs."""
+    if len(xh_node.inputs) != 2 or len(xh_node.outputs) != 1:
+        return None
+    x, ones = xh_node.inputs
+    xhat = xh_node.outputs[0]
+    if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) < 2:
+        return None
+    rank = len(x.shape)
+    if xh_node.attributes.get("axis") is None or xh_node.attributes["axis"].as_int() % rank != rank - 1:
+        return None
+    fwd = forward.get(x)
+    if fwd is None or len(fwd.outputs) < 3 or fwd.attributes.get("axis", None) is None \
+            or fwd.attributes["axis"].as_int() % rank != rank - 1:
+        return None
+    mean, inv_std = fwd.outputs[1], fwd.outputs[2]
+    if mean.dtype != ir.DataType.FLOAT or inv_std.dtype != ir.DataType.FLOAT:
+        return None
+    readers = _uses(xhat, outputs)
+    if readers is None or len(readers) != 3 or any(n.op_type != "Mul" for n in readers):
+        return None
+    # Mul_1 = Mul(dxhat, xhat), Mul_2 = Mul(xhat, m2), Mul_4 = Mul(dy, xhat)
+    mul2 = [n for n in readers if n.inputs[0] is xhat]
+    others = [n for n in readers if n.inputs[1] is xhat]
+    if len(mul2) != 1 or len(others) != 2:
+        return None
+    mul2 = mul2[0]
+    dxhat_mul = next((n for n in others if _producer(n.inputs[0], "Mul") is not None
+                      and n.inputs[0].producer().inputs[1] is fwd.inputs[1]), None)  # type: ignore[union-attr]
+    if dxhat_mul is None:
+        return None
+    mul4 = next(n for n in others if n is not dxhat_mul)
+    dxhat = dxhat_mul.inputs[0]
+    scale_mul = dxhat.producer()
+    assert scale_mul is not None
+    dy, scale = scale_mul.inputs
+    if mul4.inputs[0] is not dy or dy is None or dy.dtype != ir.DataType.FLOAT:
+        return None
+    # m1 = ReduceMean(dxhat, [-1]); Sub(dxhat, m1); m2 = ReduceMean(Mul_1, [-1])
+    dxhat_readers = _uses(dxhat, outputs)
+    if dxhat_readers is None or len(dxhat_readers) != 3:
+        return None
+    rmean1 = next((n for n in dxhat_readers if n.op_type == "ReduceMean"), None)
+    sub0 = next((n for n in dxhat_readers if n.op_type == "Sub" and n.inputs[0] is dxhat), None)
+    if rmean1 is None or sub0 is None or sub0.inputs[1] is not rmean1.outputs[0]:
+        return None
+    t = dxhat_mul.outputs[0]
+    t_readers = _uses(t, outputs)
+    if t_readers is None or len(t_readers) != 1 or t_readers[0].op_type != "ReduceMean":
+        return None
+    rmean2 = t_readers[0]
+    last = [rank - 1]
+    for reduce in (rmean1, rmean2):
+        axes = _consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
+        keep = reduce.attributes.get("keepdims")
+        if axes is None or [a % rank for a in axes] != last or (keep is not None and keep.as_int() != 1):
+            return None
+        if _uses(reduce.outputs[0], outputs) is None or len(reduce.outputs[0].uses()) != 1:
+            return None
+    if mul2.inputs[1] is not rmean2.outputs[0]:
+        return None
+    # Sub_1 = Sub(Sub, Mul_2); dx = Mul(inv_std, Sub_1)
+    sub1 = [u.node for u in sub0.outputs[0].uses()]
+    if len(sub1) != 1 or sub1[0].op_type != "Sub" or sub1[0].inputs[1] is not mul2.outputs[0] or sub0.outputs[0] in outputs:
+        return None
+    sub1 = sub1[0]
+    if len(mul2.outputs[0].uses()) != 1 or mul2.outputs[0] in outputs:
+        return None
+    dx_mul = [u.node for u in sub1.outputs[0].uses()]
+    if len(dx_mul) != 1 or dx_mul[0].op_type != "Mul" or dx_mul[0].inputs[0] is not inv_std or sub1.outputs[0] in outputs:
+        return None
+    dx_mul = dx_mul[0]
+    # dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0), shaped like scale
+    m4_readers = _uses(mul4.outputs[0], outputs)
+    if m4_readers is None or len(m4_readers) != 1 or m4_readers[0].op_type != "ReduceSum":
+        return None
+    rsum = m4_readers[0]
+    axes = _consts(rsum.inputs[1]) if len(rsum.inputs) > 1 else None
+    keep = rsum.attributes.get("keepdims")
+    if axes is None or sorted(a % rank for a in axes) != list(range(rank - 1)) or keep is None or keep.as_int() != 0:
+        return None
+    if scale is None or scale.shape is None or len(scale.shape) != 1 or scale.dtype != ir.DataType.FLOAT:
+        return None
+    if scale_mul.outputs[0] in outputs:
+        return None
+    chain = [xh_node, scale_mul, rmean1, dxhat_mul, rmean2, sub0, mul2, sub1, dx_mul, mul4, rsum]
+    return [dy, x, scale, mean, inv_std], chain, dx_mul.outputs[0], rsum.outputs[0]
+
+
+def fuse_layernorm_grad(model: ir.Model) -> int:
+    """Fuse every matching float32 LayerNormalization backward (over the last axis) in
+    ``model``'s main graph, in place; how many became ``LayerNormGrad`` nodes."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    forward: dict[ir.Value, ir.Node] = {}
+    for node in graph:
+        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") and len(node.outputs) >= 3 \
+                and node.inputs[0] is not None:
+            forward.setdefault(node.inputs[0], node)
+    fused = 0
+    for node in [n for n in graph if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]:
+        if node.graph is None or forward.get(node.inputs[0]) is node:
+            continue
+        found = _match_layernorm_grad(node, forward, outputs)
+        if found is None:
+            continue
+        inputs, chain, dx, dscale = found
+        new = ir.Node(DOMAIN, "LayerNormGrad", inputs, num_outputs=2, name=f"{node.name}/LayerNormGrad",
+                      metadata_props=dict(node.metadata_props))
+        for made, old in zip(new.outputs, (dx, dscale), strict=True):
+            made.shape, made.type = old.shape, old.type
+        graph.insert_before(chain[-1], new)
+        for made, old in zip(new.outputs, (dx, dscale), strict=True):
+            old.replace_all_uses_with(made, replace_graph_outputs=True)
+            name = old.name
+            old.name = None
+            made.name = name
         graph.remove(chain, safe=True)
         fused += 1
     if fused:

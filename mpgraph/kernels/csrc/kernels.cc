@@ -71,6 +71,9 @@ OrtStatus* output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t
 }  // namespace
 
 #ifdef MPG_WITH_CUDA
+extern "C" int mpg_layernorm_grad_cuda(const float* dy, const float* x, const float* scale, const float* mean,
+                                       const float* inv_std, float* dx, float* dscale, size_t rows, size_t cols,
+                                       void* stream);
 extern "C" int mpg_adamw_cuda(const float* p, const float* g, const float* m, const float* v, const float* const* scalars,
                               float* p_out, float* m_out, float* v_out, size_t n, void* stream);
 #endif
@@ -133,21 +136,82 @@ OrtStatus* adamw_compute(void* kernel, OrtKernelContext* ctx) {
 #endif
 }
 
-// -- the op's callbacks ----------------------------------------------------------------------
+void layernorm_grad_cpu(const float* dy, const float* x, const float* scale, const float* mean, const float* inv_std,
+                        float* dx, float* dscale, size_t rows, size_t cols) {
+  for (size_t j = 0; j < cols; ++j) dscale[j] = 0.0f;
+  for (size_t r = 0; r < rows; ++r) {
+    const float* dyr = dy + r * cols;
+    const float* xr = x + r * cols;
+    const float mu = mean[r], rs = inv_std[r];
+    float s1 = 0.0f, s2 = 0.0f;
+    for (size_t j = 0; j < cols; ++j) {
+      const float xhat = (xr[j] - mu) * rs;
+      const float dxhat = dyr[j] * scale[j];
+      s1 += dxhat;
+      s2 += dxhat * xhat;
+      dscale[j] += dyr[j] * xhat;
+    }
+    const float m1 = s1 / static_cast<float>(cols), m2 = s2 / static_cast<float>(cols);
+    float* dxr = dx + r * cols;
+    for (size_t j = 0; j < cols; ++j) {
+      const float xhat = (xr[j] - mu) * rs;
+      const float dxhat = dyr[j] * scale[j];
+      dxr[j] = rs * ((dxhat - m1) - xhat * m2);
+    }
+  }
+}
+
+OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<AdamKernel*>(kernel)->cuda;
+  Tensor t[5];
+  for (size_t i = 0; i < 5; ++i) {
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+    if (t[i].type != MPG_FLOAT) return status("LayerNormGrad: input " + std::to_string(i) + " is not float32");
+  }
+  const Tensor &dy = t[0], &x = t[1], &scale = t[2], &mean = t[3], &inv_std = t[4];
+  if (x.dims.empty()) return status("LayerNormGrad: x is a scalar");
+  const size_t cols = static_cast<size_t>(x.dims.back());
+  const size_t rows = cols ? x.count / cols : 0;
+  if (dy.count != x.count || scale.count != cols || mean.count != rows || inv_std.count != rows)
+    return status("LayerNormGrad: dy, x, scale, mean and inv_std disagree in size");
+  Tensor dx, dscale;
+  if (OrtStatus* st = output(ctx, 0, x.dims, &dx)) return st;
+  if (OrtStatus* st = output(ctx, 1, std::vector<int64_t>{static_cast<int64_t>(cols)}, &dscale)) return st;
+  if (x.count == 0) return nullptr;
+  if (!cuda) {
+    layernorm_grad_cpu(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, rows, cols);
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
+  if (int err = mpg_layernorm_grad_cuda(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, rows, cols, stream))
+    return status("LayerNormGrad: CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status("LayerNormGrad: this library was built without CUDA");
+#endif
+}
+
+// -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
 const char* kCuda = "CUDAExecutionProvider";
 
+enum Kind { kAdamW = 0, kLayerNormGrad = 1 };
+
 struct Op {
   MpgCustomOp base;
   bool cuda;
+  Kind kind;
 };
 
-const char* adam_name(const MpgCustomOp*) { return "AdamWUpdate"; }
-const char* adam_provider(const MpgCustomOp* op) { return reinterpret_cast<const Op*>(op)->cuda ? kCuda : kCpu; }
+const Op* as_op(const MpgCustomOp* op) { return reinterpret_cast<const Op*>(op); }
+const char* op_name(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? "AdamWUpdate" : "LayerNormGrad"; }
+const char* op_provider(const MpgCustomOp* op) { return as_op(op)->cuda ? kCuda : kCpu; }
 int float_type(const MpgCustomOp*, size_t) { return MPG_FLOAT; }
-size_t adam_inputs(const MpgCustomOp*) { return kAdamInputs; }
-size_t adam_outputs(const MpgCustomOp*) { return kAdamOutputs; }
+size_t op_inputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamInputs : 5; }
+size_t op_outputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamOutputs : 2; }
 void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) { return nullptr; }
 void compute_v1(void*, OrtKernelContext*) {}
 void destroy(void* kernel) { delete static_cast<AdamKernel*>(kernel); }
@@ -156,23 +220,23 @@ int default_memory(const MpgCustomOp*, size_t) { return 0; }
 int one(const MpgCustomOp*) { return 1; }
 int zero(const MpgCustomOp*) { return 0; }
 OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** kernel) {
-  *kernel = new AdamKernel{reinterpret_cast<const Op*>(op)->cuda};
+  *kernel = new AdamKernel{as_op(op)->cuda};
   return nullptr;
 }
 int start_version(const MpgCustomOp*) { return 1; }
 int end_version(const MpgCustomOp*) { return 2147483647; }
 
-Op make_adam(bool cuda) {
+Op make_op(Kind kind, bool cuda) {
   Op op;
   std::memset(&op, 0, sizeof(op));
   op.base.version = MPG_ORT_API_VERSION;
   op.base.CreateKernel = create_kernel_v1;
-  op.base.GetName = adam_name;
-  op.base.GetExecutionProviderType = adam_provider;
+  op.base.GetName = op_name;
+  op.base.GetExecutionProviderType = op_provider;
   op.base.GetInputType = float_type;
-  op.base.GetInputTypeCount = adam_inputs;
+  op.base.GetInputTypeCount = op_inputs;
   op.base.GetOutputType = float_type;
-  op.base.GetOutputTypeCount = adam_outputs;
+  op.base.GetOutputTypeCount = op_outputs;
   op.base.KernelCompute = compute_v1;
   op.base.KernelDestroy = destroy;
   op.base.GetInputCharacteristic = required;
@@ -183,18 +247,21 @@ Op make_adam(bool cuda) {
   op.base.GetVariadicOutputMinArity = one;
   op.base.GetVariadicOutputHomogeneity = zero;
   op.base.CreateKernelV2 = create_kernel;
-  op.base.KernelComputeV2 = adamw_compute;
+  op.base.KernelComputeV2 = kind == kAdamW ? adamw_compute : layernorm_grad_compute;
   op.base.InferOutputShapeFn = nullptr;
   op.base.GetStartVersion = start_version;
   op.base.GetEndVersion = end_version;
   op.cuda = cuda;
+  op.kind = kind;
   return op;
 }
 
-Op g_adam_cpu = make_adam(false);
+Op g_ops[] = {
+    make_op(kAdamW, false), make_op(kLayerNormGrad, false),
 #ifdef MPG_WITH_CUDA
-Op g_adam_cuda = make_adam(true);
+    make_op(kAdamW, true), make_op(kLayerNormGrad, true),
 #endif
+};
 
 }  // namespace
 
@@ -216,10 +283,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(api, kCreateCustomOpDomain)("ai.mpgraph", &domain)) return st;
   auto add = mpg_slot<OrtStatus* (*)(OrtCustomOpDomain*, const MpgCustomOp*)>(api, kCustomOpDomain_Add);
-  if (OrtStatus* st = add(domain, &g_adam_cpu.base)) return st;
-#ifdef MPG_WITH_CUDA
-  if (OrtStatus* st = add(domain, &g_adam_cuda.base)) return st;
-#endif
+  for (Op& op : g_ops)
+    if (OrtStatus* st = add(domain, &op.base)) return st;
   return mpg_slot<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(api, kAddCustomOpDomain)(options, domain);
 }
 

@@ -1,0 +1,89 @@
+// The CUDA side of LayerNormGrad (see kernels.cc): one block per row for dx (both row means
+// in one read of the row, then dx in a second read that hits the cache), and a column pass for
+// dscale that sums each column over the rows in a fixed order (deterministic, no atomics).
+#include <cuda_runtime.h>
+#include <stddef.h>
+
+namespace {
+
+constexpr int kRowThreads = 256;
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+__global__ void layernorm_dx_kernel(const float* __restrict__ dy, const float* __restrict__ x,
+                                    const float* __restrict__ scale, const float* __restrict__ mean,
+                                    const float* __restrict__ inv_std, float* __restrict__ dx, size_t cols) {
+  const size_t row = blockIdx.x;
+  const float* dyr = dy + row * cols;
+  const float* xr = x + row * cols;
+  const float mu = mean[row], rs = inv_std[row];
+  float s1 = 0.0f, s2 = 0.0f;
+  for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float xhat = (xr[j] - mu) * rs;
+    const float dxhat = dyr[j] * scale[j];
+    s1 += dxhat;
+    s2 += dxhat * xhat;
+  }
+  __shared__ float part[2][kRowThreads / 32];
+  __shared__ float total[2];
+  s1 = warp_sum(s1);
+  s2 = warp_sum(s2);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+    part[0][warp] = s1;
+    part[1][warp] = s2;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float a = 0.0f, b = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x / 32); ++w) {
+      a += part[0][w];
+      b += part[1][w];
+    }
+    total[0] = a / (float)cols;
+    total[1] = b / (float)cols;
+  }
+  __syncthreads();
+  const float m1 = total[0], m2 = total[1];
+  float* dxr = dx + row * cols;
+  for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float xhat = (xr[j] - mu) * rs;
+    const float dxhat = dyr[j] * scale[j];
+    dxr[j] = rs * ((dxhat - m1) - xhat * m2);
+  }
+}
+
+constexpr int kColTile = 32, kRowLanes = 16;
+
+__global__ void layernorm_dscale_kernel(const float* __restrict__ dy, const float* __restrict__ x,
+                                        const float* __restrict__ mean, const float* __restrict__ inv_std,
+                                        float* __restrict__ dscale, size_t rows, size_t cols) {
+  const size_t col = (size_t)blockIdx.x * kColTile + threadIdx.x;
+  float acc = 0.0f;
+  if (col < cols)
+    for (size_t r = threadIdx.y; r < rows; r += kRowLanes) acc += dy[r * cols + col] * ((x[r * cols + col] - mean[r]) * inv_std[r]);
+  __shared__ float part[kRowLanes][kColTile + 1];
+  part[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float sum = 0.0f;
+    for (int k = 0; k < kRowLanes; ++k) sum += part[k][threadIdx.x];
+    dscale[col] = sum;
+  }
+}
+
+}  // namespace
+
+extern "C" int mpg_layernorm_grad_cuda(const float* dy, const float* x, const float* scale, const float* mean,
+                                       const float* inv_std, float* dx, float* dscale, size_t rows, size_t cols,
+                                       void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
+  layernorm_dx_kernel<<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, mean, inv_std, dx, cols);
+  const dim3 block(kColTile, kRowLanes);
+  layernorm_dscale_kernel<<<(unsigned)((cols + kColTile - 1) / kColTile), block, 0, s>>>(dy, x, mean, inv_std, dscale, rows, cols);
+  return (int)cudaGetLastError();
+}
