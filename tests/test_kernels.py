@@ -218,3 +218,13 @@ def test_the_cuda_build_compiles_and_carries_the_cpu_kernels_too():
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(path))
     ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_lowered_graph_stays_topologically_sorted():
+    step = build_training_graph(GPT, optimizer="adamw", optimizer_options={"pack": False})
+    assert kernels.lower(step) > 5
+    seen = {v for v in step.graph.inputs} | set(step.graph.initializers.values())
+    for node in step.graph:
+        for value in node.inputs:
+            assert value is None or value in seen or value.producer() is None, (node.name, value.name)
+        seen.update(node.outputs)

@@ -62,6 +62,38 @@ def _same_shape(*values: ir.Value) -> bool:
     )
 
 
+def _match_moments(m_new: ir.Value, v_new: ir.Value, outputs: set[ir.Value]) -> tuple | None:
+    """``v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))`` and ``m' = Add(m, Mul(Sub(g, m), c1))``:
+    ``(g, m, v, c1, b2, c2, nodes)``."""
+    # v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))
+    add_v = _producer(v_new, "Add")
+    if add_v is None:
+        return None
+    decayed_v, fresh_v = add_v.inputs
+    mul_b2, mul_c2 = _producer(decayed_v, "Mul"), _producer(fresh_v, "Mul")
+    if mul_b2 is None or mul_c2 is None or not (_only_reader(decayed_v, outputs) and _only_reader(fresh_v, outputs)):
+        return None
+    v, b2 = mul_b2.inputs
+    squared, c2 = mul_c2.inputs
+    square = _producer(squared, "Mul")
+    if square is None or not _only_reader(squared, outputs) or square.inputs[0] is not square.inputs[1]:
+        return None
+    g = square.inputs[0]
+    # m' = Add(m, Mul(Sub(g, m), c1))
+    add_m = _producer(m_new, "Add")
+    if add_m is None:
+        return None
+    m, step_m = add_m.inputs
+    mul_c1 = _producer(step_m, "Mul")
+    if mul_c1 is None or not _only_reader(step_m, outputs):
+        return None
+    diff, c1 = mul_c1.inputs
+    sub_m = _producer(diff, "Sub")
+    if sub_m is None or not _only_reader(diff, outputs) or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
+        return None
+    return g, m, v, c1, b2, c2, [add_v, mul_b2, mul_c2, square, add_m, mul_c1, sub_m]
+
+
 def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[ir.Node], ir.Value, ir.Value] | None:
     """The fused node's inputs, the nodes it replaces, and m', v' (``None``: no match)."""
     p_decayed, update = sub.inputs
@@ -87,34 +119,11 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
         return None
     v_new = sqrt.inputs[0]
     chain += [mul_step, div, add_eps, div_bc, sqrt]
-    # v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))
-    add_v = _producer(v_new, "Add")
-    if add_v is None:
+    found = _match_moments(m_new, v_new, outputs)
+    if found is None:
         return None
-    decayed_v, fresh_v = add_v.inputs
-    mul_b2, mul_c2 = _producer(decayed_v, "Mul"), _producer(fresh_v, "Mul")
-    if mul_b2 is None or mul_c2 is None or not (_only_reader(decayed_v, outputs) and _only_reader(fresh_v, outputs)):
-        return None
-    v, b2 = mul_b2.inputs
-    squared, c2 = mul_c2.inputs
-    square = _producer(squared, "Mul")
-    if square is None or not _only_reader(squared, outputs) or square.inputs[0] is not square.inputs[1]:
-        return None
-    g = square.inputs[0]
-    chain += [add_v, mul_b2, mul_c2, square]
-    # m' = Add(m, Mul(Sub(g, m), c1))
-    add_m = _producer(m_new, "Add")
-    if add_m is None:
-        return None
-    m, step_m = add_m.inputs
-    mul_c1 = _producer(step_m, "Mul")
-    if mul_c1 is None or not _only_reader(step_m, outputs):
-        return None
-    diff, c1 = mul_c1.inputs
-    sub_m = _producer(diff, "Sub")
-    if sub_m is None or not _only_reader(diff, outputs) or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
-        return None
-    chain += [add_m, mul_c1, sub_m]
+    g, m, v, c1, b2, c2, moment_nodes = found
+    chain += moment_nodes
     # p_decayed = Mul(p, decay), or p itself
     decay: ir.Value | None = None
     p = p_decayed
@@ -230,6 +239,22 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     dy, scale = scale_mul.inputs
     if mul4.inputs[0] is not dy or dy is None or dy.dtype != ir.DataType.FLOAT:
         return None
+    dx_nodes = _match_layernorm_dx(dxhat, dxhat_mul, mul2, inv_std, rank, outputs)
+    dscale_nodes = _match_layernorm_dscale(mul4, rank, outputs)
+    if dx_nodes is None or dscale_nodes is None:
+        return None
+    if scale is None or scale.shape is None or len(scale.shape) != 1 or scale.dtype != ir.DataType.FLOAT:
+        return None
+    if scale_mul.outputs[0] in outputs:
+        return None
+    chain = [xh_node, scale_mul, dxhat_mul, mul2, mul4, *dx_nodes, *dscale_nodes]
+    return [dy, x, scale, mean, inv_std], chain, dx_nodes[-1].outputs[0], dscale_nodes[-1].outputs[0]
+
+
+def _match_layernorm_dx(dxhat: ir.Value, dxhat_mul: ir.Node, mul2: ir.Node, inv_std: ir.Value, rank: int,
+                        outputs: set[ir.Value]) -> list[ir.Node] | None:
+    """``m1 = ReduceMean(dxhat)``, ``m2 = ReduceMean(dxhat * xhat)`` over the last axis, and
+    ``dx = Mul(inv_std, Sub(Sub(dxhat, m1), Mul(xhat, m2)))``: those nodes, ``dx``'s last."""
     # m1 = ReduceMean(dxhat, [-1]); Sub(dxhat, m1); m2 = ReduceMean(Mul_1, [-1])
     dxhat_readers = _uses(dxhat, outputs)
     if dxhat_readers is None or len(dxhat_readers) != 3:
@@ -263,7 +288,11 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     dx_mul = [u.node for u in sub1.outputs[0].uses()]
     if len(dx_mul) != 1 or dx_mul[0].op_type != "Mul" or dx_mul[0].inputs[0] is not inv_std or sub1.outputs[0] in outputs:
         return None
-    dx_mul = dx_mul[0]
+    return [rmean1, rmean2, sub0, sub1, dx_mul[0]]
+
+
+def _match_layernorm_dscale(mul4: ir.Node, rank: int, outputs: set[ir.Value]) -> list[ir.Node] | None:
+    """``dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0)``: the ReduceSum."""
     # dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0), shaped like scale
     m4_readers = _uses(mul4.outputs[0], outputs)
     if m4_readers is None or len(m4_readers) != 1 or m4_readers[0].op_type != "ReduceSum":
@@ -273,12 +302,7 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     keep = rsum.attributes.get("keepdims")
     if axes is None or sorted(a % rank for a in axes) != list(range(rank - 1)) or keep is None or keep.as_int() != 0:
         return None
-    if scale is None or scale.shape is None or len(scale.shape) != 1 or scale.dtype != ir.DataType.FLOAT:
-        return None
-    if scale_mul.outputs[0] in outputs:
-        return None
-    chain = [xh_node, scale_mul, rmean1, dxhat_mul, rmean2, sub0, mul2, sub1, dx_mul, mul4, rsum]
-    return [dy, x, scale, mean, inv_std], chain, dx_mul.outputs[0], rsum.outputs[0]
+    return [rsum]
 
 
 def fuse_layernorm_grad(model: ir.Model) -> int:
@@ -303,7 +327,10 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
                       metadata_props=dict(node.metadata_props))
         for made, old in zip(new.outputs, (dx, dscale), strict=True):
             made.shape, made.type = old.shape, old.type
-        graph.insert_before(chain[-1], new)
+        # Before the chain's first node: every input is computed by then (dy is read by the
+        # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
+        members = set(map(id, chain))
+        graph.insert_before(next(n for n in graph if id(n) in members), new)
         for made, old in zip(new.outputs, (dx, dscale), strict=True):
             old.replace_all_uses_with(made, replace_graph_outputs=True)
             name = old.name
