@@ -228,3 +228,19 @@ def test_lowered_graph_stays_topologically_sorted():
         for value in node.inputs:
             assert value is None or value in seen or value.producer() is None, (node.name, value.name)
         seen.update(node.outputs)
+
+
+def test_layernorm_grad_names_the_forward_mean_when_a_pass_dropped_it():
+    """After specialize_shapes (the CUDA graph session's copy) the forward node's unused Mean
+    output has no name; an unnamed input is an absent one to ORT, so the lowering names it."""
+    from mpgraph.specialize import specialize_shapes
+
+    step = build_training_graph(GPT, optimizer="adamw")
+    fixed = specialize_shapes(step, {"tokens": (4, 16), "label": (4, 16)})
+    assert fuse_layernorm_grad(fixed) == 5
+    for node in fixed.graph:
+        if node.op_type == "LayerNormGrad":
+            assert all(v is not None and v.name and v.dtype == ir.DataType.FLOAT for v in node.inputs)
+    plain = _run(specialize_shapes(build_training_graph(GPT, optimizer="adamw"), {"tokens": (4, 16), "label": (4, 16)}), False)
+    low = _run(fixed, True)
+    assert abs(float(plain["loss"]) - float(low["loss"])) < 1e-6

@@ -217,7 +217,8 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
             or fwd.attributes["axis"].as_int() % rank != rank - 1:
         return None
     mean, inv_std = fwd.outputs[1], fwd.outputs[2]
-    if mean.dtype != ir.DataType.FLOAT or inv_std.dtype != ir.DataType.FLOAT:
+    # Nothing read the forward's Mean before: a pass may have dropped its name and type.
+    if inv_std.dtype != ir.DataType.FLOAT or mean.dtype not in (ir.DataType.FLOAT, None):
         return None
     readers = _uses(xhat, outputs)
     if readers is None or len(readers) != 3 or any(n.op_type != "Mul" for n in readers):
@@ -323,6 +324,11 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
         if found is None:
             continue
         inputs, chain, dx, dscale = found
+        mean = inputs[3]
+        if not mean.name:  # an unnamed output is an absent one to ORT
+            mean.name = f"{chain[0].name}/mean"
+        if mean.dtype is None:
+            mean.type, mean.shape = ir.TensorType(ir.DataType.FLOAT), inputs[4].shape
         new = ir.Node(DOMAIN, "LayerNormGrad", inputs, num_outputs=2, name=f"{node.name}/LayerNormGrad",
                       metadata_props=dict(node.metadata_props))
         for made, old in zip(new.outputs, (dx, dscale), strict=True):
