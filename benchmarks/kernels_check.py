@@ -43,6 +43,42 @@ def batches(trainer: Trainer, steps: int, batch: int) -> list[dict[str, np.ndarr
     return out
 
 
+def layernorm_model(rows: int, cols: int):
+    """loss = sum(LayerNorm(x, w, b) * r), x trainable: its gradient graph exercises dx, dscale
+    (many 32-row chunks) and dbias at a GPT's size."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(cols).astype(np.float32), n) for n in ("w", "b", "r")]
+    inits.append(numpy_helper.from_array(rng.standard_normal((rows, cols)).astype(np.float32), "x"))
+    nodes = [helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], axis=-1, epsilon=1e-5),
+             helper.make_node("Mul", ["y", "r"], ["yr"]),
+             helper.make_node("ReduceSum", ["yr"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "ln", [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+
+
+def gradient_check(provider: str, rows: int, cols: int) -> None:
+    import onnx_ir as ir
+    import onnxruntime as ort
+
+    grads = build_training_graph(ir.from_proto(layernorm_model(rows, cols)), optimizer=None)
+    lowered = ir.from_proto(ir.to_proto(grads))
+    fused = kernels.lower(lowered)
+    provider_name = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}[provider]
+    results = []
+    for model, library in ((grads, None), (lowered, str(kernels.library(provider)))):
+        options = ort.SessionOptions()
+        if library:
+            options.register_custom_ops_library(library)
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=[provider_name])
+        results.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, {}))))
+    worst = max(float(np.max(np.abs(results[1][k].astype(np.float64) - results[0][k]))) / max(float(np.max(np.abs(results[0][k]))), 1e-12)
+                for k in results[0])
+    print(f"LayerNorm [{rows}, {cols}] gradients: {fused} node fused; worst |fused - plain| / max|plain| over "
+          f"{', '.join(results[0])}: {worst:.3g}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--provider", default="cuda")
@@ -51,6 +87,8 @@ def main() -> None:
     start = time.perf_counter()
     path = kernels.library(args.provider)
     print(f"library {path} ready in {time.perf_counter() - start:.1f} s")
+    for rows, cols in ((64, 64), (4096, 1024), (1000, 768)):
+        gradient_check(args.provider, rows, cols)
     cases = [("tiny MLP", "models/onnx/tiny_mlp.loss.onnx", {}, 64),
              ("zoo GPT, a slot per tensor", "models/onnx/gpt.loss.onnx", {"pack": False}, 4)]
     for name, model, options, batch in cases:

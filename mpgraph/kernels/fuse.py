@@ -2,7 +2,7 @@
 
 ``fuse_adamw``: each tensor's AdamW update (14 ONNX ops) becomes one ``AdamWUpdate`` node.
 ``fuse_layernorm_grad``: each float32 LayerNormalization backward (11 nodes) becomes one
-``LayerNormGrad`` node.
+``LayerNormGrad`` node (its third output is the kernel's workspace; nothing reads it).
 
 ``mpgraph.optim.adam`` writes one tensor's update as::
 
@@ -329,15 +329,18 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
             mean.name = f"{chain[0].name}/mean"
         if mean.dtype is None:
             mean.type, mean.shape = ir.TensorType(ir.DataType.FLOAT), inputs[4].shape
-        new = ir.Node(DOMAIN, "LayerNormGrad", inputs, num_outputs=2, name=f"{node.name}/LayerNormGrad",
+        new = ir.Node(DOMAIN, "LayerNormGrad", inputs, num_outputs=3, name=f"{node.name}/LayerNormGrad",
                       metadata_props=dict(node.metadata_props))
-        for made, old in zip(new.outputs, (dx, dscale), strict=True):
+        # The third output is the kernel's workspace (dscale's partial sums): nothing reads it.
+        new.outputs[2].name = f"{node.name}/LayerNormGrad/workspace"
+        new.outputs[2].type = ir.TensorType(ir.DataType.FLOAT)
+        for made, old in zip(new.outputs[:2], (dx, dscale), strict=True):
             made.shape, made.type = old.shape, old.type
         # Before the chain's first node: every input is computed by then (dy is read by the
         # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
         members = set(map(id, chain))
         graph.insert_before(next(n for n in graph if id(n) in members), new)
-        for made, old in zip(new.outputs, (dx, dscale), strict=True):
+        for made, old in zip(new.outputs[:2], (dx, dscale), strict=True):
             old.replace_all_uses_with(made, replace_graph_outputs=True)
             name = old.name
             old.name = None

@@ -71,9 +71,10 @@ OrtStatus* output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t
 }  // namespace
 
 #ifdef MPG_WITH_CUDA
+extern "C" size_t mpg_layernorm_grad_chunks(size_t rows);
 extern "C" int mpg_layernorm_grad_cuda(const float* dy, const float* x, const float* scale, const float* mean,
-                                       const float* inv_std, float* dx, float* dscale, size_t rows, size_t cols,
-                                       void* stream);
+                                       const float* inv_std, float* dx, float* dscale, float* partial, size_t rows,
+                                       size_t cols, void* stream);
 extern "C" int mpg_adamw_cuda(const float* p, const float* g, const float* m, const float* v, const float* const* scalars,
                               float* p_out, float* m_out, float* v_out, size_t n, void* stream);
 #endif
@@ -174,9 +175,15 @@ OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   const size_t rows = cols ? x.count / cols : 0;
   if (dy.count != x.count || scale.count != cols || mean.count != rows || inv_std.count != rows)
     return status("LayerNormGrad: dy, x, scale, mean and inv_std disagree in size");
-  Tensor dx, dscale;
+  Tensor dx, dscale, workspace;
   if (OrtStatus* st = output(ctx, 0, x.dims, &dx)) return st;
   if (OrtStatus* st = output(ctx, 1, std::vector<int64_t>{static_cast<int64_t>(cols)}, &dscale)) return st;
+  size_t chunks = 0;
+#ifdef MPG_WITH_CUDA
+  if (cuda) chunks = mpg_layernorm_grad_chunks(rows);
+#endif
+  if (OrtStatus* st = output(ctx, 2, std::vector<int64_t>{static_cast<int64_t>(chunks), static_cast<int64_t>(cols)}, &workspace))
+    return st;
   if (x.count == 0) return nullptr;
   if (!cuda) {
     layernorm_grad_cpu(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, rows, cols);
@@ -185,7 +192,8 @@ OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
 #ifdef MPG_WITH_CUDA
   void* stream = nullptr;
   if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_layernorm_grad_cuda(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, rows, cols, stream))
+  if (int err = mpg_layernorm_grad_cuda(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data,
+                                        workspace.data, rows, cols, stream))
     return status("LayerNormGrad: CUDA launch failed with error " + std::to_string(err));
   return nullptr;
 #else
@@ -211,7 +219,7 @@ const char* op_name(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? 
 const char* op_provider(const MpgCustomOp* op) { return as_op(op)->cuda ? kCuda : kCpu; }
 int float_type(const MpgCustomOp*, size_t) { return MPG_FLOAT; }
 size_t op_inputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamInputs : 5; }
-size_t op_outputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamOutputs : 2; }
+size_t op_outputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamOutputs : 3; }
 void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) { return nullptr; }
 void compute_v1(void*, OrtKernelContext*) {}
 void destroy(void* kernel) { delete static_cast<AdamKernel*>(kernel); }

@@ -1,6 +1,7 @@
 // The CUDA side of LayerNormGrad (see kernels.cc): one block per row for dx (both row means
 // in one read of the row, then dx in a second read that hits the cache), and a column pass for
-// dscale that sums each column over the rows in a fixed order (deterministic, no atomics).
+// dscale in two stages through the op's workspace output (partial sums of 32-row chunks, then
+// their sum): fixed orders, no atomics, so every run gives the same bits.
 #include <cuda_runtime.h>
 #include <stddef.h>
 
@@ -56,34 +57,53 @@ __global__ void layernorm_dx_kernel(const float* __restrict__ dy, const float* _
   }
 }
 
-constexpr int kColTile = 32, kRowLanes = 16;
+constexpr int kColTile = 32, kRowLanes = 8;
 
-__global__ void layernorm_dscale_kernel(const float* __restrict__ dy, const float* __restrict__ x,
-                                        const float* __restrict__ mean, const float* __restrict__ inv_std,
-                                        float* __restrict__ dscale, size_t rows, size_t cols) {
+// Stage 1: block (x, y) sums columns [32x, 32x + 32) over rows [y * chunk, (y + 1) * chunk),
+// eight rows at a time, into partial[y][col]. Stage 2 adds the partials of each column in
+// order. Both orders are fixed: the result is the same on every run.
+__global__ void layernorm_dscale_partial(const float* __restrict__ dy, const float* __restrict__ x,
+                                         const float* __restrict__ mean, const float* __restrict__ inv_std,
+                                         float* __restrict__ partial, size_t rows, size_t cols, size_t chunk) {
   const size_t col = (size_t)blockIdx.x * kColTile + threadIdx.x;
+  const size_t begin = (size_t)blockIdx.y * chunk;
+  const size_t end = begin + chunk < rows ? begin + chunk : rows;
   float acc = 0.0f;
   if (col < cols)
-    for (size_t r = threadIdx.y; r < rows; r += kRowLanes) acc += dy[r * cols + col] * ((x[r * cols + col] - mean[r]) * inv_std[r]);
+    for (size_t r = begin + threadIdx.y; r < end; r += kRowLanes)
+      acc += dy[r * cols + col] * ((x[r * cols + col] - mean[r]) * inv_std[r]);
   __shared__ float part[kRowLanes][kColTile + 1];
   part[threadIdx.y][threadIdx.x] = acc;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
     float sum = 0.0f;
     for (int k = 0; k < kRowLanes; ++k) sum += part[k][threadIdx.x];
-    dscale[col] = sum;
+    partial[(size_t)blockIdx.y * cols + col] = sum;
   }
+}
+
+__global__ void layernorm_dscale_total(const float* __restrict__ partial, float* __restrict__ dscale, size_t chunks,
+                                       size_t cols) {
+  const size_t col = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols) return;
+  float sum = 0.0f;
+  for (size_t k = 0; k < chunks; ++k) sum += partial[k * cols + col];
+  dscale[col] = sum;
 }
 
 }  // namespace
 
+extern "C" size_t mpg_layernorm_grad_chunks(size_t rows) { return (rows + 31) / 32; }
+
 extern "C" int mpg_layernorm_grad_cuda(const float* dy, const float* x, const float* scale, const float* mean,
-                                       const float* inv_std, float* dx, float* dscale, size_t rows, size_t cols,
-                                       void* stream) {
+                                       const float* inv_std, float* dx, float* dscale, float* partial, size_t rows,
+                                       size_t cols, void* stream) {
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
   layernorm_dx_kernel<<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, mean, inv_std, dx, cols);
-  const dim3 block(kColTile, kRowLanes);
-  layernorm_dscale_kernel<<<(unsigned)((cols + kColTile - 1) / kColTile), block, 0, s>>>(dy, x, mean, inv_std, dscale, rows, cols);
+  const size_t chunks = mpg_layernorm_grad_chunks(rows);
+  const dim3 grid((unsigned)((cols + kColTile - 1) / kColTile), (unsigned)chunks), block(kColTile, kRowLanes);
+  layernorm_dscale_partial<<<grid, block, 0, s>>>(dy, x, mean, inv_std, partial, rows, cols, 32);
+  layernorm_dscale_total<<<(unsigned)((cols + 255) / 256), 256, 0, s>>>(partial, dscale, chunks, cols);
   return (int)cudaGetLastError();
 }
