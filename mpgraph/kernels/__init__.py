@@ -7,11 +7,17 @@ machine's compiler (``build``), and rewrites a session's copy of a step graph to
 (``fuse``). The results are bit-identical to the ONNX ops they replace; the saved step graph
 keeps its standard ops.
 
+The ``Trainer`` does this by itself on CUDA (``kernels=None``); by hand:
+
 Example:
+    >>> import onnxruntime as ort
     >>> from mpgraph import kernels
-    >>> path = kernels.library("cpu")            # builds once (g++), then cached
-    >>> model = kernels.lower(step_model)         # AdamWUpdate nodes instead of 14 ops a tensor
-    >>> options.register_custom_ops_library(str(path))
+    >>> from mpgraph.training import build_training_graph
+    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
+    >>> kernels.lower(step)  # the packed slot's 14 ops become one AdamWUpdate node
+    1
+    >>> options = ort.SessionOptions()
+    >>> options.register_custom_ops_library(str(kernels.library("cpu")))  # built once, then cached
 """
 
 from __future__ import annotations
