@@ -23,9 +23,10 @@ __all__ = ["KernelBuildError", "build_library", "cache_dir"]
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
-#: CUDA architectures compiled into the library: machine code for each, plus PTX of the newest
-#: for GPUs after it. ``$MPGRAPH_CUDA_ARCHS`` overrides (e.g. ``90``).
-DEFAULT_ARCHS = ("80", "90")
+#: CUDA architectures compiled into the library: machine code for each (Turing, Ampere,
+#: Hopper; 75 is the oldest CUDA 13 targets), plus PTX of the newest for GPUs after it.
+#: ``$MPGRAPH_CUDA_ARCHS`` overrides (e.g. ``90``).
+DEFAULT_ARCHS = ("75", "80", "90")
 
 
 class KernelBuildError(MpgraphError):
