@@ -14,8 +14,8 @@ import onnxruntime as ort
 import pytest
 
 from mpgraph import kernels
-from mpgraph.kernels.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.convert import convert
+from mpgraph.kernels.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 
@@ -244,3 +244,16 @@ def test_layernorm_grad_names_the_forward_mean_when_a_pass_dropped_it():
     plain = _run(specialize_shapes(build_training_graph(GPT, optimizer="adamw"), {"tokens": (4, 16), "label": (4, 16)}), False)
     low = _run(fixed, True)
     assert abs(float(plain["loss"]) - float(low["loss"])) < 1e-6
+
+
+def test_layernorm_recompute_with_a_scale_is_not_taken_for_xhat():
+    """The fused kernel computes xhat itself: a two-input LayerNorm whose scale is not all ones
+    is some other value, and its chain keeps its ONNX nodes."""
+    grads = build_training_graph(GPT, optimizer=None)
+    xhat = next(n for n in grads.graph if n.op_type == "LayerNormalization" and len(n.inputs) == 2)
+    ones = xhat.inputs[1]
+    twos = ir.Value(name="twos", type=ones.type, shape=ones.shape,
+                    const_value=ir.tensor(np.full([int(d) for d in ones.shape], 2.0, np.float32)))
+    grads.graph.register_initializer(twos)
+    xhat.replace_input_with(1, twos)
+    assert fuse_layernorm_grad(grads) == 4

@@ -4,8 +4,9 @@ ONNX has no op that updates a parameter and its Adam moments in one pass: mpgrap
 elementwise ops a tensor, each a kernel that reads and writes parameter-sized memory. This
 package holds the C++/CUDA source of fused replacements (``csrc/``), builds it with the
 machine's compiler (``build``), and rewrites a session's copy of a step graph to use it
-(``fuse``). The results are bit-identical to the ONNX ops they replace; the saved step graph
-keeps its standard ops.
+(``fuse``). ``AdamWUpdate`` is bit-identical to the ONNX ops it replaces; ``LayerNormGrad``
+sums in its own order (equal within float32 rounding). The saved step graph keeps its
+standard ops.
 
 The ``Trainer`` does this by itself on CUDA (``kernels=None``); by hand:
 
@@ -31,7 +32,7 @@ import onnx_ir as ir
 from mpgraph.kernels.build import KernelBuildError, build_library
 from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
 
-__all__ = ["DOMAIN", "KernelBuildError", "library", "lower", "unavailable_reason"]
+__all__ = ["DOMAIN", "KernelBuildError", "library", "lower"]
 
 
 @functools.cache
@@ -46,15 +47,6 @@ def library(provider: str) -> Path:
     if provider == "cuda" and not lib.MpgraphKernelsHaveCuda():
         raise KernelBuildError(f"{path} was built without CUDA kernels")
     return path
-
-
-def unavailable_reason(provider: str) -> str | None:
-    """Why the library cannot be had for ``provider``, or ``None`` when it can."""
-    try:
-        library(provider)
-    except KernelBuildError as e:
-        return str(e)
-    return None
 
 
 def lower(model: ir.Model) -> int:

@@ -41,6 +41,12 @@ def _only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:
     return len(value.uses()) == 1 and value not in graph_outputs
 
 
+def _link(value: ir.Value | None, op_type: str, outputs: set[ir.Value]) -> ir.Node | None:
+    """``value``'s ``op_type`` producer when the chain is its one reader (``None`` otherwise)."""
+    node = _producer(value, op_type)
+    return node if node is not None and _only_reader(value, outputs) else None  # type: ignore[arg-type]
+
+
 def _is_scalar(value: ir.Value | None) -> bool:
     if value is None or value.dtype != ir.DataType.FLOAT or value.shape is None:
         return False
@@ -70,13 +76,13 @@ def _match_moments(m_new: ir.Value, v_new: ir.Value, outputs: set[ir.Value]) -> 
     if add_v is None:
         return None
     decayed_v, fresh_v = add_v.inputs
-    mul_b2, mul_c2 = _producer(decayed_v, "Mul"), _producer(fresh_v, "Mul")
-    if mul_b2 is None or mul_c2 is None or not (_only_reader(decayed_v, outputs) and _only_reader(fresh_v, outputs)):
+    mul_b2, mul_c2 = _link(decayed_v, "Mul", outputs), _link(fresh_v, "Mul", outputs)
+    if mul_b2 is None or mul_c2 is None:
         return None
     v, b2 = mul_b2.inputs
     squared, c2 = mul_c2.inputs
-    square = _producer(squared, "Mul")
-    if square is None or not _only_reader(squared, outputs) or square.inputs[0] is not square.inputs[1]:
+    square = _link(squared, "Mul", outputs)
+    if square is None or square.inputs[0] is not square.inputs[1]:
         return None
     g = square.inputs[0]
     # m' = Add(m, Mul(Sub(g, m), c1))
@@ -84,12 +90,12 @@ def _match_moments(m_new: ir.Value, v_new: ir.Value, outputs: set[ir.Value]) -> 
     if add_m is None:
         return None
     m, step_m = add_m.inputs
-    mul_c1 = _producer(step_m, "Mul")
-    if mul_c1 is None or not _only_reader(step_m, outputs):
+    mul_c1 = _link(step_m, "Mul", outputs)
+    if mul_c1 is None:
         return None
     diff, c1 = mul_c1.inputs
-    sub_m = _producer(diff, "Sub")
-    if sub_m is None or not _only_reader(diff, outputs) or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
+    sub_m = _link(diff, "Sub", outputs)
+    if sub_m is None or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
         return None
     return g, m, v, c1, b2, c2, [add_v, mul_b2, mul_c2, square, add_m, mul_c1, sub_m]
 
@@ -98,24 +104,24 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     """The fused node's inputs, the nodes it replaces, and m', v' (``None``: no match)."""
     p_decayed, update = sub.inputs
     chain: list[ir.Node] = [sub]
-    mul_step = _producer(update, "Mul")
-    if mul_step is None or not _only_reader(update, outputs):
+    mul_step = _link(update, "Mul", outputs)
+    if mul_step is None:
         return None
     quotient, step_size = mul_step.inputs
-    div = _producer(quotient, "Div")
-    if div is None or not _only_reader(quotient, outputs):
+    div = _link(quotient, "Div", outputs)
+    if div is None:
         return None
     m_new, denom = div.inputs
-    add_eps = _producer(denom, "Add")
-    if add_eps is None or not _only_reader(denom, outputs):
+    add_eps = _link(denom, "Add", outputs)
+    if add_eps is None:
         return None
     scaled, eps = add_eps.inputs
-    div_bc = _producer(scaled, "Div")
-    if div_bc is None or not _only_reader(scaled, outputs):
+    div_bc = _link(scaled, "Div", outputs)
+    if div_bc is None:
         return None
     root, bc2_sqrt = div_bc.inputs
-    sqrt = _producer(root, "Sqrt")
-    if sqrt is None or not _only_reader(root, outputs):
+    sqrt = _link(root, "Sqrt", outputs)
+    if sqrt is None:
         return None
     v_new = sqrt.inputs[0]
     chain += [mul_step, div, add_eps, div_bc, sqrt]
@@ -127,9 +133,8 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     # p_decayed = Mul(p, decay), or p itself
     decay: ir.Value | None = None
     p = p_decayed
-    mul_decay = _producer(p_decayed, "Mul")
-    if mul_decay is not None and _only_reader(p_decayed, outputs) and _is_scalar(mul_decay.inputs[1]) \
-            and _same_shape(mul_decay.inputs[0], p_decayed):
+    mul_decay = _link(p_decayed, "Mul", outputs)
+    if mul_decay is not None and _is_scalar(mul_decay.inputs[1]) and _same_shape(mul_decay.inputs[0], p_decayed):
         p, decay = mul_decay.inputs
         chain.append(mul_decay)
     # m' and v' are read by the chain (Div, Sqrt) and otherwise only as graph outputs (state).
@@ -141,6 +146,20 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     assert p is not None and g is not None and m is not None and v is not None
     inputs = [p, g, m, v, *scalars, decay]
     return inputs, chain, m_new, v_new  # type: ignore[return-value]
+
+
+def _replace(graph: ir.Graph, chain: list[ir.Node], node: ir.Node, olds: tuple[ir.Value, ...], before: ir.Node) -> None:
+    """Put ``node`` before ``before``, hand each of ``olds`` (name, readers, graph-output slot)
+    to ``node``'s output of the same position, and remove ``chain``."""
+    for made, old in zip(node.outputs, olds):
+        made.shape, made.type = old.shape, old.type
+    graph.insert_before(before, node)
+    for made, old in zip(node.outputs, olds):
+        old.replace_all_uses_with(made, replace_graph_outputs=True)
+        name = old.name
+        old.name = None
+        made.name = name
+    graph.remove(chain, safe=True)
 
 
 def fuse_adamw(model: ir.Model) -> int:
@@ -166,33 +185,30 @@ def fuse_adamw(model: ir.Model) -> int:
                                const_value=ir.tensor(np.array(1.0, np.float32)))
                 graph.register_initializer(one)
             inputs[-1] = one
-        p_new = sub.outputs[0]
         node = ir.Node(DOMAIN, "AdamWUpdate", inputs, num_outputs=3, name=f"{sub.name}/AdamWUpdate",
                        metadata_props=dict(sub.metadata_props))
-        for new, old in zip(node.outputs, (p_new, m_new, v_new), strict=True):
-            new.shape, new.type = old.shape, old.type
-        graph.insert_before(sub, node)
-        for new, old in zip(node.outputs, (p_new, m_new, v_new), strict=True):
-            old.replace_all_uses_with(new, replace_graph_outputs=True)
-            name = old.name
-            old.name = None
-            new.name = name
-        graph.remove(chain, safe=True)
+        _replace(graph, chain, node, (sub.outputs[0], m_new, v_new), before=sub)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused
 
 
+def _constant(value: ir.Value | None) -> np.ndarray | None:
+    """``value``'s array when it is an initializer or a ``Constant``'s output."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return np.asarray(value.const_value.numpy())
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+        return None
+    return np.asarray(producer.attributes["value"].as_tensor().numpy())
+
+
 def _consts(value: ir.Value | None) -> list[int] | None:
-    if value is None or value.const_value is None:
-        producer = value.producer() if value is not None else None
-        if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
-            return None
-        array = producer.attributes["value"].as_tensor().numpy()
-    else:
-        array = value.const_value.numpy()
-    return [int(a) for a in np.asarray(array).reshape(-1)]
+    array = _constant(value)
+    return None if array is None else [int(a) for a in array.reshape(-1)]
 
 
 def _uses(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
@@ -208,6 +224,9 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     x, ones = xh_node.inputs
     xhat = xh_node.outputs[0]
     if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) < 2:
+        return None
+    unit = _constant(ones)
+    if unit is None or not np.all(unit == 1):  # xhat itself, not a scaled LayerNorm
         return None
     rank = len(x.shape)
     if xh_node.attributes.get("axis") is None or xh_node.attributes["axis"].as_int() % rank != rank - 1:
@@ -334,18 +353,10 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
         # The third output is the kernel's workspace (dscale's partial sums): nothing reads it.
         new.outputs[2].name = f"{node.name}/LayerNormGrad/workspace"
         new.outputs[2].type = ir.TensorType(ir.DataType.FLOAT)
-        for made, old in zip(new.outputs[:2], (dx, dscale), strict=True):
-            made.shape, made.type = old.shape, old.type
         # Before the chain's first node: every input is computed by then (dy is read by the
         # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
         members = set(map(id, chain))
-        graph.insert_before(next(n for n in graph if id(n) in members), new)
-        for made, old in zip(new.outputs[:2], (dx, dscale), strict=True):
-            old.replace_all_uses_with(made, replace_graph_outputs=True)
-            name = old.name
-            old.name = None
-            made.name = name
-        graph.remove(chain, safe=True)
+        _replace(graph, chain, new, (dx, dscale), before=next(n for n in graph if id(n) in members))
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

@@ -218,8 +218,9 @@ class Trainer:
             the first batch's shapes; a batch of another shape runs in a plain session.
             ``cuda_graph_reason`` says why capture is off when it is.
         kernels: Run the session's copy of the graph with mpgraph's fused kernels
-            (``mpgraph.kernels``: one ``AdamWUpdate`` node instead of 14 ops a tensor; bit-identical
-            results). ``None``: on for CUDA where the library builds (needs ``nvcc``), off on CPU.
+            (``mpgraph.kernels``: one ``AdamWUpdate`` node instead of 14 ops a tensor,
+            bit-identical; one ``LayerNormGrad`` for a LayerNorm's backward, equal within float32
+            rounding). ``None``: on for CUDA where the library builds (needs ``nvcc``), off on CPU.
             ``kernels_reason`` says why they are off when they are.
 
     Raises:
@@ -329,13 +330,15 @@ class Trainer:
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _new_session(self, graph: bool, model: bytes | None = None) -> ort.InferenceSession:
-        """An ORT session of the step graph; ``graph`` turns on CUDA graph capture."""
-        data = model or self._session_bytes
+    def _new_session(self, graph: bool, model: ir.Model | None = None) -> ort.InferenceSession:
+        """An ORT session of the step graph (or of ``model``, which it may rewrite);
+        ``graph`` turns on CUDA graph capture."""
+        data = self._session_bytes
         if self._kernels_library is not None:
-            lowered = as_model(data)
-            self.kernels_fused = kernels_lib.lower(lowered)
-            data = ir.to_proto(lowered).SerializeToString()
+            model = model or as_model(data)
+            self.kernels_fused = kernels_lib.lower(model)
+        if model is not None:
+            data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,
                                threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library)
 
@@ -429,7 +432,7 @@ class Trainer:
         try:
             fixed = specialize_shapes(as_model(self._session_bytes),
                                       {n: shape for n, (shape, _) in signature.items()})
-            session = self._new_session(graph=True, model=ir.to_proto(fixed).SerializeToString())
+            session = self._new_session(graph=True, model=fixed)
         except MpgraphError as e:
             self._graph_off(str(e))
             return

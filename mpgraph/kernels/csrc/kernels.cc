@@ -83,7 +83,7 @@ namespace {
 
 enum { kAdamInputs = 11, kAdamOutputs = 3, kAdamScalars = 7 };
 
-struct AdamKernel {
+struct Kernel {
   bool cuda;
 };
 
@@ -105,7 +105,7 @@ void adamw_cpu(const float* p, const float* g, const float* m, const float* v, c
 }
 
 OrtStatus* adamw_compute(void* kernel, OrtKernelContext* ctx) {
-  const bool cuda = static_cast<AdamKernel*>(kernel)->cuda;
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
   Tensor t[kAdamInputs];
   for (size_t i = 0; i < kAdamInputs; ++i) {
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
@@ -163,7 +163,7 @@ void layernorm_grad_cpu(const float* dy, const float* x, const float* scale, con
 }
 
 OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
-  const bool cuda = static_cast<AdamKernel*>(kernel)->cuda;
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
   Tensor t[5];
   for (size_t i = 0; i < 5; ++i) {
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
@@ -222,13 +222,13 @@ size_t op_inputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAd
 size_t op_outputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamOutputs : 3; }
 void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) { return nullptr; }
 void compute_v1(void*, OrtKernelContext*) {}
-void destroy(void* kernel) { delete static_cast<AdamKernel*>(kernel); }
+void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 int required(const MpgCustomOp*, size_t) { return 0; }
 int default_memory(const MpgCustomOp*, size_t) { return 0; }
 int one(const MpgCustomOp*) { return 1; }
 int zero(const MpgCustomOp*) { return 0; }
 OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** kernel) {
-  *kernel = new AdamKernel{as_op(op)->cuda};
+  *kernel = new Kernel{as_op(op)->cuda};
   return nullptr;
 }
 int start_version(const MpgCustomOp*) { return 1; }
