@@ -1,6 +1,7 @@
 """mpgraph's fused kernels on a provider: same numbers as the ONNX ops they replace?
 
-Trains the zoo tiny MLP and the zoo GPT (one AdamW slot per tensor, ``pack=False``) twice on
+Trains the zoo tiny MLP and the zoo GPT (one AdamW slot per tensor, ``pack=False``; float32,
+bf16, and fp16 with dynamic loss scaling, once from a scale that overflows) twice on
 the provider, with ``Trainer(kernels=False)`` and ``kernels=True``, from the same state on the
 same batches (CUDA graphs as the Trainer decides), and prints how many nodes were fused, the
 build time, and how far the losses and the final state differ (0 means bit-identical). A
@@ -79,6 +80,20 @@ def gradient_check(provider: str, rows: int, cols: int) -> None:
           f"{', '.join(results[0])}: {worst:.3g}")
 
 
+def convert_for(step, spec: str, provider: str):
+    """``spec`` is a preset, or ``fp16@<initial loss scale>``; emulated for the CPU provider."""
+    import dataclasses
+
+    from mpgraph.convert import convert
+    from mpgraph.policy.loader import load_policy
+
+    name, _, init = spec.partition("@")
+    policy = load_policy(name)
+    if init:
+        policy = dataclasses.replace(policy, loss_scaling=dataclasses.replace(policy.loss_scaling, init=float(init)))
+    return convert(step, policy, emulate=provider == "cpu", validate=False, calibrate=None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--provider", default="cuda")
@@ -89,26 +104,33 @@ def main() -> None:
     print(f"library {path} ready in {time.perf_counter() - start:.1f} s")
     for rows, cols in ((64, 64), (4096, 1024), (1000, 768)):
         gradient_check(args.provider, rows, cols)
-    cases = [("tiny MLP", "models/onnx/tiny_mlp.loss.onnx", {}, 64),
-             ("zoo GPT, a slot per tensor", "models/onnx/gpt.loss.onnx", {"pack": False}, 4)]
-    for name, model, options, batch in cases:
+    mlp, gpt = "models/onnx/tiny_mlp.loss.onnx", "models/onnx/gpt.loss.onnx"
+    cases = [("tiny MLP", mlp, {}, 64, None), ("tiny MLP bf16", mlp, {"pack": False}, 64, "bf16"),
+             ("tiny MLP fp16", mlp, {"pack": False}, 64, "fp16"),
+             ("tiny MLP fp16, scale 2^40 (overflow steps)", mlp, {"pack": False}, 64, "fp16@1099511627776"),
+             ("zoo GPT, a slot per tensor", gpt, {"pack": False}, 4, None),
+             ("zoo GPT bf16", gpt, {"pack": False}, 4, "bf16"), ("zoo GPT fp16", gpt, {"pack": False}, 4, "fp16")]
+    for name, model, options, batch, policy in cases:
         step = build_training_graph(os.path.join(ROOT, model), optimizer="adamw", optimizer_options=options,
                                     target=args.provider)
+        if policy is not None:
+            step = convert_for(step, policy, args.provider)
         results = []
         for fused in (False, True, False):
             trainer = Trainer(step, args.provider, kernels=fused)
             feeds = batches(trainer, args.steps, batch)
-            losses = [float(trainer.step(f, lr=1e-3).loss) for f in feeds]
-            results.append((losses, trainer.state, trainer.kernels_fused, trainer.cuda_graph))
-        (l0, s0, _, g0), (l1, s1, n1, g1), (l2, s2, _, _) = results
+            steps = [trainer.step(f, lr=1e-3) for f in feeds]
+            losses = [float(r.loss) for r in steps]
+            results.append((losses, trainer.state, trainer.kernels_fused, trainer.cuda_graph, sum(r.skipped for r in steps)))
+        (l0, s0, _, g0, k0), (l1, s1, n1, g1, k1), (l2, s2, _, _, _) = results
 
         def diff(la, sa, lb, sb):
-            loss = max(abs(a - b) for a, b in zip(la, lb))
+            loss = max(abs(a - b) if np.isfinite(a) or np.isfinite(b) else 0.0 for a, b in zip(la, lb))
             state = max(float(np.max(np.abs(sa[k].astype(np.float64) - sb[k]))) if sa[k].size else 0.0 for k in sa)
-            return loss, state, all(np.array_equal(sa[k], sb[k]) for k in sa)
+            return loss, state, all(np.array_equal(sa[k], sb[k], equal_nan=True) for k in sa)
 
-        print(f"{name}: {n1} nodes fused; cuda graph {g0}/{g1}; {args.steps} steps: loss {l0[-1]:.8f} (plain) "
-              f"{l1[-1]:.8f} (fused) {l2[-1]:.8f} (plain again)")
+        print(f"{name}: {n1} rewrites; cuda graph {g0}/{g1}; {args.steps} steps: loss {l0[-1]:.8f} (plain) "
+              f"{l1[-1]:.8f} (fused) {l2[-1]:.8f} (plain again); skipped steps {k0} (plain) {k1} (fused)")
         for label, (la, sa, lb, sb) in (("fused vs plain", (l0, s0, l1, s1)), ("plain vs plain again", (l0, s0, l2, s2))):
             loss, state, same = diff(la, sa, lb, sb)
             print(f"  {label:<22} max |loss diff| {loss:.3g}, max |state diff| {state:.3g}, bit-identical state: {same}")

@@ -31,6 +31,8 @@ import onnx_ir as ir
 
 from mpgraph.kernels.build import KernelBuildError, build_library
 from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
+from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.kernels.transpose import fold_transposes
 
 __all__ = ["DOMAIN", "KernelBuildError", "library", "lower"]
 
@@ -49,6 +51,17 @@ def library(provider: str) -> Path:
     return path
 
 
-def lower(model: ir.Model) -> int:
-    """Rewrite ``model`` in place to use the library's fused ops; how many nodes were fused."""
-    return fuse_adamw(model) + fuse_layernorm_grad(model)
+def lower(model: ir.Model, provider: str = "cpu") -> int:
+    """Rewrite ``model`` in place to use the library's fused ops and ORT's ``FusedMatMul``
+    (for a session on ``provider``); how many rewrites it made (fused nodes made, nodes
+    merged into a multi-tensor node, transposes folded).
+
+    The steps: each tensor's AdamW update becomes one ``AdamWUpdate`` node, those that share
+    their scalars one ``MultiAdamWUpdate``; each float32 LayerNorm backward one
+    ``LayerNormGrad``; loss scaling's unscale and check one ``UnscaleGradients``; the master
+    weights' casts one ``CastToBFloat16``/``CastToFloat16``; transposes that feed a matmul fold
+    into it (``fold_transposes``).
+    """
+    fused = fuse_adamw(model)
+    fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_unscale(model) + batch_casts(model)
+    return fused + fold_transposes(model, provider)

@@ -336,7 +336,7 @@ class Trainer:
         data = self._session_bytes
         if self._kernels_library is not None:
             model = model or as_model(data)
-            self.kernels_fused = kernels_lib.lower(model)
+            self.kernels_fused = kernels_lib.lower(model, self.provider)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,

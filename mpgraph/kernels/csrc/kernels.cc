@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "multi.h"
 #include "ort_abi.h"
 
 namespace {
@@ -83,8 +84,11 @@ namespace {
 
 enum { kAdamInputs = 11, kAdamOutputs = 3, kAdamScalars = 7 };
 
+struct OpSpec;
+
 struct Kernel {
   bool cuda;
+  const OpSpec* spec;
 };
 
 void adamw_cpu(const float* p, const float* g, const float* m, const float* v, const float* const* s,
@@ -201,75 +205,293 @@ OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
 #endif
 }
 
+// -- multi-tensor ops (multi.h; CUDA in multi.cu) ---------------------------------------------
+//
+// MultiAdamWUpdate(c1, b2, c2, bc2_sqrt, eps, step_size, decay, p_1, g_1, m_1, v_1, ...)
+//     -> (p_1', m_1', v_1', ...): AdamWUpdate over many tensors sharing the scalars.
+// CastToBFloat16(x_1, ...) -> (y_1, ...), CastToFloat16(...): float32 casts, rounded to nearest
+//     even as ORT's Cast does.
+// UnscaleGradients(inv_scale, g_1, ...) -> (found_inf, u_1, ...): u_i = float(g_i) * inv_scale,
+//     or zeros in every u_i when any entry of any u_i is not finite (found_inf then true).
+
+uint16_t float_to_bfloat16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  if (std::isnan(f)) return static_cast<uint16_t>(((bits >> 16) & 0x8000) | 0x7FC0);  // ORT: the sign, a quiet NaN
+  bits += 0x7FFF + ((bits >> 16) & 1);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+uint16_t float_to_float16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000;
+  x &= 0x7FFFFFFF;
+  if (x > 0x7F800000) return static_cast<uint16_t>(sign | 0x7E00);  // NaN
+  if (x >= 0x477FF000) return static_cast<uint16_t>(sign | 0x7C00);  // rounds to infinity
+  if (x < 0x38800000) {  // a float16 subnormal or zero: round x * 2^24 to an integer, ties to even
+    float scaled;
+    const uint32_t ax = x;
+    std::memcpy(&scaled, &ax, 4);
+    scaled = std::nearbyint(scaled * 16777216.0f);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(scaled));
+  }
+  const uint32_t rounded = x + 0x0FFF + ((x >> 13) & 1) - 0x38000000;
+  return static_cast<uint16_t>(sign | (rounded >> 13));
+}
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16;
+  const uint32_t exp = (h >> 10) & 0x1F, mant = h & 0x3FF;
+  float out;
+  if (exp == 0) {
+    out = std::ldexp(static_cast<float>(mant), -24);
+    uint32_t bits;
+    std::memcpy(&bits, &out, 4);
+    bits |= sign;
+    std::memcpy(&out, &bits, 4);
+    return out;
+  }
+  const uint32_t bits = sign | (exp == 31 ? 0x7F800000 | (mant << 13) : ((exp + 112) << 23) | (mant << 13));
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+float load_cpu(const void* p, int type, size_t k) {
+  if (type == kTypeFloat16) return half_to_float(static_cast<const uint16_t*>(p)[k]);
+  if (type == kTypeBFloat16) {
+    const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[k]) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+  }
+  return static_cast<const float*>(p)[k];
+}
+
+void multi_cpu(int op, const MultiBatch& batch) {
+  if (op == kMultiUnscale) {
+    const float inv = *batch.scalars[0];
+    bool found = false;
+    for (int j = 0; j < batch.count; ++j)
+      for (size_t k = 0; k < batch.tensors[j].n && !found; ++k)
+        found = !std::isfinite(load_cpu(batch.tensors[j].in[0], batch.tensors[j].type, k) * inv);
+    *batch.found = found;
+    for (int j = 0; j < batch.count; ++j) {
+      const MultiTensor& t = batch.tensors[j];
+      float* u = static_cast<float*>(t.out[0]);
+      for (size_t k = 0; k < t.n; ++k) u[k] = found ? 0.0f : load_cpu(t.in[0], t.type, k) * inv;
+    }
+    return;
+  }
+  for (int j = 0; j < batch.count; ++j) {
+    const MultiTensor& t = batch.tensors[j];
+    if (op == kMultiAdamW) {
+      adamw_cpu(static_cast<const float*>(t.in[0]), static_cast<const float*>(t.in[1]), static_cast<const float*>(t.in[2]),
+                static_cast<const float*>(t.in[3]), batch.scalars, static_cast<float*>(t.out[0]),
+                static_cast<float*>(t.out[1]), static_cast<float*>(t.out[2]), t.n);
+      continue;
+    }
+    const float* x = static_cast<const float*>(t.in[0]);
+    uint16_t* y = static_cast<uint16_t*>(t.out[0]);
+    for (size_t k = 0; k < t.n; ++k) y[k] = op == kMultiCastBFloat16 ? float_to_bfloat16(x[k]) : float_to_float16(x[k]);
+  }
+}
+
+const char* multi_name(int op) {
+  static const char* names[] = {"MultiAdamWUpdate", "CastToBFloat16", "CastToFloat16", "UnscaleGradients"};
+  return names[op];
+}
+
+size_t input_count(OrtKernelContext* ctx) {
+  size_t n = 0;
+  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &n);
+  return n;
+}
+
+// The scalars (AdamW's seven, the unscale's inverse scale) ahead of the tensors.
+OrtStatus* read_scalars(OrtKernelContext* ctx, int op, size_t count, MultiBatch* batch) {
+  for (size_t i = 0; i < count; ++i) {
+    Tensor s;
+    if (OrtStatus* st = input(ctx, i, &s)) return st;
+    if (s.type != MPG_FLOAT || s.count != 1)
+      return status(std::string(multi_name(op)) + ": input " + std::to_string(i) + " is not a float32 scalar");
+    batch->scalars[i] = s.data;
+  }
+  return nullptr;
+}
+
+// One tensor of the batch: its inputs (``per`` of them from ``first``) and outputs.
+OrtStatus* read_tensor(OrtKernelContext* ctx, int op, size_t first, size_t per, size_t out_first, MultiTensor* t) {
+  Tensor in[4];
+  for (size_t k = 0; k < per; ++k) {
+    if (OrtStatus* st = input(ctx, first + k, &in[k])) return st;
+    const bool low_ok = op == kMultiUnscale && (in[k].type == MPG_FLOAT16 || in[k].type == MPG_BFLOAT16);
+    if (in[k].type != MPG_FLOAT && !low_ok)
+      return status(std::string(multi_name(op)) + ": input " + std::to_string(first + k) + " has an unsupported type");
+    if (in[k].count != in[0].count)
+      return status(std::string(multi_name(op)) + ": p, g, m and v differ in size (tensor at input " + std::to_string(first) + ")");
+    t->in[k] = in[k].data;
+  }
+  const size_t outs = op == kMultiAdamW ? 3 : 1;
+  for (size_t k = 0; k < outs; ++k) {
+    Tensor o;
+    if (OrtStatus* st = output(ctx, out_first + k, in[0].dims, &o)) return st;
+    t->out[k] = o.data;
+  }
+  t->n = in[0].count;
+  t->type = in[0].type;
+  return nullptr;
+}
+
+OrtStatus* multi_compute(void* kernel, OrtKernelContext* ctx, int op) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  const size_t scalars = op == kMultiAdamW ? 7 : op == kMultiUnscale ? 1 : 0;
+  const size_t per = op == kMultiAdamW ? 4 : 1, outs = op == kMultiAdamW ? 3 : 1;
+  const size_t inputs = input_count(ctx);
+  if (inputs < scalars + per || (inputs - scalars) % per != 0)
+    return status(std::string(multi_name(op)) + ": wrong number of inputs (" + std::to_string(inputs) + ")");
+  MultiBatch batch;
+  std::memset(&batch, 0, sizeof(batch));
+  if (OrtStatus* st = read_scalars(ctx, op, scalars, &batch)) return st;
+  std::vector<MultiTensor> tensors((inputs - scalars) / per);
+  const size_t out_first = op == kMultiUnscale ? 1 : 0;
+  for (size_t j = 0; j < tensors.size(); ++j)
+    if (OrtStatus* st = read_tensor(ctx, op, scalars + j * per, per, out_first + j * outs, &tensors[j])) return st;
+  batch.tensors = tensors.data();
+  batch.count = static_cast<int>(tensors.size());
+  if (op == kMultiUnscale) {
+    Tensor found;
+    if (OrtStatus* st = output(ctx, 0, std::vector<int64_t>{}, &found)) return st;
+    batch.found = reinterpret_cast<bool*>(found.data);
+  }
+  if (!cuda) {
+    multi_cpu(op, batch);
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
+  if (int err = mpg_multi_cuda(op, &batch, stream))
+    return status(std::string(multi_name(op)) + ": CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status(std::string(multi_name(op)) + ": this library was built without CUDA");
+#endif
+}
+
+OrtStatus* multi_adamw_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiAdamW); }
+OrtStatus* cast_bf16_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiCastBFloat16); }
+OrtStatus* cast_f16_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiCastFloat16); }
+OrtStatus* unscale_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiUnscale); }
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
 const char* kCuda = "CUDAExecutionProvider";
 
-enum Kind { kAdamW = 0, kLayerNormGrad = 1 };
+enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9 };
+
+// What ORT asks of an op: its formal inputs and outputs; a variadic formal is the last one.
+struct OpSpec {
+  const char* name;
+  size_t inputs, outputs;
+  int in_types[2];   // the first formal inputs' types are float; these are the last two's
+  int out_types[2];  // the same for outputs
+  bool variadic;     // the last input and the last output are variadic
+  int in_min, in_homogeneous, out_min;
+  OrtStatus* (*compute)(void*, OrtKernelContext*);
+};
+
+const OpSpec kSpecs[] = {
+    {"AdamWUpdate", 11, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adamw_compute},
+    {"LayerNormGrad", 5, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_compute},
+    {"MultiAdamWUpdate", 8, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, true, 4, 1, 3, multi_adamw_compute},
+    {"CastToBFloat16", 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_BFLOAT16, MPG_BFLOAT16}, true, 1, 1, 1, cast_bf16_compute},
+    {"CastToFloat16", 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT16, MPG_FLOAT16}, true, 1, 1, 1, cast_f16_compute},
+    {"UnscaleGradients", 2, 2, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_BOOL, MPG_FLOAT}, true, 1, 0, 1, unscale_compute},
+};
+constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 
 struct Op {
   MpgCustomOp base;
   bool cuda;
-  Kind kind;
+  const OpSpec* spec;
 };
 
-const Op* as_op(const MpgCustomOp* op) { return reinterpret_cast<const Op*>(op); }
-const char* op_name(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? "AdamWUpdate" : "LayerNormGrad"; }
-const char* op_provider(const MpgCustomOp* op) { return as_op(op)->cuda ? kCuda : kCpu; }
-int float_type(const MpgCustomOp*, size_t) { return MPG_FLOAT; }
-size_t op_inputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamInputs : 5; }
-size_t op_outputs(const MpgCustomOp* op) { return as_op(op)->kind == kAdamW ? kAdamOutputs : 3; }
+const OpSpec& spec_of(const MpgCustomOp* op) { return *reinterpret_cast<const Op*>(op)->spec; }
+const char* op_name(const MpgCustomOp* op) { return spec_of(op).name; }
+const char* op_provider(const MpgCustomOp* op) { return reinterpret_cast<const Op*>(op)->cuda ? kCuda : kCpu; }
+int typed(size_t index, size_t count, const int* last_two) {
+  return index + 2 >= count ? last_two[index + 2 - count] : MPG_FLOAT;
+}
+int input_type(const MpgCustomOp* op, size_t index) { return typed(index, spec_of(op).inputs, spec_of(op).in_types); }
+int output_type(const MpgCustomOp* op, size_t index) { return typed(index, spec_of(op).outputs, spec_of(op).out_types); }
+size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
+size_t op_outputs(const MpgCustomOp* op) { return spec_of(op).outputs; }
+int input_kind(const MpgCustomOp* op, size_t index) {
+  return spec_of(op).variadic && index + 1 == spec_of(op).inputs ? MPG_VARIADIC : MPG_REQUIRED;
+}
+int output_kind(const MpgCustomOp* op, size_t index) {
+  return spec_of(op).variadic && index + 1 == spec_of(op).outputs ? MPG_VARIADIC : MPG_REQUIRED;
+}
+int in_min(const MpgCustomOp* op) { return spec_of(op).in_min; }
+int in_homogeneous(const MpgCustomOp* op) { return spec_of(op).in_homogeneous; }
+int out_min(const MpgCustomOp* op) { return spec_of(op).out_min; }
+int one(const MpgCustomOp*) { return 1; }
 void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) { return nullptr; }
 void compute_v1(void*, OrtKernelContext*) {}
 void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
-int required(const MpgCustomOp*, size_t) { return 0; }
 int default_memory(const MpgCustomOp*, size_t) { return 0; }
-int one(const MpgCustomOp*) { return 1; }
-int zero(const MpgCustomOp*) { return 0; }
 OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** kernel) {
-  *kernel = new Kernel{as_op(op)->cuda};
+  *kernel = new Kernel{reinterpret_cast<const Op*>(op)->cuda, reinterpret_cast<const Op*>(op)->spec};
   return nullptr;
 }
+OrtStatus* compute(void* kernel, OrtKernelContext* ctx) { return static_cast<Kernel*>(kernel)->spec->compute(kernel, ctx); }
 int start_version(const MpgCustomOp*) { return 1; }
 int end_version(const MpgCustomOp*) { return 2147483647; }
 
-Op make_op(Kind kind, bool cuda) {
+Op make_op(const OpSpec* spec, bool cuda) {
   Op op;
   std::memset(&op, 0, sizeof(op));
   op.base.version = MPG_ORT_API_VERSION;
   op.base.CreateKernel = create_kernel_v1;
   op.base.GetName = op_name;
   op.base.GetExecutionProviderType = op_provider;
-  op.base.GetInputType = float_type;
+  op.base.GetInputType = input_type;
   op.base.GetInputTypeCount = op_inputs;
-  op.base.GetOutputType = float_type;
+  op.base.GetOutputType = output_type;
   op.base.GetOutputTypeCount = op_outputs;
   op.base.KernelCompute = compute_v1;
   op.base.KernelDestroy = destroy;
-  op.base.GetInputCharacteristic = required;
-  op.base.GetOutputCharacteristic = required;
+  op.base.GetInputCharacteristic = input_kind;
+  op.base.GetOutputCharacteristic = output_kind;
   op.base.GetInputMemoryType = default_memory;
-  op.base.GetVariadicInputMinArity = one;
-  op.base.GetVariadicInputHomogeneity = zero;
-  op.base.GetVariadicOutputMinArity = one;
-  op.base.GetVariadicOutputHomogeneity = zero;
+  op.base.GetVariadicInputMinArity = in_min;
+  op.base.GetVariadicInputHomogeneity = in_homogeneous;
+  op.base.GetVariadicOutputMinArity = out_min;
+  op.base.GetVariadicOutputHomogeneity = one;
   op.base.CreateKernelV2 = create_kernel;
-  op.base.KernelComputeV2 = kind == kAdamW ? adamw_compute : layernorm_grad_compute;
+  op.base.KernelComputeV2 = compute;
   op.base.InferOutputShapeFn = nullptr;
   op.base.GetStartVersion = start_version;
   op.base.GetEndVersion = end_version;
   op.cuda = cuda;
-  op.kind = kind;
+  op.spec = spec;
   return op;
 }
 
-Op g_ops[] = {
-    make_op(kAdamW, false), make_op(kLayerNormGrad, false),
+struct Ops {
+  Op ops[2 * kOpCount];
+  size_t count = 0;
+  Ops() {
+    for (size_t i = 0; i < kOpCount; ++i) ops[count++] = make_op(&kSpecs[i], false);
 #ifdef MPG_WITH_CUDA
-    make_op(kAdamW, true), make_op(kLayerNormGrad, true),
+    for (size_t i = 0; i < kOpCount; ++i) ops[count++] = make_op(&kSpecs[i], true);
 #endif
+  }
 };
+
+Ops g_ops;
 
 }  // namespace
 
@@ -291,8 +513,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   OrtCustomOpDomain* domain = nullptr;
   if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(api, kCreateCustomOpDomain)("ai.mpgraph", &domain)) return st;
   auto add = mpg_slot<OrtStatus* (*)(OrtCustomOpDomain*, const MpgCustomOp*)>(api, kCustomOpDomain_Add);
-  for (Op& op : g_ops)
-    if (OrtStatus* st = add(domain, &op.base)) return st;
+  for (size_t i = 0; i < g_ops.count; ++i)
+    if (OrtStatus* st = add(domain, &g_ops.ops[i].base)) return st;
   return mpg_slot<OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*)>(api, kAddCustomOpDomain)(options, domain);
 }
 
