@@ -232,5 +232,95 @@ def test_full_lowering_keeps_the_graph_sorted_and_valid():
         for value in node.inputs:
             assert value is None or value in seen or value.producer() is None, (node.name, value.name)
         seen.update(node.outputs)
-    for op in ("MultiAdamWUpdate", "CastToBFloat16", "LayerNormGrad", "FusedMatMul"):
+    for op in ("MultiAdamWUpdate", "CastToBFloat16", "LayerNormGradBias", "ErfGelu", "ErfGeluGrad", "FusedMatMul"):
         assert _count(step, op) >= 1, op
+
+
+# -- LayerNormGradBias with a low-precision dy --------------------------------------------
+
+
+def _layernorm_f16_model() -> ir.Model:
+    """loss = sum(float(float16(LayerNorm(x, w, b)) * r)): the LayerNorm's dy arrives as float16
+    and is cast to float32 for its backward, as in a float16-converted transformer."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal(24).astype(np.float32), n) for n in ("w", "b")]
+    inits.append(numpy_helper.from_array(rng.standard_normal(24).astype(np.float16), "r"))
+    inits.append(numpy_helper.from_array(rng.standard_normal((2, 5, 24)).astype(np.float32), "x"))
+    nodes = [helper.make_node("LayerNormalization", ["x", "w", "b"], ["y"], axis=-1, epsilon=1e-5),
+             helper.make_node("Cast", ["y"], ["y16"], to=TensorProto.FLOAT16),
+             helper.make_node("Mul", ["y16", "r"], ["z16"]),
+             helper.make_node("Cast", ["z16"], ["z"], to=TensorProto.FLOAT),
+             helper.make_node("ReduceSum", ["z"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "ln16", [], [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8))
+
+
+def test_layernorm_grad_reads_a_float16_dy_and_makes_the_bias_gradient():
+    grads = build_training_graph(_layernorm_f16_model(), optimizer=None)
+    lowered = _copy(grads)
+    kernels.lower(lowered)
+    node = next(n for n in lowered.graph if n.op_type == "LayerNormGradBias")
+    assert node.inputs[0].dtype == ir.DataType.FLOAT16  # the cast to float32 is folded into the kernel
+    assert _count(lowered, "ReduceSum") == _count(grads, "ReduceSum") - 2  # dscale and dbias
+    plain, low = _run(grads), _run(lowered)
+    for name, value in plain.items():
+        np.testing.assert_allclose(low[name], value, rtol=0, atol=2e-6 * max(float(np.max(np.abs(value))), 1e-6), err_msg=name)
+
+
+# -- ErfGelu, SoftmaxGradDot, fold_scales -------------------------------------------------
+
+
+def _agree(plain: dict[str, np.ndarray], low: dict[str, np.ndarray], tol: float) -> None:
+    for name, value in plain.items():
+        np.testing.assert_allclose(low[name], value, rtol=0, atol=tol * max(float(np.max(np.abs(value))), 1e-6), err_msg=name)
+
+
+def test_gelu_and_its_backward_become_two_nodes():
+    """The zoo GPT's two erf GELUs (5 forward ops) and their rule's backward (6 ops): one
+    ErfGelu and one ErfGeluGrad each; gradients agree (the CPU kernel's erf is libm's, ORT
+    CPU's is MLAS's own)."""
+    from mpgraph.kernels.gelu import fuse_gelu
+
+    grads = build_training_graph(GPT, optimizer=None)
+    fused = _copy(grads)
+    assert fuse_gelu(fused) == 4
+    assert _count(fused, "Erf") == _count(fused, "Exp") - _count(grads, "Exp") + 2 == 0
+    assert len(list(fused.graph)) == len(list(grads.graph)) - 2 * (5 + 6 - 2)
+    _agree(_run(grads), _run(fused), 1e-6)
+
+
+def test_attention_softmax_backward_becomes_one_node():
+    from mpgraph.kernels.softmax import fuse_softmax_grad
+
+    grads = build_training_graph(GPT, optimizer=None)
+    fused = _copy(grads)
+    assert fuse_softmax_grad(fused) == 2
+    node = next(n for n in fused.graph if n.op_type == "SoftmaxGradDot")
+    assert node.inputs[1].producer().op_type == "Softmax"
+    _agree(_run(grads), _run(fused), 1e-6)
+
+
+def test_power_of_two_scales_fold_into_matmul_alpha_exactly():
+    """The attention's 1/sqrt(16) = 0.25 forward and backward: folded, same bits on CPU; a
+    scale of 0.3 would round differently and stays a Mul."""
+    from mpgraph.kernels.transpose import fold_scales
+
+    grads = build_training_graph(GPT, optimizer=None)
+    folded = _copy(grads)
+    fold_transposes(folded, "cpu")
+    muls = _count(folded, "Mul")
+    assert fold_scales(folded, "cpu") == 4 and _count(folded, "Mul") == muls - 4
+    alphas = {n.attributes["alpha"].as_float() for n in folded.graph if n.op_type == "FusedMatMul"}
+    assert 0.25 in alphas
+    plain, low = _run(grads), _run(folded)
+    for name, value in plain.items():
+        assert np.array_equal(value, low[name]), name
+    odd = _copy(grads)
+    for node in odd.graph:
+        if node.op_type == "Mul" and any(v is not None and v.const_value is not None and v.const_value.numpy().size == 1
+                                         and float(v.const_value.numpy()) == 0.25 for v in node.inputs):
+            const = next(v for v in node.inputs if v.const_value is not None)
+            const.const_value = ir.tensor(np.array(0.3, np.float32), name=const.name)
+    assert fold_scales(odd, "cpu") == 0

@@ -317,17 +317,39 @@ def _match_layernorm_dscale(mul4: ir.Node, rank: int, outputs: set[ir.Value]) ->
     m4_readers = _uses(mul4.outputs[0], outputs)
     if m4_readers is None or len(m4_readers) != 1 or m4_readers[0].op_type != "ReduceSum":
         return None
-    rsum = m4_readers[0]
-    axes = _consts(rsum.inputs[1]) if len(rsum.inputs) > 1 else None
-    keep = rsum.attributes.get("keepdims")
-    if axes is None or sorted(a % rank for a in axes) != list(range(rank - 1)) or keep is None or keep.as_int() != 0:
+    return [m4_readers[0]] if _sums_leading_axes(m4_readers[0], rank) else None
+
+
+def _sums_leading_axes(node: ir.Node, rank: int) -> bool:
+    """``node`` is ``ReduceSum(v, all axes but the last, keepdims=0)``."""
+    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
+        return False
+    axes = _consts(node.inputs[1]) if len(node.inputs) > 1 else None
+    keep = node.attributes.get("keepdims")
+    return axes is not None and sorted(a % rank for a in axes) == list(range(rank - 1)) and keep is not None and keep.as_int() == 0
+
+
+def _bias_grad(dy: ir.Value, chain: list[ir.Node], rank: int, outputs: set[ir.Value]) -> tuple | None:
+    """``dbias = ReduceSum(dy, leading axes, keepdims=0)`` when the chain and it are dy's only
+    readers: ``(reduce, dy to read, cast to drop or None)``; a float16/bfloat16 ``dy`` cast to
+    float32 just for these readers is read as it is (the kernel converts on load)."""
+    members = {id(n) for n in chain}
+    others = list({id(u.node): u.node for u in dy.uses() if id(u.node) not in members}.values())
+    if len(others) != 1 or not _sums_leading_axes(others[0], rank) or dy in outputs or others[0].inputs[0] is not dy:
         return None
-    return [rsum]
+    reduce = others[0]
+    cast = _producer(dy, "Cast")
+    low = cast.inputs[0] if cast is not None else None
+    if low is not None and low.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        return reduce, low, cast
+    return reduce, dy, None
 
 
 def fuse_layernorm_grad(model: ir.Model) -> int:
     """Fuse every matching float32 LayerNormalization backward (over the last axis) in
-    ``model``'s main graph, in place; how many became ``LayerNormGrad`` nodes."""
+    ``model``'s main graph, in place; how many became ``LayerNormGrad`` nodes (or
+    ``LayerNormGradBias``, which also makes the bias gradient ``ReduceSum(dy)`` and reads a
+    float16/bfloat16 ``dy`` before its cast)."""
     graph = model.graph
     outputs = set(graph.outputs)
     forward: dict[ir.Value, ir.Node] = {}
@@ -348,15 +370,22 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
             mean.name = f"{chain[0].name}/mean"
         if mean.dtype is None:
             mean.type, mean.shape = ir.TensorType(ir.DataType.FLOAT), inputs[4].shape
-        new = ir.Node(DOMAIN, "LayerNormGrad", inputs, num_outputs=3, name=f"{node.name}/LayerNormGrad",
+        bias = _bias_grad(inputs[0], chain, len(inputs[1].shape), outputs)
+        olds: tuple[ir.Value, ...] = (dx, dscale)
+        if bias is not None:
+            reduce, inputs[0], cast = bias
+            chain += [reduce] + ([cast] if cast is not None else [])
+            olds = (dx, dscale, reduce.outputs[0])
+        op = "LayerNormGradBias" if bias is not None else "LayerNormGrad"
+        new = ir.Node(DOMAIN, op, inputs, num_outputs=len(olds) + 1, name=f"{node.name}/{op}",
                       metadata_props=dict(node.metadata_props))
-        # The third output is the kernel's workspace (dscale's partial sums): nothing reads it.
-        new.outputs[2].name = f"{node.name}/LayerNormGrad/workspace"
-        new.outputs[2].type = ir.TensorType(ir.DataType.FLOAT)
+        # The last output is the kernel's workspace (the column sums' partials): nothing reads it.
+        new.outputs[-1].name = f"{node.name}/{op}/workspace"
+        new.outputs[-1].type = ir.TensorType(ir.DataType.FLOAT)
         # Before the chain's first node: every input is computed by then (dy is read by the
         # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
         members = set(map(id, chain))
-        _replace(graph, chain, new, (dx, dscale), before=next(n for n in graph if id(n) in members))
+        _replace(graph, chain, new, olds, before=next(n for n in graph if id(n) in members))
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

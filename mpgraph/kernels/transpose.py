@@ -12,15 +12,26 @@ operand of each of its two products. On ONNX Runtime each is a kernel that copie
 - ``Transpose(Gemm(A, B))`` without a bias becomes ``Gemm(B, A)`` with both flags flipped
   (``(AB)^T = B^T A^T``), the weight gradient of a ``MatMul(x, Transpose(W))``.
 
-Each is exact algebra on the same BLAS call; a transpose no longer read is removed. Like the
-other lowerings in this package it rewrites a session's copy; saved graphs keep standard ops.
+Each is exact algebra on the same BLAS call; a transpose no longer read is removed.
+
+``fold_scales`` moves a multiplication by a power-of-two constant into the ``alpha`` of the
+matmuls around it: the attention's ``Mul(QK^T, 1/sqrt(d))`` (d a power of four) into the
+product before it, and the same Mul's backward into the two products after it. Scaling by a
+power of two is exact, so the results are the same bits (outside float overflow/underflow).
+
+Like the other lowerings in this package these rewrite a session's copy; saved graphs keep
+standard ops.
 """
 
 from __future__ import annotations
 
+import math
+
 import onnx_ir as ir
 
-__all__ = ["fold_transposes"]
+from mpgraph.kernels.fuse import _constant
+
+__all__ = ["fold_scales", "fold_transposes"]
 
 MS_DOMAIN = "com.microsoft"
 _LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
@@ -144,3 +155,78 @@ def fold_transposes(model: ir.Model, provider: str = "cuda") -> int:
     if removed:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     return removed
+
+
+def _power_of_two(value: ir.Value | None) -> float | None:
+    array = _constant(value)
+    if array is None or array.size != 1:
+        return None
+    c = float(array.reshape(-1)[0])
+    return c if c != 0 and math.isfinite(c) and abs(math.frexp(c)[0]) == 0.5 else None
+
+
+def _as_fused(graph: ir.Graph, node: ir.Node) -> ir.Node:
+    """``node`` itself when it is a ``FusedMatMul``; a plain ``MatMul`` becomes one (alpha 1)."""
+    if node.op_type == "FusedMatMul":
+        return node
+    fused = ir.Node(MS_DOMAIN, "FusedMatMul", list(node.inputs), name=f"{node.name}/FusedMatMul",
+                    attributes=[ir.AttrFloat32("alpha", 1.0), ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 0)],
+                    metadata_props=dict(node.metadata_props))
+    _swap_in(graph, node, fused)
+    return fused
+
+
+def _scale_alpha(node: ir.Node, c: float) -> None:
+    alpha = node.attributes.get("alpha")
+    node.attributes["alpha"] = ir.AttrFloat32("alpha", (alpha.as_float() if alpha is not None else 1.0) * c)
+
+
+def _is_matmul(node: ir.Node | None) -> bool:
+    return node is not None and ((node.op_type == "MatMul" and node.domain in ("", "ai.onnx"))
+                                 or (node.op_type == "FusedMatMul" and node.domain == MS_DOMAIN))
+
+
+def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Value]) -> bool:
+    for slot in (0, 1):
+        v, c = mul.inputs[slot], _power_of_two(mul.inputs[1 - slot])
+        out = mul.outputs[0]
+        if v is None or c is None or not _foldable_type(v, provider) or out.dtype != v.dtype or out in outputs:
+            continue
+        producer = v.producer()
+        if _is_matmul(producer) and len(v.uses()) == 1 and v not in outputs:
+            fused = _as_fused(graph, producer)  # type: ignore[arg-type]
+            _scale_alpha(fused, c)
+            v = fused.outputs[0]
+        elif out.uses() and all(_is_matmul(u.node) for u in out.uses()):
+            for reader in list({id(u.node): u.node for u in out.uses()}.values()):
+                fused = _as_fused(graph, reader)
+                for i, x in enumerate(fused.inputs):
+                    if x is out:
+                        fused.replace_input_with(i, v)
+                _scale_alpha(fused, c)
+            graph.remove(mul, safe=True)
+            return True
+        else:
+            continue
+        keep = mul.outputs[0]
+        keep.replace_all_uses_with(v)
+        name = keep.name
+        keep.name = None
+        v.name = name
+        graph.remove(mul, safe=True)
+        return True
+    return False
+
+
+def fold_scales(model: ir.Model, provider: str = "cuda") -> int:
+    """Fold multiplications by power-of-two constants into neighbouring matmuls' ``alpha``
+    (``FusedMatMul``), in place; how many ``Mul`` nodes were removed."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    folded = 0
+    for node in list(graph):
+        if node.graph is not None and node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
+            folded += _fold_scale(graph, node, provider, outputs)
+    if folded:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return folded

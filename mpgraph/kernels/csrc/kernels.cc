@@ -73,9 +73,9 @@ OrtStatus* output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t
 
 #ifdef MPG_WITH_CUDA
 extern "C" size_t mpg_layernorm_grad_chunks(size_t rows);
-extern "C" int mpg_layernorm_grad_cuda(const float* dy, const float* x, const float* scale, const float* mean,
-                                       const float* inv_std, float* dx, float* dscale, float* partial, size_t rows,
-                                       size_t cols, void* stream);
+extern "C" int mpg_layernorm_grad_cuda(int dy_type, const void* dy, const float* x, const float* scale,
+                                       const float* mean, const float* inv_std, float* dx, float* dscale, float* dbias,
+                                       float* partial, size_t rows, size_t cols, void* stream);
 extern "C" int mpg_adamw_cuda(const float* p, const float* g, const float* m, const float* v, const float* const* scalars,
                               float* p_out, float* m_out, float* v_out, size_t n, void* stream);
 #endif
@@ -141,11 +141,20 @@ OrtStatus* adamw_compute(void* kernel, OrtKernelContext* ctx) {
 #endif
 }
 
-void layernorm_grad_cpu(const float* dy, const float* x, const float* scale, const float* mean, const float* inv_std,
-                        float* dx, float* dscale, size_t rows, size_t cols) {
+float load_cpu(const void* p, int type, size_t k);  // float, float16 or bfloat16 element k, as float
+
+// LayerNormGrad(dy, x, scale, mean, inv_std) -> (dx, dscale, workspace), dy float32;
+// LayerNormGradBias: the same with dbias = ReduceSum(dy) over the leading axes, and dy float32,
+// float16 or bfloat16 (the cast to float32 before it in the graph happens on load):
+// -> (dx, dscale, dbias, workspace).
+void layernorm_grad_cpu(const Tensor& dy, const float* x, const float* scale, const float* mean, const float* inv_std,
+                        float* dx, float* dscale, float* dbias, size_t rows, size_t cols) {
   for (size_t j = 0; j < cols; ++j) dscale[j] = 0.0f;
+  if (dbias)
+    for (size_t j = 0; j < cols; ++j) dbias[j] = 0.0f;
+  std::vector<float> dyr(cols);
   for (size_t r = 0; r < rows; ++r) {
-    const float* dyr = dy + r * cols;
+    for (size_t j = 0; j < cols; ++j) dyr[j] = load_cpu(dy.data, dy.type, r * cols + j);
     const float* xr = x + r * cols;
     const float mu = mean[r], rs = inv_std[r];
     float s1 = 0.0f, s2 = 0.0f;
@@ -155,6 +164,7 @@ void layernorm_grad_cpu(const float* dy, const float* x, const float* scale, con
       s1 += dxhat;
       s2 += dxhat * xhat;
       dscale[j] += dyr[j] * xhat;
+      if (dbias) dbias[j] += dyr[j];
     }
     const float m1 = s1 / static_cast<float>(cols), m2 = s2 / static_cast<float>(cols);
     float* dxr = dx + r * cols;
@@ -166,44 +176,53 @@ void layernorm_grad_cpu(const float* dy, const float* x, const float* scale, con
   }
 }
 
-OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx, bool bias) {
   const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  const std::string name = bias ? "LayerNormGradBias" : "LayerNormGrad";
   Tensor t[5];
   for (size_t i = 0; i < 5; ++i) {
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
-    if (t[i].type != MPG_FLOAT) return status("LayerNormGrad: input " + std::to_string(i) + " is not float32");
+    const bool low_dy = bias && i == 0 && (t[i].type == MPG_FLOAT16 || t[i].type == MPG_BFLOAT16);
+    if (t[i].type != MPG_FLOAT && !low_dy) return status(name + ": input " + std::to_string(i) + " has an unsupported type");
   }
   const Tensor &dy = t[0], &x = t[1], &scale = t[2], &mean = t[3], &inv_std = t[4];
-  if (x.dims.empty()) return status("LayerNormGrad: x is a scalar");
+  if (x.dims.empty()) return status(name + ": x is a scalar");
   const size_t cols = static_cast<size_t>(x.dims.back());
   const size_t rows = cols ? x.count / cols : 0;
   if (dy.count != x.count || scale.count != cols || mean.count != rows || inv_std.count != rows)
-    return status("LayerNormGrad: dy, x, scale, mean and inv_std disagree in size");
-  Tensor dx, dscale, workspace;
+    return status(name + ": dy, x, scale, mean and inv_std disagree in size");
+  Tensor dx, dscale, dbias, workspace;
+  const std::vector<int64_t> vec{static_cast<int64_t>(cols)};
   if (OrtStatus* st = output(ctx, 0, x.dims, &dx)) return st;
-  if (OrtStatus* st = output(ctx, 1, std::vector<int64_t>{static_cast<int64_t>(cols)}, &dscale)) return st;
+  if (OrtStatus* st = output(ctx, 1, vec, &dscale)) return st;
+  if (bias)
+    if (OrtStatus* st = output(ctx, 2, vec, &dbias)) return st;
   size_t chunks = 0;
 #ifdef MPG_WITH_CUDA
-  if (cuda) chunks = mpg_layernorm_grad_chunks(rows);
+  if (cuda) chunks = mpg_layernorm_grad_chunks(rows) * (bias ? 2 : 1);
 #endif
-  if (OrtStatus* st = output(ctx, 2, std::vector<int64_t>{static_cast<int64_t>(chunks), static_cast<int64_t>(cols)}, &workspace))
+  if (OrtStatus* st = output(ctx, bias ? 3 : 2, std::vector<int64_t>{static_cast<int64_t>(chunks), static_cast<int64_t>(cols)}, &workspace))
     return st;
   if (x.count == 0) return nullptr;
   if (!cuda) {
-    layernorm_grad_cpu(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, rows, cols);
+    layernorm_grad_cpu(dy, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, bias ? dbias.data : nullptr,
+                       rows, cols);
     return nullptr;
   }
 #ifdef MPG_WITH_CUDA
   void* stream = nullptr;
   if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_layernorm_grad_cuda(dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data,
-                                        workspace.data, rows, cols, stream))
-    return status("LayerNormGrad: CUDA launch failed with error " + std::to_string(err));
+  if (int err = mpg_layernorm_grad_cuda(dy.type, dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data,
+                                        dscale.data, bias ? dbias.data : nullptr, workspace.data, rows, cols, stream))
+    return status(name + ": CUDA launch failed with error " + std::to_string(err));
   return nullptr;
 #else
-  return status("LayerNormGrad: this library was built without CUDA");
+  return status(name + ": this library was built without CUDA");
 #endif
 }
+
+OrtStatus* layernorm_grad_plain(void* k, OrtKernelContext* c) { return layernorm_grad_compute(k, c, false); }
+OrtStatus* layernorm_grad_bias(void* k, OrtKernelContext* c) { return layernorm_grad_compute(k, c, true); }
 
 // -- multi-tensor ops (multi.h; CUDA in multi.cu) ---------------------------------------------
 //
@@ -257,7 +276,7 @@ float half_to_float(uint16_t h) {
   return out;
 }
 
-float load_cpu(const void* p, int type, size_t k) {
+float load_cpu(const void* p, int type, size_t k) {  // declared above the LayerNorm kernels
   if (type == kTypeFloat16) return half_to_float(static_cast<const uint16_t*>(p)[k]);
   if (type == kTypeBFloat16) {
     const uint32_t bits = static_cast<uint32_t>(static_cast<const uint16_t*>(p)[k]) << 16;
@@ -384,6 +403,122 @@ OrtStatus* cast_bf16_compute(void* k, OrtKernelContext* c) { return multi_comput
 OrtStatus* cast_f16_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiCastFloat16); }
 OrtStatus* unscale_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiUnscale); }
 
+// -- ErfGelu / ErfGeluGrad (CUDA in gelu.cu) --------------------------------------------------
+//
+// ErfGelu(x, div, one, half) -> y: y = x * (half * (erf(x / div) + one))
+// ErfGeluGrad(dy, x, div, one, half, k) -> dx: dx = dy * (cdf + (s / exp(s * s)) * k), with
+//     s = x / div and cdf = half * (erf(s) + one) recomputed from x.
+// The erf GELU the torch exporters write and mpgraph's autodiff rule differentiates, in float32,
+// float16 or bfloat16 (the scalars are of x's type; each step rounds to it). CPU: float32.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_gelu_cuda(int type, const void* dy, const void* x, void* out, size_t n, const void* const* consts,
+                             void* stream);
+#endif
+
+void gelu_cpu(const float* dy, const float* x, float* out, size_t n, const float* const* c) {
+  const float div = *c[0], one = *c[1], half = *c[2], k = dy ? *c[3] : 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float s = x[i] / div;
+    const float cdf = half * (std::erf(s) + one);
+    if (!dy) {
+      out[i] = x[i] * cdf;
+      continue;
+    }
+    const float ex = std::exp(s * s);
+    out[i] = dy[i] * (cdf + (s / ex) * k);
+  }
+}
+
+OrtStatus* gelu_compute(void* kernel, OrtKernelContext* ctx, bool grad) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  const char* name = grad ? "ErfGeluGrad" : "ErfGelu";
+  const size_t count = grad ? 6 : 4, first = grad ? 1 : 0;
+  Tensor t[6];
+  for (size_t i = 0; i < count; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  for (size_t i = 0; i < count; ++i)
+    if (t[i].type != t[first].type) return status(std::string(name) + ": inputs differ in type");
+  const Tensor& x = t[first];
+  if (grad && t[0].count != x.count) return status("ErfGeluGrad: dy and x differ in size");
+  for (size_t i = first + 1; i < count; ++i)
+    if (t[i].count != 1) return status(std::string(name) + ": input " + std::to_string(i) + " is not a scalar");
+  Tensor out;
+  if (OrtStatus* st = output(ctx, 0, x.dims, &out)) return st;
+  if (x.count == 0) return nullptr;
+  const void* consts[4] = {t[first + 1].data, t[first + 2].data, t[first + 3].data, grad ? t[5].data : nullptr};
+  if (!cuda) {
+    if (x.type != MPG_FLOAT) return status(std::string(name) + ": the CPU kernel is float32 only");
+    gelu_cpu(grad ? t[0].data : nullptr, x.data, out.data, x.count, reinterpret_cast<const float* const*>(consts));
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
+  if (int err = mpg_gelu_cuda(x.type, grad ? t[0].data : nullptr, x.data, out.data, x.count, consts, stream))
+    return status(std::string(name) + ": CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status(std::string(name) + ": this library was built without CUDA");
+#endif
+}
+
+OrtStatus* gelu_forward_compute(void* k, OrtKernelContext* c) { return gelu_compute(k, c, false); }
+OrtStatus* gelu_grad_compute(void* k, OrtKernelContext* c) { return gelu_compute(k, c, true); }
+
+// -- SoftmaxGradDot (CUDA in softmax.cu) ---------------------------------------------------
+//
+// SoftmaxGradDot(dP, P, dO, O) -> dS: the backward of P = Softmax(S) over the last axis, for an
+// attention whose output is O = P V, written with sum_j dP_ij P_ij = sum_d dO_id O_id (mpgraph's
+// autodiff rule for this pattern): dS = P * (dP - delta), delta_i = sum_d dO_id * O_id summed in
+// float then rounded to T. P and dP are [..., rows, keys]; dO and O [..., rows, dim]. CPU: float32.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_softmax_grad_dot_cuda(int type, const void* dp, const void* p, const void* dout, const void* out,
+                                         void* ds, size_t rows, size_t keys, size_t dim, void* stream);
+#endif
+
+void softmax_grad_dot_cpu(const float* dp, const float* p, const float* dout, const float* out, float* ds, size_t rows,
+                          size_t keys, size_t dim) {
+  for (size_t r = 0; r < rows; ++r) {
+    float delta = 0.0f;
+    for (size_t j = 0; j < dim; ++j) delta += dout[r * dim + j] * out[r * dim + j];
+    for (size_t j = 0; j < keys; ++j) ds[r * keys + j] = p[r * keys + j] * (dp[r * keys + j] - delta);
+  }
+}
+
+OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor t[4];
+  for (size_t i = 0; i < 4; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  const Tensor &dp = t[0], &p = t[1], &dout = t[2], &out = t[3];
+  for (size_t i = 1; i < 4; ++i)
+    if (t[i].type != dp.type) return status("SoftmaxGradDot: inputs differ in type");
+  if (p.dims.empty() || out.dims.empty()) return status("SoftmaxGradDot: P or O is a scalar");
+  const size_t keys = static_cast<size_t>(p.dims.back()), dim = static_cast<size_t>(out.dims.back());
+  const size_t rows = keys ? p.count / keys : 0;
+  if (dp.count != p.count || dout.count != out.count || (dim ? out.count / dim : 0) != rows)
+    return status("SoftmaxGradDot: dP, P, dO and O disagree in size");
+  Tensor ds;
+  if (OrtStatus* st = output(ctx, 0, p.dims, &ds)) return st;
+  if (p.count == 0) return nullptr;
+  if (!cuda) {
+    if (p.type != MPG_FLOAT) return status("SoftmaxGradDot: the CPU kernel is float32 only");
+    softmax_grad_dot_cpu(dp.data, p.data, dout.data, out.data, ds.data, rows, keys, dim);
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
+  if (int err = mpg_softmax_grad_dot_cuda(p.type, dp.data, p.data, dout.data, out.data, ds.data, rows, keys, dim, stream))
+    return status("SoftmaxGradDot: CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status("SoftmaxGradDot: this library was built without CUDA");
+#endif
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -394,6 +529,8 @@ enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9 };
 // What ORT asks of an op: its formal inputs and outputs; a variadic formal is the last one.
 struct OpSpec {
   const char* name;
+  int elem;          // nonzero: every input and output has this type (one registration per type)
+  bool cuda_only;
   size_t inputs, outputs;
   int in_types[2];   // the first formal inputs' types are float; these are the last two's
   int out_types[2];  // the same for outputs
@@ -403,12 +540,22 @@ struct OpSpec {
 };
 
 const OpSpec kSpecs[] = {
-    {"AdamWUpdate", 11, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adamw_compute},
-    {"LayerNormGrad", 5, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_compute},
-    {"MultiAdamWUpdate", 8, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, true, 4, 1, 3, multi_adamw_compute},
-    {"CastToBFloat16", 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_BFLOAT16, MPG_BFLOAT16}, true, 1, 1, 1, cast_bf16_compute},
-    {"CastToFloat16", 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT16, MPG_FLOAT16}, true, 1, 1, 1, cast_f16_compute},
-    {"UnscaleGradients", 2, 2, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_BOOL, MPG_FLOAT}, true, 1, 0, 1, unscale_compute},
+    {"AdamWUpdate", 0, false, 11, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adamw_compute},
+    {"LayerNormGrad", 0, false, 5, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_plain},
+    {"LayerNormGradBias", 0, false, 5, 4, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_bias},
+    {"MultiAdamWUpdate", 0, false, 8, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, true, 4, 1, 3, multi_adamw_compute},
+    {"CastToBFloat16", 0, false, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_BFLOAT16, MPG_BFLOAT16}, true, 1, 1, 1, cast_bf16_compute},
+    {"CastToFloat16", 0, false, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT16, MPG_FLOAT16}, true, 1, 1, 1, cast_f16_compute},
+    {"UnscaleGradients", 0, false, 2, 2, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_BOOL, MPG_FLOAT}, true, 1, 0, 1, unscale_compute},
+    {"ErfGelu", MPG_FLOAT, false, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGelu", MPG_FLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGelu", MPG_BFLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGeluGrad", MPG_FLOAT, false, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"ErfGeluGrad", MPG_FLOAT16, true, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"ErfGeluGrad", MPG_BFLOAT16, true, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"SoftmaxGradDot", MPG_FLOAT, false, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"SoftmaxGradDot", MPG_FLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"SoftmaxGradDot", MPG_BFLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
 };
 constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 
@@ -424,8 +571,13 @@ const char* op_provider(const MpgCustomOp* op) { return reinterpret_cast<const O
 int typed(size_t index, size_t count, const int* last_two) {
   return index + 2 >= count ? last_two[index + 2 - count] : MPG_FLOAT;
 }
-int input_type(const MpgCustomOp* op, size_t index) { return typed(index, spec_of(op).inputs, spec_of(op).in_types); }
-int output_type(const MpgCustomOp* op, size_t index) { return typed(index, spec_of(op).outputs, spec_of(op).out_types); }
+int input_type(const MpgCustomOp* op, size_t index) {
+  if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
+  return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
+}
+int output_type(const MpgCustomOp* op, size_t index) {
+  return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).outputs, spec_of(op).out_types);
+}
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
 size_t op_outputs(const MpgCustomOp* op) { return spec_of(op).outputs; }
 int input_kind(const MpgCustomOp* op, size_t index) {
@@ -484,7 +636,8 @@ struct Ops {
   Op ops[2 * kOpCount];
   size_t count = 0;
   Ops() {
-    for (size_t i = 0; i < kOpCount; ++i) ops[count++] = make_op(&kSpecs[i], false);
+    for (size_t i = 0; i < kOpCount; ++i)
+      if (!kSpecs[i].cuda_only) ops[count++] = make_op(&kSpecs[i], false);
 #ifdef MPG_WITH_CUDA
     for (size_t i = 0; i < kOpCount; ++i) ops[count++] = make_op(&kSpecs[i], true);
 #endif

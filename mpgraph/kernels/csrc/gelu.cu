@@ -1,0 +1,100 @@
+// The CUDA side of ErfGelu and ErfGeluGrad (see kernels.cc): the erf GELU's forward (5 ONNX
+// ops) and backward (6 ops) in one pass each. Every step rounds to the element type T as the
+// separate ops' outputs do (each ORT elementwise kernel computes in float and stores T), so the
+// results equal the ops they replace; the backward recomputes the forward's intermediates from
+// x instead of reading them back.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include "multi.h"
+
+namespace {
+
+template <typename T> __device__ __forceinline__ float to_f(T v);
+template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
+template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+template <typename T> __device__ __forceinline__ T from_f(float v);
+template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
+template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// A float rounded to T and back: what a T-typed op's output holds.
+template <typename T> __device__ __forceinline__ float r(float v) { return to_f<T>(from_f<T>(v)); }
+
+struct Consts {
+  float div, one, half, k;
+};
+
+// The four T-typed scalars (device pointers; the backward's k may be absent in the forward).
+template <typename T> struct ConstPtrs {
+  const T* p[4];
+};
+
+template <typename T> __device__ __forceinline__ Consts load(const ConstPtrs<T>& cp) {
+  return Consts{to_f<T>(*cp.p[0]), to_f<T>(*cp.p[1]), to_f<T>(*cp.p[2]), cp.p[3] ? to_f<T>(*cp.p[3]) : 0.0f};
+}
+
+// s = x / div; cdf = half * (erf(s) + one), each rounded to T.
+template <typename T> __device__ __forceinline__ void forward(float x, const Consts& c, float* s, float* cdf) {
+  *s = r<T>(__fdiv_rn(x, c.div));
+  const float e = r<T>(erff(*s));
+  *cdf = r<T>(__fmul_rn(c.half, r<T>(__fadd_rn(e, c.one))));
+}
+
+template <typename T>
+__global__ void gelu_kernel(const T* __restrict__ x, T* __restrict__ y, size_t n, ConstPtrs<T> cp) {
+  const Consts c = load<T>(cp);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float xi = to_f<T>(x[i]);
+    float s, cdf;
+    forward<T>(xi, c, &s, &cdf);
+    y[i] = from_f<T>(__fmul_rn(xi, cdf));
+  }
+}
+
+// dx = dy * (cdf + (s / exp(s * s)) * k), each rounded to T.
+template <typename T>
+__global__ void gelu_grad_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, size_t n,
+                                 ConstPtrs<T> cp) {
+  const Consts c = load<T>(cp);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    float s, cdf;
+    forward<T>(to_f<T>(x[i]), c, &s, &cdf);
+    const float ex = r<T>(expf(r<T>(__fmul_rn(s, s))));
+    const float tail = r<T>(__fmul_rn(r<T>(__fdiv_rn(s, ex)), c.k));
+    dx[i] = from_f<T>(__fmul_rn(to_f<T>(dy[i]), r<T>(__fadd_rn(cdf, tail))));
+  }
+}
+
+unsigned blocks_for(size_t n) {
+  size_t b = (n + 255) / 256;
+  if (b > 8192) b = 8192;
+  return b ? (unsigned)b : 1u;
+}
+
+template <typename T>
+int launch(const void* dy, const void* x, void* out, size_t n, const void* const* consts, cudaStream_t stream) {
+  ConstPtrs<T> c;
+  for (int i = 0; i < 4; ++i) c.p[i] = static_cast<const T*>(consts[i]);
+  if (dy == nullptr)
+    gelu_kernel<T><<<blocks_for(n), 256, 0, stream>>>(static_cast<const T*>(x), static_cast<T*>(out), n, c);
+  else
+    gelu_grad_kernel<T><<<blocks_for(n), 256, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                          static_cast<T*>(out), n, c);
+  return (int)cudaGetLastError();
+}
+
+}  // namespace
+
+// ``dy`` null: the forward (out = y); else the backward (out = dx). ``consts``: device pointers
+// to the T-typed scalars div, one, half and k (k null in the forward).
+extern "C" int mpg_gelu_cuda(int type, const void* dy, const void* x, void* out, size_t n, const void* const* consts,
+                             void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (type == kTypeBFloat16) return launch<__nv_bfloat16>(dy, x, out, n, consts, s);
+  if (type == kTypeFloat16) return launch<__half>(dy, x, out, n, consts, s);
+  return launch<float>(dy, x, out, n, consts, s);
+}
