@@ -1,8 +1,10 @@
 """mpgraph's kernel lowering on exports of models we did not write, on ORT's CPU provider.
 
 For transformers' GPT-2, BERT and ViT (random init from small configs, tests/corpus/models.py),
-exported with both torch exporters: how many LayerNorm backwards and AdamW slots the lowering
-fuses, and how far the fused gradient graph's gradients are from the plain one's. Gradients
+exported with both torch exporters: what the whole lowering (``kernels.lower``, as the CUDA
+Trainer runs it, here with the CPU provider's float32 kernels) makes of the gradient graph (fused
+nodes by op, transposes and scales folded) and how many AdamW slots it fuses in the step graph,
+and how far the lowered gradient graph's gradients are from the plain one's. Gradients
 that are zero in exact arithmetic (an attention key's bias: softmax ignores a shift; 1e-13 of
 rounding noise here) have no scale of their own: they are reported apart, against the model's
 largest gradient.
@@ -22,9 +24,12 @@ import onnxruntime as ort
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from mpgraph import kernels  # noqa: E402
-from mpgraph.kernels.fuse import fuse_adamw, fuse_layernorm_grad  # noqa: E402
+from mpgraph.kernels.fuse import fuse_adamw  # noqa: E402
+from mpgraph.kernels.transpose import fold_scales, fold_transposes  # noqa: E402
 from mpgraph.training import build_training_graph  # noqa: E402
 from tests.corpus import check, models  # noqa: E402
+
+FUSED = ("LayerNormGrad", "LayerNormGradBias", "ErfGelu", "ErfGeluGrad", "SoftmaxGradDot", "FusedMatMul")
 
 
 def run(model: ir.Model, library: str | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -46,7 +51,12 @@ def main() -> None:
             step = build_training_graph(ir.from_proto(exported.model), optimizer="adamw", optimizer_options={"pack": False})
             norms = sum(1 for n in grads.graph if n.op_type == "LayerNormalization" and len(n.outputs) == 3)
             lowered = ir.from_proto(ir.to_proto(grads))
-            fused_norms = fuse_layernorm_grad(lowered)
+            kernels.lower(lowered, "cpu")
+            made = {op: sum(1 for n in lowered.graph if n.op_type == op) for op in FUSED}
+            alone = ir.from_proto(ir.to_proto(grads))
+            folded = fold_transposes(alone, "cpu")
+            scales = fold_scales(alone, "cpu")
+            fused_norms = made["LayerNormGrad"] + made["LayerNormGradBias"]
             slots = sum(1 for v in step.graph.inputs if (v.name or "").startswith("optim/") and v.name.endswith("/m"))
             fused_slots = fuse_adamw(step)
             feeds = {n: t.numpy() for n, t in zip(case.input_names, case.inputs, strict=True)}
@@ -62,8 +72,10 @@ def main() -> None:
                     zero = max(zero, diff / top)
                 else:
                     scaled = max(scaled, diff / own)
-            print(f"{name:5s} {exporter:11s} LayerNorm backwards fused {fused_norms}/{norms}, AdamW slots fused "
-                  f"{fused_slots}/{slots}; worst |fused - plain| / max|plain| {scaled:.2g}; zero gradients "
+            ops = ", ".join(f"{op} {count}" for op, count in made.items() if count and not op.startswith("LayerNorm"))
+            print(f"{name:5s} {exporter:11s} LayerNorm backwards fused {fused_norms}/{norms} ({made['LayerNormGradBias']} with "
+                  f"dbias), {ops or 'no other fused op'}, transposes folded {folded}, power-of-two scales folded {scales}; AdamW slots "
+                  f"fused {fused_slots}/{slots}; worst |fused - plain| / max|plain| {scaled:.2g}; zero gradients "
                   f"{zero:.2g} of the largest gradient")
 
 
