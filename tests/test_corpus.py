@@ -3,10 +3,13 @@ small torch nets, exported by both torch exporters, trained by mpgraph's step gr
 and compared with torch (tests/corpus/check.py says how, benchmarks/corpus_report.py prints the
 numbers).
 
-Per model x exporter, three tests:
-    grad:  every torch parameter's gradient within 1e-4 relative L2 of torch.autograd;
-    adamw: the loss over 5 AdamW steps within 1e-4 of torch.optim.AdamW;
-    lowp:  the emulated bf16 and fp16 step graphs' loss after 5 updates within 1e-2 of fp32's.
+Per model x exporter, four tests:
+    grad:    every torch parameter's gradient within 1e-4 relative L2 of torch.autograd;
+    adamw:   the loss over 5 AdamW steps within 1e-4 of torch.optim.AdamW;
+    lowp:    the emulated bf16 and fp16 step graphs' loss after 5 updates within 1e-2 of fp32's;
+    kernels: the CUDA Trainer's kernel lowering (``mpgraph.kernels.lower``; here the library's
+             float32 CPU kernels) gives the gradient graph's outputs within 1e-5 of each
+             output's scale (each fused kernel sums in its own order).
 
 The full corpus is ``slow`` (``pytest --runslow``: 101 s on two idle cores; the report script 3.5 min, 14 when other
 jobs share them). CI runs one text encoder, one decoder, one CNN, one ViT and the LSTM, one
@@ -29,7 +32,8 @@ pytest.importorskip("transformers")
 from tests.corpus import check  # noqa: E402
 from tests.corpus.models import BUILDERS, build  # noqa: E402
 
-CHECKS = ("grad", "adamw", "lowp")
+CHECKS = ("grad", "adamw", "lowp", "kernels")
+KERNEL_TOL = 1e-5
 SUBSET = {("bert", "torchscript"), ("llama", "dynamo"), ("resnet", "torchscript"), ("vit", "dynamo"),
           ("lstm", "torchscript")}
 
@@ -92,6 +96,9 @@ def test_corpus(model: str, exporter: str, name: str) -> None:
     elif name == "adamw":
         _, error, _ = _adamw(model, exporter)
         assert error.ok, error
+    elif name == "kernels":
+        made, worst = check.kernel_errors(exported)
+        assert worst <= KERNEL_TOL, (worst, made)
     else:
         step, _, losses = _adamw(model, exporter)
         deltas, skipped = check.lowp_deltas(step, exported.case, losses)

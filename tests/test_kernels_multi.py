@@ -324,3 +324,35 @@ def test_power_of_two_scales_fold_into_matmul_alpha_exactly():
             const = next(v for v in node.inputs if v.const_value is not None)
             const.const_value = ir.tensor(np.array(0.3, np.float32), name=const.name)
     assert fold_scales(odd, "cpu") == 0
+
+
+# -- ReluGrad, SoftmaxCrossEntropyGrad ----------------------------------------------------
+
+
+def test_relu_backward_becomes_one_node_with_the_same_bits():
+    from mpgraph.kernels.grads import fuse_relu_grad
+
+    grads = build_training_graph(MLP, optimizer=None)
+    fused = _copy(grads)
+    assert fuse_relu_grad(fused) == 2
+    assert _count(fused, "Greater") == 0 and len(list(fused.graph)) == len(list(grads.graph)) - 4
+    plain, low = _run(grads), _run(fused)
+    for name, value in plain.items():
+        assert np.array_equal(value, low[name]), name
+
+
+def test_cross_entropy_gradient_becomes_one_node():
+    """Four passes over the logits (Exp, OneHot, Sub, Mul) into one; on CPU the kernel's exp is
+    libm's and ORT's is MLAS's (so the CUDA lowering alone uses it), agreeing within 1e-6."""
+    from mpgraph.kernels.grads import fuse_sce_grad
+
+    for model, expected in ((MLP, 1), (GPT, 1)):
+        grads = build_training_graph(model, optimizer=None)
+        fused = _copy(grads)
+        assert fuse_sce_grad(fused) == expected
+        assert _count(fused, "OneHot") == 0
+        _agree(_run(grads), _run(fused), 1e-6)
+    assert fuse_sce_grad(_copy(grads)) == 1 and kernels.lower(_copy(grads), "cpu") > 0
+    cpu = _copy(grads)
+    kernels.lower(cpu, "cpu")
+    assert _count(cpu, "SoftmaxCrossEntropyGrad") == 0  # CPU keeps ORT's Exp

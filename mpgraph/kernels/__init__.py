@@ -32,6 +32,7 @@ import onnx_ir as ir
 from mpgraph.kernels.build import KernelBuildError, build_library
 from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
 from mpgraph.kernels.gelu import fuse_gelu
+from mpgraph.kernels.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.kernels.softmax import fuse_softmax_grad
 from mpgraph.kernels.transpose import fold_scales, fold_transposes
@@ -62,11 +63,15 @@ def lower(model: ir.Model, provider: str = "cpu") -> int:
     their scalars one ``MultiAdamWUpdate``; each float32 LayerNorm backward one
     ``LayerNormGrad`` (``LayerNormGradBias`` with its bias gradient); each erf GELU and its
     backward ``ErfGelu``/``ErfGeluGrad``; an attention softmax's backward ``SoftmaxGradDot``;
+    a Relu's backward ``ReluGrad``; on CUDA the cross-entropy logits gradient
+    ``SoftmaxCrossEntropyGrad``;
     loss scaling's unscale and check one ``UnscaleGradients``; the master weights' casts one
     ``CastToBFloat16``/``CastToFloat16``; transposes that feed a matmul fold into it
     (``fold_transposes``), and so do multiplications by a power of two (``fold_scales``).
     """
     fused = fuse_adamw(model)
     fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
-    fused += fold_transposes(model, provider) + fuse_softmax_grad(model)
+    fused += fold_transposes(model, provider) + fuse_softmax_grad(model) + fuse_relu_grad(model)
+    if provider == "cuda":  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own
+        fused += fuse_sce_grad(model)
     return fused + fold_scales(model, provider)

@@ -31,6 +31,7 @@ import io
 import math
 import time
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -212,6 +213,34 @@ def gradient_errors(exported: Exported) -> dict[str, GradError]:
             exact = exact or torch_gradients(_double(case))[1]
             errors[name] = GradError(error, _rel(got, exact[name], floor), _rel(grad, exact[name], floor))
     return errors
+
+
+def kernel_errors(exported: Exported) -> tuple[dict[str, int], float]:
+    """The kernel lowering (``mpgraph.kernels.lower``, as the CUDA Trainer runs it, with the
+    CPU library's float32 kernels) on the gradient graph: the ops it made, and the worst
+    ``max|lowered - plain| / max|plain|`` over the outputs (a gradient that is zero in exact
+    arithmetic is measured against the largest gradient instead, as in ``gradient_errors``)."""
+    from mpgraph import kernels
+
+    grads = build_training_graph(exported.model, optimizer=None, loss=exported.loss)
+    lowered = ir.from_proto(ir.to_proto(grads))
+    kernels.lower(lowered, "cpu")
+    made = Counter(n.op_type for n in lowered.graph if n.domain in ("ai.mpgraph", "com.microsoft"))
+    feeds = _feeds(exported.case)
+    plain = dict(zip([o.name for o in _session(grads).get_outputs()], _session(grads).run(None, feeds), strict=True))
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(ir.to_proto(lowered).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    fused = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+    top = max(float(np.max(np.abs(v))) for v in plain.values() if v.size)
+    worst = 0.0
+    for name, value in plain.items():
+        if value.size:
+            own = float(np.max(np.abs(value)))
+            worst = max(worst, float(np.max(np.abs(fused[name].astype(np.float64) - value))) / (own if own >= 1e-9 * top else top))
+    return dict(made), worst
 
 
 def adamw_step(exported: Exported) -> bytes:

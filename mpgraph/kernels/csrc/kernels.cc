@@ -519,12 +519,90 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 #endif
 }
 
+// -- ReluGrad / SoftmaxCrossEntropyGrad (CUDA in grads.cu) -----------------------------------
+//
+// ReluGrad(dy, x) -> dx = dy * (x > 0 ? 1 : 0): the Relu rule's Mul(dy, Cast(Greater(x, 0))),
+//     float32, float16 or bfloat16 (CPU: float32).
+// SoftmaxCrossEntropyGrad(log_prob, index, scale) -> (exp(log_prob) - OneHot(index)) * scale:
+//     the SoftmaxCrossEntropyLoss rule's logits gradient, [rows, classes] float32, index int64
+//     [rows], scale one per row ([rows] or [rows, 1]) or one for all.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_relu_grad_cuda(int type, const void* dy, const void* x, void* dx, size_t n, void* stream);
+extern "C" int mpg_sce_grad_cuda(const float* log_prob, const int64_t* index, const float* scale, float* d, size_t rows,
+                                 size_t classes, bool scale_per_row, void* stream);
+#endif
+
+OrtStatus* gpu_stream(OrtKernelContext* ctx, void** stream) {
+  return mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, stream);
+}
+
+OrtStatus* relu_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor dy, x, dx;
+  if (OrtStatus* st = input(ctx, 0, &dy)) return st;
+  if (OrtStatus* st = input(ctx, 1, &x)) return st;
+  if (dy.type != x.type || dy.count != x.count) return status("ReluGrad: dy and x differ in type or size");
+  if (OrtStatus* st = output(ctx, 0, x.dims, &dx)) return st;
+  if (x.count == 0) return nullptr;
+  if (!cuda) {
+    if (x.type != MPG_FLOAT) return status("ReluGrad: the CPU kernel is float32 only");
+    for (size_t i = 0; i < x.count; ++i) dx.data[i] = dy.data[i] * (x.data[i] > 0.0f ? 1.0f : 0.0f);
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
+  if (int err = mpg_relu_grad_cuda(x.type, dy.data, x.data, dx.data, x.count, stream))
+    return status("ReluGrad: CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status("ReluGrad: this library was built without CUDA");
+#endif
+}
+
+OrtStatus* sce_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor lp, index, scale, d;
+  if (OrtStatus* st = input(ctx, 0, &lp)) return st;
+  if (OrtStatus* st = input(ctx, 1, &index)) return st;
+  if (OrtStatus* st = input(ctx, 2, &scale)) return st;
+  if (lp.dims.size() != 2 || lp.type != MPG_FLOAT || scale.type != MPG_FLOAT)
+    return status("SoftmaxCrossEntropyGrad: log_prob must be float32 [rows, classes], scale float32");
+  const size_t rows = static_cast<size_t>(lp.dims[0]), classes = static_cast<size_t>(lp.dims[1]);
+  if (index.count != rows || (scale.count != rows && scale.count != 1))
+    return status("SoftmaxCrossEntropyGrad: index or scale disagrees with log_prob's rows");
+  const bool per_row = scale.count == rows && rows != 1;
+  if (OrtStatus* st = output(ctx, 0, lp.dims, &d)) return st;
+  if (lp.count == 0) return nullptr;
+  const int64_t* idx = reinterpret_cast<const int64_t*>(index.data);
+  if (!cuda) {
+    for (size_t r = 0; r < rows; ++r) {
+      int64_t hot = idx[r];
+      if (hot < 0) hot += static_cast<int64_t>(classes);
+      const float s = scale.data[per_row ? r : 0];
+      for (size_t c = 0; c < classes; ++c)
+        d.data[r * classes + c] = (std::exp(lp.data[r * classes + c]) - (hot == static_cast<int64_t>(c) ? 1.0f : 0.0f)) * s;
+    }
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
+  if (int err = mpg_sce_grad_cuda(lp.data, idx, scale.data, d.data, rows, classes, per_row, stream))
+    return status("SoftmaxCrossEntropyGrad: CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status("SoftmaxCrossEntropyGrad: this library was built without CUDA");
+#endif
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
 const char* kCuda = "CUDAExecutionProvider";
 
-enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9 };
+enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9, MPG_INT64 = 7 };
 
 // What ORT asks of an op: its formal inputs and outputs; a variadic formal is the last one.
 struct OpSpec {
@@ -556,6 +634,10 @@ const OpSpec kSpecs[] = {
     {"SoftmaxGradDot", MPG_FLOAT, false, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_FLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_BFLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"ReluGrad", MPG_FLOAT, false, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"ReluGrad", MPG_FLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"ReluGrad", MPG_BFLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"SoftmaxCrossEntropyGrad", 0, false, 3, 1, {MPG_INT64, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, sce_grad_compute},
 };
 constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 

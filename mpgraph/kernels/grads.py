@@ -1,0 +1,121 @@
+"""Fuse two small gradient chains every classifier has (a session lowering).
+
+- ``fuse_relu_grad``: the Relu rule's ``Mul(dy, Cast(Greater(x, 0)))`` (three kernels) becomes
+  ``ReluGrad(dy, x)``: one pass, the same bits (``dy * 1`` and ``dy * 0`` as the Mul computes).
+- ``fuse_sce_grad``: the SoftmaxCrossEntropyLoss rule's logits gradient
+  ``Mul(Sub(Exp(log_prob), OneHot(index, depth, [0, 1], axis=1)), scale)`` (four passes over
+  the ``[rows, classes]`` logits; the bench GPT's are [4096, 8192] float32) becomes
+  ``SoftmaxCrossEntropyGrad(log_prob, index, scale)``: one pass, each operation rounded as the
+  ops round it. The small per-row nodes that make ``index`` and ``scale`` (ignore_index, the
+  mean's count) stay as they are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph.kernels.fuse import DOMAIN, _constant
+
+__all__ = ["fuse_relu_grad", "fuse_sce_grad"]
+
+_TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _op(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def _only(value: ir.Value, outputs: set[ir.Value]) -> bool:
+    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
+
+
+def _swap(graph: ir.Graph, nodes: list[ir.Node], node: ir.Node) -> None:
+    """``node`` takes over the output of ``nodes[0]`` (the chain's last node) and ``nodes`` go."""
+    made, old = node.outputs[0], nodes[0].outputs[0]
+    made.shape, made.type = old.shape, old.type
+    graph.insert_before(nodes[0], node)
+    old.replace_all_uses_with(made, replace_graph_outputs=True)
+    name = old.name
+    old.name = None
+    made.name = name
+    graph.remove(nodes, safe=True)
+
+
+def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
+    for slot in (0, 1):
+        dy, mask = mul.inputs[slot], mul.inputs[1 - slot]
+        cast = _op(mask, "Cast")
+        greater = _op(cast.inputs[0], "Greater") if cast is not None else None
+        if greater is None or dy is None or dy.dtype not in _TYPES or mask.dtype != dy.dtype:  # type: ignore[union-attr]
+            continue
+        x, zero = greater.inputs
+        zero_value = _constant(zero)
+        if x is None or x.dtype != dy.dtype or zero_value is None or zero_value.size != 1 or float(zero_value.reshape(-1)[0]) != 0:
+            continue
+        if not _only(mask, outputs) or not _only(greater.outputs[0], outputs):  # type: ignore[arg-type]
+            continue
+        return [dy, x], [mul, cast, greater]
+    return None
+
+
+def fuse_relu_grad(model: ir.Model) -> int:
+    """Fuse every matching Relu backward in ``model``'s main graph, in place; how many
+    ``ReluGrad`` nodes were made."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    fused = 0
+    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
+        found = _relu_match(mul, outputs) if mul.graph is not None else None
+        if found is not None:
+            inputs, nodes = found
+            _swap(graph, nodes, ir.Node(DOMAIN, "ReluGrad", inputs, name=f"{mul.name}/ReluGrad",
+                                        metadata_props=dict(mul.metadata_props)))
+            fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
+
+
+def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
+    sub_out, scale = mul.inputs
+    sub = _op(sub_out, "Sub")
+    if sub is None or scale is None or scale.dtype != ir.DataType.FLOAT or not _only(sub_out, outputs):  # type: ignore[arg-type]
+        return None
+    exp, one_hot = _op(sub.inputs[0], "Exp"), _op(sub.inputs[1], "OneHot")
+    if exp is None or one_hot is None or not _only(sub.inputs[0], outputs) or not _only(sub.inputs[1], outputs):  # type: ignore[arg-type]
+        return None
+    log_prob, index = exp.inputs[0], one_hot.inputs[0]
+    on_off = _constant(one_hot.inputs[2])
+    axis = one_hot.attributes.get("axis")
+    if log_prob is None or index is None or log_prob.dtype != ir.DataType.FLOAT or index.dtype != ir.DataType.INT64:
+        return None
+    if log_prob.shape is None or len(log_prob.shape) != 2 or axis is None or axis.as_int() not in (1, -1):
+        return None
+    if on_off is None or not np.array_equal(on_off.reshape(-1), [0.0, 1.0]):
+        return None
+    rows = log_prob.shape[0]
+    scale_shape = list(scale.shape) if scale.shape is not None else None
+    if scale_shape is None or not (scale_shape in ([], [1], [1, 1]) or (scale_shape[-1] == 1 and len(scale_shape) == 2)
+                                   or (len(scale_shape) == 1 and scale_shape[0] == rows)):
+        return None
+    return [log_prob, index, scale], [mul, sub, exp, one_hot]
+
+
+def fuse_sce_grad(model: ir.Model) -> int:
+    """Fuse every matching softmax cross-entropy logits gradient in ``model``'s main graph, in
+    place; how many ``SoftmaxCrossEntropyGrad`` nodes were made."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    fused = 0
+    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
+        found = _sce_match(mul, outputs) if mul.graph is not None else None
+        if found is not None:
+            inputs, nodes = found
+            _swap(graph, nodes, ir.Node(DOMAIN, "SoftmaxCrossEntropyGrad", inputs, name=f"{mul.name}/SoftmaxCrossEntropyGrad",
+                                        metadata_props=dict(mul.metadata_props)))
+            fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
