@@ -44,12 +44,28 @@ struct AdamScalars {
   const float* s[7];
 };
 
+__device__ __forceinline__ void adam_step(float p, float g, float m, float v, const float* c, float* po, float* mo,
+                                          float* vo) {
+  // c: c1, b2, c2, bc2_sqrt, eps, step_size, decay
+  const float m_new = __fadd_rn(m, __fmul_rn(__fsub_rn(g, m), c[0]));
+  const float v_new = __fadd_rn(__fmul_rn(v, c[1]), __fmul_rn(__fmul_rn(g, g), c[2]));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v_new), c[3]), c[4]);
+  const float update = __fmul_rn(__fdiv_rn(m_new, denom), c[5]);
+  *po = __fsub_rn(__fmul_rn(p, c[6]), update);
+  *mo = m_new;
+  *vo = v_new;
+}
+
+__device__ __forceinline__ bool aligned16(const void* ptr) { return (reinterpret_cast<uintptr_t>(ptr) & 15) == 0; }
+
+// A chunk starts at a multiple of kChunk (a multiple of 4): where every pointer of the tensor
+// is 16-byte aligned, the chunk's whole float4s go four at a time, its tail one at a time.
 __global__ void multi_adamw_kernel(Table t, AdamScalars sc) {
   const int i = find_tensor(t, blockIdx.x);
   long long start, end;
   chunk_range(t, i, &start, &end);
-  const float c1 = *sc.s[0], b2 = *sc.s[1], c2 = *sc.s[2], bc2_sqrt = *sc.s[3], eps = *sc.s[4], step_size = *sc.s[5],
-              decay = *sc.s[6];
+  float c[7];
+  for (int k = 0; k < 7; ++k) c[k] = *sc.s[k];
   const float* p = static_cast<const float*>(t.in[i][0]);
   const float* g = static_cast<const float*>(t.in[i][1]);
   const float* m = static_cast<const float*>(t.in[i][2]);
@@ -57,16 +73,25 @@ __global__ void multi_adamw_kernel(Table t, AdamScalars sc) {
   float* po = static_cast<float*>(t.out[i][0]);
   float* mo = static_cast<float*>(t.out[i][1]);
   float* vo = static_cast<float*>(t.out[i][2]);
-  for (long long k = start + threadIdx.x; k < end; k += blockDim.x) {
-    const float gk = g[k], mk = m[k], vk = v[k];
-    const float m_new = __fadd_rn(mk, __fmul_rn(__fsub_rn(gk, mk), c1));
-    const float v_new = __fadd_rn(__fmul_rn(vk, b2), __fmul_rn(__fmul_rn(gk, gk), c2));
-    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v_new), bc2_sqrt), eps);
-    const float update = __fmul_rn(__fdiv_rn(m_new, denom), step_size);
-    po[k] = __fsub_rn(__fmul_rn(p[k], decay), update);
-    mo[k] = m_new;
-    vo[k] = v_new;
+  long long k0 = start;
+  if (aligned16(p) && aligned16(g) && aligned16(m) && aligned16(v) && aligned16(po) && aligned16(mo) && aligned16(vo)) {
+    const long long quads = (end - start) / 4;
+    for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
+      const long long k = start + 4 * q;
+      const float4 p4 = *reinterpret_cast<const float4*>(p + k), g4 = *reinterpret_cast<const float4*>(g + k);
+      const float4 m4 = *reinterpret_cast<const float4*>(m + k), v4 = *reinterpret_cast<const float4*>(v + k);
+      float4 a, b, d;
+      adam_step(p4.x, g4.x, m4.x, v4.x, c, &a.x, &b.x, &d.x);
+      adam_step(p4.y, g4.y, m4.y, v4.y, c, &a.y, &b.y, &d.y);
+      adam_step(p4.z, g4.z, m4.z, v4.z, c, &a.z, &b.z, &d.z);
+      adam_step(p4.w, g4.w, m4.w, v4.w, c, &a.w, &b.w, &d.w);
+      *reinterpret_cast<float4*>(po + k) = a;
+      *reinterpret_cast<float4*>(mo + k) = b;
+      *reinterpret_cast<float4*>(vo + k) = d;
+    }
+    k0 = start + 4 * quads;
   }
+  for (long long k = k0 + threadIdx.x; k < end; k += blockDim.x) adam_step(p[k], g[k], m[k], v[k], c, po + k, mo + k, vo + k);
 }
 
 __global__ void multi_cast_kernel(Table t, int to) {
@@ -74,7 +99,25 @@ __global__ void multi_cast_kernel(Table t, int to) {
   long long start, end;
   chunk_range(t, i, &start, &end);
   const float* x = static_cast<const float*>(t.in[i][0]);
-  for (long long k = start + threadIdx.x; k < end; k += blockDim.x) {
+  long long k0 = start;
+  if (aligned16(x) && (reinterpret_cast<uintptr_t>(t.out[i][0]) & 7) == 0) {
+    const long long quads = (end - start) / 4;
+    for (long long q = threadIdx.x; q < quads; q += blockDim.x) {
+      const long long k = start + 4 * q;
+      const float4 x4 = *reinterpret_cast<const float4*>(x + k);
+      if (to == kTypeBFloat16) {
+        __nv_bfloat16* y = static_cast<__nv_bfloat16*>(t.out[i][0]) + k;
+        *reinterpret_cast<__nv_bfloat162*>(y) = __nv_bfloat162(__float2bfloat16(x4.x), __float2bfloat16(x4.y));
+        *reinterpret_cast<__nv_bfloat162*>(y + 2) = __nv_bfloat162(__float2bfloat16(x4.z), __float2bfloat16(x4.w));
+      } else {
+        __half* y = static_cast<__half*>(t.out[i][0]) + k;
+        *reinterpret_cast<__half2*>(y) = __half2(__float2half(x4.x), __float2half(x4.y));
+        *reinterpret_cast<__half2*>(y + 2) = __half2(__float2half(x4.z), __float2half(x4.w));
+      }
+    }
+    k0 = start + 4 * quads;
+  }
+  for (long long k = k0 + threadIdx.x; k < end; k += blockDim.x) {
     if (to == kTypeBFloat16)
       static_cast<__nv_bfloat16*>(t.out[i][0])[k] = __float2bfloat16(x[k]);
     else
