@@ -1,12 +1,14 @@
 """Fused kernels for ONNX Runtime, as a custom-op library mpgraph builds on first use.
 
-ONNX has no op that updates a parameter and its Adam moments in one pass: mpgraph's AdamW is 14
-elementwise ops a tensor, each a kernel that reads and writes parameter-sized memory. This
-package holds the C++/CUDA source of fused replacements (``csrc/``), builds it with the
-machine's compiler (``build``), and rewrites a session's copy of a step graph to use it
-(``fuse``). ``AdamWUpdate`` is bit-identical to the ONNX ops it replaces; ``LayerNormGrad``
-sums in its own order (equal within float32 rounding). The saved step graph keeps its
-standard ops.
+ONNX Runtime runs one kernel per ONNX node and has no general elementwise fusion on CUDA: a
+step graph's AdamW is 14 elementwise ops a tensor, a LayerNorm backward 11, a GELU 5 forward
+and 6 backward. This package holds the C++/CUDA source of fused replacements (``csrc/``),
+builds it with the machine's compiler (``build``), and rewrites a session's copy of a step
+graph to use them and ORT's ``FusedMatMul`` (``lower``; the matchers are in ``fuse``,
+``multi``, ``gelu``, ``softmax``, ``grads`` and ``transpose``). The optimizer, cast, unscale
+and Relu ops are bit-identical to the ops they replace; the others round every step as the
+ops do but sum in their own order (equal within float32 rounding). The saved step graph keeps
+its standard ops.
 
 The ``Trainer`` does this by itself on CUDA (``kernels=None``); by hand:
 
@@ -15,8 +17,10 @@ Example:
     >>> from mpgraph import kernels
     >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
-    >>> kernels.lower(step)  # the packed slot's 14 ops become one AdamWUpdate node
-    1
+    >>> kernels.lower(step)  # the packed slot's AdamW (14 ops) and each Relu's backward (3 ops)
+    3
+    >>> sorted({n.op_type for n in step.graph if n.domain == kernels.DOMAIN})
+    ['AdamWUpdate', 'ReluGrad']
     >>> options = ort.SessionOptions()
     >>> options.register_custom_ops_library(str(kernels.library("cpu")))  # built once, then cached
 """
