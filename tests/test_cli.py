@@ -211,6 +211,17 @@ def test_train_sequence_data_with_hugging_face_input_names(tmp_path: Path):
     assert "20 steps" in result.stdout and "loss" in result.stdout
 
 
+def test_train_kernels_flag_runs_the_fused_kernels_and_says_so(gpt_step: Path):
+    """--kernels on CPU (off by default there): the summary counts the rewrites, and the loss
+    matches the plain ops' to the printed digits."""
+    fused = mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", "--kernels", "--no-eval")
+    plain = mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", "--no-eval")
+    assert fused.returncode == plain.returncode == 0, fused.stderr + plain.stderr
+    assert "fused kernels (" in fused.stdout and "fused kernels" not in plain.stdout
+    loss = [line.split("loss ")[1].split(",")[0] for line in (fused.stdout, plain.stdout)]
+    assert loss[0] == loss[1]
+
+
 def test_train_provider_option_must_be_key_value(tmp_path):
     step = tmp_path / "step.onnx"
     build = mpgraph("train-graph", str(ZOO / "tiny_mlp.loss.onnx"), "-o", str(step))

@@ -163,6 +163,10 @@ def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: f
     parts.append(f"skipped {summary['skipped']}")
     if trainer.provider == "cuda":
         parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
+    if trainer.kernels_fused:
+        parts.append(f"fused kernels ({trainer.kernels_fused} rewrites)")
+    elif trainer.provider == "cuda":
+        parts.append(f"no fused kernels ({trainer.kernels_reason or 'nothing matched'})")
     if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
         try:
             check_finite(dataset.test, f"dataset '{data}' (test split)")
@@ -191,6 +195,7 @@ def train(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the summary line.")] = False,
     tf32: Annotated[bool | None, typer.Option("--tf32/--no-tf32", help="cuda: let float32 matmuls run as TF32 (default: the graph's policy; fp32 is strict).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
+    kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run mpgraph's fused kernels (mpgraph.kernels; built with nvcc / a C++ compiler on first use). Default: on for cuda where they build, off for cpu.")] = None,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
@@ -201,7 +206,8 @@ def train(
 
     _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
     trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
-                            provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False)
+                            provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
+                            kernels=kernels)
     dataset = trainer.load_data(data, seed=seed)
     if resume is not None:
         trainer.load_checkpoint(resume)
