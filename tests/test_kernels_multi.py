@@ -356,3 +356,52 @@ def test_cross_entropy_gradient_becomes_one_node():
     cpu = _copy(grads)
     kernels.lower(cpu, "cpu")
     assert _count(cpu, "SoftmaxCrossEntropyGrad") == 0  # CPU keeps ORT's Exp
+
+
+# -- the matchers refuse look-alikes ------------------------------------------------------
+
+
+def test_a_scale_read_twice_by_one_matmul_folds_squared():
+    """``MatMul(0.5 a, 0.5 a)`` is ``0.25 (a a)``: alpha takes the scale once per operand."""
+    from onnx import TensorProto, helper
+
+    from mpgraph.kernels.transpose import fold_scales
+
+    nodes = [helper.make_node("Mul", ["a", "half"], ["s"]), helper.make_node("MatMul", ["s", "s"], ["y"])]
+    graph = helper.make_graph(nodes, "sq", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])],
+                              [helper.make_tensor("half", TensorProto.FLOAT, [], [0.5])])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9))
+    feeds = {"a": np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)}
+    plain = _run(model, feeds)
+    assert fold_scales(model, "cpu") == 1
+    node = next(n for n in model.graph if n.op_type == "FusedMatMul")
+    assert node.attributes["alpha"].as_float() == 0.25
+    assert np.array_equal(_run(model, feeds)["y"], plain["y"])
+
+
+def test_softmax_backward_with_another_reshape_is_not_fused():
+    """The kernel reads dP as [rows, keys]: a Reshape of dP to another layout keeps the ops."""
+    from mpgraph.kernels.softmax import fuse_softmax_grad
+
+    grads = build_training_graph(GPT, optimizer=None)
+    sub = next(n for n in grads.graph if n.op_type == "Sub" and n.inputs[0].producer() is not None
+               and n.inputs[0].producer().op_type == "Reshape" and "softmax" in n.name)
+    reshape = sub.inputs[0].producer()
+    other = ir.Value(name="other_shape", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([2]),
+                     const_value=ir.tensor(np.array([-1, 8], np.int64)))
+    grads.graph.register_initializer(other)
+    reshape.replace_input_with(1, other)
+    assert fuse_softmax_grad(grads) == 1  # the other layer's still is
+
+
+def test_cross_entropy_gradient_with_another_depth_is_not_fused():
+    from mpgraph.kernels.grads import fuse_sce_grad
+
+    grads = build_training_graph(MLP, optimizer=None)
+    one_hot = next(n for n in grads.graph if n.op_type == "OneHot")
+    depth = ir.Value(name="depth3", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([1]),
+                     const_value=ir.tensor(np.array([3], np.int64)))
+    grads.graph.register_initializer(depth)
+    one_hot.replace_input_with(1, depth)
+    assert fuse_sce_grad(grads) == 0

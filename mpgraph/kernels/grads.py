@@ -78,6 +78,19 @@ def fuse_relu_grad(model: ir.Model) -> int:
     return fused
 
 
+def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
+    """``depth`` is log_prob's class count: a constant equal to its static dim 1, or
+    ``Shape(log_prob, start=1, end=2)`` (what the rule writes)."""
+    value = _constant(depth)
+    if value is not None:
+        return value.size == 1 and int(value.reshape(-1)[0]) == log_prob.shape[1]  # type: ignore[index]
+    shape = _op(depth, "Shape")
+    if shape is None or shape.inputs[0] is not log_prob:
+        return False
+    start, end = shape.attributes.get("start"), shape.attributes.get("end")
+    return start is not None and start.as_int() == 1 and end is not None and end.as_int() == 2
+
+
 def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     sub_out, scale = mul.inputs
     sub = _op(sub_out, "Sub")
@@ -93,7 +106,7 @@ def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         return None
     if log_prob.shape is None or len(log_prob.shape) != 2 or axis is None or axis.as_int() not in (1, -1):
         return None
-    if on_off is None or not np.array_equal(on_off.reshape(-1), [0.0, 1.0]):
+    if on_off is None or not np.array_equal(on_off.reshape(-1), [0.0, 1.0]) or not _is_depth(one_hot.inputs[1], log_prob):
         return None
     rows = log_prob.shape[0]
     scale_shape = list(scale.shape) if scale.shape is not None else None

@@ -163,8 +163,11 @@ def fuse_unscale(model: ir.Model) -> int:
     ``UnscaleGradients`` node; how many nodes it replaced (0: no such chain)."""
     graph = model.graph
     outputs = set(graph.outputs)
-    check = next((n for n in graph if _plain(n, "IsNaN")), None)
-    found = _match_unscale(check, outputs) if check is not None else None
+    found = None
+    for check in [n for n in graph if _plain(n, "IsNaN")]:  # the model's own IsNaN nodes do not match
+        found = _match_unscale(check, outputs)
+        if found is not None:
+            break
     if found is None:
         return 0
     inv, grads, nodes, unscaled = found

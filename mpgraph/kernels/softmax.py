@@ -32,6 +32,19 @@ def _only(value: ir.Value, outputs: set[ir.Value]) -> bool:
     return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
 
 
+def _reshape_to(value: ir.Value | None, p: ir.Value, tail: int | None) -> bool:
+    """``value`` comes from a Reshape to ``[-1, tail]`` (``tail`` None: to ``Shape(p)``), or
+    from no Reshape at all where it already has p's shape."""
+    node = _producer(value, "Reshape")
+    if node is None:
+        return value is not None and tail is None and value.shape is not None and value.shape == p.shape
+    target = node.inputs[1]
+    if tail is None:
+        shape_of = _producer(target, "Shape")
+        return shape_of is not None and shape_of.inputs[0] is p and not shape_of.attributes
+    return _consts(target) == [-1, tail]
+
+
 def _through(value: ir.Value | None, op_type: str, outputs: set[ir.Value], nodes: list[ir.Node]) -> ir.Value | None:
     """``value``'s source past an ``op_type`` node read only here (recorded in ``nodes``), or
     ``value`` itself when it has no such producer."""
@@ -61,16 +74,23 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         axis = softmax.attributes.get("axis")
         if axis is not None and axis.as_int() not in (-1, len(p.shape or ()) - 1):
             continue
+        keys = p.shape[-1] if p.shape is not None and len(p.shape) >= 2 else None
+        if not isinstance(keys, int) or not _reshape_to(rest, p, None):
+            continue
         nodes: list[ir.Node] = [mul]
         sub_out = _through(rest, "Reshape", outputs, nodes)
         sub = _producer(sub_out, "Sub")
         if sub is None or not _only(sub_out, outputs):  # type: ignore[arg-type]
             continue
         nodes.append(sub)
+        if not _reshape_to(sub.inputs[0], p, keys) or not _reshape_to(sub.inputs[1], p, 1):
+            continue
         dp = _through(sub.inputs[0], "Reshape", outputs, nodes)
         delta = _through(_through(sub.inputs[1], "Reshape", outputs, nodes), "Cast", outputs, nodes)
         reduce = _producer(delta, "ReduceSum")
         if dp is None or reduce is None or not _only(delta, outputs) or dp.dtype != p.dtype:  # type: ignore[arg-type]
+            continue
+        if dp.shape is None or len(dp.shape) != len(p.shape) or (isinstance(dp.shape[-1], int) and dp.shape[-1] != keys):  # type: ignore[arg-type]
             continue
         axes = _consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
         keep = reduce.attributes.get("keepdims")

@@ -190,7 +190,7 @@ def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Va
     for slot in (0, 1):
         v, c = mul.inputs[slot], _power_of_two(mul.inputs[1 - slot])
         out = mul.outputs[0]
-        if v is None or c is None or not _foldable_type(v, provider) or out.dtype != v.dtype or out in outputs:
+        if v is None or c is None or not _foldable_type(v, provider) or out.dtype not in (None, v.dtype) or out in outputs:
             continue
         producer = v.producer()
         if _is_matmul(producer) and len(v.uses()) == 1 and v not in outputs:
@@ -200,10 +200,10 @@ def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Va
         elif out.uses() and all(_is_matmul(u.node) for u in out.uses()):
             for reader in list({id(u.node): u.node for u in out.uses()}.values()):
                 fused = _as_fused(graph, reader)
-                for i, x in enumerate(fused.inputs):
-                    if x is out:
-                        fused.replace_input_with(i, v)
-                _scale_alpha(fused, c)
+                slots = [i for i, x in enumerate(fused.inputs) if x is out]
+                for i in slots:
+                    fused.replace_input_with(i, v)
+                _scale_alpha(fused, c ** len(slots))  # (cA)(cA) = c^2 AA
             graph.remove(mul, safe=True)
             return True
         else:
