@@ -112,7 +112,8 @@ def provider_options(
 
 
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
-                cuda_graph: bool = False, custom_ops: str | None = None) -> ort.InferenceSession:
+                cuda_graph: bool = False, custom_ops: str | None = None,
+                mem_pattern: bool | None = None) -> ort.InferenceSession:
     """An ORT session of a step graph on ``provider`` (CUDA falls back to CPU per node only).
 
     Args:
@@ -122,6 +123,7 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         threads: Intra-op threads (``None``: ORT's default).
         cuda_graph: Turn on CUDA graph capture (CUDA only).
         custom_ops: A custom-op library to register (``mpgraph.kernels.library``).
+        mem_pattern: ``SessionOptions.enable_mem_pattern`` (``None``: ORT's default, on).
 
     Raises:
         MpgraphError: ORT cannot load the graph (the first line of its message).
@@ -135,6 +137,8 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         session_options.intra_op_num_threads = threads
     if custom_ops is not None:
         session_options.register_custom_ops_library(custom_ops)
+    if mem_pattern is not None:
+        session_options.enable_mem_pattern = mem_pattern
     ep_options = dict(options)
     if cuda_graph and provider == "cuda":
         ep_options["enable_cuda_graph"] = "1"

@@ -218,10 +218,15 @@ class Trainer:
             the first batch's shapes; a batch of another shape runs in a plain session.
             ``cuda_graph_reason`` says why capture is off when it is.
         kernels: Run the session's copy of the graph with mpgraph's fused kernels
-            (``mpgraph.kernels``: one ``AdamWUpdate`` node instead of 14 ops a tensor,
-            bit-identical; one ``LayerNormGrad`` for a LayerNorm's backward, equal within float32
-            rounding). ``None``: on for CUDA where the library builds (needs ``nvcc``), off on CPU.
-            ``kernels_reason`` says why they are off when they are.
+            (``mpgraph.kernels.lower``: multi-tensor AdamW, casts and loss-scale unscale,
+            bit-identical; the LayerNorm, GELU, attention-softmax, Relu and cross-entropy
+            backwards, equal within float32 rounding). ``None``: on for CUDA where the library
+            builds (needs ``nvcc``), off on CPU. ``kernels_reason`` says why they are off when
+            they are.
+        mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
+            second run on, one planned block for every intermediate, on top of the arena
+            regions the first run made, so activations are held about twice. ``None`` keeps
+            ORT's default (on).
 
     Raises:
         MpgraphError: Not a step graph, provider unavailable, a native low-precision graph on
@@ -242,6 +247,7 @@ class Trainer:
         tf32: bool | None = None,
         cuda_graph: bool | None = None,
         kernels: bool | None = None,
+        mem_pattern: bool | None = None,
     ) -> None:
         self.model = as_model(model)
         self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
@@ -255,6 +261,7 @@ class Trainer:
         self.tf32, self.provider_options = ses.provider_options(
             self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=provider_options)
         self._threads = threads
+        self._mem_pattern = mem_pattern
         self._kernels_library, self.kernels_reason = _kernels(provider, kernels)
         #: Nodes the fused kernels replaced in the session's graph (0: kernels off).
         self.kernels_fused = 0
@@ -340,7 +347,8 @@ class Trainer:
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,
-                               threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library)
+                               threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library,
+                               mem_pattern=self._mem_pattern)
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
