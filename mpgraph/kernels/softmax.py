@@ -14,6 +14,7 @@ delta's float sum differs (the ops' ``ReduceSum`` has its own), so it agrees wit
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 
 from mpgraph.kernels.fuse import DOMAIN, _consts
@@ -39,10 +40,15 @@ def _reshape_to(value: ir.Value | None, p: ir.Value, tail: int | None) -> bool:
     if node is None:
         return value is not None and tail is None and value.shape is not None and value.shape == p.shape
     target = node.inputs[1]
-    if tail is None:
+    dims = list(p.shape) if p.shape is not None else []
+    static = all(isinstance(d, int) for d in dims)
+    if tail is None:  # Shape(P), or the constant it folds to once shapes are fixed
         shape_of = _producer(target, "Shape")
-        return shape_of is not None and shape_of.inputs[0] is p and not shape_of.attributes
-    return _consts(target) == [-1, tail]
+        if shape_of is not None:
+            return shape_of.inputs[0] is p and not shape_of.attributes
+        return static and _consts(target) == dims
+    rows = int(np.prod(dims[:-1])) if static else -1
+    return _consts(target) in ([-1, tail], [rows, tail])
 
 
 def _through(value: ir.Value | None, op_type: str, outputs: set[ir.Value], nodes: list[ir.Node]) -> ir.Value | None:

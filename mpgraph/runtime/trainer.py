@@ -225,8 +225,10 @@ class Trainer:
             they are.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
             second run on, one planned block for every intermediate, on top of the arena
-            regions the first run made, so activations are held about twice. ``None`` keeps
-            ORT's default (on).
+            regions the first run made, so activations are held about twice. ``None``: off for
+            the sessions that capture CUDA graphs (a captured step allocates nothing per run
+            anyway: the bench GPT's bf16 step holds 6.4 instead of 10.5 GiB at the same speed,
+            ``benchmarks/results/mem_pattern_ab.log``), ORT's default (on) otherwise.
 
     Raises:
         MpgraphError: Not a step graph, provider unavailable, a native low-precision graph on
@@ -348,7 +350,7 @@ class Trainer:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,
                                threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library,
-                               mem_pattern=self._mem_pattern)
+                               mem_pattern=self._mem_pattern if self._mem_pattern is not None else (False if graph else None))
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
