@@ -423,3 +423,17 @@ def test_the_captured_sessions_graph_is_lowered_alike():
         kernels.lower(model, "cuda")
         made.append(Counter(n.op_type for n in model.graph if n.domain in ("ai.mpgraph", "com.microsoft")))
     assert made[0] == made[1] and made[0]["SoftmaxGradDot"] == 2, made
+
+
+def test_adam_scalar_block_becomes_one_node_with_the_same_bits():
+    """The ten float64 scalar ops of the bias corrections: one AdamScalars node; the step size
+    and sqrt(1 - beta2^t) keep their bits (float64 Pow, Sub, Div, Sqrt as ORT's), so training
+    stays bit-identical (the fp16 form gates the step size on overflow after it)."""
+    from mpgraph.kernels.scalars import fuse_adam_scalars
+
+    for step in (build_training_graph(MLP, optimizer="adamw"), _fp16()):
+        lowered = _copy(step)
+        before = len(list(lowered.graph))
+        assert fuse_adam_scalars(lowered) == 1
+        assert len(list(lowered.graph)) == before - 9 and _count(lowered, "Pow") == 0
+    _assert_same_training(_fp16(2.0 ** 40), steps=8)

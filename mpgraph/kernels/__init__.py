@@ -17,10 +17,10 @@ Example:
     >>> from mpgraph import kernels
     >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
-    >>> kernels.lower(step)  # the packed slot's AdamW (14 ops) and each Relu's backward (3 ops)
-    3
+    >>> kernels.lower(step)  # the packed slot's AdamW, its float64 scalars, each Relu's backward
+    4
     >>> sorted({n.op_type for n in step.graph if n.domain == kernels.DOMAIN})
-    ['AdamWUpdate', 'ReluGrad']
+    ['AdamScalars', 'AdamWUpdate', 'ReluGrad']
     >>> options = ort.SessionOptions()
     >>> options.register_custom_ops_library(str(kernels.library("cpu")))  # built once, then cached
 """
@@ -38,6 +38,7 @@ from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
 from mpgraph.kernels.gelu import fuse_gelu
 from mpgraph.kernels.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.kernels.scalars import fuse_adam_scalars
 from mpgraph.kernels.softmax import fuse_softmax_grad
 from mpgraph.kernels.transpose import fold_scales, fold_transposes
 
@@ -64,7 +65,7 @@ def lower(model: ir.Model, provider: str = "cpu") -> int:
     merged into a multi-tensor node, transposes folded).
 
     The steps: each tensor's AdamW update becomes one ``AdamWUpdate`` node, those that share
-    their scalars one ``MultiAdamWUpdate``; each float32 LayerNorm backward one
+    their scalars one ``MultiAdamWUpdate``, the scalars' float64 arithmetic one ``AdamScalars``; each float32 LayerNorm backward one
     ``LayerNormGrad`` (``LayerNormGradBias`` with its bias gradient); each erf GELU and its
     backward ``ErfGelu``/``ErfGeluGrad``; an attention softmax's backward ``SoftmaxGradDot``;
     a Relu's backward ``ReluGrad``; on CUDA the cross-entropy logits gradient
@@ -73,7 +74,7 @@ def lower(model: ir.Model, provider: str = "cpu") -> int:
     ``CastToBFloat16``/``CastToFloat16``; transposes that feed a matmul fold into it
     (``fold_transposes``), and so do multiplications by a power of two (``fold_scales``).
     """
-    fused = fuse_adamw(model)
+    fused = fuse_adamw(model) + fuse_adam_scalars(model)
     fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
     fused += fold_transposes(model, provider) + fuse_softmax_grad(model) + fuse_relu_grad(model)
     if provider == "cuda":  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own

@@ -69,3 +69,24 @@ extern "C" int mpg_sce_grad_cuda(const float* log_prob, const int64_t* index, co
       log_prob, index, scale, d, rows, classes, scale_per_row);
   return (int)cudaGetLastError();
 }
+
+namespace {
+
+// Adam's bias-corrected scalars in float64, one thread: step_size = float(lr / (one - b1^t)),
+// bc2_sqrt = float(sqrt(one - b2^t)), as the ONNX ops compute them (Cast, Pow, Sub, Div, Sqrt).
+__global__ void adam_scalars_kernel(const float* t, const float* lr, const double* b1, const double* b2,
+                                    const double* one, float* step_size, float* bc2_sqrt) {
+  const double t64 = (double)*t;
+  const double bc1 = __dsub_rn(*one, pow(*b1, t64));
+  const double bc2 = __dsub_rn(*one, pow(*b2, t64));
+  *step_size = __double2float_rn(__ddiv_rn((double)*lr, bc1));
+  *bc2_sqrt = __double2float_rn(__dsqrt_rn(bc2));
+}
+
+}  // namespace
+
+extern "C" int mpg_adam_scalars_cuda(const float* t, const float* lr, const double* b1, const double* b2,
+                                     const double* one, float* step_size, float* bc2_sqrt, void* stream) {
+  adam_scalars_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(t, lr, b1, b2, one, step_size, bc2_sqrt);
+  return (int)cudaGetLastError();
+}

@@ -597,6 +597,50 @@ OrtStatus* sce_grad_compute(void* kernel, OrtKernelContext* ctx) {
 #endif
 }
 
+// -- AdamScalars (CUDA in grads.cu) ---------------------------------------------------------
+//
+// AdamScalars(t, lr, beta1, beta2, one) -> (step_size, bc2_sqrt): Adam's bias-corrected
+// scalars, t and lr float32 scalars, beta1, beta2 and one float64 scalars:
+//   step_size = float(double(lr) / (one - beta1^double(t))), bc2_sqrt = float(sqrt(one - beta2^double(t)))
+// The ten ONNX ops mpgraph.optim.adam writes for them, as one launch.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_adam_scalars_cuda(const float* t, const float* lr, const double* b1, const double* b2,
+                                     const double* one, float* step_size, float* bc2_sqrt, void* stream);
+#endif
+
+OrtStatus* adam_scalars_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor in[5];
+  for (size_t i = 0; i < 5; ++i) {
+    if (OrtStatus* st = input(ctx, i, &in[i])) return st;
+    if (in[i].count != 1 || in[i].type != (i < 2 ? MPG_FLOAT : MPG_DOUBLE))
+      return status("AdamScalars: input " + std::to_string(i) + " is not a scalar of the expected type");
+  }
+  Tensor step_size, bc2_sqrt;
+  if (OrtStatus* st = output(ctx, 0, in[0].dims, &step_size)) return st;
+  if (OrtStatus* st = output(ctx, 1, in[0].dims, &bc2_sqrt)) return st;
+  const double* b1 = reinterpret_cast<const double*>(in[2].data);
+  const double* b2 = reinterpret_cast<const double*>(in[3].data);
+  const double* one = reinterpret_cast<const double*>(in[4].data);
+  if (!cuda) {
+    const double t64 = static_cast<double>(*in[0].data);
+    const double bc1 = *one - std::pow(*b1, t64), bc2 = *one - std::pow(*b2, t64);
+    *step_size.data = static_cast<float>(static_cast<double>(*in[1].data) / bc1);
+    *bc2_sqrt.data = static_cast<float>(std::sqrt(bc2));
+    return nullptr;
+  }
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
+  if (int err = mpg_adam_scalars_cuda(in[0].data, in[1].data, b1, b2, one, step_size.data, bc2_sqrt.data, stream))
+    return status("AdamScalars: CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  return status("AdamScalars: this library was built without CUDA");
+#endif
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -638,6 +682,7 @@ const OpSpec kSpecs[] = {
     {"ReluGrad", MPG_FLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
     {"ReluGrad", MPG_BFLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
     {"SoftmaxCrossEntropyGrad", 0, false, 3, 1, {MPG_INT64, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, sce_grad_compute},
+    {"AdamScalars", 0, false, 5, 2, {MPG_DOUBLE, MPG_DOUBLE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adam_scalars_compute},
 };
 constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 
@@ -655,6 +700,7 @@ int typed(size_t index, size_t count, const int* last_two) {
 }
 int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
+  if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
 }
 int output_type(const MpgCustomOp* op, size_t index) {

@@ -29,7 +29,7 @@ struct OrtApiBase {
 enum { MPG_ORT_API_VERSION = 17 };
 
 // Element types (ONNX TensorProto.DataType numbers).
-enum { MPG_FLOAT = 1, MPG_FLOAT16 = 10, MPG_BFLOAT16 = 16 };
+enum { MPG_FLOAT = 1, MPG_FLOAT16 = 10, MPG_DOUBLE = 11, MPG_BFLOAT16 = 16 };
 enum { MPG_ORT_FAIL = 1, MPG_ORT_INVALID_ARGUMENT = 2 };
 
 // Slot indices in OrtApi.
