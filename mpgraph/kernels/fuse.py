@@ -148,17 +148,21 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     return inputs, chain, m_new, v_new  # type: ignore[return-value]
 
 
+def _hand_over(olds: list[ir.Value] | tuple[ir.Value, ...], news: list[ir.Value] | tuple[ir.Value, ...]) -> None:
+    """Give each of ``olds`` (name, type, shape, readers, graph-output slot) to its twin in ``news``."""
+    for old, new in zip(olds, news):
+        new.shape, new.type = old.shape, old.type
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        name = old.name
+        old.name = None
+        new.name = name
+
+
 def _replace(graph: ir.Graph, chain: list[ir.Node], node: ir.Node, olds: tuple[ir.Value, ...], before: ir.Node) -> None:
     """Put ``node`` before ``before``, hand each of ``olds`` (name, readers, graph-output slot)
     to ``node``'s output of the same position, and remove ``chain``."""
-    for made, old in zip(node.outputs, olds):
-        made.shape, made.type = old.shape, old.type
     graph.insert_before(before, node)
-    for made, old in zip(node.outputs, olds):
-        old.replace_all_uses_with(made, replace_graph_outputs=True)
-        name = old.name
-        old.name = None
-        made.name = name
+    _hand_over(olds, node.outputs)
     graph.remove(chain, safe=True)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant
+from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
 
 __all__ = ["fuse_gelu"]
 
@@ -110,18 +110,6 @@ def _match_backward(s: ir.Value, cdf: ir.Value, x: ir.Value, outputs: set[ir.Val
     return dy, split[1], [square, exp, ratio, k_mul, add, dy_mul]  # type: ignore[index]
 
 
-def _swap(graph: ir.Graph, nodes: list[ir.Node], node: ir.Node, old: ir.Value) -> None:
-    """``node`` takes over ``old`` (the last of ``nodes``' results) and ``nodes`` go."""
-    made = node.outputs[0]
-    made.shape, made.type = old.shape, old.type
-    graph.insert_before(nodes[-1], node)
-    old.replace_all_uses_with(made, replace_graph_outputs=True)
-    name = old.name
-    old.name = None
-    made.name = name
-    graph.remove(nodes, safe=True)
-
-
 def fuse_gelu(model: ir.Model) -> int:
     """Fuse every erf GELU (and its backward, where the graph has it) in ``model``'s main graph,
     in place; how many fused nodes were made."""
@@ -143,10 +131,10 @@ def fuse_gelu(model: ir.Model) -> int:
             dy, k, backward_nodes = backward
             grad = ir.Node(DOMAIN, "ErfGeluGrad", [dy, x, *consts, k], name=f"{y_mul.name}/ErfGeluGrad",
                            metadata_props=dict(backward_nodes[-1].metadata_props))
-            _swap(graph, backward_nodes, grad, backward_nodes[-1].outputs[0])
+            _replace(graph, backward_nodes, grad, (backward_nodes[-1].outputs[0],), before=backward_nodes[-1])
             fused += 1
         node = ir.Node(DOMAIN, "ErfGelu", [x, *consts], name=f"{y_mul.name}/ErfGelu", metadata_props=meta)
-        _swap(graph, forward_nodes, node, y_mul.outputs[0])
+        _replace(graph, forward_nodes, node, (y_mul.outputs[0],), before=y_mul)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

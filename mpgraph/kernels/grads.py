@@ -12,10 +12,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant
+from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
 
 __all__ = ["fuse_relu_grad", "fuse_sce_grad"]
 
@@ -33,14 +35,7 @@ def _only(value: ir.Value, outputs: set[ir.Value]) -> bool:
 
 def _swap(graph: ir.Graph, nodes: list[ir.Node], node: ir.Node) -> None:
     """``node`` takes over the output of ``nodes[0]`` (the chain's last node) and ``nodes`` go."""
-    made, old = node.outputs[0], nodes[0].outputs[0]
-    made.shape, made.type = old.shape, old.type
-    graph.insert_before(nodes[0], node)
-    old.replace_all_uses_with(made, replace_graph_outputs=True)
-    name = old.name
-    old.name = None
-    made.name = name
-    graph.remove(nodes, safe=True)
+    _replace(graph, nodes, node, (nodes[0].outputs[0],), before=nodes[0])
 
 
 def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
@@ -60,22 +55,26 @@ def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     return None
 
 
-def fuse_relu_grad(model: ir.Model) -> int:
-    """Fuse every matching Relu backward in ``model``'s main graph, in place; how many
-    ``ReluGrad`` nodes were made."""
+def _fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple | None], op: str) -> int:
+    """Replace every chain ``match`` finds from a ``Mul`` (its last node) with one ``op`` node."""
     graph = model.graph
     outputs = set(graph.outputs)
     fused = 0
     for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        found = _relu_match(mul, outputs) if mul.graph is not None else None
+        found = match(mul, outputs) if mul.graph is not None else None
         if found is not None:
             inputs, nodes = found
-            _swap(graph, nodes, ir.Node(DOMAIN, "ReluGrad", inputs, name=f"{mul.name}/ReluGrad",
-                                        metadata_props=dict(mul.metadata_props)))
+            _swap(graph, nodes, ir.Node(DOMAIN, op, inputs, name=f"{mul.name}/{op}", metadata_props=dict(mul.metadata_props)))
             fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused
+
+
+def fuse_relu_grad(model: ir.Model) -> int:
+    """Fuse every matching Relu backward in ``model``'s main graph, in place; how many
+    ``ReluGrad`` nodes were made."""
+    return _fuse_muls(model, _relu_match, "ReluGrad")
 
 
 def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
@@ -119,16 +118,4 @@ def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 def fuse_sce_grad(model: ir.Model) -> int:
     """Fuse every matching softmax cross-entropy logits gradient in ``model``'s main graph, in
     place; how many ``SoftmaxCrossEntropyGrad`` nodes were made."""
-    graph = model.graph
-    outputs = set(graph.outputs)
-    fused = 0
-    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        found = _sce_match(mul, outputs) if mul.graph is not None else None
-        if found is not None:
-            inputs, nodes = found
-            _swap(graph, nodes, ir.Node(DOMAIN, "SoftmaxCrossEntropyGrad", inputs, name=f"{mul.name}/SoftmaxCrossEntropyGrad",
-                                        metadata_props=dict(mul.metadata_props)))
-            fused += 1
-    if fused:
-        model.opset_imports.setdefault(DOMAIN, 1)
-    return fused
+    return _fuse_muls(model, _sce_match, "SoftmaxCrossEntropyGrad")

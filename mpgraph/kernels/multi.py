@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant
+from mpgraph.kernels.fuse import DOMAIN, _constant, _hand_over
 
 __all__ = ["batch_adamw", "batch_casts", "fuse_unscale"]
 
@@ -34,16 +34,6 @@ _ONNX = ("", "ai.onnx")
 
 def _plain(node: ir.Node | None, op_type: str) -> bool:
     return node is not None and node.op_type == op_type and node.domain in _ONNX
-
-
-def _hand_over(graph: ir.Graph, olds: list[ir.Value], news: list[ir.Value]) -> None:
-    """Give each of ``olds`` (name, type, readers, graph-output slot) to its ``news`` twin."""
-    for old, new in zip(olds, news):
-        new.shape, new.type = old.shape, old.type
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        name = old.name
-        old.name = None
-        new.name = name
 
 
 def batch_adamw(model: ir.Model) -> int:
@@ -62,7 +52,7 @@ def batch_adamw(model: ir.Model) -> int:
         multi = ir.Node(DOMAIN, "MultiAdamWUpdate", inputs, num_outputs=3 * len(nodes),
                         name=f"{nodes[0].name}/multi", metadata_props=dict(nodes[-1].metadata_props))
         graph.insert_after(nodes[-1], multi)
-        _hand_over(graph, [o for n in nodes for o in n.outputs], list(multi.outputs))
+        _hand_over([o for n in nodes for o in n.outputs], list(multi.outputs))
         graph.remove(nodes, safe=True)
         merged += len(nodes) - 1
     if merged:
@@ -90,7 +80,7 @@ def batch_casts(model: ir.Model) -> int:
         multi = ir.Node(DOMAIN, ops[to], [n.inputs[0] for n in nodes], num_outputs=len(nodes),
                         name=f"ai.mpgraph/{ops[to]}", metadata_props=dict(nodes[0].metadata_props))
         graph.insert_before(nodes[0], multi)
-        _hand_over(graph, [n.outputs[0] for n in nodes], list(multi.outputs))
+        _hand_over([n.outputs[0] for n in nodes], list(multi.outputs))
         graph.remove(nodes, safe=True)
         merged += len(nodes) - 1
     if merged:
@@ -182,7 +172,7 @@ def fuse_unscale(model: ir.Model) -> int:
     for where in wheres:
         where.outputs[0].replace_all_uses_with(where.inputs[2])
     graph.remove(wheres, safe=True)
-    _hand_over(graph, [flag, *unscaled], list(fused.outputs))
+    _hand_over([flag, *unscaled], list(fused.outputs))
     graph.remove(nodes, safe=True)
     graph.sort()  # an optimizer that reads u directly (no gating) may sit before the check
     model.opset_imports.setdefault(DOMAIN, 1)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant
+from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
 
 __all__ = ["fuse_adam_scalars"]
 
@@ -94,14 +94,8 @@ def fuse_adam_scalars(model: ir.Model) -> int:
         inputs, nodes, step_size, bc2_sqrt = found
         node = ir.Node(DOMAIN, "AdamScalars", inputs, num_outputs=2, name=f"{div.name}/AdamScalars",
                        metadata_props=dict(div.metadata_props))
-        graph.insert_before(nodes[7], node)  # before the step size's Cast: every input is made by then
-        for made, old in zip(node.outputs, (step_size, bc2_sqrt)):
-            made.shape, made.type = old.shape, old.type
-            old.replace_all_uses_with(made, replace_graph_outputs=True)
-            name = old.name
-            old.name = None
-            made.name = name
-        graph.remove(nodes, safe=True)
+        # Before the step size's Cast: every input is made by then.
+        _replace(graph, nodes, node, (step_size, bc2_sqrt), before=nodes[7])
         fused += 1
     if fused:
         graph.sort()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _consts
+from mpgraph.kernels.fuse import DOMAIN, _consts, _replace
 
 __all__ = ["fuse_softmax_grad"]
 
@@ -128,14 +128,7 @@ def fuse_softmax_grad(model: ir.Model) -> int:
         inputs, nodes = found
         node = ir.Node(DOMAIN, "SoftmaxGradDot", inputs, name=f"{mul.name}/SoftmaxGradDot",
                        metadata_props=dict(mul.metadata_props))
-        made, old = node.outputs[0], mul.outputs[0]
-        made.shape, made.type = old.shape, old.type
-        graph.insert_before(mul, node)
-        old.replace_all_uses_with(made, replace_graph_outputs=True)
-        name = old.name
-        old.name = None
-        made.name = name
-        graph.remove(nodes, safe=True)
+        _replace(graph, nodes, node, (mul.outputs[0],), before=mul)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

@@ -29,7 +29,7 @@ import math
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant
+from mpgraph.kernels.fuse import _constant, _replace
 
 __all__ = ["fold_scales", "fold_transposes"]
 
@@ -116,14 +116,7 @@ def _fold_transposed_gemm(graph: ir.Graph, transpose: ir.Node, outputs: set[ir.V
 
 def _swap_in(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
     """Put ``new`` where ``old`` is and give it ``old``'s output (name, readers, slot)."""
-    made, was = new.outputs[0], old.outputs[0]
-    made.shape, made.type = was.shape, was.type
-    graph.insert_before(old, new)
-    was.replace_all_uses_with(made, replace_graph_outputs=True)
-    name = was.name
-    was.name = None
-    made.name = name
-    graph.remove(old, safe=True)
+    _replace(graph, [old], new, (old.outputs[0],), before=old)
 
 
 def fold_transposes(model: ir.Model, provider: str = "cuda") -> int:

@@ -7,22 +7,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_util.h"
 #include "multi.h"
 
 namespace {
-
-template <typename T> __device__ __forceinline__ float to_f(T v);
-template <> __device__ __forceinline__ float to_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ float to_f<__half>(__half v) { return __half2float(v); }
-template <> __device__ __forceinline__ float to_f<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-// A float rounded to T and back: what a T-typed op's output holds.
-template <typename T> __device__ __forceinline__ float r(float v) { return to_f<T>(from_f<T>(v)); }
 
 struct Consts {
   float div, one, half, k;
@@ -34,7 +22,7 @@ template <typename T> struct ConstPtrs {
 };
 
 template <typename T> __device__ __forceinline__ Consts load(const ConstPtrs<T>& cp) {
-  return Consts{to_f<T>(*cp.p[0]), to_f<T>(*cp.p[1]), to_f<T>(*cp.p[2]), cp.p[3] ? to_f<T>(*cp.p[3]) : 0.0f};
+  return Consts{to_f(*cp.p[0]), to_f(*cp.p[1]), to_f(*cp.p[2]), cp.p[3] ? to_f(*cp.p[3]) : 0.0f};
 }
 
 // s = x / div; cdf = half * (erf(s) + one), each rounded to T.
@@ -48,7 +36,7 @@ template <typename T>
 __global__ void gelu_kernel(const T* __restrict__ x, T* __restrict__ y, size_t n, ConstPtrs<T> cp) {
   const Consts c = load<T>(cp);
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    const float xi = to_f<T>(x[i]);
+    const float xi = to_f(x[i]);
     float s, cdf;
     forward<T>(xi, c, &s, &cdf);
     y[i] = from_f<T>(__fmul_rn(xi, cdf));
@@ -62,10 +50,10 @@ __global__ void gelu_grad_kernel(const T* __restrict__ dy, const T* __restrict__
   const Consts c = load<T>(cp);
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     float s, cdf;
-    forward<T>(to_f<T>(x[i]), c, &s, &cdf);
+    forward<T>(to_f(x[i]), c, &s, &cdf);
     const float ex = r<T>(expf(r<T>(__fmul_rn(s, s))));
     const float tail = r<T>(__fmul_rn(r<T>(__fdiv_rn(s, ex)), c.k));
-    dx[i] = from_f<T>(__fmul_rn(to_f<T>(dy[i]), r<T>(__fadd_rn(cdf, tail))));
+    dx[i] = from_f<T>(__fmul_rn(to_f(dy[i]), r<T>(__fadd_rn(cdf, tail))));
   }
 }
 

@@ -7,14 +7,12 @@
 #include <cuda_runtime.h>
 #include <stddef.h>
 
+#include "cuda_util.h"
 #include "multi.h"
 
 namespace {
 
-// dy may be float16 or bfloat16 (the cast to float32 it had in the graph is done on load).
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
+// dy may be float16 or bfloat16 (the cast to float32 it had in the graph is done on load: to_f).
 
 constexpr int kRowThreads = 256;
 

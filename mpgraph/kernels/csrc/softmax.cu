@@ -5,20 +5,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cuda_util.h"
 #include "multi.h"
 
 namespace {
-
-__device__ __forceinline__ float to_f(float v) { return v; }
-__device__ __forceinline__ float to_f(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_f(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T> __device__ __forceinline__ T from_f(float v);
-template <> __device__ __forceinline__ float from_f<float>(float v) { return v; }
-template <> __device__ __forceinline__ __half from_f<__half>(float v) { return __float2half_rn(v); }
-template <> __device__ __forceinline__ __nv_bfloat16 from_f<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
-
-template <typename T> __device__ __forceinline__ float r(float v) { return to_f(from_f<T>(v)); }
 
 constexpr int kWarpsPerBlock = 8;
 
