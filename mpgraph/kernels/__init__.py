@@ -5,8 +5,8 @@ step graph's AdamW is 14 elementwise ops a tensor, a LayerNorm backward 11, a GE
 and 6 backward. This package holds the C++/CUDA source of fused replacements (``csrc/``),
 builds it with the machine's compiler (``build``), and rewrites a session's copy of a step
 graph to use them and ORT's ``FusedMatMul`` (``lower``; the matchers are in ``fuse``,
-``multi``, ``gelu``, ``softmax``, ``grads`` and ``transpose``). The optimizer, cast, unscale
-and Relu ops are bit-identical to the ops they replace; the others round every step as the
+``multi``, ``scalars``, ``gelu``, ``softmax``, ``grads`` and ``transpose``). The optimizer,
+cast, unscale and Relu ops are bit-identical to the ops they replace; the others round every step as the
 ops do but sum in their own order (equal within float32 rounding). The saved step graph keeps
 its standard ops.
 
@@ -64,15 +64,18 @@ def lower(model: ir.Model, provider: str = "cpu") -> int:
     (for a session on ``provider``); how many rewrites it made (fused nodes made, nodes
     merged into a multi-tensor node, transposes folded).
 
-    The steps: each tensor's AdamW update becomes one ``AdamWUpdate`` node, those that share
-    their scalars one ``MultiAdamWUpdate``, the scalars' float64 arithmetic one ``AdamScalars``; each float32 LayerNorm backward one
-    ``LayerNormGrad`` (``LayerNormGradBias`` with its bias gradient); each erf GELU and its
-    backward ``ErfGelu``/``ErfGeluGrad``; an attention softmax's backward ``SoftmaxGradDot``;
-    a Relu's backward ``ReluGrad``; on CUDA the cross-entropy logits gradient
-    ``SoftmaxCrossEntropyGrad``;
-    loss scaling's unscale and check one ``UnscaleGradients``; the master weights' casts one
-    ``CastToBFloat16``/``CastToFloat16``; transposes that feed a matmul fold into it
-    (``fold_transposes``), and so do multiplications by a power of two (``fold_scales``).
+    The steps:
+
+    - each tensor's AdamW update becomes one ``AdamWUpdate`` node, those that share their
+      scalars one ``MultiAdamWUpdate``, and the scalars' float64 arithmetic one ``AdamScalars``;
+    - each float32 LayerNorm backward one ``LayerNormGrad`` (``LayerNormGradBias`` with its bias
+      gradient); each erf GELU and its backward ``ErfGelu``/``ErfGeluGrad``; an attention
+      softmax's backward ``SoftmaxGradDot``; a Relu's backward ``ReluGrad``; on CUDA the
+      cross-entropy logits gradient ``SoftmaxCrossEntropyGrad``;
+    - loss scaling's unscale and check one ``UnscaleGradients``; the master weights' casts one
+      ``CastToBFloat16``/``CastToFloat16``;
+    - transposes that feed a matmul fold into it (``fold_transposes``), and so do
+      multiplications by a power of two (``fold_scales``).
     """
     fused = fuse_adamw(model) + fuse_adam_scalars(model)
     fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
