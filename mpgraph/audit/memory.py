@@ -19,7 +19,8 @@ questions a user asks before renting a GPU:
 3. **ORT's arena and memory pattern.** In the first step ORT allocates each buffer from its
    BFC arena; freed chunks are reused, but the arena's regions never merge, so it grows past
    the transient peak (``_arena_bytes`` replays the buffers through the same best-fit
-   allocator). With ``enable_mem_pattern`` (ORT's default, and the Trainer's), ORT records that
+   allocator). With ``enable_mem_pattern`` (ORT's default, and the Trainer's except in the
+   sessions that capture CUDA graphs), ORT records that
    first step and from the second step on allocates one block that holds every intermediate at
    a planned offset; the arena keeps the first step's regions as well, so the intermediates are
    held twice (``_pattern_block`` packs the buffers as ORT's planner does).
