@@ -20,10 +20,10 @@ questions a user asks before renting a GPU:
    BFC arena; freed chunks are reused, but the arena's regions never merge, so it grows past
    the transient peak (``_arena_bytes`` replays the buffers through the same best-fit
    allocator). With ``enable_mem_pattern`` (ORT's default, and the Trainer's except in the
-   sessions that capture CUDA graphs), ORT records that
-   first step and from the second step on allocates one block that holds every intermediate at
-   a planned offset; the arena keeps the first step's regions as well, so the intermediates are
-   held twice (``_pattern_block`` packs the buffers as ORT's planner does).
+   sessions that capture CUDA graphs), ORT records that first step and from the second step
+   on allocates one block that holds every intermediate at a planned offset; the arena keeps
+   the first step's regions as well, so the intermediates are held twice (``_pattern_block``
+   packs the buffers as ORT's planner does).
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
