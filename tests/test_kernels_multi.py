@@ -437,3 +437,13 @@ def test_adam_scalar_block_becomes_one_node_with_the_same_bits():
         assert fuse_adam_scalars(lowered) == 1
         assert len(list(lowered.graph)) == before - 9 and _count(lowered, "Pow") == 0
     _assert_same_training(_fp16(2.0 ** 40), steps=8)
+
+
+def test_lowering_twice_changes_nothing_more():
+    """A lowered graph has nothing left to lower: every matcher leaves fused nodes alone."""
+    step = convert(build_training_graph(GPT, optimizer="adamw", optimizer_options={"pack": False}), "fp16",
+                   emulate=False, validate=False, calibrate=None)
+    assert kernels.lower(step, "cuda") > 50
+    before = [(n.op_type, n.name) for n in step.graph]
+    assert kernels.lower(step, "cuda") == 0
+    assert [(n.op_type, n.name) for n in step.graph] == before
