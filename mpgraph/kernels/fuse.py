@@ -23,6 +23,8 @@ step graph a user saves keeps its standard ONNX ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import onnx_ir as ir
 
@@ -39,6 +41,11 @@ def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
 
 def _only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:
     return len(value.uses()) == 1 and value not in graph_outputs
+
+
+def _one_reader(value: ir.Value, outputs: set[ir.Value]) -> bool:
+    """``value`` is read by one node (perhaps in several inputs) and is no graph output."""
+    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
 
 
 def _link(value: ir.Value | None, op_type: str, outputs: set[ir.Value]) -> ir.Node | None:
@@ -164,6 +171,24 @@ def _replace(graph: ir.Graph, chain: list[ir.Node], node: ir.Node, olds: tuple[i
     graph.insert_before(before, node)
     _hand_over(olds, node.outputs)
     graph.remove(chain, safe=True)
+
+
+def _fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple | None], op: str) -> int:
+    """Replace every chain ``match`` finds ending at a ``Mul`` (``(inputs, nodes)``, the Mul
+    first) with one ``op`` node that takes over the Mul's output; how many were made."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    fused = 0
+    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
+        found = match(mul, outputs) if mul.graph is not None else None
+        if found is not None:
+            inputs, nodes = found
+            node = ir.Node(DOMAIN, op, inputs, name=f"{mul.name}/{op}", metadata_props=dict(mul.metadata_props))
+            _replace(graph, nodes, node, (mul.outputs[0],), before=mul)
+            fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
 
 
 def fuse_adamw(model: ir.Model) -> int:

@@ -19,16 +19,11 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
+from mpgraph.kernels.fuse import DOMAIN, _constant, _producer, _replace
 
 __all__ = ["fuse_gelu"]
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-
-
-def _op(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
 def _scalar(value: ir.Value | None, dtype: ir.DataType) -> bool:
@@ -68,14 +63,14 @@ def _match_forward(y_mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         x, cdf = y_mul.inputs[slot], y_mul.inputs[1 - slot]
         if x is None or cdf is None or x.dtype not in _TYPES:
             continue
-        half_mul = _op(cdf, "Mul")
+        half_mul = _producer(cdf, "Mul")
         a = next((v for v in (half_mul.inputs if half_mul else ()) if not _scalar(v, x.dtype)), None)
         split = _split(half_mul, a, x.dtype) if half_mul is not None and a is not None else None
-        add = _op(a, "Add") if split is not None else None
+        add = _producer(a, "Add") if split is not None else None
         e = next((v for v in (add.inputs if add else ()) if not _scalar(v, x.dtype)), None)
         add_split = _split(add, e, x.dtype) if add is not None and e is not None else None
-        erf = _op(e, "Erf") if add_split is not None else None
-        div = _op(erf.inputs[0], "Div") if erf is not None else None
+        erf = _producer(e, "Erf") if add_split is not None else None
+        div = _producer(erf.inputs[0], "Div") if erf is not None else None
         if div is None or div.inputs[0] is not x or not _scalar(div.inputs[1], x.dtype):
             continue
         s = div.outputs[0]

@@ -12,63 +12,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
+from mpgraph.kernels.fuse import _constant, _fuse_muls, _one_reader, _producer
 
 __all__ = ["fuse_relu_grad", "fuse_sce_grad"]
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
-def _op(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
-def _only(value: ir.Value, outputs: set[ir.Value]) -> bool:
-    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
-
-
-def _swap(graph: ir.Graph, nodes: list[ir.Node], node: ir.Node) -> None:
-    """``node`` takes over the output of ``nodes[0]`` (the chain's last node) and ``nodes`` go."""
-    _replace(graph, nodes, node, (nodes[0].outputs[0],), before=nodes[0])
-
-
 def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     for slot in (0, 1):
         dy, mask = mul.inputs[slot], mul.inputs[1 - slot]
-        cast = _op(mask, "Cast")
-        greater = _op(cast.inputs[0], "Greater") if cast is not None else None
+        cast = _producer(mask, "Cast")
+        greater = _producer(cast.inputs[0], "Greater") if cast is not None else None
         if greater is None or dy is None or dy.dtype not in _TYPES or mask.dtype != dy.dtype:  # type: ignore[union-attr]
             continue
         x, zero = greater.inputs
         zero_value = _constant(zero)
         if x is None or x.dtype != dy.dtype or zero_value is None or zero_value.size != 1 or float(zero_value.reshape(-1)[0]) != 0:
             continue
-        if not _only(mask, outputs) or not _only(greater.outputs[0], outputs):  # type: ignore[arg-type]
+        if not _one_reader(mask, outputs) or not _one_reader(greater.outputs[0], outputs):  # type: ignore[arg-type]
             continue
         return [dy, x], [mul, cast, greater]
     return None
-
-
-def _fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple | None], op: str) -> int:
-    """Replace every chain ``match`` finds from a ``Mul`` (its last node) with one ``op`` node."""
-    graph = model.graph
-    outputs = set(graph.outputs)
-    fused = 0
-    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        found = match(mul, outputs) if mul.graph is not None else None
-        if found is not None:
-            inputs, nodes = found
-            _swap(graph, nodes, ir.Node(DOMAIN, op, inputs, name=f"{mul.name}/{op}", metadata_props=dict(mul.metadata_props)))
-            fused += 1
-    if fused:
-        model.opset_imports.setdefault(DOMAIN, 1)
-    return fused
 
 
 def fuse_relu_grad(model: ir.Model) -> int:
@@ -83,7 +51,7 @@ def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
     value = _constant(depth)
     if value is not None:
         return value.size == 1 and int(value.reshape(-1)[0]) == log_prob.shape[1]  # type: ignore[index]
-    shape = _op(depth, "Shape")
+    shape = _producer(depth, "Shape")
     if shape is None or shape.inputs[0] is not log_prob:
         return False
     start, end = shape.attributes.get("start"), shape.attributes.get("end")
@@ -92,11 +60,11 @@ def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
 
 def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     sub_out, scale = mul.inputs
-    sub = _op(sub_out, "Sub")
-    if sub is None or scale is None or scale.dtype != ir.DataType.FLOAT or not _only(sub_out, outputs):  # type: ignore[arg-type]
+    sub = _producer(sub_out, "Sub")
+    if sub is None or scale is None or scale.dtype != ir.DataType.FLOAT or not _one_reader(sub_out, outputs):  # type: ignore[arg-type]
         return None
-    exp, one_hot = _op(sub.inputs[0], "Exp"), _op(sub.inputs[1], "OneHot")
-    if exp is None or one_hot is None or not _only(sub.inputs[0], outputs) or not _only(sub.inputs[1], outputs):  # type: ignore[arg-type]
+    exp, one_hot = _producer(sub.inputs[0], "Exp"), _producer(sub.inputs[1], "OneHot")
+    if exp is None or one_hot is None or not _one_reader(sub.inputs[0], outputs) or not _one_reader(sub.inputs[1], outputs):  # type: ignore[arg-type]
         return None
     log_prob, index = exp.inputs[0], one_hot.inputs[0]
     on_off = _constant(one_hot.inputs[2])

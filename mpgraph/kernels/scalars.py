@@ -11,20 +11,15 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _replace
+from mpgraph.kernels.fuse import DOMAIN, _constant, _producer, _replace
 
 __all__ = ["fuse_adam_scalars"]
 
 _F32, _F64 = ir.DataType.FLOAT, ir.DataType.DOUBLE
 
 
-def _op(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
-
-
 def _cast(value: ir.Value | None, to: ir.DataType, source: ir.DataType) -> ir.Node | None:
-    node = _op(value, "Cast")
+    node = _producer(value, "Cast")
     if node is None or node.attributes["to"].as_int() != to or node.inputs[0] is None or node.inputs[0].dtype != source:
         return None
     return node
@@ -45,7 +40,7 @@ def _correction(sub: ir.Node | None, t64: ir.Value) -> tuple[ir.Value, ir.Value,
     if sub is None:
         return None
     one, power = sub.inputs
-    pow_node = _op(power, "Pow")
+    pow_node = _producer(power, "Pow")
     if pow_node is None or pow_node.inputs[1] is not t64 or _scalar64(one) != 1.0 or _scalar64(pow_node.inputs[0]) is None:
         return None
     return one, pow_node.inputs[0], pow_node  # type: ignore[return-value]
@@ -54,8 +49,8 @@ def _correction(sub: ir.Node | None, t64: ir.Value) -> tuple[ir.Value, ir.Value,
 def _match(div: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     lr64, bc1 = div.inputs
     lr_cast = _cast(lr64, _F64, _F32)
-    sub1 = _op(bc1, "Sub")
-    pow1 = _op(sub1.inputs[1], "Pow") if sub1 is not None else None
+    sub1 = _producer(bc1, "Sub")
+    pow1 = _producer(sub1.inputs[1], "Pow") if sub1 is not None else None
     t64 = pow1.inputs[1] if pow1 is not None else None
     t_cast = _cast(t64, _F64, _F32)
     first = _correction(sub1, t64) if t_cast is not None else None  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _consts, _replace
+from mpgraph.kernels.fuse import _consts, _fuse_muls, _one_reader
 
 __all__ = ["fuse_softmax_grad"]
 
@@ -27,10 +27,6 @@ _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 def _producer(value: ir.Value | None, *op_types: str) -> ir.Node | None:
     node = value.producer() if value is not None else None
     return node if node is not None and node.op_type in op_types else None
-
-
-def _only(value: ir.Value, outputs: set[ir.Value]) -> bool:
-    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
 
 
 def _reshape_to(value: ir.Value | None, p: ir.Value, tail: int | None) -> bool:
@@ -55,7 +51,7 @@ def _through(value: ir.Value | None, op_type: str, outputs: set[ir.Value], nodes
     """``value``'s source past an ``op_type`` node read only here (recorded in ``nodes``), or
     ``value`` itself when it has no such producer."""
     node = _producer(value, op_type)
-    if node is None or value is None or not _only(value, outputs):
+    if node is None or value is None or not _one_reader(value, outputs):
         return value
     nodes.append(node)
     return node.inputs[0]
@@ -86,7 +82,7 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         nodes: list[ir.Node] = [mul]
         sub_out = _through(rest, "Reshape", outputs, nodes)
         sub = _producer(sub_out, "Sub")
-        if sub is None or not _only(sub_out, outputs):  # type: ignore[arg-type]
+        if sub is None or not _one_reader(sub_out, outputs):  # type: ignore[arg-type]
             continue
         nodes.append(sub)
         if not _reshape_to(sub.inputs[0], p, keys) or not _reshape_to(sub.inputs[1], p, 1):
@@ -94,14 +90,14 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         dp = _through(sub.inputs[0], "Reshape", outputs, nodes)
         delta = _through(_through(sub.inputs[1], "Reshape", outputs, nodes), "Cast", outputs, nodes)
         reduce = _producer(delta, "ReduceSum")
-        if dp is None or reduce is None or not _only(delta, outputs) or dp.dtype != p.dtype:  # type: ignore[arg-type]
+        if dp is None or reduce is None or not _one_reader(delta, outputs) or dp.dtype != p.dtype:  # type: ignore[arg-type]
             continue
         if dp.shape is None or len(dp.shape) != len(p.shape) or (isinstance(dp.shape[-1], int) and dp.shape[-1] != keys):  # type: ignore[arg-type]
             continue
         axes = _consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
         keep = reduce.attributes.get("keepdims")
         prod = _producer(reduce.inputs[0], "Mul")
-        if axes != [-1] or (keep is not None and keep.as_int() != 1) or prod is None or not _only(reduce.inputs[0], outputs):  # type: ignore[arg-type]
+        if axes != [-1] or (keep is not None and keep.as_int() != 1) or prod is None or not _one_reader(reduce.inputs[0], outputs):  # type: ignore[arg-type]
             continue
         nodes += [reduce, prod]
         pair = [_through(v, "Cast", outputs, nodes) for v in prod.inputs]
@@ -116,20 +112,4 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 def fuse_softmax_grad(model: ir.Model) -> int:
     """Fuse every matching attention softmax backward in ``model``'s main graph, in place; how
     many ``SoftmaxGradDot`` nodes were made."""
-    graph = model.graph
-    outputs = set(graph.outputs)
-    fused = 0
-    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        if mul.graph is None:
-            continue
-        found = _match(mul, outputs)
-        if found is None:
-            continue
-        inputs, nodes = found
-        node = ir.Node(DOMAIN, "SoftmaxGradDot", inputs, name=f"{mul.name}/SoftmaxGradDot",
-                       metadata_props=dict(mul.metadata_props))
-        _replace(graph, nodes, node, (mul.outputs[0],), before=mul)
-        fused += 1
-    if fused:
-        model.opset_imports.setdefault(DOMAIN, 1)
-    return fused
+    return _fuse_muls(model, _match, "SoftmaxGradDot")
