@@ -212,14 +212,15 @@ def test_train_sequence_data_with_hugging_face_input_names(tmp_path: Path):
 
 
 def test_train_kernels_flag_runs_the_fused_kernels_and_says_so(gpt_step: Path):
-    """--kernels on CPU (off by default there): the summary counts the rewrites, and the loss
-    matches the plain ops' to the printed digits."""
-    fused = mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", "--kernels", "--no-eval")
-    plain = mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", "--no-eval")
-    assert fused.returncode == plain.returncode == 0, fused.stderr + plain.stderr
-    assert "fused kernels (" in fused.stdout and "fused kernels" not in plain.stdout
-    loss = [line.split("loss ")[1].split(",")[0] for line in (fused.stdout, plain.stdout)]
-    assert loss[0] == loss[1]
+    """--kernels on CPU (all of them; the default is the CPU subset, --no-kernels none): the
+    summary counts the rewrites, and the loss matches the plain ops' to the printed digits."""
+    runs = [mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", *flag, "--no-eval")
+            for flag in (["--kernels"], [], ["--no-kernels"])]
+    assert all(r.returncode == 0 for r in runs), "".join(r.stderr for r in runs)
+    fused = [int(r.stdout.split("fused kernels (")[1].split(" ")[0]) if "fused kernels (" in r.stdout else 0 for r in runs]
+    assert fused[0] > fused[1] > fused[2] == 0, fused
+    loss = [r.stdout.split("loss ")[1].split(",")[0] for r in runs]
+    assert loss[0] == loss[1] == loss[2]
 
 
 def test_train_provider_option_must_be_key_value(tmp_path):

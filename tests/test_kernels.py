@@ -35,7 +35,7 @@ def test_abi_slots_are_the_functions_they_name():
     lib = ctypes.CDLL(str(next((Path(ort.__file__).parent / "capi").glob("libonnxruntime.so*"))))
     lib.OrtGetApiBase.restype = ctypes.POINTER(ctypes.c_void_p * 2)
     get_api = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_uint32)(lib.OrtGetApiBase().contents[0])
-    table = ctypes.cast(get_api(17), ctypes.POINTER(ctypes.c_void_p * 200)).contents
+    table = ctypes.cast(get_api(17), ctypes.POINTER(ctypes.c_void_p * 300)).contents
     slots = _slots()
     vp, sz = ctypes.c_void_p, ctypes.c_size_t
 
@@ -71,6 +71,12 @@ def test_abi_slots_are_the_functions_they_name():
     assert fn("GetTensorElementType", vp, vp, ctypes.POINTER(ctypes.c_int))(tinfo, ctypes.byref(etype)) is None and etype.value == 1
     fn("ReleaseTensorTypeAndShapeInfo", None, vp)(tinfo)
     ctypes.CFUNCTYPE(None, vp)(table[96])(value)  # ReleaseValue
+
+    # ParallelFor refuses a missing kernel context before it runs anything.
+    body = ctypes.CFUNCTYPE(None, vp, sz)(lambda data, i: None)
+    status = fn("KernelContext_ParallelFor", vp, vp, type(body), sz, sz, vp)(None, body, 4, 0, None)
+    assert fn("GetErrorMessage", ctypes.c_char_p, vp)(status) == b"Invalid context"
+    fn("ReleaseStatus", None, vp)(status)
     ctypes.CFUNCTYPE(None, vp)(table[94])(info)  # ReleaseMemoryInfo
 
 
@@ -187,9 +193,21 @@ def test_layernorm_backward_not_fused_where_the_pattern_differs():
     assert fuse_layernorm_grad(grads) == 4
 
 
-def test_kernels_off_by_default_on_cpu_and_say_why():
-    trainer = Trainer(build_training_graph(MLP, optimizer="adamw"), "cpu")
-    assert trainer.kernels_fused == 0 and "off by default on CPU" in trainer.kernels_reason
+def test_cpu_default_is_the_measured_subset_and_off_says_why():
+    """On CPU the Trainer runs ``scope="default"``: AdamW and its scalars, not the LayerNorm,
+    GELU or softmax loops; ``kernels=True`` runs all of it, ``kernels=False`` none."""
+    step = build_training_graph(GPT, optimizer="adamw")
+    lowered = {scope: ir.from_proto(ir.to_proto(step)) for scope in kernels.SCOPES}
+    fused = {scope: kernels.lower(model, "cpu", scope) for scope, model in lowered.items()}
+    ops = {scope: {n.op_type for n in model.graph} for scope, model in lowered.items()}
+    assert {"AdamWUpdate", "AdamScalars"} <= ops["default"] and "ErfGeluGrad" not in ops["default"]
+    assert {"ErfGeluGrad", "LayerNormGradBias"} <= ops["all"] and fused["native"] == 0  # the GPT has no convolution
+    assert Trainer(step, "cpu").kernels_fused == fused["default"] > 0
+    assert Trainer(step, "cpu", kernels=True).kernels_fused == fused["all"] > fused["default"]
+    off = Trainer(step, "cpu", kernels=False)
+    assert off.kernels_fused == 0 and off.kernels_reason == "kernels=False"
+    with pytest.raises(ValueError, match="scope must be one of"):
+        kernels.lower(step, "cpu", "some")
 
 
 def test_a_size_mismatch_fails_loudly():

@@ -195,7 +195,7 @@ def train(
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar; print only the summary line.")] = False,
     tf32: Annotated[bool | None, typer.Option("--tf32/--no-tf32", help="cuda: let float32 matmuls run as TF32 (default: the graph's policy; fp32 is strict).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
-    kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run mpgraph's fused kernels (mpgraph.kernels; built with nvcc / a C++ compiler on first use). Default: on for cuda where they build, off for cpu.")] = None,
+    kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run all of mpgraph's fused kernels (mpgraph.kernels; built with nvcc / a C++ compiler on first use); --no-kernels: none. Default: all on cuda where they build; on cpu the ones that pay there (ORT's NCHWc convolutions, AdamW, the Relu backward).")] = None,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:

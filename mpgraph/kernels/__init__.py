@@ -38,6 +38,7 @@ from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
 from mpgraph.kernels.gelu import fuse_gelu
 from mpgraph.kernels.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.kernels.nchwc import to_nchwc
 from mpgraph.kernels.scalars import fuse_adam_scalars
 from mpgraph.kernels.softmax import fuse_softmax_grad
 from mpgraph.kernels.transpose import fold_scales, fold_transposes
@@ -59,12 +60,21 @@ def library(provider: str) -> Path:
     return path
 
 
-def lower(model: ir.Model, provider: str = "cpu") -> int:
-    """Rewrite ``model`` in place to use the library's fused ops and ORT's ``FusedMatMul``
-    (for a session on ``provider``); how many rewrites it made (fused nodes made, nodes
-    merged into a multi-tensor node, transposes folded).
+#: What ``lower`` rewrites: ``all`` of it; each provider's ``default``, what the ``Trainer``
+#: runs (everything on CUDA; on CPU what measured faster there: ORT's blocked convolutions,
+#: the multi-tensor AdamW and its scalars, the Relu backward; the LayerNorm, GELU and softmax
+#: CPU loops are there to test the CUDA kernels' arithmetic, not for speed); or only the
+#: rewrites onto ONNX Runtime's own ops (``native``: on CPU the convolutions; no library).
+SCOPES = ("all", "default", "native")
 
-    The steps:
+
+def lower(model: ir.Model, provider: str = "cpu", scope: str = "all") -> int:
+    """Rewrite ``model`` in place to use the library's fused ops, ORT's ``FusedMatMul`` and on
+    CPU ORT's blocked convolutions (for a session on ``provider``); how many rewrites it made
+    (fused nodes made, nodes merged into a multi-tensor node, transposes folded, convolutions
+    moved).
+
+    The steps (``scope`` picks among them, see ``SCOPES``):
 
     - each tensor's AdamW update becomes one ``AdamWUpdate`` node, those that share their
       scalars one ``MultiAdamWUpdate``, and the scalars' float64 arithmetic one ``AdamScalars``;
@@ -75,11 +85,22 @@ def lower(model: ir.Model, provider: str = "cpu") -> int:
     - loss scaling's unscale and check one ``UnscaleGradients``; the master weights' casts one
       ``CastToBFloat16``/``CastToFloat16``;
     - transposes that feed a matmul fold into it (``fold_transposes``), and so do
-      multiplications by a power of two (``fold_scales``).
+      multiplications by a power of two (``fold_scales``);
+    - on CPU, convolutions whose weights are not constants run on ORT's NCHWc kernels
+      (``nchwc.to_nchwc``; the library is not needed for this one).
     """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    cpu = provider != "cuda"
+    if scope == "native":
+        return to_nchwc(model) if cpu else 0
+    if scope == "default" and cpu:
+        return to_nchwc(model) + fuse_adamw(model) + fuse_adam_scalars(model) + batch_adamw(model) + fuse_relu_grad(model)
     fused = fuse_adamw(model) + fuse_adam_scalars(model)
     fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
     fused += fold_transposes(model, provider) + fuse_softmax_grad(model) + fuse_relu_grad(model)
-    if provider == "cuda":  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own
+    if not cpu:  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own
         fused += fuse_sce_grad(model)
+    else:
+        fused += to_nchwc(model)
     return fused + fold_scales(model, provider)

@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
 
@@ -38,6 +39,7 @@ __all__ = [
     "cpu_session",
     "evaluate_nodes",
     "measure_ranges",
+    "nchwc_block",
     "run",
     "run_with_values",
 ]
@@ -369,3 +371,36 @@ def _node(op_type: str, inputs: list[str], output: str, **attributes: int | np.n
     attrs = [ir.AttrInt64(k, v) if isinstance(v, int) else ir.AttrTensor(k, ir.tensor(v)) for k, v in attributes.items()]
     node = ir.Node("", op_type, [ir.Value(name=n) for n in inputs], attrs, outputs=[ir.Value(name=output)])
     return ir.serde.serialize_node(node)
+
+
+def _nchwc_matches(block: int) -> bool:
+    """Whether ORT's NCHWc Conv here computes a plain Conv from a filter put in ``block``'s
+    order by ``mpgraph.kernels.nchwc`` (a 16-channel 3x3 layer against numpy)."""
+    from mpgraph.kernels.nchwc import NCHWC_DOMAIN, _filter_order
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 16, 5, 5)).astype(np.float32)
+    w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
+    shape, perm = _filter_order(16, 16, 3, 3, block)
+    inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(a.shape)) for n, a in (("x", x), ("w", w))]
+    reorder = ir.Node(NCHWC_DOMAIN, "ReorderInput", [inputs[0]])
+    conv = ir.Node(NCHWC_DOMAIN, "Conv", [reorder.outputs[0], inputs[1]], [ir.AttrInt64s("kernel_shape", [3, 3])])
+    out = ir.Node(NCHWC_DOMAIN, "ReorderOutput", conv.outputs, [ir.AttrInt64("channels", 16)])
+    out.outputs[0].name = "y"
+    graph = ir.Graph(inputs, out.outputs, nodes=[reorder, conv, out], opset_imports={"": 17, NCHWC_DOMAIN: 1})
+    try:
+        session = cpu_session(ir.Model(graph, ir_version=9))
+        y = session.run(None, {"x": x, "w": w.reshape(shape).transpose(perm).reshape(w.shape).copy()})[0]
+    except Exception:  # noqa: BLE001 - no NCHWc kernels in this build or on this CPU
+        return False
+    cols = np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3))  # [2, 16, 3, 3, 3, 3]
+    ref = np.einsum("nchwij,ocij->nohw", cols, w)
+    return y.shape == ref.shape and bool(np.allclose(y, ref, rtol=1e-4, atol=1e-4))
+
+
+@functools.cache
+def nchwc_block() -> int:
+    """ORT CPU's NCHWc channel block here: 16 with AVX-512, 8 with AVX2 (MLAS picks it at
+    load time and ORT does not expose it, so each is tried on a one-layer probe once per
+    process), 0 where ORT has no NCHWc kernels."""
+    return next((b for b in (16, 8) if _nchwc_matches(b)), 0)

@@ -146,19 +146,20 @@ def _data_inputs(model: ir.Model, state_names: set[str]) -> list[InputSpec]:
     ]
 
 
-def _kernels(provider: str, wanted: bool | None) -> tuple[str | None, str]:
-    """The kernel library to load (``None``: none) and, when none, why."""
+def _kernels(provider: str, wanted: bool | None) -> tuple[str | None, str | None, str]:
+    """The kernel library to load (``None``: none), the ``kernels.lower`` scope to run
+    (``None``: none) and, when less than the provider's default runs, why."""
     if wanted is False:
-        return None, "kernels=False"
-    if wanted is None and provider != "cuda":
-        return None, "off by default on CPU (kernels=True turns them on)"
+        return None, None, "kernels=False"
+    scope = "all" if wanted else "default"
     try:
-        return str(kernels_lib.library(provider)), ""
+        return str(kernels_lib.library(provider)), scope, ""
     except kernels_lib.KernelBuildError as e:
         if wanted:
             raise
         logger.warning("mpgraph kernels off: %s", e)
-        return None, str(e)
+        # ORT's own blocked convolutions need no library (CPU only).
+        return None, ("native" if provider != "cuda" else None), str(e)
 
 
 def _loss_scale_state(props: Mapping[str, str], outputs: set[str], state: set[str]) -> tuple[str | None, str | None]:
@@ -220,9 +221,12 @@ class Trainer:
         kernels: Run the session's copy of the graph with mpgraph's fused kernels
             (``mpgraph.kernels.lower``: multi-tensor AdamW, casts and loss-scale unscale,
             bit-identical; the LayerNorm, GELU, attention-softmax, Relu and cross-entropy
-            backwards, equal within float32 rounding). ``None``: on for CUDA where the library
-            builds (needs ``nvcc``), off on CPU. ``kernels_reason`` says why they are off when
-            they are.
+            backwards, equal within float32 rounding; on CPU, convolutions on ORT's NCHWc
+            kernels). ``None``: each provider's default (``kernels.lower(scope="default")``):
+            all of it on CUDA where the library builds (needs ``nvcc``); on CPU the
+            convolutions, AdamW and the Relu backward (the convolutions alone where no C++
+            compiler builds the library). ``True``: all of it (fails if the library cannot be
+            built). ``kernels_reason`` says why less than the default runs.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
             second run on, one planned block for every intermediate, on top of the arena
             regions the first run made, so activations are held about twice. ``None``: off for
@@ -264,7 +268,7 @@ class Trainer:
             self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=provider_options)
         self._threads = threads
         self._mem_pattern = mem_pattern
-        self._kernels_library, self.kernels_reason = _kernels(provider, kernels)
+        self._kernels_library, self._kernels_scope, self.kernels_reason = _kernels(provider, kernels)
         #: Nodes the fused kernels replaced in the session's graph (0: kernels off).
         self.kernels_fused = 0
         self.session = self._new_session(graph=False)
@@ -343,9 +347,9 @@ class Trainer:
         """An ORT session of the step graph (or of ``model``, which it may rewrite);
         ``graph`` turns on CUDA graph capture."""
         data = self._session_bytes
-        if self._kernels_library is not None:
+        if self._kernels_scope is not None:
             model = model or as_model(data)
-            self.kernels_fused = kernels_lib.lower(model, self.provider)
+            self.kernels_fused = kernels_lib.lower(model, self.provider, self._kernels_scope)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,

@@ -54,6 +54,7 @@ enum MpgOrtSlot {
   kReleaseTensorTypeAndShapeInfo = 99,
   kHasValue = 192,
   kKernelContext_GetGPUComputeStream = 193,
+  kKernelContext_ParallelFor = 274,
 };
 
 // The callbacks of a custom op, in ORT's order (``version`` says how many ORT may read).

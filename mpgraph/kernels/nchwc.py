@@ -1,0 +1,212 @@
+"""Run a step graph's convolutions on ORT CPU's blocked (NCHWc) kernels (a session lowering).
+
+ONNX Runtime's CPU provider has two convolution paths. Its NCHWc transformer rewrites a
+``Conv`` whose weight is a constant initializer into ``com.microsoft.nchwc.Conv``: channels in
+blocks of 8 (AVX2) or 16 (AVX-512), direct kernels, the weight reordered once at load time.
+Every other ``Conv`` runs MLAS's im2col and one small GEMM per image. In a step graph no weight
+is a constant (the weights are state), so every convolution, forward and weight gradient,
+took the slow path: on the Nature DQN's three layers (batch 32, 2 threads) the forward convs
+ran 1.4-6x slower than with the same weights as an initializer
+(``benchmarks/conv_nchwc_ab.py``).
+
+``to_nchwc`` does what the transformer does, with the weight reorder as graph ops so that it
+follows the weight every step::
+
+    W [co, ci, kh, kw] -> Reshape [co/B, B, ci/B, B, kh, kw] -> Transpose -> Reshape [co, ci, kh, kw]
+    X -> ReorderInput -> nchwc.Conv(X', W') -> ReorderOutput(channels=co) -> Y
+
+(a first layer with fewer than 8 input channels reads X as it is and its weight in the
+``OIHWBo`` order). The block size B is the machine's: ``block_size`` runs a one-layer probe
+once per process and returns 0 where ORT has no NCHWc kernels (no AVX2, or not x86), and then
+nothing is rewritten. Results equal the plain ``Conv`` up to summation order (the probe and
+``tests/test_kernels_nchwc.py`` check them against it).
+
+Only float32, 2-D, ungrouped convolutions are rewritten, with output channels a multiple of B
+and input channels under 8 or a multiple of B (the transformer's own conditions). A ``Conv``
+whose weight is a constant initializer is left to ORT's transformer. The weight gradient's
+``Conv`` (batch and channels swapped, the forward's stride as its dilation) has a kernel as
+large as the forward's output map; where that is above ``max_kernel`` taps (the DQN's first
+layer: 20x20) the blocked kernel measured slower than MLAS's GEMM, so it keeps the plain op.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph.kernels.fuse import _constant, _hand_over
+
+__all__ = ["NCHWC_DOMAIN", "block_size", "to_nchwc"]
+
+#: ORT's domain of the blocked-layout CPU ops.
+NCHWC_DOMAIN = "com.microsoft.nchwc"
+
+#: Weight-gradient-sized kernels (taps) above which a Conv keeps MLAS's im2col path.
+MAX_KERNEL_TAPS = 144
+
+
+def _filter_order(co: int, ci: int | None, kh: int, kw: int, block: int) -> tuple[list[int], list[int]]:
+    """The Reshape and Transpose that put a ``[co, ci, kh, kw]`` filter in MLAS's order
+    (``ci`` ``None``: a multiple of ``block`` known only at run time)."""
+    if ci is not None and ci < 8:  # OIHWBo: the NCHW-input kernel of a first layer
+        return [co // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
+    return [co // block, block, ci // block if ci is not None else -1, block, kh, kw], [0, 2, 4, 5, 3, 1]  # OIHWBiBo
+
+
+def block_size() -> int:
+    """ORT CPU's NCHWc channel block on this machine (16 with AVX-512, 8 with AVX2), or 0
+    where its blocked convolutions are unavailable (``mpgraph.runtime.probe.nchwc_block``)."""
+    from mpgraph.runtime.probe import nchwc_block  # the runtime imports this package
+
+    return nchwc_block()
+
+
+def _dims(value: ir.Value | None, rank: int) -> list[int | None] | None:
+    """``value``'s dims (``None`` where symbolic) when its rank is ``rank``."""
+    if value is None or value.shape is None or len(value.shape) != rank:
+        return None
+    return [d if isinstance(d, int) else None for d in value.shape]
+
+
+def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | None, int, int] | None:
+    """``(co, ci, kh, kw)`` of a Conv ``to_nchwc`` may rewrite (``ci`` ``None`` where the input
+    channels must be padded to a multiple of the block: symbolic, as the batch a weight
+    gradient's Conv reduces over), else ``None``."""
+    if node.op_type != "Conv" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    dims = _dims(w, 4)
+    if x is None or w is None or dims is None or x.dtype != ir.DataType.FLOAT or _dims(x, 4) is None:
+        return None
+    if _constant(w) is not None and not w.is_graph_input():
+        return None  # ORT's own NCHWc transformer takes constant weights
+    co, ci, kh, kw = dims
+    group = node.attributes.get("group")
+    if co is None or kh is None or kw is None or (group is not None and group.as_int() != 1):
+        return None
+    if co % block or kh * kw > max_kernel or node.attributes.get("auto_pad") not in (None, ir.AttrString("auto_pad", "NOTSET")):
+        return None
+    if ci is not None and ci >= 8 and ci % block:
+        ci = None  # padded like a symbolic count
+    return co, ci, kh, kw
+
+
+def _const(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(values)]),
+                     const_value=ir.tensor(np.array(values, np.int64)))
+    graph.register_initializer(value)
+    return value
+
+
+def _pad_channels(graph: ir.Graph, name: str, x: ir.Value, w: ir.Value, block: int) -> tuple[list[ir.Node], ir.Value, ir.Value]:
+    """Nodes that pad ``x``'s and ``w``'s axis 1 (the input channels) with zeros to a multiple
+    of ``block``: zero channels add nothing to the convolution's sums."""
+    c = ir.Node("", "Shape", [x], attributes=[ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)], name=f"{name}/channels")
+    blk = _const(graph, f"{name}/block", [block])
+    rem = ir.Node("", "Mod", [c.outputs[0], blk], name=f"{name}/rem")
+    short = ir.Node("", "Sub", [blk, rem.outputs[0]], name=f"{name}/short")
+    pad = ir.Node("", "Mod", [short.outputs[0], blk], name=f"{name}/pad")
+    pads = ir.Node("", "Concat", [_const(graph, f"{name}/pads_head", [0, 0, 0, 0, 0]), pad.outputs[0],
+                                  _const(graph, f"{name}/pads_tail", [0, 0])], attributes=[ir.AttrInt64("axis", 0)],
+                   name=f"{name}/pads")
+    px = ir.Node("", "Pad", [x, pads.outputs[0]], name=f"{name}/PadX")
+    pw = ir.Node("", "Pad", [w, pads.outputs[0]], name=f"{name}/PadW")
+    return [c, rem, short, pad, pads, px, pw], px.outputs[0], pw.outputs[0]
+
+
+def _rewrite(graph: ir.Graph, conv: ir.Node, dims: tuple[int, int | None, int, int], block: int) -> None:
+    co, ci, kh, kw = dims
+    x, w = conv.inputs[0], conv.inputs[1]
+    assert x is not None and w is not None
+    name = f"{conv.name or f'conv{id(conv)}'}/nchwc"
+    nodes: list[ir.Node] = []
+    if ci is None:
+        nodes, x, w = _pad_channels(graph, name, x, w, block)
+    shape, perm = _filter_order(co, ci, kh, kw, block)
+    nodes.append(ir.Node("", "Reshape", [w, _const(graph, f"{name}/blocks", shape)], name=f"{name}/Reshape"))
+    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", perm)],
+                         name=f"{name}/Transpose"))
+    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/dims", [co, -1, kh, kw])],
+                         name=f"{name}/Filter"))
+    filt = nodes[-1].outputs[0]
+    if ci is None or ci >= 8:
+        nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderInput", [x], name=f"{name}/ReorderInput"))
+        x = nodes[-1].outputs[0]
+    attrs = dict(conv.attributes.items())
+    attrs.setdefault("kernel_shape", ir.AttrInt64s("kernel_shape", [kh, kw]))
+    nodes.append(ir.Node(NCHWC_DOMAIN, "Conv", [x, filt, *conv.inputs[2:3]], attributes=list(attrs.values()),
+                         name=f"{name}/Conv", metadata_props=dict(conv.metadata_props)))
+    nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderOutput", nodes[-1].outputs, attributes=[ir.AttrInt64("channels", co)],
+                         name=f"{name}/ReorderOutput", metadata_props=dict(conv.metadata_props)))
+    graph.insert_before(conv, nodes)
+    _hand_over(conv.outputs, nodes[-1].outputs)
+    graph.remove(conv, safe=True)
+
+
+def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
+    attr = node.attributes.get(name)
+    return list(attr.as_ints()) if attr is not None else default
+
+
+def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int) -> ir.Node | None:
+    """A unit-stride 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it
+    equals, ``Conv(x, W')`` with ``W'`` the filter flipped in space and its two channel axes
+    swapped, padded ``d*(k-1) - p`` a side, when that Conv is one ``to_nchwc`` takes; else
+    ``None`` (nothing changed)."""
+    if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
+        return None
+    x, w = node.inputs[0], node.inputs[1]
+    dims = _dims(w, 4)
+    if x is None or w is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or _dims(x, 4) is None:
+        return None
+    ci, co, kh, kw = dims  # ConvTranspose's filter is [in, out, kh, kw]
+    dil = _ints(node, "dilations", [1, 1])
+    pads = _ints(node, "pads", [0, 0, 0, 0])
+    plain = all(a is None for a in (node.attributes.get("output_shape"), node.attributes.get("output_padding")))
+    group = node.attributes.get("group")
+    if (_ints(node, "strides", [1, 1]) != [1, 1] or (group is not None and group.as_int() != 1) or not plain
+            or node.attributes.get("auto_pad") not in (None, ir.AttrString("auto_pad", "NOTSET"))):
+        return None
+    new_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
+    if min(new_pads) < 0 or co % block or kh * kw > max_kernel:
+        return None
+    name = f"{node.name or f'convt{id(node)}'}/as_conv"
+    flip = ir.Node("", "Slice", [w, _const(graph, f"{name}/starts", [-1, -1]), _const(graph, f"{name}/ends", [-(2**62)] * 2),
+                                 _const(graph, f"{name}/axes", [2, 3]), _const(graph, f"{name}/steps", [-1, -1])],
+                   name=f"{name}/Flip")
+    swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
+    swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
+    conv = ir.Node("", "Conv", [x, swap.outputs[0], *node.inputs[2:3]], name=name, metadata_props=dict(node.metadata_props),
+                   attributes=[ir.AttrInt64s("pads", new_pads), ir.AttrInt64s("dilations", dil),
+                               ir.AttrInt64s("kernel_shape", [kh, kw])])
+    graph.insert_before(node, [flip, swap, conv])
+    _hand_over(node.outputs, conv.outputs)
+    graph.remove(node, safe=True)
+    return conv
+
+
+def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX_KERNEL_TAPS) -> int:
+    """Rewrite ``model``'s trainable-weight convolutions onto ORT CPU's NCHWc ops, in place.
+
+    Args:
+        model: A step or inference graph for a CPU session (its main graph is rewritten).
+        block: The channel block (default: this machine's, ``block_size()``; 0 rewrites nothing).
+        max_kernel: Convolutions with more kernel taps than this keep the plain op.
+
+    Returns:
+        How many ``Conv`` nodes were rewritten.
+    """
+    block = block_size() if block is None else block
+    if not block:
+        return 0
+    graph = model.graph
+    done = 0
+    for node in list(graph):
+        node = _as_conv(graph, node, block, max_kernel) or node
+        dims = _eligible(node, block, max_kernel)
+        if dims is not None:
+            _rewrite(graph, node, dims, block)
+            done += 1
+    if done:
+        model.opset_imports.setdefault(NCHWC_DOMAIN, 1)
+    return done
