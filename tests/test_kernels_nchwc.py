@@ -174,6 +174,7 @@ CONVT_CASES = [
     ("padded 3x3/1, a ResNet layer's", [2, 16, 8, 8], [16, 32, 3, 3], {"pads": [1, 1, 1, 1]}, True),
     ("dilated 3x3/1, asymmetric pads", [2, 16, 9, 9], [16, 16, 3, 3], {"dilations": [2, 2], "pads": [1, 0, 2, 1]}, True),
     ("strided: left to ConvTranspose", [2, 64, 9, 9], [64, 32, 4, 4], {"strides": [2, 2]}, False),
+    ("grouped: left alone", [2, 32, 8, 8], [32, 16, 3, 3], {"group": 2}, False),
     ("output_padding: left alone", [2, 16, 8, 8], [16, 16, 3, 3], {"output_padding": [0, 0]}, False),
 ]
 
@@ -189,3 +190,4 @@ def test_unit_stride_conv_transpose_runs_as_a_blocked_conv(name, xs, ws, attrs, 
     assert any(n.op_type == "ConvTranspose" for n in model.graph) != rewritten
     out = _run(model, feeds)
     np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
+

@@ -22,11 +22,15 @@ nothing is rewritten. Results equal the plain ``Conv`` up to summation order (th
 ``tests/test_kernels_nchwc.py`` check them against it).
 
 Only float32, 2-D, ungrouped convolutions are rewritten, with output channels a multiple of B
-and input channels under 8 or a multiple of B (the transformer's own conditions). A ``Conv``
-whose weight is a constant initializer is left to ORT's transformer. The weight gradient's
-``Conv`` (batch and channels swapped, the forward's stride as its dilation) has a kernel as
-large as the forward's output map; where that is above ``max_kernel`` taps (the DQN's first
-layer: 20x20) the blocked kernel measured slower than MLAS's GEMM, so it keeps the plain op.
+(the transformer's own condition). Input channels under 8 are read as NCHW (a first layer);
+other counts that are not a multiple of B, and the symbolic batch that a weight gradient's
+``Conv`` reduces over (batch and channels swapped, the forward's stride as its dilation), are
+padded with zero channels at run time. A ``Conv`` whose weight is a constant initializer is
+left to ORT's transformer. The weight gradient's kernel is as large as the forward's output
+map; above ``max_kernel`` taps (the DQN's first layer: 20x20) the blocked kernel measured
+slower than MLAS's GEMM, so it keeps the plain op. A unit-stride ``ConvTranspose`` (the data
+gradient of a unit-stride Conv) becomes the Conv it equals, flipped filter, and moves too;
+strided ones stay (see ``_transpose_plan``).
 """
 
 from __future__ import annotations
@@ -148,11 +152,9 @@ def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
     return list(attr.as_ints()) if attr is not None else default
 
 
-def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int) -> ir.Node | None:
-    """A unit-stride 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it
-    equals, ``Conv(x, W')`` with ``W'`` the filter flipped in space and its two channel axes
-    swapped, padded ``d*(k-1) - p`` a side, when that Conv is one ``to_nchwc`` takes; else
-    ``None`` (nothing changed)."""
+def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
+    """``(ci, co, kh, kw, pads, dilations)`` of a unit-stride 2-D ``ConvTranspose`` ``_as_conv``
+    rewrites into a Conv ``to_nchwc`` then takes, else ``None``."""
     if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
@@ -160,27 +162,50 @@ def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int) -> ir.
     if x is None or w is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or _dims(x, 4) is None:
         return None
     ci, co, kh, kw = dims  # ConvTranspose's filter is [in, out, kh, kw]
-    dil = _ints(node, "dilations", [1, 1])
-    pads = _ints(node, "pads", [0, 0, 0, 0])
-    plain = all(a is None for a in (node.attributes.get("output_shape"), node.attributes.get("output_padding")))
+    strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
     group = node.attributes.get("group")
-    if (_ints(node, "strides", [1, 1]) != [1, 1] or (group is not None and group.as_int() != 1) or not plain
+    if ((group is not None and group.as_int() != 1) or node.attributes.get("output_shape") is not None
+            or node.attributes.get("output_padding") is not None
             or node.attributes.get("auto_pad") not in (None, ir.AttrString("auto_pad", "NOTSET"))):
         return None
-    new_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
-    if min(new_pads) < 0 or co % block or kh * kw > max_kernel:
+    # A strided one as one Conv over its s*s output phases interleaved by DepthToSpace computes
+    # the same, but ORT CPU's DepthToSpace took 1.2 ms on the DQN's [32, 128, 10, 10] (its
+    # 4x4/2 data gradient: 2.45 ms in all against ConvTranspose's 2.0), so strided ones stay.
+    if strides != [1, 1] or co % block or kh * kw > max_kernel:
         return None
-    name = f"{node.name or f'convt{id(node)}'}/as_conv"
-    flip = ir.Node("", "Slice", [w, _const(graph, f"{name}/starts", [-1, -1]), _const(graph, f"{name}/ends", [-(2**62)] * 2),
-                                 _const(graph, f"{name}/axes", [2, 3]), _const(graph, f"{name}/steps", [-1, -1])],
-                   name=f"{name}/Flip")
+    if min(d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)) < 0:
+        return None
+    return ci, co, kh, kw, pads, dil
+
+
+def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
+    """A unit-stride ConvTranspose as ``Conv(x, W')``: ``W'`` the filter flipped in space with
+    its channel axes swapped, padded ``d*(k-1) - p`` a side."""
+    ci, co, kh, kw, pads, dil = plan
+    flip = ir.Node("", "Slice", [node.inputs[1], _const(graph, f"{name}/starts", [-1, -1]),
+                                 _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 3]),
+                                 _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip")
     swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
     swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
-    conv = ir.Node("", "Conv", [x, swap.outputs[0], *node.inputs[2:3]], name=name, metadata_props=dict(node.metadata_props),
+    new_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
+    conv = ir.Node("", "Conv", [node.inputs[0], swap.outputs[0], *node.inputs[2:3]], name=name,
+                   metadata_props=dict(node.metadata_props),
                    attributes=[ir.AttrInt64s("pads", new_pads), ir.AttrInt64s("dilations", dil),
                                ir.AttrInt64s("kernel_shape", [kh, kw])])
-    graph.insert_before(node, [flip, swap, conv])
-    _hand_over(node.outputs, conv.outputs)
+    return [flip, swap, conv], conv
+
+
+def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int) -> ir.Node | None:
+    """A unit-stride 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it
+    equals (``_unit_conv``) when that Conv is one ``to_nchwc`` takes: that Conv, to be moved
+    next; else ``None`` (nothing changed)."""
+    plan = _transpose_plan(node, block, max_kernel)
+    if plan is None:
+        return None
+    name = f"{node.name or f'convt{id(node)}'}/as_conv"
+    nodes, conv = _unit_conv(graph, node, plan, name)
+    graph.insert_before(node, nodes)
+    _hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
     return conv
 
