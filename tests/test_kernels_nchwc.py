@@ -191,3 +191,21 @@ def test_unit_stride_conv_transpose_runs_as_a_blocked_conv(name, xs, ws, attrs, 
     out = _run(model, feeds)
     np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
 
+
+
+@needs_nchwc
+def test_without_a_compiler_the_cpu_default_still_moves_the_convolutions(monkeypatch):
+    """No C++ compiler: the library's ops are off (``kernels_reason`` says why), but ORT's own
+    NCHWc convolutions need no library and still run; ``kernels=True`` fails loudly."""
+    def no_compiler(provider: str):
+        raise kernels.KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")
+
+    monkeypatch.setattr(kernels, "library", no_compiler)
+    step = build_training_graph(DQN, optimizer="adamw")
+    trainer = Trainer(step, "cpu")
+    native = ir.from_proto(ir.to_proto(step))
+    # The three forward convs, the 4x4/2 layer's weight gradient, the 3x3/1 layer's data gradient.
+    assert trainer.kernels_fused == kernels.lower(native, "cpu", "native") == 5
+    assert "C++ compiler" in trainer.kernels_reason
+    with pytest.raises(kernels.KernelBuildError):
+        Trainer(step, "cpu", kernels=True)
