@@ -187,13 +187,13 @@ float load_cpu(const void* p, int type, size_t k);  // float, float16 or bfloat1
 // LayerNormGradBias: the same with dbias = ReduceSum(dy) over the leading axes, and dy float32,
 // float16 or bfloat16 (the cast to float32 before it in the graph happens on load):
 // -> (dx, dscale, dbias, workspace).
-void layernorm_grad_cpu(const Tensor& dy, const float* x, const float* scale, const float* mean, const float* inv_std,
-                        float* dx, float* dscale, float* dbias, size_t rows, size_t cols) {
-  for (size_t j = 0; j < cols; ++j) dscale[j] = 0.0f;
-  if (dbias)
-    for (size_t j = 0; j < cols; ++j) dbias[j] = 0.0f;
+// Rows [r0, r1): dx, and this block's sums of dscale and dbias into part (2 * cols floats).
+void layernorm_grad_rows(const Tensor& dy, const float* x, const float* scale, const float* mean, const float* inv_std,
+                         float* dx, float* part, bool bias, size_t r0, size_t r1, size_t cols) {
+  float* dscale = part;
+  float* dbias = part + cols;
   std::vector<float> dyr(cols);
-  for (size_t r = 0; r < rows; ++r) {
+  for (size_t r = r0; r < r1; ++r) {
     for (size_t j = 0; j < cols; ++j) dyr[j] = load_cpu(dy.data, dy.type, r * cols + j);
     const float* xr = x + r * cols;
     const float mu = mean[r], rs = inv_std[r];
@@ -204,7 +204,7 @@ void layernorm_grad_cpu(const Tensor& dy, const float* x, const float* scale, co
       s1 += dxhat;
       s2 += dxhat * xhat;
       dscale[j] += dyr[j] * xhat;
-      if (dbias) dbias[j] += dyr[j];
+      if (bias) dbias[j] += dyr[j];
     }
     const float m1 = s1 / static_cast<float>(cols), m2 = s2 / static_cast<float>(cols);
     float* dxr = dx + r * cols;
@@ -214,6 +214,30 @@ void layernorm_grad_cpu(const Tensor& dy, const float* x, const float* scale, co
       dxr[j] = rs * ((dxhat - m1) - xhat * m2);
     }
   }
+}
+
+// Blocks of rows on the thread pool, each summing its own dscale/dbias partials; the partials
+// are then added in block order (a fixed order: the result does not depend on the threads).
+OrtStatus* layernorm_grad_cpu(OrtKernelContext* ctx, const Tensor& dy, const float* x, const float* scale, const float* mean,
+                              const float* inv_std, float* dx, float* dscale, float* dbias, size_t rows, size_t cols) {
+  const size_t per = std::max<size_t>(1, kCpuChunk / std::max<size_t>(cols, 1));
+  const size_t blocks = (rows + per - 1) / per;
+  std::vector<float> parts(blocks * 2 * cols, 0.0f);
+  OrtStatus* st = parallel_for(ctx, blocks, [&](size_t b) {
+    layernorm_grad_rows(dy, x, scale, mean, inv_std, dx, parts.data() + b * 2 * cols, dbias != nullptr, b * per,
+                        std::min(rows, (b + 1) * per), cols);
+  });
+  if (st) return st;
+  for (size_t j = 0; j < cols; ++j) {
+    float ds = 0.0f, db = 0.0f;
+    for (size_t b = 0; b < blocks; ++b) {
+      ds += parts[b * 2 * cols + j];
+      db += parts[b * 2 * cols + cols + j];
+    }
+    dscale[j] = ds;
+    if (dbias) dbias[j] = db;
+  }
+  return nullptr;
 }
 
 OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx, bool bias) {
@@ -245,9 +269,8 @@ OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx, bool bias
     return st;
   if (x.count == 0) return nullptr;
   if (!cuda) {
-    layernorm_grad_cpu(dy, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data, bias ? dbias.data : nullptr,
-                       rows, cols);
-    return nullptr;
+    return layernorm_grad_cpu(ctx, dy, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data,
+                              bias ? dbias.data : nullptr, rows, cols);
   }
 #ifdef MPG_WITH_CUDA
   void* stream = nullptr;
@@ -497,8 +520,11 @@ OrtStatus* gelu_compute(void* kernel, OrtKernelContext* ctx, bool grad) {
   const void* consts[4] = {t[first + 1].data, t[first + 2].data, t[first + 3].data, grad ? t[5].data : nullptr};
   if (!cuda) {
     if (x.type != MPG_FLOAT) return status(std::string(name) + ": the CPU kernel is float32 only");
-    gelu_cpu(grad ? t[0].data : nullptr, x.data, out.data, x.count, reinterpret_cast<const float* const*>(consts));
-    return nullptr;
+    const float* const* c = reinterpret_cast<const float* const*>(consts);
+    const float* dy = grad ? t[0].data : nullptr;
+    return parallel_chunks(ctx, x.count, [&](size_t a, size_t b) {
+      gelu_cpu(dy ? dy + a : nullptr, x.data + a, out.data + a, b - a, c);
+    });
   }
 #ifdef MPG_WITH_CUDA
   void* stream = nullptr;
@@ -526,9 +552,9 @@ extern "C" int mpg_softmax_grad_dot_cuda(int type, const void* dp, const void* p
                                          void* ds, size_t rows, size_t keys, size_t dim, void* stream);
 #endif
 
-void softmax_grad_dot_cpu(const float* dp, const float* p, const float* dout, const float* out, float* ds, size_t rows,
-                          size_t keys, size_t dim) {
-  for (size_t r = 0; r < rows; ++r) {
+void softmax_grad_dot_cpu(const float* dp, const float* p, const float* dout, const float* out, float* ds, size_t r0,
+                          size_t r1, size_t keys, size_t dim) {
+  for (size_t r = r0; r < r1; ++r) {
     float delta = 0.0f;
     for (size_t j = 0; j < dim; ++j) delta += dout[r * dim + j] * out[r * dim + j];
     for (size_t j = 0; j < keys; ++j) ds[r * keys + j] = p[r * keys + j] * (dp[r * keys + j] - delta);
@@ -553,8 +579,10 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
   if (p.count == 0) return nullptr;
   if (!cuda) {
     if (p.type != MPG_FLOAT) return status("SoftmaxGradDot: the CPU kernel is float32 only");
-    softmax_grad_dot_cpu(dp.data, p.data, dout.data, out.data, ds.data, rows, keys, dim);
-    return nullptr;
+    const size_t per = std::max<size_t>(1, kCpuChunk / std::max<size_t>(keys + dim, 1));
+    return parallel_for(ctx, (rows + per - 1) / per, [&](size_t b) {
+      softmax_grad_dot_cpu(dp.data, p.data, dout.data, out.data, ds.data, b * per, std::min(rows, (b + 1) * per), keys, dim);
+    });
   }
 #ifdef MPG_WITH_CUDA
   void* stream = nullptr;
