@@ -106,6 +106,32 @@ OrtStatus* parallel_chunks(OrtKernelContext* ctx, size_t n, const std::function<
   return parallel_for(ctx, tasks, [&](size_t t) { fn(t * kCpuChunk, std::min(n, (t + 1) * kCpuChunk)); });
 }
 
+// A CUDA launch written at a call site as MPG_CUDA(mpg_x_cuda(..., stream)) inside on_gpu's
+// lambda: the call itself in a CUDA build; in a CPU-only one, where the mpg_*_cuda functions do
+// not exist, 0 (on_gpu never runs it there).
+#ifdef MPG_WITH_CUDA
+#define MPG_CUDA(...) __VA_ARGS__
+#else
+#define MPG_CUDA(...) ((void)stream, 0)
+#endif
+
+// Run launch(stream) on the session's CUDA compute stream; a non-zero CUDA error from it, or a
+// library built without CUDA, is an error status naming the op.
+template <typename Launch>
+OrtStatus* on_gpu(OrtKernelContext* ctx, const std::string& name, Launch launch) {
+#ifdef MPG_WITH_CUDA
+  void* stream = nullptr;
+  using GetStream = OrtStatus* (*)(const OrtKernelContext*, void**);
+  if (OrtStatus* st = mpg_slot<GetStream>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
+  if (int err = launch(stream)) return status(name + ": CUDA launch failed with error " + std::to_string(err));
+  return nullptr;
+#else
+  (void)ctx;
+  (void)launch;
+  return status(name + ": this library was built without CUDA");
+#endif
+}
+
 }  // namespace
 
 #ifdef MPG_WITH_CUDA
@@ -170,15 +196,10 @@ OrtStatus* adamw_compute(void* kernel, OrtKernelContext* ctx) {
                 o[2].data + a, b - a);
     });
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_adamw_cuda(t[0].data, t[1].data, t[2].data, t[3].data, scalars, o[0].data, o[1].data, o[2].data, n, stream))
-    return status("AdamWUpdate: CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status("AdamWUpdate: this library was built without CUDA");
-#endif
+  return on_gpu(ctx, "AdamWUpdate", [&](void* stream) {
+    return MPG_CUDA(mpg_adamw_cuda(t[0].data, t[1].data, t[2].data, t[3].data, scalars, o[0].data, o[1].data, o[2].data,
+                                   n, stream));
+  });
 }
 
 float load_cpu(const void* p, int type, size_t k);  // float, float16 or bfloat16 element k, as float
@@ -272,16 +293,11 @@ OrtStatus* layernorm_grad_compute(void* kernel, OrtKernelContext* ctx, bool bias
     return layernorm_grad_cpu(ctx, dy, x.data, scale.data, mean.data, inv_std.data, dx.data, dscale.data,
                               bias ? dbias.data : nullptr, rows, cols);
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_layernorm_grad_cuda(dy.type, dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data,
-                                        dscale.data, bias ? dbias.data : nullptr, workspace.data, rows, cols, stream))
-    return status(name + ": CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status(name + ": this library was built without CUDA");
-#endif
+  return on_gpu(ctx, name, [&](void* stream) {
+    return MPG_CUDA(mpg_layernorm_grad_cuda(dy.type, dy.data, x.data, scale.data, mean.data, inv_std.data, dx.data,
+                                            dscale.data, bias ? dbias.data : nullptr, workspace.data, rows, cols,
+                                            stream));
+  });
 }
 
 OrtStatus* layernorm_grad_plain(void* k, OrtKernelContext* c) { return layernorm_grad_compute(k, c, false); }
@@ -458,15 +474,9 @@ OrtStatus* multi_compute(void* kernel, OrtKernelContext* ctx, int op) {
     batch.found = reinterpret_cast<bool*>(found.data);
   }
   if (!cuda) return multi_cpu(ctx, op, batch);
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_multi_cuda(op, &batch, stream))
-    return status(std::string(multi_name(op)) + ": CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status(std::string(multi_name(op)) + ": this library was built without CUDA");
-#endif
+  return on_gpu(ctx, multi_name(op), [&](void* stream) {
+    return MPG_CUDA(mpg_multi_cuda(op, &batch, stream));
+  });
 }
 
 OrtStatus* multi_adamw_compute(void* k, OrtKernelContext* c) { return multi_compute(k, c, kMultiAdamW); }
@@ -526,15 +536,9 @@ OrtStatus* gelu_compute(void* kernel, OrtKernelContext* ctx, bool grad) {
       gelu_cpu(dy ? dy + a : nullptr, x.data + a, out.data + a, b - a, c);
     });
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_gelu_cuda(x.type, grad ? t[0].data : nullptr, x.data, out.data, x.count, consts, stream))
-    return status(std::string(name) + ": CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status(std::string(name) + ": this library was built without CUDA");
-#endif
+  return on_gpu(ctx, name, [&](void* stream) {
+    return MPG_CUDA(mpg_gelu_cuda(x.type, grad ? t[0].data : nullptr, x.data, out.data, x.count, consts, stream));
+  });
 }
 
 OrtStatus* gelu_forward_compute(void* k, OrtKernelContext* c) { return gelu_compute(k, c, false); }
@@ -584,15 +588,10 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
       softmax_grad_dot_cpu(dp.data, p.data, dout.data, out.data, ds.data, b * per, std::min(rows, (b + 1) * per), keys, dim);
     });
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, &stream)) return st;
-  if (int err = mpg_softmax_grad_dot_cuda(p.type, dp.data, p.data, dout.data, out.data, ds.data, rows, keys, dim, stream))
-    return status("SoftmaxGradDot: CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status("SoftmaxGradDot: this library was built without CUDA");
-#endif
+  return on_gpu(ctx, "SoftmaxGradDot", [&](void* stream) {
+    return MPG_CUDA(mpg_softmax_grad_dot_cuda(p.type, dp.data, p.data, dout.data, out.data, ds.data, rows, keys, dim,
+                                              stream));
+  });
 }
 
 // -- ReluGrad / SoftmaxCrossEntropyGrad (CUDA in grads.cu) -----------------------------------
@@ -608,10 +607,6 @@ extern "C" int mpg_relu_grad_cuda(int type, const void* dy, const void* x, void*
 extern "C" int mpg_sce_grad_cuda(const float* log_prob, const int64_t* index, const float* scale, float* d, size_t rows,
                                  size_t classes, bool scale_per_row, void* stream);
 #endif
-
-OrtStatus* gpu_stream(OrtKernelContext* ctx, void** stream) {
-  return mpg_slot<OrtStatus* (*)(const OrtKernelContext*, void**)>(g_api, kKernelContext_GetGPUComputeStream)(ctx, stream);
-}
 
 MPG_CPU_CLONES void relu_grad_cpu(const float* __restrict dy, const float* __restrict x, float* __restrict dx, size_t n) {
   for (size_t i = 0; i < n; ++i) dx[i] = dy[i] * (x[i] > 0.0f ? 1.0f : 0.0f);
@@ -629,15 +624,9 @@ OrtStatus* relu_grad_compute(void* kernel, OrtKernelContext* ctx) {
     if (x.type != MPG_FLOAT) return status("ReluGrad: the CPU kernel is float32 only");
     return parallel_chunks(ctx, x.count, [&](size_t a, size_t b) { relu_grad_cpu(dy.data + a, x.data + a, dx.data + a, b - a); });
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
-  if (int err = mpg_relu_grad_cuda(x.type, dy.data, x.data, dx.data, x.count, stream))
-    return status("ReluGrad: CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status("ReluGrad: this library was built without CUDA");
-#endif
+  return on_gpu(ctx, "ReluGrad", [&](void* stream) {
+    return MPG_CUDA(mpg_relu_grad_cuda(x.type, dy.data, x.data, dx.data, x.count, stream));
+  });
 }
 
 OrtStatus* sce_grad_compute(void* kernel, OrtKernelContext* ctx) {
@@ -665,15 +654,9 @@ OrtStatus* sce_grad_compute(void* kernel, OrtKernelContext* ctx) {
     }
     return nullptr;
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
-  if (int err = mpg_sce_grad_cuda(lp.data, idx, scale.data, d.data, rows, classes, per_row, stream))
-    return status("SoftmaxCrossEntropyGrad: CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status("SoftmaxCrossEntropyGrad: this library was built without CUDA");
-#endif
+  return on_gpu(ctx, "SoftmaxCrossEntropyGrad", [&](void* stream) {
+    return MPG_CUDA(mpg_sce_grad_cuda(lp.data, idx, scale.data, d.data, rows, classes, per_row, stream));
+  });
 }
 
 // -- AdamScalars (CUDA in grads.cu) ---------------------------------------------------------
@@ -709,15 +692,9 @@ OrtStatus* adam_scalars_compute(void* kernel, OrtKernelContext* ctx) {
     *bc2_sqrt.data = static_cast<float>(std::sqrt(bc2));
     return nullptr;
   }
-#ifdef MPG_WITH_CUDA
-  void* stream = nullptr;
-  if (OrtStatus* st = gpu_stream(ctx, &stream)) return st;
-  if (int err = mpg_adam_scalars_cuda(in[0].data, in[1].data, b1, b2, one, step_size.data, bc2_sqrt.data, stream))
-    return status("AdamScalars: CUDA launch failed with error " + std::to_string(err));
-  return nullptr;
-#else
-  return status("AdamScalars: this library was built without CUDA");
-#endif
+  return on_gpu(ctx, "AdamScalars", [&](void* stream) {
+    return MPG_CUDA(mpg_adam_scalars_cuda(in[0].data, in[1].data, b1, b2, one, step_size.data, bc2_sqrt.data, stream));
+  });
 }
 
 // -- the ops' callbacks ----------------------------------------------------------------------
