@@ -209,3 +209,24 @@ def test_without_a_compiler_the_cpu_default_still_moves_the_convolutions(monkeyp
     assert "C++ compiler" in trainer.kernels_reason
     with pytest.raises(kernels.KernelBuildError):
         Trainer(step, "cpu", kernels=True)
+
+
+@needs_nchwc
+def test_train_summary_says_why_only_the_convolutions_moved(tmp_path, monkeypatch):
+    """``mpgraph train`` on CPU without a kernel library: the summary counts the convolutions
+    moved and names what is missing."""
+    from tests.helpers import mpgraph_cli
+
+    monkeypatch.setattr(kernels, "library", lambda provider: (_ for _ in ()).throw(
+        kernels.KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")))
+    step = tmp_path / "dqn.step.onnx"
+    ir.save(build_training_graph(DQN, optimizer="adamw"), step)
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data.npz"
+    trainer = Trainer(step, "cpu", kernels=False)
+    arrays = {s.name: rng.standard_normal([d if isinstance(d, int) else 8 for d in s.shape]).astype(s.dtype)
+              for s in trainer.data_inputs}
+    np.savez(data, **arrays)
+    ran = mpgraph_cli("train", str(step), "--data", str(data), "--steps", "2", "--batch", "8", "--no-eval")
+    assert ran.returncode == 0, ran.stderr + ran.stdout
+    assert "fused kernels (5 rewrites; no kernel library: the CPU kernels need a C++ compiler" in ran.stdout

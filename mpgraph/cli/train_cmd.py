@@ -164,7 +164,9 @@ def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: f
     if trainer.provider == "cuda":
         parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
     if trainer.kernels_fused:
-        parts.append(f"fused kernels ({trainer.kernels_fused} rewrites)")
+        # On CPU without a compiler only ORT's own ops (the NCHWc convolutions) run: say why.
+        why = f"; no kernel library: {trainer.kernels_reason}" if trainer.kernels_reason else ""
+        parts.append(f"fused kernels ({trainer.kernels_fused} rewrites{why})")
     elif trainer.provider == "cuda":
         parts.append(f"no fused kernels ({trainer.kernels_reason or 'nothing matched'})")
     if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
