@@ -10,10 +10,12 @@ alternating rounds on the same batches:
 - torch eager fp32 (TF32 off), tf32, AMP bf16, AMP fp16 + GradScaler, ``torch.compile`` +
   AMP bf16, and for the small nets the whole step (forward, backward, Adam with
   ``capturable=True``) captured once as a CUDA graph and replayed;
-- for the small nets, both stacks on the CPU at 2 threads.
+- for the small nets, both stacks on the CPU at 2 threads, and mpgraph's fp32 step pipelined
+  (``Trainer(pipeline=True).step_many`` over each round's batches: the host enqueues step k+1
+  before it reads step k's loss).
 
 Every step of every configuration reads its loss back to the host (what a training loop that
-logs the loss does). It prints ms/step (median over rounds after a warm-up round), the ratio to
+logs the loss does); the pipelined row reads each one a step late. It prints ms/step (median over rounds after a warm-up round), the ratio to
 the named torch twin, model FLOP/s as a share of the measured bf16 matmul peak (GPT only),
 device memory, the loss after ``--check-step`` steps against the twin, and a kernel breakdown
 (count and time per class, from torch's CUPTI profiler around ORT's runs).
@@ -85,6 +87,8 @@ class Run:
     note: str = ""
     error: str = ""
     trainer: Trainer | None = None
+    # Steps i .. i+n-1 at once, their losses (the pipelined rows: Trainer.step_many).
+    steps: Callable[[int, int], list[float]] | None = None
 
 
 def gpt_spec(small: bool) -> ModelSpec:
@@ -147,11 +151,17 @@ def mpgraph_run(label: str, graph: Any, spec: ModelSpec, provider: str, twin: st
     names = [s.name for s in trainer.data_inputs]
     data_name = next(n for n in names if n != "label")
 
-    def step(i: int) -> float:
+    def batch(i: int) -> dict[str, np.ndarray]:
         k = i % len(spec.inputs)
-        return trainer.step({data_name: spec.inputs[k], "label": spec.labels[k]}).loss
+        return {data_name: spec.inputs[k], "label": spec.labels[k]}
 
-    return Run(label, step, twin, device=provider, trainer=trainer)
+    def step(i: int) -> float:
+        return trainer.step(batch(i)).loss
+
+    def steps(i: int, n: int) -> list[float]:
+        return [r.loss for r in trainer.step_many([batch(j) for j in range(i, i + n)])]
+
+    return Run(label, step, twin, device=provider, trainer=trainer, steps=steps if kw.get("pipeline") else None)
 
 
 # -- torch side --------------------------------------------------------------------------
@@ -254,7 +264,9 @@ def time_round(run: Run, steps: int) -> None:
         if run.device == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        for _ in range(steps):
+        if run.steps is not None:  # one call for the round: the pipelined rows
+            run.losses.extend(run.steps(len(run.losses), steps))
+        for _ in range(steps if run.steps is None else 0):
             run.losses.append(run.step(len(run.losses)))
         if run.device == "cuda":
             torch.cuda.synchronize()
@@ -342,6 +354,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
                                                         amp=torch.bfloat16, compile_=True))
         if spec.small:
             add("torch cuda-graph step", functools.partial(torch_graph_run, "torch cuda-graph step", spec))
+            # The same fp32 step with the host not waiting for the GPU every step (Trainer.step_many).
+            add("mpgraph fp32 pipelined", functools.partial(mpgraph_run, "mpgraph fp32 pipelined", graphs["fp32"], spec,
+                                                            "cuda", "torch fp32", pipeline=True))
     if spec.small or not cuda:
         add("mpgraph fp32 cpu2", functools.partial(mpgraph_run, "mpgraph fp32 cpu2", cpu_graph, spec, "cpu",
                                                    "torch fp32 cpu2", threads=2))
@@ -424,7 +439,9 @@ def summarize(spec: ModelSpec, runs: list[Run], breakdown: dict[str, Any], args:
     for a, b in [("mpgraph bf16", "torch amp bf16"), ("mpgraph fp32", "mpgraph bf16"), ("mpgraph tf32", "mpgraph bf16"),
                  ("mpgraph fp16", "mpgraph bf16"), ("mpgraph bf16", "torch compile bf16"),
                  ("mpgraph bf16", "torch cuda-graph step"), ("mpgraph fp32", "torch cuda-graph step"),
-                 ("mpgraph fp32 cpu2", "torch fp32 cpu2"), ("mpgraph fp32", "mpgraph fp32 cpu2")]:
+                 ("mpgraph fp32 cpu2", "torch fp32 cpu2"), ("mpgraph fp32", "mpgraph fp32 cpu2"),
+                 ("mpgraph fp32 pipelined", "mpgraph fp32"), ("mpgraph fp32 pipelined", "mpgraph fp32 cpu2"),
+                 ("mpgraph fp32 pipelined", "torch cuda-graph step")]:
         if med.get(a) and med.get(b):
             ratios[f"{a} / {b}"] = med[a] / med[b]
     for k, v in ratios.items():
