@@ -184,6 +184,11 @@ def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
     return None
 
 
+#: Steps a captured replay runs in sync before ``step_many`` pipelines it (two per parity: ORT
+#: captures each parity's graph within its first runs).
+_SYNC_REPLAYS = 4
+
+
 @dataclass
 class _Replay:
     """A session with CUDA graph capture, specialised to one batch signature, and the fixed
@@ -198,6 +203,7 @@ class _Replay:
     loss: list[ort.OrtValue]
     found: list[ort.OrtValue | None]
     lr: ort.OrtValue | None
+    runs: int = 0  # steps run through it (each parity's graph is captured in its first runs)
 
 
 class Trainer:
@@ -542,6 +548,7 @@ class Trainer:
             run_options.add_run_config_entry("gpu_graph_id", str(1 + self._parity))
             try:
                 replay.session.run_with_iobinding(replay.bindings[self._parity], run_options)
+                replay.runs += 1
                 ran = True
             except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError/Fail types
                 # A kernel that refuses capture (e.g. Concat over 32 inputs) fails here, before
@@ -584,8 +591,11 @@ class Trainer:
             missing = [spec.name for spec in self.data_inputs if spec.name not in batch]
             if missing:
                 raise MpgraphError(f"batch has no array for input '{missing[0]}' (got {', '.join(batch)})")
-        if self._want_graph and self._replay is None:
-            return [self.step(batches[0])] + self.step_many(batches[1:])  # the first step captures
+        replay = self._replay
+        if self._want_graph and (replay is None or replay.runs < _SYNC_REPLAYS):
+            # Each parity's graph is captured in its first runs, in sync: a capture in a run
+            # that does not synchronise failed on the DQN (CUDA error 901 at cudaStreamEndCapture).
+            return [self.step(batches[0])] + self.step_many(batches[1:])
         replay = self._replay
         if replay is None or any(self._signature(b, replay.batch[0]) != replay.signature for b in batches):
             return [self.step(batch) for batch in batches]
@@ -608,6 +618,7 @@ class Trainer:
             for name, buf in replay.batch[p].items():  # its last reader, step k-2, has finished
                 buf.update_inplace(np.ascontiguousarray(batch[name]))
             replay.session.run_with_iobinding(replay.bindings[p], options[p])
+            replay.runs += 1
             event = self._events.record()
             self._state, self._spare = self._spare, self._state
             self._parity ^= 1
