@@ -9,10 +9,6 @@ rounds (median of round medians, microseconds):
 - ``replay``: ``run_with_iobinding`` of the captured graph, without reading anything back;
 - ``replay+sync``: the same, then one device sync (reading the loss);
 - ``readback``: ``numpy()`` of the device loss buffer alone;
-- ``replay nosync x10``: ten replays with ORT's end-of-run synchronisation off (run option
-  ``disable_synchronize_execution_providers``), then one loss readback, per replay: what a step
-  could take if the host did not wait for the GPU every step (the upper bound of pipelining;
-  the same buffers every replay, so the values are not a training run's);
 - ``cpu step``: the same step graph on ORT CPU at 2 threads, for the crossover.
 
 With ``--kernels`` it then lists every CUDA kernel of one replayed step by name (CUPTI through
@@ -72,33 +68,21 @@ def main() -> None:
     binding = replay.bindings[0]
 
     def upload() -> None:
-        for name, buf in replay.batch.items():
+        for name, buf in replay.batch[0].items():
             buf.update_inplace(np.ascontiguousarray(batch[name]))
-
-    nosync = ort.RunOptions()
-    nosync.add_run_config_entry("gpu_graph_id", "1")
-    nosync.add_run_config_entry("disable_synchronize_execution_providers", "1")
-
-    def pipelined() -> None:
-        for _ in range(10):
-            replay.session.run_with_iobinding(binding, nosync)
-        replay.loss.numpy()
 
     parts: dict[str, Callable[[], object]] = {
         "step": lambda: trainer.step(batch),
         "upload": upload,
         "replay": lambda: replay.session.run_with_iobinding(binding, options),
-        "replay+sync": lambda: (replay.session.run_with_iobinding(binding, options), replay.loss.numpy()),
-        "readback": lambda: replay.loss.numpy(),
-        "replay nosync x10": pipelined,
+        "replay+sync": lambda: (replay.session.run_with_iobinding(binding, options), replay.loss[0].numpy()),
+        "readback": lambda: replay.loss[0].numpy(),
         "cpu step": lambda: cpu.step(batch),
     }
-    per_call = {"replay nosync x10": 10}
     samples: dict[str, list[float]] = {k: [] for k in parts}
     for _ in range(args.rounds):
         for name, fn in parts.items():
-            calls = per_call.get(name, 1)
-            samples[name].append(timer(fn, max(1, args.steps // calls)) / calls)
+            samples[name].append(timer(fn, args.steps))
     print(f"{'part':<18}{'us (median)':>12}{'min':>9}{'max':>9}")
     for name, values in samples.items():
         print(f"{name:<18}{statistics.median(values):>12.1f}{min(values):>9.1f}{max(values):>9.1f}")
