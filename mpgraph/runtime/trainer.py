@@ -580,8 +580,9 @@ class Trainer:
 
         With ``Trainer(pipeline=True)`` and the batches' shapes the captured graphs' (the first
         step captures them), the host enqueues step k+1 before it reads step k's loss, so the
-        GPU never waits for the host between steps (``benchmarks/results/pipeline_probe.txt``:
-        the tiny MLP's step 129 against 177 us). Otherwise it calls ``step`` per batch.
+        GPU never waits for the host between steps (the tiny MLP on an H200: 134 us a step
+        against ``step``'s 228, ``benchmarks/results/pipeline_probe_trainer.txt``). Otherwise
+        it calls ``step`` per batch.
         """
         batches = list(batches)
         if self._events is None or not batches:
@@ -591,15 +592,15 @@ class Trainer:
             missing = [spec.name for spec in self.data_inputs if spec.name not in batch]
             if missing:
                 raise MpgraphError(f"batch has no array for input '{missing[0]}' (got {', '.join(batch)})")
-        replay = self._replay
-        if self._want_graph and (replay is None or replay.runs < _SYNC_REPLAYS):
-            # Each parity's graph is captured in its first runs, in sync: a capture in a run
-            # that does not synchronise failed on the DQN (CUDA error 901 at cudaStreamEndCapture).
-            return [self.step(batches[0])] + self.step_many(batches[1:])
+        results: list[StepResult] = []
+        # Each parity's graph is captured in its first runs, in sync: a capture in a run that
+        # does not synchronise failed on the DQN (CUDA error 901 at cudaStreamEndCapture).
+        while batches and self._want_graph and (self._replay is None or self._replay.runs < _SYNC_REPLAYS):
+            results.append(self.step(batches.pop(0)))
         replay = self._replay
         if replay is None or any(self._signature(b, replay.batch[0]) != replay.signature for b in batches):
-            return [self.step(batch) for batch in batches]
-        return self._run_pipelined(replay, batches)
+            return results + [self.step(batch) for batch in batches]
+        return results + self._run_pipelined(replay, batches)
 
     def _run_pipelined(self, replay: _Replay, batches: list[Mapping[str, np.ndarray]]) -> list[StepResult]:
         """Enqueue each step without ORT's end-of-run sync, then finish the one before it."""
@@ -617,7 +618,12 @@ class Trainer:
             start, p = time.perf_counter(), self._parity
             for name, buf in replay.batch[p].items():  # its last reader, step k-2, has finished
                 buf.update_inplace(np.ascontiguousarray(batch[name]))
-            replay.session.run_with_iobinding(replay.bindings[p], options[p])
+            try:
+                replay.session.run_with_iobinding(replay.bindings[p], options[p])
+            except Exception:
+                if pending is not None:  # the step in flight still counts: finish it, then fail
+                    self._finish_pipelined(replay, pending, results)
+                raise
             replay.runs += 1
             event = self._events.record()
             self._state, self._spare = self._spare, self._state
