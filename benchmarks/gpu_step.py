@@ -10,9 +10,10 @@ alternating rounds on the same batches:
 - torch eager fp32 (TF32 off), tf32, AMP bf16, AMP fp16 + GradScaler, ``torch.compile`` +
   AMP bf16, and for the small nets the whole step (forward, backward, Adam with
   ``capturable=True``) captured once as a CUDA graph and replayed;
-- for the small nets, both stacks on the CPU at 2 threads, and mpgraph's fp32 step pipelined
-  (``Trainer(pipeline=True).step_many`` over each round's batches: the host enqueues step k+1
-  before it reads step k's loss).
+- for the small nets, both stacks on the CPU at 2 threads;
+- mpgraph's step pipelined (``Trainer(pipeline=True).step_many`` over each round's batches:
+  the host enqueues step k+1 before it reads step k's loss): fp32 for the small nets, bf16 for
+  the GPT.
 
 Every step of every configuration reads its loss back to the host (what a training loop that
 logs the loss does); the pipelined row reads each one a step late. It prints ms/step (median over rounds after a warm-up round), the ratio to
@@ -354,9 +355,13 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
                                                         amp=torch.bfloat16, compile_=True))
         if spec.small:
             add("torch cuda-graph step", functools.partial(torch_graph_run, "torch cuda-graph step", spec))
-            # The same fp32 step with the host not waiting for the GPU every step (Trainer.step_many).
-            add("mpgraph fp32 pipelined", functools.partial(mpgraph_run, "mpgraph fp32 pipelined", graphs["fp32"], spec,
-                                                            "cuda", "torch fp32", pipeline=True))
+        # A step with the host not waiting for the GPU every step (Trainer.step_many): fp32 for
+        # the small nets (the crossover), bf16 for the GPT.
+        policy = "fp32" if spec.small else "bf16"
+        label = f"mpgraph {policy} pipelined"
+        if args.cuda_graph:  # pipelining needs the captured graphs
+            add(label, functools.partial(mpgraph_run, label, graphs[policy], spec, "cuda",
+                                         "torch fp32" if spec.small else "torch amp bf16", pipeline=True))
     if spec.small or not cuda:
         add("mpgraph fp32 cpu2", functools.partial(mpgraph_run, "mpgraph fp32 cpu2", cpu_graph, spec, "cpu",
                                                    "torch fp32 cpu2", threads=2))
@@ -441,7 +446,8 @@ def summarize(spec: ModelSpec, runs: list[Run], breakdown: dict[str, Any], args:
                  ("mpgraph bf16", "torch cuda-graph step"), ("mpgraph fp32", "torch cuda-graph step"),
                  ("mpgraph fp32 cpu2", "torch fp32 cpu2"), ("mpgraph fp32", "mpgraph fp32 cpu2"),
                  ("mpgraph fp32 pipelined", "mpgraph fp32"), ("mpgraph fp32 pipelined", "mpgraph fp32 cpu2"),
-                 ("mpgraph fp32 pipelined", "torch cuda-graph step")]:
+                 ("mpgraph fp32 pipelined", "torch cuda-graph step"), ("mpgraph bf16 pipelined", "mpgraph bf16"),
+                 ("mpgraph bf16 pipelined", "torch amp bf16")]:
         if med.get(a) and med.get(b):
             ratios[f"{a} / {b}"] = med[a] / med[b]
     for k, v in ratios.items():
