@@ -94,13 +94,14 @@ def lower(model: ir.Model, provider: str = "cpu", scope: str = "all") -> int:
     cpu = provider != "cuda"
     if scope == "native":
         return to_nchwc(model) if cpu else 0
-    if scope == "default" and cpu:
-        return to_nchwc(model) + fuse_adamw(model) + fuse_adam_scalars(model) + batch_adamw(model) + fuse_relu_grad(model)
-    fused = fuse_adamw(model) + fuse_adam_scalars(model)
-    fused += batch_adamw(model) + fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
-    fused += fold_transposes(model, provider) + fuse_softmax_grad(model) + fuse_relu_grad(model)
+    everything = scope == "all" or not cpu  # the CPU default leaves out what lost there
+    fused = fuse_adamw(model) + fuse_adam_scalars(model) + batch_adamw(model)
+    if everything:
+        fused += fuse_layernorm_grad(model) + fuse_gelu(model) + fuse_unscale(model) + batch_casts(model)
+        fused += fold_transposes(model, provider) + fuse_softmax_grad(model)
+    fused += fuse_relu_grad(model)
     if not cpu:  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own
         fused += fuse_sce_grad(model)
     else:
         fused += to_nchwc(model)
-    return fused + fold_scales(model, provider)
+    return fused + (fold_scales(model, provider) if everything else 0)

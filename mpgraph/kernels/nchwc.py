@@ -72,6 +72,13 @@ def _dims(value: ir.Value | None, rank: int) -> list[int | None] | None:
     return [d if isinstance(d, int) else None for d in value.shape]
 
 
+def _plain(node: ir.Node) -> bool:
+    """Ungrouped, with explicit pads (no ``auto_pad``): the only convolutions rewritten."""
+    group = node.attributes.get("group")
+    return (group is None or group.as_int() == 1) and node.attributes.get("auto_pad") in (
+        None, ir.AttrString("auto_pad", "NOTSET"))
+
+
 def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | None, int, int] | None:
     """``(co, ci, kh, kw)`` of a Conv ``to_nchwc`` may rewrite (``ci`` ``None`` where the input
     channels must be padded to a multiple of the block: symbolic, as the batch a weight
@@ -85,10 +92,7 @@ def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | No
     if _constant(w) is not None and not w.is_graph_input():
         return None  # ORT's own NCHWc transformer takes constant weights
     co, ci, kh, kw = dims
-    group = node.attributes.get("group")
-    if co is None or kh is None or kw is None or (group is not None and group.as_int() != 1):
-        return None
-    if co % block or kh * kw > max_kernel or node.attributes.get("auto_pad") not in (None, ir.AttrString("auto_pad", "NOTSET")):
+    if co is None or kh is None or kw is None or not _plain(node) or co % block or kh * kw > max_kernel:
         return None
     if ci is not None and ci >= 8 and ci % block:
         ci = None  # padded like a symbolic count
@@ -153,8 +157,8 @@ def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
 
 
 def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
-    """``(ci, co, kh, kw, pads, dilations)`` of a unit-stride 2-D ``ConvTranspose`` ``_as_conv``
-    rewrites into a Conv ``to_nchwc`` then takes, else ``None``."""
+    """``(ci, co, kh, kw, pads, dilations)`` of the Conv a unit-stride 2-D ``ConvTranspose``
+    equals (its pads ``d*(k-1) - p`` a side), when ``to_nchwc`` then takes it; else ``None``."""
     if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
@@ -163,34 +167,29 @@ def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
         return None
     ci, co, kh, kw = dims  # ConvTranspose's filter is [in, out, kh, kw]
     strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
-    group = node.attributes.get("group")
-    if ((group is not None and group.as_int() != 1) or node.attributes.get("output_shape") is not None
-            or node.attributes.get("output_padding") is not None
-            or node.attributes.get("auto_pad") not in (None, ir.AttrString("auto_pad", "NOTSET"))):
+    if not _plain(node) or node.attributes.get("output_shape") is not None or node.attributes.get("output_padding") is not None:
         return None
     # A strided one as one Conv over its s*s output phases interleaved by DepthToSpace computes
     # the same, but ORT CPU's DepthToSpace took 1.2 ms on the DQN's [32, 128, 10, 10] (its
     # 4x4/2 data gradient: 2.45 ms in all against ConvTranspose's 2.0), so strided ones stay.
-    if strides != [1, 1] or co % block or kh * kw > max_kernel:
+    conv_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
+    if strides != [1, 1] or co % block or kh * kw > max_kernel or min(conv_pads) < 0:
         return None
-    if min(d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)) < 0:
-        return None
-    return ci, co, kh, kw, pads, dil
+    return ci, co, kh, kw, conv_pads, dil
 
 
 def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
     """A unit-stride ConvTranspose as ``Conv(x, W')``: ``W'`` the filter flipped in space with
-    its channel axes swapped, padded ``d*(k-1) - p`` a side."""
+    its channel axes swapped, padded ``d*(k-1) - p`` a side (``plan``'s pads)."""
     ci, co, kh, kw, pads, dil = plan
     flip = ir.Node("", "Slice", [node.inputs[1], _const(graph, f"{name}/starts", [-1, -1]),
                                  _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 3]),
                                  _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip")
     swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
     swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
-    new_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
     conv = ir.Node("", "Conv", [node.inputs[0], swap.outputs[0], *node.inputs[2:3]], name=name,
                    metadata_props=dict(node.metadata_props),
-                   attributes=[ir.AttrInt64s("pads", new_pads), ir.AttrInt64s("dilations", dil),
+                   attributes=[ir.AttrInt64s("pads", pads), ir.AttrInt64s("dilations", dil),
                                ir.AttrInt64s("kernel_shape", [kh, kw])])
     return [flip, swap, conv], conv
 

@@ -455,7 +455,17 @@ class Trainer:
     @property
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` without loss scaling."""
-        return float(self._state[self._scale_name].numpy().reshape(-1)[0]) if self._scale_name is not None else None
+        return self._scale_in(self._state)
+
+    def _scale_in(self, state: Mapping[str, ort.OrtValue]) -> float | None:
+        """The loss scale held in one of the two state buffer sets (``None``: no scaling)."""
+        return float(state[self._scale_name].numpy().reshape(-1)[0]) if self._scale_name is not None else None
+
+    @staticmethod
+    def _read_outputs(loss_buf: ort.OrtValue, found_buf: ort.OrtValue | None) -> tuple[float, bool]:
+        """A finished step's loss and whether the graph skipped it (``found_inf``)."""
+        loss = float(loss_buf.numpy().reshape(-1)[0])
+        return loss, bool(found_buf.numpy().reshape(-1)[0]) if found_buf is not None else False
 
     # -- CUDA graphs ---------------------------------------------------------------------
 
@@ -522,6 +532,11 @@ class Trainer:
             else:
                 self._replay.lr.update_inplace(array)  # same address: the captured graphs read it
 
+    def _check_inputs(self, batch: Mapping[str, np.ndarray]) -> None:
+        for spec in self.data_inputs:
+            if spec.name not in batch:
+                raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
+
     def step(self, batch: Mapping[str, np.ndarray], lr: float | None = None) -> StepResult:
         """Run one training step on ``batch`` (data input name -> array).
 
@@ -532,9 +547,7 @@ class Trainer:
         """
         start = time.perf_counter()
         self._bind_lr(lr)
-        for spec in self.data_inputs:
-            if spec.name not in batch:
-                raise MpgraphError(f"batch has no array for input '{spec.name}' (got {', '.join(batch)})")
+        self._check_inputs(batch)
         scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
         if self._want_graph and self._replay is None:
             self._start_replay(batch)
@@ -569,8 +582,7 @@ class Trainer:
         self._state, self._spare = self._spare, self._state
         self._parity ^= 1
         self.steps += 1
-        loss = float(loss_buf.numpy().reshape(-1)[0])
-        skipped = bool(found_buf.numpy().reshape(-1)[0]) if found_buf is not None else False
+        loss, skipped = self._read_outputs(loss_buf, found_buf)
         result = StepResult(loss, scale, skipped, time.perf_counter() - start)
         self.metrics.append(self.steps, result)
         return result
@@ -589,9 +601,7 @@ class Trainer:
             return [self.step(batch, lr) for batch in batches]
         self._bind_lr(lr)
         for batch in batches:
-            missing = [spec.name for spec in self.data_inputs if spec.name not in batch]
-            if missing:
-                raise MpgraphError(f"batch has no array for input '{missing[0]}' (got {', '.join(batch)})")
+            self._check_inputs(batch)
         results: list[StepResult] = []
         # Each parity's graph is captured in its first runs, in sync: a capture in a run that
         # does not synchronise failed on the DQN (CUDA error 901 at cudaStreamEndCapture).
@@ -639,15 +649,11 @@ class Trainer:
         """Wait for one pipelined step, record its result; the loss scale the next step uses."""
         p, event, start, scale, step, written = pending
         event.synchronize()  # this step only: the next one may still run (it only reads ``written``)
-        loss = float(replay.loss[p].numpy().reshape(-1)[0])
-        found = replay.found[p]
-        skipped = bool(found.numpy().reshape(-1)[0]) if found is not None else False
+        loss, skipped = self._read_outputs(replay.loss[p], replay.found[p])
         result = StepResult(loss, scale, skipped, time.perf_counter() - start)
         self.metrics.append(step, result)
         results.append(result)
-        if self._scale_name is None or not (self.has_loss_scale and self.track_scale):
-            return None
-        return float(written[self._scale_name].numpy().reshape(-1)[0])
+        return self._scale_in(written) if self.has_loss_scale and self.track_scale else None
 
     def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
         source = data.train if isinstance(data, Dataset) else data
