@@ -492,19 +492,15 @@ def test_loss_scale_collapse_warns(caplog: pytest.LogCaptureFixture):
 
     from mpgraph.runtime import trainer as tr
 
-    t = tr.Trainer.__new__(tr.Trainer)  # only fit's bookkeeping: steps that all report skipped
-    t.steps, t.has_loss_scale, t.track_scale, t.metrics = 0, False, False, tr.Metrics()
-    t.stop_reason = ""
-
-    def step(batch: object, lr: object) -> tr.StepResult:
-        t.steps += 1
-        result = tr.StepResult(1.0, None, True, 0.0)
-        t.metrics.append(t.steps, result)
-        return result
-
-    t.step = step  # type: ignore[method-assign]
+    t = tr.Trainer.__new__(tr.Trainer)  # only fit's report: steps that all come back skipped
+    t.steps, t.has_loss_scale, t.metrics = 0, False, tr.Metrics()
+    report = tr._FitReport(t, 25, None, False)
     with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.trainer"):
-        t.fit([{"label": np.zeros(2, np.int64)}] * 25, 25)
+        for _ in range(25):
+            t.steps += 1
+            result = tr.StepResult(1.0, None, True, 0.0)
+            t.metrics.append(t.steps, result)
+            report(result)
     warnings = [r.getMessage() for r in caplog.records if "loss scale collapsed" in r.getMessage()]
     assert len(warnings) == 1 and f"{tr.COLLAPSE_SKIPS} consecutive steps skipped" in warnings[0]
 

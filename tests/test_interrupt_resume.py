@@ -92,14 +92,14 @@ def test_keyboard_interrupt_inside_a_step_does_not_run_the_data_ahead(setup: tup
 
     at = random.Random(100 + seed).randrange(1, total)
     first = Trainer(step, threads=1)
-    real_step = first.step
+    real_launch = first._launch
 
-    def step_then_ctrl_c(batch: dict[str, np.ndarray], lr: float | None = None) -> object:
+    def launch_then_ctrl_c(batch: dict[str, np.ndarray], position: object = None) -> object:
         if first.steps == at:
             raise KeyboardInterrupt  # Ctrl-C while ORT runs the step: the batch was drawn, no state changed
-        return real_step(batch, lr)
+        return real_launch(batch, position)
 
-    first.step = step_then_ctrl_c  # type: ignore[method-assign]
+    first._launch = launch_then_ctrl_c  # type: ignore[method-assign]
     with pytest.raises(KeyboardInterrupt):
         first.fit(arrays, total, batch_size=16, seed=4)
     ckpt = tmp_path / "c.npz"

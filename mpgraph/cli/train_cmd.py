@@ -163,6 +163,7 @@ def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: f
     parts.append(f"skipped {summary['skipped']}")
     if trainer.provider == "cuda":
         parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
+        parts.append("pipelined" if trainer.pipeline else f"not pipelined ({trainer.pipeline_reason})")
     if trainer.kernels_fused:
         # On CPU without a compiler only ORT's own ops (the NCHWc convolutions) run: say why.
         why = f"; no kernel library: {trainer.kernels_reason}" if trainer.kernels_reason else ""
@@ -198,6 +199,7 @@ def train(
     tf32: Annotated[bool | None, typer.Option("--tf32/--no-tf32", help="cuda: let float32 matmuls run as TF32 (default: the graph's policy; fp32 is strict).")] = None,
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
     kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run all of mpgraph's fused kernels (mpgraph.kernels; built with nvcc / a C++ compiler on first use); --no-kernels: none. Default: all on cuda where they build; on cpu the ones that pay there (ORT's NCHWc convolutions, AdamW, the Relu backward).")] = None,
+    pipeline: Annotated[bool, typer.Option("--pipeline/--no-pipeline", help="cuda: launch step k+1 before reading step k's loss, so the host never waits for the GPU every step (on by default with CUDA graphs; the same results; --no-pipeline saves a third copy of the state).")] = True,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
@@ -209,7 +211,7 @@ def train(
     _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
     trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
                             provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
-                            kernels=kernels)
+                            kernels=kernels, pipeline=None if pipeline else False)
     dataset = trainer.load_data(data, seed=seed)
     if resume is not None:
         trainer.load_checkpoint(resume)

@@ -184,9 +184,10 @@ def _nonfinite_arrays(batch: Mapping[str, np.ndarray]) -> str | None:
     return None
 
 
-#: Steps a captured replay runs in sync before ``step_many`` pipelines it (two per parity: ORT
-#: captures each parity's graph within its first runs).
-_SYNC_REPLAYS = 4
+#: Runs of each captured graph in sync before a pipelined trainer enqueues it without ORT's
+#: end-of-run sync (ORT captures a graph within its first runs, and a capture in a run that does
+#: not synchronise failed on the DQN: CUDA error 901 at cudaStreamEndCapture).
+_SYNC_RUNS_PER_GRAPH = 2
 
 
 @dataclass
@@ -195,15 +196,60 @@ class _Replay:
     device buffers its captured graphs read and write (addresses never change)."""
 
     session: ort.InferenceSession
-    bindings: list[ort.IOBinding]  # indexed by parity: bindings[p] reads the current state set
-    # Indexed by parity too: a pipelined step uploads its batch while the other parity's step
-    # may still run, and reads a loss while the next step may write its own.
+    bindings: list[ort.IOBinding]  # indexed by state set: bindings[s] reads set s
+    # Indexed by state set too: a pipelined step uploads its batch while the step before it
+    # may still run, and its loss is read while the next step may write its own.
     batch: list[dict[str, ort.OrtValue]]
     signature: dict[str, tuple[tuple[int, ...], np.dtype]]
     loss: list[ort.OrtValue]
     found: list[ort.OrtValue | None]
     lr: ort.OrtValue | None
-    runs: int = 0  # steps run through it (each parity's graph is captured in its first runs)
+    options: list[tuple[ort.RunOptions, ort.RunOptions]]  # per state set: (synchronised, not)
+    runs: int = 0  # steps run through it (each graph is captured in its first runs)
+
+
+@dataclass
+class _Launched:
+    """A step that ran, or was enqueued on a pipelined trainer; ``_finish`` reads its result."""
+
+    slot: int  # the state set it read; its loss and found_inf buffers have the same index
+    batch: Mapping[str, np.ndarray]
+    loss: ort.OrtValue
+    found: ort.OrtValue | None
+    event: Any = None  # pipelined: a CUDA event recorded after it
+    start: float = 0.0
+    step: int = 0
+    position: tuple[int, int] | None = None  # fit: the data position before its batch
+
+
+class _FitReport:
+    """What ``fit`` does with each finished step's result, in order: the collapse warning,
+    the callback and the progress log."""
+
+    def __init__(self, trainer: Trainer, steps: int, callback: Callable[[int, StepResult], None] | None,
+                 progress: bool) -> None:
+        self.trainer, self.steps, self.callback, self.progress = trainer, steps, callback, progress
+        self.every = max(steps // 10, 1)
+        self.done = self.run_skips = 0
+        self.warned = False
+
+    def __call__(self, result: StepResult) -> None:
+        trainer = self.trainer
+        step = trainer.metrics.step[-1] if trainer.metrics.step else trainer.steps
+        self.done += 1
+        self.run_skips = self.run_skips + 1 if result.skipped else 0
+        if self.run_skips >= COLLAPSE_SKIPS and not self.warned:
+            self.warned = True
+            scale = f" (loss scale now {trainer.loss_scale:g})" if trainer.has_loss_scale else ""
+            logger.warning(
+                "loss scale collapsed: %d consecutive steps skipped for non-finite gradients, up to step %d%s; "
+                "check the data and the model for inf/NaN, or train in bfloat16", self.run_skips, step, scale)
+        if self.callback is not None:
+            self.callback(step, result)
+        if self.progress and (self.done % self.every == 0 or self.done == self.steps):
+            logger.info("step %d: loss %.5g%s%s", step, result.loss,
+                        f", scale {result.loss_scale:g}" if result.loss_scale is not None else "",
+                        ", skipped" if result.skipped else "")
 
 
 class Trainer:
@@ -236,12 +282,16 @@ class Trainer:
             convolutions, AdamW and the Relu backward (the convolutions alone where no C++
             compiler builds the library). ``True``: all of it (fails if the library cannot be
             built). ``kernels_reason`` says why less than the default runs.
-        pipeline: Let ``step_many`` run steps pipelined on CUDA: the host uploads and launches
-            step k+1 while the GPU runs step k, and reads step k's loss once that step's event
-            has passed, so it never waits for the GPU every step. ORT then computes on a CUDA
-            stream the trainer owns (torch's, as the provider's ``user_compute_stream``). The
-            results are the same bits as ``step`` one batch at a time; a step's non-finite loss
-            is seen after the next step has started (no undo). Needs ``cuda`` with CUDA graphs.
+        pipeline: Pipeline the steps of ``fit`` and ``step_many`` on CUDA: the host uploads
+            and launches step k+1 while the GPU runs step k, and reads step k's loss once that
+            step's event has passed, so it never waits for the GPU every step. ORT then
+            computes on a CUDA stream the trainer owns (torch's, as the provider's
+            ``user_compute_stream``), and the state has three buffer sets instead of two, so
+            that a step whose loss comes back non-finite can still be undone with the step
+            launched after it (``fit``'s ``on_nonfinite`` works as without pipelining). The
+            results are the same bits as ``step`` one batch at a time. ``None``: on for
+            ``cuda`` with CUDA graphs where torch sees the GPU (``pipeline_reason`` says why
+            not); ``False`` saves the third state set.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
             second run on, one planned block for every intermediate, on top of the arena
             regions the first run made, so activations are held about twice. ``None``: off for
@@ -269,7 +319,7 @@ class Trainer:
         cuda_graph: bool | None = None,
         kernels: bool | None = None,
         mem_pattern: bool | None = None,
-        pipeline: bool = False,
+        pipeline: bool | None = None,
     ) -> None:
         self.model = as_model(model)
         self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
@@ -280,7 +330,12 @@ class Trainer:
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = device_id if provider == "cuda" else 0
         initial = self._prepare_graph(state)
-        self._events = self._pipeline_events(provider, device_id, pipeline, cuda_graph)
+        self._events, self.pipeline_reason = self._pipeline_events(provider, device_id, pipeline, cuda_graph)
+        #: Steps of ``fit``/``step_many`` run pipelined (see ``pipeline``).
+        self.pipeline = self._events is not None
+        # Three state sets when pipelined: a bad step and the one launched after it can both go.
+        self._ring = 3 if self.pipeline else 2
+        self._inflight: list[_Launched] = []  # launched steps whose results are not read yet
         extra = {**(self._events.provider_options() if self._events else {}), **(provider_options or {})}
         self.tf32, self.provider_options = ses.provider_options(
             self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=extra)
@@ -317,13 +372,21 @@ class Trainer:
         self.last_checkpoint_step: int | None = None
 
     @staticmethod
-    def _pipeline_events(provider: str, device_id: int, pipeline: bool, cuda_graph: bool | None) -> StepEvents | None:
-        """The stream and events of ``step_many``'s pipelined path (``None``: not asked for)."""
-        if not pipeline:
-            return None
+    def _pipeline_events(provider: str, device_id: int, pipeline: bool | None,
+                         cuda_graph: bool | None) -> tuple[StepEvents | None, str]:
+        """The stream and events of pipelined steps (``None``: off, and why)."""
+        if pipeline is False:
+            return None, "pipeline=False"
         if provider != "cuda" or cuda_graph is False:
-            raise UsageError("pipeline=True needs the cuda provider with CUDA graphs (cuda_graph not False)")
-        return StepEvents(device_id)
+            if pipeline:
+                raise UsageError("pipeline=True needs the cuda provider with CUDA graphs (cuda_graph not False)")
+            return None, "pipelining needs the cuda provider with CUDA graphs"
+        try:
+            return StepEvents(device_id), ""
+        except MpgraphError as e:
+            if pipeline:
+                raise
+            return None, str(e)
 
     def _prepare_graph(self, state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         """Set the fingerprint, default lr and session graph; return the initial state.
@@ -365,8 +428,10 @@ class Trainer:
         if self._want_graph and self._extra_outputs:
             # Outputs ORT allocates per run move between runs; a captured graph can't follow.
             self._graph_off(f"the graph has outputs beyond loss and state ({', '.join(self._extra_outputs[:3])})")
-        self._loss_out = self._out_buffer(outputs[self.loss_name], "cpu")
-        self._found_out = self._out_buffer(outputs[self.found_inf_name], "cpu") if self.found_inf_name else None
+        # One per state set: a pipelined step's loss is read after the next step has run.
+        self._loss_out = [self._out_buffer(outputs[self.loss_name], "cpu") for _ in range(self._ring)]
+        self._found_out = [self._out_buffer(outputs[self.found_inf_name], "cpu") if self.found_inf_name else None
+                           for _ in range(self._ring)]
 
     # -- buffers -------------------------------------------------------------------------
 
@@ -396,11 +461,11 @@ class Trainer:
         return ort.OrtValue.ortvalue_from_numpy(np.array(array, copy=True, order="C"), self.device, self.device_id)
 
     def _set_state(self, values: Mapping[str, np.ndarray]) -> None:
-        """Upload ``values`` into the state buffers, allocating both sets and prebinding both
-        ways on first use. Later calls (a checkpoint load) overwrite the buffers in place, so
-        captured CUDA graphs keep reading the same addresses."""
+        """Upload ``values`` into the current state buffers, allocating every set and
+        prebinding each on first use. Later calls (a checkpoint load) overwrite the buffers in
+        place, so captured CUDA graphs keep reading the same addresses."""
         arrays = {name: np.asarray(values[name]) for name, _ in self.pairs}
-        current = getattr(self, "_state", None)
+        current = self._sets[self._slot] if hasattr(self, "_sets") else None
         if current is not None and all(
             tuple(current[n].shape()) == a.shape and np.dtype(ses.ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
             for n, a in arrays.items()
@@ -408,28 +473,42 @@ class Trainer:
             for name, array in arrays.items():
                 current[name].update_inplace(np.array(array, copy=True, order="C"))
             return
-        self._state: dict[str, ort.OrtValue] = {}
-        self._spare: dict[str, ort.OrtValue] = {}
+        self._sets: list[dict[str, ort.OrtValue]] = [{} for _ in range(self._ring)]
         for name, array in arrays.items():
-            self._state[name] = self._device_value(array)
-            self._spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
-                list(array.shape), array.dtype, self.device, self.device_id
-            )
-        self._bindings = self._pair_bindings(self.session, self._loss_out, self._found_out, self._lr_buf)
+            self._sets[0][name] = self._device_value(array)
+            for spare in self._sets[1:]:
+                spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                    list(array.shape), array.dtype, self.device, self.device_id)
+        self._slot = 0
+        self._bindings = self._ring_bindings(self.session, self._loss_out, self._found_out, self._lr_buf)
         self._replay = None  # new addresses: capture again at the next step
-        self._parity = 0
 
-    def _pair_bindings(self, session: ort.InferenceSession, loss: ort.OrtValue | list[ort.OrtValue],
-                       found: ort.OrtValue | None | list[ort.OrtValue | None],
-                       lr: ort.OrtValue | None) -> list[ort.IOBinding]:
-        """Two bindings indexed by the current parity: ``[p]`` reads the current state set and
-        writes ``loss[p]``/``found[p]`` (one buffer each, or a list indexed by parity)."""
-        losses = loss if isinstance(loss, list) else [loss, loss]
-        founds = found if isinstance(found, list) else [found, found]
-        p = getattr(self, "_parity", 0)
-        read_state = self._make_binding(session, self._state, self._spare, losses[p], founds[p], lr)
-        read_spare = self._make_binding(session, self._spare, self._state, losses[1 - p], founds[1 - p], lr)
-        return [read_state, read_spare] if p == 0 else [read_spare, read_state]
+    @property
+    def _state(self) -> dict[str, ort.OrtValue]:
+        """The state set the next step reads."""
+        return self._sets[self._slot]
+
+    def _settled(self) -> tuple[dict[str, ort.OrtValue], int]:
+        """The state and step count after the last finished step (pipelined steps may be in
+        flight: the oldest one still reads the state its predecessor left)."""
+        if self._inflight:
+            return self._sets[self._inflight[0].slot], self._inflight[0].step - 1
+        return self._state, self.steps
+
+    def _advance(self, steps: int) -> None:
+        """Move along the ring of state sets (negative: undo steps whose sets are intact)."""
+        self._slot = (self._slot + steps) % len(self._sets)
+        self.steps += steps
+        if steps < 0:
+            self.metrics.truncate(self.steps)
+
+    def _ring_bindings(self, session: ort.InferenceSession, loss: list[ort.OrtValue],
+                       found: list[ort.OrtValue | None], lr: ort.OrtValue | None) -> list[ort.IOBinding]:
+        """One binding per state set: ``[s]`` reads set s, writes the next set in the ring and
+        ``loss[s]``/``found[s]``."""
+        n = len(self._sets)
+        return [self._make_binding(session, self._sets[s], self._sets[(s + 1) % n], loss[s], found[s], lr)
+                for s in range(n)]
 
     def _make_binding(self, session: ort.InferenceSession, read: Mapping[str, ort.OrtValue],
                       write: Mapping[str, ort.OrtValue], loss: ort.OrtValue, found: ort.OrtValue | None,
@@ -450,15 +529,16 @@ class Trainer:
     @property
     def state(self) -> dict[str, np.ndarray]:
         """Current state values (host copies), by state input name."""
-        return {name: self._state[name].numpy().copy() for name, _ in self.pairs}
+        state, _ = self._settled()
+        return {name: state[name].numpy().copy() for name, _ in self.pairs}
 
     @property
     def loss_scale(self) -> float | None:
         """The current loss scale, or ``None`` without loss scaling."""
-        return self._scale_in(self._state)
+        return self._scale_in(self._settled()[0])
 
     def _scale_in(self, state: Mapping[str, ort.OrtValue]) -> float | None:
-        """The loss scale held in one of the two state buffer sets (``None``: no scaling)."""
+        """The loss scale held in one of the state buffer sets (``None``: no scaling)."""
         return float(state[self._scale_name].numpy().reshape(-1)[0]) if self._scale_name is not None else None
 
     @staticmethod
@@ -493,19 +573,27 @@ class Trainer:
             self._graph_off(str(e))
             return
         outputs = {o.name: o for o in session.get_outputs()}
-        loss = [self._out_buffer(outputs[self.loss_name], self.device) for _ in range(2)]
+        ring = range(len(self._sets))
+        loss = [self._out_buffer(outputs[self.loss_name], self.device) for _ in ring]
         found = [self._out_buffer(outputs[self.found_inf_name], self.device) if self.found_inf_name else None
-                 for _ in range(2)]
+                 for _ in ring]
         lr = None
         if self._lr_value is not None:
             lr = ort.OrtValue.ortvalue_from_numpy(np.asarray(self._lr_value, np.float32), self.device, self.device_id)
         bufs = [{n: ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(batch[n]), self.device, self.device_id)
-                 for n in names} for _ in range(2)]
-        bindings = self._pair_bindings(session, loss, found, lr)
-        for binding, parity_bufs in zip(bindings, bufs):
-            for n, buf in parity_bufs.items():
+                 for n in names} for _ in ring]
+        bindings = self._ring_bindings(session, loss, found, lr)
+        for binding, set_bufs in zip(bindings, bufs):
+            for n, buf in set_bufs.items():
                 binding.bind_ortvalue_input(n, buf)
-        self._replay = _Replay(session, bindings, bufs, signature, loss, found, lr)
+        options = []
+        for s in ring:
+            pair = (ort.RunOptions(), ort.RunOptions())
+            for o in pair:  # graph ids from 1: one captured graph per state set (0 is ORT's default)
+                o.add_run_config_entry("gpu_graph_id", str(1 + s))
+            pair[1].add_run_config_entry("disable_synchronize_execution_providers", "1")
+            options.append(pair)
+        self._replay = _Replay(session, bindings, bufs, signature, loss, found, lr, options)
         self.cuda_graph, self.cuda_graph_reason = True, ""
 
     # -- stepping ------------------------------------------------------------------------
@@ -545,32 +633,44 @@ class Trainer:
             lr: Learning rate (``None``: the one in use, i.e. a resumed checkpoint's, else the
                 graph's default).
         """
-        start = time.perf_counter()
         self._bind_lr(lr)
         self._check_inputs(batch)
-        scale = self.loss_scale if self.has_loss_scale and self.track_scale else None
+        return self._finish(self._launch(batch))
+
+    def step_many(self, batches: Iterable[Mapping[str, np.ndarray]], lr: float | None = None) -> list[StepResult]:
+        """Run one step per batch, in order; the same results (and state) as ``step`` on each.
+
+        On a pipelined trainer (``pipeline``) the host enqueues step k+1 before it reads step
+        k's loss, so the GPU never waits for the host between steps (the tiny MLP on an H200:
+        134 us a step against ``step``'s 228, ``benchmarks/results/pipeline_probe_trainer.txt``).
+        A non-finite loss is trained on, as ``step`` does (``fit`` undoes it).
+        """
+        batches = list(batches)
+        self._bind_lr(lr)
+        for batch in batches:
+            self._check_inputs(batch)
+        results: list[StepResult] = []
+        try:
+            for batch in batches:
+                self._settle(self._launch(batch), "ignore", results.append)
+            self._settle(None, "ignore", results.append)
+        except BaseException:
+            self._abandon("ignore")
+            raise
+        return results
+
+    def _launch(self, batch: Mapping[str, np.ndarray], position: tuple[int, int] | None = None) -> _Launched:
+        """Run one step on ``batch`` (on a pipelined trainer's captured graphs, enqueue it) and
+        move to the state set it writes; ``_finish`` reads its result."""
+        start, slot = time.perf_counter(), self._slot
         if self._want_graph and self._replay is None:
             self._start_replay(batch)
         replay = self._replay
-        ran = False
+        launched = None
         if replay is not None and self._signature(batch, replay.batch[0]) == replay.signature:
-            for name, buf in replay.batch[self._parity].items():
-                buf.update_inplace(np.ascontiguousarray(batch[name]))
-            run_options = ort.RunOptions()
-            # Graph ids 1 and 2: one captured graph per buffer parity (0 is ORT's own default).
-            run_options.add_run_config_entry("gpu_graph_id", str(1 + self._parity))
-            try:
-                replay.session.run_with_iobinding(replay.bindings[self._parity], run_options)
-                replay.runs += 1
-                ran = True
-            except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError/Fail types
-                # A kernel that refuses capture (e.g. Concat over 32 inputs) fails here, before
-                # any state input is touched: the step runs again without graphs.
-                self._replay = None
-                self._graph_off(f"capture failed: {str(e).splitlines()[0][:300]}")
-            loss_buf, found_buf = replay.loss[self._parity], replay.found[self._parity]
-        if not ran:
-            binding = self._bindings[self._parity]
+            launched = self._launch_replay(replay, batch, slot)
+        if launched is None:
+            binding = self._bindings[slot]
             # The binding points into these arrays' memory: hold them until the next step.
             self._keep = []
             for spec in self.data_inputs:
@@ -578,82 +678,79 @@ class Trainer:
                 self._keep.append(value)
                 binding.bind_ortvalue_input(spec.name, value)
             self.session.run_with_iobinding(binding)
-            loss_buf, found_buf = self._loss_out, self._found_out
-        self._state, self._spare = self._spare, self._state
-        self._parity ^= 1
-        self.steps += 1
-        loss, skipped = self._read_outputs(loss_buf, found_buf)
-        result = StepResult(loss, scale, skipped, time.perf_counter() - start)
-        self.metrics.append(self.steps, result)
+            launched = _Launched(slot, batch, self._loss_out[slot], self._found_out[slot])
+        self._advance(1)
+        launched.start, launched.step, launched.position = start, self.steps, position
+        return launched
+
+    def _launch_replay(self, replay: _Replay, batch: Mapping[str, np.ndarray], slot: int) -> _Launched | None:
+        """Run the captured graph that reads state set ``slot`` (``None``: capture failed, and
+        CUDA graphs are off from now on)."""
+        for name, buf in replay.batch[slot].items():  # its last reader ran a full ring ago
+            buf.update_inplace(np.ascontiguousarray(batch[name]))
+        nosync = self.pipeline and replay.runs >= _SYNC_RUNS_PER_GRAPH * len(replay.bindings)
+        try:
+            replay.session.run_with_iobinding(replay.bindings[slot], replay.options[slot][nosync])
+        except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError/Fail types
+            if nosync:  # captured already: a real failure
+                raise
+            # A kernel that refuses capture (e.g. Concat over 32 inputs) fails here, before
+            # any state input is touched: the step runs again without graphs.
+            self._replay = None
+            self._graph_off(f"capture failed: {str(e).splitlines()[0][:300]}")
+            return None
+        replay.runs += 1
+        event = self._events.record() if nosync and self._events is not None else None
+        return _Launched(slot, batch, replay.loss[slot], replay.found[slot], event)
+
+    def _finish(self, launched: _Launched) -> StepResult:
+        """Wait for a launched step (its own event only) and record its result."""
+        if launched.event is not None:
+            launched.event.synchronize()
+        loss, skipped = self._read_outputs(launched.loss, launched.found)
+        # The set it read is intact: the step after it (if launched) writes another one.
+        scale = self._scale_in(self._sets[launched.slot]) if self.has_loss_scale and self.track_scale else None
+        result = StepResult(loss, scale, skipped, time.perf_counter() - launched.start)
+        self.metrics.append(launched.step, result)
         return result
 
-    def step_many(self, batches: Iterable[Mapping[str, np.ndarray]], lr: float | None = None) -> list[StepResult]:
-        """Run one step per batch, in order; the same results (and state) as ``step`` on each.
+    def _settle(self, launched: _Launched | None, mode: str, report: Callable[[StepResult], None]) -> None:
+        """Add ``launched`` to the steps in flight, then finish and report every one but the
+        newest (pipelined) or all of them (otherwise, or ``launched=None``: drain).
 
-        With ``Trainer(pipeline=True)`` and the batches' shapes the captured graphs' (the first
-        step captures them), the host enqueues step k+1 before it reads step k's loss, so the
-        GPU never waits for the host between steps (the tiny MLP on an H200: 134 us a step
-        against ``step``'s 228, ``benchmarks/results/pipeline_probe_trainer.txt``). Otherwise
-        it calls ``step`` per batch.
+        A finished step whose loss is not finite and was not skipped by the graph is undone
+        unless ``mode`` is ``ignore``, with the step launched after it, which is then run
+        again from the restored state: the same outcome as without pipelining.
         """
-        batches = list(batches)
-        if self._events is None or not batches:
-            return [self.step(batch, lr) for batch in batches]
-        self._bind_lr(lr)
-        for batch in batches:
-            self._check_inputs(batch)
-        results: list[StepResult] = []
-        # Each parity's graph is captured in its first runs, in sync: a capture in a run that
-        # does not synchronise failed on the DQN (CUDA error 901 at cudaStreamEndCapture).
-        while batches and self._want_graph and (self._replay is None or self._replay.runs < _SYNC_REPLAYS):
-            results.append(self.step(batches.pop(0)))
-        replay = self._replay
-        if replay is None or any(self._signature(b, replay.batch[0]) != replay.signature for b in batches):
-            return results + [self.step(batch) for batch in batches]
-        return results + self._run_pipelined(replay, batches)
+        if launched is not None:
+            self._inflight.append(launched)
+        keep = 1 if self.pipeline and launched is not None else 0
+        while len(self._inflight) > keep:
+            result = self._finish(self._inflight[0])
+            self._inflight.pop(0)
+            if mode == "ignore" or result.skipped or math.isfinite(result.loss):
+                report(result)
+                continue
+            after, self._inflight = self._inflight, []
+            for step in after:  # it read the bad step's state: wait for it, then drop it too
+                if step.event is not None:
+                    step.event.synchronize()
+            self._advance(-1 - len(after))
+            report(self._refuse(f"step {self.steps + 1}: the loss is {result.loss} (the update was undone)", mode))
+            for step in after:
+                self._settle(self._launch(step.batch, step.position), mode, report)
 
-    def _run_pipelined(self, replay: _Replay, batches: list[Mapping[str, np.ndarray]]) -> list[StepResult]:
-        """Enqueue each step without ORT's end-of-run sync, then finish the one before it."""
-        assert self._events is not None
-        options = []
-        for p in range(2):
-            o = ort.RunOptions()
-            o.add_run_config_entry("gpu_graph_id", str(1 + p))
-            o.add_run_config_entry("disable_synchronize_execution_providers", "1")
-            options.append(o)
-        scale = self.loss_scale if self.has_loss_scale and self.track_scale else None  # nothing in flight yet
-        results: list[StepResult] = []
-        pending: tuple | None = None
-        for batch in batches:
-            start, p = time.perf_counter(), self._parity
-            for name, buf in replay.batch[p].items():  # its last reader, step k-2, has finished
-                buf.update_inplace(np.ascontiguousarray(batch[name]))
-            try:
-                replay.session.run_with_iobinding(replay.bindings[p], options[p])
-            except Exception:
-                if pending is not None:  # the step in flight still counts: finish it, then fail
-                    self._finish_pipelined(replay, pending, results)
-                raise
-            replay.runs += 1
-            event = self._events.record()
-            self._state, self._spare = self._spare, self._state
-            self._parity ^= 1
-            self.steps += 1
-            if pending is not None:
-                scale = self._finish_pipelined(replay, pending, results)
-            pending = (p, event, start, scale, self.steps, self._state)
-        self._finish_pipelined(replay, pending, results)
-        return results
-
-    def _finish_pipelined(self, replay: _Replay, pending: tuple, results: list[StepResult]) -> float | None:
-        """Wait for one pipelined step, record its result; the loss scale the next step uses."""
-        p, event, start, scale, step, written = pending
-        event.synchronize()  # this step only: the next one may still run (it only reads ``written``)
-        loss, skipped = self._read_outputs(replay.loss[p], replay.found[p])
-        result = StepResult(loss, scale, skipped, time.perf_counter() - start)
-        self.metrics.append(step, result)
-        results.append(result)
-        return self._scale_in(written) if self.has_loss_scale and self.track_scale else None
+    def _abandon(self, mode: str) -> None:
+        """After an exception: finish the steps in flight, keeping those that ended well."""
+        while self._inflight:
+            result = self._finish(self._inflight[0])
+            self._inflight.pop(0)
+            if mode != "ignore" and not result.skipped and not math.isfinite(result.loss):
+                for step in self._inflight:
+                    if step.event is not None:
+                        step.event.synchronize()
+                self._advance(-1 - len(self._inflight))
+                self._inflight = []
 
     def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
         source = data.train if isinstance(data, Dataset) else data
@@ -723,54 +820,41 @@ class Trainer:
             it = self._batches_for(data, batch_size, seed)
         else:
             it = iter(data)
-        every = max(steps // 10, 1)
         self.stop_reason = ""
-        run_skips = 0
-        warned = False
-        for i in range(steps):
-            if stop is not None and stop():
-                self.stop_reason = getattr(stop, "name", "") or "stop requested"
-                break
-            position = it.position if isinstance(it, Batches) else None
-            try:
+        self._bind_lr(lr)
+        report = _FitReport(self, steps, callback, progress)
+        # The data position after each counted step's batch: an exception puts the stream back
+        # to the one after the last step that counts.
+        marks = {self.steps: it.position} if isinstance(it, Batches) else None
+        try:
+            for _ in range(steps):
+                if stop is not None and stop():
+                    self.stop_reason = getattr(stop, "name", "") or "stop requested"
+                    break
+                before = it.position if isinstance(it, Batches) else None
                 try:
                     batch = next(it)
                 except StopIteration:
                     break
                 problem = None if on_nonfinite == "ignore" else _nonfinite_arrays(batch)
                 if problem is not None:
-                    result = self._refuse(f"step {self.steps + 1}: the batch has {problem}", on_nonfinite)
-                else:
-                    result = self.step(batch, lr)
-                    if on_nonfinite != "ignore" and not result.skipped and not math.isfinite(result.loss):
-                        self._undo_step()
-                        result = self._refuse(f"step {self.steps + 1}: the loss is {result.loss} "
-                                              "(the update was undone)", on_nonfinite)
-            except BaseException:
-                if position is not None and isinstance(it, Batches):
-                    it.seek(position)
-                raise
-            run_skips = run_skips + 1 if result.skipped else 0
-            if run_skips >= COLLAPSE_SKIPS and not warned:
-                warned = True
-                scale = f" (loss scale now {self.loss_scale:g})" if self.has_loss_scale else ""
-                logger.warning(
-                    "loss scale collapsed: %d consecutive steps skipped for non-finite gradients, up to step %d%s; "
-                    "check the data and the model for inf/NaN, or train in bfloat16", run_skips, self.steps, scale)
-            if callback is not None:
-                callback(self.steps, result)
-            if progress and ((i + 1) % every == 0 or i + 1 == steps):
-                logger.info("step %d: loss %.5g%s%s", self.steps, result.loss,
-                            f", scale {result.loss_scale:g}" if result.loss_scale is not None else "",
-                            ", skipped" if result.skipped else "")
+                    self._settle(None, on_nonfinite, report)  # the steps in flight come first
+                    if marks is not None:
+                        marks[self.steps + 1] = it.position
+                    report(self._refuse(f"step {self.steps + 1}: the batch has {problem}", on_nonfinite))
+                    continue
+                self._check_inputs(batch)
+                launched = self._launch(batch, before)
+                if marks is not None:
+                    marks[self.steps] = it.position
+                self._settle(launched, on_nonfinite, report)
+            self._settle(None, on_nonfinite, report)
+        except BaseException:
+            self._abandon(on_nonfinite)
+            if marks is not None and self.steps in marks:
+                it.seek(marks[self.steps])  # type: ignore[attr-defined]
+            raise
         return self.metrics
-
-    def _undo_step(self) -> None:
-        """Go back to the state before the last step: its input buffers were never written."""
-        self._state, self._spare = self._spare, self._state
-        self._parity ^= 1
-        self.steps -= 1
-        self.metrics.truncate(self.steps)
 
     def _refuse(self, what: str, mode: str) -> StepResult:
         """A non-finite batch or loss: raise (``stop``) or count a skipped step (``skip``)."""
@@ -850,17 +934,24 @@ class Trainer:
         Raises:
             CheckpointError: The file cannot be written (a full disk): the previous checkpoint
                 is left as it was, and the message gives its step.
+
+        Called from ``fit``'s callback on a pipelined trainer, it writes the step just
+        reported: the step in flight after it, and its batch, are not in the checkpoint.
         """
+        state, steps = self._settled()
+        data = self._batches.state() if self._batches is not None else None
+        if data is not None and self._inflight and self._inflight[0].position is not None:
+            data["epoch"], data["index"] = self._inflight[0].position
         meta = {
             "fingerprint": self.fingerprint,
-            "steps": self.steps,
+            "steps": steps,
             "names": [name for name, _ in self.pairs],
-            "data": self._batches.state() if self._batches is not None else None,
+            "data": data,
             "lr": self._lr_value,
         }
-        arrays = [self._state[name].numpy() for name, _ in self.pairs]
+        arrays = [state[name].numpy() for name, _ in self.pairs]
         write_checkpoint(path, meta, arrays, self.metrics, self._metrics_log, self.last_checkpoint_step)
-        self.last_checkpoint_step = self.steps
+        self.last_checkpoint_step = steps
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by ``save_checkpoint`` for this same graph.
@@ -907,6 +998,7 @@ class Trainer:
         """Logits of the forward model on ``arrays`` with the current parameters."""
         session, out_name, inputs = self._eval_session()
         state_names = {a for a, _ in self.pairs}
+        settled, _ = self._settled()
         n = len(next(iter(arrays.values())))
         parts = []
         for start in range(0, n, batch_size):
@@ -914,7 +1006,7 @@ class Trainer:
             keep = []
             for name in inputs:
                 if name in state_names:
-                    binding.bind_ortvalue_input(name, self._state[name])
+                    binding.bind_ortvalue_input(name, settled[name])
                 else:
                     if name not in arrays:
                         raise MpgraphError(f"evaluation data has no array for input '{name}'")
