@@ -1,0 +1,68 @@
+"""Is mpgraph's CUDA step deterministic? Two trainers from the same graph, state and batches,
+run side by side, then a pipelined one: the losses of every step compared bit for bit.
+
+``gpu_step.py``'s GPT rows end 50 steps a little apart between the synchronous and the
+pipelined bf16 trainer (1.21921 against 1.22052 in ``gpu_step_session21.log``), although the
+pipelined path gives ``step``'s bits on the tiny MLP (``tests/test_step_many.py``). This probe
+says whether two *synchronous* trainers already differ (run-to-run nondeterminism in the
+kernels: atomics, cuBLAS/cuDNN algorithm choice per session) or only the pipelined one does.
+
+    python3 benchmarks/repeat_probe.py --models gpt,dqn_cnn --policies bf16,fp32 --steps 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from gpu_step import dqn_spec, gpt_spec, step_graphs, tiny_spec  # noqa: E402
+
+from mpgraph.runtime.trainer import Trainer  # noqa: E402
+
+
+def losses(trainer: Trainer, spec, steps: int) -> list[float]:
+    names = [s.name for s in trainer.data_inputs]
+    data_name = next(n for n in names if n != "label")
+    batches = [{data_name: spec.inputs[i % len(spec.inputs)], "label": spec.labels[i % len(spec.inputs)]}
+               for i in range(steps)]
+    if trainer.pipeline:
+        return [r.loss for r in trainer.step_many(batches)]
+    return [trainer.step(b).loss for b in batches]
+
+
+def first_difference(a: list[float], b: list[float]) -> str:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"first differs at step {i + 1} ({x!r} vs {y!r}); at the end {a[-1]:.6f} vs {b[-1]:.6f} ({abs(a[-1] - b[-1]) / abs(b[-1]):.2e} rel)"
+    return f"identical over {len(a)} steps (last {a[-1]!r})"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="gpt,dqn_cnn")
+    p.add_argument("--policies", default="bf16,fp32")
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--small", action="store_true")
+    args = p.parse_args()
+    makers = {"gpt": lambda: gpt_spec(args.small), "tiny_mlp": tiny_spec, "dqn_cnn": dqn_spec}
+    for model in args.models.split(","):
+        spec = makers[model]()
+        graphs = step_graphs(spec, False, args.policies.split(","))
+        for policy, graph in graphs.items():
+            runs = {"sync A": Trainer(graph, "cuda", pipeline=False), "sync B": Trainer(graph, "cuda", pipeline=False),
+                    "pipelined": Trainer(graph, "cuda")}
+            got = {}
+            for name, trainer in runs.items():
+                got[name] = losses(trainer, spec, args.steps)
+                del trainer
+            runs.clear()
+            print(f"{model} {policy}: sync A vs sync B: {first_difference(got['sync A'], got['sync B'])}")
+            print(f"{model} {policy}: pipelined vs sync A: {first_difference(got['pipelined'], got['sync A'])}")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
