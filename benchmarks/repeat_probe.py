@@ -5,7 +5,8 @@ run side by side, then a pipelined one: the losses of every step compared bit fo
 pipelined bf16 trainer (1.21921 against 1.22052 in ``gpu_step_session21.log``), although the
 pipelined path gives ``step``'s bits on the tiny MLP (``tests/test_step_many.py``). This probe
 says whether two *synchronous* trainers already differ (run-to-run nondeterminism in the
-kernels: atomics, cuBLAS/cuDNN algorithm choice per session) or only the pipelined one does.
+kernels: atomics, cuBLAS/cuDNN algorithm choice per session) or only the pipelined one does,
+and whether ``Trainer(deterministic=True)`` (ORT's ``use_deterministic_compute``) removes it.
 
     python3 benchmarks/repeat_probe.py --models gpt,dqn_cnn --policies bf16,fp32 --steps 50
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -52,15 +54,21 @@ def main() -> None:
         spec = makers[model]()
         graphs = step_graphs(spec, False, args.policies.split(","))
         for policy, graph in graphs.items():
-            runs = {"sync A": Trainer(graph, "cuda", pipeline=False), "sync B": Trainer(graph, "cuda", pipeline=False),
-                    "pipelined": Trainer(graph, "cuda")}
-            got = {}
-            for name, trainer in runs.items():
+            kinds = {"sync A": {"pipeline": False}, "sync B": {"pipeline": False}, "pipelined": {"pipeline": True},
+                     "deterministic A": {"pipeline": False, "deterministic": True},
+                     "deterministic B": {"pipeline": False, "deterministic": True}}
+            got, seconds = {}, {}
+            for name, kw in kinds.items():
+                trainer = Trainer(graph, "cuda", **kw)
+                start = time.perf_counter()
                 got[name] = losses(trainer, spec, args.steps)
+                seconds[name] = time.perf_counter() - start
                 del trainer
-            runs.clear()
-            print(f"{model} {policy}: sync A vs sync B: {first_difference(got['sync A'], got['sync B'])}")
-            print(f"{model} {policy}: pipelined vs sync A: {first_difference(got['pipelined'], got['sync A'])}")
+            for a, b in [("sync A", "sync B"), ("pipelined", "sync A"), ("deterministic A", "deterministic B"),
+                         ("deterministic A", "sync A")]:
+                print(f"{model} {policy}: {a} vs {b}: {first_difference(got[a], got[b])}")
+            print(f"{model} {policy}: seconds for {args.steps} steps (capture included): "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in seconds.items()))
             sys.stdout.flush()
 
 

@@ -453,3 +453,8 @@ def test_cpu_runner_leaves_the_models_initial_weights_alone():
                if v.const_value is not None and not np.array_equal(v.const_value.numpy(), before[n])]
     assert not changed, changed
     assert any(not np.array_equal(runner.state[n], before[n]) for n in runner.state if n in before)
+
+
+def test_deterministic_sets_ort_deterministic_compute(step_path: Path):
+    assert Trainer(step_path, deterministic=True).session.get_session_options().use_deterministic_compute
+    assert not Trainer(step_path).session.get_session_options().use_deterministic_compute

@@ -113,7 +113,7 @@ def provider_options(
 
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
                 cuda_graph: bool = False, custom_ops: str | None = None,
-                mem_pattern: bool | None = None) -> ort.InferenceSession:
+                mem_pattern: bool | None = None, deterministic: bool = False) -> ort.InferenceSession:
     """An ORT session of a step graph on ``provider`` (CUDA falls back to CPU per node only).
 
     Args:
@@ -124,6 +124,8 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         cuda_graph: Turn on CUDA graph capture (CUDA only).
         custom_ops: A custom-op library to register (``mpgraph.kernels.library``).
         mem_pattern: ``SessionOptions.enable_mem_pattern`` (``None``: ORT's default, on).
+        deterministic: ``SessionOptions.use_deterministic_compute``: kernels that give the same
+            bits every run (e.g. cuDNN's deterministic convolution algorithms), where ORT has them.
 
     Raises:
         MpgraphError: ORT cannot load the graph (the first line of its message).
@@ -139,6 +141,7 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         session_options.register_custom_ops_library(custom_ops)
     if mem_pattern is not None:
         session_options.enable_mem_pattern = mem_pattern
+    session_options.use_deterministic_compute = deterministic
     ep_options = dict(options)
     if cuda_graph and provider == "cuda":
         ep_options["enable_cuda_graph"] = "1"

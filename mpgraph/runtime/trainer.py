@@ -75,6 +75,7 @@ __all__ = [
     "StopRequest",
     "NONFINITE_MODES",
     "COLLAPSE_SKIPS",
+    "PIPELINE_MAX_STATE_MIB",
 ]
 
 logger = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ logger = logging.getLogger(__name__)
 _LR = "lr"
 #: ``fit(on_nonfinite=...)``: what a non-finite batch or loss does.
 NONFINITE_MODES = ("stop", "skip", "ignore")
+#: ``Trainer(pipeline=None)`` pipelines only when one state set is at most this size (MiB).
+PIPELINE_MAX_STATE_MIB = 512
 #: Consecutive skipped steps after which the loss scale counts as collapsed (a warning).
 COLLAPSE_SKIPS = 20
 
@@ -222,6 +225,15 @@ class _Launched:
     position: tuple[int, int] | None = None  # fit: the data position before its batch
 
 
+def _pipeline_default(provider: str, pipeline: bool | None, state_mib: float) -> tuple[bool | None, str]:
+    """``Trainer(pipeline=None)`` on CUDA with one state set over ``PIPELINE_MAX_STATE_MIB``:
+    off, and why; anything else is left as asked."""
+    if pipeline is None and provider == "cuda" and state_mib > PIPELINE_MAX_STATE_MIB:
+        return False, (f"the state is {state_mib:.0f} MiB (over {PIPELINE_MAX_STATE_MIB}): a third copy costs "
+                       "more than pipelining saves on a step this size; pipeline=True forces it")
+    return pipeline, ""
+
+
 class _FitReport:
     """What ``fit`` does with each finished step's result, in order: the collapse warning,
     the callback and the progress log."""
@@ -291,7 +303,15 @@ class Trainer:
             launched after it (``fit``'s ``on_nonfinite`` works as without pipelining). The
             results are the same bits as ``step`` one batch at a time. ``None``: on for
             ``cuda`` with CUDA graphs where torch sees the GPU (``pipeline_reason`` says why
-            not); ``False`` saves the third state set.
+            not). ``None`` also leaves it off when one state set is over
+            ``PIPELINE_MAX_STATE_MIB``: there a step takes long enough that the host's time per
+            step hardly counts (the bench GPT, 1.4 GB of state: 13.32 against 13.51 ms a step)
+            and the third set costs real memory (7.3 against 5.4 GiB);
+            ``benchmarks/results/gpu_step_session21_b.log``. ``False`` saves the third set.
+        deterministic: ORT's ``use_deterministic_compute``: the same bits every run where ORT
+            has deterministic kernels. Without it two CUDA runs of the bench GPT in bf16 part
+            from the second step and end 50 steps 1.3e-3 apart
+            (``benchmarks/results/repeat_probe.txt``).
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
             second run on, one planned block for every intermediate, on top of the arena
             regions the first run made, so activations are held about twice. ``None``: off for
@@ -320,6 +340,7 @@ class Trainer:
         kernels: bool | None = None,
         mem_pattern: bool | None = None,
         pipeline: bool | None = None,
+        deterministic: bool = False,
     ) -> None:
         self.model = as_model(model)
         self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
@@ -330,7 +351,10 @@ class Trainer:
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = device_id if provider == "cuda" else 0
         initial = self._prepare_graph(state)
-        self._events, self.pipeline_reason = self._pipeline_events(provider, device_id, pipeline, cuda_graph)
+        pipeline, size_reason = _pipeline_default(provider, pipeline, sum(a.nbytes for a in initial.values()) / 2**20)
+        self._events, reason = self._pipeline_events(provider, device_id, pipeline, cuda_graph)
+        self.pipeline_reason = size_reason or reason
+        self._deterministic = deterministic
         #: Steps of ``fit``/``step_many`` run pipelined (see ``pipeline``).
         self.pipeline = self._events is not None
         # Three state sets when pipelined: a bad step and the one launched after it can both go.
@@ -446,7 +470,8 @@ class Trainer:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,
                                threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library,
-                               mem_pattern=self._mem_pattern if self._mem_pattern is not None else (False if graph else None))
+                               mem_pattern=self._mem_pattern if self._mem_pattern is not None else (False if graph else None),
+                               deterministic=self._deterministic)
 
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
