@@ -42,18 +42,41 @@ def first_difference(a: list[float], b: list[float]) -> str:
     return f"identical over {len(a)} steps (last {a[-1]!r})"
 
 
+def state_diff(graph, spec, label: str, kw: dict, steps: int = 3) -> None:
+    """Two trainers, one batch a step: which state tensors differ after each step."""
+    a, b = Trainer(graph, "cuda", **kw), Trainer(graph, "cuda", **kw)
+    names = [s.name for s in a.data_inputs]
+    data_name = next(n for n in names if n != "label")
+    for i in range(steps):
+        batch = {data_name: spec.inputs[i % len(spec.inputs)], "label": spec.labels[i % len(spec.inputs)]}
+        la, lb = a.step(batch).loss, b.step(batch).loss
+        sa, sb = a.state, b.state
+        diff = [k for k in sa if sa[k].tobytes() != sb[k].tobytes()]
+        print(f"{label} step {i + 1}: loss {'equal' if la == lb else f'{la!r} vs {lb!r}'}; "
+              f"{len(diff)} of {len(sa)} state tensors differ: {', '.join(diff[:8])}")
+    sys.stdout.flush()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="gpt,dqn_cnn")
     p.add_argument("--policies", default="bf16,fp32")
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--small", action="store_true")
+    p.add_argument("--state-diff", action="store_true",
+                   help="which state tensors two trainers leave different, step by step, per configuration")
     args = p.parse_args()
     makers = {"gpt": lambda: gpt_spec(args.small), "tiny_mlp": tiny_spec, "dqn_cnn": dqn_spec}
     for model in args.models.split(","):
         spec = makers[model]()
-        graphs = step_graphs(spec, False, args.policies.split(","))
+        graphs = step_graphs(spec, False, args.policies.split(","), target="cuda")
         for policy, graph in graphs.items():
+            if args.state_diff:
+                for label, kw in [("default", {}), ("kernels=False", {"kernels": False}),
+                                  ("deterministic", {"deterministic": True}),
+                                  ("deterministic+conv DEFAULT", {"deterministic": True, "provider_options": {"cudnn_conv_algo_search": "DEFAULT"}})]:
+                    state_diff(graph, spec, f"{model} {policy} {label}", {"pipeline": False, **kw})
+                continue
             kinds = {"sync A": {"pipeline": False}, "sync B": {"pipeline": False}, "pipelined": {"pipeline": True},
                      "deterministic A": {"pipeline": False, "deterministic": True},
                      "deterministic B": {"pipeline": False, "deterministic": True}}
