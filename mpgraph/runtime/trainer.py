@@ -58,6 +58,7 @@ from mpgraph._ir import meta as md
 from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_model, token_input
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
+from mpgraph.kernels.deterministic import one_hot_scatter
 from mpgraph.runtime import session as ses
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
@@ -308,10 +309,14 @@ class Trainer:
             step hardly counts (the bench GPT, 1.4 GB of state: 13.32 against 13.51 ms a step)
             and the third set costs real memory (7.3 against 5.4 GiB);
             ``benchmarks/results/gpu_step_session21_b.log``. ``False`` saves the third set.
-        deterministic: ORT's ``use_deterministic_compute``: the same bits every run where ORT
-            has deterministic kernels. Without it two CUDA runs of the bench GPT in bf16 part
-            from the second step and end 50 steps 1.3e-3 apart
-            (``benchmarks/results/repeat_probe.txt``).
+        deterministic: Give the same bits every run on CUDA: ORT's
+            ``use_deterministic_compute`` (its reductions then add without atomics), cuDNN's
+            heuristic algorithm choice instead of a timed search (``cudnn_conv_algo_search``,
+            unless ``provider_options`` sets it), and the embedding gradient's scatter-add as a
+            one-hot ``Gemm`` (``mpgraph.kernels.deterministic``). Needs strict float32
+            matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
+            gradients, the token embedding) and the DQN's (cuDNN's algorithm per session):
+            ``benchmarks/results/repeat_probe_state_diff.txt``.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
             second run on, one planned block for every intermediate, on top of the arena
             regions the first run made, so activations are held about twice. ``None``: off for
@@ -354,15 +359,20 @@ class Trainer:
         pipeline, size_reason = _pipeline_default(provider, pipeline, sum(a.nbytes for a in initial.values()) / 2**20)
         self._events, reason = self._pipeline_events(provider, device_id, pipeline, cuda_graph)
         self.pipeline_reason = size_reason or reason
-        self._deterministic = deterministic
         #: Steps of ``fit``/``step_many`` run pipelined (see ``pipeline``).
         self.pipeline = self._events is not None
         # Three state sets when pipelined: a bad step and the one launched after it can both go.
         self._ring = 3 if self.pipeline else 2
         self._inflight: list[_Launched] = []  # launched steps whose results are not read yet
-        extra = {**(self._events.provider_options() if self._events else {}), **(provider_options or {})}
+        self._deterministic = deterministic
+        extra = {**(self._events.provider_options() if self._events else {}),
+                 **({"cudnn_conv_algo_search": "HEURISTIC"} if deterministic and provider == "cuda" else {}),
+                 **(provider_options or {})}
         self.tf32, self.provider_options = ses.provider_options(
             self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=extra)
+        if deterministic and self.tf32:
+            raise UsageError("deterministic=True needs strict float32 matmuls (tf32=False): the embedding "
+                             "gradient's one-hot Gemm would round its inputs to TF32")
         self._threads = threads
         self._mem_pattern = mem_pattern
         self._kernels_library, self._kernels_scope, self.kernels_reason = _kernels(provider, kernels)
@@ -466,6 +476,10 @@ class Trainer:
         if self._kernels_scope is not None:
             model = model or as_model(data)
             self.kernels_fused = kernels_lib.lower(model, self.provider, self._kernels_scope)
+        if self._deterministic:
+            model = model or as_model(data)
+            #: Scatter-adds the session runs as one-hot Gemms (``deterministic=True``).
+            self.deterministic_rewrites = one_hot_scatter(model)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,

@@ -1,0 +1,104 @@
+"""``Trainer(deterministic=True)``: the embedding gradient's scatter-add as a one-hot Gemm
+(``mpgraph.kernels.deterministic``), equal to the scatter; on CUDA, two runs give the same bits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from mpgraph.kernels.deterministic import one_hot_scatter
+from mpgraph.runtime.trainer import Trainer
+from mpgraph.training import build_training_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "models/onnx/gpt.loss.onnx"
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+def _scatter_model(zeros: bool, reduction: str = "add", index_width: int = 1) -> onnx.ModelProto:
+    """ScatterND of updates [2, 5, 3] at indices [2, 5, width] into a [7, 3] tensor."""
+    nodes = []
+    inputs = [helper.make_tensor_value_info("idx", TensorProto.INT64, [2, 5, index_width]),
+              helper.make_tensor_value_info("upd", TensorProto.FLOAT, [2, 5, 3])]
+    if zeros:
+        shape = helper.make_tensor("shape", TensorProto.INT64, [2], [7, 3])
+        nodes.append(helper.make_node("ConstantOfShape", ["shape"], ["data"],
+                                      value=helper.make_tensor("v", TensorProto.FLOAT, [1], [0.0])))
+        inits = [shape]
+    else:
+        inputs.append(helper.make_tensor_value_info("data", TensorProto.FLOAT, [7, 3]))
+        inits = []
+    nodes.append(helper.make_node("ScatterND", ["data", "idx", "upd"], ["out"], name="grad/emb/ScatterND",
+                                  reduction=reduction))
+    graph = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("out", TensorProto.FLOAT, [7, 3])],
+                              initializer=inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9)
+
+
+def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> np.ndarray:
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+@pytest.mark.parametrize("zeros", [True, False])
+def test_one_hot_gemm_equals_the_scatter_add(zeros: bool):
+    rng = np.random.default_rng(0)
+    feeds = {"idx": rng.integers(-7, 7, (2, 5, 1)).astype(np.int64),  # repeats and negative indices
+             "upd": rng.integers(-8, 8, (2, 5, 3)).astype(np.float32)}  # small integers: sums exact in any order
+    if not zeros:
+        feeds["data"] = rng.integers(-8, 8, (7, 3)).astype(np.float32)
+    proto = _scatter_model(zeros)
+    model = ir.from_proto(proto)
+    assert one_hot_scatter(model) == 1
+    rewritten = ir.to_proto(model)
+    ops = [n.op_type for n in rewritten.graph.node]
+    assert "ScatterND" not in ops and "OneHot" in ops and "Gemm" in ops and ("Add" in ops) != zeros
+    np.testing.assert_array_equal(_run(rewritten, feeds), _run(proto, feeds))
+
+
+@pytest.mark.parametrize("reduction, width", [("none", 1), ("add", 2)])
+def test_other_scatters_are_left_alone(reduction: str, width: int):
+    model = ir.from_proto(_scatter_model(True, reduction, width))
+    assert one_hot_scatter(model) == 0
+    assert [n.op_type for n in model.graph] == ["ConstantOfShape", "ScatterND"]
+
+
+def test_deterministic_trainer_trains_the_zoo_gpt_as_before():
+    """The zoo GPT's step graph has an embedding gradient; with the one-hot form its losses over
+    six steps stay within float32 rounding of the plain trainer's (the sums' order differs)."""
+    step = build_training_graph(GPT, optimizer="adamw")
+    assert one_hot_scatter(ir.from_proto(ir.to_proto(step))) >= 1
+    plain, det = Trainer(step, threads=1), Trainer(step, threads=1, deterministic=True)
+    spec = {s.name: s for s in plain.data_inputs}
+    rng = np.random.default_rng(1)
+    batches = []
+    for _ in range(6):
+        batch = {}
+        for name, s in spec.items():
+            shape = [d if isinstance(d, int) else 4 for d in s.shape]
+            batch[name] = rng.integers(0, 16, shape).astype(s.dtype)
+        batches.append(batch)
+    a = [plain.step(b, 1e-2).loss for b in batches]
+    b = [det.step(b, 1e-2).loss for b in batches]
+    np.testing.assert_allclose(b, a, rtol=1e-5)
+    assert det.session.get_session_options().use_deterministic_compute and det.deterministic_rewrites >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDAExecutionProvider")
+def test_two_deterministic_cuda_runs_are_the_same_bits():
+    step = build_training_graph(GPT, optimizer="adamw", target="cuda")
+    runs = [Trainer(step, "cuda", deterministic=True, pipeline=False) for _ in range(2)]
+    rng = np.random.default_rng(2)
+    spec = runs[0].data_inputs
+    batches = [{s.name: rng.integers(0, 16, [d if isinstance(d, int) else 8 for d in s.shape]).astype(s.dtype)
+                for s in spec} for _ in range(20)]
+    losses = [[t.step(b).loss for b in batches] for t in runs]
+    assert losses[0] == losses[1]
+    s0, s1 = runs[0].state, runs[1].state
+    assert all(s0[k].tobytes() == s1[k].tobytes() for k in s0)
