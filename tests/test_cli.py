@@ -223,6 +223,16 @@ def test_train_kernels_flag_runs_the_fused_kernels_and_says_so(gpt_step: Path):
     assert loss[0] == loss[1] == loss[2]
 
 
+def test_train_deterministic_flag_gives_the_same_loss(gpt_step: Path):
+    """--deterministic (the embedding gradient as a one-hot Gemm, ORT's deterministic compute):
+    the zoo GPT trains to the printed digits of the plain run, twice alike."""
+    runs = [mpgraph("train", str(gpt_step), "--data", "sequence", "--steps", "10", "-q", *flag, "--no-eval")
+            for flag in (["--deterministic"], ["--deterministic"], [])]
+    assert all(r.returncode == 0 for r in runs), "".join(r.stderr for r in runs)
+    loss = [r.stdout.split("loss ")[1].split(",")[0] for r in runs]
+    assert loss[0] == loss[1] == loss[2]
+
+
 def test_train_provider_option_must_be_key_value(tmp_path):
     step = tmp_path / "step.onnx"
     build = mpgraph("train-graph", str(ZOO / "tiny_mlp.loss.onnx"), "-o", str(step))

@@ -200,6 +200,7 @@ def train(
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
     kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run all of mpgraph's fused kernels (mpgraph.kernels; built with nvcc / a C++ compiler on first use); --no-kernels: none. Default: all on cuda where they build; on cpu the ones that pay there (ORT's NCHWc convolutions, AdamW, the Relu backward).")] = None,
     pipeline: Annotated[bool, typer.Option("--pipeline/--no-pipeline", help="cuda: launch step k+1 before reading step k's loss, so the host never waits for the GPU every step (on by default with CUDA graphs; the same results; --no-pipeline saves a third copy of the state).")] = True,
+    deterministic: Annotated[bool, typer.Option("--deterministic", help="cuda: the same bits every run (ORT's deterministic compute, cuDNN's default convolution algorithm, the embedding gradient as a one-hot Gemm; the bench GPT's bf16 step 1.4x slower). Needs strict fp32 matmuls.")] = False,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
@@ -211,7 +212,7 @@ def train(
     _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
     trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
                             provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
-                            kernels=kernels, pipeline=None if pipeline else False)
+                            kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic)
     dataset = trainer.load_data(data, seed=seed)
     if resume is not None:
         trainer.load_checkpoint(resume)
