@@ -233,3 +233,26 @@ def test_pipeline_default_leaves_a_large_state_alone():
     assert _pipeline_default("cuda", None, PIPELINE_MAX_STATE_MIB) == (None, "")
     assert _pipeline_default("cuda", True, big) == (True, "")
     assert _pipeline_default("cpu", None, big) == (None, "")
+
+
+def test_lagged_exception_with_a_bad_step_in_flight_undoes_it(lagged, mlp_step):
+    """The callback of step k raises while step k+1, whose loss is not finite, is in flight:
+    step k+1 is finished and undone, and the trainer is where a plain run of k steps is."""
+    data = _bad_data()
+    data["x"][40, 1] = 0.0  # only the overflow
+    probe = Trainer(mlp_step, "cpu", pipeline=False)
+    probe.fit(data, 12, 1e-2, batch_size=16, seed=1, on_nonfinite="skip")
+    bad = probe.metrics.step[probe.metrics.skipped.index(True)]
+    assert bad > 1
+
+    def fail_before_bad(n: int, result: object) -> None:
+        if n == bad - 1:
+            raise KeyboardInterrupt
+
+    a = Trainer(mlp_step, "cpu")
+    with pytest.raises(KeyboardInterrupt):
+        a.fit(data, 12, 1e-2, batch_size=16, seed=1, callback=fail_before_bad)
+    plain = Trainer(mlp_step, "cpu", pipeline=False)
+    plain.fit(data, bad - 1, 1e-2, batch_size=16, seed=1)
+    assert a.steps == bad - 1 and not a._inflight
+    _same_fit(a, plain)
