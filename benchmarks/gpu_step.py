@@ -28,6 +28,11 @@ device memory, the loss after ``--check-step`` steps against the twin, and a ker
     python3 benchmarks/gpu_step.py --out DIR --cpu-only --small   # a dry run on a laptop
 
 On the GPU machine ORT must be onnxruntime-gpu (``source .ortgpu/stage.sh``).
+
+Neither side's CUDA step gives the same bits twice by default (atomic reductions, cuDNN's
+timed algorithm choice; ``benchmarks/repeat_probe.py``), so the loss after N steps also carries
+run-to-run noise: on the Nature DQN in bf16 two mpgraph runs ended 0.5-1.2% apart. With
+``--deterministic`` both sides run bit-reproducibly (not yet run on a GPU).
 """
 
 from __future__ import annotations
@@ -357,7 +362,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         cg = None if args.cuda_graph else False
         for label, policy, twin in [("mpgraph fp32", "fp32", "torch fp32"), ("mpgraph tf32", "tf32", "torch tf32"),
                                     ("mpgraph bf16", "bf16", "torch amp bf16"), ("mpgraph fp16", "fp16", "torch amp fp16")]:
-            add(label, functools.partial(mpgraph_run, label, graphs[policy], spec, "cuda", twin, cuda_graph=cg))
+            # deterministic needs strict float32 matmuls: the tf32 row stays as it is.
+            det = {"deterministic": True} if args.deterministic and policy != "tf32" else {}
+            add(label, functools.partial(mpgraph_run, label, graphs[policy], spec, "cuda", twin, cuda_graph=cg, **det))
         for label, kw in [("torch fp32", {}), ("torch tf32", {"tf32": True}),
                           ("torch amp bf16", {"amp": torch.bfloat16}),
                           ("torch amp fp16", {"amp": torch.float16, "scaler": True})]:
@@ -481,8 +488,16 @@ def main() -> None:
     p.add_argument("--no-cuda-graph", dest="cuda_graph", action="store_false")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="bit-reproducible runs on both sides (Trainer(deterministic=True) except the tf32 row; "
+                        "torch.use_deterministic_algorithms): the losses then differ by precision and summation "
+                        "order, not by run-to-run noise")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.deterministic:  # before anything starts CUDA: cuBLAS reads it at its first handle
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     import onnxruntime as ort
 
     env = {"torch": torch.__version__, "onnxruntime": ort.__version__, "providers": ort.get_available_providers(),
