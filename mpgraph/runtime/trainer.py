@@ -313,8 +313,8 @@ class Trainer:
             (its reductions then add without atomics), cuDNN's fixed default convolution
             algorithm instead of a timed search (``cudnn_conv_algo_search=DEFAULT``, unless
             ``provider_options`` sets it), and the embedding gradient's scatter-add as a
-            one-hot ``Gemm`` (``mpgraph.kernels.deterministic``). Needs strict float32
-            matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
+            one-hot ``Gemm`` (``mpgraph.kernels.deterministic``; CUDA only: ORT CPU's adds in
+            order). Needs strict float32 matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
             gradients, the token embedding) and the DQN's (cuDNN's algorithm per session,
             ``benchmarks/results/repeat_probe_state_diff.txt``); with it the GPT's state is
             the same bits after every step, at 18.7 against 13.4 ms a bf16 step and 72.8
@@ -382,6 +382,8 @@ class Trainer:
         self._kernels_library, self._kernels_scope, self.kernels_reason = _kernels(provider, kernels)
         #: Nodes the fused kernels replaced in the session's graph (0: kernels off).
         self.kernels_fused = 0
+        #: Scatter-adds the session runs as one-hot Gemms (``deterministic=True`` on CUDA).
+        self.deterministic_rewrites = 0
         self.session = self._new_session(graph=False)
         # CUDA graphs are captured at the first step, from a copy of the graph specialised to
         # that batch's shapes (so no shape arithmetic is left for the CPU provider).
@@ -480,9 +482,8 @@ class Trainer:
         if self._kernels_scope is not None:
             model = model or as_model(data)
             self.kernels_fused = kernels_lib.lower(model, self.provider, self._kernels_scope)
-        if self._deterministic:
+        if self._deterministic and self.provider == "cuda":  # ORT CPU's scatter-add is sequential
             model = model or as_model(data)
-            #: Scatter-adds the session runs as one-hot Gemms (``deterministic=True``).
             self.deterministic_rewrites = one_hot_scatter(model)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
