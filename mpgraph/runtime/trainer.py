@@ -776,9 +776,7 @@ class Trainer:
                 report(result)
                 continue
             after, self._inflight = self._inflight, []
-            for step in after:  # it read the bad step's state: wait for it, then drop it too
-                if step.event is not None:
-                    step.event.synchronize()
+            self._wait(after)  # they read the bad step's state: they go too
             self._advance(-1 - len(after))
             report(self._refuse(f"step {self.steps + 1}: the loss is {result.loss} (the update was undone)", mode))
             for step in after:
@@ -790,11 +788,16 @@ class Trainer:
             result = self._finish(self._inflight[0])
             self._inflight.pop(0)
             if mode != "ignore" and not result.skipped and not math.isfinite(result.loss):
-                for step in self._inflight:
-                    if step.event is not None:
-                        step.event.synchronize()
+                self._wait(self._inflight)
                 self._advance(-1 - len(self._inflight))
                 self._inflight = []
+
+    @staticmethod
+    def _wait(steps: list[_Launched]) -> None:
+        """Wait for launched steps without reading their results."""
+        for step in steps:
+            if step.event is not None:
+                step.event.synchronize()
 
     def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
         source = data.train if isinstance(data, Dataset) else data
@@ -834,6 +837,10 @@ class Trainer:
                afterwards is not a batch ahead of its step count.
             5. ``COLLAPSE_SKIPS`` consecutive skipped steps log a warning once: the loss scale
                has collapsed.
+            6. On a pipelined trainer (``pipeline``) step k+1 is launched before step k's
+               result is read, so ``callback`` sees step k while step k+1 runs. Rules 2-4 hold
+               as without pipelining: a bad step is undone with the step launched after it,
+               which then runs again, and a checkpoint written from the callback holds step k.
 
         Args:
             data: A ``Dataset`` (its train split) or arrays by input name: batched in a seeded
