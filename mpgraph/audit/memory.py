@@ -27,7 +27,9 @@ questions a user asks before renting a GPU:
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
-second set of buffers), plus the first step's arena, plus the pattern block. It is the graph's
+second set of buffers; a pipelined CUDA trainer binds a third, for states of at most
+``PIPELINE_MAX_STATE_MIB``, which is not counted here), plus the first step's arena, plus the
+pattern block. It is the graph's
 own memory, with ORT's arena growing by what is requested (``kSameAsRequested``; the default
 power-of-two growth can hold up to twice the requests). Not modelled: the fixed overhead of a
 CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
