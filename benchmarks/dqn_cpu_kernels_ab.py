@@ -15,7 +15,12 @@ alternating rounds of 10 steps after a warm-up round. Prints each round's ms/ste
 the ratios, and each run's loss after the timed steps against torch's (all runs take the same
 batches in the same order).
 
-    python3 benchmarks/dqn_cpu_kernels_ab.py [--rounds 7] [--no-all]
+    python3 benchmarks/dqn_cpu_kernels_ab.py [--rounds 7] [--no-all] [--dw-form conv]
+
+``--dw-form FORM`` adds a run of the CPU default on a step graph whose weight gradients are all
+built in FORM (``mpgraph.autodiff.rules.pool_conv.weight_grad_form``): on the DQN, ``conv``
+changes only the 3x3/1 layer's (``slices`` by default), whose single Conv the NCHWc lowering
+can then take.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-all", action="store_true", help="leave out the kernels=True run")
+    p.add_argument("--dw-form", choices=["conv", "slices", "im2col"], help="also the default on this weight-gradient form")
     args = p.parse_args()
     torch.set_num_threads(2)
     spec = gs.dqn_spec()
@@ -53,6 +59,12 @@ def main() -> None:
     trainers = {"off": Trainer(graph, "cpu", threads=2, kernels=False), "default": Trainer(graph, "cpu", threads=2)}
     if not args.no_all:
         trainers["all"] = Trainer(graph, "cpu", threads=2, kernels=True)
+    if args.dw_form:
+        from mpgraph.autodiff.rules.pool_conv import weight_grad_form
+
+        with weight_grad_form(args.dw_form):
+            formed = gs.step_graphs(spec, False, ["fp32"])["fp32"]
+        trainers[f"dw {args.dw_form}"] = Trainer(formed, "cpu", threads=2)
     steps: dict[str, Callable[[int], float]] = {k: _mpgraph(t, spec) for k, t in trainers.items()}
     steps["torch"] = gs.torch_run("torch", spec, "cpu").step
     times: dict[str, list[float]] = {k: [] for k in steps}
