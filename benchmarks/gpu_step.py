@@ -379,8 +379,9 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
         # PIPELINE_MAX_STATE_MIB, so its extra row is the pipelined step.
         policy, pipe = ("fp32", False) if spec.small else ("bf16", True)
         label = f"mpgraph {policy} {'pipelined' if pipe else 'sync'}"
+        det = {"deterministic": True} if args.deterministic else {}
         add(label, functools.partial(mpgraph_run, label, graphs[policy], spec, "cuda",
-                                     "torch fp32" if spec.small else "torch amp bf16", cuda_graph=cg, pipeline=pipe))
+                                     "torch fp32" if spec.small else "torch amp bf16", cuda_graph=cg, pipeline=pipe, **det))
     if spec.small or not cuda:
         add("mpgraph fp32 cpu2", functools.partial(mpgraph_run, "mpgraph fp32 cpu2", cpu_graph, spec, "cpu",
                                                    "torch fp32 cpu2", threads=2))
