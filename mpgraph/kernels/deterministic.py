@@ -36,6 +36,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph.kernels.fuse import _hand_over, _initializer
+
 __all__ = ["one_hot_scatter"]
 
 
@@ -60,45 +62,34 @@ def _eligible(node: ir.Node) -> bool:
     return data is not None and dtype == ir.DataType.FLOAT and shape is not None and len(shape) >= 1 and shape[-1] == 1
 
 
-def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     shape=ir.Shape(list(array.shape)), const_value=ir.tensor(array))
-    graph.register_initializer(value)
-    return value
-
-
 def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
     data, indices, updates = node.inputs
     name = node.name or "scatter"
     batch_dims = len(indices.shape) - 1
     nodes = [
-        ir.Node("", "Reshape", [indices, _const(graph, f"{name}/flat_shape", np.array([-1], np.int64))], name=f"{name}/indices"),
+        ir.Node("", "Reshape", [indices, _initializer(graph, f"{name}/flat_shape", np.array([-1], np.int64))], name=f"{name}/indices"),
         ir.Node("", "Flatten", [updates], attributes=[ir.AttrInt64("axis", batch_dims)], name=f"{name}/updates"),
     ]
     flat, rows = (n.outputs[0] for n in nodes)
     dims = list(data.shape) if data.shape is not None else None
     if dims is not None and all(isinstance(d, int) for d in dims):  # a parameter's gradient: static
-        depth = _const(graph, f"{name}/depth", np.array(dims[:1], np.int64))
-        shape = _const(graph, f"{name}/shape", np.array(dims, np.int64))
+        depth = _initializer(graph, f"{name}/depth", np.array(dims[:1], np.int64))
+        shape = _initializer(graph, f"{name}/shape", np.array(dims, np.int64))
     else:
         sizes = [ir.Node("", "Shape", [data], attributes=[ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)], name=f"{name}/depth"),
                  ir.Node("", "Shape", [data], name=f"{name}/shape")]
         nodes += sizes
         depth, shape = (n.outputs[0] for n in sizes)
-    one_hot = ir.Node("", "OneHot", [flat, depth, _const(graph, f"{name}/off_on", np.array([0, 1], np.float32))],
+    one_hot = ir.Node("", "OneHot", [flat, depth, _initializer(graph, f"{name}/off_on", np.array([0, 1], np.float32))],
                       attributes=[ir.AttrInt64("axis", -1)], name=f"{name}/one_hot")
     gemm = ir.Node("", "Gemm", [one_hot.outputs[0], rows], attributes=[ir.AttrInt64("transA", 1)], name=f"{name}/gemm")
     out = ir.Node("", "Reshape", [gemm.outputs[0], shape], name=f"{name}/reshape")
     nodes += [one_hot, gemm, out]
     if not _zeros(data):
         nodes.append(ir.Node("", "Add", [data, out.outputs[0]], name=f"{name}/add"))
-    result = nodes[-1].outputs[0]
     for new in nodes:
         graph.insert_before(node, new)
-    old = node.outputs[0]
-    result.shape, result.type = old.shape, old.type
-    old.replace_all_uses_with(result, replace_graph_outputs=True)
-    result.name, old.name = old.name, None
+    _hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
 
 

@@ -155,6 +155,14 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     return inputs, chain, m_new, v_new  # type: ignore[return-value]
 
 
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register ``array`` as an initializer of ``graph`` named ``name``; return its value."""
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     shape=ir.Shape(list(array.shape)), const_value=ir.tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
 def _hand_over(olds: list[ir.Value] | tuple[ir.Value, ...], news: list[ir.Value] | tuple[ir.Value, ...]) -> None:
     """Give each of ``olds`` (name, type, shape, readers, graph-output slot) to its twin in ``news``."""
     for old, new in zip(olds, news):
@@ -210,9 +218,7 @@ def fuse_adamw(model: ir.Model) -> int:
         inputs, chain, m_new, v_new = found
         if inputs[-1] is None:
             if one is None:
-                one = ir.Value(name="ai.mpgraph/one", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([]),
-                               const_value=ir.tensor(np.array(1.0, np.float32)))
-                graph.register_initializer(one)
+                one = _initializer(graph, "ai.mpgraph/one", np.array(1.0, np.float32))
             inputs[-1] = one
         node = ir.Node(DOMAIN, "AdamWUpdate", inputs, num_outputs=3, name=f"{sub.name}/AdamWUpdate",
                        metadata_props=dict(sub.metadata_props))

@@ -38,7 +38,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant, _hand_over
+from mpgraph.kernels.fuse import _constant, _hand_over, _initializer
 
 __all__ = ["NCHWC_DOMAIN", "block_size", "to_nchwc"]
 
@@ -100,10 +100,7 @@ def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | No
 
 
 def _const(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape([len(values)]),
-                     const_value=ir.tensor(np.array(values, np.int64)))
-    graph.register_initializer(value)
-    return value
+    return _initializer(graph, name, np.array(values, np.int64))
 
 
 def _pad_channels(graph: ir.Graph, name: str, x: ir.Value, w: ir.Value, block: int) -> tuple[list[ir.Node], ir.Value, ir.Value]:
