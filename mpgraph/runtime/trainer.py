@@ -248,7 +248,7 @@ class _FitReport:
 
     def __call__(self, result: StepResult) -> None:
         trainer = self.trainer
-        step = trainer.metrics.step[-1] if trainer.metrics.step else trainer.steps
+        step = trainer.metrics.step[-1]  # the result's own record: appended just before
         self.done += 1
         self.run_skips = self.run_skips + 1 if result.skipped else 0
         if self.run_skips >= COLLAPSE_SKIPS and not self.warned:
@@ -772,7 +772,7 @@ class Trainer:
         while len(self._inflight) > keep:
             result = self._finish(self._inflight[0])
             self._inflight.pop(0)
-            if mode == "ignore" or result.skipped or math.isfinite(result.loss):
+            if not self._undoes(result, mode):
                 report(result)
                 continue
             after, self._inflight = self._inflight, []
@@ -787,10 +787,16 @@ class Trainer:
         while self._inflight:
             result = self._finish(self._inflight[0])
             self._inflight.pop(0)
-            if mode != "ignore" and not result.skipped and not math.isfinite(result.loss):
+            if self._undoes(result, mode):
                 self._wait(self._inflight)
                 self._advance(-1 - len(self._inflight))
                 self._inflight = []
+
+    @staticmethod
+    def _undoes(result: StepResult, mode: str) -> bool:
+        """``fit`` undoes this finished step: its loss is not finite, the graph did not skip it,
+        and ``on_nonfinite`` is not ``ignore``."""
+        return mode != "ignore" and not result.skipped and not math.isfinite(result.loss)
 
     @staticmethod
     def _wait(steps: list[_Launched]) -> None:
