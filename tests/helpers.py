@@ -46,6 +46,21 @@ def mlp_model() -> onnx.ModelProto:
     return make_model(nodes, [vi("x", ["N", 4])], [vi("y", ["N", 3])], [init("w1", w1), init("b1", b1), init("w2", w2)])
 
 
+def random_batches(trainer, count: int, batch: int, *, seed: int = 0, high: int = 2) -> list[dict[str, np.ndarray]]:
+    """``count`` batches for a ``Trainer``'s data inputs, every symbolic dimension ``batch``:
+    floats standard normal, integers (labels, token ids) in ``[0, high)``."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        feeds = {}
+        for spec in trainer.data_inputs:
+            shape = [d if isinstance(d, int) else batch for d in spec.shape]
+            values = rng.standard_normal(shape) if spec.dtype.kind == "f" else rng.integers(0, high, shape)
+            feeds[spec.name] = values.astype(spec.dtype)
+        out.append(feeds)
+    return out
+
+
 def run(model, feeds):
     proto = model if isinstance(model, onnx.ModelProto) else __import__("onnx_ir").to_proto(model)
     options = ort.SessionOptions()

@@ -15,6 +15,7 @@ from onnx import TensorProto, helper
 from mpgraph.kernels.deterministic import one_hot_scatter
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.helpers import random_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "models/onnx/gpt.loss.onnx"
@@ -68,12 +69,6 @@ def test_other_scatters_are_left_alone(reduction: str, width: int):
     assert [n.op_type for n in model.graph] == ["ConstantOfShape", "ScatterND"]
 
 
-def _gpt_batches(trainer: Trainer, count: int, batch: int, seed: int) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(seed)
-    return [{s.name: rng.integers(0, 16, [d if isinstance(d, int) else batch for d in s.shape]).astype(s.dtype)
-             for s in trainer.data_inputs} for _ in range(count)]
-
-
 def test_one_hot_step_graph_trains_the_zoo_gpt_as_before():
     """The zoo GPT's step graph with its embedding gradient as a one-hot Gemm (what a CUDA
     trainer with ``deterministic=True`` runs), on ORT CPU: losses and parameters over six steps
@@ -82,7 +77,7 @@ def test_one_hot_step_graph_trains_the_zoo_gpt_as_before():
     rewritten = ir.from_proto(ir.to_proto(step))
     assert one_hot_scatter(rewritten) >= 1 and not any(n.op_type == "ScatterND" for n in rewritten.graph)
     plain, one_hot = Trainer(step, threads=1, kernels=False), Trainer(rewritten, threads=1, kernels=False)
-    batches = _gpt_batches(plain, 6, 4, 1)
+    batches = random_batches(plain, 6, 4, seed=1, high=16)
     a = [plain.step(b, 1e-2).loss for b in batches]
     b = [one_hot.step(b, 1e-2).loss for b in batches]
     np.testing.assert_allclose(b, a, rtol=1e-5)
@@ -104,7 +99,7 @@ def test_two_deterministic_cuda_runs_are_the_same_bits():
     step = build_training_graph(GPT, optimizer="adamw", target="cuda")
     runs = [Trainer(step, "cuda", deterministic=True, pipeline=False) for _ in range(2)]
     assert runs[0].deterministic_rewrites >= 1
-    batches = _gpt_batches(runs[0], 20, 8, 2)
+    batches = random_batches(runs[0], 20, 8, seed=2, high=16)
     losses = [[t.step(b).loss for b in batches] for t in runs]
     assert losses[0] == losses[1]
     s0, s1 = runs[0].state, runs[1].state

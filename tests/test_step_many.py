@@ -21,22 +21,11 @@ from mpgraph.errors import TrainingError, UsageError
 from mpgraph.policy import load_policy
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.helpers import random_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = ROOT / "models/onnx/tiny_mlp.loss.onnx"
 HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
-
-
-def _batches(trainer: Trainer, count: int, batch: int = 16) -> list[dict[str, np.ndarray]]:
-    rng = np.random.default_rng(0)
-    out = []
-    for _ in range(count):
-        feeds = {}
-        for spec in trainer.data_inputs:
-            shape = [d if isinstance(d, int) else batch for d in spec.shape]
-            feeds[spec.name] = (rng.standard_normal(shape) if spec.dtype.kind == "f" else rng.integers(0, 2, shape)).astype(spec.dtype)
-        out.append(feeds)
-    return out
 
 
 def _same_run(a: Trainer, b: Trainer, results_a: list, results_b: list) -> None:
@@ -95,7 +84,7 @@ def _same_fit(a: Trainer, b: Trainer) -> None:
 
 def test_step_many_is_step_per_batch_on_cpu(mlp_step):
     a, b = Trainer(mlp_step, "cpu"), Trainer(mlp_step, "cpu")
-    batches = _batches(a, 12)
+    batches = random_batches(a, 12, 16)
     _same_run(a, b, a.step_many(batches, lr=1e-2), [b.step(x, lr=1e-2) for x in batches])
     assert a.step_many([]) == []
     assert not a.pipeline and a.pipeline_reason == "pipelining needs the cuda provider with CUDA graphs"
@@ -104,7 +93,7 @@ def test_step_many_is_step_per_batch_on_cpu(mlp_step):
 def test_lagged_step_many_is_step_per_batch(lagged, mlp_step):
     a, b = Trainer(mlp_step, "cpu"), Trainer(mlp_step, "cpu", pipeline=False)
     assert a.pipeline and len(a._sets) == 3 and not b.pipeline and len(b._sets) == 2
-    batches = _batches(a, 12)
+    batches = random_batches(a, 12, 16)
     _same_run(a, b, a.step_many(batches, lr=1e-2), [b.step(x, lr=1e-2) for x in batches])
     assert not a._inflight
 
@@ -191,7 +180,7 @@ def test_pipelined_steps_are_the_same_bits(policy):
         fp16 = dataclasses.replace(fp16, loss_scaling=dataclasses.replace(fp16.loss_scaling, init=2.0**40))
         step = convert(step, fp16, emulate=False, validate=False, calibrate=None)
     piped, plain = Trainer(step, "cuda", pipeline=True), Trainer(step, "cuda", pipeline=False)
-    batches = _batches(plain, 200, batch=64)
+    batches = random_batches(plain, 200, 64)
     results = piped.step_many(batches)
     _same_run(piped, plain, results, [plain.step(x) for x in batches])
     assert piped.cuda_graph
