@@ -15,12 +15,17 @@ alternating rounds of 10 steps after a warm-up round. Prints each round's ms/ste
 the ratios, and each run's loss after the timed steps against torch's (all runs take the same
 batches in the same order).
 
-    python3 benchmarks/dqn_cpu_kernels_ab.py [--rounds 7] [--no-all] [--dw-form conv]
+    python3 benchmarks/dqn_cpu_kernels_ab.py [--rounds 7] [--no-all] [--dw-form conv] [--previous]
 
 ``--dw-form FORM`` adds a run of the CPU default on a step graph whose weight gradients are all
 built in FORM (``mpgraph.autodiff.rules.pool_conv.weight_grad_form``): on the DQN, ``conv``
 changes only the 3x3/1 layer's (``slices`` by default), whose single Conv the NCHWc lowering
 can then take.
+
+``--previous`` adds a run of the CPU default as it was before the library's ``Permute`` (session
+21): transposes on ORT's own ``Transpose`` (``mpgraph.kernels.permute.fast_transposes`` off), the
+strided data gradient on ORT's ``ConvTranspose`` (``to_nchwc(phases=False)``) and the 3x3/1
+weight gradient left as per-tap slices (``nchwc.slices_to_conv`` off).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--no-all", action="store_true", help="leave out the kernels=True run")
     p.add_argument("--dw-form", choices=["conv", "slices", "im2col"], help="also the default on this weight-gradient form")
+    p.add_argument("--previous", action="store_true", help="also the default as it was before Permute (session 21)")
     args = p.parse_args()
     torch.set_num_threads(2)
     spec = gs.dqn_spec()
@@ -65,6 +71,16 @@ def main() -> None:
         with weight_grad_form(args.dw_form):
             formed = gs.step_graphs(spec, False, ["fp32"])["fp32"]
         trainers[f"dw {args.dw_form}"] = Trainer(formed, "cpu", threads=2)
+    if args.previous:
+        from unittest import mock
+
+        import mpgraph.kernels as kernels_pkg
+
+        plain_nchwc = kernels_pkg.to_nchwc
+        with mock.patch("mpgraph.kernels.fast_transposes", lambda model: 0), \
+                mock.patch("mpgraph.kernels.to_nchwc", lambda model, **kw: plain_nchwc(model)), \
+                mock.patch("mpgraph.kernels.nchwc.slices_to_conv", lambda *a: 0):
+            trainers["previous"] = Trainer(graph, "cpu", threads=2)
     steps: dict[str, Callable[[int], float]] = {k: _mpgraph(t, spec) for k, t in trainers.items()}
     steps["torch"] = gs.torch_run("torch", spec, "cpu").step
     times: dict[str, list[float]] = {k: [] for k in steps}
@@ -85,6 +101,8 @@ def main() -> None:
     for k in trainers:
         print(f"mpgraph {k} / torch: {med[k] / med['torch']:.3f}   (of minima {min(times[k]) / min(times['torch']):.3f})")
     print(f"default / off: {med['default'] / med['off']:.3f}")
+    if "previous" in med:
+        print(f"default / previous: {med['default'] / med['previous']:.3f}   (of minima {min(times['default']) / min(times['previous']):.3f})")
     print(f"loss after {count['torch']} steps: " + ", ".join(f"{k} {v:.6g}" for k, v in losses.items()))
     print("relative to torch: " + ", ".join(f"{k} {abs(losses[k] - losses['torch']) / abs(losses['torch']):.2e}" for k in trainers))
 

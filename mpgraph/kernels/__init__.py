@@ -39,6 +39,7 @@ from mpgraph.kernels.gelu import fuse_gelu
 from mpgraph.kernels.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.kernels.nchwc import to_nchwc
+from mpgraph.kernels.permute import fast_transposes
 from mpgraph.kernels.scalars import fuse_adam_scalars
 from mpgraph.kernels.softmax import fuse_softmax_grad
 from mpgraph.kernels.transpose import fold_scales, fold_transposes
@@ -87,7 +88,9 @@ def lower(model: ir.Model, provider: str = "cpu", scope: str = "all") -> int:
     - transposes that feed a matmul fold into it (``fold_transposes``), and so do
       multiplications by a power of two (``fold_scales``);
     - on CPU, convolutions whose weights are not constants run on ORT's NCHWc kernels
-      (``nchwc.to_nchwc``; the library is not needed for this one).
+      (``nchwc.to_nchwc``; the library is not needed for this one), and the float32
+      transposes ORT CPU copies element by element (its NCHWc filter reorders among them) run
+      on ``Permute`` (``permute.fast_transposes``).
     """
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
@@ -103,5 +106,5 @@ def lower(model: ir.Model, provider: str = "cpu", scope: str = "all") -> int:
     if not cpu:  # on CUDA the kernel's expf is ORT's; ORT CPU's Exp is MLAS's own
         fused += fuse_sce_grad(model)
     else:
-        fused += to_nchwc(model)
+        fused += to_nchwc(model, phases=True) + fast_transposes(model)
     return fused + (fold_scales(model, provider) if everything else 0)

@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph.kernels.fuse import _constant, _hand_over, _initializer
+from mpgraph.kernels.slices_dw import slices_to_conv
 
 __all__ = ["NCHWC_DOMAIN", "block_size", "to_nchwc"]
 
@@ -47,6 +48,12 @@ NCHWC_DOMAIN = "com.microsoft.nchwc"
 
 #: Weight-gradient-sized kernels (taps) above which a Conv keeps MLAS's im2col path.
 MAX_KERNEL_TAPS = 144
+
+#: Output elements an image below which a strided ConvTranspose keeps ORT's kernel: the phase
+#: Conv's extra nodes cost more than they save on small maps (2-16 channels of 10-20 pixels a
+#: side, batch 2: 0.05-0.11 ms against ConvTranspose's 0.02-0.05). The DQN's 4x4/2 data
+#: gradient (32 channels of 20x20) gained.
+MIN_PHASE_OUTPUTS = 8192
 
 
 def _filter_order(co: int, ci: int | None, kh: int, kw: int, block: int) -> tuple[list[int], list[int]]:
@@ -133,6 +140,8 @@ def _rewrite(graph: ir.Graph, conv: ir.Node, dims: tuple[int, int | None, int, i
                          name=f"{name}/Transpose"))
     nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/dims", [co, -1, kh, kw])],
                          name=f"{name}/Filter"))
+    for node in nodes[-3:]:  # typed, so that later lowerings (``permute``) see float32 values
+        node.outputs[0].dtype = ir.DataType.FLOAT
     filt = nodes[-1].outputs[0]
     if ci is None or ci >= 8:
         nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderInput", [x], name=f"{name}/ReorderInput"))
@@ -183,6 +192,7 @@ def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[
                                  _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 3]),
                                  _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip")
     swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
+    flip.outputs[0].shape, flip.outputs[0].dtype = ir.Shape([ci, co, kh, kw]), ir.DataType.FLOAT
     swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
     conv = ir.Node("", "Conv", [node.inputs[0], swap.outputs[0], *node.inputs[2:3]], name=name,
                    metadata_props=dict(node.metadata_props),
@@ -191,28 +201,107 @@ def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[
     return [flip, swap, conv], conv
 
 
-def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int) -> ir.Node | None:
-    """A unit-stride 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it
-    equals (``_unit_conv``) when that Conv is one ``to_nchwc`` takes: that Conv, to be moved
-    next; else ``None`` (nothing changed)."""
+def _phase_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
+    """``(ci, co, kernel, strides, taps, pads, in_hw)`` of a strided 2-D ``ConvTranspose`` that
+    ``_phase_conv`` rewrites (no bias, static filter and spatial dims, and a phase Conv that
+    ``to_nchwc`` takes); else ``None``."""
+    if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    x, w = node.inputs
+    dims, xdims = _dims(w, 4), _dims(x, 4)
+    if x is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or xdims is None or None in xdims[2:]:
+        return None
+    if not _plain(node) or any(node.attributes.get(a) is not None for a in ("output_shape", "output_padding")):
+        return None
+    strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
+    ci, co, kh, kw = dims
+    taps = [-(-kh // strides[0]), -(-kw // strides[1])]  # each output phase's kernel: ceil(k / s)
+    if strides == [1, 1] or dil != [1, 1] or (co * strides[0] * strides[1]) % block or taps[0] * taps[1] > max_kernel:
+        return None
+    out_h, out_w = strides[0] * (xdims[2] - 1) + kh - pads[0] - pads[2], strides[1] * (xdims[3] - 1) + kw - pads[1] - pads[3]
+    if co * out_h * out_w < MIN_PHASE_OUTPUTS:
+        return None
+    return ci, co, [kh, kw], strides, taps, pads, xdims[2:]
+
+
+def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
+    """A strided ConvTranspose as one ``Conv`` over its ``s*s`` output phases, interleaved after.
+
+    Output row ``s*p + a`` of the transposed convolution sums ``x[p - m] * W[a + s*m]`` over
+    ``m``: for each phase ``a`` an ordinary convolution of ``x`` (padded ``taps - 1`` a side)
+    with every ``s``-th tap of the filter, flipped. The phases' filters stack as output channels
+    ``(o, a, b)`` of one Conv (the filter rearranged every step: it is a weight), and
+    ``Reshape``/``Transpose``/``Reshape`` interleave them (DepthToSpace's CRD order) before the
+    transposed convolution's pads crop the border."""
+    ci, co, (kh, kw), (sh, sw), (mh, mw), pads, (h, w) = plan
+    typed = []
+    filt = node.inputs[1]
+    nodes: list[ir.Node] = []
+    if mh * sh != kh or mw * sw != kw:  # zero taps up to a whole number of phases
+        nodes.append(ir.Node("", "Pad", [filt, _const(graph, f"{name}/filter_pads", [0, 0, 0, 0, 0, 0, mh * sh - kh, mw * sw - kw])],
+                             name=f"{name}/PadFilter"))
+        filt = nodes[-1].outputs[0]
+    nodes.append(ir.Node("", "Reshape", [filt, _const(graph, f"{name}/phases", [ci, co, mh, sh, mw, sw])], name=f"{name}/Phases"))
+    nodes.append(ir.Node("", "Slice", [nodes[-1].outputs[0], _const(graph, f"{name}/starts", [-1, -1]),
+                                       _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 4]),
+                                       _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip"))
+    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", [1, 3, 5, 0, 2, 4])],
+                         name=f"{name}/Stack"))
+    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/filter", [co * sh * sw, ci, mh, mw])],
+                         name=f"{name}/Filter"))
+    typed += nodes
+    nodes[-1].outputs[0].shape = ir.Shape([co * sh * sw, ci, mh, mw])
+    conv = ir.Node("", "Conv", [node.inputs[0], nodes[-1].outputs[0]], name=name, metadata_props=dict(node.metadata_props),
+                   attributes=[ir.AttrInt64s("pads", [mh - 1, mw - 1, mh - 1, mw - 1]), ir.AttrInt64s("kernel_shape", [mh, mw])])
+    p, q = h + mh - 1, w + mw - 1
+    conv.outputs[0].shape = ir.Shape([node.inputs[0].shape[0], co * sh * sw, p, q])  # type: ignore[index]
+    conv.outputs[0].dtype = ir.DataType.FLOAT
+    nodes.append(conv)
+    nodes.append(ir.Node("", "Reshape", [conv.outputs[0], _const(graph, f"{name}/split", [-1, co, sh, sw, p, q])],
+                         name=f"{name}/Split"))
+    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", [0, 1, 4, 2, 5, 3])],
+                         name=f"{name}/Interleave"))
+    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/rows", [-1, co, sh * p, sw * q])],
+                         name=f"{name}/Rows"))
+    typed += nodes[-3:]
+    out_h, out_w = sh * (h - 1) + kh - pads[0] - pads[2], sw * (w - 1) + kw - pads[1] - pads[3]
+    if (pads[0], pads[1], out_h, out_w) != (0, 0, sh * p, sw * q):
+        nodes.append(ir.Node("", "Slice", [nodes[-1].outputs[0], _const(graph, f"{name}/crop_starts", pads[:2]),
+                                           _const(graph, f"{name}/crop_ends", [pads[0] + out_h, pads[1] + out_w]),
+                                           _const(graph, f"{name}/crop_axes", [2, 3])], name=f"{name}/Crop"))
+    for made in typed:  # typed, so that later lowerings (``permute``) see float32 values
+        made.outputs[0].dtype = ir.DataType.FLOAT
+    return nodes, conv
+
+
+def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int, phases: bool = False) -> ir.Node | None:
+    """A 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it equals
+    (``_unit_conv``; strided ones with ``phases``, ``_phase_conv``) when that Conv is one
+    ``to_nchwc`` takes: that Conv, to be moved next; else ``None`` (nothing changed)."""
     plan = _transpose_plan(node, block, max_kernel)
-    if plan is None:
+    strided = _phase_plan(node, block, max_kernel) if phases and plan is None else None
+    if plan is None and strided is None:
         return None
     name = f"{node.name or f'convt{id(node)}'}/as_conv"
-    nodes, conv = _unit_conv(graph, node, plan, name)
+    nodes, conv = _unit_conv(graph, node, plan, name) if plan is not None else _phase_conv(graph, node, strided, name)
     graph.insert_before(node, nodes)
     _hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
     return conv
 
 
-def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX_KERNEL_TAPS) -> int:
+def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX_KERNEL_TAPS, phases: bool = False) -> int:
     """Rewrite ``model``'s trainable-weight convolutions onto ORT CPU's NCHWc ops, in place.
 
     Args:
         model: A step or inference graph for a CPU session (its main graph is rewritten).
         block: The channel block (default: this machine's, ``block_size()``; 0 rewrites nothing).
         max_kernel: Convolutions with more kernel taps than this keep the plain op.
+        phases: Also rewrite strided ``ConvTranspose`` nodes as one Conv over their output
+            phases (``_phase_conv``). It pays only when its transposes then run on the
+            library's ``Permute`` (``kernels.lower`` runs ``permute.fast_transposes`` after):
+            on ORT's own ``Transpose`` the interleave alone took 2.5 ms on the DQN's
+            ``[32, 32, 2, 2, 10, 10]``.
 
     Returns:
         How many ``Conv`` nodes were rewritten.
@@ -222,8 +311,9 @@ def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX
         return 0
     graph = model.graph
     done = 0
+    slices_to_conv(model, block, max_kernel)  # its Convs are counted as they move, below
     for node in list(graph):
-        node = _as_conv(graph, node, block, max_kernel) or node
+        node = _as_conv(graph, node, block, max_kernel, phases) or node
         dims = _eligible(node, block, max_kernel)
         if dims is not None:
             _rewrite(graph, node, dims, block)

@@ -11,6 +11,7 @@
 // the CUDA provider when compiled with MPG_WITH_CUDA (adamw.cu).
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <functional>
 #include <string>
@@ -697,10 +698,113 @@ OrtStatus* adam_scalars_compute(void* kernel, OrtKernelContext* ctx) {
   });
 }
 
+// -- Permute (CPU only) -----------------------------------------------------------------------
+//
+// Permute(x, perm) -> Transpose(x, perm), where an entry -1 - a (that is ~a) takes input axis a
+// reversed (a Transpose after a Slice that flips that axis): x float32, perm int64 [rank], a
+// constant. ORT CPU's Transpose copies element by element through a multi-index for every
+// permutation that is not a single axis moved over whole rows: 7-12 ns an element on the NCHWc
+// filter reorders (``nchwc.py``), where this loop nest takes about one. Axes that stay adjacent
+// (in the same direction) merge first; then each block of the last two output axes is a 2-D
+// strided gather, spread over the threads.
+
+struct PermutePlan {
+  std::vector<size_t> dims;         // merged output axes (at least two)
+  std::vector<ptrdiff_t> strides;   // their input strides (negative: reversed)
+  size_t start = 0;                 // input offset of output element 0
+  size_t rows = 0, block = 0;       // output blocks (all axes but the last two) and their size
+};
+
+PermutePlan permute_plan(const std::vector<int64_t>& in_dims, const int64_t* perm, size_t rank) {
+  std::vector<ptrdiff_t> in_stride(rank, 1);
+  for (size_t i = rank; i-- > 1;) in_stride[i - 1] = in_stride[i] * static_cast<ptrdiff_t>(in_dims[i]);
+  PermutePlan plan;
+  for (size_t k = 0; k < rank; ++k) {
+    const bool reversed = perm[k] < 0;
+    const size_t axis = static_cast<size_t>(reversed ? -1 - perm[k] : perm[k]), dim = static_cast<size_t>(in_dims[axis]);
+    if (dim == 1) continue;
+    const ptrdiff_t stride = reversed ? -in_stride[axis] : in_stride[axis];
+    if (reversed) plan.start += (dim - 1) * static_cast<size_t>(in_stride[axis]);
+    if (!plan.dims.empty() && plan.strides.back() == stride * static_cast<ptrdiff_t>(dim)) {  // adjacent in both: merge
+      plan.dims.back() *= dim;
+      plan.strides.back() = stride;
+    } else {
+      plan.dims.push_back(dim);
+      plan.strides.push_back(stride);
+    }
+  }
+  while (plan.dims.size() < 2) plan.dims.insert(plan.dims.begin(), 1), plan.strides.insert(plan.strides.begin(), 0);
+  const size_t r = plan.dims.size();
+  plan.block = plan.dims[r - 2] * plan.dims[r - 1];
+  plan.rows = 1;
+  for (size_t k = 0; k + 2 < r; ++k) plan.rows *= plan.dims[k];
+  return plan;
+}
+
+// Output blocks [b0, b1) of the plan: each the last two output axes, a 2-D strided gather (rows
+// copied whole where the last axis is the input's last, forwards).
+void permute_blocks(const PermutePlan& plan, const float* __restrict x, float* __restrict y, size_t b0, size_t b1) {
+  const size_t outer = plan.dims.size() - 2, n1 = plan.dims[outer], n0 = plan.dims[outer + 1];
+  const ptrdiff_t s1 = plan.strides[outer], s0 = plan.strides[outer + 1];
+  std::vector<size_t> index(outer, 0);
+  size_t rest = b0;
+  ptrdiff_t base = static_cast<ptrdiff_t>(plan.start);
+  for (size_t k = outer; k-- > 0;) {
+    index[k] = rest % plan.dims[k];
+    rest /= plan.dims[k];
+    base += static_cast<ptrdiff_t>(index[k]) * plan.strides[k];
+  }
+  for (size_t b = b0; b < b1; ++b) {
+    float* out = y + b * plan.block;
+    for (size_t i = 0; i < n1; ++i, out += n0) {
+      const float* in = x + base + static_cast<ptrdiff_t>(i) * s1;
+      if (s0 == 1) {
+        std::memcpy(out, in, n0 * sizeof(float));
+      } else {
+        for (size_t j = 0; j < n0; ++j) out[j] = in[static_cast<ptrdiff_t>(j) * s0];
+      }
+    }
+    for (size_t k = outer; k-- > 0;) {  // the next block's multi-index and offset
+      base += plan.strides[k];
+      if (++index[k] < plan.dims[k]) break;
+      base -= static_cast<ptrdiff_t>(index[k]) * plan.strides[k];
+      index[k] = 0;
+    }
+  }
+}
+
+OrtStatus* permute_compute(void*, OrtKernelContext* ctx) {
+  Tensor x, perm_t;
+  if (OrtStatus* st = input(ctx, 0, &x)) return st;
+  if (OrtStatus* st = input(ctx, 1, &perm_t)) return st;
+  const size_t rank = x.dims.size();
+  const int64_t* perm = reinterpret_cast<const int64_t*>(perm_t.data);
+  if (x.type != MPG_FLOAT || perm_t.count != rank) return status("Permute: x must be float32 and perm one entry per axis");
+  std::vector<int64_t> out_dims(rank);
+  std::vector<bool> seen(rank, false);
+  for (size_t k = 0; k < rank; ++k) {
+    const int64_t axis = perm[k] < 0 ? -1 - perm[k] : perm[k];
+    if (axis >= static_cast<int64_t>(rank) || seen[static_cast<size_t>(axis)])
+      return status("Permute: perm is not a permutation of x's axes");
+    seen[static_cast<size_t>(axis)] = true;
+    out_dims[k] = x.dims[static_cast<size_t>(axis)];
+  }
+  Tensor y;
+  if (OrtStatus* st = output(ctx, 0, out_dims, &y)) return st;
+  if (x.count == 0) return nullptr;
+  const PermutePlan plan = permute_plan(x.dims, perm, rank);
+  const size_t per = std::max<size_t>(1, kCpuChunk / std::max<size_t>(plan.block, 1));
+  return parallel_for(ctx, (plan.rows + per - 1) / per, [&](size_t b) {
+    permute_blocks(plan, x.data, y.data, b * per, std::min(plan.rows, (b + 1) * per));
+  });
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
 const char* kCuda = "CUDAExecutionProvider";
+
+enum { kCudaOnly = 1, kCpuOnly = 2 };
 
 enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9, MPG_INT64 = 7 };
 
@@ -708,7 +812,7 @@ enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9, MPG_I
 struct OpSpec {
   const char* name;
   int elem;          // nonzero: every input and output has this type (one registration per type)
-  bool cuda_only;
+  int only;          // 0: both providers; kCudaOnly or kCpuOnly
   size_t inputs, outputs;
   int in_types[2];   // the first formal inputs' types are float; these are the last two's
   int out_types[2];  // the same for outputs
@@ -718,27 +822,28 @@ struct OpSpec {
 };
 
 const OpSpec kSpecs[] = {
-    {"AdamWUpdate", 0, false, 11, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adamw_compute},
-    {"LayerNormGrad", 0, false, 5, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_plain},
-    {"LayerNormGradBias", 0, false, 5, 4, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_bias},
-    {"MultiAdamWUpdate", 0, false, 8, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, true, 4, 1, 3, multi_adamw_compute},
-    {"CastToBFloat16", 0, false, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_BFLOAT16, MPG_BFLOAT16}, true, 1, 1, 1, cast_bf16_compute},
-    {"CastToFloat16", 0, false, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT16, MPG_FLOAT16}, true, 1, 1, 1, cast_f16_compute},
-    {"UnscaleGradients", 0, false, 2, 2, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_BOOL, MPG_FLOAT}, true, 1, 0, 1, unscale_compute},
-    {"ErfGelu", MPG_FLOAT, false, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
-    {"ErfGelu", MPG_FLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
-    {"ErfGelu", MPG_BFLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
-    {"ErfGeluGrad", MPG_FLOAT, false, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
-    {"ErfGeluGrad", MPG_FLOAT16, true, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
-    {"ErfGeluGrad", MPG_BFLOAT16, true, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
-    {"SoftmaxGradDot", MPG_FLOAT, false, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
-    {"SoftmaxGradDot", MPG_FLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
-    {"SoftmaxGradDot", MPG_BFLOAT16, true, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
-    {"ReluGrad", MPG_FLOAT, false, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
-    {"ReluGrad", MPG_FLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
-    {"ReluGrad", MPG_BFLOAT16, true, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
-    {"SoftmaxCrossEntropyGrad", 0, false, 3, 1, {MPG_INT64, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, sce_grad_compute},
-    {"AdamScalars", 0, false, 5, 2, {MPG_DOUBLE, MPG_DOUBLE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adam_scalars_compute},
+    {"AdamWUpdate", 0, 0, 11, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adamw_compute},
+    {"LayerNormGrad", 0, 0, 5, 3, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_plain},
+    {"LayerNormGradBias", 0, 0, 5, 4, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, layernorm_grad_bias},
+    {"MultiAdamWUpdate", 0, 0, 8, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, true, 4, 1, 3, multi_adamw_compute},
+    {"CastToBFloat16", 0, 0, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_BFLOAT16, MPG_BFLOAT16}, true, 1, 1, 1, cast_bf16_compute},
+    {"CastToFloat16", 0, 0, 1, 1, {MPG_FLOAT, MPG_FLOAT}, {MPG_FLOAT16, MPG_FLOAT16}, true, 1, 1, 1, cast_f16_compute},
+    {"UnscaleGradients", 0, 0, 2, 2, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_BOOL, MPG_FLOAT}, true, 1, 0, 1, unscale_compute},
+    {"ErfGelu", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGelu", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGelu", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gelu_forward_compute},
+    {"ErfGeluGrad", MPG_FLOAT, 0, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"ErfGeluGrad", MPG_FLOAT16, kCudaOnly, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"ErfGeluGrad", MPG_BFLOAT16, kCudaOnly, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"SoftmaxGradDot", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"SoftmaxGradDot", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"SoftmaxGradDot", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"ReluGrad", MPG_FLOAT, 0, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"ReluGrad", MPG_FLOAT16, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"ReluGrad", MPG_BFLOAT16, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
+    {"SoftmaxCrossEntropyGrad", 0, 0, 3, 1, {MPG_INT64, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, sce_grad_compute},
+    {"Permute", 0, kCpuOnly, 2, 1, {MPG_FLOAT, MPG_INT64}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, permute_compute},
+    {"AdamScalars", 0, 0, 5, 2, {MPG_DOUBLE, MPG_DOUBLE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adam_scalars_compute},
 };
 constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 
@@ -821,9 +926,10 @@ struct Ops {
   size_t count = 0;
   Ops() {
     for (size_t i = 0; i < kOpCount; ++i)
-      if (!kSpecs[i].cuda_only) ops[count++] = make_op(&kSpecs[i], false);
+      if (kSpecs[i].only != kCudaOnly) ops[count++] = make_op(&kSpecs[i], false);
 #ifdef MPG_WITH_CUDA
-    for (size_t i = 0; i < kOpCount; ++i) ops[count++] = make_op(&kSpecs[i], true);
+    for (size_t i = 0; i < kOpCount; ++i)
+      if (kSpecs[i].only != kCpuOnly) ops[count++] = make_op(&kSpecs[i], true);
 #endif
   }
 };
