@@ -69,6 +69,7 @@ PERMUTES = [
     ("a flip folded, channels swapped", [6, 4, 3, 3], [1, 0, 2, 3], [2, 3]),
     ("a flip folded, phases stacked", [4, 8, 2, 2, 2, 2], [1, 3, 5, 0, 2, 4], [2, 4]),
     ("a flip of a negative axis", [3, 4, 5], [2, 1, 0], [-1]),
+    ("a flip between kept axes: no merge across directions", [3, 4, 5], [0, 1, 2], [1]),
 ]
 
 
