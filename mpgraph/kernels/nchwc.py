@@ -29,8 +29,11 @@ padded with zero channels at run time. A ``Conv`` whose weight is a constant ini
 left to ORT's transformer. The weight gradient's kernel is as large as the forward's output
 map; above ``max_kernel`` taps (the DQN's first layer: 20x20) the blocked kernel measured
 slower than MLAS's GEMM, so it keeps the plain op. A unit-stride ``ConvTranspose`` (the data
-gradient of a unit-stride Conv) becomes the Conv it equals, flipped filter, and moves too;
-strided ones stay (see ``_transpose_plan``).
+gradient of a unit-stride Conv) becomes the Conv it equals, flipped filter, and moves too; with
+``phases`` (what ``kernels.lower`` asks for when the library's ``Permute`` runs the transposes)
+a strided one becomes one Conv over its output phases (``_phase_conv``). The per-tap slices
+weight gradient of a small unit-stride layer is rebuilt as one Conv first
+(``slices_dw.slices_to_conv``), which then moves like the others.
 """
 
 from __future__ import annotations
@@ -175,9 +178,7 @@ def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
     strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
     if not _plain(node) or node.attributes.get("output_shape") is not None or node.attributes.get("output_padding") is not None:
         return None
-    # A strided one as one Conv over its s*s output phases interleaved by DepthToSpace computes
-    # the same, but ORT CPU's DepthToSpace took 1.2 ms on the DQN's [32, 128, 10, 10] (its
-    # 4x4/2 data gradient: 2.45 ms in all against ConvTranspose's 2.0), so strided ones stay.
+    # Strided ones: ``_phase_plan``.
     conv_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
     if strides != [1, 1] or co % block or kh * kw > max_kernel or min(conv_pads) < 0:
         return None

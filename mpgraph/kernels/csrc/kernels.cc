@@ -609,8 +609,15 @@ extern "C" int mpg_sce_grad_cuda(const float* log_prob, const int64_t* index, co
                                  size_t classes, bool scale_per_row, void* stream);
 #endif
 
+// The mask is a value multiplied in every lane, as the Mul does: written as a select of the
+// product (x > 0 ? dy * 1 : dy * 0), GCC kept a branch around the multiply (it may not run a
+// multiply the source skips, -ftrapping-math), mispredicted on half of a Relu's inputs: 6 ns
+// an element, 8x the three ORT ops it replaces.
 MPG_CPU_CLONES void relu_grad_cpu(const float* __restrict dy, const float* __restrict x, float* __restrict dx, size_t n) {
-  for (size_t i = 0; i < n; ++i) dx[i] = dy[i] * (x[i] > 0.0f ? 1.0f : 0.0f);
+  for (size_t i = 0; i < n; ++i) {
+    const float mask = static_cast<float>(x[i] > 0.0f);
+    dx[i] = dy[i] * mask;
+  }
 }
 
 OrtStatus* relu_grad_compute(void* kernel, OrtKernelContext* ctx) {
