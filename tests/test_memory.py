@@ -91,3 +91,15 @@ def test_cli_builds_the_step_graph_and_prints_json(tmp_path):
     mpgraph.save_model(mpgraph.convert(mpgraph.load_model(TINY), "bf16"), converted)
     refused = CliRunner().invoke(app, ["audit", str(converted), "--memory"])
     assert refused.exit_code == 2 and "converted forward model" in refused.output
+
+
+def test_a_pipelined_trainer_holds_a_third_state_set():
+    """``state_sets=3`` adds one more copy of every state input (parameters, moments, step
+    counter) to the peak, nothing else; fewer than two sets is refused."""
+    graph = step("adamw", "bf16")
+    two, three = estimate_memory(graph, batch=64), estimate_memory(graph, batch=64, state_sets=3)
+    state = three.role_bytes["master_weights"] + three.role_bytes["optimizer_state"] + three.other_state_bytes
+    assert two.extra_state_set_bytes == 0 and three.extra_state_set_bytes == state > 0
+    assert three.estimated_peak_bytes - two.estimated_peak_bytes == state
+    with pytest.raises(mpgraph.MpgraphError, match="state_sets"):
+        estimate_memory(graph, batch=64, state_sets=1)

@@ -27,9 +27,9 @@ questions a user asks before renting a GPU:
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
-second set of buffers; a pipelined CUDA trainer binds a third, for states of at most
-``PIPELINE_MAX_STATE_MIB``, which is not counted here), plus the first step's arena, plus the
-pattern block. It is the graph's
+second set of buffers), plus a third state set for a pipelined CUDA trainer (``state_sets=3``;
+the Trainer pipelines states of at most ``PIPELINE_MAX_STATE_MIB`` by default), plus the first
+step's arena, plus the pattern block. It is the graph's
 own memory, with ORT's arena growing by what is requested (``kSameAsRequested``; the default
 power-of-two growth can hold up to twice the requests). Not modelled: the fixed overhead of a
 CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
@@ -82,6 +82,8 @@ class MemoryReport:
         data_bytes: Graph inputs that are not state (the batch).
         constant_bytes: Initializers that are not graph inputs.
         output_bytes: Graph outputs (the updated state's second buffers, the loss).
+        extra_state_set_bytes: State sets past the second (a pipelined trainer's third): each
+            as large as the state inputs.
         saved_for_backward_bytes: Forward buffers read by a backward node.
         saved_for_backward_values: How many such buffers.
         transient_peak_bytes: Largest sum of live intermediate buffers.
@@ -90,8 +92,9 @@ class MemoryReport:
             allocated one by one, with the arena's fragmentation (``_arena_bytes``).
         pattern_block_bytes: ORT's memory-pattern block: the same buffers packed at fixed offsets
             as ORT's ``MemPatternPlanner`` does (``_pattern_block``).
-        estimated_peak_bytes: Persistent + outputs + first-step arena + pattern block (ORT's
-            default, ``enable_mem_pattern``; ``peak_without_pattern_bytes`` without it).
+        estimated_peak_bytes: Persistent + outputs + extra state sets + first-step arena +
+            pattern block (ORT's default, ``enable_mem_pattern``; ``peak_without_pattern_bytes``
+            without it).
         unknown_shapes: Intermediate values whose shape could not be inferred (not counted).
         nodes: Nodes walked.
     """
@@ -106,6 +109,7 @@ class MemoryReport:
     data_bytes: int
     constant_bytes: int
     output_bytes: int
+    extra_state_set_bytes: int
     saved_for_backward_bytes: int
     saved_for_backward_values: int
     transient_peak_bytes: int
@@ -235,13 +239,16 @@ def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
     return owner
 
 
-def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None) -> MemoryReport:
+def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None,
+                    state_sets: int = 2) -> MemoryReport:
     """Estimate a training step's memory by role and by liveness.
 
     Args:
         model: A training step graph (``build_training_graph``), float32 or converted.
         batch: Value of every symbolic input dimension not named in ``dims``.
         dims: Symbolic dimension name -> value (e.g. ``{"seq": 512}``).
+        state_sets: Buffer sets the trainer holds the state in: 2 (the inputs and the
+            outputs), 3 for a pipelined CUDA trainer (``Trainer.pipeline``).
 
     Raises:
         MpgraphError: Not a training step graph, or shapes cannot be inferred.
@@ -252,6 +259,8 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
                            "or pass --optimizer to build one")
     if batch < 1:
         raise MpgraphError(f"batch must be >= 1, got {batch}")
+    if state_sets < 2:
+        raise MpgraphError(f"state_sets must be >= 2 (the state inputs and outputs), got {state_sets}")
     sizes = _concrete(ir.to_proto(model), batch, dims or {})
     gradients = [(p, g) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
     params = {p for p, _ in gradients}
@@ -285,6 +294,7 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     buffers, saved, saved_n, unknown = _walk(nodes := ort_order(model), sizes, outputs)
     (peak, peak_node), block, arena = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers)
     persistent = roles["master_weights"] + roles["optimizer_state"] + other_state + data + constants
+    extra_sets = (state_sets - 2) * sum(size(s) for s in state_inputs)
     return MemoryReport(
         policy=props.get(md.MODEL_POLICY),
         dtype=props.get(md.MODEL_DTYPE),
@@ -296,13 +306,14 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         data_bytes=data,
         constant_bytes=constants,
         output_bytes=output_bytes,
+        extra_state_set_bytes=extra_sets,
         saved_for_backward_bytes=saved,
         saved_for_backward_values=saved_n,
         transient_peak_bytes=peak,
         transient_peak_node=peak_node,
         first_step_arena_bytes=arena,
         pattern_block_bytes=block,
-        estimated_peak_bytes=persistent + output_bytes + arena + block,
+        estimated_peak_bytes=persistent + output_bytes + extra_sets + arena + block,
         unknown_shapes=unknown,
         nodes=len(model.graph),
     )

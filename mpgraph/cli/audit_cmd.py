@@ -25,6 +25,7 @@ def audit_command(
     batch: Annotated[int, typer.Option("--batch", help="With --memory: the batch size symbolic dims take.")] = 1,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
     mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
+    pipelined: Annotated[bool, typer.Option("--pipelined", help="With --memory: for a pipelined CUDA trainer, which holds a third state set (mpgraph train's default on CUDA for states up to 512 MiB).")] = False,
 ) -> None:
     """Show which ops run in which precision, the casts inserted, and weight bytes."""
     from mpgraph.audit import audit
@@ -33,7 +34,8 @@ def audit_command(
     if memory:
         from mpgraph.cli.memory_cmd import memory_report
 
-        return memory_report(model, batch=batch, optimizer=optimizer, policy=mem_policy, as_json=as_json)
+        return memory_report(model, batch=batch, optimizer=optimizer, policy=mem_policy, as_json=as_json,
+                             pipelined=pipelined)
     report = audit(load_model(model))
     if as_json:
         sys.stdout.write(report.to_json() + "\n")

@@ -50,14 +50,16 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool) -> None:
-    """Print ``estimate_memory`` for ``model`` (table or JSON)."""
+def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool,
+                  pipelined: bool = False) -> None:
+    """Print ``estimate_memory`` for ``model`` (table or JSON); ``pipelined``: for a pipelined
+    CUDA trainer (three state sets)."""
     from mpgraph.audit.memory import ROLES, estimate_memory
     from mpgraph.errors import UsageError
 
     if batch < 1:
         raise UsageError(f"--batch must be >= 1, got {batch}")
-    report = estimate_memory(step_graph_for(model, optimizer, policy), batch=batch)
+    report = estimate_memory(step_graph_for(model, optimizer, policy), batch=batch, state_sets=3 if pipelined else 2)
     if as_json:
         sys.stdout.write(report.to_json() + "\n")
         return
@@ -78,9 +80,11 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
         ("other state", report.other_state_bytes, "running statistics, loss scale, step counter"),
         ("constants", report.constant_bytes, ""),
         ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
+        *([("third state set", report.extra_state_set_bytes, "a pipelined CUDA trainer's (--pipelined)")]
+          if pipelined else []),
         ("first step's arena", report.first_step_arena_bytes, "step 1's buffers in ORT's arena (kSameAsRequested), with its gaps"),
         ("ORT memory-pattern block", report.pattern_block_bytes, "from step 2, beside step 1's buffers (ORT's default)"),
-        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + first step's arena + pattern block"),
+        ("estimated peak", report.estimated_peak_bytes, "persistent + outputs + extra state sets + first step's arena + pattern block"),
         ("  without the pattern", report.peak_without_pattern_bytes, "SessionOptions.enable_mem_pattern = False"),
     ]
     extra = Table(title=f"one step at batch {batch}")
