@@ -9,7 +9,9 @@ Per model x exporter, four tests:
     lowp:    the emulated bf16 and fp16 step graphs' loss after 5 updates within 1e-2 of fp32's;
     kernels: the CUDA Trainer's kernel lowering (``mpgraph.kernels.lower``; here the library's
              float32 CPU kernels) gives the gradient graph's outputs within 1e-5 of each
-             output's scale (each fused kernel sums in its own order).
+             output's scale (each fused kernel sums in its own order), or within 10x the
+             graph's own float32 noise floor where that is larger (MobileNetV2), with the
+             activation masks a rounding difference flips pinned (``check.kernel_errors``).
 
 The full corpus is ``slow`` (``pytest --runslow``: 101 s on two idle cores; the report script 3.5 min, 14 when other
 jobs share them). CI runs one text encoder, one decoder, one CNN, one ViT and the LSTM, one
@@ -34,6 +36,10 @@ from tests.corpus.models import BUILDERS, build  # noqa: E402
 
 CHECKS = ("grad", "adamw", "lowp", "kernels")
 KERNEL_TOL = 1e-5
+#: The kernels check's error may reach this many times the graph's own float32 noise floor
+#: (``check.kernel_errors``): the lowering changes the summation order in every conv and matmul,
+#: the floor rounds the inputs once.
+FLOOR_MARGIN = 10
 SUBSET = {("bert", "torchscript"), ("llama", "dynamo"), ("resnet", "torchscript"), ("vit", "dynamo"),
           ("lstm", "torchscript")}
 
@@ -97,8 +103,8 @@ def test_corpus(model: str, exporter: str, name: str) -> None:
         _, error, _ = _adamw(model, exporter)
         assert error.ok, error
     elif name == "kernels":
-        made, worst = check.kernel_errors(exported)
-        assert worst <= KERNEL_TOL, (worst, made)
+        made, worst, floor = check.kernel_errors(exported)
+        assert worst <= max(KERNEL_TOL, FLOOR_MARGIN * floor), (worst, floor, made)
     else:
         step, _, losses = _adamw(model, exporter)
         deltas, skipped = check.lowp_deltas(step, exported.case, losses)

@@ -103,3 +103,8 @@ def test_a_pipelined_trainer_holds_a_third_state_set():
     assert three.estimated_peak_bytes - two.estimated_peak_bytes == state
     with pytest.raises(mpgraph.MpgraphError, match="state_sets"):
         estimate_memory(graph, batch=64, state_sets=1)
+    piped = CliRunner().invoke(app, ["audit", TINY, "--memory", "--pipelined", "--json"])
+    assert piped.exit_code == 0, piped.output
+    assert json.loads(piped.output)["extra_state_set_bytes"] > 0
+    table = CliRunner().invoke(app, ["audit", TINY, "--memory", "--pipelined"])
+    assert table.exit_code == 0 and "third state set" in table.output
