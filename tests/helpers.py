@@ -69,6 +69,23 @@ def run(model, feeds):
     return session.run(None, feeds)
 
 
+def run_cpu(model, feeds, *, library: bool = False):
+    """The first output of ``model`` (an ``onnx_ir`` model) in an ORT CPU session with two
+    intra-op threads (the lowerings' parallel paths), with mpgraph's kernel library registered
+    when ``library``."""
+    import onnx_ir
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 2
+    if library:
+        from mpgraph import kernels
+
+        options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(onnx_ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)[0]
+
+
 @dataclasses.dataclass(frozen=True)
 class Ran:
     """What a ``mpgraph`` command left: exit code, stdout, stderr (as ``subprocess.run`` names them)."""

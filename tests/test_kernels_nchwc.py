@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
@@ -17,6 +16,7 @@ from mpgraph import kernels
 from mpgraph.kernels.nchwc import NCHWC_DOMAIN, block_size, to_nchwc
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.helpers import run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 DQN = ROOT / "models/onnx/dqn_cnn.loss.onnx"
@@ -62,11 +62,7 @@ def _conv_model(x_shape: list, w_shape: list, bias: bool, **attrs) -> ir.Model:
 
 
 def _run(model: ir.Model, feeds: dict) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 2
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return run_cpu(model, feeds)
 
 
 CASES = [

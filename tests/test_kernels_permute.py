@@ -11,7 +11,6 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
@@ -21,7 +20,7 @@ from mpgraph.kernels.permute import fast_transposes
 from mpgraph.kernels.slices_dw import slices_to_conv
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
-from tests.helpers import random_batches
+from tests.helpers import random_batches, run_cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 DQN = ROOT / "models/onnx/dqn_cnn.loss.onnx"
@@ -38,12 +37,7 @@ def _model(nodes: list, inputs: list, initializers: list | None = None) -> ir.Mo
 
 
 def _run(model: ir.Model, feeds: dict) -> np.ndarray:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return session.run(None, feeds)[0]
+    return run_cpu(model, feeds, library=True)
 
 
 def _transpose(shape: list, perm: list | None, flip: list | None = None, dtype=TensorProto.FLOAT) -> ir.Model:
