@@ -8,6 +8,7 @@ per step grouped by ``(mpgraph.role, op_type)``, by output dtype, and the top no
 
     python3 benchmarks/profile_step.py --policy bf16 --out DIR          # the H200 GPT
     python3 benchmarks/profile_step.py --policy fp32 --small --provider cpu   # a dry run
+    python3 benchmarks/profile_step.py --model dqn --policy fp32 --provider cpu --threads 2 --steps 20   # the DQN on CPU
 
 Times are ORT's per-node ``kernel_time``, averaged over the profiled steps after a warm-up.
 On CPU that is the node's run time. On CUDA it is only the host side of the launch (the
@@ -36,7 +37,7 @@ import gpu_step  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
 
 
-def profiled_trainer(graph: Any, provider: str, prefix: str) -> Trainer:
+def profiled_trainer(graph: Any, provider: str, prefix: str, threads: int | None = None) -> Trainer:
     """A Trainer whose sessions profile (ORT's SessionOptions patched for this process)."""
     base = ort.SessionOptions
 
@@ -48,7 +49,7 @@ def profiled_trainer(graph: Any, provider: str, prefix: str) -> Trainer:
 
     ort.SessionOptions = Profiling  # type: ignore[misc]
     try:
-        return Trainer(graph, provider, cuda_graph=False)
+        return Trainer(graph, provider, cuda_graph=False, threads=threads)
     finally:
         ort.SessionOptions = base  # type: ignore[misc]
 
@@ -110,19 +111,20 @@ def kernel_names(args: argparse.Namespace) -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    spec = gpu_step.gpt_spec(args.small)
+    spec = gpu_step.dqn_spec() if args.model == "dqn" else gpu_step.gpt_spec(args.small)
     policies = args.policy.split(",")
     graphs = gpu_step.step_graphs(spec, args.flat, policies, target="cuda" if args.provider == "cuda" else None)
+    batches = len(spec.inputs)
     report = {}
     for policy in policies:
         trainer = Trainer(graphs[policy], args.provider, cuda_graph=False)
         data = next(s.name for s in trainer.data_inputs if s.name != "label")
         for i in range(3):
-            trainer.step({data: spec.inputs[i % 4], "label": spec.labels[i % 4]})
+            trainer.step({data: spec.inputs[i % batches], "label": spec.labels[i % batches]})
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(args.steps):
-                trainer.step({data: spec.inputs[i % 4], "label": spec.labels[i % 4]})
+                trainer.step({data: spec.inputs[i % batches], "label": spec.labels[i % batches]})
             torch.cuda.synchronize()
         table: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])
         for event in prof.events():
@@ -146,8 +148,10 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     ap.add_argument("--policy", default="bf16", help="comma-separated: fp32,tf32,bf16,fp16")
     ap.add_argument("--provider", default="cuda")
-    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--model", choices=["gpt", "dqn"], default="gpt", help="gpu_step.py's GPT or Nature DQN (b32)")
+    ap.add_argument("--small", action="store_true", help="the small GPT")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="ORT intra-op threads (default: ORT's; gpu_step.py's CPU rows use 2)")
     ap.add_argument("--top", type=int, default=40)
     ap.add_argument("--flat", action="store_true")
     ap.add_argument("--kernels", action="store_true",
@@ -155,21 +159,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.kernels:
         return kernel_names(args)
-    spec = gpu_step.gpt_spec(args.small)
+    spec = gpu_step.dqn_spec() if args.model == "dqn" else gpu_step.gpt_spec(args.small)
     policies = args.policy.split(",")
     graphs = gpu_step.step_graphs(spec, args.flat, policies, target="cuda" if args.provider == "cuda" else None)
+    batches = len(spec.inputs)
     report = {}
     for policy in policies:
         prefix = os.path.join(args.out, f"ort_profile_{policy}")
-        trainer = profiled_trainer(graphs[policy], args.provider, prefix)
+        trainer = profiled_trainer(graphs[policy], args.provider, prefix, args.threads)
         names = [s.name for s in trainer.data_inputs]
         data = next(n for n in names if n != "label")
-        feed = lambda i, data=data: {data: spec.inputs[i % 4], "label": spec.labels[i % 4]}  # noqa: E731
+        feed = lambda i, data=data: {data: spec.inputs[i % batches], "label": spec.labels[i % batches]}  # noqa: E731
         for i in range(2):  # warm-up: not separable in the profile, so subtracted below
             trainer.step(feed(i))
         path = trainer.session.end_profiling()
         warm = json.load(open(path))
-        trainer = profiled_trainer(graphs[policy], args.provider, prefix)
+        trainer = profiled_trainer(graphs[policy], args.provider, prefix, args.threads)
         for i in range(2 + args.steps):
             trainer.step(feed(i))
         path = trainer.session.end_profiling()
