@@ -239,6 +239,16 @@ def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
     return owner
 
 
+def _check_request(props: Mapping[str, str], batch: int, state_sets: int) -> None:
+    if md.MODEL_GRADIENTS not in props or md.MODEL_STATE_PAIRS not in props:
+        raise MpgraphError("not a training step graph (no mpgraph.gradients metadata): run train-graph first, "
+                           "or pass --optimizer to build one")
+    if batch < 1:
+        raise MpgraphError(f"batch must be >= 1, got {batch}")
+    if state_sets < 2:
+        raise MpgraphError(f"state_sets must be >= 2 (the state inputs and outputs), got {state_sets}")
+
+
 def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None,
                     state_sets: int = 2) -> MemoryReport:
     """Estimate a training step's memory by role and by liveness.
@@ -254,13 +264,7 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         MpgraphError: Not a training step graph, or shapes cannot be inferred.
     """
     props = model.metadata_props
-    if md.MODEL_GRADIENTS not in props or md.MODEL_STATE_PAIRS not in props:
-        raise MpgraphError("not a training step graph (no mpgraph.gradients metadata): run train-graph first, "
-                           "or pass --optimizer to build one")
-    if batch < 1:
-        raise MpgraphError(f"batch must be >= 1, got {batch}")
-    if state_sets < 2:
-        raise MpgraphError(f"state_sets must be >= 2 (the state inputs and outputs), got {state_sets}")
+    _check_request(props, batch, state_sets)
     sizes = _concrete(ir.to_proto(model), batch, dims or {})
     gradients = [(p, g) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
     params = {p for p, _ in gradients}
@@ -269,10 +273,8 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     def size(name: str) -> int:
         return sizes.get(name) or 0
 
-    n_params = 0
-    for value in model.graph.inputs:
-        if value.name in params and value.shape is not None and value.shape.is_static():
-            n_params += int(np.prod(value.shape.numpy(), dtype=np.int64)) if value.shape.rank() else 1
+    n_params = sum((int(np.prod(v.shape.numpy(), dtype=np.int64)) if v.shape.rank() else 1) for v in model.graph.inputs
+                   if v.name in params and v.shape is not None and v.shape.is_static())
     low_copies = 0
     for node in model.graph:
         if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None and node.inputs[0].name in params:
