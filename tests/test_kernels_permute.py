@@ -142,7 +142,7 @@ def test_phase_conv_leaves_alone_small_maps_bias_and_the_default():
     assert to_nchwc(biased, phases=True) == 0
 
 
-def _slices_dw(taps_order: list | None = None, m: int = 16) -> ir.Model:
+def _slices_dw(taps_order: list | None = None, m: int = 16, cols: list | None = None) -> ir.Model:
     """The Conv rule's per-tap slices weight gradient of a 3x3/1 conv (x [N, 16, 9, 9], dy
     [N, m, 7, 7]), written out as ``pool_conv._slices_weight_grad`` writes it."""
     c, kernel = 16, [3, 3]
@@ -150,7 +150,7 @@ def _slices_dw(taps_order: list | None = None, m: int = 16) -> ir.Model:
              helper.make_node("Transpose", ["dy"], ["dyn"], perm=[0, 2, 3, 1]),
              helper.make_node("Reshape", ["dyn", "rows_shape"], ["rows"])]
     inits = [helper.make_tensor("rows_shape", TensorProto.INT64, [2], [-1, m]),
-             helper.make_tensor("cols", TensorProto.INT64, [2], [c, -1]),
+             helper.make_tensor("cols", TensorProto.INT64, [2], cols or [c, -1]),
              helper.make_tensor("axes", TensorProto.INT64, [2], [2, 3]),
              helper.make_tensor("one", TensorProto.INT64, [2], [1, 1]),
              helper.make_tensor("stack", TensorProto.INT64, [3], [9, c, m]),
@@ -188,11 +188,12 @@ def test_slices_weight_gradient_rebuilt_as_one_conv(batch):
 
 
 @needs_nchwc
-def test_slices_left_alone_when_the_taps_are_out_of_order_or_the_conv_would_not_move():
+def test_slices_left_alone_when_the_layout_differs_or_the_conv_would_not_move():
     swapped = [1, 0, 2, 3, 4, 5, 6, 7, 8]  # the Concat's first two parts exchanged: another layout
     assert slices_to_conv(_slices_dw(swapped), block_size(), 144) == 0
     assert slices_to_conv(_slices_dw(m=12), block_size(), 144) == 0  # 12 output channels: off the block
     assert slices_to_conv(_slices_dw(), block_size(), 48) == 0  # 49 taps over max_kernel
+    assert slices_to_conv(_slices_dw(cols=[-1, 49]), block_size(), 144) == 0  # another reshape of the taps
 
 
 @needs_nchwc

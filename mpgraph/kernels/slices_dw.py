@@ -38,12 +38,15 @@ def _perm_of(node: ir.Node | None) -> list[int] | None:
     return list(attr.as_ints()) if attr is not None else None
 
 
-def _tap(part: ir.Value | None, rows: ir.Value) -> tuple[ir.Node, ir.Node, ir.Node, list[int], list[int]] | None:
-    """``(MatMul, Reshape, Slice, starts, ends)`` of one tap's ``MatMul(Reshape(Slice(xt)), rows)``."""
+def _tap(part: ir.Value | None, rows: ir.Value, c: int) -> tuple[ir.Node, ir.Node, ir.Node, list[int], list[int]] | None:
+    """``(MatMul, Reshape, Slice, starts, ends)`` of one tap's
+    ``MatMul(Reshape(Slice(xt), [c, -1]), rows)``."""
     matmul = _producer(part, "MatMul")
     if matmul is None or matmul.inputs[1] is not rows:
         return None
     reshape = _producer(matmul.inputs[0], "Reshape")
+    if reshape is None or _ints(reshape.inputs[1]) != [c, -1]:
+        return None
     piece = _producer(reshape.inputs[0], "Slice") if reshape is not None else None
     if piece is None or len(piece.inputs) < 4:
         return None
@@ -76,8 +79,11 @@ def _match(concat: ir.Node) -> tuple | None:
     dy_rows = _producer(rows.inputs[0], "Transpose") if rows is not None else None
     if shape is None or len(shape) != 4 or dy_rows is None or _perm_of(dy_rows) != [0, 2, 3, 1]:
         return None
-    kernel = shape[2:]
-    taps = [_tap(part, rows.outputs[0]) for part in concat.inputs]  # type: ignore[union-attr]
+    m, c, kernel = shape[0], shape[1], shape[2:]
+    layouts = (_ints(rows.inputs[1]), _ints(stack.inputs[1]))  # type: ignore[union-attr]
+    if layouts != ([-1, m], [kernel[0] * kernel[1], c, m]):  # the rule's reshapes, not look-alikes
+        return None
+    taps = [_tap(part, rows.outputs[0], c) for part in concat.inputs]  # type: ignore[union-attr]
     if len(taps) != kernel[0] * kernel[1] or any(t is None for t in taps):
         return None
     xt = taps[0][2].inputs[0]  # type: ignore[index]
