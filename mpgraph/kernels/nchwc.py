@@ -301,7 +301,7 @@ def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX
         phases: Also rewrite strided ``ConvTranspose`` nodes as one Conv over their output
             phases (``_phase_conv``). It pays only when its transposes then run on the
             library's ``Permute`` (``kernels.lower`` runs ``permute.fast_transposes`` after):
-            on ORT's own ``Transpose`` the interleave alone took 2.5 ms on the DQN's
+            on ORT's own ``Transpose`` the interleave alone took 2.2-2.5 ms on the DQN's
             ``[32, 32, 2, 2, 10, 10]``.
 
     Returns:
