@@ -241,6 +241,18 @@ def _constant(value: ir.Value | None) -> np.ndarray | None:
     return np.asarray(producer.attributes["value"].as_tensor().numpy())
 
 
+def _perm(node: ir.Node | None) -> list[int] | None:
+    """A ``Transpose``'s permutation: its ``perm``, or the axes reversed (ONNX's default) when
+    the input's rank is known; else ``None``."""
+    if node is None:
+        return None
+    attr = node.attributes.get("perm")
+    if attr is not None:
+        return list(attr.as_ints())
+    x = node.inputs[0] if node.inputs else None
+    return None if x is None or x.shape is None else list(range(len(x.shape)))[::-1]
+
+
 def _consts(value: ir.Value | None) -> list[int] | None:
     array = _constant(value)
     return None if array is None else [int(a) for a in array.reshape(-1)]

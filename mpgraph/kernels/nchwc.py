@@ -165,33 +165,47 @@ def _ints(node: ir.Node, name: str, default: list[int]) -> list[int]:
     return list(attr.as_ints()) if attr is not None else default
 
 
-def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
-    """``(ci, co, kh, kw, pads, dilations)`` of the Conv a unit-stride 2-D ``ConvTranspose``
-    equals (its pads ``d*(k-1) - p`` a side), when ``to_nchwc`` then takes it; else ``None``."""
+def _conv_transpose(node: ir.Node) -> tuple | None:
+    """``(x dims, filter dims, strides, dilations, pads)`` of a plain float32 2-D
+    ``ConvTranspose`` with a static filter and no ``output_shape``/``output_padding`` (what both
+    rewrites below start from); else ``None``."""
     if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) < 2:
         return None
     x, w = node.inputs[0], node.inputs[1]
-    dims = _dims(w, 4)
-    if x is None or w is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or _dims(x, 4) is None:
+    dims, xdims = _dims(w, 4), _dims(x, 4)
+    if x is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or xdims is None:
         return None
-    ci, co, kh, kw = dims  # ConvTranspose's filter is [in, out, kh, kw]
-    strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
-    if not _plain(node) or node.attributes.get("output_shape") is not None or node.attributes.get("output_padding") is not None:
+    if not _plain(node) or any(node.attributes.get(a) is not None for a in ("output_shape", "output_padding")):
         return None
-    # Strided ones: ``_phase_plan``.
+    return xdims, dims, _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
+
+
+def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
+    """``(ci, co, kh, kw, pads, dilations)`` of the Conv a unit-stride 2-D ``ConvTranspose``
+    equals (its pads ``d*(k-1) - p`` a side), when ``to_nchwc`` then takes it; else ``None``
+    (strided ones: ``_phase_plan``)."""
+    geometry = _conv_transpose(node)
+    if geometry is None:
+        return None
+    _, (ci, co, kh, kw), strides, dil, pads = geometry  # ConvTranspose's filter is [in, out, kh, kw]
     conv_pads = [d * (k - 1) - p for d, k, p in zip(dil * 2, [kh, kw] * 2, pads)]
     if strides != [1, 1] or co % block or kh * kw > max_kernel or min(conv_pads) < 0:
         return None
     return ci, co, kh, kw, conv_pads, dil
 
 
+def _flip(graph: ir.Graph, value: ir.Value, axes: list[int], name: str) -> ir.Node:
+    """``Slice`` reversing ``value``'s ``axes`` whole (what ``permute`` folds into a copy)."""
+    return ir.Node("", "Slice", [value, _const(graph, f"{name}/starts", [-1] * len(axes)),
+                                 _const(graph, f"{name}/ends", [-(2**62)] * len(axes)), _const(graph, f"{name}/axes", axes),
+                                 _const(graph, f"{name}/steps", [-1] * len(axes))], name=f"{name}/Flip")
+
+
 def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
     """A unit-stride ConvTranspose as ``Conv(x, W')``: ``W'`` the filter flipped in space with
     its channel axes swapped, padded ``d*(k-1) - p`` a side (``plan``'s pads)."""
     ci, co, kh, kw, pads, dil = plan
-    flip = ir.Node("", "Slice", [node.inputs[1], _const(graph, f"{name}/starts", [-1, -1]),
-                                 _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 3]),
-                                 _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip")
+    flip = _flip(graph, node.inputs[1], [2, 3], name)  # type: ignore[arg-type]
     swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
     flip.outputs[0].shape, flip.outputs[0].dtype = ir.Shape([ci, co, kh, kw]), ir.DataType.FLOAT
     swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
@@ -203,26 +217,20 @@ def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[
 
 
 def _phase_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
-    """``(ci, co, kernel, strides, taps, pads, in_hw)`` of a strided 2-D ``ConvTranspose`` that
-    ``_phase_conv`` rewrites (no bias, static filter and spatial dims, and a phase Conv that
-    ``to_nchwc`` takes); else ``None``."""
-    if node.op_type != "ConvTranspose" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+    """``(ci, co, kernel, strides, taps, pads, in_hw, out_hw)`` of a strided 2-D
+    ``ConvTranspose`` that ``_phase_conv`` rewrites (no bias, static spatial dims, and a phase
+    Conv that ``to_nchwc`` takes); else ``None``."""
+    geometry = _conv_transpose(node) if len(node.inputs) == 2 else None
+    if geometry is None or None in geometry[0][2:]:
         return None
-    x, w = node.inputs
-    dims, xdims = _dims(w, 4), _dims(x, 4)
-    if x is None or dims is None or None in dims or x.dtype != ir.DataType.FLOAT or xdims is None or None in xdims[2:]:
-        return None
-    if not _plain(node) or any(node.attributes.get(a) is not None for a in ("output_shape", "output_padding")):
-        return None
-    strides, dil, pads = _ints(node, "strides", [1, 1]), _ints(node, "dilations", [1, 1]), _ints(node, "pads", [0, 0, 0, 0])
-    ci, co, kh, kw = dims
+    (_, _, h, w), (ci, co, kh, kw), strides, dil, pads = geometry
     taps = [-(-kh // strides[0]), -(-kw // strides[1])]  # each output phase's kernel: ceil(k / s)
     if strides == [1, 1] or dil != [1, 1] or (co * strides[0] * strides[1]) % block or taps[0] * taps[1] > max_kernel:
         return None
-    out_h, out_w = strides[0] * (xdims[2] - 1) + kh - pads[0] - pads[2], strides[1] * (xdims[3] - 1) + kw - pads[1] - pads[3]
-    if co * out_h * out_w < MIN_PHASE_OUTPUTS:
+    out = [strides[0] * (h - 1) + kh - pads[0] - pads[2], strides[1] * (w - 1) + kw - pads[1] - pads[3]]
+    if co * out[0] * out[1] < MIN_PHASE_OUTPUTS:
         return None
-    return ci, co, [kh, kw], strides, taps, pads, xdims[2:]
+    return ci, co, [kh, kw], strides, taps, pads, [h, w], out
 
 
 def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
@@ -234,8 +242,7 @@ def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple
     ``(o, a, b)`` of one Conv (the filter rearranged every step: it is a weight), and
     ``Reshape``/``Transpose``/``Reshape`` interleave them (DepthToSpace's CRD order) before the
     transposed convolution's pads crop the border."""
-    ci, co, (kh, kw), (sh, sw), (mh, mw), pads, (h, w) = plan
-    typed = []
+    ci, co, (kh, kw), (sh, sw), (mh, mw), pads, (h, w), (out_h, out_w) = plan
     filt = node.inputs[1]
     nodes: list[ir.Node] = []
     if mh * sh != kh or mw * sw != kw:  # zero taps up to a whole number of phases
@@ -243,20 +250,16 @@ def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple
                              name=f"{name}/PadFilter"))
         filt = nodes[-1].outputs[0]
     nodes.append(ir.Node("", "Reshape", [filt, _const(graph, f"{name}/phases", [ci, co, mh, sh, mw, sw])], name=f"{name}/Phases"))
-    nodes.append(ir.Node("", "Slice", [nodes[-1].outputs[0], _const(graph, f"{name}/starts", [-1, -1]),
-                                       _const(graph, f"{name}/ends", [-(2**62)] * 2), _const(graph, f"{name}/axes", [2, 4]),
-                                       _const(graph, f"{name}/steps", [-1, -1])], name=f"{name}/Flip"))
+    nodes.append(_flip(graph, nodes[-1].outputs[0], [2, 4], name))
     nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", [1, 3, 5, 0, 2, 4])],
                          name=f"{name}/Stack"))
     nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/filter", [co * sh * sw, ci, mh, mw])],
                          name=f"{name}/Filter"))
-    typed += nodes
     nodes[-1].outputs[0].shape = ir.Shape([co * sh * sw, ci, mh, mw])
     conv = ir.Node("", "Conv", [node.inputs[0], nodes[-1].outputs[0]], name=name, metadata_props=dict(node.metadata_props),
                    attributes=[ir.AttrInt64s("pads", [mh - 1, mw - 1, mh - 1, mw - 1]), ir.AttrInt64s("kernel_shape", [mh, mw])])
     p, q = h + mh - 1, w + mw - 1
     conv.outputs[0].shape = ir.Shape([node.inputs[0].shape[0], co * sh * sw, p, q])  # type: ignore[index]
-    conv.outputs[0].dtype = ir.DataType.FLOAT
     nodes.append(conv)
     nodes.append(ir.Node("", "Reshape", [conv.outputs[0], _const(graph, f"{name}/split", [-1, co, sh, sw, p, q])],
                          name=f"{name}/Split"))
@@ -264,14 +267,12 @@ def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple
                          name=f"{name}/Interleave"))
     nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/rows", [-1, co, sh * p, sw * q])],
                          name=f"{name}/Rows"))
-    typed += nodes[-3:]
-    out_h, out_w = sh * (h - 1) + kh - pads[0] - pads[2], sw * (w - 1) + kw - pads[1] - pads[3]
+    for made in nodes:  # typed, so that later lowerings (``permute``) see float32 values
+        made.outputs[0].dtype = ir.DataType.FLOAT
     if (pads[0], pads[1], out_h, out_w) != (0, 0, sh * p, sw * q):
         nodes.append(ir.Node("", "Slice", [nodes[-1].outputs[0], _const(graph, f"{name}/crop_starts", pads[:2]),
                                            _const(graph, f"{name}/crop_ends", [pads[0] + out_h, pads[1] + out_w]),
                                            _const(graph, f"{name}/crop_axes", [2, 3])], name=f"{name}/Crop"))
-    for made in typed:  # typed, so that later lowerings (``permute``) see float32 values
-        made.outputs[0].dtype = ir.DataType.FLOAT
     return nodes, conv
 
 

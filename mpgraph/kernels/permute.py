@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _hand_over, _initializer
+from mpgraph.kernels.fuse import DOMAIN, _constant, _hand_over, _initializer, _perm
 
 __all__ = ["fast_transposes", "merged_perm"]
 
@@ -52,16 +52,6 @@ def merged_perm(perm: list[int]) -> list[int]:
     order = sorted(range(len(runs)), key=lambda r: runs[r][0])
     rank = {r: i for i, r in enumerate(order)}
     return [rank[r] for r in range(len(runs))]
-
-
-def _perm(node: ir.Node) -> list[int] | None:
-    attr = node.attributes.get("perm")
-    if attr is not None:
-        return list(attr.as_ints())
-    x = node.inputs[0]
-    if x is None or x.shape is None:
-        return None
-    return list(range(len(x.shape)))[::-1]  # ONNX's default: the axes reversed
 
 
 def _flipped(value: ir.Value, rank: int) -> tuple[ir.Value, set[int]] | None:

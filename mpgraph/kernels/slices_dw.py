@@ -23,19 +23,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant, _hand_over, _producer
+from mpgraph.kernels.fuse import _consts, _hand_over, _perm, _producer
 
 __all__ = ["slices_to_conv"]
-
-
-def _ints(value: ir.Value | None) -> list[int] | None:
-    array = _constant(value)
-    return None if array is None else [int(v) for v in array.reshape(-1)]
-
-
-def _perm_of(node: ir.Node | None) -> list[int] | None:
-    attr = node.attributes.get("perm") if node is not None else None
-    return list(attr.as_ints()) if attr is not None else None
 
 
 def _tap(part: ir.Value | None, rows: ir.Value, c: int) -> tuple[ir.Node, ir.Node, ir.Node, list[int], list[int]] | None:
@@ -45,13 +35,13 @@ def _tap(part: ir.Value | None, rows: ir.Value, c: int) -> tuple[ir.Node, ir.Nod
     if matmul is None or matmul.inputs[1] is not rows:
         return None
     reshape = _producer(matmul.inputs[0], "Reshape")
-    if reshape is None or _ints(reshape.inputs[1]) != [c, -1]:
+    if reshape is None or _consts(reshape.inputs[1]) != [c, -1]:
         return None
     piece = _producer(reshape.inputs[0], "Slice") if reshape is not None else None
     if piece is None or len(piece.inputs) < 4:
         return None
-    starts, ends, axes = (_ints(v) for v in piece.inputs[1:4])
-    steps = _ints(piece.inputs[4]) if len(piece.inputs) > 4 else [1, 1]
+    starts, ends, axes = (_consts(v) for v in piece.inputs[1:4])
+    steps = _consts(piece.inputs[4]) if len(piece.inputs) > 4 else [1, 1]
     if starts is None or ends is None or axes != [2, 3] or steps != [1, 1]:
         return None
     return matmul, reshape, piece, starts, ends  # type: ignore[return-value]
@@ -72,15 +62,15 @@ def _match(concat: ir.Node) -> tuple | None:
         return None
     stack = _reader(concat.outputs[0], "Reshape")
     swap = _reader(stack.outputs[0], "Transpose") if stack is not None else None
-    final = _reader(swap.outputs[0], "Reshape") if swap is not None and _perm_of(swap) == [2, 1, 0] else None
-    shape = _ints(final.inputs[1]) if final is not None else None
+    final = _reader(swap.outputs[0], "Reshape") if swap is not None and _perm(swap) == [2, 1, 0] else None
+    shape = _consts(final.inputs[1]) if final is not None else None
     first = _producer(concat.inputs[0], "MatMul")
     rows = _producer(first.inputs[1], "Reshape") if first is not None else None
     dy_rows = _producer(rows.inputs[0], "Transpose") if rows is not None else None
-    if shape is None or len(shape) != 4 or dy_rows is None or _perm_of(dy_rows) != [0, 2, 3, 1]:
+    if shape is None or len(shape) != 4 or dy_rows is None or _perm(dy_rows) != [0, 2, 3, 1]:
         return None
     m, c, kernel = shape[0], shape[1], shape[2:]
-    layouts = (_ints(rows.inputs[1]), _ints(stack.inputs[1]))  # type: ignore[union-attr]
+    layouts = (_consts(rows.inputs[1]), _consts(stack.inputs[1]))  # type: ignore[union-attr]
     if layouts != ([-1, m], [kernel[0] * kernel[1], c, m]):  # the rule's reshapes, not look-alikes
         return None
     taps = [_tap(part, rows.outputs[0], c) for part in concat.inputs]  # type: ignore[union-attr]
@@ -93,7 +83,7 @@ def _match(concat: ir.Node) -> tuple | None:
             return None
     transpose = _producer(xt, "Transpose")
     dy = dy_rows.inputs[0]
-    if transpose is None or _perm_of(transpose) != [1, 0, 2, 3] or dy is None or xt.dtype != ir.DataType.FLOAT:  # type: ignore[union-attr]
+    if transpose is None or _perm(transpose) != [1, 0, 2, 3] or dy is None or xt.dtype != ir.DataType.FLOAT:  # type: ignore[union-attr]
         return None
     # producers before readers, so that _remove_dead, walking back, meets readers first
     nodes = [dy_rows, rows] + [n for t in taps for n in t[2::-1]] + [concat, stack, swap, final]  # type: ignore[index, list-item]
