@@ -10,23 +10,15 @@ after ORT's work, and the pipelined tiny MLP trained a different model from its 
 
 The stream and events come from torch (a dependency of mpgraph for export and reference), so
 that no CUDA runtime binding of our own is needed.
-
-Batches travel the same way (``Uploads``): each array is written to pinned host memory and
-copied to its fixed device buffer on that stream, asynchronously, so the copy is ordered before
-the step that reads it and the host does not wait for it. ``OrtValue.update_inplace`` (the
-synchronous path) copies from pageable memory and returns only when the copy is done.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
-
-import numpy as np
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["StepEvents", "Uploads"]
+__all__ = ["StepEvents"]
 
 
 class StepEvents:
@@ -51,43 +43,3 @@ class StepEvents:
         event = self._torch.cuda.Event()
         event.record(self.stream)
         return event
-
-    def uploads(self, arrays: Mapping[str, np.ndarray], buffers: Mapping[str, Any]) -> Uploads:
-        """Asynchronous uploads into ``buffers`` (name -> device ``OrtValue``), shaped like ``arrays``."""
-        return Uploads(self._torch, self.stream, arrays, buffers)
-
-
-class _DeviceArray:
-    """A device buffer's address as ``__cuda_array_interface__`` (version 2: no stream to wait
-    on), so that torch can alias an ``OrtValue``'s memory without copying it."""
-
-    def __init__(self, address: int, array: np.ndarray) -> None:
-        self.__cuda_array_interface__ = {"shape": array.shape, "typestr": array.dtype.str,
-                                         "data": (address, False), "version": 2}
-
-
-class Uploads:
-    """One state set's batch buffers, each with a pinned host twin: ``copy`` writes a batch to
-    the pinned memory and enqueues its copies to the device on the stream, without waiting.
-
-    The caller guarantees what the ring of state sets already guarantees for the device
-    buffers: the last step that read them, and so the last copy out of the pinned memory, is
-    done before ``copy`` is called for the same set again.
-    """
-
-    def __init__(self, torch: Any, stream: Any, arrays: Mapping[str, np.ndarray], buffers: Mapping[str, Any]) -> None:
-        self._torch, self._stream = torch, stream
-        self._items: list[tuple[str, np.ndarray, Any, Any]] = []
-        for name, buf in buffers.items():
-            array = np.ascontiguousarray(arrays[name])
-            if array.size == 0:
-                continue
-            pinned = torch.from_numpy(array.copy()).pin_memory()
-            device = torch.as_tensor(_DeviceArray(buf.data_ptr(), array), device=stream.device)
-            self._items.append((name, pinned.numpy(), pinned, device))
-
-    def copy(self, batch: Mapping[str, np.ndarray]) -> None:
-        with self._torch.cuda.stream(self._stream):
-            for name, host, pinned, device in self._items:
-                np.copyto(host, batch[name], casting="no")
-                device.copy_(pinned, non_blocking=True)

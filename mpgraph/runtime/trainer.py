@@ -67,7 +67,7 @@ from mpgraph.runtime.checkpoint import (
     write_checkpoint,
 )
 from mpgraph.runtime.metrics import Metrics, StepResult
-from mpgraph.runtime.pipeline import StepEvents, Uploads
+from mpgraph.runtime.pipeline import StepEvents
 
 __all__ = [
     "Trainer",
@@ -210,8 +210,6 @@ class _Replay:
     lr: ort.OrtValue | None
     options: list[tuple[ort.RunOptions, ort.RunOptions]]  # per state set: (synchronised, not)
     runs: int = 0  # steps run through it (each graph is captured in its first runs)
-    # Pipelined: per state set, pinned host twins of ``batch`` copied on the trainer's stream.
-    uploads: list[Uploads] | None = None
 
 
 @dataclass
@@ -370,9 +368,6 @@ class Trainer:
         # Three state sets when pipelined: a bad step and the one launched after it can both go.
         self._ring = 3 if self.pipeline else 2
         self._inflight: list[_Launched] = []  # launched steps whose results are not read yet
-        # Pipelined: batches go through pinned memory, copied asynchronously on the trainer's
-        # stream (``benchmarks/upload_ab.py`` turns it off for its side-by-side run).
-        self._async_upload = True
         self._deterministic = deterministic
         extra = {**(self._events.provider_options() if self._events else {}),
                  **({"cudnn_conv_algo_search": "DEFAULT"} if deterministic and provider == "cuda" else {}),
@@ -642,10 +637,7 @@ class Trainer:
                 o.add_run_config_entry("gpu_graph_id", str(1 + s))
             pair[1].add_run_config_entry("disable_synchronize_execution_providers", "1")
             options.append(pair)
-        uploads = None
-        if self._events is not None and self._async_upload:
-            uploads = [self._events.uploads(batch, set_bufs) for set_bufs in bufs]
-        self._replay = _Replay(session, bindings, bufs, signature, loss, found, lr, options, uploads=uploads)
+        self._replay = _Replay(session, bindings, bufs, signature, loss, found, lr, options)
         self.cuda_graph, self.cuda_graph_reason = True, ""
 
     # -- stepping ------------------------------------------------------------------------
@@ -738,13 +730,9 @@ class Trainer:
     def _launch_replay(self, replay: _Replay, batch: Mapping[str, np.ndarray], slot: int) -> _Launched | None:
         """Run the captured graph that reads state set ``slot`` (``None``: capture failed, and
         CUDA graphs are off from now on)."""
+        for name, buf in replay.batch[slot].items():  # its last reader ran a full ring ago
+            buf.update_inplace(np.ascontiguousarray(batch[name]))
         nosync = self.pipeline and replay.runs >= _SYNC_RUNS_PER_GRAPH * len(replay.bindings)
-        # The set's buffers (and pinned twins): their last reader ran a full ring ago and is done.
-        if nosync and replay.uploads is not None:
-            replay.uploads[slot].copy(batch)
-        else:
-            for name, buf in replay.batch[slot].items():
-                buf.update_inplace(np.ascontiguousarray(batch[name]))
         try:
             replay.session.run_with_iobinding(replay.bindings[slot], replay.options[slot][nosync])
         except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError/Fail types
