@@ -224,8 +224,8 @@ def torch_run(label: str, spec: ModelSpec, device: str, *, amp: torch.dtype | No
     return Run(label, step, device=device)
 
 
-#: Set once a torch CUDA graph is captured: from then on ``torch.cuda.empty_cache()`` is not
-#: called. It freed memory the captured DQN step still used (session 23: an illegal memory
+#: Set once a torch CUDA graph is captured: from then on, for that model, ``torch.cuda.empty_cache()``
+#: is not called. It freed memory the captured DQN step still used (session 23: an illegal memory
 #: access in a probe; in this script's runs of sessions 20-23 the captured DQN's loss@50 read
 #: NaN or 3.5x eager's, while standalone it matches eager within 0.2%).
 _TORCH_GRAPHS: list[Any] = []
@@ -351,6 +351,7 @@ def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
 
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     cuda = not args.cpu_only and torch.cuda.is_available()
+    _TORCH_GRAPHS.clear()  # the last model's graphs went with its runs: empty_cache is safe again
     runs: list[Run] = []
     t0 = time.perf_counter()
     policies = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32"]
