@@ -2,7 +2,8 @@
 
 Deselected, not skipped: ``pytest -rs`` then lists only the skips that depend on the machine
 (on a CPU machine, the tests that need CUDA), and the summary line counts the slow tests as
-"deselected". CI (``.ci/run``) passes ``--runslow``, so it runs every test.
+"deselected". CI (``.ci/run``) passes ``--runslow``, so it runs every test, on two processes
+(``-n 2 --dist worksteal``, pytest-xdist).
 
 Threads: torch (and numpy's BLAS) read ``OMP_NUM_THREADS`` when first imported, which happens
 after this file loads, so it is set here to 1 unless the caller set it. Tests that compare
