@@ -58,7 +58,7 @@ from mpgraph._ir import meta as md
 from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_model, token_input
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
-from mpgraph.kernels.deterministic import one_hot_scatter
+from mpgraph.kernels.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.runtime import session as ses
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
@@ -484,7 +484,7 @@ class Trainer:
             self.kernels_fused = kernels_lib.lower(model, self.provider, self._kernels_scope)
         if self._deterministic and self.provider == "cuda":  # ORT CPU's scatter-add is sequential
             model = model or as_model(data)
-            self.deterministic_rewrites = one_hot_scatter(model)
+            self.deterministic_rewrites = one_hot_scatter(model) + ones_matmul_sums(model)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
         return ses.new_session(data, self.provider, self.provider_options,
