@@ -41,7 +41,10 @@ axes of ``x`` is a vector-matrix product, which cuBLAS computes in a fixed order
     MatMul(ones, flat) [C] -> Reshape to x's trailing dims (-> Unsqueeze if keepdims)
 
 for float32 and bfloat16 (cuBLAS accumulates both in float32; float16 and other reductions
-stay on cuDNN). The terms are the same, times 1, in another order.
+stay on cuDNN). The terms are the same, times 1, in another order. The bench GPT's
+deterministic bf16 step: 14.57 ms and 658 kernels, against 18.84 ms and 774 with cuDNN's sums
+and 13.67 ms for the default (nondeterministic) step
+(``benchmarks/results/gpu_step_session23_deterministic_gpt_sums.log``).
 """
 
 from __future__ import annotations

@@ -312,13 +312,17 @@ class Trainer:
         deterministic: The same bits every run on CUDA: ORT's ``use_deterministic_compute``
             (its reductions then add without atomics), cuDNN's fixed default convolution
             algorithm instead of a timed search (``cudnn_conv_algo_search=DEFAULT``, unless
-            ``provider_options`` sets it), and the embedding gradient's scatter-add as a
-            one-hot ``Gemm`` (``mpgraph.kernels.deterministic``; CUDA only: ORT CPU's adds in
-            order). Needs strict float32 matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
+            ``provider_options`` sets it), the embedding gradient's scatter-add as a
+            one-hot ``Gemm`` and the bias gradients' sums as ``MatMul``s with ones (cuBLAS
+            instead of ORT's deterministic reductions, which run on cuDNN;
+            ``mpgraph.kernels.deterministic``; CUDA only: ORT CPU's adds in order). Needs
+            strict float32 matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
             gradients, the token embedding) and the DQN's (cuDNN's algorithm per session,
             ``benchmarks/results/repeat_probe_state_diff.txt``); with it the GPT's state is
-            the same bits after every step, at 18.7 against 13.4 ms a bf16 step and 72.8
-            against 67.8 fp32 (``repeat_probe_state_diff_deterministic.txt``). The DQN was
+            the same bits after every step (``repeat_probe_state_diff_deterministic.txt``,
+            before the sums moved to cuBLAS; since then ``tests/test_deterministic.py`` on the
+            H200), at 14.6 against 13.7 ms a bf16 step (18.8 with cuDNN's sums) and 69.3
+            against 68.2 fp32 (``gpu_step_session23_deterministic_gpt_sums.log``). The DQN was
             bit-reproducible with the default algorithm (not with the heuristic or timed
             choice); its speed that way is not measured.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
