@@ -319,9 +319,9 @@ class Trainer:
             strict float32 matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
             gradients, the token embedding) and the DQN's (cuDNN's algorithm per session,
             ``benchmarks/results/repeat_probe_state_diff.txt``); with it the GPT's state is
-            the same bits after every step (``repeat_probe_state_diff_deterministic.txt``,
-            before the sums moved to cuBLAS; since then ``tests/test_deterministic.py`` on the
-            H200), at 14.6 against 13.7 ms a bf16 step (18.8 with cuDNN's sums) and 69.3
+            the same bits after every step (``repeat_probe_state_diff_deterministic.txt``;
+            with the sums on cuBLAS ``repeat_probe_state_diff_deterministic_sums.txt``, bf16),
+            at 14.6 against 13.7 ms a bf16 step (18.8 with cuDNN's sums) and 69.3
             against 68.2 fp32 (``gpu_step_session23_deterministic_gpt_sums.log``). The DQN was
             bit-reproducible with the default algorithm (not with the heuristic or timed
             choice); its speed that way is not measured.
