@@ -58,6 +58,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import step_targets  # noqa: E402
 
 import mpgraph  # noqa: E402
 from models.zoo import GPT, NatureDQN, TinyMLP  # noqa: E402
@@ -528,6 +531,7 @@ def main() -> None:
         results["models"].append(run_model(makers[name](), args))
         with open(os.path.join(args.out, "gpu_step.json"), "w") as f:
             json.dump(results, f, indent=1, default=float)
+    print("\n" + step_targets.table(step_targets.verdicts(results)))
 
 
 if __name__ == "__main__":
