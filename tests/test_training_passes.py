@@ -10,6 +10,7 @@ import json
 import logging
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto as T
@@ -137,6 +138,28 @@ def test_load_forward_refuses_control_flow() -> None:
 def test_load_forward_upgrades_and_remembers_the_opset() -> None:
     forward = load_forward(make_model([h.make_node("Relu", ["x"], ["y"])], [vi("x", [2])], [vi("y", [2])], opset=13))
     assert forward.opset == 13 and forward.model.graph.opset_imports[""] == 18 and forward.inputs_mark_params
+
+
+def _scaled_linear(opset: int, weight_as_input: bool) -> onnx.ModelProto:
+    """y = (x @ w) * half + b with ``half`` a 0-d float initializer (a constant, as older
+    exporters write 0.5 or a LayerNorm epsilon), ``b`` a [3] initializer; with
+    ``weight_as_input`` ``w`` is also a graph input (an explicit parameter)."""
+    nodes = [h.make_node("MatMul", ["x", "w"], ["t"]), h.make_node("Mul", ["t", "half"], ["u"]),
+             h.make_node("Add", ["u", "b"], ["y"])]
+    inputs = [vi("x", [2, 4])] + ([vi("w", [4, 3])] if weight_as_input else [])
+    inits = [init("w", np.ones((4, 3), np.float32)), init("half", np.float32(0.5)), init("b", np.zeros(3, np.float32))]
+    return make_model(nodes, inputs, [vi("y", [2, 3])], inits, opset=opset, ir_version=8)
+
+
+@pytest.mark.parametrize("opset", [13, 17, 18])
+def test_an_upgraded_model_trains_the_same_parameters(opset: int) -> None:
+    """Upgrading an opset below 18 lists every initializer as a graph input for the converter;
+    those inputs go again afterwards. Left in, every float initializer looked like an explicit
+    parameter, so a model below opset 18 trained its scalar constants (here ``half``)."""
+    implicit = build_training_graph(_scaled_linear(opset, False), optimizer="sgd", loss="y")
+    assert [v.name for v in implicit.graph.inputs] == ["x", "w", "b", "lr"]
+    explicit = build_training_graph(_scaled_linear(opset, True), optimizer="sgd", loss="y")
+    assert [v.name for v in explicit.graph.inputs] == ["x", "w", "lr"]
 
 
 # -- FoldConstantSubgraphsPass -----------------------------------------------------------
@@ -332,3 +355,29 @@ def test_optimizer_options_from_flags() -> None:
         optimizer_options("adam", nesterov=True)
     with pytest.raises(Exception, match="--amsgrad applies to --optimizer adam and adamw only"):
         optimizer_options("sgd", amsgrad=True)
+
+
+def test_a_torchscript_export_below_opset_18_keeps_its_scalar_buffer_fixed() -> None:
+    """A real export: torch's torchscript exporter at opset 17 writes a registered 0-d buffer
+    as a 0-d initializer. The step trains the Linear's weight and bias, not the buffer."""
+    import io
+
+    import torch
+
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 3)
+            self.register_buffer("scale", torch.tensor(0.5))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * self.scale
+
+    torch.manual_seed(0)
+    f = io.BytesIO()
+    torch.onnx.export(Scaled(), (torch.randn(2, 4),), f, dynamo=False, opset_version=17)
+    proto = onnx.load_from_string(f.getvalue())
+    assert ("scale", []) in [(i.name, list(i.dims)) for i in proto.graph.initializer]
+    step = build_training_graph(proto, optimizer="sgd", loss="mse")
+    trained = {v.name for v in step.graph.inputs} - {"label", "lr", proto.graph.input[0].name}
+    assert trained == {"fc.weight", "fc.bias"}

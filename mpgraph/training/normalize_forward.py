@@ -56,11 +56,15 @@ def load_forward(model: ModelLike) -> ForwardModel:
         _legacy_prelu_slopes(proto)
     if opset < MIN_OPSET:
         proto.ir_version = max(proto.ir_version, 8)
-        _inputs_for_initializers(proto)
+        added = _inputs_for_initializers(proto)
         try:
             proto = onnx.version_converter.convert_version(proto, MIN_OPSET)
         except Exception as e:  # noqa: BLE001 - the converter raises bare RuntimeErrors
             raise UnsupportedModelError(f"cannot upgrade opset {opset} to {MIN_OPSET}: {first_line(e)}") from None
+        # The inputs were the converter's requirement, not the model's: a float graph input
+        # with an initializer marks a parameter (SelectParametersPass), so left in place they
+        # made every constant initializer (a 0.5, a LayerNorm epsilon) a trained parameter.
+        _drop_inputs(proto, added)
     try:
         proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
     except Exception as e:  # noqa: BLE001
@@ -97,14 +101,25 @@ def _legacy_prelu_slopes(proto: onnx.ModelProto) -> None:
                     _set_dims(value.type.tensor_type.shape, new_dims)
 
 
-def _inputs_for_initializers(proto: onnx.ModelProto) -> None:
-    """Old IR versions list initializers as inputs; newer converters reject the mismatch."""
+def _inputs_for_initializers(proto: onnx.ModelProto) -> set[str]:
+    """Old IR versions list initializers as inputs; newer converters reject the mismatch. The
+    names of the inputs added."""
     names = {i.name for i in proto.graph.input}
+    added = set()
     for init in proto.graph.initializer:
         if init.name not in names:
             value = proto.graph.input.add(name=init.name)
             value.type.tensor_type.elem_type = init.data_type
             _set_dims(value.type.tensor_type.shape, list(init.dims))
+            added.add(init.name)
+    return added
+
+
+def _drop_inputs(proto: onnx.ModelProto, names: set[str]) -> None:
+    """Remove the graph inputs named ``names`` (their initializers stay)."""
+    kept = [i for i in proto.graph.input if i.name not in names]
+    del proto.graph.input[:]
+    proto.graph.input.extend(kept)
 
 
 def _set_dims(shape: onnx.TensorShapeProto, dims: list[int]) -> None:
