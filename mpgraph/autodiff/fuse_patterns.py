@@ -11,6 +11,10 @@ reach the interior rules through the driver's fan-in.
    the operands of each Mul/Add in either order, ``x / sqrt(2)`` as ``Div`` or as ``Mul`` by
    ``1/sqrt(2)``. Node by node its backward is 10 nodes (5 rules and a fan-in Sum); the
    compact one is 6 (``mpgraph.autodiff.rules.elementwise.erf_gelu_grad``).
+   The torchscript exporter groups it as ``y = (x * (erf(x / sqrt(2)) + 1)) * 0.5``: there the
+   pattern is the inner product ``x * (1 + erf(x / sqrt(2)))`` (``match_erf_gelu_product``),
+   whose derivative is ``(1 + erf(s)) + 2 s exp(-s^2) / sqrt(pi)``; the outer ``* 0.5`` keeps
+   its own one-node rule. 7 nodes instead of 9 (the fan-in Sum for x included).
 2. **Masked softmax input**: ``Where(mask, -inf, s)`` (or ``Where(mask, s, -inf)``) whose
    only forward consumers are ``Softmax`` nodes. Softmax outputs exactly 0 at ``-inf``
    logits and its backward ``y * (dy - sum(dy * y))`` is then exactly 0 there too, so the
@@ -34,7 +38,7 @@ import onnx_ir as ir
 
 from mpgraph._ir.meta import NODE_ROLE, Role
 
-__all__ = ["ErfGelu", "match_erf_gelu", "masked_softmax_input"]
+__all__ = ["ErfGelu", "match_erf_gelu", "match_erf_gelu_product", "masked_softmax_input"]
 
 # Constants written by exporters are float32: compare with a float32-sized tolerance.
 _RTOL = 1e-6
@@ -48,13 +52,17 @@ class ErfGelu:
         x: The GELU input.
         x_slot: Input index of ``x`` on the final Mul (the other slot holds ``cdf``).
         scaled: The forward value ``x / sqrt(2)``.
-        cdf: The forward value ``0.5 * (1 + erf(x / sqrt(2)))``, the normal CDF of ``x``.
+        cdf: The forward value ``0.5 * (1 + erf(x / sqrt(2)))``, the normal CDF of ``x``; for
+            ``match_erf_gelu_product``, ``1 + erf(x / sqrt(2))`` (twice the CDF).
+        tail: The coefficient of ``s * exp(-s^2)`` in the derivative: ``1/sqrt(pi)``, or
+            ``2/sqrt(pi)`` for the product form.
     """
 
     x: ir.Value
     x_slot: int
     scaled: ir.Value
     cdf: ir.Value
+    tail: float = 1.0 / math.sqrt(math.pi)
 
 
 def _const(value: ir.Value | None) -> float | None:
@@ -122,6 +130,23 @@ def match_erf_gelu(node: ir.Node) -> ErfGelu | None:
         if _erf_argument(scaled) is x:
             assert x is not None and cdf is not None
             return ErfGelu(x=x, x_slot=x_slot, scaled=scaled, cdf=cdf)
+    return None
+
+
+def match_erf_gelu_product(node: ir.Node) -> ErfGelu | None:
+    """``x * (1 + erf(x / sqrt(2)))`` ending at ``node`` (a ``Mul``; the torchscript GELU's
+    inner product), or ``None`` when it is not one."""
+    if node.op_type != "Mul" or len(node.inputs) != 2 or None in node.inputs:
+        return None
+    for x_slot in (0, 1):
+        x, one_plus = node.inputs[x_slot], node.inputs[1 - x_slot]
+        add = _producer(one_plus, "Add")
+        erf = _producer(_split_const(add, 1.0), "Erf") if add is not None else None
+        if erf is None or erf.inputs[0] is None:
+            continue
+        if _erf_argument(erf.inputs[0]) is x:
+            assert x is not None and one_plus is not None
+            return ErfGelu(x=x, x_slot=x_slot, scaled=erf.inputs[0], cdf=one_plus, tail=2.0 / math.sqrt(math.pi))
     return None
 
 
