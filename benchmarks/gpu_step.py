@@ -354,7 +354,7 @@ def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
 
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     cuda = not args.cpu_only and torch.cuda.is_available()
-    _TORCH_GRAPHS.clear()  # the last model's graphs went with its runs: empty_cache is safe again
+    _TORCH_GRAPHS.clear()  # the last model's graphs go with this reference and its runs: empty_cache is safe again
     runs: list[Run] = []
     t0 = time.perf_counter()
     policies = ["fp32", "tf32", "bf16", "fp16"] if cuda else ["fp32"]

@@ -25,7 +25,7 @@ def collect(paths: list[str], models: set[str] | None) -> dict[str, dict[str, li
             if models and m["model"] not in models:
                 continue
             for row in m["rows"]:
-                loss = row.get("loss_at_50")
+                loss = next((v for k, v in row.items() if k.startswith("loss_at_")), None)  # --check-step's
                 if loss is None or loss != loss:  # missing or NaN (the cuda-graph row keeps none)
                     continue
                 out[m["model"]][row["config"]].append((path, loss, row.get("rel_loss_diff_to_twin")))

@@ -113,6 +113,13 @@ def _erf_argument(scaled: ir.Value) -> ir.Value | None:
     return None
 
 
+def _erf_of_one_plus(value: ir.Value | None) -> ir.Node | None:
+    """The ``Erf`` node when ``value`` is ``Add(Erf(s), 1)`` (either order), else ``None``."""
+    add = _producer(value, "Add")
+    erf = _producer(_split_const(add, 1.0), "Erf") if add is not None else None
+    return erf if erf is not None and erf.inputs[0] is not None else None
+
+
 def match_erf_gelu(node: ir.Node) -> ErfGelu | None:
     """The erf GELU ending at ``node`` (a ``Mul``), or ``None`` when it is not one."""
     if node.op_type != "Mul" or len(node.inputs) != 2 or None in node.inputs:
@@ -120,11 +127,8 @@ def match_erf_gelu(node: ir.Node) -> ErfGelu | None:
     for x_slot in (0, 1):
         x, cdf = node.inputs[x_slot], node.inputs[1 - x_slot]
         half = _producer(cdf, "Mul")
-        one_plus = _split_const(half, 0.5) if half is not None else None
-        add = _producer(one_plus, "Add")
-        erf_out = _split_const(add, 1.0) if add is not None else None
-        erf = _producer(erf_out, "Erf")
-        if erf is None or erf.inputs[0] is None:
+        erf = _erf_of_one_plus(_split_const(half, 0.5) if half is not None else None)
+        if erf is None:
             continue
         scaled = erf.inputs[0]
         if _erf_argument(scaled) is x:
@@ -140,9 +144,8 @@ def match_erf_gelu_product(node: ir.Node) -> ErfGelu | None:
         return None
     for x_slot in (0, 1):
         x, one_plus = node.inputs[x_slot], node.inputs[1 - x_slot]
-        add = _producer(one_plus, "Add")
-        erf = _producer(_split_const(add, 1.0), "Erf") if add is not None else None
-        if erf is None or erf.inputs[0] is None:
+        erf = _erf_of_one_plus(one_plus)
+        if erf is None:
             continue
         if _erf_argument(erf.inputs[0]) is x:
             assert x is not None and one_plus is not None

@@ -37,7 +37,7 @@ def _tap(part: ir.Value | None, rows: ir.Value, c: int) -> tuple[ir.Node, ir.Nod
     reshape = _producer(matmul.inputs[0], "Reshape")
     if reshape is None or _consts(reshape.inputs[1]) != [c, -1]:
         return None
-    piece = _producer(reshape.inputs[0], "Slice") if reshape is not None else None
+    piece = _producer(reshape.inputs[0], "Slice")
     if piece is None or len(piece.inputs) < 4:
         return None
     starts, ends, axes = (_consts(v) for v in piece.inputs[1:4])
