@@ -69,14 +69,16 @@ def test_other_scatters_are_left_alone(reduction: str, width: int):
     assert [n.op_type for n in model.graph] == ["ConstantOfShape", "ScatterND"]
 
 
-def _sum_model(shape: list, axes: list | None, keepdims: int = 0, dtype: int = TensorProto.FLOAT,
+def _sum_model(shape: list, axes: list | None, keepdims: int | None = 0, dtype: int = TensorProto.FLOAT,
                noop: int | None = None) -> onnx.ModelProto:
-    """One ``ReduceSum`` of x (``shape``; a str is a symbolic dim) over constant ``axes``."""
+    """One ``ReduceSum`` of x (``shape``; a str is a symbolic dim) over constant ``axes``
+    (``keepdims=None``: no attribute, ONNX's default of 1)."""
     inits, names = [], ["x"]
     if axes is not None:
         inits.append(helper.make_tensor("axes", TensorProto.INT64, [len(axes)], axes))
         names.append("axes")
-    attrs = {"keepdims": keepdims} | ({"noop_with_empty_axes": noop} if noop is not None else {})
+    attrs = ({"keepdims": keepdims} if keepdims is not None else {}) | (
+        {"noop_with_empty_axes": noop} if noop is not None else {})
     node = helper.make_node("ReduceSum", names, ["y"], name="grad/fc/bias_sum", **attrs)
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", dtype, shape)],
                               [helper.make_tensor_value_info("y", dtype, None)], initializer=inits)
@@ -90,8 +92,9 @@ def _sum_model(shape: list, axes: list | None, keepdims: int = 0, dtype: int = T
     ([5, 2, 3, 4], [0], 0),        # one axis, several trailing
     ([7], None, 0),                # no axes: a full sum to a scalar (the loss)
     ([3, 4], [0, 1], 1),           # every axis, kept
+    (["B", 4, 6], [0, 1], None),   # no keepdims attribute: ONNX's default keeps the axes
 ])
-def test_ones_matmul_equals_the_leading_sum(shape: list, axes: list | None, keepdims: int):
+def test_ones_matmul_equals_the_leading_sum(shape: list, axes: list | None, keepdims: int | None):
     rng = np.random.default_rng(1)
     concrete = [d if isinstance(d, int) else 2 + i for i, d in enumerate(shape)]
     x = rng.integers(-8, 8, concrete).astype(np.float32)  # small integers: exact in any order
@@ -100,7 +103,7 @@ def test_ones_matmul_equals_the_leading_sum(shape: list, axes: list | None, keep
     assert ones_matmul_sums(model) == 1
     rewritten = ir.to_proto(model)
     ops = [n.op_type for n in rewritten.graph.node]
-    assert "ReduceSum" not in ops and "MatMul" in ops and ("Unsqueeze" in ops) == bool(keepdims)
+    assert "ReduceSum" not in ops and "MatMul" in ops and ("Unsqueeze" in ops) == (keepdims != 0)
     got, want = _run(rewritten, {"x": x}), _run(proto, {"x": x})
     assert got.shape == want.shape
     np.testing.assert_array_equal(got, want)
