@@ -20,7 +20,7 @@ from mpgraph.autodiff import registry
 from mpgraph.check_grad import InputsError, check_grad
 from mpgraph.check_grad.float64 import to_float64
 from mpgraph.cli.main import app
-from mpgraph.runtime.check_session import CheckSession
+from mpgraph.runtime.check_runs import CheckSession
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
 

@@ -17,7 +17,7 @@ import pytest
 import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError
-from mpgraph.runtime import session as ses
+from mpgraph.runtime import providers
 from mpgraph.runtime.checkpoint import MetricsLog, metrics_path, read_checkpoint, write_checkpoint
 from mpgraph.runtime.metrics import Metrics, StepResult
 from mpgraph.runtime.trainer import Trainer, run_training
@@ -40,7 +40,7 @@ def _batch(seed: int = 0, n: int = 8) -> dict[str, np.ndarray]:
     return {"x": rng.standard_normal((n, 4)).astype(np.float32), "label": rng.integers(0, 2, (n,))}
 
 
-# -- session.py -----------------------------------------------------------------------------------
+# -- providers.py ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("props", "tf32", "want"), [
@@ -50,29 +50,29 @@ def _batch(seed: int = 0, n: int = 8) -> dict[str, np.ndarray]:
     ({}, True, "1"),
 ])
 def test_cuda_options_take_tf32_from_the_graph_unless_told(props: dict[str, str], tf32: bool | None, want: str):
-    use, options = ses.provider_options(props, "cuda", device_id=0, tf32=tf32, extra=None)
+    use, options = providers.provider_options(props, "cuda", device_id=0, tf32=tf32, extra=None)
     assert options["use_tf32"] == want and use == (want == "1")
 
 
 def test_caller_provider_options_win_and_cpu_gets_none_derived():
-    _, options = ses.provider_options({}, "cuda", device_id=0, tf32=None, extra={"use_tf32": 1})
+    _, options = providers.provider_options({}, "cuda", device_id=0, tf32=None, extra={"use_tf32": 1})
     assert options["use_tf32"] == "1"
-    assert ses.provider_options({md.MODEL_TF32: "true"}, "cpu", device_id=0, tf32=None, extra=None)[1] == {}
+    assert providers.provider_options({md.MODEL_TF32: "true"}, "cpu", device_id=0, tf32=None, extra=None)[1] == {}
 
 
 def test_unknown_provider_and_native_bf16_on_cpu_are_refused(mlp_step: ir.Model):
     with pytest.raises(MpgraphError, match="unknown provider 'tpu'; valid: cpu, cuda"):
-        ses.check_provider(mlp_step, "tpu")
+        providers.check_provider(mlp_step, "tpu")
     with pytest.raises(MpgraphError, match="native bfloat16 lowering"):
-        ses.check_provider(mpgraph.convert(_copy(mlp_step), "bf16"), "cpu")
+        providers.check_provider(mpgraph.convert(_copy(mlp_step), "bf16"), "cpu")
 
 
 def test_logits_come_from_the_metadata_and_old_graphs_fall_back_to_the_guess(mlp_step: ir.Model):
     model = _copy(mlp_step)
     model.metadata_props[md.MODEL_LOGITS] = "recorded"
-    assert ses.logits_name(model) == "recorded"
+    assert providers.logits_name(model) == "recorded"
     del model.metadata_props[md.MODEL_LOGITS]  # a step graph saved before the key existed
-    assert ses.logits_name(model) == "logits"
+    assert providers.logits_name(model) == "logits"
 
 
 def test_forward_cut_of_a_native_bf16_graph_ends_in_a_float32_cast(mlp_step: ir.Model):
@@ -82,7 +82,7 @@ def test_forward_cut_of_a_native_bf16_graph_ends_in_a_float32_cast(mlp_step: ir.
     kept = [t for t in proto.graph.initializer if t.name not in state]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
-    forward = ses.forward_model(proto.SerializeToString(), ses.logits_name(low))
+    forward = providers.forward_model(proto.SerializeToString(), providers.logits_name(low))
     (output,) = forward.graph.outputs
     assert output.name == "logits/float32" and output.dtype == ir.DataType.FLOAT
     assert output.producer().op_type == "Cast"
@@ -94,8 +94,8 @@ def test_forward_cut_of_a_native_bf16_graph_ends_in_a_float32_cast(mlp_step: ir.
 def test_ort_errors_become_one_line_naming_the_node():
     e = RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Non-zero status code returned while running "
                      "MatMul node. Name:'mm' Status Message: shapes differ\nmore detail")
-    assert str(ses.ort_error(e, "running step 3")) == "onnxruntime failed running step 3 at node 'mm' (MatMul): shapes differ"
-    assert ses.ort_error(KeyError("x"), "running step 3") is None
+    assert str(providers.ort_error(e, "running step 3")) == "onnxruntime failed running step 3 at node 'mm' (MatMul): shapes differ"
+    assert providers.ort_error(KeyError("x"), "running step 3") is None
 
 
 # -- checkpoint.py --------------------------------------------------------------------------------

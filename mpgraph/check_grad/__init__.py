@@ -34,7 +34,7 @@ gradients?" on the user's own model, with ONNX Runtime alone:
 
 The modules, in the order a check runs: ``graphs`` (the gradient graph, the forward cut),
 ``inputs``, ``precision`` and ``float64`` (3), ``fd`` and ``check`` (4), ``localize`` (5),
-``report``. Sessions come from ``mpgraph.runtime.check_session``.
+``report``. Sessions come from ``mpgraph.runtime.check_runs``.
 
 Example:
     >>> from pathlib import Path

@@ -24,7 +24,7 @@ from mpgraph.check_grad.precision import (
     session_in_best_dtype,
 )
 from mpgraph.check_grad.report import GradCheckReport, NodeCheck, ParamCheck, Progress
-from mpgraph.runtime.check_session import CheckSession
+from mpgraph.runtime.check_runs import CheckSession
 
 __all__ = ["check_grad"]
 

@@ -29,7 +29,7 @@ from mpgraph.check_grad.precision import (
 )
 from mpgraph.check_grad.report import NodeCheck, Progress
 from mpgraph.dtypes import FLOAT_TYPES
-from mpgraph.runtime.check_session import CheckSession, ort_message
+from mpgraph.runtime.check_runs import CheckSession, ort_message
 
 __all__ = ["localize"]
 

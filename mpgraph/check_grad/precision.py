@@ -23,7 +23,7 @@ import onnx_ir as ir
 
 from mpgraph.check_grad.float64 import SHAPED_OPS, to_float64
 from mpgraph.errors import MpgraphError
-from mpgraph.runtime.check_session import CheckSession, ort_message
+from mpgraph.runtime.check_runs import CheckSession, ort_message
 
 __all__ = ["EPS", "NODE_RTOL", "NODE_STEP", "RTOL", "STEP", "Precision", "cast_feeds", "conv_shapes",
            "param_tolerance", "session_in_best_dtype"]

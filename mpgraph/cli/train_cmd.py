@@ -92,7 +92,7 @@ def _provider_options(items: list[str] | None) -> dict[str, str]:
 def _open_trainer(step: Path, provider: str, **options: Any) -> Trainer:
     """The trainer of ``step``, its notes printed; an ORT failure to load is one line."""
     from mpgraph.cli.main import err_console
-    from mpgraph.runtime.session import ort_error
+    from mpgraph.runtime.providers import ort_error
     from mpgraph.runtime.trainer import Trainer
 
     try:

@@ -8,7 +8,7 @@ Two buffer sets and two prebuilt ``IOBinding`` objects alternate: binding A read
 writes set 2, binding B the reverse. A step binds only the batch, runs, and copies back the
 loss (and ``found_inf``/the loss scale when the graph has them), nothing else.
 
-Before the first step the session rules of ``mpgraph.runtime.session`` apply: the provider
+Before the first step the session rules of ``mpgraph.runtime.providers`` apply: the provider
 must exist and be able to run the graph, and on CUDA no float node may fall back to CPU
 unless ``allow_cpu_fallback=True``. ``node_providers()`` returns the assignment.
 
@@ -59,7 +59,7 @@ from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
 from mpgraph.kernels.deterministic import one_hot_scatter, ones_matmul_sums
-from mpgraph.runtime import session as ses
+from mpgraph.runtime import providers
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
     graph_fingerprint,
@@ -360,7 +360,7 @@ class Trainer:
         self.provider = provider
         #: Notes about running this graph on ``provider`` (``mpgraph.targets.check_runnable``,
         #: which refuses a graph converted for a target whose kernels ``provider`` lacks).
-        self.notes: list[str] = ses.check_provider(self.model, provider)
+        self.notes: list[str] = providers.check_provider(self.model, provider)
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = device_id if provider == "cuda" else 0
         initial = self._prepare_graph(state)
@@ -376,7 +376,7 @@ class Trainer:
         extra = {**(self._events.provider_options() if self._events else {}),
                  **({"cudnn_conv_algo_search": "DEFAULT"} if deterministic and provider == "cuda" else {}),
                  **(provider_options or {})}
-        self.tf32, self.provider_options = ses.provider_options(
+        self.tf32, self.provider_options = providers.provider_options(
             self.model.metadata_props, provider, device_id=device_id, tf32=tf32, extra=extra)
         if deterministic and self.tf32:
             raise UsageError("deterministic=True needs strict float32 matmuls (tf32=False): the embedding "
@@ -398,7 +398,7 @@ class Trainer:
             "cuda_graph=False" if provider == "cuda" else "CUDA graphs need the cuda provider")
         self._replay: _Replay | None = None
         if provider == "cuda":
-            ses.check_cuda_session(self.session, self.model, allow_cpu_fallback=allow_cpu_fallback)
+            providers.check_cuda_session(self.session, self.model, allow_cpu_fallback=allow_cpu_fallback)
         self.track_scale = track_scale
         self._bind_outputs()
         self._keep: list[ort.OrtValue] = []
@@ -491,7 +491,7 @@ class Trainer:
             self.deterministic_rewrites = one_hot_scatter(model) + ones_matmul_sums(model)
         if model is not None:
             data = ir.to_proto(model).SerializeToString()
-        return ses.new_session(data, self.provider, self.provider_options,
+        return providers.new_session(data, self.provider, self.provider_options,
                                threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library,
                                mem_pattern=self._mem_pattern if self._mem_pattern is not None else (False if graph else None),
                                deterministic=self._deterministic)
@@ -499,7 +499,7 @@ class Trainer:
     def _out_buffer(self, output: Any, device: str) -> ort.OrtValue:
         """A buffer for a small output (the loss, ``found_inf``), shaped as declared."""
         shape = output.shape if output.shape and all(isinstance(d, int) for d in output.shape) else []
-        array = np.zeros(shape, ses.ORT_TYPES.get(output.type, np.float32))
+        array = np.zeros(shape, providers.ORT_TYPES.get(output.type, np.float32))
         if device == "cpu":
             return ort.OrtValue.ortvalue_from_numpy(array)
         return ort.OrtValue.ortvalue_from_numpy(array, device, self.device_id)
@@ -515,7 +515,7 @@ class Trainer:
         arrays = {name: np.asarray(values[name]) for name, _ in self.pairs}
         current = self._sets[self._slot] if hasattr(self, "_sets") else None
         if current is not None and all(
-            tuple(current[n].shape()) == a.shape and np.dtype(ses.ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
+            tuple(current[n].shape()) == a.shape and np.dtype(providers.ORT_TYPES.get(current[n].data_type(), object)) == a.dtype
             for n, a in arrays.items()
         ):
             for name, array in arrays.items():
@@ -947,7 +947,7 @@ class Trainer:
                 for o in node.outputs:
                     origin[o.name or ""] = origin[first.name]
                 continue
-            if node.op_type not in ses.LOSS_OPS or len(node.inputs) < 2:
+            if node.op_type not in providers.LOSS_OPS or len(node.inputs) < 2:
                 continue
             scores, labels = node.inputs[0], node.inputs[1]
             if labels is None or labels.name not in origin or scores is None or scores.shape is None:
@@ -1025,7 +1025,7 @@ class Trainer:
             CheckpointError: Missing/unreadable file, bad metadata (naming the key), a state
                 array of another shape or dtype, or a checkpoint of a different graph.
         """
-        want = {name: (self._state[name].shape(), ses.ORT_TYPES.get(self._state[name].data_type()))
+        want = {name: (self._state[name].shape(), providers.ORT_TYPES.get(self._state[name].data_type()))
                 for name, _ in self.pairs}
         meta, arrays, self.metrics = read_checkpoint(path, self.fingerprint, want)
         self._set_state(arrays)
@@ -1044,14 +1044,14 @@ class Trainer:
 
     def node_providers(self) -> dict[str, str]:
         """Node name -> execution provider ORT assigned it (empty if this ORT cannot say)."""
-        return ses.node_providers(self.session)
+        return providers.node_providers(self.session)
 
     # -- evaluation ----------------------------------------------------------------------
 
     def _eval_session(self) -> tuple[ort.InferenceSession, str, list[str]]:
         if self._eval is None:
-            forward = ses.forward_model(self._session_bytes, ses.logits_name(self.model))
-            session = ses.eval_session(forward, self.session.get_providers())
+            forward = providers.forward_model(self._session_bytes, providers.logits_name(self.model))
+            session = providers.eval_session(forward, self.session.get_providers())
             self._eval = (session, forward.graph.outputs[0].name or "", [v.name or "" for v in forward.graph.inputs])
         return self._eval
 
@@ -1177,7 +1177,7 @@ def run_training(
     except MpgraphError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
-        error = ses.ort_error(e, f"running step {trainer.steps + 1} of {what}")
+        error = providers.ort_error(e, f"running step {trainer.steps + 1} of {what}")
         if error is None:
             raise
         raise error from e
