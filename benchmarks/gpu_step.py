@@ -33,7 +33,7 @@ Neither side's CUDA step gives the same bits twice by default (atomic reductions
 timed algorithm choice; ``benchmarks/repeat_probe.py``), so the loss after N steps also carries
 run-to-run noise: on the Nature DQN in bf16 two mpgraph runs ended 0.5-1.2% apart. With
 ``--deterministic`` both sides run bit-reproducibly (session 23 on the H200:
-``benchmarks/results/gpu_step_session23_deterministic_*.log``; the GPT's bf16 step 1.38x slower).
+``benchmarks/results/gpu_step_2026-12-01T23_deterministic_*.log``; the GPT's bf16 step 1.38x slower).
 """
 
 from __future__ import annotations

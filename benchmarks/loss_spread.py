@@ -6,7 +6,7 @@ JSON files that ``gpu_step.py --out`` wrote and prints, per model and configurat
 after ``--check-step`` steps in every file, its spread over the files ((max - min) / min), and
 each mpgraph row's relative difference to its twin in each file.
 
-    python3 benchmarks/loss_spread.py benchmarks/results/gpu_step_session2[0-3]*.json --models dqn_cnn,dqn_cnn_teacher
+    python3 benchmarks/loss_spread.py benchmarks/results/gpu_step_2026-12-01T{14,17,23}*.json --models dqn_cnn,dqn_cnn_teacher
 """
 from __future__ import annotations
 

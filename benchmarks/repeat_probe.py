@@ -2,7 +2,7 @@
 run side by side, then a pipelined one: the losses of every step compared bit for bit.
 
 ``gpu_step.py``'s GPT rows end 50 steps a little apart between the synchronous and the
-pipelined bf16 trainer (1.21921 against 1.22052 in ``gpu_step_session21.log``), although the
+pipelined bf16 trainer (1.21921 against 1.22052 in ``gpu_step_2026-12-01T17.log``), although the
 pipelined path gives ``step``'s bits on the tiny MLP (``tests/test_step_many.py``). This probe
 says whether two *synchronous* trainers already differ (run-to-run nondeterminism in the
 kernels: atomics, cuBLAS/cuDNN algorithm choice per session) or only the pipelined one does,

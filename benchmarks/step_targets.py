@@ -7,7 +7,7 @@ whose rows are missing from the run (a model not asked for, a CPU-only run) is r
 the random-target DQN's loss@50 moves by up to 12% between torch's own runs
 (``benchmarks/results/dqn_loss_spread.txt``), so 1% cannot be judged there.
 
-    python3 benchmarks/step_targets.py benchmarks/results/gpu_step_session23.json
+    python3 benchmarks/step_targets.py benchmarks/results/gpu_step_2026-12-01T23.json
 
 ``gpu_step.py`` prints the same table at the end of every run.
 """

@@ -30,30 +30,30 @@ def _by_line(run: dict) -> dict:
     return {v.line: v for v in step_targets.verdicts(run)}
 
 
-def test_session23_first_run_holds_every_line():
-    verdicts = step_targets.verdicts(_run("gpu_step_session23.json"))
+def test_first_run_at_6f83dae_holds_every_line():
+    verdicts = step_targets.verdicts(_run("gpu_step_2026-12-01T23.json"))
     assert len(verdicts) == 14 and all(v.held for v in verdicts)
-    lines = _by_line(_run("gpu_step_session23.json"))
+    lines = _by_line(_run("gpu_step_2026-12-01T23.json"))
     assert lines["GPT bf16 / torch AMP bf16"].value == pytest.approx(13.668 / 32.600, abs=1e-3)
     assert lines["GPT bf16 kernels per step"].value == 670
 
 
-def test_session23_third_run_misses_only_the_teacher_fp16_loss():
-    lines = _by_line(_run("gpu_step_session23_c.json"))
+def test_third_run_at_98de5d0_misses_only_the_teacher_fp16_loss():
+    lines = _by_line(_run("gpu_step_2026-12-01T23_c.json"))
     missed = [v for v in lines.values() if v.held is False]
     assert [v.line for v in missed] == ["dqn_cnn_teacher loss@check within 1% of its twin (worst row)"]
     assert missed[0].value == pytest.approx(0.0106, abs=2e-4)
 
 
 def test_without_the_teacher_the_random_target_dqn_is_judged():
-    """session 21's third run had no teacher model: its random-target DQN missed by 6%."""
-    lines = _by_line(_run("gpu_step_session21_c.json"))
+    """The third run of 2026-12-01T17 (at 3666aba) had no teacher model: its random-target DQN missed by 6%."""
+    lines = _by_line(_run("gpu_step_2026-12-01T17_c.json"))
     assert lines["dqn_cnn loss@check within 1% of its twin (worst row)"].held is False
     assert sum(v.held is False for v in lines.values()) == 1
 
 
 def test_missing_rows_are_not_applicable():
-    run = _run("gpu_step_session23.json")
+    run = _run("gpu_step_2026-12-01T23.json")
     no_gpt = copy.deepcopy(run)
     no_gpt["models"] = [m for m in run["models"] if m["model"] != "gpt"]
     lines = _by_line(no_gpt)

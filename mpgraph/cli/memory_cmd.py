@@ -94,7 +94,7 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
         extra.add_row(what, _mib(n), note)
     console.print(extra)
     console.print("note: not counted: the provider's own workspaces and libraries (ORT CUDA 1.31 on an H200: "
-                  "about 150 MiB a process, benchmarks/results/memory_check_cuda_session17.txt)", highlight=False)
+                  "about 150 MiB a process, benchmarks/results/memory_check_cuda_2026-12-01T05.txt)", highlight=False)
     if report.unknown_shapes:
         console.print(f"note: {report.unknown_shapes} intermediate values have no inferred shape and are not counted",
                       highlight=False)

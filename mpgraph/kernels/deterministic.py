@@ -34,7 +34,7 @@ on another axis), ``ScatterND`` over more than the first axis, and other dtypes.
 With ``use_deterministic_compute`` ORT's CUDA ``ReduceSum`` leaves its own (atomic) kernels for
 cuDNN's ``cudnnReduceTensor``, which is deterministic but slow: the bench GPT's 37 reduce
 kernels (0.72 ms a bf16 step) became 107 cuDNN kernels (4.3 ms;
-``benchmarks/results/gpu_step_session23_deterministic_gpt.log``). A sum over the leading ``k``
+``benchmarks/results/gpu_step_2026-12-01T23_deterministic_gpt.log``). A sum over the leading ``k``
 axes of ``x`` is a vector-matrix product, which cuBLAS computes in a fixed order::
 
     x -> Flatten(axis=k) [R, C];  ones = ConstantOfShape(Shape(flat)[:1], 1) [R] (-> Cast)
@@ -44,7 +44,7 @@ for float32 and bfloat16 (cuBLAS accumulates both in float32; float16 and other 
 stay on cuDNN). The terms are the same, times 1, in another order. The bench GPT's
 deterministic bf16 step: 14.57 ms and 658 kernels, against 18.84 ms and 774 with cuDNN's sums
 and 13.67 ms for the default (nondeterministic) step
-(``benchmarks/results/gpu_step_session23_deterministic_gpt_sums.log``).
+(``benchmarks/results/gpu_step_2026-12-01T23_deterministic_gpt_sums.log``).
 """
 
 from __future__ import annotations

@@ -308,7 +308,7 @@ class Trainer:
             ``PIPELINE_MAX_STATE_MIB``: there a step takes long enough that the host's time per
             step hardly counts (the bench GPT, 1.4 GB of state: 13.32 against 13.51 ms a step)
             and the third set costs real memory (7.3 against 5.4 GiB);
-            ``benchmarks/results/gpu_step_session21_b.log``. ``False`` saves the third set.
+            ``benchmarks/results/gpu_step_2026-12-01T17_b.log``. ``False`` saves the third set.
         deterministic: The same bits every run on CUDA: ORT's ``use_deterministic_compute``
             (its reductions then add without atomics), cuDNN's fixed default convolution
             algorithm instead of a timed search (``cudnn_conv_algo_search=DEFAULT``, unless
@@ -322,7 +322,7 @@ class Trainer:
             the same bits after every step (``repeat_probe_state_diff_deterministic.txt``;
             with the sums on cuBLAS ``repeat_probe_state_diff_deterministic_sums.txt``, bf16),
             at 14.6 against 13.7 ms a bf16 step (18.8 with cuDNN's sums) and 69.3
-            against 68.2 fp32 (``gpu_step_session23_deterministic_gpt_sums.log``). The DQN was
+            against 68.2 fp32 (``gpu_step_2026-12-01T23_deterministic_gpt_sums.log``). The DQN was
             bit-reproducible with the default algorithm (not with the heuristic or timed
             choice); its speed that way is not measured.
         mem_pattern: ORT's memory pattern (``SessionOptions.enable_mem_pattern``): from the
