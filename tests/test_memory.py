@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 import mpgraph
 from mpgraph._ir import meta as md
-from mpgraph.audit.memory import estimate_memory
+from mpgraph.audit.memory import estimate_memory, ort_order
 from mpgraph.cli.main import app
 from tests.helpers import init, make_model, vi
 
@@ -57,20 +57,41 @@ def test_saved_activations_by_hand_and_linear_in_batch():
     assert low.saved_for_backward_bytes < estimate_memory(graph, batch=64).saved_for_backward_bytes
 
 
+def test_an_emulated_step_graph_keeps_what_float32_keeps():
+    """CPU emulation (``convert(..., emulate=True)``) computes in float32 and rounds every low
+    value through a ``Cast(to=bf16) -> Cast(to=float)`` pair (``round/...``). Each weight's bf16
+    copy is its low weight (2 bytes); the float32 round trip of that copy, which the backward
+    reads, is a weight copy, not an activation. The backward keeps the rounded float32 twins of
+    float32's six activations, so the same bytes; the optimizer reads float32 gradients."""
+    fp32 = estimate_memory(step("adamw"), batch=64)
+    emulated = mpgraph.convert(mpgraph.build_training_graph(TINY, optimizer="adamw"), "bf16", emulate=True)
+    assert any(n.name.startswith("round/cast/fc2.weight") for n in emulated.graph)
+    report = estimate_memory(emulated, batch=64)
+    assert report.bytes_per_parameter == {"low_weights": 2.0, "master_weights": 4.0, "gradients": 4.0,
+                                          "optimizer_state": 8.0}
+    assert report.saved_for_backward_values == fp32.saved_for_backward_values == 6
+    assert report.saved_for_backward_bytes == fp32.saved_for_backward_bytes == 4 * 64 * (4 * 64 + 2 * 2)
+    assert report.transient_peak_bytes > fp32.transient_peak_bytes  # the bf16 copies live beside their inputs
+
+
 def test_view_ops_share_their_input_buffer():
-    """x -> Relu a -> Reshape -> Relu b -> Reshape -> Relu y: the Reshapes alias, so at most the
-    two buffers a and b (4*N*8 bytes each) are alive at once; y is an output buffer."""
+    """x -> Relu a -> Reshape a2 -> Identity a3 -> Relu b, then Add(a, b) -> y: a is still read
+    after its views, so it is alive when b is made. The views alias a, so two buffers (a and b,
+    4*N*8 bytes each) are the peak; a view with a buffer of its own would make it three (a, the
+    view's copy that r2 reads, and b). y is an output buffer."""
     nodes = [
         h.make_node("Relu", ["x"], ["a"], name="r1"),
         h.make_node("Reshape", ["a", "shape"], ["a2"], name="v1"),
-        h.make_node("Relu", ["a2"], ["b"], name="r2"),
-        h.make_node("Reshape", ["b", "shape"], ["b2"], name="v2"),
-        h.make_node("Relu", ["b2"], ["y"], name="r3"),
+        h.make_node("Identity", ["a2"], ["a3"], name="v2"),
+        h.make_node("Relu", ["a3"], ["b"], name="r2"),
+        h.make_node("Add", ["a", "b"], ["y"], name="add"),
     ]
     model = ir.from_proto(make_model(nodes, [vi("x", ["N", 8])], [vi("y", ["N", 8])], [init("shape", [-1, 8])]))
     model.metadata_props.update({md.MODEL_GRADIENTS: "[]", md.MODEL_STATE_PAIRS: "[]"})
+    assert [n.name for n in ort_order(model)] == ["r1", "v1", "v2", "r2", "add"]
     report = estimate_memory(model, batch=16)
     assert report.transient_peak_bytes == 2 * 4 * 16 * 8
+    assert report.transient_peak_node == "Relu 'r2'"
     assert report.output_bytes == report.data_bytes == 4 * 16 * 8
     assert report.unknown_shapes == 0
 
