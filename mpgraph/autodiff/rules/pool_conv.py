@@ -84,7 +84,7 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
     full = [(kernel[i % n] - 1) * dilations[i % n] - pads[i] for i in range(2 * n)]
     # Where the input has more positions than the output (a one-group conv padded less than
     # "same"), the flipped Conv also computes the zero border: ConvTranspose is faster there
-    # (conv_dw_ab.py, 1 thread, CPU time: the DQN's 3x3/1 layer 1.97 vs 3.06 ms, unpadded
+    # (conv_dw_ab.txt, 1 thread, CPU time: the DQN's 3x3/1 layer 1.97 vs 3.06 ms, unpadded
     # 4x4/1 and 5x5/1 layers 0.47-0.63x; the ResNet's "same" 3x3 layers keep the Conv).
     border = group == 1 and None not in xs + ys and len(xs) == len(ys) == n and math.prod(xs) > math.prod(ys)  # type: ignore[arg-type]
     if (UNIT_STRIDE_AS_CONV and all(s == 1 for s in strides) and m is not None and cg is not None and min(full) >= 0
@@ -262,8 +262,8 @@ def _slices_weight_grad(
 def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, small_map: bool) -> str:
     """The weight-gradient form that measures faster on ORT CPU for this layer shape.
 
-    ``benchmarks/conv_dw_ab.py`` (``benchmarks/results/conv_dw_ab.txt``), ms of the form over ms
-    of the one-hot im2col forms (SpaceToDepth where it applies); 1 thread in CPU time, 2 threads
+    ``benchmarks/results/conv_dw_ab.txt`` (from the one-off probe ``benchmarks/conv_dw_ab.py`` at
+    be82dfc), ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it applies); 1 thread in CPU time, 2 threads
     in wall time on a loaded machine:
 
     - ``slices`` (one group, unit stride, no pads, 2 to 16 taps, 16 input channels or more,
