@@ -263,8 +263,8 @@ def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, sm
     """The weight-gradient form that measures faster on ORT CPU for this layer shape.
 
     ``benchmarks/results/conv_dw_ab.txt`` (from the one-off probe ``benchmarks/conv_dw_ab.py`` at
-    be82dfc), ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it applies); 1 thread in CPU time, 2 threads
-    in wall time on a loaded machine:
+    be82dfc), ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it
+    applies); 1 thread in CPU time, 2 threads in wall time on a loaded machine:
 
     - ``slices`` (one group, unit stride, no pads, 2 to 16 taps, 16 input channels or more,
       small maps ``P <= 2M``): the DQN's 3x3/1 layer 0.73-0.77 (2 threads 0.85). Its copies
