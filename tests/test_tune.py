@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from typer.testing import CliRunner
 
 import mpgraph
 import mpgraph.tune
+from mpgraph._ir import meta as md
 from mpgraph.cli.main import app
 from mpgraph.policy import load_policy
 from mpgraph.tune import (
@@ -84,6 +87,41 @@ def test_a_tight_objective_gives_a_set_where_no_kept_op_can_go():
             "t.yaml")
         assert base.dtype == policy.dtype
         assert emulated_error(model, policy) > 1e-4, name
+
+
+@dataclasses.dataclass(frozen=True)
+class KeepsFloat32:
+    """An objective on which nodes a candidate computes in float32, not on its numbers: met
+    (error 0) when every node of one of ``ways`` does."""
+
+    ways: tuple[frozenset[str], ...]
+    tol: float = 0.5
+
+    def describe(self) -> str:
+        return "one of the given node sets float32"
+
+    def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
+        def error(candidate: ir.Model) -> float:
+            float32 = {n.name for n in candidate.graph if n.metadata_props.get(md.NODE_PRECISION) == "float32"}
+            return 0.0 if any(way <= float32 for way in self.ways) else 1.0
+
+        return error
+
+
+def test_minimisation_drops_a_kept_op_that_a_later_one_made_unneeded():
+    """Phase 4 at work on the planted GPT. The objective is met by keeping float32 either the
+    planted MatMul P and the second lowered MatMul b, or the first three, a, b and c (MatMuls:
+    keeping one float32 moves no other). Bisection keeps c (the shortest prefix that holds ends
+    there), then b (with c kept, the prefix ending at b holds); compare's suspect, P, then meets
+    the objective with {b, c, P}, where c is no longer needed: minimisation drops it."""
+    model = planted_gpt()
+    first = mpgraph.convert(ir.from_proto(model), "fp16", emulate=True, calibrate=None)
+    matmuls = [n.name for n in first.graph if n.op_type == "MatMul" and n.metadata_props.get(md.NODE_PRECISION) == "float16"]
+    a, b, c = matmuls[:3]
+    assert PLANTED not in (a, b, c)
+    objective = KeepsFloat32((frozenset({b, PLANTED}), frozenset({a, b, c})))
+    result = tune(model, "fp16", objective=objective, feeds=FEEDS)
+    assert result.met and result.kept == [b, PLANTED]  # without phase 4: [b, c, PLANTED]
 
 
 def test_loss_objective_on_a_training_step_graph():
