@@ -72,6 +72,11 @@ CASES = [
     ("blocked, padded 3x3", [2, 16, 9, 9], [16, 16, 3, 3], False, {"pads": [1, 1, 1, 1]}),
     ("20 channels: padded to the block", [2, 20, 7, 7], [16, 20, 3, 3], True, {}),
     ("dilated, as a weight gradient", [3, 16, 13, 13], [32, 16, 5, 5], False, {"dilations": [2, 2]}),
+    # kh != kw: on a square kernel, swapping the filter's two spatial axes changes nothing
+    ("non-square 3x5, unequal strides and pads", [2, 16, 11, 13], [16, 16, 3, 5], True,
+     {"strides": [1, 2], "pads": [1, 2, 0, 1]}),
+    ("first layer, non-square 2x4/2", [2, 3, 12, 14], [16, 3, 2, 4], False, {"strides": [2, 2]}),
+    ("20 channels, non-square 1x3", [2, 20, 7, 9], [16, 20, 1, 3], True, {}),
 ]
 
 
@@ -169,6 +174,8 @@ CONVT_CASES = [
     ("the DQN's 3x3/1 data gradient", [3, 64, 7, 7], [64, 64, 3, 3], {}, True),
     ("padded 3x3/1, a ResNet layer's", [2, 16, 8, 8], [16, 32, 3, 3], {"pads": [1, 1, 1, 1]}, True),
     ("dilated 3x3/1, asymmetric pads", [2, 16, 9, 9], [16, 16, 3, 3], {"dilations": [2, 2], "pads": [1, 0, 2, 1]}, True),
+    ("non-square 3x5/1, unequal pads", [2, 16, 8, 9], [16, 16, 3, 5], {"pads": [1, 2, 0, 1]}, True),
+    ("non-square 2x4/1, dilated", [2, 16, 9, 10], [16, 16, 2, 4], {"dilations": [2, 1]}, True),
     ("strided: left to ConvTranspose", [2, 64, 9, 9], [64, 32, 4, 4], {"strides": [2, 2]}, False),
     ("grouped: left alone", [2, 32, 8, 8], [32, 16, 3, 3], {"group": 2}, False),
     ("output_padding: left alone", [2, 16, 8, 8], [16, 16, 3, 3], {"output_padding": [0, 0]}, False),
