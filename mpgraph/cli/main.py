@@ -13,7 +13,6 @@ import os
 from collections.abc import Callable
 from typing import Annotated, Any, TypeVar
 
-import click
 import typer
 from rich.markup import escape
 
@@ -34,6 +33,11 @@ from mpgraph.errors import MpgraphError, first_line
 __all__ = ["app", "main", "handle_errors", "COMMANDS", "console", "err_console"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+#: What typer itself raises inside a command (an exit code, an abort, a usage error): it passes
+#: the boundary untouched for typer to handle. Named through typer, never click: recent typers
+#: vendor click and no longer depend on it, so ``import click`` fails on a plain install.
+_TYPER_SIGNALS = (typer.Exit, typer.Abort, typer.BadParameter)
 
 #: ``--debug`` (or ``MPGRAPH_DEBUG=1``): let unexpected exceptions show their traceback.
 DEBUG = os.environ.get("MPGRAPH_DEBUG", "") not in ("", "0")
@@ -64,7 +68,7 @@ def handle_errors(fn: F) -> F:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:
             return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, click.exceptions.ClickException):
+        except _TYPER_SIGNALS:
             raise
         except MpgraphError as e:
             if DEBUG:
