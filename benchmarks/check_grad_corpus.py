@@ -17,6 +17,13 @@ distinct op types; ``worst`` the largest parameter relative error, that paramete
 that consumes it (through Identity/Cast/Transpose); ``fd`` the precision of the finite
 differences (float64, naming any op that ran in float32) and ``rtol`` the pass tolerance
 check_grad chose for it; ``check s`` the seconds of check_grad alone, ``wall`` the whole row.
+
+``--pytorch-converted`` checks the onnx wheel's ``pytorch-converted/*/model.onnx`` single-module
+exports instead, each with ``check_grad(path, loss="mse")`` (its own weights, seeded inputs):
+per model ``pass``, ``noisy``, ``FAIL`` or the one-line error (a model without a float
+parameter is refused: nothing to train), then the counts::
+
+    .venv/bin/python benchmarks/check_grad_corpus.py --pytorch-converted
 """
 
 from __future__ import annotations
@@ -128,6 +135,34 @@ def _format(row: dict) -> str:
     return text + ("  " + "; ".join(extra) if extra else "")
 
 
+def check_pytorch_converted() -> int:
+    """``check_grad`` on every ``pytorch-converted`` model of the onnx wheel, one line each."""
+    import collections
+
+    import onnx
+
+    import mpgraph
+    from mpgraph.errors import MpgraphError
+
+    root = Path(onnx.__file__).parent / "backend" / "test" / "data" / "pytorch-converted"
+    counts: collections.Counter[str] = collections.Counter()
+    for path in sorted(root.glob("*/model.onnx")):
+        try:
+            report = mpgraph.check_grad(str(path), loss="mse")
+        except MpgraphError as e:
+            outcome = f"refused: {str(e).splitlines()[0][:120]}"
+            counts["refused" + (" (nothing to train)" if "nothing to train" in str(e) else "")] += 1
+        else:
+            statuses = collections.Counter(p.status for p in report.params)
+            outcome = "FAIL" if not report.passed else ("noisy" if statuses["noisy"] else "pass")
+            counts[outcome] += 1
+            outcome += f" ({dict(statuses)})"
+        print(f"{path.parent.name:45s} {outcome}", flush=True)
+    print()
+    print(f"{sum(counts.values())} models: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return 0
+
+
 def main() -> int:
     from tests.corpus.check import EXPORTERS
     from tests.corpus.models import BUILDERS
@@ -136,8 +171,12 @@ def main() -> int:
     parser.add_argument("--models", default=",".join(BUILDERS))
     parser.add_argument("--exporters", default=",".join(EXPORTERS))
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds per (model, exporter), export included")
+    parser.add_argument("--pytorch-converted", action="store_true",
+                        help="check the onnx wheel's pytorch-converted models instead of the corpus")
     parser.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.pytorch_converted:
+        return check_pytorch_converted()
     if args.one:
         warnings.filterwarnings("ignore")
         logging.disable(logging.WARNING)

@@ -7,7 +7,7 @@ Every other ``Conv`` runs MLAS's im2col and one small GEMM per image. In a step 
 is a constant (the weights are state), so every convolution, forward and weight gradient,
 took the slow path: on the Nature DQN's three layers (batch 32, 2 threads) the forward convs
 ran 1.4-6x slower than with the same weights as an initializer
-(``benchmarks/conv_nchwc_ab.py``).
+(``benchmarks/results/conv_nchwc_ab.txt``).
 
 ``to_nchwc`` does what the transformer does, with the weight reorder as graph ops so that it
 follows the weight every step::

@@ -4,7 +4,7 @@ ONNX Runtime's CPU ``Transpose`` has fast paths for a 2-D transpose (MLAS) and f
 axis moved over whole rows; every other permutation walks a multi-index element by element.
 The NCHWc filter reorders (``nchwc.py``: ``[co/B, B, ci/B, B, kh, kw]`` by ``[0, 2, 4, 5, 3,
 1]``) took 7-12 ns an element there: 1.0-1.5 ms a step for the Nature DQN's 4x4/2 weight
-gradient alone, whose "filter" is the batch's ``dy`` (``benchmarks/dqn_cpu_kernels_ab.py``).
+gradient alone, whose "filter" is the batch's ``dy`` (``benchmarks/results/dqn_cpu_kernels_ab.txt``).
 ``Permute(x, perm)`` computes the same values (a copy: the bits are the input's) with axes that
 stay adjacent merged and the output rows spread over the session's threads; an entry ``~a``
 (``-1 - a``) reads axis ``a`` reversed, so a ``Slice`` that flips axes whole before the

@@ -13,7 +13,7 @@ because the single-Conv form ran 1.2-2.1x slower there at 3x3. Once that Conv ru
 blocked kernels (``nchwc.to_nchwc``) and the filter reorders on ``Permute``, the comparison
 turns: on the Nature DQN's 3x3/1 layer (batch 32, 2 threads) the slices took 5.6 ms a step
 (ORT's Slice copies rows of 7 floats) and the one blocked Conv 2.3 ms with its reorders
-(``benchmarks/dqn_cpu_kernels_ab.py``). ``slices_to_conv`` finds the pattern above and writes
+(``benchmarks/results/dqn_cpu_kernels_ab.txt``). ``slices_to_conv`` finds the pattern above and writes
 ``Transpose(Conv(xt, Transpose(dy, [1, 0, 2, 3])), [1, 0, 2, 3])`` instead, the rule's own
 single-Conv form; ``to_nchwc`` then moves that Conv. Same sums, another order.
 """

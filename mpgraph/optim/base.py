@@ -190,8 +190,8 @@ def _split(b: Builder, value: ir.Value, sizes: list[int], trailing: tuple[int, .
 #: (7 instead of about 55 for the H200 GPT's 101 tensors), but the group Split copies too.
 #: ORT CPU, 1 thread, process time, interleaved, two runs (zoo GPT 110K parameters / wide
 #: MLP 2.1M): reshape 15.9 / 19.9 and 14.2 / 20.8 ms/step, grouped 17.0 / 20.5 and 15.4 /
-#: 20.6: ``reshape`` is the default until CUDA says otherwise
-#: (``benchmarks/optim_ab.py --provider cuda --variants flat,flat-grouped``).
+#: 20.6 (the one-off A/B ``benchmarks/optim_ab.py`` at dcc1f1e): ``reshape`` is the default
+#: until a CUDA A/B says otherwise.
 FLAT_UNPACK = "reshape"
 
 

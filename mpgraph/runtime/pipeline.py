@@ -4,7 +4,7 @@ ORT runs a session's CUDA work on its own stream, and nothing in its Python API 
 step alone: a run either synchronises the device at its end or returns at once. To let the host
 enqueue step k+1 while the GPU runs step k, and still read step k's loss only once step k is
 done, the ``Trainer`` gives ORT a stream it owns (the CUDA provider's ``user_compute_stream``)
-and records an event on it after every step. ``benchmarks/pipeline_probe.py`` shows why the
+and records an event on it after every step. ``benchmarks/results/pipeline_probe.txt`` shows why the
 events matter: without them the host's copies (``update_inplace``, ``numpy()``) are not ordered
 after ORT's work, and the pipelined tiny MLP trained a different model from its third step.
 
