@@ -135,6 +135,28 @@ def test_in_graph_reduction_gives_the_materialized_ranges(monkeypatch: pytest.Mo
         assert reduced.ranges[name].flushed == pytest.approx(r.flushed)
 
 
+def test_in_graph_reduction_takes_float64_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step graph's Adam bias corrections are float64; compared with float32 constants, ORT refused the model."""
+    nodes = [
+        h.make_node("Cast", ["x"], ["x64"], to=T.DOUBLE),
+        h.make_node("Mul", ["x64", "tiny"], ["y64"], name="mul"),
+        h.make_node("Cast", ["y64"], ["y"], to=T.FLOAT),
+        h.make_node("Neg", ["y"], ["z"], name="neg"),
+    ]
+    graph = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 3])], [h.make_tensor_value_info("z", T.FLOAT, [2, 3])],
+        [h.make_tensor("tiny", T.DOUBLE, [], [1e-9])],
+    )
+    model = _typed(h.make_model(graph, opset_imports=[h.make_opsetid("", 17)]))
+    materialized = measure_ranges(model, {"x": X}, ir.DataType.FLOAT16)
+    monkeypatch.setattr(probe, "MATERIALIZE_BYTES", 0)
+    reduced = measure_ranges(model, {"x": X}, ir.DataType.FLOAT16)
+    assert {"x64", "y64"} <= set(reduced.ranges) and reduced.ranges["y64"].flushed > 0
+    for name, r in materialized.ranges.items():
+        assert reduced.ranges[name].absmax == pytest.approx(r.absmax, rel=1e-6)
+        assert reduced.ranges[name].flushed == pytest.approx(r.flushed)
+
+
 def test_flushing_orders_by_share_then_name() -> None:
     cal = Calibration({}, {"b": ValueRange(1, 0.5), "a": ValueRange(1, 0.5), "c": ValueRange(1, 0.9),
                            "d": ValueRange(1, 0.0)}, {}, ir.DataType.FLOAT16)

@@ -278,7 +278,7 @@ def measure_ranges(
             arrays = run(proto, feeds)
             ranges = {v.name: _range_of(arrays[v.name], low) for v in values if v.name in arrays}
         else:
-            stats = _add_range_nodes(proto, [v.name for v in values if v.name], low)  # type: ignore[misc]
+            stats = _add_range_nodes(proto, {v.name: v.dtype for v in values if v.name}, low)  # type: ignore[misc]
             arrays = run(proto, feeds)
             ranges = {
                 name: ValueRange(float(arrays[mx]), float(arrays[fl]))
@@ -333,8 +333,11 @@ def _range_of(array: np.ndarray, low: ir.DataType) -> ValueRange:
     return ValueRange(float(absmax), float(flushed / mag.size))
 
 
-def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType) -> dict[str, tuple[str, str]]:
-    """Append ``absmax`` and ``flushed share`` nodes per value to ``proto``'s graph, made outputs."""
+def _add_range_nodes(
+    proto: onnx.ModelProto, dtypes: Mapping[str, ir.DataType], low: ir.DataType
+) -> dict[str, tuple[str, str]]:
+    """Append ``absmax`` and ``flushed share`` nodes per value (name -> float dtype) to
+    ``proto``'s graph, made outputs."""
     graph = proto.graph
     zero, tiny, big = "calib/zero", "calib/tiny", "calib/inf"
     # Constant nodes, not initializers: IR version 3 models must list initializers as inputs.
@@ -344,11 +347,18 @@ def _add_range_nodes(proto: onnx.ModelProto, names: list[str], low: ir.DataType)
         _node("Constant", [], big, value=np.array(np.inf, np.float32)),
     ]
     stats: dict[str, tuple[str, str]] = {}
-    for i, name in enumerate(names):
+    for i, (name, dtype) in enumerate(dtypes.items()):
         p = f"calib/{i}"
         mx, fl = f"{p}/absmax", f"{p}/flushed"
+        x = name
+        if dtype != ir.DataType.FLOAT:
+            # The comparisons below take float32 constants: a float64 value (Adam's bias
+            # corrections) against them is a type error that refuses the whole model. Rounded
+            # to float32 first, as the materialized path does in numpy.
+            x = f"{p}/float"
+            nodes.append(_node("Cast", [name], x, to=ir.DataType.FLOAT.value))
         nodes += [
-            _node("Abs", [name], f"{p}/abs"),
+            _node("Abs", [x], f"{p}/abs"),
             # inf in float32 (a masked_fill's -inf) is inf in the low dtype too: no overflow.
             # (Less, not IsInf: opset 9 has no IsInf; Less(NaN, inf) is false as well.)
             _node("Less", [f"{p}/abs", big], f"{p}/is_finite"),
