@@ -405,6 +405,28 @@ def _origin(value: ir.Value) -> ir.Value:
     return value
 
 
+def _held_low(model: ir.Model, low: ir.DataType) -> set[str]:
+    """Names of the values converted ``model`` rounds to ``low``: typed ``low``, cast to it, or
+    cast back from it.
+
+    Both lowerings keep the float32 model's names: the native one casts a float32 value to
+    ``low`` or computes it there; the emulation computes it in float32 under its name and
+    rounds it with a ``Cast(to=low)``. A low graph output kept float32 is computed under
+    another name and cast back to its own.
+    """
+    held = {v.name for v in model.graph.inputs if v.name and v.dtype == low}
+    for node in model.graph:
+        held.update(v.name for v in node.outputs if v.name and v.dtype == low)
+        if node.op_type != "Cast" or not node.inputs or node.inputs[0] is None:
+            continue
+        source, to = node.inputs[0], node.attributes.get("to")
+        if source.name and to is not None and to.as_int() == low.value:
+            held.add(source.name)
+        if source.dtype == low:
+            held.update(v.name for v in node.outputs if v.name)
+    return held
+
+
 def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Policy) -> str:
     kept: dict[str, int] = {}
     for node in model.graph:
@@ -412,14 +434,17 @@ def _calibration_summary(model: ir.Model, calibration: Calibration, policy: Poli
         if phase in (Phase.CALIBRATION, Phase.FINITE):
             kind = "non-finite" if phase == Phase.FINITE else "range"
             kept[kind] = kept.get(kind, 0) + 1
-    flushing = [[name, float(f"{r.flushed:.3g}")] for name, r in calibration.flushing()[:5]]
+    # Only values the result rounds to the low dtype can flush there: a step graph's optimizer
+    # state and updates stay float32, however small their entries.
+    held = _held_low(model, policy.dtype)
+    flushing = [(name, r) for name, r in calibration.flushing() if name in held]
     return json.dumps(
         {
             "feeds": calibration.source,
             "dtype": policy.dtype.name.lower(),
             "kept_float32": kept,
-            "values_flushing": len(calibration.flushing()),
-            "worst_flushing": flushing,
+            "values_flushing": len(flushing),
+            "worst_flushing": [[name, float(f"{r.flushed:.3g}")] for name, r in flushing[:5]],
         },
         sort_keys=True,
     )

@@ -35,6 +35,8 @@ from mpgraph._ir import meta as md
 from mpgraph.audit import compare
 from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError
+from mpgraph.runtime import probe
+from mpgraph.runtime.probe import measure_ranges
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT = sorted(glob.glob(os.path.join(LIGHT_DIR, "*.onnx")))
@@ -229,6 +231,32 @@ def test_range_check_reports_values_that_flush_to_zero() -> None:
     reference = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]))
     report = compare(reference, model)
     assert report.outputs[0].kind == "underflow" and report.outputs[0].flushed > 0
+
+
+def _zoo_step(name: str) -> ir.Model:
+    return mpgraph.build_training_graph(ZOO[[os.path.basename(p) for p in ZOO].index(name)], optimizer="adamw")
+
+
+@pytest.mark.parametrize("emulate", [False, True])
+def test_range_check_counts_only_values_the_conversion_lowers(emulate: bool) -> None:
+    """Adam's second moment of small gradients sits below float16's subnormals in float32, but
+    the step keeps optimizer state float32: nothing of it flushes, so no underflow is reported."""
+    step = _zoo_step("tiny_mlp.loss.onnx")
+    measured = measure_ranges(step, random_feeds(step, seed=0), ir.DataType.FLOAT16)
+    assert any(name.startswith("optim/") for name, _ in measured.flushing())  # what was reported before
+    model = mpgraph.convert(step, "fp16", emulate=emulate)
+    summary = json.loads(model.metadata_props[md.MODEL_CALIBRATION])
+    assert summary["values_flushing"] == 0 and summary["worst_flushing"] == []
+
+
+def test_range_check_runs_on_a_step_graph_reduced_in_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large step graphs are range-checked by reductions inside the graph, Adam's float64 bias
+    corrections among them (ORT refused the model, and the check was skipped)."""
+    monkeypatch.setattr(probe, "MATERIALIZE_BYTES", 0)
+    step = _zoo_step("tiny_mlp.loss.onnx")
+    assert any(v.dtype == ir.DataType.DOUBLE for n in step.graph for v in n.outputs)
+    model = mpgraph.convert(step, "fp16")
+    assert md.MODEL_CALIBRATION in model.metadata_props
 
 
 def test_compare_classifies_overflow_and_rounding() -> None:
