@@ -32,7 +32,7 @@ On the GPU machine ORT must be onnxruntime-gpu (``source .ortgpu/stage.sh``).
 Neither side's CUDA step gives the same bits twice by default (atomic reductions, cuDNN's
 timed algorithm choice; ``benchmarks/repeat_probe.py``), so the loss after N steps also carries
 run-to-run noise: on the Nature DQN in bf16 two mpgraph runs ended 0.5-1.2% apart. With
-``--deterministic`` both sides run bit-reproducibly (session 23 on the H200:
+``--deterministic`` both sides run bit-reproducibly (the 2026-12-01T23 runs on the H200:
 ``benchmarks/results/gpu_step_2026-12-01T23_deterministic_*.log``; the GPT's bf16 step 1.38x slower).
 """
 
@@ -135,7 +135,7 @@ def dqn_spec(teacher: bool = False) -> ModelSpec:
     """The Nature DQN regressing onto random targets, or with ``teacher`` onto a fixed second
     DQN's outputs (a function it can learn). Memorising four batches of random targets is
     chaotic: two float32 summation orders end 50 steps 3.3e-3 apart on ORT CPU, against 5.3e-5
-    with the teacher's targets (session 20), so only the teacher's loss can say 1%."""
+    with the teacher's targets (846d9a9), so only the teacher's loss can say 1%."""
     torch.manual_seed(0)
     module = NatureDQN().train()
     rng = np.random.default_rng(0)
@@ -228,9 +228,9 @@ def torch_run(label: str, spec: ModelSpec, device: str, *, amp: torch.dtype | No
 
 
 #: Set once a torch CUDA graph is captured: from then on, for that model, ``torch.cuda.empty_cache()``
-#: is not called. It freed memory the captured DQN step still used (session 23: an illegal memory
-#: access in a probe; in this script's runs of sessions 20-23 the captured DQN's loss@50 read
-#: NaN or 3.5x eager's, while standalone it matches eager within 0.2%).
+#: is not called. It freed memory the captured DQN step still used (an illegal memory access in
+#: a probe; fixed at d14b4c6). In this script's runs from 2026-12-01T14 to 2026-12-01T23 the
+#: captured DQN's loss@50 read NaN or 3.5x eager's, while standalone it matches eager within 0.2%.
 _TORCH_GRAPHS: list[Any] = []
 
 
