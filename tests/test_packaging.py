@@ -5,7 +5,8 @@ folder and install as ``mpgraph.rules``, which setuptools' ``packages.find`` can
 built with find shipped no presets, so ``load_policy("bf16")`` failed after ``pip install .``).
 A hand-made list can miss a new subpackage: this test compares it with the tree.
 
-Below: the imports a plain install (no extras) must satisfy.
+Below: the imports a plain install (no extras) must satisfy, and what ``mpgraph`` loads before
+it does anything.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import ast
 import functools
 import importlib.metadata
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -116,3 +118,42 @@ def test_every_import_is_a_declared_dependency() -> None:
             bad.append(f"{where}:{line} imports {top} {kind}; dependencies: {sorted(allowed)}")
     assert not bad, "\n".join(bad)
 
+
+# --- what `mpgraph` loads before it does anything ----------------------------------------------
+#
+# `mpgraph --help` spent two seconds (more under load) importing onnx, ml_dtypes, onnx_ir and
+# sympy: mpgraph/__init__.py imported every Python twin and the command modules their libraries.
+# The libraries now load inside the command that uses them.
+
+HEAVY = ("numpy", "onnx", "onnx_ir", "onnxruntime", "onnxscript", "ml_dtypes", "sympy", "torch", "yaml")
+
+
+def _loaded_after(code: str) -> list[str]:
+    ran = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr
+    modules = set(ran.stdout.split())
+    return sorted(m for m in HEAVY if m in modules)
+
+
+def test_the_command_line_imports_no_model_library() -> None:
+    assert _loaded_after("import mpgraph.cli.main") == []
+
+
+def test_importing_mpgraph_or_its_errors_loads_no_model_library() -> None:
+    assert _loaded_after("import mpgraph\nfrom mpgraph.errors import MpgraphError") == []
+
+
+def test_the_python_twins_keep_their_names_after_their_submodules_load() -> None:
+    """``mpgraph.audit``, ``convert`` and ``check_grad`` are functions named like their
+    subpackages: importing ``mpgraph.audit.report`` first must not turn ``mpgraph.audit`` into
+    the module."""
+    code = (
+        "import mpgraph.audit.report, mpgraph.convert, mpgraph.check_grad.check, mpgraph\n"
+        "for name in mpgraph.__all__:\n"
+        "    value = getattr(mpgraph, name)\n"
+        "    assert callable(value) and not isinstance(value, type(mpgraph)), name\n"
+        "assert set(mpgraph.__all__) <= set(dir(mpgraph))\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert ran.returncode == 0, ran.stderr

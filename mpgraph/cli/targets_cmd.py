@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
-import onnx_ir as ir
 import typer
 from rich.markup import escape
 from rich.table import Table
 
 from mpgraph.cli.console import console
+
+if TYPE_CHECKING:
+    import onnx_ir as ir
 
 __all__ = ["targets_command", "conversion_notes"]
 
