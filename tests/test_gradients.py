@@ -112,6 +112,62 @@ def torch_gather_nd(x: Any, indices: Any, batch_dims: int = 0) -> Any:
     return picked.reshape(*indices.shape[:-1], *x.shape[batch_dims + k:])
 
 
+def torch_attention(q: Any, k: Any, v: Any, mask: Any = None, *, causal: bool = False, scale: float | None = None,
+                    softcap: float = 0.0, heads: tuple[int, int] | None = None) -> Any:
+    """ONNX Attention in torch: 3-D inputs split into ``heads = (q heads, kv heads)``, the causal
+    triangle and the mask as one additive bias, then SDPA with GQA; with a softcap (SDPA has
+    none) the same by hand, fully masked rows zeroed as the spec and SDPA do. The scale is
+    the op's: Q and K each times ``sqrt(scale)`` rounded to float32, as its function body
+    and ORT's float64 kernel compute it (1e-7 from the exact scale)."""
+    if heads is not None:
+        q, k, v = (x.reshape(*x.shape[:2], h, -1).transpose(1, 2) for x, h in zip((q, k, v), (heads[0], *heads[1:] * 2)))
+    scale = float(np.float32(np.sqrt(np.float32(scale or q.shape[-1] ** -0.5)))) ** 2
+    bias = torch.zeros(q.shape[2], k.shape[2], dtype=q.dtype)
+    if causal:
+        bias = bias.masked_fill(~torch.ones_like(bias, dtype=torch.bool).tril(), -torch.inf)
+    if mask is not None:
+        bias = bias + (torch.zeros_like(mask, dtype=q.dtype).masked_fill(~mask, -torch.inf) if mask.dtype == torch.bool else mask)
+    if not softcap:
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    else:
+        reps = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
+        scores = softcap * torch.tanh((q @ k.transpose(-1, -2)) * scale / softcap)
+        y = torch.softmax(scores + bias, -1).nan_to_num(0.0) @ v
+    return y if heads is None else y.transpose(1, 2).flatten(2)
+
+
+def torch_rotary(x: Any, cos: Any, sin: Any, position_ids: Any = None, *, interleaved: int = 0, dim: int = 0,
+                 num_heads: int = 0) -> Any:
+    """ONNX RotaryEmbedding in torch: each pair (x1, x2) of the first ``dim`` features (halves,
+    or even/odd with ``interleaved``) turned by the cached angle of its position."""
+    shape = x.shape
+    x = x.transpose(1, 2) if x.dim() == 4 else x.reshape(*shape[:2], num_heads, -1)  # [B, S, H, D]
+    if position_ids is not None:
+        cos, sin = cos[position_ids], sin[position_ids]
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    rot, rest = x[..., :dim or x.shape[-1]], x[..., dim or x.shape[-1]:]
+    x1, x2 = (rot[..., 0::2], rot[..., 1::2]) if interleaved else rot.chunk(2, -1)
+    real, imag = cos * x1 - sin * x2, sin * x1 + cos * x2
+    rot = torch.stack((real, imag), -1).flatten(-2) if interleaved else torch.cat((real, imag), -1)
+    out = torch.cat((rot, rest), -1)
+    return out.transpose(1, 2) if len(shape) == 4 else out.reshape(shape)
+
+
+def _angles(positions: int, half: int, batch: tuple[int, ...] = ()) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin caches of RoPE's angles ``p / 10000^(2i/dim)``, with an optional batch
+    of random positions in front (the caches a model without position_ids passes)."""
+    p = R.integers(0, 16, (*batch, positions)) if batch else np.arange(positions)
+    theta = p[..., None] / 10000.0 ** (np.arange(half) / half)
+    return np.cos(theta), np.sin(theta)
+
+
+COS, SIN = _angles(16, 4)
+COS2, SIN2 = _angles(16, 2)
+BCOS, BSIN = _angles(5, 4, (2,))
+FP32_ROPE = "ORT CPU RotaryEmbedding is float32 only"
+
+
 CASES: list[Case] = _binary_cases() + [
     Case("Sum-3-broadcast", "Sum", [Var((3, 4)), Var((4,)), Var((3, 1))], {}, lambda a, b, c: a + b + c),
     Case("Where-broadcast", "Where", [R.random((3, 4)) > 0.5, Var((3, 1)), Var((4,))], {}, _where),
@@ -228,6 +284,13 @@ CASES: list[Case] = _binary_cases() + [
     Case("LayerNormalization-axis1", "LayerNormalization", [Var((2, 3, 4)), Var((3, 4)), Var((3, 4))], {"axis": 1},
          lambda x, s, b: F.layer_norm(x, (3, 4), s, b, eps=1e-5), outputs=3,
          dtype="float32", note="ORT CPU LayerNormalization statistics are float32 (stash_type)"),
+    Case("RMSNormalization", "RMSNormalization", [Var(("N", 3, 6)), Var((6,))], {},
+         lambda x, s: F.rms_norm(x, (6,), s, eps=1e-5), opset=23),
+    Case("RMSNormalization-axis1-eps", "RMSNormalization", [Var((2, 3, 4)), Var((3, 4))], {"axis": 1, "epsilon": 1e-3},
+         lambda x, s: F.rms_norm(x, (3, 4), s, eps=1e-3), opset=23),
+    # scale broadcast over the normalized axes (only its last one given): dscale sums over the rest
+    Case("RMSNormalization-axis-neg2-scale-broadcast", "RMSNormalization", [Var((2, 3, 4)), Var((4,))], {"axis": -2},
+         lambda x, s: F.rms_norm(x, (3, 4), eps=1e-5) * s, opset=23),
     Case("BatchNormalization-train", "BatchNormalization",
          [Var(("N", 3, 4, 5)), Var((3,)), Var((3,)), np.zeros(3), np.ones(3)], {"training_mode": 1},
          lambda x, s, b, m, v: F.batch_norm(x, None, None, s, b, training=True, eps=1e-5), outputs=3,
@@ -239,6 +302,39 @@ CASES: list[Case] = _binary_cases() + [
          lambda x: F.local_response_norm(x, 3, 0.3, 0.75, 2.0), dtype="float32", note="ORT CPU LRN and Conv are float32 only"),
     Case("LRN-size5", "LRN", [Var((2, 6, 4, 1))], {"size": 5, "alpha": 0.5, "beta": 0.6},
          lambda x: F.local_response_norm(x, 5, 0.5, 0.6, 1.0), dtype="float32", note="ORT CPU LRN and Conv are float32 only"),
+    # transformer ops (rules/attention.py), opsets 23 and 24: MHA cross attention (Sq != Skv),
+    # causal, GQA/MQA, boolean and float masks (a float mask is differentiated: T5's learned
+    # position bias arrives that way), a row the mask leaves without keys, 3-D inputs, scale, softcap
+    Case("Attention-4d-cross", "Attention", [Var(("N", 2, 4, 8)), Var(("N", 2, 5, 8)), Var(("N", 2, 5, 8))], {},
+         torch_attention, opset=23),
+    Case("Attention-4d-causal-opset24", "Attention", [Var((2, 2, 5, 8)), Var((2, 2, 5, 8)), Var((2, 2, 5, 8))],
+         {"is_causal": 1}, lambda q, k, v: torch_attention(q, k, v, causal=True), opset=24),
+    Case("Attention-4d-gqa-causal-bool-mask", "Attention",
+         [Var((2, 4, 5, 8)), Var((2, 2, 5, 8)), Var((2, 2, 5, 6)), R.random((2, 1, 5, 5)) > 0.3], {"is_causal": 1},
+         lambda q, k, v, m: torch_attention(q, k, v, m, causal=True), opset=23),
+    Case("Attention-4d-bool-mask-empty-row", "Attention",
+         [Var((2, 2, 4, 8)), Var((2, 2, 6, 8)), Var((2, 2, 6, 8)), np.arange(6) < np.asarray([[3], [0], [6], [1]])], {},
+         torch_attention, opset=24),
+    Case("Attention-4d-mqa-float-mask-grad", "Attention",
+         [Var((2, 4, 5, 8)), Var((2, 1, 6, 8)), Var((2, 1, 6, 8)), Var((1, 4, 5, 6))], {"scale": 0.2},
+         lambda q, k, v, m: torch_attention(q, k, v, m, scale=0.2), opset=23),
+    Case("Attention-3d-gqa-scale-softcap", "Attention", [Var(("N", 5, 16)), Var(("N", 6, 8)), Var(("N", 6, 6))],
+         {"q_num_heads": 4, "kv_num_heads": 2, "scale": 0.3, "softcap": 2.0},
+         lambda q, k, v: torch_attention(q, k, v, scale=0.3, softcap=2.0, heads=(4, 2)), opset=23),
+    Case("Attention-3d-causal-float-mask-softcap", "Attention",
+         [Var((2, 5, 12)), Var((2, 5, 12)), Var((2, 5, 9)), R.standard_normal((5, 5))],
+         {"q_num_heads": 3, "kv_num_heads": 3, "is_causal": 1, "softcap": 1.5},
+         lambda q, k, v, m: torch_attention(q, k, v, m, causal=True, softcap=1.5, heads=(3, 3)), opset=24),
+    Case("RotaryEmbedding-4d-position-ids", "RotaryEmbedding", [Var((2, 3, 5, 8)), COS, SIN, R.integers(0, 16, (2, 5))], {},
+         torch_rotary, opset=23, dtype="float32", note=FP32_ROPE),
+    Case("RotaryEmbedding-4d-interleaved-no-position-ids", "RotaryEmbedding", [Var((2, 3, 5, 8)), BCOS, BSIN],
+         {"interleaved": 1}, lambda x, c, s: torch_rotary(x, c, s, interleaved=1), opset=23, dtype="float32", note=FP32_ROPE),
+    Case("RotaryEmbedding-3d-partial-position-ids", "RotaryEmbedding", [Var(("N", 5, 24)), COS2, SIN2, R.integers(0, 16, (3, 5))],
+         {"num_heads": 3, "rotary_embedding_dim": 4},
+         lambda x, c, s, p: torch_rotary(x, c, s, p, dim=4, num_heads=3), opset=23, dtype="float32", note=FP32_ROPE),
+    Case("RotaryEmbedding-3d-interleaved-partial", "RotaryEmbedding", [Var((2, 5, 24)), BCOS[..., :2], BSIN[..., :2]],
+         {"num_heads": 3, "rotary_embedding_dim": 4, "interleaved": 1},
+         lambda x, c, s: torch_rotary(x, c, s, interleaved=1, dim=4, num_heads=3), opset=23, dtype="float32", note=FP32_ROPE),
     # data movement
     Case("Reshape", "Reshape", [Var((2, 3, 4)), ints(6, 4)], {}, lambda x, s: x.reshape(6, 4)),
     Case("Flatten", "Flatten", [Var(("N", 3, 4))], {"axis": 1}, lambda x: x.flatten(1)),

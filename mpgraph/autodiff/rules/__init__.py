@@ -6,6 +6,7 @@ The RNN/GRU/LSTM rules live with their unrolling, in ``mpgraph/autodiff/lower_re
 from mpgraph.autodiff import lower_recurrent  # noqa: F401  (its RNN/GRU/LSTM rules)
 from mpgraph.autodiff.rules import (  # noqa: F401
     activation,
+    attention,
     elementwise,
     groupnorm,
     linalg,

@@ -1,4 +1,4 @@
-"""Gradient rules for Softmax, LogSoftmax, LayerNormalization, BatchNormalization and LRN."""
+"""Gradient rules for Softmax, LogSoftmax, LayerNormalization, RMSNormalization, BatchNormalization and LRN."""
 
 from __future__ import annotations
 
@@ -115,6 +115,35 @@ def layer_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
         dx = ctx.op("Mul", inv_std, centered)
     dscale = ctx.unbroadcast(ctx.op("Mul", dy, xhat), scale, x.shape) if ctx.needs(1) else None
     return dx, dscale, dbias
+
+
+@register("RMSNormalization", opsets=(23, None))
+def rms_norm(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
+    """With ``r = 1 / sqrt(mean(x^2) + eps)``, ``xhat = x * r`` and ``dxhat = dy * scale``:
+    ``dx = r * (dxhat - xhat * mean(dxhat * xhat))`` and ``dscale = sum(dy * xhat)`` over the
+    broadcast axes.
+
+    ``r`` is computed in the stash type where it is wider than ``x`` (float32 for a float16 or
+    bfloat16 ``x``, as the forward does); never narrower: ORT CPU keeps a float64
+    RMSNormalization in float64 under the default ``stash_type`` 1.
+    """
+    x, scale = ctx.input(0), ctx.input(1)
+    rank = ctx.rank(x)
+    axes = ctx.ints(range(ctx.attr("axis", -1) % rank, rank))
+    stash = ir.DataType(ctx.attr("stash_type", 1))
+    wide = ctx.op("Cast", x, to=stash) if x.dtype is not None and stash.itemsize > x.dtype.itemsize else x
+    mean_square = ctx.op("ReduceMean", ctx.op("Mul", wide, wide), axes, keepdims=1)
+    r = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", mean_square, ctx.scalar(ctx.attr("epsilon", 1e-5), wide))))
+    if wide is not x:
+        r = ctx.op("Cast", r, to=x.dtype)
+    xhat = ctx.op("Mul", x, r)
+    dx = None
+    if ctx.needs(0):
+        dxhat = ctx.op("Mul", dy, scale)
+        m = ctx.op("ReduceMean", ctx.op("Mul", dxhat, xhat), axes, keepdims=1)
+        dx = ctx.op("Mul", r, ctx.op("Sub", dxhat, ctx.op("Mul", xhat, m)))
+    dscale = ctx.unbroadcast(ctx.op("Mul", dy, xhat), scale, x.shape) if ctx.needs(1) else None
+    return dx, dscale
 
 
 @register("BatchNormalization", opsets=(15, None))
