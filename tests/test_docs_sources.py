@@ -9,6 +9,7 @@ reference rots: the file it names is gone or renamed, or a count that the code i
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -47,3 +48,26 @@ def test_train_graph_doc_lists_the_registered_rules() -> None:
     assert (count, names) == (len(registered), registered)
     declared = re.search(r"\*\*Declared non-differentiable \((\d+)\)\*\*", text)
     assert declared and int(declared.group(1)) == len(registry._NON_DIFF)
+
+
+#: A run named by a sequence number instead of what it measures and when ("... run 23").
+_NUMBERED_RUN = r"session[_ -]?[0-9]"
+
+
+def _git(*args: str) -> str:
+    try:
+        done = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if done.returncode not in (0, 1) or not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    return done.stdout
+
+
+def test_results_are_named_by_what_they_measure_and_dated() -> None:
+    """No tracked path says "session", and no tracked text names a run by a session number:
+    results are named by what they measure and the date and hour of their set of runs."""
+    paths = [p for p in _git("ls-files").splitlines() if "session" in p.lower()]
+    assert not paths, f"rename these (what they hold, not 'session'): {paths}"
+    hits = _git("grep", "-nIiE", _NUMBERED_RUN).splitlines()
+    assert not hits, "name these runs by date and commit:\n" + "\n".join(hits)
