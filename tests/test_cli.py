@@ -272,3 +272,48 @@ def test_policy_check_refuses_a_folder_and_a_missing_file(tmp_path: Path):
     good.write_text("extends: bf16\n")
     ok = mpgraph("policy", "check", str(good))
     assert ok.returncode == 0 and "ok (bfloat16" in " ".join(ok.stdout.split())
+
+
+# -- output papercuts (issue 25) -----------------------------------------------------------------
+
+
+def test_convert_summary_is_one_line_in_a_pipe(tmp_path: Path):
+    """Rich wrapped at 80 columns where stdout is no terminal, mid-phrase; a message is one line."""
+    result = mpgraph("convert", str(ZOO / "gpt.onnx"), "--policy", "bf16", "-o", str(tmp_path / "gpt.bf16.onnx"))
+    assert result.returncode == 0, result.stderr
+    [summary] = [line for line in result.stdout.splitlines() if line.startswith("wrote ")]
+    assert "ops in bfloat16" in summary and "casts inserted, weights 427.02 KiB -> 427.01 KiB" in summary
+
+
+def test_convert_summary_says_which_weights_stay_float32(tmp_path: Path):
+    """gpt.onnx's parameters are graph inputs with initializers, defaults a caller may replace:
+    they stay float32 (cast at run time), so bf16 shrinks its weights by 10 bytes only."""
+    result = mpgraph("convert", str(ZOO / "gpt.onnx"), "--policy", "bf16", "-o", str(tmp_path / "gpt.bf16.onnx"))
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())
+    assert ("weights 427.02 KiB -> 427.01 KiB (427.00 KiB of them initialize graph inputs: kept float32, "
+            "cast at run time)") in text
+    plain = tmp_path / "mlp.onnx"  # weights as true constants: stored low, nothing to explain
+    onnx.save(mlp_model(), plain)
+    result = mpgraph("convert", str(plain), "--policy", "bf16", "-o", str(tmp_path / "mlp.bf16.onnx"))
+    assert result.returncode == 0 and "initialize graph inputs" not in result.stdout
+
+
+def test_library_warnings_print_in_the_cli_style(capsys: pytest.CaptureFixture[str]):
+    """What the library logs reads like the CLI's own messages: ``warning: ...``, ``error: ...``."""
+    import logging
+
+    from mpgraph.cli.console import MessageHandler
+
+    logger = logging.getLogger("mpgraph.test_cli")
+    logger.propagate = False
+    logger.addHandler(MessageHandler())
+    try:
+        logger.info("not shown")
+        logger.warning("%s: no such file; using the preset '%s'", "bf16.yaml", "bf16")
+        logger.error("[red] stays text")
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: bf16.yaml: no such file; using the preset 'bf16'", "error: [red] stays text"]

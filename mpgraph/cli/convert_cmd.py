@@ -64,14 +64,23 @@ def _summary(result: ir.Model, out: Path, pol: Policy, elapsed: float, *, emulat
     """The lines after a conversion: ops lowered, casts, weight bytes, then the targets' notes."""
     from mpgraph.audit import audit
     from mpgraph.cli.targets_cmd import conversion_notes
+    from mpgraph.dtypes import is_float
 
     report = audit(result)
     low = sum(c for ops in report.ops.values() for p in ops.values() for d, c in p.items() if d == pol.dtype.name.lower())
     total = sum(c for ops in report.ops.values() for p in ops.values() for c in p.values())
+    # An initializer that is also a graph input is a default a caller may replace (a step
+    # graph's master weights, an export's parameters): no constant, so it stays float32 in
+    # the file and is cast where a low op reads it. Without saying so, "427 KiB -> 427 KiB"
+    # after a bf16 conversion reads as if nothing was lowered.
+    as_inputs = sum(v.const_value.nbytes for v in result.graph.inputs
+                    if v.const_value is not None and v.is_initializer() and is_float(v.dtype))
     console.print(
         f"wrote [bold]{out}[/] in {elapsed:.2f}s: {low}/{total} ops in {pol.dtype.name.lower()}, "
         f"{report.casts_inserted} casts inserted, weights {human_bytes(report.weight_bytes_before)} -> "
         f"{human_bytes(report.weight_bytes_after)}"
+        + (f" ({human_bytes(as_inputs)} of them initialize graph inputs: kept float32, cast at run time)"
+           if as_inputs and not pol.is_identity else "")
         + (f", {report.rounds_inserted} emulation roundings" if emulate else "")
     )
     for line in conversion_notes(result, emulate=emulate):

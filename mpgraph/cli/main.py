@@ -151,7 +151,9 @@ app = _build_app()
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from mpgraph.cli.console import MessageHandler
+
+    logging.basicConfig(level=logging.WARNING, handlers=[MessageHandler()])
     app()
 
 
