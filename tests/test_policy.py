@@ -360,7 +360,7 @@ def test_bf16_extends_fp16() -> None:
     assert bf16.dtype == ir.DataType.BFLOAT16
     # Presets carry numerics only: which ops a provider has no bfloat16 kernel for is the
     # target's business (mpgraph.targets, tests/test_targets.py), so bf16's lists are fp16's.
-    assert bf16.ops == fp16.ops
+    assert {op: category for op, (category, _) in bf16.ops.items()} == {op: category for op, (category, _) in fp16.ops.items()}
     assert not any("no bfloat16 kernel" in why for _, why in bf16.ops.values())
     assert bf16.pins == fp16.pins
     assert bf16.default_category == fp16.default_category
@@ -369,6 +369,14 @@ def test_bf16_extends_fp16() -> None:
     # Keys bf16 does not set in loss_scaling keep fp16's values.
     assert bf16.loss_scaling.max == fp16.loss_scaling.max
     assert bf16.description != fp16.description
+
+
+def test_bf16_reasons_are_its_own() -> None:
+    """``policy show bf16`` and the audit of a bf16 model say why in bfloat16's terms: no reason
+    speaks of fp16's range (overflow above 65504, -inf logs), which bfloat16 does not share."""
+    bf16 = load_policy("bf16")
+    assert not {op: why for op, (_, why) in bf16.ops.items() if re.search(r"fp16|float16", why)}
+    assert "bf16" in bf16.ops["ReduceSum"][1] and "28%" in bf16.ops["Exp"][1]
 
 
 def test_extends_merges_and_overrides(tmp_path: Path) -> None:
