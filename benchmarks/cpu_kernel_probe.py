@@ -1,7 +1,8 @@
 """Which ONNX ops ORT's CPU provider runs in float16 / bfloat16, and how.
 
 For every op of onnx's single-node backend test models (``onnx.backend.test.case.node``),
-per opset (18, 21, 22 like ``cuda_kernel_probe.py``) and dtype, the probe takes the op's
+per opset (18, 21, 22 like ``cuda_kernel_probe.py``, and 23, 24 for the ops those opsets
+added: Attention, RotaryEmbedding, RMSNormalization) and dtype, the probe takes the op's
 first test case whose float32 version ORT CPU loads and runs at that opset, lowers the slots
 that carry the op's compute type (as ``mpgraph convert`` would: ``mpgraph.optypes``), opens it
 on ORT CPU and runs it on the test's inputs. Each cell is:
@@ -230,7 +231,7 @@ def write_table(path: str, cpu: dict, cuda_path: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="directory for cpu_kernels.json")
-    parser.add_argument("--opsets", default="18,21,22")
+    parser.add_argument("--opsets", default="18,21,22,23,24")
     parser.add_argument("--table", help="also regenerate this kernel_table.py module")
     parser.add_argument("--cuda-json", default=os.path.join(HERE, "results", "cuda_kernels.json"))
     args = parser.parse_args()

@@ -58,6 +58,12 @@ SHAPE_SLOTS: dict[str, tuple[int, ...]] = {
 
 CONTROL_FLOW_OPS = frozenset({"If", "Loop", "Scan"})
 
+#: Type variables that an op's function body and ORT's kernels bind to one type although its
+#: schema names them apart: Attention's V (``T2``) and a float ``attn_mask`` (``U``) meet Q and
+#: K (``T1``) in its MatMul and Add. A lowered Attention with V left float32 passes the checker
+#: but ORT refuses it (``Type parameter (T) of Optype (MatMul) bound to different types``).
+TIED_VARS: dict[tuple[str, str], frozenset[str]] = {("", "Attention"): frozenset({"T1", "T2", "U"})}
+
 _DTYPE_TYPE_STR = {
     ir.DataType.FLOAT: "tensor(float)",
     ir.DataType.FLOAT16: "tensor(float16)",
@@ -189,4 +195,7 @@ def node_typing(node: ir.Node, opset_imports: dict[str, int]) -> NodeTyping:
     compute = frozenset(
         v for v in (*out_vars, *shared) if v is not None and v in input_var_set and is_float(bound.get(v))
     )
+    tied = TIED_VARS.get((domain, node.op_type), frozenset())
+    if compute & tied:
+        compute |= {v for v in tied if v in input_var_set and is_float(bound.get(v))}
     return NodeTyping(schema, in_vars, out_vars, compute, allowed, bound)

@@ -81,10 +81,8 @@ def _torch_block(x: np.ndarray, p: dict) -> object:
 def test_transformer_block_gradients_match_torch(opset: int) -> None:
     step = build_training_graph(_block(opset), optimizer=None, freeze=["rope.*"])
     x = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
-    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    got = dict(zip(names, session.run(None, {"x": x}), strict=True))
-    assert not {"grad/rope.cos", "grad/rope.sin"} & set(names)
+    got = _run(step, x)
+    assert not {"grad/rope.cos", "grad/rope.sin"} & set(got)
     params = {k: torch.tensor(v.astype(np.float32).astype(np.float64), requires_grad=not k.startswith("rope"))
               for k, v in _params().items()}
     _torch_block(x, params).backward()
@@ -103,3 +101,47 @@ def test_attention_kv_cache_is_refused_with_the_node_named() -> None:
 def test_attention_extra_output_in_the_loss_is_refused() -> None:
     with pytest.raises(GradientError, match="Attention node 'attn': output qk_matmul_output feeds the loss"):
         build_training_graph(_block(23, extra=("", "", "scores")), optimizer=None, freeze=["rope.*"])
+
+
+def test_attention_lowers_v_and_a_float_mask_with_q_and_k() -> None:
+    """Attention's schema types V (``T2``) and a float mask (``U``) apart from Q and K (``T1``),
+    but its function body and ORT's kernels bind them to one type: they are lowered together."""
+    from mpgraph.optypes import node_typing
+
+    def typing(mask_dtype: ir.DataType) -> list[int]:
+        values = [ir.Value(name=n, type=ir.TensorType(d)) for n, d in
+                  (("q", ir.DataType.FLOAT), ("k", ir.DataType.FLOAT), ("v", ir.DataType.FLOAT), ("m", mask_dtype))]
+        node = ir.Node("", "Attention", values)
+        node.outputs[0].dtype = ir.DataType.FLOAT
+        return node_typing(node, {"": 23}).compute_inputs()
+
+    assert typing(ir.DataType.FLOAT) == [0, 1, 2, 3]
+    assert typing(ir.DataType.BOOL) == [0, 1, 2]
+
+
+@pytest.mark.parametrize(("preset", "emulate"), [("fp16", True), ("fp16", False), ("bf16", True), ("bf16", False)])
+def test_transformer_step_converts_and_runs_on_cpu(preset: str, emulate: bool) -> None:
+    """The AdamW step of the block converts under the fp16/bf16 presets (Attention and
+    RotaryEmbedding run low, RMSNormalization stays float32) and runs on ORT CPU: natively,
+    float16 Attention has a CPU kernel and takes V low too; bfloat16 has none there (probed at
+    opset 23) and stays float32."""
+    import mpgraph
+    from mpgraph._ir import meta as md
+
+    step = build_training_graph(_block(23), optimizer="adamw", freeze=["rope.*"])
+    x = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
+    want = _run(step, x)["loss"]
+    model = mpgraph.convert(ir.from_proto(ir.to_proto(step)), preset, emulate=emulate, target="cpu")
+    low = "float16" if preset == "fp16" else "bfloat16"
+    precision = {n.name: n.metadata_props.get(md.NODE_PRECISION) for n in model.graph}
+    expected = low if emulate or preset == "fp16" else "float32"
+    assert (precision["attn"], precision["rope_q"], precision["norm"]) == (expected, expected, "float32")
+    attn = next(n for n in model.graph if n.name == "attn")
+    assert {v.dtype for v in attn.inputs if v is not None} == {ir.DataType.FLOAT if emulate or expected == "float32" else ir.DataType.FLOAT16}
+    got = _run(model, x)["loss"]
+    assert np.isfinite(got) and abs(got - want) <= 1e-2 * abs(want), (got, want)
+
+
+def _run(model: ir.Model, x: np.ndarray) -> dict[str, np.ndarray]:
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, {"x": x}), strict=True))
