@@ -75,3 +75,18 @@ def test_cli_compare_prints_the_readme_line(tmp_path):
     )
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert line in readme
+
+
+def test_relative_error_ignores_non_finite_reference_entries_without_a_warning():
+    """An overflowed value (inf in both models at the same place, as in the AlexNet example)
+    is compared on its finite entries only, and numpy's 'invalid value in subtract' warning
+    (inf - inf) no longer reaches the user's terminal."""
+    import warnings
+
+    from mpgraph.audit.compare import relative_error
+
+    ref = np.array([np.inf, 3.0, 4.0])
+    cand = np.array([np.inf, 3.0, 4.5])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert relative_error(ref, cand) == pytest.approx(0.1)
