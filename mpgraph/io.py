@@ -8,6 +8,7 @@ import logging
 import math
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -35,6 +36,7 @@ __all__ = [
     "write_atomic",
     "clean_stale_temporaries",
     "check_writable",
+    "check_replaceable",
     "check_proto",
     "check_metadata",
     "check_external_data",
@@ -475,7 +477,8 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
             used when the tensors exceed ``EXTERNAL_DATA_THRESHOLD``.
 
     Raises:
-        ModelSaveError: The destination cannot be written.
+        ModelSaveError: The destination cannot be written, or exists and is no regular file
+            (a device node, a FIFO: ``check_replaceable``).
     """
     dst = Path(path)
     parent = dst.parent if str(dst.parent) else Path(".")
@@ -483,6 +486,7 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
         raise ModelSaveError(f"{dst}: cannot write (directory {parent} does not exist)")
     if dst.is_dir():
         raise ModelSaveError(f"{dst}: cannot write (is a directory)")
+    check_replaceable(dst, error=ModelSaveError)
     clean_stale_temporaries(dst)
     use_external = _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
     try:
@@ -492,6 +496,8 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
     try:
         tmp = Path(tmpdir) / dst.name
         data_name = f"{dst.name}.data" if use_external else None
+        if data_name is not None:
+            check_replaceable(parent / data_name, error=ModelSaveError)
         ir.save(model, tmp, external_data=data_name)
         if data_name is not None:
             os.replace(Path(tmpdir) / data_name, parent / data_name)
@@ -509,8 +515,9 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     removed and an existing ``path`` is left as it was.
 
     Raises:
-        OutputError: The folder is missing or the write failed (the reason and that the old
-            file, if any, is kept).
+        OutputError: The folder is missing, ``path`` exists and is no regular file
+            (``check_replaceable``), or the write failed (the reason and that the old file,
+            if any, is kept).
     """
     target = Path(path)
     if target.is_dir():
@@ -518,6 +525,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise OutputError(f"{target}: folder {folder} does not exist")
+    check_replaceable(target)
     clean_stale_temporaries(target)
     kept = "; the previous file is kept" if target.exists() else ""
     try:
@@ -552,8 +560,8 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
     """Fail now, before any work, if ``path`` cannot be written (probed with a real file).
 
     Raises:
-        OutputError: Naming ``flag``, the path and why (missing folder, a directory, read-only,
-            permission denied, disk full).
+        OutputError: Naming ``flag``, the path and why (missing folder, a directory, a device
+            or FIFO, read-only, permission denied, disk full).
     """
     target = Path(path)
     if target.is_dir():
@@ -561,12 +569,41 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
     folder = target.parent if str(target.parent) else Path(".")
     if not folder.is_dir():
         raise OutputError(f"{flag} {target}: cannot write (folder {folder} does not exist)")
+    check_replaceable(target, flag)
     try:
         fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp")
     except OSError as e:
         raise OutputError(f"{flag} {target}: cannot write ({e.strerror or e} in {folder})") from e
     os.close(fd)
     _unlink_quietly(probe)
+
+
+_KINDS = ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISSOCK, "a socket"))
+
+
+def check_replaceable(path: str | os.PathLike[str], flag: str = "", *,
+                      error: type[ModelSaveError] = OutputError) -> None:
+    """``path`` is new or a regular file: the only things an output may replace.
+
+    The writers move a finished temporary file over the target, which would turn a device
+    node or a FIFO into a regular file: ``-o /dev/null`` run as root would replace the
+    system's ``/dev/null``. A symlink counts as what it points to.
+
+    Raises:
+        OutputError: (or ``error``) Naming ``flag``, the path and what it is.
+    """
+    target = Path(path)
+    try:
+        mode = target.stat().st_mode
+    except OSError:
+        return  # a new path (or a dangling link, which the rename replaces)
+    if stat.S_ISREG(mode) or stat.S_ISDIR(mode):
+        return  # a folder is refused by the callers, with their own words
+    kind = next((what for test, what in _KINDS if test(mode)), "not a regular file")
+    head = f"{flag} {target}" if flag else str(target)
+    raise error(f"{head}: is {kind}, not a regular file; mpgraph writes only to regular files or new paths "
+                "(name a file)")
 
 
 def _pid_alive(pid: int) -> bool:

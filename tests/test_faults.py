@@ -197,6 +197,18 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 P = "/sys"  # sysfs: creating a file there is "Permission denied", even for root
 
 
+def _fifo(t: Path, name: str) -> str:
+    """A named pipe at ``t/name``: an output there must be refused, not replaced by a file."""
+    os.mkfifo(t / name)
+    return str(t / name)
+
+
+def _device_link(t: Path, name: str) -> str:
+    """A symlink to /dev/null (replacing the link is harmless if the refusal ever breaks)."""
+    (t / name).symlink_to("/dev/null")
+    return str(t / name)
+
+
 # Per command: case name -> (arguments from the files and a fresh tmp folder, phrase in the error line).
 TABLE: dict[str, tuple[Case, str]] = {
     # convert
@@ -207,6 +219,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/out_missing_folder": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "no" / "o.onnx")], "does not exist"),
     "convert/out_unwritable": (lambda f, t: ["convert", str(f["model"]), "-o", f"{P}/o.onnx"], "cannot write"),
     "convert/out_is_dir": (lambda f, t: ["convert", str(f["model"]), "-o", str(t)], "is a directory"),
+    "convert/out_fifo": (lambda f, t: ["convert", str(f["model"]), "-o", _fifo(t, "o.onnx")], "is a FIFO (named pipe), not a regular file"),
+    "convert/out_device": (lambda f, t: ["convert", str(f["model"]), "-o", _device_link(t, "null")], "is a character device, not a regular file"),
     "convert/out_is_input": (lambda f, t: ["convert", str(f["model"]), "-o", str(f["model"])], "output is the input file"),
     "convert/calibrate_empty": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_empty"])], "the file is empty"),
     "convert/calibrate_truncated": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_truncated"])], "not a readable .npz"),
@@ -260,6 +274,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train/checkpoint_unwritable": (lambda f, t: ["train", str(f["step"]), "--checkpoint", f"{P}/c.npz"], "--checkpoint"),
     "train/metrics_unwritable": (lambda f, t: ["train", str(f["step"]), "--metrics", f"{P}/m.json"], "--metrics"),
     "train/plot_unwritable": (lambda f, t: ["train", str(f["step"]), "--plot", f"{P}/p.png"], "--plot"),
+    "train/metrics_fifo": (lambda f, t: ["train", str(f["step"]), "--metrics", _fifo(t, "m.json")], "--metrics"),
+    "train/checkpoint_device": (lambda f, t: ["train", str(f["step"]), "--checkpoint", _device_link(t, "c.npz")], "is a character device"),
     "train/metrics_suffix": (lambda f, t: ["train", str(f["step"]), "--metrics", str(t / "m.txt")], "must end in .csv or .json"),
     "train/checkpoint_is_dir": (lambda f, t: ["train", str(f["step"]), "--checkpoint", str(t)], "is a directory"),
     # train: data
@@ -294,6 +310,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "policy/check_abs_missing": (lambda f, t: ["policy", "check", str(t / "p.txt")], "/p.txt: policy file not found"),
     "policy/check_recursive_alias": (lambda f, t: ["policy", "check", str(f["rec_yaml"])], "recursive alias"),
     "policy/check_alias_bomb": (lambda f, t: ["policy", "check", str(f["bomb_yaml"])], "refused before expanding"),
+    "policy/init_force_fifo": (lambda f, t: ["policy", "init", "fp16", "-o", _fifo(t, "p.yaml"), "--force"], "is a FIFO"),
     "policy/show_unknown": (lambda f, t: ["policy", "show", "bf17"], "unknown preset 'bf17'"),
     # check-grad
     "check-grad/inputs_empty": (lambda f, t: ["check-grad", str(f["loss_model"]), "--inputs", str(f["npz_empty"])], "the file is empty"),
