@@ -34,6 +34,7 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -51,6 +52,7 @@ __all__ = [
     "BUILTIN_DATASETS",
     "Dataset",
     "Batches",
+    "data_digest",
     "load_dataset",
     "dataset_for_model",
     "InputSpec",
@@ -373,6 +375,24 @@ def _fit_array(a: np.ndarray, spec: InputSpec, source: str) -> np.ndarray:
     return np.ascontiguousarray(a)
 
 
+def data_digest(arrays: Mapping[str, np.ndarray]) -> str:
+    """A short hash of arrays by name: their names, dtypes, shapes and bytes.
+
+    A checkpoint records it so that a resume on other data is refused instead of silently
+    training on a different stream (BLAKE2b reads about 1 GB/s: a second per GB, once a run).
+
+    >>> a = {"x": np.zeros((2, 3), np.float32)}
+    >>> data_digest(a) == data_digest({"x": np.zeros((2, 3), np.float32)}), data_digest(a) == data_digest({"x": np.ones((2, 3), np.float32)})
+    (True, False)
+    """
+    h = hashlib.blake2b(digest_size=12)
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(f"{name}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.view(np.uint8) if a.ndim and a.dtype.itemsize else a.tobytes())  # any dtype (bfloat16 has no buffer format)
+    return h.hexdigest()
+
+
 class Batches(Iterator[dict[str, np.ndarray]]):
     """Endless mini-batches of one split in a seeded order, reshuffled every epoch.
 
@@ -397,6 +417,14 @@ class Batches(Iterator[dict[str, np.ndarray]]):
         self.seed = seed
         self.epoch, self.index = position
         self._order = self._perm(self.epoch)
+        self._digest: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """``data_digest`` of the arrays (computed once)."""
+        if self._digest is None:
+            self._digest = data_digest(self.arrays)
+        return self._digest
 
     def _perm(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n)
@@ -414,8 +442,9 @@ class Batches(Iterator[dict[str, np.ndarray]]):
         self.epoch, self.index = epoch, index
 
     def state(self) -> dict[str, Any]:
-        """Everything needed to resume this stream (JSON-serialisable)."""
-        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size}
+        """Everything needed to resume this stream, and what identifies it (JSON-serialisable)."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
+                "digest": self.digest}
 
     def __next__(self) -> dict[str, np.ndarray]:
         if self.index + self.batch_size > self.n:

@@ -203,6 +203,12 @@ def _fifo(t: Path, name: str) -> str:
     return str(t / name)
 
 
+def _other_data(t: Path) -> str:
+    """Valid training data for the tiny MLP, other than ``npz_good`` (which the checkpoint saw)."""
+    np.savez(t / "other.npz", x=np.ones((8, 4), np.float32), label=np.zeros(8, np.int64))
+    return str(t / "other.npz")
+
+
 def _device_link(t: Path, name: str) -> str:
     """A symlink to /dev/null (replacing the link is harmless if the refusal ever breaks)."""
     (t / name).symlink_to("/dev/null")
@@ -296,6 +302,9 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train/resume_bad_crc": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_bad_crc"])], "not an mpgraph checkpoint"),
     "train/resume_npy": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_npy"])], "single .npy array"),
     "train/resume_truncated": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["npz_truncated"])], "not an mpgraph checkpoint"),
+    "train/resume_other_seed": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"]), "--seed", "3"], "resuming with seed 3 (the checkpoint's run used 0)"),
+    "train/resume_other_batch": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"]), "--batch", "4"], "resuming with batch size 4 (the checkpoint's run used 8)"),
+    "train/resume_other_data": (lambda f, t: ["train", str(f["step"]), "--data", _other_data(t), "--resume", str(f["ckpt"])], "the training data differs from the checkpoint's run"),
     "train/resume_other_graph": (lambda f, t: ["train", str(f["sgd_step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"])], "different graph"),
     "train/resume_meta_missing_key": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_no_fingerprint"])], "has no 'fingerprint'"),
     "train/resume_meta_steps_str": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_steps_str"])], "'steps' should be a step count"),

@@ -172,3 +172,36 @@ def test_signal_then_resume_is_bit_identical(setup: tuple[Path, Path], uninterru
     final = Trainer(step, threads=1)
     final.load_checkpoint(ckpt)
     _same(uninterrupted, final)
+
+
+# -- resuming continues the checkpoint's data stream ----------------------------------------------
+
+
+def test_resume_without_seed_and_batch_continues_the_checkpoint_stream(setup: tuple[Path, Path], tmp_path: Path):
+    """A resume without --seed/--batch once took the defaults (0, 64): another data stream, 6 of
+    9 state arrays different from the uninterrupted run, exit 0 and no message."""
+    from typer.testing import CliRunner
+
+    from mpgraph.cli.main import app
+    from mpgraph.errors import CheckpointError
+
+    step, data = setup
+    ckpt, straight = tmp_path / "c.npz", tmp_path / "s.npz"
+    common = ["train", str(step), "--data", str(data), "-q", "--no-eval", "--threads", "1"]
+    runner = CliRunner()
+    first = runner.invoke(app, [*common, "--steps", "7", "--seed", "4", "--batch", "16", "--checkpoint", str(ckpt)])
+    assert first.exit_code == 0, first.output
+    resumed = runner.invoke(app, [*common, "--steps", "5", "--resume", str(ckpt), "--checkpoint", str(ckpt)])
+    assert resumed.exit_code == 0, resumed.output
+    assert "note: resuming with the checkpoint's --batch 16 and --seed 4" in resumed.output
+    whole = runner.invoke(app, [*common, "--steps", "12", "--seed", "4", "--batch", "16", "--checkpoint", str(straight)])
+    assert whole.exit_code == 0, whole.output
+    a, b = Trainer(step, threads=1), Trainer(step, threads=1)
+    a.load_checkpoint(ckpt)
+    b.load_checkpoint(straight)
+    _same(a, b)
+    # The library says what differs too.
+    other = Trainer(step, threads=1)
+    other.load_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match=r"seed 5 \(the checkpoint's run used 4\)"):
+        other.fit(_arrays(data), 1, seed=5)

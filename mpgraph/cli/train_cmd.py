@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 __all__ = ["train"]
 
 
-def _check_args(step: Path, steps: int, batch: int, checkpoint_every: int, threads: int | None, lr: float | None,
+def _check_args(step: Path, steps: int, batch: int | None, checkpoint_every: int, threads: int | None, lr: float | None,
                 on_nonfinite: str, checkpoint: Path | None, metrics: Path | None, plot: Path | None) -> None:
     """Refuse bad numbers and output paths before any work starts."""
     from mpgraph.cli.checks import check_output_path, finite, positive_int
@@ -54,7 +54,8 @@ def _check_args(step: Path, steps: int, batch: int, checkpoint_every: int, threa
     from mpgraph.runtime.trainer import NONFINITE_MODES
 
     positive_int(steps, "--steps", minimum=0)
-    positive_int(batch, "--batch")
+    if batch is not None:
+        positive_int(batch, "--batch")
     positive_int(checkpoint_every, "--checkpoint-every", minimum=0)
     if threads is not None:
         positive_int(threads, "--threads")
@@ -76,6 +77,19 @@ def _check_args(step: Path, steps: int, batch: int, checkpoint_every: int, threa
         if path is not None:
             check_output_path(path, f"--{what}")  # a real probe file, so no step runs in vain
             clean_stale_temporaries(path)
+
+
+def _stream(trainer: Trainer, batch: int | None, seed: int | None, resume: Path | None) -> tuple[int, int]:
+    """``--batch`` and ``--seed`` resolved (``Trainer.stream_settings``); a note names the
+    checkpoint's values a resume takes."""
+    from mpgraph.cli.main import err_console
+
+    resolved = trainer.stream_settings(batch, seed)
+    taken = [f"{flag} {value}" for flag, given, value in (("--batch", batch, resolved[0]), ("--seed", seed, resolved[1]))
+             if given is None]
+    if resume is not None and taken:
+        err_console.print(f"note: resuming with the checkpoint's {' and '.join(taken)}", highlight=False, soft_wrap=True)
+    return resolved
 
 
 def _provider_options(items: list[str] | None) -> dict[str, str]:
@@ -184,14 +198,14 @@ def train(
     data: Annotated[str, typer.Option("--data", "-d", help="digits, sequence, or a .npz whose keys are graph input names (test_<name> for the test split).")] = "digits",
     steps: Annotated[int, typer.Option("--steps", "-n", help="Steps to run (after --resume: steps more).")] = 1000,
     lr: Annotated[float | None, typer.Option("--lr", help="Learning rate; default: the graph's lr initializer.")] = None,
-    batch: Annotated[int, typer.Option("--batch", "-b", help="Batch size.")] = 64,
+    batch: Annotated[int | None, typer.Option("--batch", "-b", help="Batch size (default 64; after --resume: the checkpoint's).")] = None,
     provider: Annotated[str, typer.Option("--provider", help="cpu or cuda.")] = "cpu",
     checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Write a checkpoint (.npz) here at the end (and every --checkpoint-every steps).")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Also checkpoint every N steps (0: only at the end).")] = 0,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from this checkpoint (must come from the same graph).")] = None,
     metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-step metrics: .csv, or .json with a summary.")] = None,
     plot: Annotated[Path | None, typer.Option("--plot", help="PNG of the loss curve.")] = None,
-    seed: Annotated[int, typer.Option("--seed", help="Data shuffle (and generated data) seed.")] = 0,
+    seed: Annotated[int | None, typer.Option("--seed", help="Data shuffle (and generated data) seed (default 0; after --resume: the checkpoint's).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="ORT intra-op threads.")] = None,
     allow_cpu_fallback: Annotated[bool, typer.Option("--allow-cpu-fallback", help="cuda: run even if float nodes are placed on CPU.")] = False,
     evaluate: Annotated[bool, typer.Option("--eval/--no-eval", help="Report test accuracy at the end (classification data).")] = True,
@@ -213,9 +227,14 @@ def train(
     trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
                             provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
                             kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic)
-    dataset = trainer.load_data(data, seed=seed)
     if resume is not None:
         trainer.load_checkpoint(resume)
+    # A resumed run continues the checkpoint's data stream: its batch size and seed unless
+    # given (other ones are refused), and the same data.
+    batch, seed = _stream(trainer, batch, seed, resume)
+    dataset = trainer.load_data(data, seed=seed)
+    if resume is not None:
+        trainer.check_resumed_data(dataset, batch)
     start_step = trainer.steps
 
     def warn(e: CheckpointError) -> None:

@@ -2,7 +2,8 @@
 
 A checkpoint is one ``.npz``: the state arrays ``s0, s1, ...`` and a JSON ``__meta__`` with
 ``format``, the ``fingerprint`` of the graph (``graph_fingerprint``), ``steps``, the state
-``names``, the data stream position (``data``) and the ``lr``. The metrics history sits next
+``names``, the data stream (``data``: position, seed, batch size and the data's digest) and
+the ``lr``. The metrics history sits next
 to it (``metrics_path``), appended at every checkpoint, so checkpoints stay the size of the
 state however long the run.
 
@@ -223,6 +224,10 @@ def _check_meta(meta: Any, p: Path) -> dict[str, Any]:
                                                                for k in ("epoch", "index"))):
         raise CheckpointError(f"{p}: checkpoint metadata 'data' should hold integers epoch and index >= 0, "
                               f"got {str(data)[:80]!r}")
+    for key, ok, what in (("seed", lambda v: _is_int(v), "an integer"), ("batch_size", lambda v: _is_int(v) and v >= 1,
+                          "an integer >= 1"), ("digest", lambda v: isinstance(v, str), "a string")):
+        if data is not None and key in data and not ok(data[key]):
+            raise CheckpointError(f"{p}: checkpoint metadata 'data.{key}' should be {what}, got {str(data[key])[:40]!r}")
     lr = meta.get("lr")
     if lr is not None:
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr < 0:

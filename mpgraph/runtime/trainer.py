@@ -15,7 +15,8 @@ unless ``allow_cpu_fallback=True``. ``node_providers()`` returns the assignment.
 Checkpoints (``save_checkpoint``, ``mpgraph.runtime.checkpoint``) hold every state buffer,
 the step count, the data stream position, the lr and a fingerprint of the graph;
 ``load_checkpoint`` refuses one from another graph, and continuing after it reproduces the
-uninterrupted run bit for bit on CPU.
+uninterrupted run bit for bit on CPU: ``fit`` goes on with the checkpoint's batch size and seed
+when none is given and refuses other ones, or other data (``stream_settings``).
 
 Accuracy (``evaluate``): the forward part of the step graph (from the data inputs and
 parameters to the logits, ``session.forward_model``) runs in an inference session on the
@@ -55,7 +56,15 @@ import onnxruntime as ort
 
 from mpgraph import kernels as kernels_lib
 from mpgraph._ir import meta as md
-from mpgraph.data import Batches, Dataset, InputSpec, check_labels, dataset_for_model, token_input
+from mpgraph.data import (
+    Batches,
+    Dataset,
+    InputSpec,
+    check_labels,
+    data_digest,
+    dataset_for_model,
+    token_input,
+)
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
 from mpgraph.kernels.deterministic import one_hot_scatter, ones_matmul_sums
@@ -88,6 +97,12 @@ NONFINITE_MODES = ("stop", "skip", "ignore")
 PIPELINE_MAX_STATE_MIB = 512
 #: Consecutive skipped steps after which the loss scale counts as collapsed (a warning).
 COLLAPSE_SKIPS = 20
+#: ``fit``'s batch size and shuffle seed when neither the call nor a resumed checkpoint gives one.
+DEFAULT_BATCH_SIZE, DEFAULT_SEED = 64, 0
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class StopRequest:
@@ -410,6 +425,9 @@ class Trainer:
         self._batches: Batches | None = None
         self._batches_source: Any = None
         self._pending_position: tuple[int, int] | None = None
+        #: The data stream of the checkpoint loaded last (its ``data`` record and path), which
+        #: the next ``fit`` on a dataset must continue.
+        self._resumed: tuple[dict[str, Any], str] | None = None
         self._eval: tuple[ort.InferenceSession, str, list[str]] | None = None
         self._metrics_log = MetricsLog()
         #: The step of the last checkpoint written (``None``: none yet in this run).
@@ -809,14 +827,74 @@ class Trainer:
             if step.event is not None:
                 step.event.synchronize()
 
-    def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int, seed: int) -> Batches:
+    def stream_settings(self, batch_size: int | None = None, seed: int | None = None) -> tuple[int, int]:
+        """The batch size and shuffle seed ``fit`` uses: the given ones, else those of the
+        checkpoint loaded last (so its data stream goes on), else 64 and 0.
+
+        Raises:
+            CheckpointError: A given seed differs from the resumed checkpoint's: the run would
+                not continue the stream the checkpoint was taken in. (A batch size is checked
+                with the data, ``check_resumed_data``: a split smaller than it clamps it.)
+        """
+        recorded = self._resumed[0] if self._resumed is not None else {}
+        wanted = {"batch_size": batch_size, "seed": seed}
+        if seed is not None and _is_count(recorded.get("seed")) and seed != recorded["seed"]:
+            self._stream_differs(f"seed {seed} (the checkpoint's run used {recorded['seed']})", "--seed")
+
+        def pick(key: str, default: int) -> int:
+            if wanted[key] is not None:
+                return int(wanted[key])  # type: ignore[arg-type]
+            return int(recorded[key]) if _is_count(recorded.get(key)) else default
+
+        return pick("batch_size", DEFAULT_BATCH_SIZE), pick("seed", DEFAULT_SEED)
+
+    def _stream_differs(self, what: str, flag: str) -> None:
+        assert self._resumed is not None
+        raise CheckpointError(
+            f"{self._resumed[1]}: resuming with {what} would not continue its data stream, so the run would "
+            f"differ from the uninterrupted one; leave {flag} out to use the checkpoint's, or start a new run "
+            "without resuming")
+
+    def check_resumed_data(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int | None = None) -> None:
+        """``data`` is what the checkpoint loaded last was trained on (its ``data_digest``),
+        batched as it was (``batch_size``, ``None``: the checkpoint's).
+
+        Raises:
+            CheckpointError: Other arrays (another file, other generated data): naming both
+                digests and the sizes; or another batch size.
+        """
+        if self._resumed is None:
+            return
+        recorded = self._resumed[0]
         source = data.train if isinstance(data, Dataset) else data
+        n = len(next(iter(source.values()))) if source else 0
+        if batch_size is not None and _is_count(recorded.get("batch_size")) \
+                and min(batch_size, n) != recorded["batch_size"]:
+            self._stream_differs(f"batch size {batch_size} (the checkpoint's run used {recorded['batch_size']})",
+                                 "--batch")
+        if not isinstance(recorded.get("digest"), str):
+            return
+        digest = data_digest(source)
+        if digest != recorded["digest"]:
+            raise CheckpointError(
+                f"{self._resumed[1]}: the training data differs from the checkpoint's run (data digest "
+                f"{self._resumed[0]['digest']}, this data {digest}, {n} samples), so the run would differ from the "
+                "uninterrupted one; resume with the same --data (and, for generated data, the same --seed)")
+
+    def _batches_for(self, data: Dataset | Mapping[str, np.ndarray], batch_size: int | None,
+                     seed: int | None) -> Batches:
+        source = data.train if isinstance(data, Dataset) else data
+        batch_size, seed = self.stream_settings(batch_size, seed)
         b = self._batches
         if b is None or self._batches_source is not source or b.batch_size != min(batch_size, b.n) or b.seed != seed:
+            self.check_resumed_data(data, batch_size)
             position = self._pending_position or (0, 0)
             b = self._batches = Batches(source, batch_size, seed, position)
             self._batches_source = source
             self._pending_position = None
+            if self._resumed is not None and isinstance(self._resumed[0].get("digest"), str):
+                b._digest = self._resumed[0]["digest"]  # checked equal just now
+            self._resumed = None
         return b
 
     def fit(
@@ -825,8 +903,8 @@ class Trainer:
         steps: int,
         lr: float | None = None,
         *,
-        batch_size: int = 64,
-        seed: int = 0,
+        batch_size: int | None = None,
+        seed: int | None = None,
         progress: bool = False,
         callback: Callable[[int, StepResult], None] | None = None,
         on_nonfinite: str = "stop",
@@ -858,8 +936,8 @@ class Trainer:
             steps: Steps to run now.
             lr: Learning rate (``None``: the one in use, i.e. a resumed checkpoint's, else the
                 graph's default).
-            batch_size: Samples per batch.
-            seed: Shuffle seed.
+            batch_size: Samples per batch (``None``: a resumed checkpoint's, else 64).
+            seed: Shuffle seed (``None``: a resumed checkpoint's, else 0).
             progress: Log the loss at INFO level about every tenth of the run.
             callback: Called after every step with the step number and its result.
             on_nonfinite: ``stop`` (raise ``TrainingError`` naming the step; the state is
@@ -869,6 +947,8 @@ class Trainer:
 
         Raises:
             TrainingError: A non-finite batch or loss with ``on_nonfinite="stop"``.
+            CheckpointError: After ``load_checkpoint``: another ``batch_size``, ``seed`` or
+                dataset than the checkpoint's run (``stream_settings``, ``check_resumed_data``).
         """
         if steps < 0:
             raise UsageError(f"steps must be >= 0, got {steps}")
@@ -1035,6 +1115,7 @@ class Trainer:
         data = meta.get("data")
         self._batches = None
         self._pending_position = (data["epoch"], data["index"]) if data else None
+        self._resumed = (dict(data), str(path)) if data else None
         self._lr_value = None
         self._lr_buf = None
         if meta.get("lr") is not None:
@@ -1101,8 +1182,8 @@ def run_training(
     steps: int,
     lr: float | None = None,
     *,
-    batch_size: int = 64,
-    seed: int = 0,
+    batch_size: int | None = None,
+    seed: int | None = None,
     on_nonfinite: str = "stop",
     checkpoint: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
@@ -1125,8 +1206,8 @@ def run_training(
         data: What ``fit`` takes: a ``Dataset``, arrays by input name, or ready batches.
         steps: Steps to run now.
         lr: Learning rate (``None``: the one in use).
-        batch_size: Samples per batch.
-        seed: Shuffle seed.
+        batch_size: Samples per batch (``None``: ``fit``'s default).
+        seed: Shuffle seed (``None``: ``fit``'s default).
         on_nonfinite: ``fit``'s ``on_nonfinite``.
         checkpoint: Where to checkpoint (``None``: nowhere).
         checkpoint_every: Also checkpoint every N steps (0: only at the end).
