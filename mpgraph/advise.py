@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.data import check_inputs
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
 from mpgraph.io import as_model
@@ -169,6 +170,8 @@ def advise_scale(
         raise MpgraphError("advise-scale needs the float32 step graph, not a converted one")
     if not batches:
         raise MpgraphError("advise-scale needs at least one batch")
+    for i, feeds in enumerate(batches):
+        check_inputs(feeds, f"batch {i + 1}")  # a NaN batch flushes nothing: a scale "works"
     pol = load_policy(policy)
     scales = sorted(float(s) for s in scales)
     held = low_backward_values(step, pol)

@@ -15,7 +15,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.meta import Phase, Precision
-from mpgraph.data import random_feeds, read_npz
+from mpgraph.data import check_inputs, random_feeds, read_npz
 from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.io import ModelLike, as_model, load_model, save_model
@@ -302,10 +302,13 @@ def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec, proto:
     auto = isinstance(calibrate, str) and calibrate == "auto"
     if calibrate is True or (isinstance(calibrate, str) and calibrate in ("auto", "random")):
         feeds, source = random_feeds(model, seed=0), "random inputs, seed 0"
-    elif isinstance(calibrate, (str, os.PathLike)):
-        feeds, source = read_npz(calibrate), str(calibrate)
     else:
-        feeds, source = dict(calibrate), "given inputs"
+        if isinstance(calibrate, (str, os.PathLike)):
+            feeds, source = read_npz(calibrate), str(calibrate)
+        else:
+            feeds, source = dict(calibrate), "given inputs"
+        # Given inputs with NaN or no samples range-check nothing, and the check would pass.
+        check_inputs(feeds, f"calibration inputs ({source})")
     try:
         return measure_ranges(model, feeds, policy.dtype, source=source, proto=proto)
     except MpgraphError as e:

@@ -59,6 +59,7 @@ __all__ = [
     "token_input",
     "read_npz",
     "check_finite",
+    "check_inputs",
     "check_labels",
     "random_feeds",
     "index_bound",
@@ -469,6 +470,26 @@ def check_finite(arrays: Mapping[str, np.ndarray], what: str) -> None:
         if bad.any():
             first = int(np.argwhere(bad.reshape(len(a), -1).any(axis=1))[0, 0]) if a.ndim else 0
             raise DataError(f"{what}: '{name}' has {int(bad.sum())} non-finite value(s) (NaN or inf), first in sample {first}")
+
+
+def check_inputs(arrays: Mapping[str, np.ndarray], what: str) -> None:
+    """Inputs a precision tool measures with: every array has samples, every float is finite.
+
+    A NaN in an input makes every value it reaches NaN in both models, and an array without
+    samples runs nothing: either way nothing is compared, and ``compare``, ``tune``,
+    ``advise-scale`` and the range check would report an agreement never measured. ``train``
+    refuses such data the same way. (Only the first axis counts as the samples: a zero-length
+    cache axis elsewhere is a real input.)
+
+    Raises:
+        DataError: Naming the array and its shape, or how many values are NaN or infinite.
+    """
+    for name, a in arrays.items():
+        shape = np.shape(a)
+        if shape and shape[0] == 0:
+            raise DataError(f"{what}: '{name}' has no samples (shape {list(shape)}); give at least one, "
+                            "or leave the inputs out for seeded random ones")
+    check_finite(arrays, what)
 
 
 def check_labels(arrays: Mapping[str, np.ndarray], bounds: Mapping[str, tuple[int, int | None]], what: str) -> None:

@@ -40,7 +40,7 @@ import yaml
 
 from mpgraph._ir import meta as md
 from mpgraph.audit.compare import compare, relative_error
-from mpgraph.data import random_feeds
+from mpgraph.data import check_inputs, random_feeds
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.io import ModelLike, as_model
 from mpgraph.policy import Policy, load_policy
@@ -275,6 +275,8 @@ def tune(
     if md.MODEL_POLICY in reference.metadata_props:
         raise MpgraphError("model was already converted; tune the original float32 model")
     objective = objective or OutputTolerance()
+    if feeds is not None:
+        check_inputs(feeds, "inputs")  # NaN inputs gave error 0 and a policy: nothing was compared
     inputs = dict(feeds) if feeds is not None else random_feeds(reference, seed=seed)
     evaluate = _Evaluator(reference, base, objective.bind(reference, inputs), objective.tol, max_evaluations, progress)
     # Phase 1, the ends: no override, then (if that fails) every lowered op float32.

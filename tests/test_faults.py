@@ -75,6 +75,14 @@ def _npz_variants(tmp: Path) -> dict[str, Path]:
     np.savez(out["labels_high"], x=np.zeros((8, 4), np.float32), label=np.full(8, 7, np.int64))
     out["labels_negative"] = tmp / "labels_negative.npz"
     np.savez(out["labels_negative"], x=np.zeros((8, 4), np.float32), label=np.array([0, 1, -2, 0, 1, 0, 1, 0]))
+    nan = np.zeros((8, 4), np.float32)
+    nan[3, 1] = np.nan
+    out["nan"] = tmp / "nan.npz"
+    np.savez(out["nan"], x=nan, label=np.zeros(8, np.int64))
+    out["nan_x"] = tmp / "nan_x.npz"  # the inference model's one input
+    np.savez(out["nan_x"], x=nan)
+    out["zero_x"] = tmp / "zero_x.npz"
+    np.savez(out["zero_x"], x=np.zeros((0, 4), np.float32))
     out["pickle"] = tmp / "pickle.npz"
     np.savez(out["pickle"], x=np.array([{"a": 1}], dtype=object))
     return out
@@ -233,6 +241,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/calibrate_bad_crc": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_bad_crc"])], "not a readable .npz"),
     "convert/calibrate_npy": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_npy"])], "single .npy array"),
     "convert/calibrate_wrong_keys": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_wrong_keys"])], "file has y; graph wants x"),
+    "convert/calibrate_nan": (lambda f, t: ["convert", str(f["model"]), "-p", "fp16", "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_nan_x"])], "'x' has 1 non-finite value(s)"),
+    "convert/calibrate_zero_samples": (lambda f, t: ["convert", str(f["model"]), "-p", "fp16", "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_zero_x"])], "'x' has no samples (shape [0, 4])"),
     "convert/calibrate_missing": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(t / "nope.npz")], "no such file"),
     "convert/ext_missing": (lambda f, t: ["convert", str(f["ext_missing.bin"]), "-o", str(t / "o.onnx")], "initializer 'fc1.weight': external data file 'missing.bin' not found"),
     "convert/ext_absolute": (lambda f, t: ["convert", str(f["ext_absolute"]), "-o", str(t / "o.onnx")], "is an absolute path"),
@@ -260,6 +270,12 @@ TABLE: dict[str, tuple[Case, str]] = {
     "compare/inputs_npy": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_npy"])], "single .npy array"),
     "compare/inputs_wrong_keys": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_wrong_keys"])], "file has y"),
     "compare/inputs_pickle": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_pickle"])], "object arrays"),
+    "compare/inputs_nan": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_nan_x"])], "'x' has 1 non-finite value(s)"),
+    "compare/inputs_zero_samples": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--inputs", str(f["npz_zero_x"])], "'x' has no samples"),
+    "compare/step_inputs_nan": (lambda f, t: ["compare", str(f["step"]), str(f["step"]), "--inputs", str(f["npz_nan"])], "'x' has 1 non-finite value(s)"),
+    "tune/inputs_nan": (lambda f, t: ["tune", str(f["model"]), "--inputs", str(f["npz_nan_x"]), "-o", str(t / "p.yaml")], "--inputs"),
+    "tune/inputs_zero_samples": (lambda f, t: ["tune", str(f["model"]), "--inputs", str(f["npz_zero_x"]), "-o", str(t / "p.yaml")], "'x' has no samples"),
+    "advise-scale/data_nan": (lambda f, t: ["advise-scale", str(f["step"]), "--data", str(f["npz_nan"])], "'x' has 1 non-finite value(s)"),
     "compare/ext_symlink": (lambda f, t: ["compare", str(f["ext_link.bin"]), str(f["model"])], "is a symlink"),
     # train-graph
     "train-graph/lr_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--lr", "nan"], "--lr must be a finite number"),
@@ -345,7 +361,8 @@ def test_bad_input_is_one_error_line_and_exit_2(case: str, files: dict[str, Path
 
 def test_every_command_has_cases():
     covered = {case.split("/")[0] for case in TABLE}
-    assert covered == {"convert", "audit", "compare", "train-graph", "train", "policy", "check-grad", "export"}
+    assert covered == {"convert", "audit", "compare", "train-graph", "train", "policy", "check-grad", "export", "tune",
+                       "advise-scale"}
     assert len(TABLE) >= 80
 
 
@@ -452,6 +469,26 @@ def test_library_errors_are_typed_and_chained(files: dict[str, Path]):
     with pytest.raises(CheckpointError, match="has no 'fingerprint'"):
         Trainer(files["step"]).load_checkpoint(files["ckpt_no_fingerprint"])
     assert issubclass(CheckpointError, MpgraphError) and issubclass(DataError, MpgraphError)
+
+
+def test_precision_tools_refuse_nan_or_sampleless_inputs_in_the_library(files: dict[str, Path]):
+    """The Python twins refuse what the commands refuse: no agreement is reported unmeasured."""
+    from mpgraph.advise import advise_scale
+    from mpgraph.audit import compare
+    from mpgraph.audit.compare_train import compare_train
+    from mpgraph.convert import convert
+    from mpgraph.io import load_model
+    from mpgraph.tune import tune
+
+    model, step = load_model(files["model"]), load_model(files["step"])
+    nan = {"x": np.full((2, 4), np.nan, np.float32)}
+    empty = {"x": np.zeros((0, 4), np.float32)}
+    batch = {**nan, "label": np.zeros(2, np.int64)}
+    for call in (lambda: compare(model, model, nan), lambda: compare(model, model, empty),
+                 lambda: tune(model, "fp16", feeds=nan), lambda: convert(load_model(files["model"]), "fp16", calibrate=empty),
+                 lambda: advise_scale(step, [batch]), lambda: compare_train(step, step, batch)):
+        with pytest.raises(DataError, match="non-finite|no samples"):
+            call()
 
 
 # -- training faults ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph.data import random_feeds, read_npz
+from mpgraph.data import check_inputs, random_feeds, read_npz
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.runtime.probe import run_with_values
@@ -185,8 +185,10 @@ def compare(
         inputs = random_feeds(reference, seed=seed)
     elif isinstance(feeds, (str, os.PathLike)):
         inputs = read_npz(feeds)
+        check_inputs(inputs, str(feeds))
     else:
         inputs = dict(feeds)
+        check_inputs(inputs, "inputs")
     ref = run_all(reference, inputs)
     cand = run_all(candidate, inputs)
     values: list[ValueDivergence] = []

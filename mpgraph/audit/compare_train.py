@@ -32,6 +32,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.audit.compare import match_value, relative_error, run_all
+from mpgraph.data import check_inputs
 from mpgraph.errors import MpgraphError
 
 __all__ = ["TensorDivergence", "StepValueDivergence", "TrainCompareReport", "compare_train", "render_html"]
@@ -189,6 +190,7 @@ def compare_train(
     state = json.loads(candidate.metadata_props.get(md.MODEL_LOSS_SCALE_STATE, "{}"))
     scale_value = _state_value(candidate, state["scale"]) if "scale" in state else None
     scale = float(scale_value) if scale_value is not None else 1.0
+    check_inputs(feeds, "inputs")
     ref = _run(reference, feeds)
     cand = _run(candidate, feeds)
     scaled = _scaled_values(candidate)

@@ -41,7 +41,7 @@ def advise_scale_command(
     """Measure backward values on float32 batches; recommend an initial loss scale and say if it must be dynamic."""
     from mpgraph.advise import advise_scale, scale_label
     from mpgraph.cli.checks import finite
-    from mpgraph.data import random_feeds, read_npz
+    from mpgraph.data import check_inputs, random_feeds, read_npz
     from mpgraph.errors import UsageError
     from mpgraph.io import load_model
 
@@ -52,7 +52,9 @@ def advise_scale_command(
     model = load_model(step)
     feeds: list[dict] = []
     for path in data or []:
-        feeds += split_batches(read_npz(path), batches)
+        arrays = read_npz(path)
+        check_inputs(arrays, f"--data {path}")
+        feeds += split_batches(arrays, batches)
     if not feeds:
         feeds = [random_feeds(model, seed=i) for i in range(batches)]
     advice = advise_scale(model, feeds, policy, max_flush=max_flush, headroom=headroom)

@@ -57,13 +57,14 @@ def read_inputs_npz(path: Path, model: ir.Model, flag: str) -> dict[str, np.ndar
     """Arrays of an inputs ``.npz`` checked against the graph's data inputs.
 
     Keys must name graph inputs that are not initializers; every such input needs one; an
-    array's rank and kind (float or integer) must fit the input. Messages list the keys the
-    file has and the inputs the graph wants.
+    array's rank and kind (float or integer) must fit the input; every array has samples and
+    finite values (``data.check_inputs``). Messages list the keys the file has and the inputs
+    the graph wants.
 
     Raises:
-        DataError: Unreadable file, or keys/ranks/kinds that do not fit.
+        DataError: Unreadable file, keys/ranks/kinds that do not fit, no samples, NaN or inf.
     """
-    from mpgraph.data import read_npz
+    from mpgraph.data import check_inputs, read_npz
 
     arrays = read_npz(path)
     inits = set(model.graph.initializers)
@@ -89,4 +90,5 @@ def read_inputs_npz(path: Path, model: ir.Model, flag: str) -> dict[str, np.ndar
                 raise DataError(f"{flag} {path}: '{name}' is {a.dtype}, the graph wants {value.dtype.name.lower()}")
             if a.dtype != np.dtype(value.dtype.numpy()):
                 arrays[name] = a.astype(value.dtype.numpy())
+    check_inputs(arrays, f"{flag} {path}")
     return arrays

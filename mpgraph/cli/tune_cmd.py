@@ -29,7 +29,7 @@ def tune_command(
     import dataclasses
     import json
 
-    from mpgraph.data import read_npz
+    from mpgraph.data import check_inputs, read_npz
     from mpgraph.errors import UsageError
     from mpgraph.io import write_atomic
     from mpgraph.policy import load_policy
@@ -41,6 +41,8 @@ def tune_command(
     pol = load_policy(policy)
     out = output or model.with_name(f"{model.stem}.{pol.name}.tuned.yaml")
     feeds = read_npz(inputs) if inputs is not None else None
+    if feeds is not None:
+        check_inputs(feeds, f"--inputs {inputs}")
     with err_console.status("tuning", spinner="dots") if not as_json else contextlib.nullcontext() as status:
         def progress(n: int, err: float, kept: int) -> None:
             if status is not None:
