@@ -18,6 +18,7 @@ def train_graph_command(
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, adam or adamw.")] = "adamw",
     loss: Annotated[str | None, typer.Option("--loss", help="cross_entropy, mse, or the name of a loss output (default: the output named 'loss', else the only output when it is a float scalar).")] = None,
     freeze: Annotated[list[str] | None, typer.Option("--freeze", help="fnmatch pattern of parameters to keep fixed (repeatable).")] = None,
+    params: Annotated[list[str] | None, typer.Option("--params", help="fnmatch pattern of float initializers to train (repeatable); given, nothing is inferred. Default: graph inputs with initializers, else what torch's dynamo exporter marks as parameters, else every float initializer of rank >= 1.")] = None,
     lr: Annotated[float | None, typer.Option("--lr", help="Default learning rate (the graph input 'lr' overrides it per step).")] = None,
     momentum: Annotated[float | None, typer.Option("--momentum", help="SGD momentum.")] = None,
     nesterov: Annotated[bool, typer.Option("--nesterov", help="SGD Nesterov momentum.")] = False,
@@ -54,7 +55,7 @@ def train_graph_command(
     options = optimizer_options(optimizer, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                 amsgrad=amsgrad, flat=flat_optimizer)
     step = build_training_graph(
-        forward, optimizer=optimizer, loss=loss, freeze=freeze or (), lr=lr,
+        forward, optimizer=optimizer, loss=loss, freeze=freeze or (), params=params or (), lr=lr,
         optimizer_options=options, batchnorm=batchnorm, target=target,
     )
     save_model(step, out)

@@ -3,12 +3,14 @@
 ``build_training_graph`` loads a copy of the model (``load_forward``: opsets below 18 are
 upgraded, shapes inferred) and runs these passes and phases on it:
 
-1. ``NormalizeForwardPass``: names, constant weights, untied initializers, folded constants.
+1. ``NormalizeForwardPass``: names, parameters the exporter merged untied (and graphs where
+   it folded some refused: ``UntieExportedParametersPass``), constant weights, sequence
+   splits as ``Split``, folded constants.
 2. ``AttachLossPass``: the loss output, or an attached ``cross_entropy`` / ``mse``.
 3. ``SetBatchNormModePass``: BatchNormalization in training mode, running statistics as
    state (or eval mode).
-4. ``SelectParametersPass``: the parameters (explicit inputs, or float initializers), minus
-   ``freeze``.
+4. ``SelectParametersPass``: the parameters (``params`` patterns, explicit inputs, what
+   torch's dynamo exporter marks as parameters, or float initializers), minus ``freeze``.
 5. The **backward** pass (``mpgraph.autodiff``) from a ``grad/seed`` value, then the
    **optimizer** (``mpgraph.optim``) with the learning rate as an input ``lr`` and fp32 state
    inputs (step counter, moments).
@@ -50,6 +52,7 @@ from mpgraph.training.set_batchnorm_mode import (
     StateResult,
     training_batchnorms,
 )
+from mpgraph.training.untie_exported_parameters import UntieExportedParametersPass
 
 __all__ = [
     "BUILTIN_LOSSES",
@@ -65,6 +68,7 @@ __all__ = [
     "SelectParametersPass",
     "SetBatchNormModePass",
     "StateResult",
+    "UntieExportedParametersPass",
     "build_training_graph",
     "find_logits",
     "load_forward",

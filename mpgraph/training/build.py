@@ -67,6 +67,7 @@ def build_training_graph(
     optimizer: str | None = "adamw",
     loss: str | None = None,
     freeze: Sequence[str] = (),
+    params: Sequence[str] = (),
     lr: float | None = None,
     optimizer_options: dict[str, Any] | None = None,
     batchnorm: str = "train",
@@ -83,6 +84,10 @@ def build_training_graph(
         loss: ``None`` (the output named ``loss``, else the only output if it is a float
             scalar), an output name, ``cross_entropy`` or ``mse``.
         freeze: fnmatch patterns of parameters to keep fixed.
+        params: fnmatch patterns naming the parameters among the float initializers, for a
+            graph whose parameters cannot be told from its constants; nothing is inferred
+            then (by default: the float graph inputs with initializers, else what torch's
+            dynamo exporter marks as parameters, else every float initializer of rank >= 1).
         lr: Default learning rate (initializer of the ``lr`` input).
         optimizer_options: Hyperparameters (``momentum``, ``nesterov``, ``dampening``,
             ``weight_decay``, ``beta1``, ``beta2``, ``eps``), as in ``torch.optim``.
@@ -103,8 +108,9 @@ def build_training_graph(
         opset 18, 11 at opset 23, at most ``MAX_IR_VERSION``).
 
     Raises:
-        GradientError: No loss, nothing trainable, bad freeze pattern, op without a rule.
-        UnsupportedModelError: Control flow, or an opset the converter cannot upgrade.
+        GradientError: No loss, nothing trainable, bad freeze or params pattern, op without a rule.
+        UnsupportedModelError: Control flow, an opset the converter cannot upgrade, or a
+            graph whose exporter folded parameters into constants.
     """
     set_batchnorm_mode = SetBatchNormModePass(batchnorm)
     if target not in (None, "cpu", "cuda"):
@@ -112,24 +118,24 @@ def build_training_graph(
     opt = make_optimizer(optimizer, **(optimizer_options or {})) if optimizer is not None else None
     forward = load_forward(model)
     m = forward.model
-    NormalizeForwardPass(forward.inputs_mark_params)(m)
+    NormalizeForwardPass(forward.inputs_mark_params, params)(m)
     forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None
     state = set_batchnorm_mode(m).state
-    params = SelectParametersPass(freeze, trainable_inputs, {name_of(s) for s, _ in state},
-                                  inputs_mark_params=forward.inputs_mark_params)(m).params
+    trained = SelectParametersPass(freeze, trainable_inputs, {name_of(s) for s, _ in state},
+                                   inputs_mark_params=forward.inputs_mark_params, params=params)(m).params
     _keep_loss_only(m, loss_value, state)
-    grads = _differentiate(m, loss_value, params, target, forward.opset)
+    grads = _differentiate(m, loss_value, trained, target, forward.opset)
     if target == "cuda":
         ExpandWhereConditionsPass()(m)
     optim = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
     outputs: State = []
     if opt is None:
-        outputs = _gradient_outputs(m.graph, params, grads)
+        outputs = _gradient_outputs(m.graph, trained, grads)
     else:
         state = _attach_optimizer(m, optim, opt, lr if lr is not None else _DEFAULT_LR[str(optimizer).lower()],
-                                  params, grads, state)
+                                  trained, grads, state)
     outputs += _state_outputs(m.graph, optim, state)
     _finish(m, state, outputs)
     _record_forward(m, forward_outputs)

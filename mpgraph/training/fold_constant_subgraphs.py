@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
@@ -28,8 +29,9 @@ class FoldConstantSubgraphsPass(ir.passes.InPlacePass):
     Rules:
 
     1. A node folds when every input is a Constant output, a non-parameter initializer or an
-       already folded value. Anything reading a parameter (``parameter_like``) or a graph
-       input stays, and so do random ops, Dropout and nodes with subgraphs.
+       already folded value. Anything reading a parameter (``parameter_like``, with the same
+       ``params`` patterns as ``SelectParametersPass``) or a graph input stays, and so do
+       random ops, Dropout and nodes with subgraphs.
     2. Only folded values read outside the folded set (or graph outputs) are evaluated, in
        ONNX Runtime; when it cannot run them, nothing changes (a warning says why).
     3. Results become Constant nodes named ``<producer>/folded`` (the value keeps its name),
@@ -51,13 +53,14 @@ class FoldConstantSubgraphsPass(ir.passes.InPlacePass):
         (['c', 'neg/folded', 'add'], [-1.0, -2.0])
     """
 
-    def __init__(self, inputs_mark_params: bool) -> None:
+    def __init__(self, inputs_mark_params: bool, params: Sequence[str] = ()) -> None:
         super().__init__()
         self.inputs_mark_params = inputs_mark_params
+        self.params = tuple(params)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
-        folding = _foldable(graph, parameter_like(graph, self.inputs_mark_params))
+        folding = _foldable(graph, parameter_like(graph, self.inputs_mark_params, self.params))
         computed = [n for n in folding if n.op_type != "Constant"]
         folded_nodes = set(computed)
         # Only values read outside the folded set are materialized (and only plain tensors).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import onnx
@@ -15,6 +16,7 @@ from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import UnsupportedModelError, first_line
 from mpgraph.io import ModelLike, as_proto
 from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
+from mpgraph.training.untie_exported_parameters import TORCH_INPUT_KIND, UntieExportedParametersPass
 
 __all__ = ["MIN_OPSET", "ForwardModel", "NormalizeForwardPass", "load_forward", "refuse_step_graph"]
 
@@ -141,11 +143,17 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
        graph trains a model without them); nothing changes.
     3. Unnamed nodes are named ``<op_type>_<index>``, unnamed outputs ``<node>/output_<k>``
        (with ``_1``, ``_2``... when the name is taken).
-    4. A ``ConstantOfShape`` with a constant shape and a float fill (as in compressed "light"
+    4. Parameters torch's dynamo exporter merged are untied, and a graph where it folded
+       parameters into constants is refused (``UntieExportedParametersPass``), unless
+       ``params`` names the parameters.
+    5. A ``ConstantOfShape`` with a constant shape and a float fill (as in compressed "light"
        model files) becomes an initializer: a weight.
-    5. Float initializers the exporter deduplicated behind ``Identity`` nodes are untied:
-       each Identity-named value becomes an initializer of its own.
-    6. Constant-only subgraphs are folded (``FoldConstantSubgraphsPass``).
+    6. Float initializers the TorchScript exporter deduplicated behind ``Identity`` nodes are
+       untied: each Identity-named value becomes an initializer of its own.
+    7. A ``SplitToSequence`` read only by ``SequenceAt`` nodes with constant positions (the
+       dynamo exporter's ``torch.split`` without its optimizer) becomes one ``Split``.
+    8. Constant-only subgraphs are folded (``FoldConstantSubgraphsPass``; ``params`` as in
+       ``SelectParametersPass``).
 
     Example:
         >>> import numpy as np
@@ -162,9 +170,10 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
         (['mul'], [0.5, 0.5])
     """
 
-    def __init__(self, inputs_mark_params: bool) -> None:
+    def __init__(self, inputs_mark_params: bool, params: Sequence[str] = ()) -> None:
         super().__init__()
         self.inputs_mark_params = inputs_mark_params
+        self.params = tuple(params)
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
@@ -173,9 +182,11 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
         graph.opset_imports[""] = opset
         _warn_folded_batchnorm(graph)
         modified = _name_nodes(graph) > 0 or modified
+        modified = UntieExportedParametersPass(refuse=not self.params)(model).modified or modified
         modified = _materialize_constant_weights(graph) > 0 or modified
         modified = _untie_identity_initializers(graph) > 0 or modified
-        modified = FoldConstantSubgraphsPass(self.inputs_mark_params)(model).modified or modified
+        modified = _split_sequences(graph) > 0 or modified
+        modified = FoldConstantSubgraphsPass(self.inputs_mark_params, self.params)(model).modified or modified
         return ir.passes.PassResult(model, modified)
 
 
@@ -217,7 +228,7 @@ def _name_nodes(graph: ir.Graph) -> int:
 
 
 def _materialize_constant_weights(graph: ir.Graph) -> int:
-    """Rule 4; returns how many ``ConstantOfShape`` nodes became initializers."""
+    """Rule 5; returns how many ``ConstantOfShape`` nodes became initializers."""
     count = 0
     for node in list(graph):
         if node.op_type != "ConstantOfShape" or node.outputs[0].is_graph_output():
@@ -259,6 +270,8 @@ def _untie_identity_initializers(graph: ir.Graph) -> int:
         if (source is None or not source.is_initializer() or source.const_value is None
                 or source.dtype not in FLOAT_TYPES or out.is_graph_output() or not out.name):
             continue
+        if TORCH_INPUT_KIND in source.metadata_props:
+            continue  # the dynamo exporter's Identity is torch's clone or alias: the same tensor
         name = out.name
         tensor = ir.tensor(source.const_value.numpy(), name=name)
         value = ir.Value(name=None, type=source.type, shape=source.shape, const_value=tensor)
@@ -273,3 +286,85 @@ def _untie_identity_initializers(graph: ir.Graph) -> int:
     if untied:
         logger.info("untied %d initializers that the exporter had deduplicated behind Identity nodes", untied)
     return untied
+
+
+def _split_sequences(graph: ir.Graph) -> int:
+    """Rule 7; returns how many ``SplitToSequence`` nodes became ``Split``.
+
+    Without its optimizer the dynamo exporter writes ``torch.split`` (GPT-2's q/k/v) as
+    ``SplitToSequence`` then one ``SequenceAt`` per piece; sequences have no gradient rules,
+    and the same pieces as plain outputs of a ``Split`` do.
+    """
+    splits = [n for n in graph if n.op_type == "SplitToSequence" and n.domain in ("", "ai.onnx")]
+    names = NameScope(graph) if splits else None
+    count = 0
+    for node in splits:
+        assert names is not None
+        readers = [use.node for use in node.outputs[0].uses()]
+        sizes = _split_sizes(node)
+        if (sizes is None or not readers or node.outputs[0].is_graph_output()
+                or any(r.op_type != "SequenceAt" or r.domain not in ("", "ai.onnx") for r in readers)):
+            continue
+        positions = [_const_int(r.inputs[1]) for r in readers]
+        if any(p is None or not -len(sizes) <= p < len(sizes) for p in positions):
+            continue
+        axis = node.attributes.get_int("axis", 0)
+        split_sizes = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array(sizes, np.int64)))],
+                              name=names.fresh(f"{node.name}/sizes"))
+        split_sizes.outputs[0].name = split_sizes.name
+        split = ir.Node("", "Split", [node.inputs[0], split_sizes.outputs[0]], [ir.AttrInt64("axis", axis)],
+                        num_outputs=len(sizes), name=names.fresh(f"{node.name}/split"))
+        pieces = list(split.outputs)
+        for k, piece in enumerate(pieces):
+            piece.name = names.fresh(f"{split.name}/output_{k}")
+        graph.insert_before(node, [split_sizes, split])
+        if len(node.inputs) < 2 and node.attributes.get_int("keepdims", 1) == 0:
+            axes = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.array([axis], np.int64)))],
+                           name=names.fresh(f"{node.name}/axes"))
+            axes.outputs[0].name = axes.name
+            squeezes = [ir.Node("", "Squeeze", [p, axes.outputs[0]], name=names.fresh(f"{node.name}/squeeze"))
+                        for p in pieces]
+            graph.insert_before(node, [axes, *squeezes])
+            pieces = [s.outputs[0] for s in squeezes]
+            for squeeze, piece in zip(squeezes, pieces, strict=True):
+                piece.name = names.fresh(f"{squeeze.name}/output_0")
+        renamed: set[ir.Value] = set()
+        for reader, position in zip(readers, positions, strict=True):
+            out, piece = reader.outputs[0], pieces[position % len(sizes)]
+            name = out.name
+            out.replace_all_uses_with(piece, replace_graph_outputs=True)
+            out.name = None
+            if name is not None and piece not in renamed:  # the first reader's name stays
+                piece.name = name
+                renamed.add(piece)
+            graph.remove(reader, safe=True)
+        graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+def _split_sizes(node: ir.Node) -> list[int] | None:
+    """The piece sizes of a ``SplitToSequence``, when its ``split`` and the split dimension
+    allow knowing them before it runs."""
+    x = node.inputs[0]
+    axis = node.attributes.get_int("axis", 0)
+    split = ir.convenience.get_const_tensor(node.inputs[1]) if len(node.inputs) > 1 and node.inputs[1] is not None else None
+    if len(node.inputs) > 1 and node.inputs[1] is not None and split is None:
+        return None
+    if split is not None and split.shape is not None and len(split.shape) == 1:
+        return [int(s) for s in split.numpy()]
+    rank = len(x.shape) if x is not None and x.shape is not None else None
+    dim = x.shape[axis % rank] if x is not None and x.shape is not None and rank else None
+    if not isinstance(dim, int):
+        return None
+    if split is None:
+        return [1] * dim
+    size = int(split.numpy())
+    if size <= 0:
+        return None
+    return [size] * (dim // size) + ([dim % size] if dim % size else [])
+
+
+def _const_int(value: ir.Value | None) -> int | None:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None or tensor.numpy().size != 1 else int(tensor.numpy().reshape(-1)[0])

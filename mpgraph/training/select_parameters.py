@@ -11,20 +11,40 @@ import onnx_ir as ir
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
 from mpgraph.training._common import name_of
+from mpgraph.training.untie_exported_parameters import torch_parameter_names
 
 __all__ = ["ParametersResult", "SelectParametersPass", "parameter_like"]
 
 
-def parameter_like(graph: ir.Graph, inputs_mark_params: bool) -> set[ir.Value]:
+def parameter_like(graph: ir.Graph, inputs_mark_params: bool, params: Sequence[str] = ()) -> set[ir.Value]:
     """Initializers that ``SelectParametersPass`` may make parameters (before freeze).
 
     Constant folding never folds these.
     """
-    floats = [v for v in graph.initializers.values() if v.dtype in FLOAT_TYPES]
-    explicit = {v for v in floats if v.is_graph_input()} if inputs_mark_params else set()
+    return set(_inferred(graph, inputs_mark_params, params))
+
+
+def _inferred(graph: ir.Graph, inputs_mark_params: bool, params: Sequence[str],
+              exclude: Collection[str] = ()) -> list[ir.Value]:
+    """Rules 1 to 4 and 8 of ``SelectParametersPass``, in graph-input or initializer order."""
+    floats = {n: v for n, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and n not in exclude}
+    if params:
+        for pattern in params:
+            if not any(fnmatch.fnmatchcase(n, pattern) for n in floats):
+                raise GradientError(f"params pattern '{pattern}' matches no float initializer "
+                                    f"(initializers: {_first(list(floats))})")
+        return [v for n, v in floats.items() if any(fnmatch.fnmatchcase(n, p) for p in params)]
+    explicit = [v for v in graph.inputs if v.name in floats] if inputs_mark_params else []
     if explicit:
         return explicit
-    return {v for v in floats if v.is_graph_input() or (v.shape is not None and len(v.shape) >= 1)}
+    marked = torch_parameter_names(graph)
+    if marked is not None:
+        return [v for n, v in floats.items() if n in marked]
+    return [v for v in floats.values() if v.shape is not None and len(v.shape) >= 1]
+
+
+def _first(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (", ..." if len(names) > 8 else "")
 
 
 @dataclasses.dataclass
@@ -39,16 +59,25 @@ class SelectParametersPass(ir.passes.InPlacePass):
 
     Rules:
 
-    1. When the model marks parameters explicitly (float graph inputs with same-named
-       initializers, as ``torch.onnx`` with parameters as inputs produces), those are the
-       candidates; otherwise every float initializer of rank >= 1.
-    2. ``trainable_inputs`` patterns (fnmatch) add float graph inputs; a pattern that
-       matches none is an error.
-    3. ``freeze`` patterns keep candidates fixed; a pattern that matches no candidate is an
+    1. ``params`` patterns (fnmatch), when given, name the candidates: every float
+       initializer that one matches, nothing inferred; a pattern that matches none is an
+       error naming the first initializers. Float graph inputs with initializers that no
+       pattern matches become constants (they leave the inputs).
+    2. Otherwise, when the model marks parameters explicitly (float graph inputs with
+       same-named initializers, as ``torch.onnx`` with parameters as inputs produces), those
+       are the candidates.
+    3. Otherwise, when torch's dynamo exporter wrote the graph, the initializers it marks as
+       parameters (``UntieExportedParametersPass`` has given merged ones back): buffers
+       (rotary ``inv_freq``), lifted constants and what its optimizer folded (attention
+       masks such as ``val_74``, rotary caches) are constants.
+    4. Otherwise every float initializer of rank >= 1.
+    5. ``trainable_inputs`` patterns add float graph inputs; a pattern that matches none is
+       an error.
+    6. ``freeze`` patterns keep candidates fixed; a pattern that matches no candidate is an
        error naming the first candidates. A frozen parameter that was a graph input becomes
        a constant (it leaves the inputs).
-    4. Every parameter is a graph input. No parameter at all is an error.
-    5. Values named in ``exclude`` (BatchNorm running statistics: state, not parameters) are
+    7. Every parameter is a graph input. No parameter at all is an error.
+    8. Values named in ``exclude`` (BatchNorm running statistics: state, not parameters) are
        never parameters.
 
     Example:
@@ -64,8 +93,9 @@ class SelectParametersPass(ir.passes.InPlacePass):
     """
 
     def __init__(self, freeze: Sequence[str] = (), trainable_inputs: Sequence[str] = (),
-                 exclude: Collection[str] = (), *, inputs_mark_params: bool) -> None:
+                 exclude: Collection[str] = (), *, inputs_mark_params: bool, params: Sequence[str] = ()) -> None:
         super().__init__()
+        self.params = tuple(params)
         self.freeze = tuple(freeze)
         self.trainable_inputs = tuple(trainable_inputs)
         self.exclude = frozenset(exclude)
@@ -76,13 +106,14 @@ class SelectParametersPass(ir.passes.InPlacePass):
         candidates = self._candidates(graph)
         for pattern in self.freeze:
             if not any(fnmatch.fnmatchcase(name_of(v), pattern) for v in candidates):
-                raise GradientError(
-                    f"freeze pattern '{pattern}' matches no parameter (parameters: "
-                    f"{', '.join(name_of(v) for v in candidates[:8])}{', ...' if len(candidates) > 8 else ''})"
-                )
+                raise GradientError(f"freeze pattern '{pattern}' matches no parameter "
+                                    f"(parameters: {_first([name_of(v) for v in candidates])})")
         params = [v for v in candidates if not any(fnmatch.fnmatchcase(name_of(v), p) for p in self.freeze)]
         inputs_before = list(graph.inputs)
-        for v in candidates:
+        dropped = candidates
+        if self.params:  # parameters the patterns leave out are constants too
+            dropped = [v for v in graph.inputs if v.is_initializer() and v.dtype in FLOAT_TYPES]
+        for v in dropped:
             if v not in params and v.is_graph_input() and v.is_initializer():
                 graph.inputs.remove(v)  # a frozen parameter is a constant
         for v in params:
@@ -96,13 +127,8 @@ class SelectParametersPass(ir.passes.InPlacePass):
         return ParametersResult(model, list(graph.inputs) != inputs_before, params)
 
     def _candidates(self, graph: ir.Graph) -> list[ir.Value]:
-        """Rules 1, 2 and 5."""
-        floats = {n: v for n, v in graph.initializers.items() if v.dtype in FLOAT_TYPES and n not in self.exclude}
-        explicit = [v for v in graph.inputs if v.name in floats] if self.inputs_mark_params else []
-        if explicit:
-            candidates = explicit
-        else:
-            candidates = [v for v in floats.values() if v.shape is not None and len(v.shape) >= 1]
+        """Rules 1 to 5 and 8."""
+        candidates = _inferred(graph, self.inputs_mark_params, self.params, self.exclude)
         for pattern in self.trainable_inputs:
             matched = [v for v in graph.inputs if fnmatch.fnmatchcase(name_of(v), pattern)
                        and v.dtype in FLOAT_TYPES and v not in candidates and v.name not in self.exclude]
