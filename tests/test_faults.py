@@ -597,6 +597,38 @@ def test_full_disk_keeps_the_last_good_checkpoint(files: dict[str, Path], tmp_pa
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
+def test_a_failing_last_checkpoint_still_writes_metrics_plot_and_summary(files: dict[str, Path], tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch):
+    """With the disk full after the first checkpoint, every later one once printed its own
+    warning (1,200 lines in one run), and the failing last one lost --metrics, --plot and the
+    summary line: one warning, one count at the end, then the reports, then the error."""
+    import mpgraph.runtime.checkpoint as checkpoint_module
+    from mpgraph.errors import OutputError
+
+    real = checkpoint_module.write_atomic
+
+    def full_after_the_first(path: str | os.PathLike[str], data: bytes) -> None:
+        if Path(path).suffix == ".npz" and Path(path).exists():
+            raise OutputError(f"{path}: cannot write (No space left on device)")
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint_module, "write_atomic", full_after_the_first)
+    # The plot's own writer (matplotlib's first import costs a second); the call is what counts.
+    monkeypatch.setattr(importlib.import_module("mpgraph.cli.plots"), "plot_losses",
+                        lambda runs, path, title: Path(path).write_bytes(b"png"))
+    ckpt, metrics, plot = tmp_path / "c.npz", tmp_path / "m.json", tmp_path / "p.png"
+    code, text = run("train", str(files["step"]), "--data", str(_data(tmp_path)), "--steps", "12", "--batch", "16", "-q",
+                     "--no-eval", "--checkpoint", str(ckpt), "--checkpoint-every", "1", "--metrics", str(metrics),
+                     "--plot", str(plot))
+    one_error_line(code, text, "checkpoint at step 12 not written")
+    warnings = [line for line in text.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 2, text
+    assert "checkpoint at step 2 not written" in warnings[0] and "later failures are counted" in warnings[0]
+    assert "11 periodic checkpoints were not written (steps 2 to 12); the last good checkpoint holds step 1" in warnings[1]
+    assert "12 steps in" in text and f"wrote {metrics}, {plot}" in text
+    assert json.loads(metrics.read_text())["summary"]["steps"] == 12 and plot.stat().st_size > 0
+
+
 def test_stale_temporaries_of_a_killed_run_are_removed(files: dict[str, Path], tmp_path: Path):
     dead = 2**22 + 12345  # above Linux's default pid_max: no such process
     stale = [tmp_path / f".c.npz.{dead}.abcd1234.tmp", tmp_path / f".c.metrics.jsonl.{dead}.x.tmp",

@@ -10,7 +10,9 @@ A run never loses its work (``mpgraph.runtime.trainer.run_training``):
    write the checkpoint, metrics and plot, and exit 130 / 143; ``--resume`` continues bit for
    bit. A second signal stops at once without writing (the last checkpoint is kept).
 2. A checkpoint that cannot be written (a full disk) keeps the last good one and says which
-   step it holds; at ``--checkpoint-every`` the run goes on, at the end it is an error.
+   step it holds; at ``--checkpoint-every`` the run goes on (one warning, and one line at the
+   end that counts the later failures); at the end it is an error, after the metrics, the
+   plot and the summary are written as usual.
 3. Non-finite data or a non-finite loss stops the run at that step (``--on-nonfinite stop``,
    the state checkpointed is that of the last good step) or skips the step (``skip``).
 """
@@ -221,7 +223,7 @@ def train(
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
     from mpgraph.cli.main import console, err_console
     from mpgraph.errors import CheckpointError, TrainingError
-    from mpgraph.runtime.trainer import run_training
+    from mpgraph.runtime.trainer import FinalCheckpointError, run_training
 
     _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
     trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
@@ -238,24 +240,32 @@ def train(
     start_step = trainer.steps
 
     def warn(e: CheckpointError) -> None:
-        err_console.print(f"[yellow]warning:[/] {escape(str(e))}; training goes on", highlight=False, soft_wrap=True)
+        err_console.print(f"[yellow]warning:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
 
+    unwritten: FinalCheckpointError | None = None
     with _progress(steps, start_step, quiet) as on_step:
         try:
             stop, elapsed = run_training(trainer, dataset, steps, lr, batch_size=batch, seed=seed, on_nonfinite=on_nonfinite,
                                 checkpoint=checkpoint, checkpoint_every=checkpoint_every, callback=on_step,
                                 on_checkpoint_error=warn, what=str(step))
-        except TrainingError:
+        except FinalCheckpointError as e:  # the steps are done: report them, then the error
+            unwritten, stop, elapsed = e, e.stop, e.seconds
+        except (TrainingError, CheckpointError):
             _write_reports(trainer, step, data, metrics, plot)
             raise
     _write_reports(trainer, step, data, metrics, plot)
     if stop():
-        where = (f"checkpoint {checkpoint} written (resume with --resume {checkpoint})" if checkpoint is not None
+        where = ("the checkpoint could not be written (below)" if unwritten is not None
+                 else f"checkpoint {checkpoint} written (resume with --resume {checkpoint})" if checkpoint is not None
                  else "no --checkpoint given, so the trained state is not saved")
         err_console.print(f"stopped by {stop.name} after step {trainer.steps}: {escape(where)}", highlight=False,
                           soft_wrap=True)
+        if unwritten is not None:
+            raise unwritten
         raise typer.Exit(130 if stop.name == "SIGINT" else 143)
     line = _summary(trainer, dataset, data, trainer.steps - start_step, elapsed, evaluate)
-    written = [str(p) for p in (checkpoint, metrics, plot) if p is not None]
+    written = [str(p) for p in (None if unwritten else checkpoint, metrics, plot) if p is not None]
     console.print(line + (f"; wrote {', '.join(written)}" if written else ""), highlight=False, soft_wrap=True)
+    if unwritten is not None:
+        raise unwritten
 

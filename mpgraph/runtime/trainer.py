@@ -83,6 +83,7 @@ __all__ = [
     "run_training",
     "stop_on_signals",
     "StopRequest",
+    "FinalCheckpointError",
     "NONFINITE_MODES",
     "COLLAPSE_SKIPS",
     "PIPELINE_MAX_STATE_MIB",
@@ -99,6 +100,19 @@ PIPELINE_MAX_STATE_MIB = 512
 COLLAPSE_SKIPS = 20
 #: ``fit``'s batch size and shuffle seed when neither the call nor a resumed checkpoint gives one.
 DEFAULT_BATCH_SIZE, DEFAULT_SEED = 64, 0
+
+
+class FinalCheckpointError(CheckpointError):
+    """``run_training`` finished its steps but the checkpoint at the end was not written.
+
+    The run itself is done: ``stop`` and ``seconds`` are what ``run_training`` would have
+    returned, so a caller can still write its reports and summary before the error.
+    """
+
+    def __init__(self, message: str, stop: StopRequest, seconds: float) -> None:
+        super().__init__(message)
+        self.stop = stop
+        self.seconds = seconds
 
 
 def _is_count(value: Any) -> bool:
@@ -1196,10 +1210,12 @@ def run_training(
     Rules:
         1. SIGINT and SIGTERM finish the step in flight and end the run (the request says
            which signal); a second signal stops at once, without writing anything.
-        2. With ``checkpoint``, the state is checkpointed every ``checkpoint_every`` steps
-           (a failed write goes to ``on_checkpoint_error`` and the run goes on), when a
-           non-finite step stops the run, and at the end.
-        3. An ONNX Runtime failure becomes one line naming the step and the node.
+        2. With ``checkpoint``, the state is checkpointed every ``checkpoint_every`` steps,
+           when a non-finite step stops the run, and at the end.
+        3. A periodic checkpoint that cannot be written (a full disk) does not stop the run:
+           the first failure goes to ``on_checkpoint_error``, later ones are counted and told
+           once when the steps end (a run checkpointing every step once printed 1,200 lines).
+        4. An ONNX Runtime failure becomes one line naming the step and the node.
 
     Args:
         trainer: The trainer to run.
@@ -1212,8 +1228,8 @@ def run_training(
         checkpoint: Where to checkpoint (``None``: nowhere).
         checkpoint_every: Also checkpoint every N steps (0: only at the end).
         callback: Called after every step with the step number and its result.
-        on_checkpoint_error: Told of a periodic checkpoint that could not be written
-            (``None``: a logged warning).
+        on_checkpoint_error: Told of the first periodic checkpoint that could not be
+            written, and of how many more were not (``None``: logged warnings).
         what: The graph's name in error messages (e.g. its path).
 
     Returns:
@@ -1223,9 +1239,18 @@ def run_training(
     Raises:
         TrainingError: A non-finite batch or loss with ``on_nonfinite="stop"`` (the message
             says which checkpoint was written).
-        CheckpointError: The checkpoint at the end cannot be written.
+        FinalCheckpointError: The steps ran but the checkpoint at the end cannot be written
+            (it carries the stop request and the seconds).
+        CheckpointError: The checkpoint of a run stopped by a non-finite step cannot be written.
         MpgraphError: A second signal, or an ONNX Runtime failure.
     """
+    unwritten: list[int] = []  # steps whose periodic checkpoint failed
+
+    def tell(e: CheckpointError) -> None:
+        if on_checkpoint_error is None:
+            logger.warning("%s", e)
+        else:
+            on_checkpoint_error(e)
 
     def on_step(n: int, result: StepResult) -> None:
         if callback is not None:
@@ -1234,16 +1259,23 @@ def run_training(
             try:
                 trainer.save_checkpoint(checkpoint)
             except CheckpointError as e:  # a full disk: keep training, keep the last good one
-                if on_checkpoint_error is None:
-                    logger.warning("%s; training goes on", e)
-                else:
-                    on_checkpoint_error(e)
+                unwritten.append(n)
+                if len(unwritten) == 1:
+                    tell(CheckpointError(f"{e}; training goes on (later failures are counted, not repeated)"))
 
     began = time.perf_counter()
     try:
         with stop_on_signals() as stop:
-            trainer.fit(data, steps, lr, batch_size=batch_size, seed=seed, callback=on_step,
-                        on_nonfinite=on_nonfinite, stop=stop)
+            try:
+                trainer.fit(data, steps, lr, batch_size=batch_size, seed=seed, callback=on_step,
+                            on_nonfinite=on_nonfinite, stop=stop)
+            finally:
+                if len(unwritten) > 1:
+                    last = trainer.last_checkpoint_step
+                    tell(CheckpointError(
+                        f"{len(unwritten)} periodic checkpoints were not written (steps {unwritten[0]} to "
+                        f"{unwritten[-1]}); " + (f"the last good checkpoint holds step {last}" if last is not None
+                                                 else "no checkpoint of this run was written")))
     except KeyboardInterrupt:
         last = trainer.last_checkpoint_step
         raise MpgraphError(
@@ -1264,5 +1296,8 @@ def run_training(
         raise error from e
     seconds = time.perf_counter() - began
     if checkpoint is not None:
-        trainer.save_checkpoint(checkpoint)
+        try:
+            trainer.save_checkpoint(checkpoint)
+        except CheckpointError as e:
+            raise FinalCheckpointError(str(e), stop, seconds) from e
     return stop, seconds
