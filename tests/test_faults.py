@@ -629,6 +629,36 @@ def test_a_failing_last_checkpoint_still_writes_metrics_plot_and_summary(files: 
     assert json.loads(metrics.read_text())["summary"]["steps"] == 12 and plot.stat().st_size > 0
 
 
+def test_a_checkpoint_without_its_history_resumes_and_says_the_history_is_lost(files: dict[str, Path], tmp_path: Path,
+                                                                              caplog: pytest.LogCaptureFixture):
+    """Copied without its .metrics.jsonl, a checkpoint once resumed with the history silently
+    gone. The state still continues the run bit for bit, so it resumes, with a warning."""
+    import logging
+    import shutil
+
+    from mpgraph.runtime.checkpoint import metrics_path
+
+    copy = tmp_path / "copied.npz"
+    shutil.copy(files["ckpt"], copy)
+    args = ["train", str(files["step"]), "--data", str(files["npz_good"]), "--steps", "1", "-q", "--no-eval",
+            "--resume", str(copy)]
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.checkpoint"):
+        code, text = run(*args)
+    assert code == 0, text
+    lost = [r.getMessage() for r in caplog.records if "losses of 2 earlier step(s) are lost" in r.getMessage()]
+    assert len(lost) == 1 and f"{metrics_path(copy)} is missing" in lost[0], caplog.text
+    caplog.clear()
+    metrics_path(copy).write_text(metrics_path(files["ckpt"]).read_text().splitlines()[0] + "\n")  # step 1 only
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.checkpoint"):
+        code, text = run(*args)
+    assert code == 0, text
+    assert "holds 1 of its 2 steps, so the losses of 1 earlier step(s) are lost" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.checkpoint"):
+        assert run(*args[:-1], str(files["ckpt"]))[0] == 0  # the whole history: no warning
+    assert "are lost" not in caplog.text
+
+
 def test_stale_temporaries_of_a_killed_run_are_removed(files: dict[str, Path], tmp_path: Path):
     dead = 2**22 + 12345  # above Linux's default pid_max: no such process
     stale = [tmp_path / f".c.npz.{dead}.abcd1234.tmp", tmp_path / f".c.metrics.jsonl.{dead}.x.tmp",

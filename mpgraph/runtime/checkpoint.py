@@ -13,6 +13,10 @@ Rules:
    write (a full disk) keeps the previous one and says which step it holds.
 2. Reading checks the metadata key by key (type and range), then the fingerprint, the state
    names, and every array's shape and dtype, before anything is restored.
+3. A checkpoint copied without its history file (or with a history that ends before its
+   step) still resumes: the state alone continues the run bit for bit. What is lost is the
+   record of the earlier steps' losses, so a warning says how many steps it misses; the
+   resumed run's metrics, ``--metrics`` and ``--plot`` start after them.
 
 Example:
     >>> metrics_path("runs/run.ckpt.npz").as_posix()
@@ -24,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -37,6 +42,8 @@ import onnx_ir as ir
 from mpgraph.errors import CheckpointError, OutputError
 from mpgraph.io import write_atomic
 from mpgraph.runtime.metrics import COLUMNS, Metrics
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["graph_fingerprint", "metrics_path", "write_checkpoint", "read_checkpoint", "MetricsLog", "FORMAT"]
 
@@ -244,7 +251,15 @@ def _history(p: Path, meta: Mapping[str, Any]) -> Metrics:
             history = Metrics.from_dict(meta["metrics"])
         except (KeyError, TypeError, ValueError):
             history = None
-    return history if history is not None else Metrics()
+    history = history if history is not None else Metrics()
+    missing = meta["steps"] - len(history)
+    if missing > 0:
+        where = metrics_path(p)
+        held = "is missing" if not where.exists() else f"holds {len(history)} of its {meta['steps']} steps"
+        logger.warning("%s: its metrics history %s %s, so the losses of %d earlier step(s) are lost (the state resumes "
+                       "bit for bit; the run's metrics, --metrics and --plot start after them); keep the .metrics.jsonl "
+                       "next to the checkpoint when copying it", p, where, held, missing)
+    return history
 
 
 def _read_metrics_file(path: Path, steps: int) -> Metrics | None:
