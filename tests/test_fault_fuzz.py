@@ -12,8 +12,11 @@ Rules checked for every run:
     2. No traceback, and at most one ``error:`` line.
     3. A model that ``convert`` writes passes ``onnx.checker`` (full check).
 
-``MPGRAPH_FUZZ_MUTANTS`` sets the number of mutants (default 240, about 40 s on the 2-core
-machine; the slow test runs 500).
+Mutant ``i`` is drawn from its own generator, ``random.Random(i)``, so any slice of the range
+runs alone: mutants 0-239 run in two chunks on every run, 240-739 in four chunks under
+``--runslow`` (the slow range continues the quick one, so no mutant number runs twice, and
+pytest-xdist spreads the chunks). ``MPGRAPH_FUZZ_MUTANTS`` moves the end of the quick range
+(default 240). All 740 take about 27 s of CPU on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -27,9 +30,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from typer.testing import CliRunner
 
-from mpgraph.cli.main import app
+from tests.test_faults import run
 
 ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
 MODELS = ("tiny_mlp.onnx", "tiny_mlp.loss.onnx", "wide_mlp.onnx", "dqn_cnn.onnx", "dqn_cnn.loss.onnx",
@@ -212,23 +214,23 @@ def _write(mutant: bytes | onnx.ModelProto, path: Path) -> None:
 
 
 def _check_run(args: list[str], label: str) -> tuple[int, str]:
-    result = CliRunner().invoke(app, args)
-    text = result.output
-    assert result.exit_code in (0, 2), f"{label}: {args[0]} exit {result.exit_code}: {text[-600:]}"
+    code, text = run(*args)
+    assert code in (0, 2), f"{label}: {args[0]} exit {code}: {text[-600:]}"
     assert "Traceback" not in text, f"{label}: {text[-600:]}"
     assert text.count("error:") <= 1, f"{label}: {text[-600:]}"
-    return result.exit_code, text
+    return code, text
 
 
-def run_mutants(count: int, seed: int, bases: dict[str, onnx.ModelProto], root: Path) -> dict[str, int]:
-    """Mutate and run ``count`` models; returns exit-code counts (assertions fail on the first bad one)."""
-    rng = random.Random(seed)
+def run_mutants(mutants: range, bases: dict[str, onnx.ModelProto], root: Path) -> dict[str, int]:
+    """Mutate and run the models numbered ``mutants``; returns exit-code counts (assertions fail
+    on the first bad one)."""
     names = sorted(bases)
     data = root / "tiny.npz"
-    np.savez(data, x=np.random.default_rng(seed).standard_normal((16, 4)).astype(np.float32),
+    np.savez(data, x=np.random.default_rng(0).standard_normal((16, 4)).astype(np.float32),
              label=np.arange(16, dtype=np.int64) % 2)
     counts = {"mutants": 0, "rejected": 0, "converted": 0}
-    for i in range(count):
+    for i in mutants:
+        rng = random.Random(i)
         base_name = names[i % len(names)]
         mutation = MUTATIONS[rng.randrange(len(MUTATIONS))]
         folder = root / f"m{i}"
@@ -238,7 +240,7 @@ def run_mutants(count: int, seed: int, bases: dict[str, onnx.ModelProto], root: 
         mutant = mutation(model, rng, folder)
         path = folder / "model.onnx"
         _write(mutant if mutant is not None else model, path)
-        label = f"mutant {i} (seed {seed}, {mutation.__name__} of {base_name})"
+        label = f"mutant {i} ({mutation.__name__} of {base_name})"
         code, _ = _check_run(["audit", str(path), "--json"], label)
         out = folder / "out.onnx"
         code, _ = _check_run(["convert", str(path), "-p", rng.choice(["fp16", "bf16"]), "-o", str(out), "-q"]
@@ -256,21 +258,32 @@ def run_mutants(count: int, seed: int, bases: dict[str, onnx.ModelProto], root: 
     return counts
 
 
-def test_mutants_never_end_in_a_traceback(bases: dict[str, onnx.ModelProto], tmp_path: Path):
-    count = int(os.environ.get("MPGRAPH_FUZZ_MUTANTS", "240"))
-    counts = run_mutants(count, seed=10, bases=bases, root=tmp_path)
-    assert counts["mutants"] == count
+def _chunks(start: int, stop: int, n: int) -> list[range]:
+    """``range(start, stop)`` cut into ``n`` consecutive pieces."""
+    edges = [start + (stop - start) * k // n for k in range(n + 1)]
+    return [range(a, b) for a, b in zip(edges, edges[1:])]
+
+
+QUICK = _chunks(0, int(os.environ.get("MPGRAPH_FUZZ_MUTANTS", "240")), 2)
+SLOW = _chunks(QUICK[-1].stop, QUICK[-1].stop + 500, 4)
+
+
+@pytest.mark.parametrize("mutants", QUICK, ids=lambda r: f"{r.start}-{r.stop - 1}")
+def test_mutants_never_end_in_a_traceback(mutants: range, bases: dict[str, onnx.ModelProto], tmp_path: Path):
+    counts = run_mutants(mutants, bases=bases, root=tmp_path)
+    assert counts["mutants"] == len(mutants)
     # Both outcomes occur: the table is not all-rejecting (a broken loader) nor all-accepting.
-    assert counts["rejected"] > count // 4 and counts["converted"] > count // 20, counts
+    assert counts["rejected"] > len(mutants) // 4 and counts["converted"] > len(mutants) // 20, counts
 
 
 @pytest.mark.slow
-def test_500_mutants_never_end_in_a_traceback(bases: dict[str, onnx.ModelProto], tmp_path: Path):
-    counts = run_mutants(500, seed=2026, bases=bases, root=tmp_path)
-    assert counts["mutants"] == 500
+@pytest.mark.parametrize("mutants", SLOW, ids=lambda r: f"{r.start}-{r.stop - 1}")
+def test_500_more_mutants_never_end_in_a_traceback(mutants: range, bases: dict[str, onnx.ModelProto], tmp_path: Path):
+    counts = run_mutants(mutants, bases=bases, root=tmp_path)
+    assert counts["mutants"] == len(mutants)
 
 
 def test_every_mutation_is_exercised():
-    rng = random.Random(10)
-    picked = {MUTATIONS[rng.randrange(len(MUTATIONS))] for _ in range(240)}
+    """The quick range draws every mutation (mutant ``i`` picks it with ``random.Random(i)``)."""
+    picked = {MUTATIONS[random.Random(i).randrange(len(MUTATIONS))] for i in range(QUICK[0].start, QUICK[-1].stop)}
     assert picked == set(MUTATIONS)
