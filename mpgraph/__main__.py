@@ -1,5 +1,5 @@
 """``python -m mpgraph`` runs the CLI."""
 
-from mpgraph.cli.main import main
+from mpgraph.cli import main
 
 main()

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import re
 import time
@@ -153,19 +154,29 @@ def parse_objective(text: str) -> Objective:
     """
     kind, _, rest = text.partition(":")
     parts = rest.split(":") if rest else []
+    expected = "expected output[:TOL], grad[:TOL] or loss[:STEPS[:TOL]]"
+
+    def tol(p: str) -> float:
+        # A NaN tolerance compares false with every error: the search stopped after one
+        # conversion and wrote a policy that meets nothing.
+        value = float(p)
+        if not (math.isfinite(value) and value >= 0):
+            raise UsageError(f"bad objective '{text}': the tolerance must be a finite number >= 0, got {p}")
+        return value
+
     try:
         if kind == "output" and len(parts) <= 1:
-            return OutputTolerance(*(float(p) for p in parts))
+            return OutputTolerance(*(tol(p) for p in parts))
         if kind == "grad" and len(parts) <= 1:
-            return GradientTolerance(*(float(p) for p in parts))
+            return GradientTolerance(*(tol(p) for p in parts))
         if kind == "loss" and len(parts) <= 2:
             steps = int(parts[0]) if parts else 10
             if steps < 1:
                 raise ValueError
-            return LossAfterSteps(steps, *(float(p) for p in parts[1:]))
+            return LossAfterSteps(steps, *(tol(p) for p in parts[1:]))
     except ValueError:
         pass
-    raise UsageError(f"bad objective '{text}': expected output[:TOL], grad[:TOL] or loss[:STEPS[:TOL]]")
+    raise UsageError(f"bad objective '{text}': {expected}")
 
 
 @dataclasses.dataclass(frozen=True)

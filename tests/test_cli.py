@@ -317,3 +317,40 @@ def test_library_warnings_print_in_the_cli_style(capsys: pytest.CaptureFixture[s
         logger.propagate = True
     assert capsys.readouterr().err.splitlines() == [
         "warning: bf16.yaml: no such file; using the preset 'bf16'", "error: [red] stays text"]
+
+
+_INTERRUPT_AT_START = r"""
+import importlib, re, sys
+import typer.main
+entry = re.search(r'^mpgraph = "([\w.]+):(\w+)"', open("pyproject.toml").read(), re.M)
+if sys.argv[1] == "loading":  # Ctrl-C while the entry point imports the command line
+    for name in [m for m in sys.modules if m == "typer" or m.startswith(("typer.", "mpgraph.cli"))]:
+        del sys.modules[name]
+
+    class Interrupt:
+        def find_spec(self, name, path=None, target=None):
+            if name == "typer":
+                raise KeyboardInterrupt
+            return None
+
+    sys.meta_path.insert(0, Interrupt())
+else:  # Ctrl-C while typer builds the commands, before their error boundary
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    typer.main.get_command = interrupted
+sys.argv = ["mpgraph", "--help"]
+getattr(importlib.import_module(entry[1]), entry[2])()
+"""
+
+
+@pytest.mark.parametrize("when", ["loading", "building"])
+def test_ctrl_c_while_the_command_line_starts_is_one_line_exit_130(when: str):
+    """Ctrl-C in the first half second of `mpgraph train` printed a KeyboardInterrupt traceback:
+    the error boundary is installed after the imports. The entry point named in pyproject.toml
+    guards them too."""
+    root = Path(__file__).resolve().parents[1]
+    ran = subprocess.run([sys.executable, "-c", _INTERRUPT_AT_START, when], capture_output=True, text=True,
+                         timeout=60, cwd=root)
+    assert ran.returncode == 130 and "Traceback" not in ran.stderr, ran.stderr
+    assert ran.stderr.strip().splitlines() == ["interrupted"]

@@ -233,6 +233,12 @@ def _other_data(t: Path) -> str:
     return str(t / "other.npz")
 
 
+def _huge_number_policy(t: Path, key: str) -> str:
+    """A policy whose loss_scaling ``key`` is a 400-digit integer (once an internal error)."""
+    (t / "huge.yaml").write_text(f"extends: fp16\nloss_scaling: {{mode: dynamic, {key}: {'9' * 400}}}\n")
+    return str(t / "huge.yaml")
+
+
 def _device_link(t: Path, name: str) -> str:
     """A symlink to /dev/null (replacing the link is harmless if the refusal ever breaks)."""
     (t / name).symlink_to("/dev/null")
@@ -251,6 +257,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/out_is_dir": (lambda f, t: ["convert", str(f["model"]), "-o", str(t)], "is a directory"),
     "convert/out_fifo": (lambda f, t: ["convert", str(f["model"]), "-o", _fifo(t, "o.onnx")], "is a FIFO (named pipe), not a regular file"),
     "convert/out_device": (lambda f, t: ["convert", str(f["model"]), "-o", _device_link(t, "null")], "is a character device, not a regular file"),
+    "convert/out_new_folder": (lambda f, t: ["convert", str(f["model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/') that does not exist"),
+    "convert/policy_huge_interval": (lambda f, t: ["convert", str(f["model"]), "-p", _huge_number_policy(t, "growth_interval"), "-o", str(t / "o.onnx")], "growth_interval: invalid value 999999999999...(400 digits); expected an integer >= 1 and at most 2147483647"),
     "convert/out_is_input": (lambda f, t: ["convert", str(f["model"]), "-o", str(f["model"])], "output is the input file"),
     "convert/calibrate_empty": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_empty"])], "the file is empty"),
     "convert/calibrate_truncated": (lambda f, t: ["convert", str(f["model"]), "-o", str(t / "o.onnx"), "--calibrate", str(f["npz_truncated"])], "not a readable .npz"),
@@ -291,6 +299,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "compare/step_inputs_nan": (lambda f, t: ["compare", str(f["step"]), str(f["step"]), "--inputs", str(f["npz_nan"])], "'x' has 1 non-finite value(s)"),
     "tune/inputs_nan": (lambda f, t: ["tune", str(f["model"]), "--inputs", str(f["npz_nan_x"]), "-o", str(t / "p.yaml")], "--inputs"),
     "tune/inputs_zero_samples": (lambda f, t: ["tune", str(f["model"]), "--inputs", str(f["npz_zero_x"]), "-o", str(t / "p.yaml")], "'x' has no samples"),
+    "tune/objective_nan": (lambda f, t: ["tune", str(f["model"]), "--objective", "output:nan", "-o", str(t / "p.yaml")], "the tolerance must be a finite number >= 0, got nan"),
+    "tune/out_new_folder": (lambda f, t: ["tune", str(f["model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
     "advise-scale/data_nan": (lambda f, t: ["advise-scale", str(f["step"]), "--data", str(f["npz_nan"])], "'x' has 1 non-finite value(s)"),
     "compare/ext_symlink": (lambda f, t: ["compare", str(f["ext_link.bin"]), str(f["model"])], "is a symlink"),
     # train-graph
@@ -298,6 +308,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train-graph/lr_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--lr", "-1"], "--lr must be >= 0"),
     "train-graph/weight_decay_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--weight-decay", "nan"], "--weight-decay must be a finite number"),
     "train-graph/momentum_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--optimizer", "sgd", "--momentum", "-1"], "--momentum must be >= 0"),
+    "train-graph/out_new_folder": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
     "train-graph/already_step_graph": (lambda f, t: ["train-graph", str(f["step"]), "-o", str(t / "s.onnx")], "already a training step graph"),
     "train-graph/out_unwritable": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{P}/s.onnx"], "cannot write"),
     "train-graph/ext_missing": (lambda f, t: ["train-graph", str(f["ext_missing.bin"]), "-o", str(t / "s.onnx")], "not found"),
@@ -315,6 +326,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train/metrics_fifo": (lambda f, t: ["train", str(f["step"]), "--metrics", _fifo(t, "m.json")], "--metrics"),
     "train/checkpoint_device": (lambda f, t: ["train", str(f["step"]), "--checkpoint", _device_link(t, "c.npz")], "is a character device"),
     "train/metrics_suffix": (lambda f, t: ["train", str(f["step"]), "--metrics", str(t / "m.txt")], "must end in .csv or .json"),
+    "train/checkpoint_new_folder": (lambda f, t: ["train", str(f["step"]), "--checkpoint", f"{t}/runs/"], "--checkpoint"),
     "train/checkpoint_is_dir": (lambda f, t: ["train", str(f["step"]), "--checkpoint", str(t)], "is a directory"),
     # train: data
     "train/data_empty": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_empty"])], "the file is empty"),
@@ -352,6 +364,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "policy/check_recursive_alias": (lambda f, t: ["policy", "check", str(f["rec_yaml"])], "recursive alias"),
     "policy/check_alias_bomb": (lambda f, t: ["policy", "check", str(f["bomb_yaml"])], "refused before expanding"),
     "policy/init_force_fifo": (lambda f, t: ["policy", "init", "fp16", "-o", _fifo(t, "p.yaml"), "--force"], "is a FIFO"),
+    "policy/check_huge_number": (lambda f, t: ["policy", "check", _huge_number_policy(t, "init")], "loss_scaling.init: invalid value 999999999999...(400 digits); expected a number below 1.8e308"),
+    "policy/init_new_folder": (lambda f, t: ["policy", "init", "fp16", "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
     "policy/show_unknown": (lambda f, t: ["policy", "show", "bf17"], "unknown preset 'bf17'"),
     # check-grad
     "check-grad/inputs_empty": (lambda f, t: ["check-grad", str(f["loss_model"]), "--inputs", str(f["npz_empty"])], "the file is empty"),

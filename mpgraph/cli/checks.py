@@ -7,6 +7,7 @@ and what would be valid; the commands' error boundary prints it and exits with c
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,18 @@ def positive_int(value: int, flag: str, *, minimum: int = 1) -> int:
 
 
 def check_output_path(path: Path | None, flag: str) -> None:
-    """``path`` can be written: its folder exists and takes a file (probed), it is no folder."""
+    """``path`` can be written: its folder exists and takes a file (probed), it is no folder,
+    and it was not typed as one (``out/``, ``paths.output_path``)."""
     if path is None:
         return
+    from mpgraph.cli.paths import typed_as
+    from mpgraph.errors import OutputError
     from mpgraph.io import check_writable
 
+    typed = typed_as(path)
+    if typed.endswith(("/", os.sep)) and not path.is_dir():
+        raise OutputError(f"{flag} {typed}: names a folder (a trailing '/') that does not exist; create the folder "
+                          "and name a file in it, or drop the '/' to write a file")
     check_writable(path, flag)
 
 

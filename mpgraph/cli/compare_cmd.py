@@ -11,6 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from mpgraph.cli.console import console
+from mpgraph.cli.paths import output_path
 
 if TYPE_CHECKING:
     from mpgraph.audit import CompareReport
@@ -25,14 +26,14 @@ def compare_command(
     threshold: Annotated[float, typer.Option("--threshold", help="Relative error at which a value counts as diverged.")] = 1e-2,
     top: Annotated[int, typer.Option("--top", help="How many of the worst values to list.")] = 10,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
-    html: Annotated[Path | None, typer.Option("--html", help="Training step graphs: also write a self-contained HTML page of the error along the graph.")] = None,
+    html: Annotated[Path | None, typer.Option("--html", parser=output_path, metavar="PATH", help="Training step graphs: also write a self-contained HTML page of the error along the graph.")] = None,
 ) -> None:
     """Run both models on the same inputs and show where the numbers diverge, value by value.
 
     On two training step graphs: one step each, comparing the loss, every gradient, the update
     and every value, and naming the first backward node that diverges."""
     from mpgraph.audit import compare
-    from mpgraph.cli.checks import finite, read_inputs_npz
+    from mpgraph.cli.checks import check_output_path, finite, read_inputs_npz
     from mpgraph.cli.compare_train_cmd import compare_train_report, is_step_graph
     from mpgraph.errors import UsageError
     from mpgraph.io import load_model
@@ -43,6 +44,7 @@ def compare_command(
     ref_model = load_model(reference)
     cand_model = load_model(candidate)
     feeds = read_inputs_npz(inputs, ref_model, "--inputs") if inputs is not None else None
+    check_output_path(html, "--html")
     if is_step_graph(ref_model):
         return compare_train_report(ref_model, cand_model, feeds, threshold=threshold, top=top, as_json=as_json, html=html)
     if html is not None:

@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 
 from mpgraph.cli.console import console, err_console, human_bytes
+from mpgraph.cli.paths import output_path
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -23,7 +24,7 @@ __all__ = ["convert"]
 def convert(
     model: Annotated[Path, typer.Argument(help="Input .onnx model (inference or training graph).")],
     policy: Annotated[str, typer.Option("--policy", "-p", help="Preset name (fp32, fp16, bf16, torch-autocast, tf-amp) or a YAML file.")] = "bf16",
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.<policy>.onnx.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", parser=output_path, metavar="PATH", help="Output path; default IN.<policy>.onnx.")] = None,
     emulate: Annotated[bool, typer.Option("--emulate", help="CPU emulation: compute float32, round like the low dtype at every policy boundary.")] = False,
     calibrate: Annotated[str | None, typer.Option("--calibrate", help="Range check inputs: 'random' or an .npz of inputs. Default for float16: seeded random inputs; ops whose values exceed float16's range (or turn non-finite) stay float32.")] = None,
     no_calibrate: Annotated[bool, typer.Option("--no-calibrate", help="Skip the range check (float16 may then overflow to inf/NaN).")] = False,

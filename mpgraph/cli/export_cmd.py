@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from mpgraph.cli.console import console
+from mpgraph.cli.paths import output_path
 from mpgraph.errors import MpgraphError
 
 __all__ = ["export_command", "parse_input_spec"]
@@ -38,7 +39,7 @@ def parse_input_spec(spec: str) -> tuple[list[int], str]:
 def export_command(
     target: Annotated[str, typer.Argument(help="FILE.py:ClassName of a torch.nn.Module constructible without arguments. FILE.py is imported, i.e. its code runs, as with `python FILE.py`: export only code you trust.")],
     inputs: Annotated[list[str], typer.Option("--input", "-i", help="Example input shape, batch first: 64x4 or 8x16:int64; repeat for several inputs.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="Output .onnx path.")],
+    output: Annotated[Path, typer.Option("--output", "-o", parser=output_path, metavar="PATH", help="Output .onnx path.")],
     loss: Annotated[str | None, typer.Option("--loss", help="Attach a loss: cross_entropy or mse.")] = None,
     train_mode: Annotated[bool, typer.Option("--train/--eval", help="Export train-mode behaviour (BatchNorm batch statistics) or eval mode.")] = True,
     opset: Annotated[int, typer.Option("--opset", help="Default-domain opset (18-22).")] = 18,

@@ -153,8 +153,12 @@ app = _build_app()
 def main() -> None:
     from mpgraph.cli.console import MessageHandler
 
-    logging.basicConfig(level=logging.WARNING, handlers=[MessageHandler()])
-    app()
+    try:
+        logging.basicConfig(level=logging.WARNING, handlers=[MessageHandler()])
+        app()
+    except KeyboardInterrupt:  # while typer builds the commands, before their error boundary
+        err_console.print("[bold red]interrupted[/]")
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from mpgraph.cli.console import console
+from mpgraph.cli.paths import output_path
 
 __all__ = ["policy_show", "policy_list", "policy_check", "policy_init"]
 
@@ -57,15 +58,17 @@ def policy_check(path: Annotated[Path, typer.Argument(help="Policy YAML file.")]
 
 def policy_init(
     source: Annotated[str, typer.Argument(help="Preset name (bf16, fp16, ...) or a policy YAML to start from.")],
-    output: Annotated[Path, typer.Option("--output", "-o", help="The YAML file to write.")],
+    output: Annotated[Path, typer.Option("--output", "-o", parser=output_path, metavar="PATH", help="The YAML file to write.")],
     force: Annotated[bool, typer.Option("--force", help="Overwrite OUTPUT if it exists.")] = False,
 ) -> None:
     """Write a self-contained, commented copy of a policy to edit, then use with --policy OUTPUT."""
+    from mpgraph.cli.checks import check_output_path
     from mpgraph.errors import UsageError
     from mpgraph.io import write_atomic
     from mpgraph.policy import list_presets, load_policy
     from mpgraph.policy.writer import policy_yaml
 
+    check_output_path(output, "-o")
     if output.exists() and not force:
         raise UsageError(f"{output}: exists; pass --force to overwrite it")
     policy = load_policy(source)

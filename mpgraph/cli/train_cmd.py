@@ -36,6 +36,7 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from mpgraph.cli.paths import output_path
 from mpgraph.errors import MpgraphError
 
 if TYPE_CHECKING:
@@ -202,11 +203,11 @@ def train(
     lr: Annotated[float | None, typer.Option("--lr", help="Learning rate; default: the graph's lr initializer.")] = None,
     batch: Annotated[int | None, typer.Option("--batch", "-b", help="Batch size (default 64; after --resume: the checkpoint's).")] = None,
     provider: Annotated[str, typer.Option("--provider", help="cpu or cuda.")] = "cpu",
-    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", help="Write a checkpoint (.npz) here at the end (and every --checkpoint-every steps).")] = None,
+    checkpoint: Annotated[Path | None, typer.Option("--checkpoint", parser=output_path, metavar="PATH", help="Write a checkpoint (.npz) here at the end (and every --checkpoint-every steps).")] = None,
     checkpoint_every: Annotated[int, typer.Option("--checkpoint-every", help="Also checkpoint every N steps (0: only at the end).")] = 0,
     resume: Annotated[Path | None, typer.Option("--resume", help="Continue from this checkpoint (must come from the same graph).")] = None,
-    metrics: Annotated[Path | None, typer.Option("--metrics", help="Per-step metrics: .csv, or .json with a summary.")] = None,
-    plot: Annotated[Path | None, typer.Option("--plot", help="PNG of the loss curve.")] = None,
+    metrics: Annotated[Path | None, typer.Option("--metrics", parser=output_path, metavar="PATH", help="Per-step metrics: .csv, or .json with a summary.")] = None,
+    plot: Annotated[Path | None, typer.Option("--plot", parser=output_path, metavar="PATH", help="PNG of the loss curve.")] = None,
     seed: Annotated[int | None, typer.Option("--seed", help="Data shuffle (and generated data) seed (default 0; after --resume: the checkpoint's).")] = None,
     threads: Annotated[int | None, typer.Option("--threads", help="ORT intra-op threads.")] = None,
     allow_cpu_fallback: Annotated[bool, typer.Option("--allow-cpu-fallback", help="cuda: run even if float nodes are placed on CPU.")] = False,

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from mpgraph.cli.paths import output_path
 from mpgraph.errors import MpgraphError
 
 __all__ = ["train_graph_command"]
@@ -14,7 +15,7 @@ __all__ = ["train_graph_command"]
 
 def train_graph_command(
     model: Annotated[Path, typer.Argument(help="Forward .onnx model.")],
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Output path; default IN.train.onnx.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", parser=output_path, metavar="PATH", help="Output path; default IN.train.onnx.")] = None,
     optimizer: Annotated[str, typer.Option("--optimizer", help="sgd, adam or adamw.")] = "adamw",
     loss: Annotated[str | None, typer.Option("--loss", help="cross_entropy, mse, or the name of a loss output (default: the output named 'loss', else the only output when it is a float scalar).")] = None,
     freeze: Annotated[list[str] | None, typer.Option("--freeze", help="fnmatch pattern of parameters to keep fixed (repeatable).")] = None,

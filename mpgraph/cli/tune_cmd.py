@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from mpgraph.cli.console import console, err_console
+from mpgraph.cli.paths import output_path
 
 __all__ = ["tune_command"]
 
@@ -21,7 +22,7 @@ def tune_command(
     objective: Annotated[str, typer.Option("--objective", help="output[:TOL] (every output within TOL relative error, default 2e-3), grad[:TOL] (step graphs: every gradient after one step) or loss[:STEPS[:TOL]] (step graphs: loss after STEPS steps).")] = "output:2e-3",
     inputs: Annotated[Path | None, typer.Option("--inputs", help=".npz of inputs keyed by input name; default: seeded random.")] = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the random inputs.")] = 0,
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Policy YAML to write; default MODEL.<policy>.tuned.yaml.")] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", parser=output_path, metavar="PATH", help="Policy YAML to write; default MODEL.<policy>.tuned.yaml.")] = None,
     max_evals: Annotated[int, typer.Option("--max-evals", help="Stop after this many conversions.")] = 500,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
 ) -> None:
@@ -29,6 +30,7 @@ def tune_command(
     import dataclasses
     import json
 
+    from mpgraph.cli.checks import check_output_path
     from mpgraph.data import check_inputs, read_npz
     from mpgraph.errors import UsageError
     from mpgraph.io import write_atomic
@@ -40,6 +42,7 @@ def tune_command(
     goal = parse_objective(objective)
     pol = load_policy(policy)
     out = output or model.with_name(f"{model.stem}.{pol.name}.tuned.yaml")
+    check_output_path(out, "-o")  # before the search, not after it
     feeds = read_npz(inputs) if inputs is not None else None
     if feeds is not None:
         check_inputs(feeds, f"--inputs {inputs}")

@@ -306,6 +306,11 @@ def _check_op_type(doc: _Doc, keypath: tuple[str, ...], op_type: str) -> None:
 _FLOAT_RE = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
 
 
+#: The largest ``growth_interval``: the graph counts finite steps in float32 (exact to 2**24),
+#: and no run reaches 2**31 steps.
+_MAX_INTERVAL = 2**31 - 1
+
+
 def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = False) -> float:
     if not integer and isinstance(value, str) and _FLOAT_RE.fullmatch(value):
         value = float(value)
@@ -313,6 +318,12 @@ def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = 
     if isinstance(value, bool) or not ok:
         kind = "an integer" if integer else "a number"
         doc.fail(keypath, f"invalid value {value!r}; expected {kind}")
+    if not integer:
+        try:
+            float(value)
+        except OverflowError:  # a YAML integer of hundreds of digits
+            text = str(value)
+            doc.fail(keypath, f"invalid value {text[:12]}...({len(text)} digits); expected a number below 1.8e308")
     return value
 
 
@@ -509,8 +520,9 @@ def _parse_loss_scaling(doc: _Doc, data: dict[str, Any], base: Policy | None) ->
             values[key] = _choice(doc, kp, value, LOSS_SCALING_MODES)
         elif key == "growth_interval":
             values[key] = int(_number(doc, kp, value, integer=True))
-            if values[key] < 1:
-                doc.fail(kp, f"invalid value {value!r}; expected an integer >= 1")
+            if not 1 <= values[key] <= _MAX_INTERVAL:
+                text = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}...({len(str(value))} digits)"
+                doc.fail(kp, f"invalid value {text}; expected an integer >= 1 and at most {_MAX_INTERVAL}")
         else:
             values[key] = float(_number(doc, kp, value))
     loss = LossScaling(**values)
