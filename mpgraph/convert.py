@@ -18,7 +18,7 @@ from mpgraph._ir.meta import Phase, Precision
 from mpgraph.data import check_inputs, random_feeds, read_npz
 from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import MpgraphError
-from mpgraph.io import ModelLike, as_model, load_model, save_model
+from mpgraph.io import ModelLike, as_model, check_node_order, load_model, save_model
 from mpgraph.passes import Pipeline
 from mpgraph.passes.assign_precision import AssignPrecisionPass, Decision, record_decision
 from mpgraph.passes.calibrate_range import CalibrateRangePass
@@ -158,6 +158,7 @@ def _convert(
     target: str,
 ) -> ir.Model:
     ir_model = as_model(model)
+    check_node_order(ir_model, "model")
     if _emulated_already(ir_model, pol, emulate):
         return ir_model
     ir_model.metadata_props.setdefault(md.MODEL_WEIGHT_BYTES_BEFORE, str(float_weight_bytes(ir_model)))
@@ -301,7 +302,17 @@ def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec, proto:
     """Measure ranges per ``calibrate`` on ``proto`` (``model`` serialized); ``None`` if skipped."""
     auto = isinstance(calibrate, str) and calibrate == "auto"
     if calibrate is True or (isinstance(calibrate, str) and calibrate in ("auto", "random")):
-        feeds, source = random_feeds(model, seed=0), "random inputs, seed 0"
+        source = "random inputs, seed 0"
+        try:
+            feeds = random_feeds(model, seed=0)
+        except MpgraphError as e:
+            # A model that declares a huge or negative input dimension converted before the
+            # range check was on by default; it still does, unchecked, and says why.
+            if not auto:
+                raise type(e)(f"range check: {e} (--calibrate FILE.npz)") from None
+            logger.warning("range check skipped (%s); the %s model is not range-checked, --calibrate FILE.npz gives "
+                           "inputs, --no-calibrate silences this", e, policy.dtype.name.lower())
+            return None
     else:
         if isinstance(calibrate, (str, os.PathLike)):
             feeds, source = read_npz(calibrate), str(calibrate)
@@ -475,8 +486,10 @@ def convert_file(
     if dst_p.exists() and src_p.exists() and dst_p.resolve() == src_p.resolve() and not overwrite_input:
         raise MpgraphError(f"{dst_p}: output is the input file; pass a different -o (or --overwrite-input)")
     pol = load_policy(policy)
+    loaded = load_model(src_p)
+    check_node_order(loaded, src_p)
     model = convert(
-        load_model(src_p), pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset,
+        loaded, pol, emulate=emulate, validate=validate, calibrate=calibrate, upgrade_opset=upgrade_opset,
         target=target,
     )
     save_model(model, dst_p)

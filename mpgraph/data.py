@@ -35,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -545,6 +546,11 @@ def index_bound(value: ir.Value) -> int | None:
     return min(bounds) if bounds else None
 
 
+#: The most bytes of random inputs ``random_feeds`` makes: a model that declares a huge input
+#: dimension (2**31 rows) once ran out of memory, or into numpy's size limit, in the range check.
+RANDOM_FEEDS_BYTES = 1 << 30
+
+
 def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np.ndarray]:
     """Seeded sample inputs that respect the model; dynamic dims become ``batch``.
 
@@ -552,6 +558,10 @@ def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np
     classes (``SoftmaxCrossEntropyLoss``) are uniform over its rows or classes; inputs named
     like a mask are ones, like a length 1 (positive, and within any sequence); bool inputs are
     true; other integers are uniform in [0, 2).
+
+    Raises:
+        DataError: An input declares a negative dimension, or the inputs would take more than
+            ``RANDOM_FEEDS_BYTES`` (naming the input, its shape and the bytes).
 
     Example:
         >>> from onnx import helper as h, TensorProto as T
@@ -569,6 +579,16 @@ def random_feeds(model: ir.Model, seed: int = 0, batch: int = 2) -> dict[str, np
         if not v.is_initializer() and v.dtype is not None and v.shape is not None and v.name
     ]
     shapes = {v.name: [d if isinstance(d, int) else batch for d in v.shape] for v in inputs}  # type: ignore[union-attr]
+    total = 0
+    for value in inputs:
+        shape = shapes[value.name]
+        if any(d < 0 for d in shape):
+            raise DataError(f"input '{value.name}' declares a negative dimension (shape {shape}), so no random inputs "
+                            "can be made for it: fix the model's input shape, or give inputs")
+        total += math.prod(shape) * np.dtype(value.dtype.numpy()).itemsize  # type: ignore[union-attr]
+        if total > RANDOM_FEEDS_BYTES:
+            raise DataError(f"random inputs would take {total / 2**30:.3g} GiB (input '{value.name}' has shape {shape}), "
+                            f"more than the {RANDOM_FEEDS_BYTES >> 30} GiB mpgraph makes; give smaller inputs")
     feeds: dict[str, np.ndarray] = {}
     for value in inputs:
         name = value.name or ""

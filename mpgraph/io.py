@@ -21,7 +21,13 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.dtypes import FLOAT_TYPES
-from mpgraph.errors import ModelLoadError, ModelSaveError, OutputError, first_line
+from mpgraph.errors import (
+    ModelLoadError,
+    ModelSaveError,
+    OutputError,
+    UnsupportedModelError,
+    first_line,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,7 @@ __all__ = [
     "check_metadata",
     "check_external_data",
     "check_tensor_sizes",
+    "check_node_order",
     "shape_only_initializers",
     "EXTERNAL_DATA_THRESHOLD",
 ]
@@ -260,6 +267,7 @@ def _name(text: object) -> str:
 
 
 _KNOWN_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {onnx.TensorProto.UNDEFINED}
+_ATTR_TYPES = frozenset(onnx.AttributeProto.AttributeType.values())
 
 
 def _bad_string(message: google.protobuf.message.Message, where: str) -> str | None:
@@ -320,8 +328,13 @@ def check_proto(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>"
             for attr in node.attribute:
                 if not isinstance(attr.name, str):
                     raise ModelLoadError(f"{path}: node '{node.name}' has an attribute name {attr.name!r} that is not valid UTF-8")
-                if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and attr.name == "to" and attr.i not in _KNOWN_TYPES:
-                    raise ModelLoadError(f"{path}: Cast '{node.name}' casts to unknown element type {attr.i}")
+                if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and attr.name == "to":
+                    if attr.type != onnx.AttributeProto.INT:
+                        kind = onnx.AttributeProto.AttributeType.Name(attr.type) if attr.type in _ATTR_TYPES else attr.type
+                        raise ModelLoadError(f"{path}: Cast '{node.name}' has a 'to' attribute of type {kind}; it must "
+                                             "be an INT element type code (1 float, 10 float16, 16 bfloat16, ...)")
+                    if attr.i not in _KNOWN_TYPES:
+                        raise ModelLoadError(f"{path}: Cast '{node.name}' casts to unknown element type {attr.i}")
     for where, t in _tensors(proto):
         if not isinstance(t.name, str):
             raise ModelLoadError(f"{path}: {where} name {t.name!r} is not valid UTF-8")
@@ -458,6 +471,28 @@ def check_tensor_sizes(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<
                 f"{path}: {where} '{t.name}' holds {n} values in {field_name}, but shape {list(t.dims)} of "
                 f"{kind} needs {want_n}"
             )
+
+
+def check_node_order(model: ir.Model, path: str | os.PathLike[str] = "<model>") -> None:
+    """Every node comes after the nodes that make its inputs, in every graph (ONNX's rule).
+
+    The passes walk nodes in file order and copy graphs node by node: a model listed in
+    another order ended in an internal error (onnx-ir's ``clone_graph``) or an invalid result.
+
+    Raises:
+        UnsupportedModelError: Naming the node, the value and the node that makes it later.
+    """
+    seen: dict[int, set[ir.Node]] = {}  # per graph: the nodes listed so far
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        before = seen.setdefault(id(node.graph), set())
+        for value in node.inputs:
+            producer = value.producer() if value is not None else None
+            if producer is not None and producer.graph is node.graph and producer not in before:
+                raise UnsupportedModelError(
+                    f"{path}: nodes are not in topological order: {node.op_type} '{node.name}' reads "
+                    f"'{value.name}' before {producer.op_type} '{producer.name}' makes it; sort the graph "
+                    "(onnx_ir.passes.common.TopologicalSortPass) or export it again")
+        before.add(node)
 
 
 def _tensor_bytes(model: ir.Model) -> int:

@@ -4,7 +4,8 @@ Every mutant is a zoo model (or a step graph built from one) with one seeded cor
 truncated or flipped, names made invalid UTF-8, unknown element types on values, Casts and
 initializers, initializers whose bytes disagree with their shape, dangling or duplicated
 names, broken ``mpgraph.*`` metadata, external data that is missing, absolute or escaping the
-folder, bad opsets and IR versions. Each mutant goes through ``audit`` and ``convert`` (and
+folder, bad opsets and IR versions, nodes out of topological order, Cast ``to`` attributes of
+another type, negative or huge input dimensions. Each mutant goes through ``audit`` and ``convert`` (and
 ``train`` for step graphs) in-process against the real Typer app.
 
 Rules checked for every run:
@@ -190,10 +191,47 @@ def drop_outputs(m: onnx.ModelProto, rng: random.Random, d: Path) -> onnx.ModelP
     return m
 
 
+def reverse_nodes(m: onnx.ModelProto, rng: random.Random, d: Path) -> onnx.ModelProto:
+    """The nodes in reverse order (onnx-ir's ``clone_graph`` once failed on it: an internal error)."""
+    nodes = list(m.graph.node)[::-1]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    return m
+
+
+def cast_to_of_another_type(m: onnx.ModelProto, rng: random.Random, d: Path) -> onnx.ModelProto:
+    """A Cast whose ``to`` is a STRING, FLOAT, INTS or TENSOR attribute, its int field still 1."""
+    node = onnx.helper.make_node("Cast", [m.graph.input[0].name], ["fuzz/cast"], name="fuzz/cast", to=1)
+    attr = node.attribute[0]
+    attr.type = rng.choice([onnx.AttributeProto.STRING, onnx.AttributeProto.FLOAT, onnx.AttributeProto.INTS,
+                            onnx.AttributeProto.TENSOR])
+    if attr.type == onnx.AttributeProto.STRING:
+        attr.s = b"float"
+    elif attr.type == onnx.AttributeProto.FLOAT:
+        attr.f = 1.0
+    elif attr.type == onnx.AttributeProto.INTS:
+        attr.ints.extend([1, 10])
+    else:
+        attr.t.CopyFrom(onnx.helper.make_tensor("t", onnx.TensorProto.FLOAT, [], [1.0]))
+    m.graph.node.insert(0, node)
+    m.graph.output.append(onnx.helper.make_tensor_value_info("fuzz/cast", onnx.TensorProto.FLOAT, None))
+    return m
+
+
+def bad_input_dim(m: onnx.ModelProto, rng: random.Random, d: Path) -> onnx.ModelProto:
+    """A data input declares a negative or huge dimension (the range check's random inputs once
+    ran out of memory or into numpy's size limit)."""
+    inits = {t.name for t in m.graph.initializer}
+    dims = [dim for v in m.graph.input if v.name not in inits for dim in v.type.tensor_type.shape.dim]
+    if dims:
+        rng.choice(dims).dim_value = rng.choice([-1, -3, 2**31, 2**40, 2**62, 2**63 - 1])
+    return m
+
+
 MUTATIONS: tuple[Mutation, ...] = (
     truncate, flip_bytes, invalid_utf8_name, bad_value_type, bad_cast_to, bad_initializer_type,
     initializer_bytes_mismatch, dangling_input, duplicate_output, delete_node, bad_attribute, bad_metadata,
-    bad_external_data, bad_opset, drop_outputs,
+    bad_external_data, bad_opset, drop_outputs, reverse_nodes, cast_to_of_another_type, bad_input_dim,
 )
 
 

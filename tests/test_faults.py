@@ -155,6 +155,24 @@ def _value_type_0(m: onnx.ModelProto) -> None:
     m.graph.input[0].type.tensor_type.elem_type = 0
 
 
+def _reversed(m: onnx.ModelProto) -> None:
+    nodes = list(m.graph.node)[::-1]
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+
+
+def _cast_to_string(m: onnx.ModelProto) -> None:
+    _cast_to(1)(m)
+    m.graph.node[0].attribute[0].type = onnx.AttributeProto.STRING  # its int field still says 1
+    m.graph.node[0].attribute[0].s = b"float"
+
+
+def _input_dim(value: int) -> Callable[[onnx.ModelProto], None]:
+    def edit(m: onnx.ModelProto) -> None:
+        m.graph.input[0].type.tensor_type.shape.dim[0].dim_value = value
+    return edit
+
+
 def _init_bytes(m: onnx.ModelProto) -> None:
     m.graph.initializer[0].dims[0] += 1
 
@@ -182,6 +200,14 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     out["value99"] = _mutant(tmp, "value99", _value_type)
     out["value0"] = _mutant(tmp, "value0", _value_type_0)
     out["init_bytes"] = _mutant(tmp, "init_bytes", _init_bytes)
+    out["reversed"] = _mutant(tmp, "reversed", _reversed)
+    out["cast_to_string"] = _mutant(tmp, "cast_to_string", _cast_to_string)
+    out["dim_negative"] = _mutant(tmp, "dim_negative", _input_dim(-3))
+    out["dim_huge"] = _mutant(tmp, "dim_huge", _input_dim(2**62))
+    loss = onnx.load(str(ZOO / "tiny_mlp.loss.onnx"))
+    _reversed(loss)
+    out["loss_reversed"] = tmp / "loss_reversed.onnx"
+    onnx.save(loss, out["loss_reversed"])
     step = onnx.load(str(out["step"]))
     for prop in step.metadata_props:
         if prop.key == "mpgraph.state_pairs":
@@ -277,6 +303,10 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/initializer_type_999": (lambda f, t: ["convert", str(f["init999"]), "-o", str(t / "o.onnx")], "unknown element type 999"),
     "convert/value_type_99": (lambda f, t: ["convert", str(f["value99"]), "-o", str(t / "o.onnx")], "input 'x' has unknown element type 99"),
     "convert/value_type_0": (lambda f, t: ["convert", str(f["value0"]), "-o", str(t / "o.onnx")], "input 'x' has no element type (0, UNDEFINED)"),
+    "convert/nodes_reversed": (lambda f, t: ["convert", str(f["reversed"]), "-p", "fp16", "-o", str(t / "o.onnx")], "nodes are not in topological order: Gemm 'node_linear_2' reads 'relu_1' before Relu 'node_relu_1' makes it"),
+    "convert/cast_to_string": (lambda f, t: ["convert", str(f["cast_to_string"]), "-o", str(t / "o.onnx")], "Cast 'cast99' has a 'to' attribute of type STRING"),
+    "convert/calibrate_random_huge_dim": (lambda f, t: ["convert", str(f["dim_huge"]), "-p", "fp16", "--calibrate", "random", "-o", str(t / "o.onnx")], "range check: random inputs would take"),
+    "convert/calibrate_random_negative_dim": (lambda f, t: ["convert", str(f["dim_negative"]), "-p", "fp16", "--calibrate", "random", "-o", str(t / "o.onnx")], "input 'x' declares a negative dimension (shape [-3, 4])"),
     "convert/initializer_bytes": (lambda f, t: ["convert", str(f["init_bytes"]), "-o", str(t / "o.onnx")], "bytes, but shape"),
     "convert/policy_recursive_alias": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["rec_yaml"]), "-o", str(t / "o.onnx")], "recursive alias"),
     "convert/policy_alias_bomb": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["bomb_yaml"]), "-o", str(t / "o.onnx")], "alias bomb"),
@@ -302,6 +332,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "tune/objective_nan": (lambda f, t: ["tune", str(f["model"]), "--objective", "output:nan", "-o", str(t / "p.yaml")], "the tolerance must be a finite number >= 0, got nan"),
     "tune/out_new_folder": (lambda f, t: ["tune", str(f["model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
     "advise-scale/data_nan": (lambda f, t: ["advise-scale", str(f["step"]), "--data", str(f["npz_nan"])], "'x' has 1 non-finite value(s)"),
+    "compare/negative_dim": (lambda f, t: ["compare", str(f["dim_negative"]), str(f["dim_negative"])], "declares a negative dimension"),
+    "compare/huge_dim": (lambda f, t: ["compare", str(f["dim_huge"]), str(f["dim_huge"])], "random inputs would take"),
     "compare/ext_symlink": (lambda f, t: ["compare", str(f["ext_link.bin"]), str(f["model"])], "is a symlink"),
     # train-graph
     "train-graph/lr_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--lr", "nan"], "--lr must be a finite number"),
@@ -309,6 +341,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train-graph/weight_decay_nan": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--weight-decay", "nan"], "--weight-decay must be a finite number"),
     "train-graph/momentum_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--optimizer", "sgd", "--momentum", "-1"], "--momentum must be >= 0"),
     "train-graph/out_new_folder": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
+    "train-graph/nodes_reversed": (lambda f, t: ["train-graph", str(f["loss_reversed"]), "-o", str(t / "s.onnx")], "nodes are not in topological order"),
     "train-graph/already_step_graph": (lambda f, t: ["train-graph", str(f["step"]), "-o", str(t / "s.onnx")], "already a training step graph"),
     "train-graph/out_unwritable": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{P}/s.onnx"], "cannot write"),
     "train-graph/ext_missing": (lambda f, t: ["train-graph", str(f["ext_missing.bin"]), "-o", str(t / "s.onnx")], "not found"),
@@ -687,6 +720,20 @@ def test_a_checkpoint_without_its_history_resumes_and_says_the_history_is_lost(f
     with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.checkpoint"):
         assert run(*args[:-1], str(files["ckpt"]))[0] == 0  # the whole history: no warning
     assert "are lost" not in caplog.text
+
+
+def test_a_huge_declared_dimension_still_converts_without_the_range_check(files: dict[str, Path], tmp_path: Path,
+                                                                           caplog: pytest.LogCaptureFixture):
+    """Such a model converted before the range check was on by default: it still does, with a
+    warning instead of 'out of memory' or numpy's 'array is too big' (an internal error)."""
+    import logging
+
+    for name in ("dim_huge", "dim_negative"):
+        with caplog.at_level(logging.WARNING, logger="mpgraph.convert"):
+            code, text = run("convert", str(files[name]), "-p", "fp16", "-q", "-o", str(tmp_path / f"{name}.onnx"))
+        assert code == 0, text
+        assert "range check skipped (" in caplog.text and "--no-calibrate silences this" in caplog.text
+        caplog.clear()
 
 
 def test_stale_temporaries_of_a_killed_run_are_removed(files: dict[str, Path], tmp_path: Path):
