@@ -43,13 +43,11 @@ import copy
 import functools
 import json
 import os
-import re
 import statistics
 import sys
 import time
-import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -61,6 +59,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import step_targets  # noqa: E402
+from step_timing import Run, create_run, kernel_breakdown, timed_rounds  # noqa: E402
 
 import mpgraph  # noqa: E402
 from models.zoo import GPT, NatureDQN, TinyMLP  # noqa: E402
@@ -83,25 +82,6 @@ class ModelSpec:
     lr: float
     flops_per_step: float | None = None
     small: bool = True
-
-
-@dataclass
-class Run:
-    """One configuration: a step function, its losses, its per-round timings."""
-
-    label: str
-    step: Callable[[int], float]
-    twin: str | None = None
-    device: str = "cuda"
-    losses: list[float] = field(default_factory=list)
-    round_ms: list[float] = field(default_factory=list)
-    memory_mib: float | None = None
-    mem_created: float = 0.0
-    note: str = ""
-    error: str = ""
-    trainer: Trainer | None = None
-    # Steps i .. i+n-1 at once, their losses (the pipelined rows: Trainer.step_many).
-    steps: Callable[[int, int], list[float]] | None = None
 
 
 def gpt_spec(small: bool) -> ModelSpec:
@@ -286,72 +266,6 @@ def torch_graph_run(label: str, spec: ModelSpec) -> Run:
     return Run(label, step, twin=None)
 
 
-# -- measurement ---------------------------------------------------------------------------
-
-
-def device_used_mib() -> float:
-    free, total = torch.cuda.mem_get_info()
-    return (total - free) / 2**20
-
-
-def time_round(run: Run, steps: int) -> None:
-    if run.error:
-        return
-    try:
-        if run.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        if run.steps is not None:  # one call for the round: the pipelined rows
-            run.losses.extend(run.steps(len(run.losses), steps))
-        for _ in range(steps if run.steps is None else 0):
-            run.losses.append(run.step(len(run.losses)))
-        if run.device == "cuda":
-            torch.cuda.synchronize()
-        run.round_ms.append((time.perf_counter() - start) * 1e3 / steps)
-    except Exception as e:  # noqa: BLE001 - one broken configuration must not stop the rest
-        run.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        traceback.print_exc()
-
-
-KERNEL_CLASSES = [
-    ("matmul", re.compile(r"gemm|cutlass|xmma|sm90_|sm80_|cublas|nvjet|matmul", re.I)),
-    ("conv", re.compile(r"conv|winograd|implicit|cudnn|wgrad|dgrad|fprop", re.I)),
-    # Not "broadcast": ORT's Where kernels carry ``BroadcastIndexType`` in their names.
-    ("cast", re.compile(r"(?<!broad)cast", re.I)),
-    ("reduce", re.compile(r"reduce|reduction", re.I)),
-    ("norm/softmax", re.compile(r"softmax|layernorm|layer_norm|norm", re.I)),
-    ("memcpy/transpose", re.compile(r"memcpy|memset|transpose|copy|concat|split|slice|gather|scatter|expand", re.I)),
-    ("elementwise", re.compile(r"elementwise|unary|binary|vectorized|_ew|where|pow|sqrt|mul|add|sub|div|erf|exp", re.I)),
-]
-
-
-def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
-    """Kernels per step by class, from CUPTI (torch.profiler sees every kernel in the process)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run.losses.append(run.step(len(run.losses)))
-        torch.cuda.synchronize()
-    classes: dict[str, list[float]] = {}
-    total_n, total_us = 0, 0.0
-    for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        cls = next((c for c, rx in KERNEL_CLASSES if rx.search(event.name)), "other")
-        us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-        classes.setdefault(cls, [0, 0.0])
-        classes[cls][0] += 1
-        classes[cls][1] += us
-        total_n += 1
-        total_us += us
-    return {
-        "kernels_per_step": total_n / steps,
-        "gpu_ms_per_step": total_us / steps / 1e3,
-        "by_class": {c: {"kernels": n / steps, "ms": us / steps / 1e3} for c, (n, us) in sorted(classes.items())},
-    }
-
-
 def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     cuda = not args.cpu_only and torch.cuda.is_available()
     _TORCH_GRAPHS.clear()  # the last model's graphs go with this reference and its runs: empty_cache is safe again
@@ -366,17 +280,7 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
     print(f"[{spec.name}] graphs built in {build_s:.1f}s", flush=True)
 
     def add(label: str, make: Callable[[], Run]) -> None:
-        if cuda:
-            torch.cuda.empty_cache()
-        before = device_used_mib() if cuda else 0.0
-        try:
-            run = make()
-        except Exception as e:  # noqa: BLE001 - one broken configuration must not stop the rest
-            traceback.print_exc()
-            run = Run(label, lambda i: float("nan"), error=f"{type(e).__name__}: {str(e).splitlines()[0]}")
-        # What creating it took (weights, state, sessions); round 0 adds what its steps take.
-        run.mem_created = device_used_mib() - before if cuda else 0.0
-        runs.append(run)
+        runs.append(create_run(label, make, cuda))
 
     if cuda:
         cg = None if args.cuda_graph else False
@@ -407,24 +311,8 @@ def run_model(spec: ModelSpec, args: argparse.Namespace) -> dict[str, Any]:
                                                    "torch fp32 cpu2", threads=2))
         add("torch fp32 cpu2", functools.partial(torch_run, "torch fp32 cpu2", spec, "cpu"))
 
-    threads = torch.get_num_threads()
-    for r in range(args.rounds + 1):
-        for run in runs:
-            if run.device == "cpu":
-                torch.set_num_threads(2)
-            measure = r == 0 and cuda and run.memory_mib is None and run.device == "cuda"
-            before = device_used_mib() if measure else 0.0
-            time_round(run, args.steps_per_round)
-            torch.set_num_threads(threads)
-            if measure:
-                # Device memory this configuration holds: what creating it took plus what its
-                # first steps added (ORT keeps its arenas; torch's cache is emptied after each
-                # torch configuration's first round). Every configuration exists before round
-                # 0, so a difference against the time it was made would count the later ones.
-                run.memory_mib = run.mem_created + device_used_mib() - before
-                if run.label.startswith("torch") and not _TORCH_GRAPHS:
-                    torch.cuda.empty_cache()
-        print(f"[{spec.name}] round {r} done", flush=True)
+    timed_rounds(runs, args.rounds, args.steps_per_round, cuda=cuda, keep_torch_cache=lambda: bool(_TORCH_GRAPHS),
+                 on_round=lambda r: print(f"[{spec.name}] round {r} done", flush=True))
 
     for run in runs:
         trainer = run.trainer
