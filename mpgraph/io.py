@@ -48,6 +48,7 @@ __all__ = [
     "check_external_data",
     "check_tensor_sizes",
     "check_node_order",
+    "check_opsets",
     "shape_only_initializers",
     "EXTERNAL_DATA_THRESHOLD",
 ]
@@ -149,6 +150,7 @@ def load_proto(path: str | os.PathLike[str]) -> onnx.ModelProto:
         raise ModelLoadError(f"{p}: cannot read ({e.strerror or e})") from e
     if proto.ir_version == 0 or not proto.HasField("graph"):
         raise ModelLoadError(f"{p}: not a valid ONNX model (no ir_version or graph)")
+    check_opsets(proto, p)
     check_proto(proto, p)
     check_metadata(proto, p)
     check_external_data(proto, p)
@@ -304,6 +306,23 @@ def _is_repeated(field: google.protobuf.descriptor.FieldDescriptor) -> bool:
     if repeated is not None:
         return bool(repeated)
     return field.label == google.protobuf.descriptor.FieldDescriptor.LABEL_REPEATED
+
+
+def check_opsets(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:
+    """The default ONNX domain's opset is one the installed onnx knows (1 to its latest).
+
+    A model declaring opset 99 was converted and turned into a step graph with exit 0: the
+    passes read schemas of an opset that does not exist, and only ONNX Runtime, later, could
+    not load the result.
+
+    Raises:
+        ModelLoadError: Naming the opset, the known range and the fix.
+    """
+    latest = onnx.defs.onnx_opset_version()
+    for opset in proto.opset_import:
+        if opset.domain in ("", "ai.onnx") and not 1 <= opset.version <= latest:
+            raise ModelLoadError(f"{path}: imports opset {opset.version} of the default ONNX domain; onnx "
+                                 f"{onnx.__version__} knows opsets 1 to {latest}: export the model at one of them")
 
 
 def check_proto(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<model>") -> None:

@@ -241,6 +241,15 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         path = tmp / f"ckpt_{name}.npz"
         np.savez(path, **{**arrays, "__meta__": np.frombuffer(json.dumps(bad).encode(), np.uint8)})
         out[f"ckpt_{name}"] = path
+    nan_state = {**arrays, "s0": arrays["s0"].copy()}
+    nan_state["s0"].flat[0] = np.nan  # a run from it skipped every step, exit 0
+    out["ckpt_nan_state"] = tmp / "ckpt_nan_state.npz"
+    np.savez(out["ckpt_nan_state"], **nan_state)
+    for name in ("model", "loss_model"):
+        future = onnx.load(str(out[name]))
+        future.opset_import[0].version = 99
+        out[f"{name}_opset99"] = tmp / f"{name}_opset99.onnx"
+        onnx.save(future, out[f"{name}_opset99"])
     return out
 
 
@@ -307,6 +316,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "convert/cast_to_string": (lambda f, t: ["convert", str(f["cast_to_string"]), "-o", str(t / "o.onnx")], "Cast 'cast99' has a 'to' attribute of type STRING"),
     "convert/calibrate_random_huge_dim": (lambda f, t: ["convert", str(f["dim_huge"]), "-p", "fp16", "--calibrate", "random", "-o", str(t / "o.onnx")], "range check: random inputs would take"),
     "convert/calibrate_random_negative_dim": (lambda f, t: ["convert", str(f["dim_negative"]), "-p", "fp16", "--calibrate", "random", "-o", str(t / "o.onnx")], "input 'x' declares a negative dimension (shape [-3, 4])"),
+    "convert/opset_99": (lambda f, t: ["convert", str(f["model_opset99"]), "-o", str(t / "o.onnx")], "imports opset 99 of the default ONNX domain; onnx"),
     "convert/initializer_bytes": (lambda f, t: ["convert", str(f["init_bytes"]), "-o", str(t / "o.onnx")], "bytes, but shape"),
     "convert/policy_recursive_alias": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["rec_yaml"]), "-o", str(t / "o.onnx")], "recursive alias"),
     "convert/policy_alias_bomb": (lambda f, t: ["convert", str(f["model"]), "-p", str(f["bomb_yaml"]), "-o", str(t / "o.onnx")], "alias bomb"),
@@ -314,6 +324,8 @@ TABLE: dict[str, tuple[Case, str]] = {
     "audit/missing": (lambda f, t: ["audit", str(t / "nope.onnx")], "no such file"),
     "audit/text": (lambda f, t: ["audit", str(f["text"])], "not a valid ONNX model"),
     "audit/ext_escaping": (lambda f, t: ["audit", str(f["ext_../outside.bin"])], "points outside the model's folder"),
+    "audit/batch_without_memory": (lambda f, t: ["audit", str(f["model"]), "--batch", "8"], "--batch: only with --memory"),
+    "audit/optimizer_policy_without_memory": (lambda f, t: ["audit", str(f["model"]), "--optimizer", "sgd", "--policy", "bf16"], "--optimizer, --policy: only with --memory"),
     "audit/broken_step_metadata": (lambda f, t: ["audit", str(f["step_bad_meta"])], "mpgraph.state_pairs"),
     # compare
     "compare/threshold_nan": (lambda f, t: ["compare", str(f["model"]), str(f["model"]), "--threshold", "nan"], "--threshold must be a finite number"),
@@ -342,6 +354,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train-graph/momentum_negative": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", str(t / "s.onnx"), "--optimizer", "sgd", "--momentum", "-1"], "--momentum must be >= 0"),
     "train-graph/out_new_folder": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
     "train-graph/nodes_reversed": (lambda f, t: ["train-graph", str(f["loss_reversed"]), "-o", str(t / "s.onnx")], "nodes are not in topological order"),
+    "train-graph/opset_99": (lambda f, t: ["train-graph", str(f["loss_model_opset99"]), "-o", str(t / "s.onnx")], "imports opset 99"),
     "train-graph/already_step_graph": (lambda f, t: ["train-graph", str(f["step"]), "-o", str(t / "s.onnx")], "already a training step graph"),
     "train-graph/out_unwritable": (lambda f, t: ["train-graph", str(f["loss_model"]), "-o", f"{P}/s.onnx"], "cannot write"),
     "train-graph/ext_missing": (lambda f, t: ["train-graph", str(f["ext_missing.bin"]), "-o", str(t / "s.onnx")], "not found"),
@@ -382,6 +395,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "train/resume_other_seed": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"]), "--seed", "3"], "resuming with seed 3 (the checkpoint's run used 0)"),
     "train/resume_other_batch": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"]), "--batch", "4"], "resuming with batch size 4 (the checkpoint's run used 8)"),
     "train/resume_other_data": (lambda f, t: ["train", str(f["step"]), "--data", _other_data(t), "--resume", str(f["ckpt"])], "the training data differs from the checkpoint's run"),
+    "train/resume_nan_state": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_nan_state"])], "holds 1 non-finite value(s) (NaN or inf), so training cannot continue from it"),
     "train/resume_other_graph": (lambda f, t: ["train", str(f["sgd_step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt"])], "different graph"),
     "train/resume_meta_missing_key": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_no_fingerprint"])], "has no 'fingerprint'"),
     "train/resume_meta_steps_str": (lambda f, t: ["train", str(f["step"]), "--data", str(f["npz_good"]), "--resume", str(f["ckpt_steps_str"])], "'steps' should be a step count"),
@@ -399,10 +413,14 @@ TABLE: dict[str, tuple[Case, str]] = {
     "policy/init_force_fifo": (lambda f, t: ["policy", "init", "fp16", "-o", _fifo(t, "p.yaml"), "--force"], "is a FIFO"),
     "policy/check_huge_number": (lambda f, t: ["policy", "check", _huge_number_policy(t, "init")], "loss_scaling.init: invalid value 999999999999...(400 digits); expected a number below 1.8e308"),
     "policy/init_new_folder": (lambda f, t: ["policy", "init", "fp16", "-o", f"{t}/newdir/"], "names a folder (a trailing '/')"),
+    "policy/init_onnx_suffix": (lambda f, t: ["policy", "init", "fp16", "-o", str(t / "p.onnx")], "a policy is YAML; name the file .yaml or .yml"),
     "policy/show_unknown": (lambda f, t: ["policy", "show", "bf17"], "unknown preset 'bf17'"),
     # check-grad
     "check-grad/inputs_empty": (lambda f, t: ["check-grad", str(f["loss_model"]), "--inputs", str(f["npz_empty"])], "the file is empty"),
     "check-grad/batch_zero": (lambda f, t: ["check-grad", str(f["loss_model"]), "--batch", "0"], "--batch must be >= 1"),
+    "check-grad/step_graph": (lambda f, t: ["check-grad", str(f["step"])], "is already a training step graph"),
+    "targets/opset_0": (lambda f, t: ["targets", "--opset", "0"], "--opset must be an ONNX opset, 1 to"),
+    "targets/opset_99": (lambda f, t: ["targets", "--opset", "99"], "got 99"),
     "check-grad/missing": (lambda f, t: ["check-grad", str(t / "nope.onnx")], "no such file"),
     # export (no torch import needed before these refusals)
     "export/missing_file": (lambda f, t: ["export", str(t / "nope.py") + ":Net", "-i", "2x4", "-o", str(t / "e.onnx")], "no such file"),
@@ -425,7 +443,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case: str, files: dict[str, Path
 def test_every_command_has_cases():
     covered = {case.split("/")[0] for case in TABLE}
     assert covered == {"convert", "audit", "compare", "train-graph", "train", "policy", "check-grad", "export", "tune",
-                       "advise-scale"}
+                       "advise-scale", "targets"}
     assert len(TABLE) >= 80
 
 

@@ -102,9 +102,11 @@ def _gradient_graph(model: ir.Model | onnx.ModelProto | str | os.PathLike[str], 
                     freeze: Sequence[str], batchnorm: str, notes: list[str]) -> tuple[ir.Model, str, list[str]]:
     """The step graph without an optimizer (loss and ``grad/<param>`` outputs), its loss and parameters.
     Dropout runs in inference mode: a random mask has no finite difference."""
-    from mpgraph.training import build_training_graph
+    from mpgraph.training import build_training_graph, refuse_step_graph
 
     fwd = load(model)
+    # Its optimizer outputs are no gradients: the check failed inside ORT on a float64 scalar.
+    refuse_step_graph(fwd, model if isinstance(model, (str, os.PathLike)) else "model")
     dropped = inference_dropout(fwd.graph)
     if dropped:
         notes.append(f"Dropout ran in inference mode ({dropped} node(s)): a random mask has no finite difference")

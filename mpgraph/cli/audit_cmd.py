@@ -22,20 +22,27 @@ def audit_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
     nodes: Annotated[bool, typer.Option("--nodes", help="Also list every node with its precision and reason.")] = False,
     memory: Annotated[bool, typer.Option("--memory", help="Estimate a training step's memory: bytes per parameter by role, activations by liveness.")] = False,
-    batch: Annotated[int, typer.Option("--batch", help="With --memory: the batch size symbolic dims take.")] = 1,
+    batch: Annotated[int | None, typer.Option("--batch", help="With --memory: the batch size symbolic dims take (default 1).")] = None,
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
     mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
     pipelined: Annotated[bool, typer.Option("--pipelined", help="With --memory: for a pipelined CUDA trainer, which holds a third state set (mpgraph train's default on CUDA for states up to 512 MiB).")] = False,
 ) -> None:
     """Show which ops run in which precision, the casts inserted, and weight bytes."""
     from mpgraph.audit import audit
+    from mpgraph.errors import UsageError
     from mpgraph.io import load_model
 
     if memory:
         from mpgraph.cli.memory_cmd import memory_report
 
-        return memory_report(model, batch=batch, optimizer=optimizer, policy=mem_policy, as_json=as_json,
-                             pipelined=pipelined)
+        return memory_report(model, batch=1 if batch is None else batch, optimizer=optimizer, policy=mem_policy,
+                             as_json=as_json, pipelined=pipelined)
+    # These shape the memory estimate only: silently ignored, they read as if they had applied.
+    given = [flag for flag, value in (("--batch", batch), ("--optimizer", optimizer), ("--policy", mem_policy),
+                                      ("--pipelined", pipelined or None)) if value is not None]
+    if given:
+        raise UsageError(f"{', '.join(given)}: only with --memory (the memory estimate); add --memory, or leave "
+                         f"{'it' if len(given) == 1 else 'them'} out")
     report = audit(load_model(model))
     if as_json:
         sys.stdout.write(report.to_json() + "\n")

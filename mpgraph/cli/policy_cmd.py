@@ -69,6 +69,8 @@ def policy_init(
     from mpgraph.policy.writer import policy_yaml
 
     check_output_path(output, "-o")
+    if output.suffix.lower() not in (".yaml", ".yml"):
+        raise UsageError(f"-o {output}: a policy is YAML; name the file .yaml or .yml")
     if output.exists() and not force:
         raise UsageError(f"{output}: exists; pass --force to overwrite it")
     policy = load_policy(source)

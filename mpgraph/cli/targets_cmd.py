@@ -32,9 +32,14 @@ def targets_command(
     inserts (CPU float16); no: ORT refuses the node; -: not probed. `convert --target`
     keeps float32 the ops marked no.
     """
+    import onnx
+
     from mpgraph.errors import UsageError
     from mpgraph.targets import kernel_cell, probed_opsets, tables
 
+    if not 1 <= opset <= onnx.defs.onnx_opset_version():
+        raise UsageError(f"--opset must be an ONNX opset, 1 to {onnx.defs.onnx_opset_version()} (onnx "
+                         f"{onnx.__version__}), got {opset}")
     data = tables()
     providers = sorted(data)
     ops = sorted({o for p in providers for o in data[p]["ops"]})

@@ -12,7 +12,8 @@ Rules:
 1. Files are written atomically: a reader never sees a partial checkpoint, and a failed
    write (a full disk) keeps the previous one and says which step it holds.
 2. Reading checks the metadata key by key (type and range), then the fingerprint, the state
-   names, and every array's shape and dtype, before anything is restored.
+   names, every array's shape and dtype, and that every float state is finite, before
+   anything is restored.
 3. A checkpoint copied without its history file (or with a history that ends before its
    step) still resumes: the state alone continues the run bit for bit. What is lost is the
    record of the earlier steps' losses, so a warning says how many steps it misses; the
@@ -187,6 +188,13 @@ def read_checkpoint(path: str | os.PathLike[str], fingerprint: str,
             raise CheckpointError(f"{p}: state '{name}' has shape {list(array.shape)}, the graph wants {shape}")
         if dtype is not None and array.dtype != np.dtype(dtype):
             raise CheckpointError(f"{p}: state '{name}' is {array.dtype}, the graph wants {np.dtype(dtype)}")
+    for name, array in arrays.items():
+        if array.dtype.kind in "biu":
+            continue
+        bad = int(np.count_nonzero(~np.isfinite(array)))
+        if bad:  # such a run skips every step (loss scaling) or trains on NaN, with exit 0
+            raise CheckpointError(f"{p}: state '{name}' holds {bad} non-finite value(s) (NaN or inf), so training "
+                                  "cannot continue from it; resume from an earlier checkpoint")
     return meta, arrays, _history(p, meta)
 
 
