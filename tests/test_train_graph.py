@@ -6,9 +6,12 @@ Run: ``pytest tests/test_train_graph.py -q -s`` (``-s`` shows the outcome summar
 
 from __future__ import annotations
 
+import functools
 import glob
+import itertools
 import json
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -125,15 +128,20 @@ LR_OVERRIDES = {
 }
 
 
-def _torch_optimizer(kind: str, params, options: dict, lr: float):
+def _torch_optimizer(kind: str, params, options: dict, lr: float, fused: bool = False):
+    """torch.optim's optimizer; ``fused``: its fused CPU kernel instead of the per-tensor loop
+    (torch's CPU default). For the float64 reference: the same update to float64 rounding, and
+    measured 9x faster there (Adam on the DQN's 1.7 M parameters: 2.9 against 26 ms a step,
+    most of a float64 step's time)."""
+    mode = {"fused": True} if fused else {"foreach": False}
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=options.get("momentum", 0.0),
                                dampening=options.get("dampening", 0.0), nesterov=options.get("nesterov", False),
-                               weight_decay=options.get("weight_decay", 0.0), foreach=False)
+                               weight_decay=options.get("weight_decay", 0.0), **mode)
     cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
     return cls(params, lr=lr, betas=(options.get("beta1", 0.9), options.get("beta2", 0.999)),
                eps=options.get("eps", 1e-8), weight_decay=options.get("weight_decay", 0.0 if kind == "adam" else 1e-2),
-               amsgrad=options.get("amsgrad", False), foreach=False)
+               amsgrad=options.get("amsgrad", False), **mode)
 
 
 def _flat(values) -> np.ndarray:
@@ -153,41 +161,67 @@ def _perturbed(module, seed: int):
     return module
 
 
-def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batch: int = 8,
-           check_loss: bool = True, perturbations: int = 0) -> tuple[float, list[float]]:
-    """Run ``steps`` steps in ORT (fp32) and in torch.optim (float64, and fp32 from the same
-    weights and from ``perturbations`` copies moved by rounding-level noise) on the same
-    batches. Returns the error of all parameters (concatenated) at the end against the float64
-    torch run, relative to the float64 run's total update ``||p_end - p_start||`` (relative to
-    the parameters themselves, an error could hide in the part that training never moves):
-    ours, and each fp32 torch run's (the scale of fp32 rounding noise after ``steps`` steps)."""
+@functools.lru_cache(maxsize=16)
+def _step_graph(name: str, kind: str, options: str, lr: float) -> ir.Model:
+    """The step graph of zoo model ``name`` (``options`` as JSON), built once per process: the
+    one-step and the default-rate tests train the same graph, and CpuRunner only reads it."""
+    return build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=json.loads(options), lr=lr)
+
+
+@functools.cache
+def _batches(name: str, batch: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
     entry = _zoo(name)
-    step = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options, lr=lr)
+    return tuple((entry.example_input(batch, seed=s), entry.example_label(batch, seed=s)) for s in range(4))
+
+
+def _train_torch(name: str, module, kind: str, options: dict, lr: float, steps: int, batch: int,
+                 dtype: torch.dtype, on_loss: Callable[[int, float], None] | None = None):
+    """``module`` after ``steps`` torch.optim steps in ``dtype`` on ``_track``'s batches."""
+    entry = _zoo(name)
+    opt = _torch_optimizer(kind, module.parameters(), options, lr, fused=dtype == torch.float64)
+    batches = _batches(name, batch)
+    for i in range(steps):
+        x, label = batches[i % len(batches)]
+        opt.zero_grad()
+        loss = _torch_loss(entry, module(_as(x, dtype)), _as(label, dtype))
+        loss.backward()
+        opt.step()
+        if on_loss is not None:
+            on_loss(i, loss.item())
+    return module
+
+
+def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batch: int = 8,
+           check_loss: bool = True) -> tuple[float, Iterator[float]]:
+    """Run ``steps`` steps in ORT (fp32) and in torch.optim (float64) on the same batches.
+    Returns the error of all parameters (concatenated) at the end against the float64 torch
+    run, relative to the float64 run's total update ``||p_end - p_start||`` (relative to the
+    parameters themselves, an error could hide in the part that training never moves); and
+    the same error of fp32 torch runs (the scale of fp32 rounding noise after ``steps``
+    steps), each run when the iterator reaches it: the first from the same weights, the
+    next ones from weights moved by rounding-level noise (``_perturbed``, seeds 1, 2, ...)."""
+    entry = _zoo(name)
+    step = _step_graph(name, kind, json.dumps(options, sort_keys=True), lr)
     runner = CpuRunner(step, threads=1, spin=False)
-    reference = entry.build().double()
-    start = _flat(p.detach().numpy() for p in reference.parameters())
-    singles = [entry.build()] + [_perturbed(entry.build(), seed) for seed in range(1, perturbations + 1)]
-    replicas = [(m, dtype, _torch_optimizer(kind, m.parameters(), options, lr))
-                for m, dtype in [(reference, torch.float64)] + [(m, torch.float32) for m in singles]]
-    batches = [(entry.example_input(batch, seed=s), entry.example_label(batch, seed=s)) for s in range(4)]
     data = "tokens" if entry.vocab else "x"
+    batches = _batches(name, batch)
+    losses = []
     for i in range(steps):
         x, label = batches[i % len(batches)]
         # Odd steps pass lr at run time, even steps use the graph's default: both must agree.
-        loss_onnx = runner.step({data: x.numpy(), "label": label.numpy()}, lr=lr if i % 2 else None)
-        for module, dtype, opt in replicas:
-            opt.zero_grad()
-            loss = _torch_loss(entry, module(_as(x, dtype)), _as(label, dtype))
-            loss.backward()
-            opt.step()
-            if check_loss and dtype == torch.float64:
-                assert abs(loss_onnx - loss.item()) <= 1e-4 * max(1.0, abs(loss.item())), (name, kind, i)
+        losses.append(runner.step({data: x.numpy(), "label": label.numpy()}, lr=lr if i % 2 else None))
+
+    def same_loss(i: int, loss: float) -> None:
+        assert abs(losses[i] - loss) <= 1e-4 * max(1.0, abs(loss)), (name, kind, i)
+
+    reference = entry.build().double()
+    start = _flat(p.detach().numpy() for p in reference.parameters())
+    _train_torch(name, reference, kind, options, lr, steps, batch, torch.float64, same_loss if check_loss else None)
     state = runner.state
     names = [n for n, _ in reference.named_parameters()]
     expected = _flat(p.detach().numpy() for p in reference.parameters())
     update = max(float(np.linalg.norm(expected - start)), 1e-30)
     ours = float(np.linalg.norm(_flat(state[n] for n in names) - expected)) / update
-    theirs = [float(np.linalg.norm(_flat(p.detach().numpy() for p in m.parameters()) - expected)) / update for m in singles]
     # Running means are averages of near-zero-mean activations: small norms make their
     # relative error larger than the parameters'. (Running variances are not compared: ONNX
     # updates them with the biased batch variance, torch with the unbiased one.)
@@ -195,7 +229,14 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
         for bname, buf in reference.named_buffers():
             if bname.endswith("running_mean"):
                 assert _rel(state[bname], buf.numpy()) <= 1e-3, (name, bname)
-    return ours, theirs
+
+    def fp32_runs() -> Iterator[float]:
+        for seed in itertools.count():
+            module = entry.build() if seed == 0 else _perturbed(entry.build(), seed)
+            _train_torch(name, module, kind, options, lr, steps, batch, torch.float32)
+            yield float(np.linalg.norm(_flat(p.detach().numpy() for p in module.parameters()) - expected)) / update
+
+    return ours, fp32_runs()
 
 
 # Error relative to the float64 update (``_track``), per model: about 3x the worst of the three
@@ -221,8 +262,7 @@ ONE_STEP_BOUND = {
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_optimizer_tracks_torch(name: str, kind: str) -> None:
     lr = LR_OVERRIDES.get((name, kind), LEARNING_RATES[kind])
-    ours, _ = _track(name, kind, OPTIMIZERS[kind], lr)
-    assert ours <= TRACK_BOUND[name]
+    assert _track(name, kind, OPTIMIZERS[kind], lr)[0] <= TRACK_BOUND[name]
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
@@ -235,9 +275,15 @@ def test_zoo_default_rate_tracks_torch_within_fp32_noise(name: str, kind: str) -
     fp32 torch runs (one from the same weights, three from weights moved by ~1 rounding).
     Measured (relative to the update): dqn_cnn Adam ours 3.2e-2, furthest fp32 torch 1.7e-2;
     ResNet SGD ours 1.4e-2, torch 0.16; the MLPs and the GPT stay under 1.2e-4.
-    wide_mlp, dqn_cnn and ResNet are marked slow: 6-7 s each on a quiet machine, 20-60 s under load."""
-    ours, theirs = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], check_loss=False, perturbations=3)
-    assert ours <= max(1e-4, 2 * max(theirs)), (ours, theirs)
+    wide_mlp, dqn_cnn and ResNet are marked slow: 1.5-4.5 s of CPU each."""
+    ours, fp32_runs = _track(name, kind, OPTIMIZERS[kind], DEFAULT_RATES[kind], check_loss=False)
+    # An fp32 run is made only while ours exceeds the bound of the runs made so far (none where
+    # ours is under 1e-4): the verdict is that of all four, at a fraction of their cost.
+    theirs: list[float] = []
+    runs = itertools.islice(fp32_runs, 4)
+    while ours > max(1e-4, 2 * max(theirs, default=0.0)) and (error := next(runs, None)) is not None:
+        theirs.append(error)
+    assert ours <= max(1e-4, 2 * max(theirs, default=0.0)), (ours, theirs)
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
@@ -507,9 +553,11 @@ FD_TOLERANCE_MEASURED = {
     "light_zfnet512": 1.5e-2,  # 7.4e-3
     "light_bvlc_alexnet": 0.1,  # 5.5e-2
 }
-# These checks take 6-18 s each on the 2-core VM when it is quiet, 15-73 s under load; the other
-# light models about half that.
+# These checks take 2.5-11 s of CPU each (ZFNet-512 the most); the other light models 0.5-2 s.
 SLOW_REAL = {"light_bvlc_alexnet", "light_densenet121", "light_inception_v2", "light_resnet50", "light_zfnet512"}
+
+
+_SLICE = 1 << 18
 
 
 def _directional_check(model_path: str) -> list[float]:
@@ -534,29 +582,45 @@ def _directional_check(model_path: str) -> list[float]:
     inits = step.graph.initializers
     for name in params:
         if name in inits and name not in base:
-            value = inits[name].const_value.numpy().astype(np.float32)
+            value = inits[name].const_value.numpy()
+            value = value if value.dtype == np.float32 else value.astype(np.float32)
             if value.ndim >= 2 and np.all(value == value.flat[0]):
                 # "light" files fill weights with one constant: every channel is identical and
                 # the softmax output cannot move. Draw He-scaled weights instead.
                 fan_in = int(np.prod(value.shape[1:]))
-                value = (rng.standard_normal(value.shape) * np.sqrt(2.0 / fan_in)).astype(np.float32)
+                drawn = rng.standard_normal(value.shape)
+                drawn *= np.sqrt(2.0 / fan_in)
+                value = drawn.astype(np.float32)
             base[name] = value
     outs = session.run(grads, base)
     # Direction: the normalized gradient plus a normalized random vector. The gradient part
     # keeps the directional derivative well above fp32 noise in deep nets (a random direction
     # alone is nearly orthogonal to the gradient); the random part checks other components.
-    noise = {p: rng.standard_normal(base[p].shape) for p in params}
+    # In place and in slices of _SLICE elements: the light models hold up to 87 M parameters,
+    # and a float64 temporary per whole-array operation made the numpy work, not ORT, most of
+    # their check's time.
+    direction = {p: rng.standard_normal(base[p].shape) for p in params}
     g_norm = np.sqrt(sum(float(np.vdot(g, g)) for g in outs)) or 1.0
-    n_norm = np.sqrt(sum(float(np.vdot(v, v)) for v in noise.values()))
-    direction = {p: g / g_norm + noise[p] / n_norm for g, p in zip(outs, params, strict=True)}
-    analytic = sum(float(np.vdot(g.astype(np.float64), direction[p])) for g, p in zip(outs, params, strict=True))
+    n_norm = np.sqrt(sum(float(np.vdot(v, v)) for v in direction.values()))
+    for g, p in zip(outs, params, strict=True):
+        d, gf = direction[p].reshape(-1), g.reshape(-1)
+        for i in range(0, d.size, _SLICE):
+            d[i:i + _SLICE] /= n_norm
+            d[i:i + _SLICE] += gf[i:i + _SLICE] / g_norm
+    analytic = sum(float(np.vdot(gf[i:i + _SLICE].astype(np.float64), d[i:i + _SLICE]))
+                   for gf, d in ((g.reshape(-1), direction[p].reshape(-1)) for g, p in zip(outs, params, strict=True))
+                   for i in range(0, d.size, _SLICE))
     scale = max(np.sqrt(sum(float(np.vdot(base[p], base[p])) for p in params)), 1.0)
     norm_d = np.sqrt(sum(float(np.vdot(d, d)) for d in direction.values()))
+    moved = {p: np.empty_like(base[p]) for p in params}
+    feed = {**base, **moved}
 
     def loss_at(eps: float) -> float:
-        feed = dict(base)
         for p in params:
-            feed[p] = (base[p].astype(np.float64) + eps * direction[p]).astype(np.float32)
+            # base + eps * direction in float64, rounded once to float32
+            d, b, m = direction[p].reshape(-1), base[p].reshape(-1), moved[p].reshape(-1)
+            for i in range(0, d.size, _SLICE):
+                np.add(b[i:i + _SLICE], d[i:i + _SLICE] * eps, out=m[i:i + _SLICE])
         return float(session.run(["loss"], feed)[0])
 
     # Several steps: the larger ones are robust to fp32 rounding, the smaller ones to kinks
