@@ -8,6 +8,7 @@ on its own, so the two agree bit for bit (checked exactly, stronger than the 1e-
 from __future__ import annotations
 
 import collections
+import functools
 import json
 from pathlib import Path
 
@@ -54,9 +55,20 @@ def deep_mlp(layers: int = 20, width: int = 8) -> onnx.ModelProto:
 
 
 def _step(name: str, kind: str, options: dict) -> ir.Model:
+    """A fresh copy of the step graph, built once per process and ``FLAT_UNPACK`` (which shapes
+    only the flat form): the cases share most of their graphs, and Trainer may edit its own."""
+    unpack = base.FLAT_UNPACK if options.get("flat") else None
+    return ir.from_proto(onnx.load_from_string(_step_bytes(name, kind, json.dumps(options, sort_keys=True), unpack)))
+
+
+@functools.cache
+def _step_bytes(name: str, kind: str, options: str, unpack: str | None) -> bytes:
+    assert unpack in (None, base.FLAT_UNPACK)
     if name == "deep_mlp":
-        return build_training_graph(deep_mlp(), optimizer=kind, loss="mse", optimizer_options=options)
-    return build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=options)
+        model = build_training_graph(deep_mlp(), optimizer=kind, loss="mse", optimizer_options=json.loads(options))
+    else:
+        model = build_training_graph(ZOO_DIR / f"{name}.loss.onnx", optimizer=kind, optimizer_options=json.loads(options))
+    return ir.to_proto(model).SerializeToString()
 
 
 def _feeds(name: str, steps: int, batch: int = 4) -> list[dict[str, np.ndarray]]:
@@ -162,9 +174,15 @@ def _fp16(init: float, mode: str = "dynamic"):
     return parse_policy(f"extends: fp16\nloss_scaling: {{mode: {mode}, init: {init}, growth_interval: 2000}}\n", "test.yaml")
 
 
-def _loss_scaled(name: str, flat: bool, init: float = 1024.0) -> ir.Model:
+def _loss_scaled(name: str, flat: bool) -> ir.Model:
+    """A fresh copy of the fp16-emulated, dynamically loss-scaled AdamW (amsgrad) step."""
+    return ir.from_proto(onnx.load_from_string(_loss_scaled_bytes(name, flat, base.FLAT_UNPACK if flat else None)))
+
+
+@functools.cache
+def _loss_scaled_bytes(name: str, flat: bool, unpack: str | None) -> bytes:
     step = _step(name, "adamw", {"amsgrad": True, **({"flat": True} if flat else {"pack": False})})
-    return mpgraph.convert(step, _fp16(init), emulate=True)
+    return ir.to_proto(mpgraph.convert(step, _fp16(1024.0), emulate=True)).SerializeToString()
 
 
 def test_flat_loss_scaling_is_a_handful_of_nodes() -> None:
