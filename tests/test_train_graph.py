@@ -11,7 +11,7 @@ import glob
 import itertools
 import json
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -524,9 +524,11 @@ def _real_id(path: str) -> str:
     return p.stem if p.parent.name == "light" else p.parent.name
 
 
-def _random_feed(session: ort.InferenceSession, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _random_feed(session: ort.InferenceSession, rng: np.random.Generator, skip: Collection[str] = ()) -> dict[str, np.ndarray]:
     feeds = {}
     for i in session.get_inputs():
+        if i.name in skip:
+            continue
         shape = [d if isinstance(d, int) else 2 for d in i.shape]
         if i.type == "tensor(int64)":
             feeds[i.name] = rng.integers(0, 3, size=shape).astype(np.int64)
@@ -571,27 +573,33 @@ def _directional_check(model_path: str) -> list[float]:
     # than the rest of the check; every other model here is validated.
     light = Path(model_path).parent.name == "light"
     step = build_training_graph(proto, optimizer=None, loss="mse", trainable_inputs=trainable, validate=not light)
+    grads = [v.name for v in step.graph.outputs if v.name.startswith("grad/")]
+    params = [g[len("grad/"):] for g in grads]
+    # Every parameter is fed at every run: the session's model leaves out their initializers
+    # (the light models' weigh up to 350 MB, serialized and loaded for nothing).
+    inits = step.graph.initializers
+    stored = {name: inits.pop(name).const_value.numpy() for name in params if name in inits}
     session = _session(step)
     rng = np.random.default_rng(0)
-    grads = [o.name for o in session.get_outputs() if o.name.startswith("grad/")]
-    params = [g[len("grad/"):] for g in grads]
-    base = _random_feed(session, rng)
+    base = _random_feed(session, rng, skip=stored)
     # A zero target keeps the loss proportional to the output: a random target adds a
     # constant that drowns the fp32 differences of flat (softmax) outputs.
     base["label"] = np.zeros_like(base["label"])
-    inits = step.graph.initializers
-    for name in params:
-        if name in inits and name not in base:
-            value = inits[name].const_value.numpy()
-            value = value if value.dtype == np.float32 else value.astype(np.float32)
-            if value.ndim >= 2 and np.all(value == value.flat[0]):
-                # "light" files fill weights with one constant: every channel is identical and
-                # the softmax output cannot move. Draw He-scaled weights instead.
-                fan_in = int(np.prod(value.shape[1:]))
-                drawn = rng.standard_normal(value.shape)
-                drawn *= np.sqrt(2.0 / fan_in)
-                value = drawn.astype(np.float32)
-            base[name] = value
+    for name, value in stored.items():
+        value = value if value.dtype == np.float32 else value.astype(np.float32)
+        if value.ndim >= 2 and value.min() == value.max():
+            # "light" files fill weights with one constant: every channel is identical and
+            # the softmax output cannot move. Draw He-scaled weights instead (float64 draws,
+            # rounded to float32; drawn in slices, the same numbers as one draw).
+            scale = np.sqrt(2.0 / int(np.prod(value.shape[1:])))
+            value = np.empty(value.shape, np.float32)
+            flat, drawn = value.reshape(-1), np.empty(min(value.size, _SLICE))
+            for i in range(0, value.size, _SLICE):
+                part = drawn[:min(_SLICE, value.size - i)]
+                rng.standard_normal(out=part)
+                part *= scale
+                flat[i:i + part.size] = part
+        base[name] = value
     outs = session.run(grads, base)
     # Direction: the normalized gradient plus a normalized random vector. The gradient part
     # keeps the directional derivative well above fp32 noise in deep nets (a random direction
