@@ -434,6 +434,10 @@ class Trainer:
         self._lr_value: float | None = None
         self._lr_buf: ort.OrtValue | None = None
         self._set_state(initial)
+        self._init_loop_state()
+
+    def _init_loop_state(self) -> None:
+        """What the training loop tracks between steps: counts, metrics, the data stream."""
         self.steps = 0
         self.metrics = Metrics()
         self._batches: Batches | None = None
