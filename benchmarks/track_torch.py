@@ -2,9 +2,9 @@
 
 For every zoo model and optimizer, runs the test file's ``_track`` (ORT CPU fp32 step graph vs
 torch.optim in float64, same weights and batches) and prints the error of all parameters at the
-end relative to the float64 run's total update: 50 steps at the tuned rates, 1 step at the
-default rates, 50 steps at the default rates with the furthest of four fp32 torch runs; then the
-SGD variants, unpacked optimizers, AMSGrad and Adam weight decay::
+end relative to the float64 run's total update: ``TUNED_STEPS`` (25) steps at the tuned rates,
+1 step at the default rates, 50 steps at the default rates with the furthest of four fp32 torch
+runs; then the SGD variants, unpacked optimizers, AMSGrad and Adam weight decay::
 
     python3 benchmarks/track_torch.py | tee benchmarks/results/track_torch.txt
 """
@@ -28,12 +28,12 @@ from tests import test_train_graph as t  # noqa: E402
 def main() -> int:
     print("$ python3 benchmarks/track_torch.py")
     print(f"# onnxruntime {ort.__version__}, torch {torch.__version__}, 1 thread each; errors relative to the update")
-    print(f"{'model':9s} {'optim':6s} {'tuned 50':>10s} {'default 1':>10s} {'default 50':>11s} {'fp32 torch':>11s}")
+    print(f"{'model':9s} {'optim':6s} {f'tuned {t.TUNED_STEPS}':>10s} {'default 1':>10s} {'default 50':>11s} {'fp32 torch':>11s}")
     for name in t.ZOO_NAMES:
         for kind in sorted(t.OPTIMIZERS):
             options = t.OPTIMIZERS[kind]
             lr = t.LR_OVERRIDES.get((name, kind), t.LEARNING_RATES[kind])
-            tuned, _ = t._track(name, kind, options, lr)
+            tuned, _ = t._track(name, kind, options, lr, steps=t.TUNED_STEPS)
             one, _ = t._track(name, kind, options, t.DEFAULT_RATES[kind], steps=1)
             ours, fp32_runs = t._track(name, kind, options, t.DEFAULT_RATES[kind], check_loss=False)
             furthest = max(itertools.islice(fp32_runs, 4))

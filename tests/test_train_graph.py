@@ -119,8 +119,9 @@ DEFAULT_RATES = {"sgd": 0.05, "adam": 1e-3, "adamw": 1e-3}
 # ReLU (or, for Adam, moves a gradient component near eps) is amplified step after step, and
 # whether such an event happens depends on the learning rate erratically (dqn_cnn, AdamW:
 # fp32 torch is 1.9e-6 off at 2e-4, 1.0e-3 at 5e-5, 1.7e-6 at 1e-5, relative to the weights).
-# At the rates below ours stays on the float64 trajectory over 50 steps (TRACK_BOUND); at
-# default rates some runs leave it, and so do fp32 torch runs (the default-rate test).
+# At the rates below ours stays on the float64 trajectory (TRACK_BOUND, after TUNED_STEPS; after
+# 50 steps each model's worst case was at most 3.1x further, the DQN's); at default rates some
+# runs leave it, and so do fp32 torch runs (the default-rate test).
 LEARNING_RATES = {"sgd": 1e-2, "adam": 1e-4, "adamw": 1e-4}
 LR_OVERRIDES = {
     ("resnet", "sgd"): 3e-4, ("resnet", "adam"): 3e-5, ("resnet", "adamw"): 3e-5,
@@ -239,14 +240,19 @@ def _track(name: str, kind: str, options: dict, lr: float, steps: int = 50, batc
     return ours, fp32_runs()
 
 
-# Error relative to the float64 update (``_track``), per model: about 3x the worst of the three
-# optimizers, measured (ORT 1.32 CPU, 1 thread) in the comment. 50 steps at LEARNING_RATES:
+# Steps at LEARNING_RATES. A wrong update (bias correction, decay, momentum, a state not carried)
+# leaves the trajectory within a few steps; the default-rate test keeps its 50 steps, which
+# its fp32-noise criterion needs (at 25 the DQN's Adam run is 5x the furthest fp32 torch run,
+# at 50 within 2x: the noise takes longer to grow than ours).
+TUNED_STEPS = 25
+# Error relative to the float64 update (``_track``), per model, after TUNED_STEPS: at least 3x
+# the worst of the three optimizers, measured (ORT 1.32 CPU, 1 thread) in the comment.
 TRACK_BOUND = {
-    "tiny_mlp": 2e-4,  # adamw 6.0e-5
+    "tiny_mlp": 2e-4,  # adamw 5.9e-5
     "wide_mlp": 4e-4,  # adamw 1.2e-4
-    "dqn_cnn": 1e-4,  # adam 2.2e-5
-    "gpt": 5e-4,  # adamw 1.5e-4
-    "resnet": 5e-3,  # adam 1.7e-3 (BatchNorm: a mean over the batch amplifies rounding)
+    "dqn_cnn": 1e-4,  # sgd 7.1e-6
+    "gpt": 5e-4,  # adamw 1.7e-4
+    "resnet": 5e-3,  # adam 8.4e-4 (BatchNorm: a mean over the batch amplifies rounding)
 }
 # One step at DEFAULT_RATES:
 ONE_STEP_BOUND = {
@@ -262,7 +268,7 @@ ONE_STEP_BOUND = {
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_zoo_optimizer_tracks_torch(name: str, kind: str) -> None:
     lr = LR_OVERRIDES.get((name, kind), LEARNING_RATES[kind])
-    assert _track(name, kind, OPTIMIZERS[kind], lr)[0] <= TRACK_BOUND[name]
+    assert _track(name, kind, OPTIMIZERS[kind], lr, steps=TUNED_STEPS)[0] <= TRACK_BOUND[name]
 
 
 @pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
