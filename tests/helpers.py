@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
+from collections.abc import Iterator
 
 import numpy as np
 import onnx
@@ -105,3 +108,50 @@ def mpgraph_cli(*args: str) -> Ran:
 
     result = CliRunner().invoke(app, list(args))
     return Ran(result.exit_code, result.stdout, result.stderr)
+
+
+# Range checks measured once per float32 model (``shared_range_checks``): model digest, feeds,
+# low dtype and source -> the Calibration ``measure_ranges`` returned.
+_MEASURED: dict[tuple, object] = {}
+
+
+@contextlib.contextmanager
+def shared_range_checks() -> Iterator[None]:
+    """Inside the block, ``mpgraph.convert`` measures each float32 model's ranges once per
+    process for given feeds and low dtype, instead of once per conversion.
+
+    The range check runs the float32 model, the same for every float16 preset, native and
+    emulated: light VGG-19 converted under fp16, tf-amp and torch-autocast, both ways, ran it
+    six times (2 s of CPU each). The key is the serialized model the check runs, the feeds'
+    bytes, the dtype, the source and ``MATERIALIZE_BYTES``, so a change to what convert
+    measures is measured afresh (and the first measurement in a process is always a fresh
+    one); each conversion gets its own copy of the containers. Nothing else is shared.
+    """
+    import importlib
+
+    import onnx_ir
+
+    from mpgraph.runtime import probe
+
+    # The module, not the function ``mpgraph.convert`` that its package exports under its name.
+    converting = importlib.import_module("mpgraph.convert")
+
+    measure = converting.measure_ranges
+
+    def shared(model, feeds, low, *, source="given inputs", proto=None):
+        data = (proto if proto is not None else onnx_ir.to_proto(model)).SerializeToString(deterministic=True)
+        key = (hashlib.sha256(data).digest(), low, source, probe.MATERIALIZE_BYTES, *(
+            (name, a.dtype.str, a.shape, hashlib.sha256(np.ascontiguousarray(a)).digest())
+            for name, a in sorted((k, np.asarray(v)) for k, v in feeds.items())
+        ))
+        if key not in _MEASURED:
+            _MEASURED[key] = measure(model, feeds, low, source=source, proto=proto)
+        got = _MEASURED[key]
+        return dataclasses.replace(got, feeds=dict(got.feeds), ranges=dict(got.ranges),
+                                   outputs={k: v.copy() for k, v in got.outputs.items()})
+
+    converting.measure_ranges = shared
+    try:
+        yield
+    finally:
+        converting.measure_ranges = measure
