@@ -17,8 +17,6 @@ import glob
 import io
 import json
 import os
-import subprocess
-import sys
 import warnings
 
 import numpy as np
@@ -37,6 +35,7 @@ from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError
 from mpgraph.runtime import probe
 from mpgraph.runtime.probe import measure_ranges
+from tests.helpers import mpgraph_cli, shared_range_checks
 
 LIGHT_DIR = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data", "light")
 LIGHT = sorted(glob.glob(os.path.join(LIGHT_DIR, "*.onnx")))
@@ -71,7 +70,10 @@ def _check_default_fp16(path: str) -> float:
     ref_model = onnx.load(path)
     feeds = random_feeds(ir.from_proto(ref_model), seed=1)  # not the calibration's seed 0
     ref = _run(ref_model, feeds)
-    emulated = mpgraph.convert(path, "fp16", emulate=True)
+    # The range check's float32 run is the one tests/pins.py and the alexnet test below make
+    # too: measured once per process.
+    with shared_range_checks():
+        emulated = mpgraph.convert(path, "fp16", emulate=True)
     assert md.MODEL_CALIBRATION in emulated.metadata_props
     outs = _run(emulated, feeds)
     worst = 0.0
@@ -112,7 +114,8 @@ def test_opting_out_gives_the_overflow_back() -> None:
     unchecked = mpgraph.convert(path, "fp16", emulate=True, calibrate=None)
     assert md.MODEL_CALIBRATION not in unchecked.metadata_props
     assert not all(np.isfinite(o).all() for o in _run(unchecked, feeds))
-    checked = mpgraph.convert(path, "fp16", emulate=True)
+    with shared_range_checks():
+        checked = mpgraph.convert(path, "fp16", emulate=True)
     summary = json.loads(checked.metadata_props[md.MODEL_CALIBRATION])
     assert summary["kept_float32"]["range"] >= 10 and summary["feeds"] == "random inputs, seed 0"
     assert all(np.isfinite(o).all() for o in _run(checked, feeds))
@@ -318,13 +321,11 @@ def test_feeds_missing_an_input_name_the_keys_given(tmp_path) -> None:
 def test_cli_convert_fp16_prints_the_range_check(tmp_path) -> None:
     out = tmp_path / "sq.onnx"
     path = os.path.join(LIGHT_DIR, "light_squeezenet.onnx")
-    result = subprocess.run([sys.executable, "-m", "mpgraph", "convert", path, "--policy", "fp16", "-o", str(out)],
-                            capture_output=True, text=True, timeout=300)
+    result = mpgraph_cli("convert", path, "--policy", "fp16", "-o", str(out))
     assert result.returncode == 0, result.stderr
     assert "range check on random inputs, seed 0:" in result.stdout and "ops kept float32" in result.stdout
     kept = json.loads(onnx.load(str(out)).metadata_props[[p.key for p in onnx.load(str(out)).metadata_props].index(md.MODEL_CALIBRATION)].value)
     assert kept["kept_float32"]["range"] > 0
-    result = subprocess.run([sys.executable, "-m", "mpgraph", "convert", path, "--policy", "fp16", "--no-calibrate",
-                             "-o", str(tmp_path / "raw.onnx")], capture_output=True, text=True, timeout=300)
+    result = mpgraph_cli("convert", path, "--policy", "fp16", "--no-calibrate", "-o", str(tmp_path / "raw.onnx"))
     assert result.returncode == 0, result.stderr
     assert "no range check" in result.stdout
