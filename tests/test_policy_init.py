@@ -13,6 +13,7 @@ import pytest
 
 from mpgraph.policy import list_presets, load_policy, parse_policy
 from mpgraph.policy.writer import policy_yaml
+from tests.helpers import mpgraph_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "models" / "onnx" / "tiny_mlp.onnx"
@@ -60,17 +61,20 @@ def test_the_missions_command_works_in_a_fresh_directory(tmp_path: Path) -> None
     assert (tmp_path / "model.bf16.onnx").is_file()
 
 
-def test_policy_init_writes_a_copy_to_edit(tmp_path: Path) -> None:
-    result = _mpgraph("policy", "init", "bf16", "-o", "my.yaml", cwd=tmp_path)
+def test_policy_init_writes_a_copy_to_edit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # In-process (the entry point and its message style are the test above's): relative paths
+    # resolve against the working directory, as in a shell.
+    monkeypatch.chdir(tmp_path)
+    result = mpgraph_cli("policy", "init", "bf16", "-o", "my.yaml")
     assert result.returncode == 0, result.stderr
     text = (tmp_path / "my.yaml").read_text()
     assert "# deny: stay float32" in text and "MatMul: tensor-core matrix product" in text
     assert dataclasses.replace(load_policy(str(tmp_path / "my.yaml")), name="bf16") == load_policy("bf16")
     # Edit it: keep MatMul float32, and convert with it.
     (tmp_path / "my.yaml").write_text(text.replace("    MatMul: tensor-core", "    MatMulX: tensor-core"))
-    result = _mpgraph("policy", "check", "my.yaml", cwd=tmp_path)
+    result = mpgraph_cli("policy", "check", "my.yaml")
     assert result.returncode == 2 and "unknown op type 'MatMulX' (did you mean 'MatMul'?)" in result.stderr
-    result = _mpgraph("policy", "init", "bf16", "-o", "my.yaml", cwd=tmp_path)
+    result = mpgraph_cli("policy", "init", "bf16", "-o", "my.yaml")
     assert result.returncode == 2 and "exists; pass --force" in result.stderr
-    assert _mpgraph("policy", "init", "fp16", "-o", "my.yaml", "--force", cwd=tmp_path).returncode == 0
+    assert mpgraph_cli("policy", "init", "fp16", "-o", "my.yaml", "--force").returncode == 0
     assert load_policy(str(tmp_path / "my.yaml")).dtype == load_policy("fp16").dtype

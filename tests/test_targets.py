@@ -12,7 +12,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
 import sys
 
 import numpy as np
@@ -29,6 +28,7 @@ from mpgraph.data import random_feeds
 from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.policy import parse_policy
 from mpgraph.targets import check_runnable, kernel_cell, kernel_gaps, tables
+from tests.helpers import mpgraph_cli
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 ZOO = sorted(glob.glob(os.path.join(ROOT, "models", "onnx", "*.onnx")))
@@ -187,11 +187,11 @@ def test_kernel_table_is_what_the_probe_writes(tmp_path) -> None:
 
 
 def test_cli_targets_json() -> None:
-    result = subprocess.run([sys.executable, "-m", "mpgraph", "targets", "--op", "MaxPool", "--op", "MatMul", "--json"],
-                            capture_output=True, text=True, timeout=120)
+    # In-process, against the entry point's own app (test_cli checks that `python -m mpgraph` runs it).
+    result = mpgraph_cli("targets", "--op", "MaxPool", "--op", "MatMul", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     assert data["ops"]["MaxPool"] == {"cpu/float16": "fp32", "cpu/bfloat16": "no", "cuda/float16": "no", "cuda/bfloat16": "no"}
     assert data["providers"]["cuda"]["onnxruntime"] == "1.31.1"
-    result = subprocess.run([sys.executable, "-m", "mpgraph", "targets", "--op", "Nope"], capture_output=True, text=True, timeout=120)
+    result = mpgraph_cli("targets", "--op", "Nope")
     assert result.returncode == 2 and "no probe covered Nope" in result.stderr
