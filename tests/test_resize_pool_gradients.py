@@ -374,16 +374,15 @@ def test_average_pool_ceil_window_past_the_input_is_refused() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
 @pytest.mark.parametrize("model", ["efficientnet", "segformer"])
-def test_check_grad_passes_on_the_corpus_models_these_rules_unblocked(model: str, exporter: str) -> None:
+def test_check_grad_passes_on_the_corpus_models_these_rules_unblocked(model: str, exporter: str,
+                                                                     tmp_path_factory: pytest.TempPathFactory) -> None:
     """``mpgraph.check_grad`` (finite differences, no torch) on the corpus's EfficientNet
     (AveragePool ceil_mode) and SegFormer (Resize) exports: no parameter fails."""
     from mpgraph.check_grad import check_grad
-    from tests.corpus import check
-    from tests.corpus.models import build
+    from tests.corpus import cache
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        exported = check.export(build(model), exporter)
+    cache.share(tmp_path_factory.getbasetemp())  # the corpus tests' exports of the same models
+    exported = cache.exported(model, exporter)
     feeds = {n: t.numpy() for n, t in zip(exported.case.input_names, exported.case.inputs, strict=True)}
     report = check_grad(exported.model, inputs=feeds)
     assert report.passed, [p for p in report.params if p.status == "fail"]
