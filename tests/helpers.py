@@ -72,6 +72,19 @@ def run(model, feeds):
     return session.run(None, feeds)
 
 
+def run_named(model, feeds) -> dict:
+    """Every output of ``model`` (an ``onnx_ir`` model) by name, from a one-thread ORT CPU session
+    (two test processes share the two cores)."""
+    import onnx_ir
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(onnx_ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds), strict=True))
+
+
 def run_cpu(model, feeds, *, library: bool = False):
     """The first output of ``model`` (an ``onnx_ir`` model) in an ORT CPU session with two
     intra-op threads (the lowerings' parallel paths), with mpgraph's kernel library registered

@@ -30,7 +30,7 @@ from mpgraph.training.untie_exported_parameters import (
     TORCH_SIGNATURE,
     UntieExportedParametersPass,
 )
-from tests.helpers import init, make_model, mpgraph_cli, vi
+from tests.helpers import init, make_model, mpgraph_cli, run_named, vi
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -53,20 +53,12 @@ def _export(module: torch.nn.Module, args: tuple, names: list[str]) -> tuple[onn
     return plain, program.model_proto
 
 
-def _gradients(step: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, feeds), strict=True))
-
-
 def _check_against_torch(module: torch.nn.Module, args: tuple, names: list[str], proto: onnx.ModelProto) -> dict[str, float]:
     """Every torch parameter's gradient error; fails if the step trains anything else.
 
     A tied parameter (GPT-2's ``wte`` and ``lm_head``) is one tensor under several names: the
     graph has it once, under one of them."""
-    outs = _gradients(build_training_graph(proto, optimizer=None), {n: a.numpy() for n, a in zip(names, args, strict=True)})
+    outs = run_named(build_training_graph(proto, optimizer=None), {n: a.numpy() for n, a in zip(names, args, strict=True)})
     module = copy.deepcopy(module).train()
     module(*args).backward()
     tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}

@@ -6,22 +6,13 @@ import collections
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 
 from mpgraph.errors import GradientError
 from mpgraph.training import build_training_graph
+from tests.helpers import run_named
 
 ZOO_DIR = Path(__file__).resolve().parents[1] / "models" / "onnx"
-
-
-def _gradients(step: ir.Model, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    names = [o.name for o in session.get_outputs()]
-    return dict(zip(names, session.run(None, feed), strict=True))
 
 
 def test_cuda_target_uses_im2col_and_matches_the_cpu_forms() -> None:
@@ -36,7 +27,7 @@ def test_cuda_target_uses_im2col_and_matches_the_cpu_forms() -> None:
     rng = np.random.default_rng(0)
     feed = {"x": rng.standard_normal((4, 4, 84, 84)).astype(np.float32),
             "label": rng.standard_normal((4, 18)).astype(np.float32) * 0.1}
-    a, b = _gradients(cpu, feed), _gradients(cuda, feed)
+    a, b = run_named(cpu, feed), run_named(cuda, feed)
     assert a.keys() == b.keys() and len(a) > 2
     for key in a:
         scale = float(np.abs(a[key]).max()) or 1.0
