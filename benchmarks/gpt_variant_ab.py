@@ -11,7 +11,7 @@ each, and the kernel breakdown of each.
     python3 benchmarks/gpt_variant_ab.py --baseline-tree /tmp/base [--policies bf16,tf32] [--repeat]
 
 ``--kernels-ab`` instead times one graph of this tree with ``Trainer(kernels=False)`` (the
-baseline) against ``kernels=True`` (mpgraph's fused kernels, ``mpgraph.kernels``), and checks
+baseline) against ``kernels=True`` (mpgraph's fused kernels, ``mpgraph.lowering``), and checks
 nothing else differs: no baseline tree is needed.
 
 ``--repeat`` runs the baseline graph a second time: how far two runs of one graph drift

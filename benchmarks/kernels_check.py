@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mpgraph import kernels  # noqa: E402
+from mpgraph import lowering as kernels  # noqa: E402
 from mpgraph.runtime.trainer import Trainer  # noqa: E402
 from mpgraph.training import build_training_graph  # noqa: E402
 

@@ -23,9 +23,9 @@ import onnxruntime as ort
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from mpgraph import kernels  # noqa: E402
-from mpgraph.kernels.fuse import fuse_adamw  # noqa: E402
-from mpgraph.kernels.transpose import fold_scales, fold_transposes  # noqa: E402
+from mpgraph import lowering as kernels  # noqa: E402
+from mpgraph.lowering.fuse import fuse_adamw  # noqa: E402
+from mpgraph.lowering.transpose import fold_scales, fold_transposes  # noqa: E402
 from mpgraph.training import build_training_graph  # noqa: E402
 from tests.corpus import check, models  # noqa: E402
 

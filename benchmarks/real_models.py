@@ -27,9 +27,12 @@ positions, 15%, and ``-100`` elsewhere). Then ``build_training_graph(optimizer="
 All start from the same weights, see the same batches (four, cycled), and use AdamW with the same
 hyperparameters. Timing, memory and kernel counts as ``gpu_step.py`` (``step_timing.py``:
 alternating rounds, a warm-up round left out of the median, the loss read back every step). The
-torch rows of a model are built once and take their turns in each exporter's rounds; the mpgraph
-rows of one exporter exist together (both exporters' at once would need about 150 GiB for GPT-2
-by issue 30's numbers, more than one H200 has). The step graphs are built in worker processes while the GPU times the previous ones.
+torch rows of a model are built once; one mpgraph trainer exists at a time, and the torch rows
+take their turns in each trainer's rounds (their median is over all of them), so every mpgraph
+row is timed side by side with torch in the same run. Each trainer is freed before the next is
+made: GPT-2's three TorchScript-export trainers held 56 + 52 + 23 GiB together and left torch's
+rows out of memory (``results/real_models_2026-12-02.log``). The step graphs are built in worker
+processes while the GPU times the previous ones.
 
 Printed per row: ms/step (median of rounds) and its spread, the ratio to torch.compile and to
 torch eager AMP, model FLOP/s as a share of the bf16 peak, device memory, the loss after
@@ -85,6 +88,7 @@ from step_timing import (  # noqa: E402
     Run,
     Tee,
     create_run,
+    device_used_mib,
     error_line,
     kernel_breakdown,
     run_header,
@@ -704,6 +708,33 @@ def _notes(run: Run, policy: str, exporter: str, built: Mapping[str, Any]) -> li
     return notes
 
 
+def _mpgraph_row(bench: Bench, name: str, exporter: str, policy: str, built: Mapping[str, Any], stage_error: str,
+                 case: ModelCase, torch_runs: Sequence[Run]) -> Run:
+    """One mpgraph configuration: made, timed in rounds alternating with the torch rows,
+    profiled, then freed (its trainer's device memory goes back before the next is made)."""
+    args, cuda = bench.args, bench.cuda
+    label = mpgraph_label(policy, cuda)
+    path = built["graphs"].get(policy)
+    if path is None:
+        error = stage_error or (f"convert: {built['errors'][policy]}" if policy in built["errors"] else "")
+        return Run(label, lambda i: float("nan"), mpgraph_twin(policy, cuda), device="cuda" if cuda else "cpu",
+                   error=error or "no step graph")
+    run = create_run(label, functools.partial(mpgraph_run, label, path, case, "cuda" if cuda else "cpu",
+                                              mpgraph_twin(policy, cuda)), cuda)
+    log(f"{name} {exporter} {policy}: trainer {'made' if not run.error else 'failed'}"
+        + (f" ({run.mem_created / 1024:.1f} GiB)" if cuda else ""))
+    timed_rounds([run, *torch_runs], args.rounds, args.steps_per_round, cuda=cuda, cpu_threads=None,
+                 on_round=lambda r: log(f"{name} {exporter} {policy}: round {r} done"))
+    bench.profile([run, *torch_runs])
+    run.note = "; ".join(_notes(run, policy, exporter, built))
+    run.trainer, run.step, run.steps = None, (lambda i: float("nan")), None
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        log(f"{name} {exporter} {policy}: trainer freed, {device_used_mib() / 1024:.1f} GiB of device memory in use")
+    return run
+
+
 def _over_budget(args: argparse.Namespace) -> bool:
     return args.time_budget is not None and _elapsed() > args.time_budget
 
@@ -737,30 +768,9 @@ def run_model(bench: Bench, name: str, prep: Preparer) -> None:
         log(f"{name} {exporter}: graphs ready ({seconds or 'none'})"
             + (f"; failed: {built['errors']}" if built["errors"] else ""))
         stage_error = next((f"{k}: {v}" for k, v in built["errors"].items() if k not in policies), "")
-        runs = []
         for policy in policies:
-            label = mpgraph_label(policy, cuda)
-            path = built["graphs"].get(policy)
-            error = stage_error or (f"convert: {built['errors'][policy]}" if policy in built["errors"] else "")
-            if path is None:
-                run = Run(label, lambda i: float("nan"), mpgraph_twin(policy, cuda), device="cuda" if cuda else "cpu",
-                          error=error or "no step graph")
-            else:
-                run = create_run(label, functools.partial(mpgraph_run, label, path, case, "cuda" if cuda else "cpu",
-                                                          mpgraph_twin(policy, cuda)), cuda)
-            runs.append(run)
+            run = _mpgraph_row(bench, name, exporter, policy, built, stage_error, case, torch_runs)
             bench.entries.append((name, exporter, run))
-        log(f"{name} {exporter}: {sum(not r.error for r in runs)} of {len(runs)} trainers made")
-        timed_rounds(runs + torch_runs, args.rounds, args.steps_per_round, cuda=cuda, cpu_threads=None,
-                     on_round=lambda r, e=exporter: log(f"{name} {e}: round {r} done"))
-        bench.profile(runs + torch_runs)
-        for run, policy in zip(runs, policies, strict=True):
-            run.note = "; ".join(_notes(run, policy, exporter, built))
-            # The trainers go: the next exporter's need the memory.
-            run.trainer, run.step, run.steps = None, (lambda i: float("nan")), None
-        gc.collect()
-        if cuda:
-            torch.cuda.empty_cache()
         for path in built["graphs"].values():
             for leftover in (path, f"{path}.data"):
                 with contextlib.suppress(FileNotFoundError):
@@ -783,7 +793,7 @@ def _build_kernels() -> threading.Thread:
     first models are exported; the first Trainer then finds it cached."""
     def build() -> None:
         try:
-            from mpgraph import kernels
+            from mpgraph import lowering as kernels
 
             kernels.library("cuda")
         except Exception as e:  # noqa: BLE001 - the Trainer reports why it runs without them

@@ -95,7 +95,7 @@ def run_cpu(model, feeds, *, library: bool = False):
     options.log_severity_level = 3
     options.intra_op_num_threads = 2
     if library:
-        from mpgraph import kernels
+        from mpgraph import lowering as kernels
 
         options.register_custom_ops_library(str(kernels.library("cpu")))
     session = ort.InferenceSession(onnx_ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])

@@ -7,7 +7,7 @@ Per model x exporter, four tests:
     grad:    every torch parameter's gradient within 1e-4 relative L2 of torch.autograd;
     adamw:   the loss over 5 AdamW steps within 1e-4 of torch.optim.AdamW;
     lowp:    the emulated bf16 and fp16 step graphs' loss after 5 updates within 1e-2 of fp32's;
-    kernels: the CUDA Trainer's kernel lowering (``mpgraph.kernels.lower``; here the library's
+    kernels: the CUDA Trainer's kernel lowering (``mpgraph.lowering.lower``; here the library's
              float32 CPU kernels) gives the gradient graph's outputs within 1e-5 of each
              output's scale (each fused kernel sums in its own order), or within 10x the
              graph's own float32 noise floor where that is larger (the 16-block MobileNetV2

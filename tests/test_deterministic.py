@@ -1,5 +1,5 @@
 """``Trainer(deterministic=True)``: the embedding gradient's scatter-add as a one-hot Gemm
-(``mpgraph.kernels.deterministic``), equal to the scatter; on CUDA, two runs give the same bits."""
+(``mpgraph.lowering.deterministic``), equal to the scatter; on CUDA, two runs give the same bits."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from mpgraph.kernels.deterministic import one_hot_scatter, ones_matmul_sums
+from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import random_batches

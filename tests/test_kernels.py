@@ -1,4 +1,4 @@
-"""mpgraph's fused kernels (``mpgraph.kernels``): the C ABI slots, the AdamW fusion, and
+"""mpgraph's fused kernels (``mpgraph.lowering``): the C ABI slots, the AdamW fusion, and
 bit-identical training with and without it on ORT's CPU provider (the CUDA kernel is checked
 on the GPU machine: benchmarks/results/kernels_cuda.txt)."""
 
@@ -13,16 +13,16 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mpgraph import kernels
+from mpgraph import lowering as kernels
 from mpgraph.convert import convert
-from mpgraph.kernels.fuse import fuse_adamw, fuse_layernorm_grad
+from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "models/onnx/gpt.loss.onnx"
 MLP = ROOT / "models/onnx/tiny_mlp.loss.onnx"
-ABI = ROOT / "mpgraph/kernels/csrc/ort_abi.h"
+ABI = ROOT / "mpgraph/lowering/csrc/ort_abi.h"
 
 
 def _slots() -> dict[str, int]:
@@ -255,7 +255,7 @@ def test_lowered_graph_stays_topologically_sorted():
 def test_layernorm_grad_names_the_forward_mean_when_a_pass_dropped_it():
     """After specialize_shapes (the CUDA graph session's copy) the forward node's unused Mean
     output has no name; an unnamed input is an absent one to ORT, so the lowering names it."""
-    from mpgraph.specialize import specialize_shapes
+    from mpgraph.lowering.specialize import specialize_shapes
 
     step = build_training_graph(GPT, optimizer="adamw")
     fixed = specialize_shapes(step, {"tokens": (4, 16), "label": (4, 16)})

@@ -1,5 +1,5 @@
-"""The session lowerings that cut kernel launches: multi-tensor ops (``mpgraph.kernels.multi``)
-and transposes folded into matmuls (``mpgraph.kernels.transpose``), on ORT's CPU provider
+"""The session lowerings that cut kernel launches: multi-tensor ops (``mpgraph.lowering.multi``)
+and transposes folded into matmuls (``mpgraph.lowering.transpose``), on ORT's CPU provider
 (their CUDA kernels are checked on the GPU machine: benchmarks/results/kernels_check_cuda.txt)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from mpgraph import kernels
+from mpgraph import lowering as kernels
 from mpgraph.convert import convert
-from mpgraph.kernels.fuse import fuse_adamw
-from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
-from mpgraph.kernels.transpose import fold_transposes
+from mpgraph.lowering.fuse import fuse_adamw
+from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.lowering.transpose import fold_transposes
 from mpgraph.policy.loader import load_policy
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
@@ -281,7 +281,7 @@ def test_gelu_and_its_backward_become_two_nodes():
     """The zoo GPT's two erf GELUs (5 forward ops) and their rule's backward (6 ops): one
     ErfGelu and one ErfGeluGrad each; gradients agree (the CPU kernel's erf is libm's, ORT
     CPU's is MLAS's own)."""
-    from mpgraph.kernels.gelu import fuse_gelu
+    from mpgraph.lowering.gelu import fuse_gelu
 
     grads = build_training_graph(GPT, optimizer=None)
     fused = _copy(grads)
@@ -292,7 +292,7 @@ def test_gelu_and_its_backward_become_two_nodes():
 
 
 def test_attention_softmax_backward_becomes_one_node():
-    from mpgraph.kernels.softmax import fuse_softmax_grad
+    from mpgraph.lowering.softmax import fuse_softmax_grad
 
     grads = build_training_graph(GPT, optimizer=None)
     fused = _copy(grads)
@@ -305,7 +305,7 @@ def test_attention_softmax_backward_becomes_one_node():
 def test_power_of_two_scales_fold_into_matmul_alpha_exactly():
     """The attention's 1/sqrt(16) = 0.25 forward and backward: folded, same bits on CPU; a
     scale of 0.3 would round differently and stays a Mul."""
-    from mpgraph.kernels.transpose import fold_scales
+    from mpgraph.lowering.transpose import fold_scales
 
     grads = build_training_graph(GPT, optimizer=None)
     folded = _copy(grads)
@@ -330,7 +330,7 @@ def test_power_of_two_scales_fold_into_matmul_alpha_exactly():
 
 
 def test_relu_backward_becomes_one_node_with_the_same_bits():
-    from mpgraph.kernels.grads import fuse_relu_grad
+    from mpgraph.lowering.grads import fuse_relu_grad
 
     grads = build_training_graph(MLP, optimizer=None)
     fused = _copy(grads)
@@ -344,7 +344,7 @@ def test_relu_backward_becomes_one_node_with_the_same_bits():
 def test_cross_entropy_gradient_becomes_one_node():
     """Four passes over the logits (Exp, OneHot, Sub, Mul) into one; on CPU the kernel's exp is
     libm's and ORT's is MLAS's (so the CUDA lowering alone uses it), agreeing within 1e-6."""
-    from mpgraph.kernels.grads import fuse_sce_grad
+    from mpgraph.lowering.grads import fuse_sce_grad
 
     for model, expected in ((MLP, 1), (GPT, 1)):
         grads = build_training_graph(model, optimizer=None)
@@ -365,7 +365,7 @@ def test_a_scale_read_twice_by_one_matmul_folds_squared():
     """``MatMul(0.5 a, 0.5 a)`` is ``0.25 (a a)``: alpha takes the scale once per operand."""
     from onnx import TensorProto, helper
 
-    from mpgraph.kernels.transpose import fold_scales
+    from mpgraph.lowering.transpose import fold_scales
 
     nodes = [helper.make_node("Mul", ["a", "half"], ["s"]), helper.make_node("MatMul", ["s", "s"], ["y"])]
     graph = helper.make_graph(nodes, "sq", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [4, 4])],
@@ -382,7 +382,7 @@ def test_a_scale_read_twice_by_one_matmul_folds_squared():
 
 def test_softmax_backward_with_another_reshape_is_not_fused():
     """The kernel reads dP as [rows, keys]: a Reshape of dP to another layout keeps the ops."""
-    from mpgraph.kernels.softmax import fuse_softmax_grad
+    from mpgraph.lowering.softmax import fuse_softmax_grad
 
     grads = build_training_graph(GPT, optimizer=None)
     sub = next(n for n in grads.graph if n.op_type == "Sub" and n.inputs[0].producer() is not None
@@ -396,7 +396,7 @@ def test_softmax_backward_with_another_reshape_is_not_fused():
 
 
 def test_cross_entropy_gradient_with_another_depth_is_not_fused():
-    from mpgraph.kernels.grads import fuse_sce_grad
+    from mpgraph.lowering.grads import fuse_sce_grad
 
     grads = build_training_graph(MLP, optimizer=None)
     one_hot = next(n for n in grads.graph if n.op_type == "OneHot")
@@ -414,7 +414,7 @@ def test_the_captured_sessions_graph_is_lowered_alike():
     node)."""
     from collections import Counter
 
-    from mpgraph.specialize import specialize_shapes
+    from mpgraph.lowering.specialize import specialize_shapes
 
     step = convert(build_training_graph(GPT, optimizer="adamw"), "bf16", emulate=False, validate=False, calibrate=None)
     fixed = specialize_shapes(_copy(step), {"tokens": (4, 16), "label": (4, 16)})
@@ -429,7 +429,7 @@ def test_adam_scalar_block_becomes_one_node_with_the_same_bits():
     """The ten float64 scalar ops of the bias corrections: one AdamScalars node; the step size
     and sqrt(1 - beta2^t) keep their bits (float64 Pow, Sub, Div, Sqrt as ORT's), so training
     stays bit-identical (the fp16 form gates the step size on overflow after it)."""
-    from mpgraph.kernels.scalars import fuse_adam_scalars
+    from mpgraph.lowering.scalars import fuse_adam_scalars
 
     for step in (build_training_graph(MLP, optimizer="adamw"), _fp16()):
         lowered = _copy(step)

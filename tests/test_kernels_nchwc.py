@@ -1,4 +1,4 @@
-"""Convolutions on ORT CPU's NCHWc kernels (``mpgraph.kernels.nchwc``): the block probe, the
+"""Convolutions on ORT CPU's NCHWc kernels (``mpgraph.lowering.nchwc``): the block probe, the
 rewrite's results against the plain ``Conv`` for every shape class it takes (first layer,
 blocked channels, channels it pads, the weight gradient's symbolic batch), the convolutions it
 must leave alone, and a DQN trained through the ``Trainer`` with and without it."""
@@ -12,8 +12,8 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from mpgraph import kernels
-from mpgraph.kernels.nchwc import NCHWC_DOMAIN, block_size, to_nchwc
+from mpgraph import lowering as kernels
+from mpgraph.lowering.nchwc import NCHWC_DOMAIN, block_size, to_nchwc
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import run_cpu

@@ -1,4 +1,4 @@
-"""The CPU lowerings built on the library's ``Permute`` (``mpgraph.kernels.permute``,
+"""The CPU lowerings built on the library's ``Permute`` (``mpgraph.lowering.permute``,
 ``nchwc._phase_conv``, ``slices_dw``): ``Permute`` against numpy's transpose bit for bit (merged
 axes, size-1 and empty axes, reversed axes folded from a flip), which transposes it takes and
 which it leaves to ORT, strided ``ConvTranspose`` as a phase Conv against ORT's, the per-tap
@@ -14,10 +14,10 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
 
-from mpgraph import kernels
-from mpgraph.kernels.nchwc import MIN_PHASE_OUTPUTS, block_size, to_nchwc
-from mpgraph.kernels.permute import fast_transposes
-from mpgraph.kernels.slices_dw import slices_to_conv
+from mpgraph import lowering as kernels
+from mpgraph.lowering.nchwc import MIN_PHASE_OUTPUTS, block_size, to_nchwc
+from mpgraph.lowering.permute import fast_transposes
+from mpgraph.lowering.slices_dw import slices_to_conv
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import random_batches, run_cpu

@@ -372,7 +372,7 @@ def test_replay_buffers_match_the_plain_path_on_cpu():
     """The CUDA-graph path (a shape-specialised session, fixed batch/lr/loss buffers, one
     binding per parity, in-place lr and checkpoint updates) must train exactly like the plain
     path. CPU cannot capture graphs, but it runs the same buffer logic when forced."""
-    from mpgraph.specialize import shape_ops, specialize_shapes
+    from mpgraph.lowering.specialize import shape_ops, specialize_shapes
 
     step = build_training_graph(str(Path(__file__).resolve().parents[1] / "models" / "onnx" / "gpt.loss.onnx"), optimizer="adamw")
     rng = np.random.default_rng(0)

@@ -385,8 +385,8 @@ def _node(op_type: str, inputs: list[str], output: str, **attributes: int | np.n
 
 def _nchwc_matches(block: int) -> bool:
     """Whether ORT's NCHWc Conv here computes a plain Conv from a filter put in ``block``'s
-    order by ``mpgraph.kernels.nchwc`` (a 16-channel 3x3 layer against numpy)."""
-    from mpgraph.kernels.nchwc import NCHWC_DOMAIN, _filter_order
+    order by ``mpgraph.lowering.nchwc`` (a 16-channel 3x3 layer against numpy)."""
+    from mpgraph.lowering.nchwc import NCHWC_DOMAIN, _filter_order
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 16, 5, 5)).astype(np.float32)

@@ -122,7 +122,7 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         options: The execution provider's options (``provider_options``).
         threads: Intra-op threads (``None``: ORT's default).
         cuda_graph: Turn on CUDA graph capture (CUDA only).
-        custom_ops: A custom-op library to register (``mpgraph.kernels.library``).
+        custom_ops: A custom-op library to register (``mpgraph.lowering.library``).
         mem_pattern: ``SessionOptions.enable_mem_pattern`` (``None``: ORT's default, on).
         deterministic: ``SessionOptions.use_deterministic_compute``: kernels that give the same
             bits every run (e.g. cuDNN's deterministic convolution algorithms), where ORT has them.

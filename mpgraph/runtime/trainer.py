@@ -54,7 +54,7 @@ import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from mpgraph import kernels as kernels_lib
+from mpgraph import lowering as kernels_lib
 from mpgraph._ir import meta as md
 from mpgraph.data import (
     Batches,
@@ -67,7 +67,7 @@ from mpgraph.data import (
 )
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
-from mpgraph.kernels.deterministic import one_hot_scatter, ones_matmul_sums
+from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.runtime import providers
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
@@ -316,7 +316,7 @@ class Trainer:
             the first batch's shapes; a batch of another shape runs in a plain session.
             ``cuda_graph_reason`` says why capture is off when it is.
         kernels: Run the session's copy of the graph with mpgraph's fused kernels
-            (``mpgraph.kernels.lower``: multi-tensor AdamW, casts and loss-scale unscale,
+            (``mpgraph.lowering.lower``: multi-tensor AdamW, casts and loss-scale unscale,
             bit-identical; the LayerNorm, GELU, attention-softmax, Relu and cross-entropy
             backwards, equal within float32 rounding; on CPU, convolutions on ORT's NCHWc
             kernels). ``None``: each provider's default (``kernels.lower(scope="default")``):
@@ -344,7 +344,7 @@ class Trainer:
             ``provider_options`` sets it), the embedding gradient's scatter-add as a
             one-hot ``Gemm`` and the bias gradients' sums as ``MatMul``s with ones (cuBLAS
             instead of ORT's deterministic reductions, which run on cuDNN;
-            ``mpgraph.kernels.deterministic``; CUDA only: ORT CPU's adds in order). Needs
+            ``mpgraph.lowering.deterministic``; CUDA only: ORT CPU's adds in order). Needs
             strict float32 matmuls. Without it two CUDA runs of the bench GPT part after one step (bias
             gradients, the token embedding) and the DQN's (cuDNN's algorithm per session,
             ``benchmarks/results/repeat_probe_state_diff.txt``); with it the GPT's state is
@@ -645,7 +645,7 @@ class Trainer:
 
     def _start_replay(self, batch: Mapping[str, np.ndarray]) -> None:
         """Build the capturing session for ``batch``'s shapes and its fixed buffers."""
-        from mpgraph.specialize import specialize_shapes
+        from mpgraph.lowering.specialize import specialize_shapes
 
         names = [spec.name for spec in self.data_inputs]
         signature = self._signature(batch, names)

@@ -293,7 +293,7 @@ def _worst(plain: dict[str, np.ndarray], other: dict[str, np.ndarray]) -> float:
 
 def kernel_errors(exported: Exported, run: GradientRun | None = None,
                   tolerance: float = 0.0) -> tuple[dict[str, int], float, float | None]:
-    """The kernel lowering (``mpgraph.kernels.lower``, as the CUDA Trainer runs it, with the
+    """The kernel lowering (``mpgraph.lowering.lower``, as the CUDA Trainer runs it, with the
     CPU library's float32 kernels) on the gradient graph: the ops it made, and the worst
     ``max|lowered - plain| / max|plain|`` over the outputs. A gradient under ``GRAD_FLOOR``
     times the largest is measured against the largest instead, as in ``gradient_errors``: it is
@@ -320,7 +320,7 @@ def kernel_errors(exported: Exported, run: GradientRun | None = None,
     (``None`` otherwise: an error within tolerance needs no excuse).
 
     ``run``: ``gradient_run(exported)`` when the caller has it."""
-    from mpgraph import kernels
+    from mpgraph import lowering as kernels
 
     run = run if run is not None else gradient_run(exported)
     lowered = ir.from_proto(run.proto)

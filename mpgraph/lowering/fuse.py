@@ -17,7 +17,7 @@ match is exact: every intermediate must have its one reader inside the chain, so
 in the graph loses a value. AMSGrad (``Max`` before the ``Sqrt``) and any other variant do not
 match and keep their ONNX ops.
 
-This is a lowering for sessions that load mpgraph's kernel library (``mpgraph.kernels``); the
+This is a lowering for sessions that load mpgraph's kernel library (``mpgraph.lowering``); the
 step graph a user saves keeps its standard ONNX ops.
 """
 

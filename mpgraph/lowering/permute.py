@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _hand_over, _initializer, _perm
+from mpgraph.lowering.fuse import DOMAIN, _constant, _hand_over, _initializer, _perm
 
 __all__ = ["fast_transposes", "merged_perm"]
 

@@ -29,7 +29,7 @@ import math
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant, _replace
+from mpgraph.lowering.fuse import _constant, _replace
 
 __all__ = ["fold_scales", "fold_transposes"]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant, _fuse_muls, _one_reader, _producer
+from mpgraph.lowering.fuse import _constant, _fuse_muls, _one_reader, _producer
 
 __all__ = ["fuse_relu_grad", "fuse_sce_grad"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _consts, _hand_over, _perm, _producer
+from mpgraph.lowering.fuse import _consts, _hand_over, _perm, _producer
 
 __all__ = ["slices_to_conv"]
 

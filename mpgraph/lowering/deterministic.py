@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _hand_over, _initializer
+from mpgraph.lowering.fuse import _hand_over, _initializer
 
 __all__ = ["one_hot_scatter", "ones_matmul_sums"]
 

@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _hand_over
+from mpgraph.lowering.fuse import DOMAIN, _constant, _hand_over
 
 __all__ = ["batch_adamw", "batch_casts", "fuse_unscale"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _consts, _fuse_muls, _one_reader
+from mpgraph.lowering.fuse import _consts, _fuse_muls, _one_reader
 
 __all__ = ["fuse_softmax_grad"]
 

@@ -14,15 +14,15 @@ The ``Trainer`` does this by itself on CUDA (``kernels=None``); by hand:
 
 Example:
     >>> import onnxruntime as ort
-    >>> from mpgraph import kernels
+    >>> from mpgraph import lowering
     >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
-    >>> kernels.lower(step)  # the packed slot's AdamW, its float64 scalars, each Relu's backward
+    >>> lowering.lower(step)  # the packed slot's AdamW, its float64 scalars, each Relu's backward
     4
-    >>> sorted({n.op_type for n in step.graph if n.domain == kernels.DOMAIN})
+    >>> sorted({n.op_type for n in step.graph if n.domain == lowering.DOMAIN})
     ['AdamScalars', 'AdamWUpdate', 'ReluGrad']
     >>> options = ort.SessionOptions()
-    >>> options.register_custom_ops_library(str(kernels.library("cpu")))  # built once, then cached
+    >>> options.register_custom_ops_library(str(lowering.library("cpu")))  # built once, then cached
 """
 
 from __future__ import annotations
@@ -33,16 +33,16 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from mpgraph.kernels.build import KernelBuildError, build_library
-from mpgraph.kernels.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
-from mpgraph.kernels.gelu import fuse_gelu
-from mpgraph.kernels.grads import fuse_relu_grad, fuse_sce_grad
-from mpgraph.kernels.multi import batch_adamw, batch_casts, fuse_unscale
-from mpgraph.kernels.nchwc import to_nchwc
-from mpgraph.kernels.permute import fast_transposes
-from mpgraph.kernels.scalars import fuse_adam_scalars
-from mpgraph.kernels.softmax import fuse_softmax_grad
-from mpgraph.kernels.transpose import fold_scales, fold_transposes
+from mpgraph.lowering.build import KernelBuildError, build_library
+from mpgraph.lowering.fuse import DOMAIN, fuse_adamw, fuse_layernorm_grad
+from mpgraph.lowering.gelu import fuse_gelu
+from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
+from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.lowering.nchwc import to_nchwc
+from mpgraph.lowering.permute import fast_transposes
+from mpgraph.lowering.scalars import fuse_adam_scalars
+from mpgraph.lowering.softmax import fuse_softmax_grad
+from mpgraph.lowering.transpose import fold_scales, fold_transposes
 
 __all__ = ["DOMAIN", "KernelBuildError", "library", "lower"]
 

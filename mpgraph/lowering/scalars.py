@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import DOMAIN, _constant, _producer, _replace
+from mpgraph.lowering.fuse import DOMAIN, _constant, _producer, _replace
 
 __all__ = ["fuse_adam_scalars"]
 

@@ -41,8 +41,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.kernels.fuse import _constant, _hand_over, _initializer
-from mpgraph.kernels.slices_dw import slices_to_conv
+from mpgraph.lowering.fuse import _constant, _hand_over, _initializer
+from mpgraph.lowering.slices_dw import slices_to_conv
 
 __all__ = ["NCHWC_DOMAIN", "block_size", "to_nchwc"]
 
