@@ -24,6 +24,9 @@ Schema (all keys optional except ``dtype``)::
     initializers: {overflow: keep_fp32, underflow: keep}
     loss_scaling: {mode: dynamic, init: 65536, growth_interval: 2000, growth_factor: 2.0,
                    backoff_factor: 0.5, min: 1.0, max: 16777216}
+    fp8: {ops: [MatMul, Gemm], forward: float8e4m3fn, backward: float8e5m2,
+          scaling: {recipe: delayed, history: 1024, amax: max, margin: 0, rounding: pow2}}
+                                    # (see mpgraph.policy.fp8)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import onnx_ir as ir
 import yaml
 
 from mpgraph.errors import PolicyError
+from mpgraph.policy.fp8 import parse_fp8
 from mpgraph.policy.schema import (
     CATEGORIES,
     DTYPES,
@@ -74,6 +78,7 @@ _TOP_KEYS = (
     "initializers",
     "loss_scaling",
     "tf32",
+    "fp8",
 )
 _LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossScaling))
 _INIT_KEYS = tuple(f.name for f in dataclasses.fields(InitializerRange))
@@ -333,7 +338,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
     The keys are read one section at a time, in this order (so the first bad key reported
     is the first in this list): ``extends`` (the base every other key starts from), then
     ``dtype``, ``default``, ``ops``, ``overrides``, ``pins``, ``keep_io_types``,
-    ``initializers``, ``loss_scaling``, ``tf32``, ``name`` and ``description``.
+    ``initializers``, ``loss_scaling``, ``tf32``, ``fp8``, ``name`` and ``description``.
 
     Args:
         text: YAML source.
@@ -363,6 +368,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
         if not isinstance(data["tf32"], bool):
             doc.fail(("tf32",), f"invalid value {data['tf32']!r}; expected true or false")
         tf32 = data["tf32"]
+    fp8 = parse_fp8(doc, data, base, dtype)
     name = data.get("name", Path(path).stem)
     description = data.get("description", base.description if base else "")
     return Policy(
@@ -377,6 +383,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
         loss_scaling=loss,
         description=str(description).strip(),
         tf32=tf32,
+        fp8=fp8,
     )
 
 

@@ -32,6 +32,12 @@ __all__ = [
     "UNDERFLOW_ACTIONS",
     "InitializerRange",
     "LossScaling",
+    "FP8_FORMATS",
+    "SCALING_RECIPES",
+    "AMAX_COMPUTE",
+    "SCALE_ROUNDING",
+    "Fp8",
+    "Fp8Scaling",
     "Override",
     "Pin",
     "Policy",
@@ -52,6 +58,21 @@ DTYPES: Mapping[str, ir.DataType] = {
 }
 
 LOSS_SCALING_MODES = ("none", "static", "dynamic")
+
+#: Accepted spellings of the fp8 formats (ONNX's names first).
+FP8_FORMATS: Mapping[str, ir.DataType] = {
+    "float8e4m3fn": ir.DataType.FLOAT8E4M3FN,
+    "e4m3": ir.DataType.FLOAT8E4M3FN,
+    "float8e5m2": ir.DataType.FLOAT8E5M2,
+    "e5m2": ir.DataType.FLOAT8E5M2,
+}
+#: ``delayed``: the scale comes from a history of earlier steps' amax; ``current``: this step's.
+SCALING_RECIPES = ("delayed", "current")
+#: How the delayed recipe reduces its amax history: its maximum, or the newest entry.
+AMAX_COMPUTE = ("max", "most_recent")
+#: ``pow2``: the scale is rounded down to a power of two (exact multiplication, the dequantised
+#: values are exact in bfloat16); ``none``: ``fp8_max / amax / 2**margin`` as computed.
+SCALE_ROUNDING = ("pow2", "none")
 OVERFLOW_ACTIONS = ("keep_fp32", "clamp", "error")
 UNDERFLOW_ACTIONS = ("keep", "keep_fp32", "error")
 
@@ -109,6 +130,47 @@ class LossScaling:
     backoff_factor: float = 0.5
     min: float = 1.0
     max: float = 2.0**24
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Scaling:
+    """How a per-tensor fp8 scale is chosen (Transformer Engine's recipes).
+
+    The scale ``s`` multiplies a tensor before the cast to fp8 and divides it after:
+    ``s = fp8_max / amax / 2**margin`` (rounded down to a power of two with
+    ``rounding: pow2``), kept as it was when ``amax`` is 0 or not finite.
+
+    Attributes:
+        recipe: ``delayed`` (the amax of earlier steps, a training step graph's state) or
+            ``current`` (this step's amax, computed before the cast).
+        history: Length of the delayed recipe's amax history (newest first).
+        amax: ``max`` of the history or its ``most_recent`` entry.
+        margin: Powers of two of headroom below ``fp8_max``.
+        rounding: ``pow2`` or ``none`` (``SCALE_ROUNDING``).
+    """
+
+    recipe: str = "delayed"
+    history: int = 1024
+    amax: str = "max"
+    margin: int = 0
+    rounding: str = "pow2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8:
+    """Which matrix-product inputs are quantised to fp8, in which format, with which scales.
+
+    Attributes:
+        ops: Op types whose (low-precision) data inputs are quantised: ``MatMul``, ``Gemm``.
+        forward: Format of activations and weights (forward values), E4M3 by default.
+        backward: Format of gradients read by the backward products, E5M2 by default.
+        scaling: The scaling recipe.
+    """
+
+    ops: tuple[str, ...] = ("MatMul", "Gemm")
+    forward: ir.DataType = ir.DataType.FLOAT8E4M3FN
+    backward: ir.DataType = ir.DataType.FLOAT8E5M2
+    scaling: Fp8Scaling = Fp8Scaling()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +244,8 @@ class Policy:
         tf32: Whether float32 MatMul/Gemm/Conv may run as TF32 on providers that offer it
             (ORT's CUDA provider does unless told otherwise). ``False`` (every preset but
             ``tf32``) means strict IEEE float32: the runtime sets ``use_tf32=0``.
+        fp8: fp8 formats and scaling of matrix-product inputs on top of the low dtype
+            (``None``: no fp8; the ``fp8`` preset sets it).
     """
 
     name: str
@@ -196,6 +260,7 @@ class Policy:
     loss_scaling: LossScaling = LossScaling()
     description: str = ""
     tf32: bool = False
+    fp8: Fp8 | None = None
 
     @property
     def is_identity(self) -> bool:
