@@ -1,0 +1,238 @@
+"""``split_step_graph``: a step graph cut into a gradient part and an apply part.
+
+Data-parallel training runs the forward and backward on each rank's share of the batch,
+reduces the gradients across ranks, and then applies the same update on every rank. The
+step graph from ``build_training_graph`` (converted or not) does all three in one graph; this
+module cuts it where the gradients the optimizer reads are made:
+
+1. **The cut.** Each gradient named in ``mpgraph.gradients`` is cut where it is made. A
+   gradient in a low dtype (native fp16/bf16) whose only readers are one ``Cast`` to float32
+   is cut after that Cast, so gradients cross the cut, and are reduced, in float32.
+2. **The gradient part** is every node the cut gradients and the loss need: forward,
+   backward, and with loss scaling the scaled seed (``seed * loss_scale``). Its outputs are
+   the loss, the cut gradients, and the values the apply part also reads from it (see 4).
+3. **The apply part** is every other node: loss scaling's unscale, its finite check
+   (``found_inf``) and scale update, and the optimizer. Its inputs are the cut gradients
+   (as inputs of the same names) and whatever state, ``lr`` and constants it reads. Fed
+   reduced gradients, every rank computes the same ``found_inf`` from the same numbers, so
+   all ranks skip together and the scale sequence is the single-process one. Example: rank
+   1 makes an inf gradient; the reduced sum is inf on every rank, every rank skips.
+4. **Values read across the cut** that depend only on parameters and state are the same on
+   every rank and go across as extra outputs/inputs (``passthrough``). A value that depends
+   on the batch (a BatchNorm's batch statistics feeding its running-average update) would
+   differ per rank: the split refuses it, and a state output the forward makes from the
+   batch (BatchNorm running statistics in training mode) too.
+
+Running the gradient part, then the apply part on its gradients, gives the original step's
+outputs bit for bit on ORT CPU (measured on the zoo MLP and GPT, fp32 and fp16 loss-scaled,
+``tests/test_split_step_graph.py``).
+
+Example:
+    >>> from mpgraph.training import build_training_graph
+    >>> split = split_step_graph(build_training_graph("models/onnx/tiny_mlp.loss.onnx"))  # doctest: +SKIP
+    >>> split.gradients[0]  # doctest: +SKIP
+    ('fc1.weight', 'grad/node_linear/Gemm')
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import onnx_ir as ir
+
+from mpgraph._ir import meta as md
+from mpgraph.errors import MpgraphError
+
+__all__ = ["SplitStep", "split_step_graph"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitStep:
+    """A step graph's gradient and apply parts.
+
+    Attributes:
+        gradient: Data, parameters (and loss-scale state) -> loss, gradients, passthrough.
+        apply: State, ``lr``, gradients, passthrough -> every state output and ``found_inf``.
+        gradients: ``(parameter, gradient value name)`` in ``mpgraph.gradients`` order; the
+            name is an output of ``gradient`` and an input of ``apply``; all float32.
+        passthrough: Names of the other values ``apply`` reads from ``gradient``.
+        loss: Name of the loss output of ``gradient``.
+        data_inputs: Inputs of ``gradient`` that are neither state, ``lr`` nor initialized.
+        state_pairs: ``(state input, updated output)`` of the step graph; every output is
+            made by ``apply``, and each part reads the state inputs it needs.
+    """
+
+    gradient: ir.Model
+    apply: ir.Model
+    gradients: tuple[tuple[str, str], ...]
+    passthrough: tuple[str, ...]
+    loss: str
+    data_inputs: tuple[str, ...]
+    state_pairs: tuple[tuple[str, str], ...]
+
+
+def split_step_graph(model: ir.Model) -> SplitStep:
+    """Cut a training step graph into its gradient and apply parts (the module's rules 1-4).
+
+    Args:
+        model: A step graph from ``build_training_graph`` with an optimizer, converted or not.
+            It is not modified.
+
+    Raises:
+        MpgraphError: The graph lacks the step metadata, a gradient has a low dtype read by
+            more than one float32 Cast, or the apply part reads a value that depends on the
+            batch.
+    """
+    props = model.metadata_props
+    if md.MODEL_GRADIENTS not in props or md.MODEL_LOSS not in props:
+        raise MpgraphError("split: not a step graph with an optimizer (no 'mpgraph.gradients' metadata); "
+                           "build it with `mpgraph train-graph --optimizer ...`")
+    proto = ir.to_proto(model)
+    grad_model, apply_model = ir.from_proto(proto), ir.from_proto(proto)
+    nodes = list(grad_model.graph)
+    values = _values_by_name(grad_model.graph)
+    cuts = [(param, _cut(values[name], param)) for param, name in json.loads(props[md.MODEL_GRADIENTS])]
+    loss = values[props[md.MODEL_LOSS]]
+    in_grad = _ancestors([v for _, v in cuts] + [loss])
+    data = _data_inputs(grad_model)
+    crossing = _crossing(nodes, in_grad, {v for _, v in cuts})
+    _refuse_batch_dependent(nodes, crossing, data)
+    _refuse_state_made_in_gradient_part(grad_model.graph, in_grad, loss)
+    cut_names = [v.name or "" for _, v in cuts]
+    passthrough = [v.name or "" for v in crossing]
+    _keep_gradient_part(grad_model, in_grad, [loss.name or "", *cut_names, *passthrough])
+    _keep_apply_part(apply_model, {i for i, n in enumerate(nodes) if n in in_grad}, [*cut_names, *passthrough])
+    data_inputs = tuple(v.name or "" for v in grad_model.graph.inputs if v in data)
+    return SplitStep(grad_model, apply_model, tuple((p, n) for (p, _), n in zip(cuts, cut_names, strict=True)),
+                     tuple(passthrough), loss.name or "", data_inputs,
+                     tuple((a, b) for a, b in json.loads(props.get(md.MODEL_STATE_PAIRS, "[]"))))
+
+
+def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:
+    found: dict[str, ir.Value] = {}
+    for value in (*graph.inputs, *graph.initializers.values(), *(v for n in graph for v in n.outputs)):
+        if value.name:
+            found.setdefault(value.name, value)
+    return found
+
+
+def _cut(grad: ir.Value, param: str) -> ir.Value:
+    """Rule 1: the gradient itself, or its one float32 Cast when it is made in a low dtype."""
+    if grad.dtype == ir.DataType.FLOAT:
+        return grad
+    readers = {use.node for use in grad.uses()}
+    casts = [n for n in readers if n.op_type == "Cast" and n.attributes.get_int("to") == ir.DataType.FLOAT]
+    if len(casts) == 1 and len(readers) == 1:
+        return casts[0].outputs[0]
+    raise MpgraphError(f"split: the gradient of '{param}' ('{grad.name}') is {grad.dtype} and is read by "
+                       f"{sorted(n.op_type for n in readers)}, not by one Cast to float32; the gradients "
+                       f"must cross the cut in float32 (convert with loss scaling, or in float32)")
+
+
+def _ancestors(outputs: list[ir.Value]) -> set[ir.Node]:
+    """Every node the values need."""
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in outputs]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None)
+    return seen
+
+
+def _data_inputs(model: ir.Model) -> set[ir.Value]:
+    """Graph inputs that are not state, not ``lr`` and have no initializer: the batch."""
+    state = {a for a, _ in json.loads(model.metadata_props.get(md.MODEL_STATE_PAIRS, "[]"))}
+    return {v for v in model.graph.inputs
+            if v.name not in state and v.name != "lr" and v.name not in model.graph.initializers}
+
+
+def _crossing(nodes: list[ir.Node], in_grad: set[ir.Node], cuts: set[ir.Value]) -> list[ir.Value]:
+    """Values made in the gradient part and read by the apply part, other than the cuts."""
+    found: dict[ir.Value, None] = {}
+    for node in nodes:
+        if node in in_grad:
+            continue
+        for value in node.inputs:
+            if value is not None and value not in cuts and value.producer() in in_grad:
+                found[value] = None
+    return list(found)
+
+
+def _refuse_batch_dependent(nodes: list[ir.Node], crossing: list[ir.Value], data: set[ir.Value]) -> None:
+    """Rule 4: a value read across the cut must not depend on the batch."""
+    tainted: set[ir.Value] = set(data)
+    for node in nodes:
+        if any(v in tainted for v in node.inputs if v is not None):
+            tainted.update(node.outputs)
+    for value in crossing:
+        if value in tainted:
+            producer = value.producer()
+            raise MpgraphError(
+                f"split: the optimizer side reads '{value.name}' (made by node '{producer.name if producer else ''}'), "
+                f"which depends on the batch, so it would differ between ranks (BatchNorm running statistics "
+                f"do); build the step graph with --batchnorm eval or without such state"
+            )
+
+
+def _refuse_state_made_in_gradient_part(graph: ir.Graph, in_grad: set[ir.Node], loss: ir.Value) -> None:
+    """Rule 4 for outputs: a state output the forward makes (BatchNormalization's running
+    statistics in training mode) is per-rank."""
+    for value in graph.outputs:
+        if value is not loss and value.producer() in in_grad:
+            raise MpgraphError(
+                f"split: the state output '{value.name}' is made by the forward pass from the batch, so it would "
+                f"differ between ranks (BatchNorm running statistics in training mode); build the step graph "
+                f"with --batchnorm eval"
+            )
+
+
+def _keep_gradient_part(model: ir.Model, keep: set[ir.Node], outputs: list[str]) -> None:
+    graph = model.graph
+    values = _values_by_name(graph)
+    graph.outputs.clear()
+    graph.outputs.extend(values[name] for name in outputs)
+    graph.remove([n for n in graph if n not in keep], safe=True)
+    _drop_unused_inputs(graph)
+    _keep_needed_metadata(model, ())
+
+
+def _keep_apply_part(model: ir.Model, drop: set[int], cut: list[str]) -> None:
+    """The other nodes; each cut value becomes a same-named graph input."""
+    graph = model.graph
+    nodes = list(graph)
+    values = _values_by_name(graph)
+    for name in cut:
+        old = values[name]
+        new = ir.Value(name=name, type=old.type, shape=old.shape)
+        old.replace_all_uses_with(new)
+        old.name = f"{name}/made"
+        graph.inputs.append(new)
+    made = {v for i in drop for v in nodes[i].outputs}
+    kept = [v for v in graph.outputs if v not in made]
+    graph.outputs.clear()
+    graph.outputs.extend(kept)
+    graph.remove([nodes[i] for i in sorted(drop)], safe=True)
+    _drop_unused_inputs(graph)
+    _keep_needed_metadata(model, (md.MODEL_LOSS, md.MODEL_GRAD_SEED))
+
+
+def _drop_unused_inputs(graph: ir.Graph) -> None:
+    """Inputs and initializers no node reads and no output is."""
+    outputs = set(graph.outputs)
+    for value in list(graph.inputs):
+        if not value.uses() and value not in outputs:
+            graph.inputs.remove(value)
+            graph.initializers.pop(value.name or "", None)
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and value not in outputs and not value.is_graph_input():
+            del graph.initializers[name]
+
+
+def _keep_needed_metadata(model: ir.Model, drop: tuple[str, ...]) -> None:
+    """The parts are not step graphs of their own: no state pairs (the runner pairs state)."""
+    for key in (md.MODEL_STATE_PAIRS, md.MODEL_TRAINING, *drop):
+        model.metadata_props.pop(key, None)

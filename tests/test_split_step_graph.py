@@ -1,0 +1,93 @@
+"""split_step_graph: gradient part then apply part equals the whole step, bit for bit."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+
+import mpgraph
+from mpgraph._ir import meta as md
+from mpgraph.errors import MpgraphError
+from mpgraph.training import build_training_graph
+from mpgraph.training.split_step_graph import split_step_graph
+from tests.helpers import run_named
+
+
+@functools.cache
+def _step_bytes(name: str, policy: str | None) -> bytes:
+    step = build_training_graph(f"models/onnx/{name}.loss.onnx", optimizer="adamw")
+    if policy is not None:
+        step = mpgraph.convert(step, policy, emulate=True)
+    return ir.to_proto(step).SerializeToString()
+
+
+def _step(name: str, policy: str | None) -> ir.Model:
+    return ir.from_proto(onnx.load_from_string(_step_bytes(name, policy)))
+
+
+def _batch(name: str, rng: np.random.Generator, batch: int) -> dict[str, np.ndarray]:
+    if name == "gpt":
+        return {"tokens": rng.integers(0, 64, (batch, 16)), "label": rng.integers(0, 64, (batch, 16))}
+    return {"x": rng.standard_normal((batch, 4)).astype(np.float32), "label": rng.integers(0, 2, batch)}
+
+
+def _run_split(split, feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
+    grads = run_named(split.gradient, feeds)
+    wanted = {v.name for v in split.apply.graph.inputs}
+    return grads, run_named(split.apply, {k: v for k, v in grads.items() if k in wanted})
+
+
+@pytest.mark.parametrize("policy", [None, "fp16"])
+@pytest.mark.parametrize("name", ["tiny_mlp", "gpt"])
+def test_gradient_then_apply_is_the_step_bit_for_bit(name, policy):
+    step = _step(name, policy)
+    split = split_step_graph(step)
+    feeds = _batch(name, np.random.default_rng(0), 4)
+    whole = run_named(step, feeds)
+    grads, applied = _run_split(split, feeds)
+    assert set(applied) | {split.loss} == set(whole)
+    for out, value in applied.items():
+        np.testing.assert_array_equal(value, whole[out], err_msg=out)
+    np.testing.assert_array_equal(grads[split.loss], whole[split.loss])
+    # The contract: data only in the gradient part, gradients cross in float32, every state
+    # output comes from the apply part.
+    assert split.data_inputs == tuple(feeds)
+    assert not set(split.data_inputs) & {v.name for v in split.apply.graph.inputs}
+    assert all(grads[g].dtype == np.float32 for _, g in split.gradients)
+    assert {o for _, o in split.state_pairs} <= set(applied)
+    if policy == "fp16":
+        assert md.LOSS_SCALE in {v.name for v in split.gradient.graph.inputs}  # the scaled seed
+        assert md.FOUND_INF in applied
+
+
+def test_overflow_is_found_from_the_gradients_the_apply_part_is_fed():
+    """An inf fed as a reduced gradient skips the step and backs the scale off; the model
+    computed from the batch had no inf: the flag is the apply part's, from its inputs."""
+    split = split_step_graph(_step("tiny_mlp", "fp16"))
+    grads, applied = _run_split(split, _batch("tiny_mlp", np.random.default_rng(0), 4))
+    assert not applied[md.FOUND_INF]
+    param, name = split.gradients[3]
+    grads[name] = grads[name].copy()
+    grads[name].flat[0] = np.inf
+    wanted = {v.name for v in split.apply.graph.inputs}
+    skipped = run_named(split.apply, {k: v for k, v in grads.items() if k in wanted})
+    assert skipped[md.FOUND_INF]
+    initial = {v.name: v.const_value.numpy() for v in split.apply.graph.inputs if v.const_value is not None}
+    np.testing.assert_array_equal(skipped[f"{param}/updated"], initial[param])
+    assert skipped[f"{md.LOSS_SCALE}/updated"] == initial[md.LOSS_SCALE] / 2
+
+
+def test_state_made_from_the_batch_is_refused():
+    step = build_training_graph("models/onnx/resnet.loss.onnx", optimizer="sgd")
+    with pytest.raises(MpgraphError, match="running_mean/updated.*--batchnorm eval"):
+        split_step_graph(step)
+
+
+def test_a_gradient_graph_without_optimizer_is_refused():
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer=None)
+    with pytest.raises(MpgraphError, match="with an optimizer"):
+        split_step_graph(step)
