@@ -26,6 +26,7 @@ from mpgraph.passes.emulate_precision import EmulatePrecisionPass
 from mpgraph.passes.fold_casts import FoldCastsPass
 from mpgraph.passes.infer_types import InferTypesPass
 from mpgraph.passes.insert_casts import InsertCastsPass
+from mpgraph.passes.quantize_fp8 import QuantizeFp8Pass
 from mpgraph.passes.scale_loss import ScaleLossPass
 from mpgraph.passes.upgrade_opset import UpgradeOpsetPass
 from mpgraph.passes.validate_model import PROTO_LIMIT, ValidateModelPass, check_onnx
@@ -78,6 +79,8 @@ def build_pipeline(
         passes += [InsertCastsPass(policy), FoldCastsPass()]
         if emulate:
             passes += [EmulatePrecisionPass(policy.dtype), FoldCastsPass()]
+        if policy.fp8 is not None:
+            passes.append(QuantizeFp8Pass(policy.fp8, policy.dtype))
     if validate:
         passes.append(ValidateModelPass())
     return Pipeline(passes)

@@ -225,3 +225,16 @@ MODEL_LOGITS = "mpgraph.logits"
 #: JSON list of the forward model's output names that a training step graph still computes.
 MODEL_FORWARD_OUTPUTS = "mpgraph.forward_outputs"
 __all__ += ["MODEL_LOGITS", "MODEL_FORWARD_OUTPUTS"]
+
+#: On a MatMul/Gemm whose operands ``QuantizeFp8Pass`` quantised: JSON object, input slot ->
+#: ``{"tensor", "format", "fp8", "scale_inv"}`` (the quantised tensor's key, its fp8 format,
+#: the value holding its fp8 bits and the value holding ``1 / scale``). A lowering rule reads
+#: these to replace the float32 dequantise -> product with a native fp8 GEMM.
+NODE_FP8 = "mpgraph.fp8"
+#: JSON record of a model's fp8 quantisation: ``recipe`` (the scaling settings, and the recipe
+#: used: inference graphs use ``current``), ``formats`` and ``tensors``, a list of
+#: ``{"tensor", "format", "kind", "scale", "history", "amax", "gemms"}`` (``kind`` ``forward`` or
+#: ``gradient``; ``scale``/``history`` the state inputs, ``null`` with the current recipe).
+#: Its presence says the model is quantised already.
+MODEL_FP8 = "mpgraph.fp8"
+__all__ += ["NODE_FP8", "MODEL_FP8"]

@@ -30,6 +30,7 @@ from mpgraph._ir import meta as md
 from mpgraph.errors import first_line
 from mpgraph.io import min_ir_version
 from mpgraph.optypes import node_typing
+from mpgraph.passes.quantize_fp8 import FP8_MIN_OPSET
 from mpgraph.policy import Policy
 
 __all__ = ["MAX_UPGRADE_OPSET", "UpgradeOpsetPass", "needed_opset"]
@@ -46,7 +47,8 @@ _MODEL_FIELDS = ("graph", "ir_version", "producer_name", "producer_version", "do
 
 
 def needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
-    """Lowest opset at which every non-deny float op of the model admits the low dtype."""
+    """Lowest opset at which every non-deny float op of the model admits the low dtype (and,
+    for a policy with fp8 products, at least 19: Cast to float8)."""
     latest = min(onnx.defs.onnx_opset_version(), MAX_UPGRADE_OPSET)
 
     def admits(node: ir.Node, version: int) -> bool:
@@ -66,6 +68,8 @@ def needed_opset(model: ir.Model, policy: Policy, current: int) -> int:
         version = first[node.op_type]
         if version is not None:
             needed = max(needed, version)
+    if policy.fp8 is not None and any(n.op_type in policy.fp8.ops and n.domain in ("", "ai.onnx") for n in model.graph):
+        needed = max(needed, min(FP8_MIN_OPSET, latest))  # Cast to float8
     return needed
 
 

@@ -96,15 +96,21 @@ def policy_yaml(policy: Policy, *, name: str, source: str | None = None) -> str:
         "# true lets float32 MatMul/Gemm/Conv run as TF32 on CUDA.",
         f"tf32: {_scalar(policy.tf32)}",
     ]
-    if policy.fp8 is not None:
-        fp8, scaling = policy.fp8, dataclasses.asdict(policy.fp8.scaling)
-        lines += [
-            "# fp8 matrix products: operand formats (float8e4m3fn | float8e5m2) and the per-tensor scaling",
-            "# recipe (delayed | current; history length, amax max | most_recent, margin, rounding pow2 | none).",
-            "fp8:",
-            f"  ops: [{', '.join(fp8.ops)}]",
-            f"  forward: {fp8.forward.name.lower()}",
-            f"  backward: {fp8.backward.name.lower()}",
-            "  scaling: {" + ", ".join(f"{k}: {_scalar(v)}" for k, v in scaling.items()) + "}",
-        ]
+    lines += _fp8_lines(policy)
     return "\n".join(lines) + "\n"
+
+
+def _fp8_lines(policy: Policy) -> list[str]:
+    """The ``fp8`` section, when the policy has one."""
+    if policy.fp8 is None:
+        return []
+    fp8, scaling = policy.fp8, dataclasses.asdict(policy.fp8.scaling)
+    return [
+        "# fp8 matrix products: operand formats (float8e4m3fn | float8e5m2) and the per-tensor scaling",
+        "# recipe (delayed | current; history length, amax max | most_recent, margin, rounding pow2 | none).",
+        "fp8:",
+        f"  ops: [{', '.join(fp8.ops)}]",
+        f"  forward: {fp8.forward.name.lower()}",
+        f"  backward: {fp8.backward.name.lower()}",
+        "  scaling: {" + ", ".join(f"{k}: {_scalar(v)}" for k, v in scaling.items()) + "}",
+    ]

@@ -1,0 +1,307 @@
+"""QuantizeFp8Pass: fp8 operands for the matrix products a policy lowers, with per-tensor scales.
+
+Each operand ``x`` of a lowered MatMul/Gemm becomes ``Cast(Cast(x * s, fp8, saturate), float)
+* (1 / s)``: exact fp8 rounding with saturation (ONNX ``Cast`` to float8, opset 19), which ONNX
+Runtime's CPU provider runs. The product then reads the dequantised operand (float32 in the
+emulated lowering, cast back to the low dtype in the native one).
+
+The graph form is chosen for a later native lowering: ``mpgraph.fp8`` on the product names, per
+input slot, the value holding the fp8 bits and the value holding ``1 / s``, which are
+``com.microsoft.GemmFloat8``'s ``A``/``B`` and ``scaleA``/``scaleB``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph._ir import meta as md
+from mpgraph._ir.builder import Builder
+from mpgraph._ir.names import NameScope
+from mpgraph.errors import MpgraphError
+from mpgraph.policy.schema import Fp8, Fp8Scaling
+
+__all__ = ["FP8_MIN_OPSET", "QuantizeFp8Pass", "fp8_max"]
+
+#: Cast to the float8 types (and its ``saturate``) arrived in opset 19.
+FP8_MIN_OPSET = 19
+#: Scope of every name the pass makes (``fp8/<tensor>/scale``, ``fp8/<tensor>/float8e4m3fn``).
+_SCOPE = "fp8"
+#: Ops that only move or re-type data: an operand read through them is the same tensor.
+_MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
+_NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
+
+
+def fp8_max(fmt: ir.DataType) -> float:
+    """The largest finite value of an fp8 format (448 for E4M3FN, 57344 for E5M2)."""
+    return float(ml_dtypes.finfo(_NUMPY[fmt]).max)
+
+
+@dataclasses.dataclass
+class _Tensor:
+    """One quantised tensor: its scale (and state), shared by every product reading it."""
+
+    key: str
+    fmt: ir.DataType
+    kind: str
+    scale: ir.Value | None = None
+    scale_inv: ir.Value | None = None
+    history: ir.Value | None = None
+    amax: ir.Value | None = None
+    gemms: list[str] = dataclasses.field(default_factory=list)
+
+
+class QuantizeFp8Pass(ir.passes.InPlacePass):
+    """Quantises the operands of the policy's fp8 products and adds their scale state.
+
+    Runs after the precision lowering (and after the emulation): it quantises the operands of
+    the MatMul/Gemm nodes decided in the low dtype whose op type ``fp8.ops`` lists.
+
+    Rules:
+        1. An operand is a *tensor*: the value it is read through ``Transpose``, ``Reshape``,
+           ``Flatten``, ``Identity``, ``Squeeze``, ``Unsqueeze`` and ``Cast`` from. A tensor
+           a backward node makes is a gradient and gets ``fp8.backward`` (E5M2); every other
+           (activations, weights, graph inputs) gets ``fp8.forward`` (E4M3). Example: the
+           backward ``Gemm`` computing ``dW = x^T dY`` reads ``Flatten(x)``, the tensor ``x``
+           (E4M3, the forward product's scale) and ``Flatten(dY)`` (E5M2).
+        2. Each tensor has one scale ``s``; each operand value is quantised once:
+           ``q = Cast(x * s, fp8, saturate=1)``, ``x' = Cast(q, float) * s_inv`` with
+           ``s_inv = 1 / s``, cast back to the operand's dtype when that is not float32.
+        3. ``amax = ReduceMax(|x|)`` of the first operand read of the tensor (graph order).
+           The scale from an amax ``a`` and a previous scale ``s0`` (``Fp8Scaling``):
+           ``r = fp8_max / a / 2**margin``, rounded down to a power of two with ``pow2``; ``s0``
+           where ``a`` is 0, inf or NaN or ``r`` is inf.
+        4. Delayed recipe on a training step graph: ``s`` and an amax history (newest first)
+           are state inputs ``fp8/<tensor>/scale`` (1) and ``fp8/<tensor>/amax_history``
+           (zeros); the step outputs the history with this step's amax pushed in, and the scale
+           derived from its max (or newest entry) with ``s0 = s``; both pairs join
+           ``mpgraph.state_pairs``. Otherwise (current recipe, or an inference graph) ``s`` is
+           derived from this run's amax with ``s0 = 1``.
+        5. The product gets ``mpgraph.fp8`` (slot -> tensor, format, fp8 value, ``s_inv``), the
+           model ``mpgraph.fp8`` (the recipe and every tensor); a model with that record is
+           quantised already and left as it is.
+
+    Raises:
+        MpgraphError: The model's opset is below 19 (no fp8 ``Cast``).
+    """
+
+    def __init__(self, fp8: Fp8, low: ir.DataType) -> None:
+        super().__init__()
+        self.fp8 = fp8
+        self.low = low
+
+    def call(self, model: ir.Model) -> ir.passes.PassResult:
+        if md.MODEL_FP8 in model.metadata_props:
+            return ir.passes.PassResult(model, False)
+        gemms = self._products(model.graph)
+        if not gemms:
+            return ir.passes.PassResult(model, False)
+        opset = model.opset_imports.get("", model.opset_imports.get("ai.onnx", 0))
+        if opset < FP8_MIN_OPSET:
+            raise MpgraphError(
+                f"fp8: Cast to float8 needs opset {FP8_MIN_OPSET}, the model has opset {opset}; convert without "
+                f"--no-opset-upgrade (upgrade_opset=True) so it is upgraded"
+            )
+        props = model.metadata_props
+        delayed = (self.fp8.scaling.recipe == "delayed" and props.get(md.MODEL_TRAINING) == "true"
+                   and md.MODEL_STATE_PAIRS in props)
+        quantizer = _Quantizer(model, self.fp8, delayed)
+        for gemm in gemms:
+            quantizer.quantize(gemm)
+        quantizer.finish()
+        recipe = {**dataclasses.asdict(self.fp8.scaling), "used": "delayed" if delayed else "current"}
+        props[md.MODEL_FP8] = json.dumps({
+            "recipe": recipe,
+            "formats": {"forward": self.fp8.forward.name.lower(), "backward": self.fp8.backward.name.lower()},
+            "tensors": [quantizer.record(t) for t in quantizer.tensors.values()],
+        })
+        model.graph.sort()  # the quantise chains were appended after their readers
+        return ir.passes.PassResult(model, True)
+
+    def _products(self, graph: ir.Graph) -> list[ir.Node]:
+        low = self.low.name.lower()
+        return [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in self.fp8.ops
+                and n.metadata_props.get(md.NODE_PRECISION) == low]
+
+
+class _Quantizer:
+    """Builds the quantise chains and the scale state of one model."""
+
+    def __init__(self, model: ir.Model, fp8: Fp8, delayed: bool) -> None:
+        self.model = model
+        self.graph = model.graph
+        self.fp8 = fp8
+        self.scaling: Fp8Scaling = fp8.scaling
+        self.delayed = delayed
+        names = NameScope(model)
+        self.builders = {role: _Fp8Builder(self.graph, role=role, scope=_SCOPE, names=names) for role in (*md.Role, "")}
+        self.tensors: dict[ir.Value, _Tensor] = {}
+        self.dequantized: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}  # operand -> (fp8 bits, dequantised)
+        self.pairs: list[list[str]] = []
+
+    def quantize(self, gemm: ir.Node) -> None:
+        """Rules 1-3 for the operands (inputs 0 and 1) of one product."""
+        b = self.builders[gemm.metadata_props.get(md.NODE_ROLE, "")]
+        slots: dict[str, dict[str, str]] = {}
+        for slot in (0, 1):
+            value = gemm.inputs[slot] if slot < len(gemm.inputs) else None
+            if value is None or value.dtype is None or value.dtype.name not in ("FLOAT", "FLOAT16", "BFLOAT16"):
+                continue
+            tensor = self._tensor(value)
+            if value not in self.dequantized:
+                self.dequantized[value] = self._chain(b, value, tensor)
+            bits, dequantized = self.dequantized[value]
+            gemm.replace_input_with(slot, dequantized)
+            tensor.gemms.append(gemm.name or "")
+            assert tensor.scale_inv is not None
+            slots[str(slot)] = {"tensor": tensor.key, "format": tensor.fmt.name.lower(), "fp8": bits.name or "",
+                                "scale_inv": tensor.scale_inv.name or ""}
+        if slots:
+            gemm.metadata_props[md.NODE_FP8] = json.dumps(slots, sort_keys=True)
+
+    def _tensor(self, value: ir.Value) -> _Tensor:
+        source = _source(value)
+        if source not in self.tensors:
+            producer = source.producer()
+            gradient = producer is not None and producer.metadata_props.get(md.NODE_ROLE) == md.Role.BACKWARD
+            fmt = self.fp8.backward if gradient else self.fp8.forward
+            self.tensors[source] = _Tensor(source.name or f"tensor{len(self.tensors)}", fmt,
+                                           "gradient" if gradient else "forward")
+        return self.tensors[source]
+
+    def _chain(self, b: _Fp8Builder, value: ir.Value, tensor: _Tensor) -> tuple[ir.Value, ir.Value]:
+        """Rule 2 (and rule 3 at the tensor's first operand): the fp8 bits and the dequantised operand."""
+        key = tensor.key
+        wide = value if value.dtype == ir.DataType.FLOAT else b.cast_float(value, f"{key}/float32")
+        if tensor.scale is None:
+            self._scale(b, wide, tensor)
+        assert tensor.scale is not None and tensor.scale_inv is not None
+        scaled = b.op("Mul", wide, tensor.scale, name=f"{key}/scaled")
+        bits = b.op("Cast", scaled, to=tensor.fmt, saturate=1, name=f"{key}/{tensor.fmt.name.lower()}")
+        b.mark_cast(bits)
+        back = b.cast_float(bits, f"{key}/fp8_value")
+        out = b.op("Mul", back, tensor.scale_inv, name=f"{key}/dequantized")
+        for v in (scaled, back, out):
+            v.shape = value.shape
+        bits.shape = value.shape
+        if value.dtype != ir.DataType.FLOAT:
+            out = b.op("Cast", out, to=value.dtype, name=f"{key}/dequantized_{value.dtype.name.lower()}")
+            b.mark_cast(out)
+            out.shape = value.shape
+        return bits, out
+
+    def _scale(self, b: _Fp8Builder, wide: ir.Value, tensor: _Tensor) -> None:
+        """Rules 3-4: the tensor's amax, scale, ``1 / scale`` and (delayed) state update."""
+        key = tensor.key
+        amax = b.op("ReduceMax", b.op("Abs", wide, name=f"{key}/abs"), keepdims=0, name=f"{key}/amax")
+        amax.shape = ir.Shape([])
+        tensor.amax = amax
+        if not self.delayed:
+            tensor.scale = self._derive(b, amax, b.scalar32(1.0), tensor)
+        else:
+            opt = self.builders[md.Role.OPTIMIZER]
+            h = self.scaling.history
+            tensor.scale = self._state(f"{_SCOPE}/{key}/scale", np.array(1.0, np.float32))
+            tensor.history = self._state(f"{_SCOPE}/{key}/amax_history", np.zeros((h,), np.float32))
+            newest = opt.op("Unsqueeze", amax, opt.ints([0]), name=f"{key}/amax_1d")
+            pushed = newest if h == 1 else opt.op(
+                "Concat", newest, opt.op("Slice", tensor.history, opt.ints([0]), opt.ints([h - 1]), name=f"{key}/amax_older"),
+                axis=0, name=f"{key}/amax_pushed")
+            reduced = amax if self.scaling.amax == "most_recent" else opt.op(
+                "ReduceMax", pushed, keepdims=0, name=f"{key}/amax_of_history")
+            new_scale = self._derive(opt, reduced, tensor.scale, tensor)
+            new_hist = opt.op("Identity", pushed, name=f"{key}/amax_history_next")
+            new_scale.name = opt.unique(f"{tensor.scale.name}/updated")
+            new_hist.name = opt.unique(f"{tensor.history.name}/updated")
+            new_scale.shape, new_hist.shape = ir.Shape([]), ir.Shape([h])
+            self.graph.outputs.extend([new_scale, new_hist])
+            self.pairs += [[tensor.scale.name or "", new_scale.name], [tensor.history.name or "", new_hist.name]]
+        tensor.scale_inv = b.op("Reciprocal", tensor.scale, name=f"{key}/scale_inv")
+        tensor.scale_inv.shape = ir.Shape([])
+
+    def _derive(self, b: _Fp8Builder, amax: ir.Value, old: ir.Value, tensor: _Tensor) -> ir.Value:
+        """Rule 3: the scale for ``amax``, ``old`` where ``amax`` gives none."""
+        key, s = tensor.key, self.scaling
+        ratio = b.op("Div", b.scalar32(fp8_max(tensor.fmt)), amax, name=f"{key}/headroom")
+        if s.margin:
+            ratio = b.op("Div", ratio, b.scalar32(2.0**s.margin), name=f"{key}/headroom_margin")
+        scale = ratio
+        if s.rounding == "pow2":
+            # 2**floor(log2(r)), exact: Log can be off by an ulp, so the power is corrected by one step each way.
+            exponent = b.op("Floor", b.op("Mul", b.op("Log", ratio, name=f"{key}/log"), b.scalar32(1 / math.log(2)),
+                                          name=f"{key}/log2"), name=f"{key}/exponent")
+            power = b.op("Pow", b.scalar32(2.0), exponent, name=f"{key}/pow2")
+            half = b.op("Mul", power, b.scalar32(0.5), name=f"{key}/pow2_half")
+            power = b.op("Where", b.op("Greater", power, ratio, name=f"{key}/pow2_over"), half, power, name=f"{key}/pow2_down")
+            double = b.op("Mul", power, b.scalar32(2.0), name=f"{key}/pow2_double")
+            scale = b.op("Where", b.op("LessOrEqual", double, ratio, name=f"{key}/pow2_under"), double, power,
+                         name=f"{key}/pow2_up")
+        positive = b.op("Greater", amax, b.scalar32(0.0), name=f"{key}/amax_positive")
+        finite = b.op("Not", b.op("Or", b.op("IsInf", amax, name=f"{key}/amax_inf"),
+                                  b.op("IsInf", ratio, name=f"{key}/headroom_inf"), name=f"{key}/any_inf"),
+                      name=f"{key}/finite")
+        valid = b.op("And", positive, finite, name=f"{key}/scale_valid")
+        out = b.op("Where", valid, scale, old, name=f"{key}/scale_new")
+        out.shape = ir.Shape([])
+        return out
+
+    def _state(self, name: str, initial: np.ndarray) -> ir.Value:
+        value = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(initial.shape)),
+                         const_value=ir.tensor(initial, name=name))
+        self.graph.inputs.append(value)
+        self.graph.register_initializer(value)
+        return value
+
+    def finish(self) -> None:
+        """Rule 4's state pairs join the step graph's."""
+        if self.pairs:
+            props = self.model.metadata_props
+            props[md.MODEL_STATE_PAIRS] = json.dumps(json.loads(props[md.MODEL_STATE_PAIRS]) + self.pairs)
+
+    def record(self, t: _Tensor) -> dict[str, object]:
+        return {"tensor": t.key, "format": t.fmt.name.lower(), "kind": t.kind,
+                "scale": t.scale.name if self.delayed and t.scale is not None else None,
+                "history": t.history.name if t.history is not None else None,
+                "amax": t.amax.name if t.amax is not None else None, "gemms": t.gemms}
+
+
+class _Fp8Builder(Builder):
+    """A ``Builder`` whose nodes are marked as the fp8 pass's (float32 compute)."""
+
+    def metadata(self) -> dict[str, str]:
+        # An inference graph's nodes carry no role: neither do these.
+        return {**({md.NODE_ROLE: self.role} if self.role else {}), md.NODE_INSERTED: "fp8", md.NODE_PRECISION: md.Precision.FLOAT32,
+                md.NODE_REASON: "fp8 quantisation (policy fp8 section)"}
+
+    def scalar32(self, number: float) -> ir.Value:
+        return self.const(np.array(number, np.float32))
+
+    def cast_float(self, value: ir.Value, name: str) -> ir.Value:
+        out = self.op("Cast", value, to=ir.DataType.FLOAT, name=name)
+        self.mark_cast(out)
+        return out
+
+    @staticmethod
+    def mark_cast(value: ir.Value) -> None:
+        """A Cast computes nothing: precision ``none``, like the casts of the lowering."""
+        producer = value.producer()
+        assert producer is not None
+        producer.metadata_props[md.NODE_PRECISION] = md.Precision.NONE
+
+
+def _source(value: ir.Value) -> ir.Value:
+    """Rule 1: the value behind data movement and float casts."""
+    while True:
+        producer = value.producer()
+        if producer is None or producer.domain not in ("", "ai.onnx") or producer.op_type not in _MOVES:
+            return value
+        inner = producer.inputs[0] if producer.inputs else None
+        if inner is None or (producer.op_type == "Cast" and (inner.dtype is None or inner.dtype.name not in
+                                                              ("FLOAT", "FLOAT16", "BFLOAT16", "DOUBLE"))):
+            return value
+        value = inner
