@@ -113,6 +113,9 @@ EAGER, COMPILED, CPU_TWIN = "torch amp bf16", "torch compile bf16", "torch fp32 
 GPU_POLICIES = ("bf16", "tf32", "fp16")
 CPU_POLICIES = ("fp32", "bf16", "fp16")  # bf16 and fp16 emulated (DESIGN.md: CPU semantics)
 NOTES = {"tf32": "float32 GEMMs as TF32 (ORT CUDA default)", "fp16": "dynamic loss scaling"}
+#: A policy with this suffix is converted from a step graph built with ``pad_gemms=False``: the
+#: A/B of ``PadGemmColumnsPass`` (on by default for ``target="cuda"``) in the same run.
+UNPADDED = "-unpadded"
 
 
 _START = time.perf_counter()
@@ -321,15 +324,19 @@ def prepare(job: PrepJob) -> dict[str, Any]:
     ops = [n.op_type for n in proto.graph.node]
     out["forward_nodes"], out["attention_nodes"] = len(ops), ops.count("Attention")
     t = time.perf_counter()
+    steps = {}
     try:
-        step = build_training_graph(proto, optimizer="adamw", lr=LR, target=job.target,
-                                    optimizer_options={"beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
-                                                       "weight_decay": WEIGHT_DECAY})
+        for pad in (None, False) if any(p.endswith(UNPADDED) for p in job.policies) else (None,):
+            steps[pad] = build_training_graph(proto, optimizer="adamw", lr=LR, target=job.target, pad_gemms=pad,
+                                              optimizer_options={"beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
+                                                                 "weight_decay": WEIGHT_DECAY})
     except Exception as e:  # noqa: BLE001 - the row says what train-graph refused
         out["errors"]["train-graph"] = error_line(e)
         return out
     out["seconds"]["train-graph"] = time.perf_counter() - t
     del proto
+    step = steps[None]
+    out["padded_gemms"] = sum(1 for n in step.graph if n.op_type == "Slice" and n.name.startswith("align/"))
     out["step_nodes"] = sum(1 for _ in step.graph)
     # Every torch parameter must be a trained value; the TorchScript export names them under
     # the loss wrapper's attribute ``model.``.
@@ -343,12 +350,13 @@ def prepare(job: PrepJob) -> dict[str, Any]:
     for k, policy in enumerate(job.policies):
         t = time.perf_counter()
         try:
-            last = k == len(job.policies) - 1
-            graph = step if last else ir.from_proto(ir.to_proto(step))
-            if policy != "fp32":
+            base, pad = (policy[: -len(UNPADDED)], False) if policy.endswith(UNPADDED) else (policy, None)
+            last = not any(p.endswith(UNPADDED) == (pad is False) for p in job.policies[k + 1:])
+            graph = steps[pad] if last else ir.from_proto(ir.to_proto(steps[pad]))
+            if base != "fp32":
                 # calibrate=None: the fp16 range check runs the step on ORT CPU (minutes at this
                 # size); these rows measure speed, and fp16 has dynamic loss scaling.
-                graph = mpgraph.convert(graph, policy, emulate=job.emulate, validate=False, calibrate=None,
+                graph = mpgraph.convert(graph, base, emulate=job.emulate, validate=False, calibrate=None,
                                         target=job.target)
             if graph.ir_version > MAX_IR_VERSION:  # onnxruntime-gpu 1.31 loads ir_version <= 13
                 graph.ir_version = MAX_IR_VERSION
@@ -488,7 +496,7 @@ def torch_rows(case: ModelCase, cuda: bool, compile_: bool) -> list[tuple[str, C
 def mpgraph_label(policy: str, cuda: bool) -> str:
     if cuda:
         return f"mpgraph {policy}"
-    return f"mpgraph {policy} cpu" if policy == "fp32" else f"mpgraph {policy} emulated cpu"
+    return f"mpgraph {policy} cpu" if policy.removesuffix(UNPADDED) == "fp32" else f"mpgraph {policy} emulated cpu"
 
 
 def mpgraph_twin(policy: str, cuda: bool) -> str:
@@ -699,10 +707,13 @@ class Bench:
 
 def _notes(run: Run, policy: str, exporter: str, built: Mapping[str, Any]) -> list[str]:
     trainer = run.trainer
-    notes = [NOTES[policy]] if run.device == "cuda" and policy in NOTES else []
+    base = policy.removesuffix(UNPADDED)
+    notes = [NOTES[base]] if run.device == "cuda" and base in NOTES else []
     if trainer is not None and trainer.provider == "cuda":  # captured at the first step: known now
         notes.append("cuda graph" if trainer.cuda_graph else f"no cuda graph: {trainer.cuda_graph_reason}")
     notes += built.get("notes", [])
+    if built.get("padded_gemms") and not policy.endswith(UNPADDED):
+        notes.append(f"{built['padded_gemms']} GEMM(s) padded to aligned columns")
     if exporter == "dynamo" and "attention_nodes" in built:
         notes.append(f"{built['attention_nodes']} Attention")
     return notes
@@ -751,7 +762,7 @@ def run_model(bench: Bench, name: str, prep: Preparer) -> None:
     # Their warm-up (torch.compile compiles here) runs while the workers build the step graphs.
     timed_rounds(torch_runs, 0, args.steps_per_round, cuda=cuda, cpu_threads=None)
     log(f"{name}: torch rows warmed up")
-    policies = GPU_POLICIES if cuda else CPU_POLICIES
+    policies = args.policies or (GPU_POLICIES if cuda else CPU_POLICIES)
     for exporter in args.exporters:
         if _over_budget(args):
             prep.skip(name, exporter)
@@ -809,6 +820,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", help="folder for real_models.json and real_models.log")
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--exporters", default=",".join(EXPORTERS), help=f"comma-separated, of {', '.join(EXPORTERS)}")
+    p.add_argument("--policies", default=None,
+                   help=f"comma-separated mpgraph rows (default {','.join(GPU_POLICIES)} on CUDA, {','.join(CPU_POLICIES)} "
+                        f"on CPU); a policy with the suffix {UNPADDED} is converted from a step graph built "
+                        "without PadGemmColumnsPass")
     p.add_argument("--rounds", type=int, default=4, help="timed rounds after one warm-up round")
     p.add_argument("--steps-per-round", type=int, default=10)
     p.add_argument("--check-step", type=int, default=50, help="compare losses after this many steps")
@@ -828,6 +843,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--out is required (or --judge JSON)")
     args.models = [m for m in args.models.split(",") if m]
     args.exporters = [e for e in args.exporters.split(",") if e]
+    args.policies = [q for q in args.policies.split(",") if q] if args.policies else None
     for given, valid, what in ((args.models, MODELS, "model"), (args.exporters, EXPORTERS, "exporter")):
         bad = [g for g in given if g not in valid]
         if bad:
@@ -872,7 +888,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
               f"{args.check_step}: no loss comparison")
     bench = Bench(args, header, cuda)
     workdir = tempfile.mkdtemp(prefix="real_models_")
-    jobs = [PrepJob(m, e, args.small, args.seed, GPU_POLICIES if cuda else CPU_POLICIES, not cuda,
+    jobs = [PrepJob(m, e, args.small, args.seed, tuple(args.policies or (GPU_POLICIES if cuda else CPU_POLICIES)), not cuda,
                     "cuda" if cuda else None, workdir) for m in args.models for e in args.exporters]
     prep = Preparer(jobs, args.prep_workers)
     try:

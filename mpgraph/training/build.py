@@ -36,6 +36,7 @@ from mpgraph.training._common import name_of
 from mpgraph.training.attach_loss import AttachLossPass, find_logits
 from mpgraph.training.expand_conditions import ExpandWhereConditionsPass
 from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
+from mpgraph.training.pad_gemm_columns import PadGemmColumnsPass
 from mpgraph.training.select_parameters import SelectParametersPass
 from mpgraph.training.set_batchnorm_mode import SetBatchNormModePass
 
@@ -74,6 +75,7 @@ def build_training_graph(
     trainable_inputs: Sequence[str] = (),
     validate: bool = True,
     target: str | None = None,
+    pad_gemms: bool | None = None,
 ) -> ir.Model:
     """Build the training step graph of a forward model.
 
@@ -102,6 +104,10 @@ def build_training_graph(
             CPU measurements, ``cuda`` uses the one-hot im2col forms, which measured
             fastest on ORT CUDA (``benchmarks/results/conv_dw_ab_cuda.txt``), and gives
             ``Where`` full-size conditions (``ExpandWhereConditionsPass``). Same math.
+        pad_gemms: Pad a weight GEMM's unaligned output columns to a multiple of 64 and
+            slice them off its output (``PadGemmColumnsPass``: a 50257-token vocabulary's
+            GEMMs then run on aligned tensor-core kernels). ``None``: when ``target`` is
+            ``cuda``. Same math; the parameters keep their shapes.
 
     Returns:
         The training step model, with the lowest ir_version its opsets allow (8 up to
@@ -126,6 +132,8 @@ def build_training_graph(
     trained = SelectParametersPass(freeze, trainable_inputs, {name_of(s) for s, _ in state},
                                    inputs_mark_params=forward.inputs_mark_params, params=params)(m).params
     _keep_loss_only(m, loss_value, state)
+    if pad_gemms or (pad_gemms is None and target == "cuda"):
+        PadGemmColumnsPass()(m)
     grads = _differentiate(m, loss_value, trained, target, forward.opset)
     if target == "cuda":
         ExpandWhereConditionsPass()(m)
