@@ -13,7 +13,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from mpgraph import lowering as kernels
-from mpgraph.lowering.nchwc import NCHWC_DOMAIN, block_size, to_nchwc
+from mpgraph.lowering.nchwc import NCHWC_DOMAIN, to_nchwc
+from mpgraph.runtime.probe import nchwc_block
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import run_cpu
@@ -38,7 +39,7 @@ def _expected_block() -> int | None:
     return 16 if "avx512f" in flags else 8 if "avx2" in flags and "fma" in flags else 0
 
 
-needs_nchwc = pytest.mark.skipif(block_size() == 0, reason="ORT has no NCHWc kernels on this CPU")
+needs_nchwc = pytest.mark.skipif(nchwc_block() == 0, reason="ORT has no NCHWc kernels on this CPU")
 
 
 def test_block_size_is_the_machines():
@@ -46,7 +47,7 @@ def test_block_size_is_the_machines():
     expected = _expected_block()
     if expected is None:
         pytest.skip("no /proc/cpuinfo here")
-    assert block_size() == expected
+    assert nchwc_block() == expected
 
 
 def _conv_model(x_shape: list, w_shape: list, bias: bool, **attrs) -> ir.Model:
@@ -89,7 +90,7 @@ def test_rewrite_computes_the_plain_conv(name, xs, ws, bias, attrs):
         feeds["b"] = rng.standard_normal(ws[0]).astype(np.float32)
     plain = _run(_conv_model(xs, ws, bias, **attrs), feeds)
     model = _conv_model(xs, ws, bias, **attrs)
-    assert to_nchwc(model) == 1
+    assert to_nchwc(model, block=nchwc_block()) == 1
     assert [n.op_type for n in model.graph if n.domain == NCHWC_DOMAIN][-2:] == ["Conv", "ReorderOutput"]
     out = _run(model, feeds)
     assert out.shape == plain.shape
@@ -116,7 +117,7 @@ def test_weight_gradient_conv_over_a_symbolic_batch(batch):
     model = ir.from_proto(proto)
     ir.passes.common.ShapeInferencePass()(model)
     plain = _run(ir.from_proto(proto), feeds)
-    assert to_nchwc(model) == 1
+    assert to_nchwc(model, block=nchwc_block()) == 1
     assert any(n.op_type == "Pad" for n in model.graph)
     np.testing.assert_allclose(_run(model, feeds), plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
 
@@ -125,16 +126,16 @@ def test_weight_gradient_conv_over_a_symbolic_batch(batch):
 def test_leaves_alone_what_it_cannot_or_should_not_take():
     """Grouped, output channels off the block, a constant weight (ORT's own transformer takes
     it), more taps than ``max_kernel``, an explicit auto_pad: no rewrite."""
-    assert to_nchwc(_conv_model([1, 16, 9, 9], [16, 8, 3, 3], False, group=2)) == 0
-    assert to_nchwc(_conv_model([1, 16, 9, 9], [20, 16, 3, 3], False)) == 0  # off both blocks, 8 and 16
-    assert to_nchwc(_conv_model([1, 16, 30, 30], [16, 16, 13, 13], False)) == 0
-    assert to_nchwc(_conv_model([1, 16, 30, 30], [16, 16, 13, 13], False), max_kernel=169) == 1
-    assert to_nchwc(_conv_model([1, 16, 9, 9], [16, 16, 3, 3], False, auto_pad="SAME_UPPER")) == 0
+    assert to_nchwc(_conv_model([1, 16, 9, 9], [16, 8, 3, 3], False, group=2), block=nchwc_block()) == 0
+    assert to_nchwc(_conv_model([1, 16, 9, 9], [20, 16, 3, 3], False), block=nchwc_block()) == 0  # off both blocks, 8 and 16
+    assert to_nchwc(_conv_model([1, 16, 30, 30], [16, 16, 13, 13], False), block=nchwc_block()) == 0
+    assert to_nchwc(_conv_model([1, 16, 30, 30], [16, 16, 13, 13], False), max_kernel=169, block=nchwc_block()) == 1
+    assert to_nchwc(_conv_model([1, 16, 9, 9], [16, 16, 3, 3], False, auto_pad="SAME_UPPER"), block=nchwc_block()) == 0
     const = _conv_model([1, 16, 9, 9], [16, 16, 3, 3], False)
     w = const.graph.inputs.pop()
     w.const_value = ir.tensor(np.ones([16, 16, 3, 3], np.float32))
     const.graph.register_initializer(w)
-    assert to_nchwc(const) == 0
+    assert to_nchwc(const, block=nchwc_block()) == 0
     assert to_nchwc(_conv_model([1, 16, 9, 9], [16, 16, 3, 3], False), block=0) == 0
 
 
@@ -146,7 +147,7 @@ def test_dqn_trains_the_same_with_the_cpu_default():
     step = build_training_graph(DQN, optimizer="adamw", lr=1e-3)
     default, plain = Trainer(step, "cpu", threads=2), Trainer(step, "cpu", threads=2, kernels=False)
     lowered = ir.from_proto(ir.to_proto(step))
-    kernels.lower(lowered, "cpu", "default")
+    kernels.lower(lowered, "cpu", "default", nchwc_block=nchwc_block())
     made = {n.op_type for n in lowered.graph if n.domain == NCHWC_DOMAIN}
     assert made == {"Conv", "ReorderInput", "ReorderOutput"} and default.kernels_fused > 3
     names = [s for s in default.data_inputs]
@@ -189,7 +190,7 @@ def test_unit_stride_conv_transpose_runs_as_a_blocked_conv(name, xs, ws, attrs, 
     feeds = {"x": rng.standard_normal(xs).astype(np.float32), "w": rng.standard_normal(ws).astype(np.float32)}
     plain = _run(_convt_model(xs, ws, **attrs), feeds)
     model = _convt_model(xs, ws, **attrs)
-    assert to_nchwc(model) == int(rewritten)
+    assert to_nchwc(model, block=nchwc_block()) == int(rewritten)
     assert any(n.op_type == "ConvTranspose" for n in model.graph) != rewritten
     out = _run(model, feeds)
     np.testing.assert_allclose(out, plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
@@ -203,13 +204,13 @@ def test_without_a_compiler_the_cpu_default_still_moves_the_convolutions(monkeyp
     def no_compiler(provider: str):
         raise kernels.KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")
 
-    monkeypatch.setattr(kernels, "library", no_compiler)
+    monkeypatch.setattr(kernels.plan, "library", no_compiler)
     step = build_training_graph(DQN, optimizer="adamw")
     trainer = Trainer(step, "cpu")
     native = ir.from_proto(ir.to_proto(step))
     # The three forward convs, the 4x4/2 layer's weight gradient, the 3x3/1 layer's data gradient
     # and its weight gradient (per-tap slices rebuilt as one Conv, ``slices_dw``).
-    assert trainer.kernels_fused == kernels.lower(native, "cpu", "native") == 6
+    assert trainer.kernels_fused == kernels.lower(native, "cpu", "native", nchwc_block=nchwc_block()) == 6
     assert "C++ compiler" in trainer.kernels_reason
     with pytest.raises(kernels.KernelBuildError):
         Trainer(step, "cpu", kernels=True)
@@ -221,7 +222,7 @@ def test_train_summary_says_why_only_the_convolutions_moved(tmp_path, monkeypatc
     moved and names what is missing."""
     from tests.helpers import mpgraph_cli
 
-    monkeypatch.setattr(kernels, "library", lambda provider: (_ for _ in ()).throw(
+    monkeypatch.setattr(kernels.plan, "library", lambda provider: (_ for _ in ()).throw(
         kernels.KernelBuildError("the CPU kernels need a C++ compiler ($CXX, g++, c++ or clang++)")))
     step = tmp_path / "dqn.step.onnx"
     ir.save(build_training_graph(DQN, optimizer="adamw"), step)

@@ -15,9 +15,10 @@ import pytest
 from onnx import TensorProto, helper
 
 from mpgraph import lowering as kernels
-from mpgraph.lowering.nchwc import MIN_PHASE_OUTPUTS, block_size, to_nchwc
+from mpgraph.lowering.nchwc import MIN_PHASE_OUTPUTS, to_nchwc
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.slices_dw import slices_to_conv
+from mpgraph.runtime.probe import nchwc_block
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import random_batches, run_cpu
@@ -25,7 +26,7 @@ from tests.helpers import random_batches, run_cpu
 ROOT = Path(__file__).resolve().parents[1]
 DQN = ROOT / "models/onnx/dqn_cnn.loss.onnx"
 
-needs_nchwc = pytest.mark.skipif(block_size() == 0, reason="ORT has no NCHWc kernels on this CPU")
+needs_nchwc = pytest.mark.skipif(nchwc_block() == 0, reason="ORT has no NCHWc kernels on this CPU")
 
 
 def _model(nodes: list, inputs: list, initializers: list | None = None) -> ir.Model:
@@ -123,7 +124,7 @@ def test_strided_conv_transpose_as_one_phase_conv(name, xs, ws, attrs):
     feeds = {"x": x, "w": rng.standard_normal(ws).astype(np.float32)}
     plain = _run(_convt(xs, ws, **attrs), feeds)
     model = _convt(xs, ws, **attrs)
-    assert to_nchwc(model, phases=True) == 1 and fast_transposes(model) >= 2
+    assert to_nchwc(model, phases=True, block=nchwc_block()) == 1 and fast_transposes(model) >= 2
     assert not any(n.op_type == "ConvTranspose" for n in model.graph)
     out = _run(model, feeds)
     assert out.shape == plain.shape
@@ -132,14 +133,14 @@ def test_strided_conv_transpose_as_one_phase_conv(name, xs, ws, attrs):
 
 @needs_nchwc
 def test_phase_conv_leaves_alone_small_maps_bias_and_the_default():
-    assert to_nchwc(_convt([2, 64, 9, 9], [64, 32, 4, 4], strides=[2, 2])) == 0  # phases is opt-in
+    assert to_nchwc(_convt([2, 64, 9, 9], [64, 32, 4, 4], strides=[2, 2]), block=nchwc_block()) == 0  # phases is opt-in
     small = [2, 16, 5, 6], [16, 8, 3, 3]  # 8 channels of 11x13: under MIN_PHASE_OUTPUTS
-    assert 8 * 11 * 13 < MIN_PHASE_OUTPUTS and to_nchwc(_convt(*small, strides=[2, 2]), phases=True) == 0
-    assert to_nchwc(_convt([2, 64, 9, 9], [64, 32, 4, 4], strides=[2, 2], dilations=[2, 2]), phases=True) == 0
+    assert 8 * 11 * 13 < MIN_PHASE_OUTPUTS and to_nchwc(_convt(*small, strides=[2, 2]), phases=True, block=nchwc_block()) == 0
+    assert to_nchwc(_convt([2, 64, 9, 9], [64, 32, 4, 4], strides=[2, 2], dilations=[2, 2]), phases=True, block=nchwc_block()) == 0
     biased = _model([helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], strides=[2, 2])],
                     [helper.make_tensor_value_info(n, TensorProto.FLOAT, s)
                      for n, s in (("x", [2, 64, 9, 9]), ("w", [64, 32, 4, 4]), ("b", [32]))])
-    assert to_nchwc(biased, phases=True) == 0
+    assert to_nchwc(biased, phases=True, block=nchwc_block()) == 0
 
 
 def _slices_dw(taps_order: list | None = None, m: int = 16, cols: list | None = None) -> ir.Model:
@@ -181,19 +182,19 @@ def test_slices_weight_gradient_rebuilt_as_one_conv(batch):
              "dy": rng.standard_normal([batch, 16, 7, 7]).astype(np.float32)}
     plain = _run(_slices_dw(), feeds)
     model = _slices_dw()
-    assert slices_to_conv(model, block_size(), 144) == 1
+    assert slices_to_conv(model, nchwc_block(), 144) == 1
     assert sorted(n.op_type for n in model.graph) == ["Conv", "Transpose", "Transpose", "Transpose"]
-    assert to_nchwc(model) == 1
+    assert to_nchwc(model, block=nchwc_block()) == 1
     np.testing.assert_allclose(_run(model, feeds), plain, rtol=1e-5, atol=1e-5 * float(np.abs(plain).max()))
 
 
 @needs_nchwc
 def test_slices_left_alone_when_the_layout_differs_or_the_conv_would_not_move():
     swapped = [1, 0, 2, 3, 4, 5, 6, 7, 8]  # the Concat's first two parts exchanged: another layout
-    assert slices_to_conv(_slices_dw(swapped), block_size(), 144) == 0
-    assert slices_to_conv(_slices_dw(m=12), block_size(), 144) == 0  # 12 output channels: off the block
-    assert slices_to_conv(_slices_dw(), block_size(), 48) == 0  # 49 taps over max_kernel
-    assert slices_to_conv(_slices_dw(cols=[-1, 49]), block_size(), 144) == 0  # another reshape of the taps
+    assert slices_to_conv(_slices_dw(swapped), nchwc_block(), 144) == 0
+    assert slices_to_conv(_slices_dw(m=12), nchwc_block(), 144) == 0  # 12 output channels: off the block
+    assert slices_to_conv(_slices_dw(), nchwc_block(), 48) == 0  # 49 taps over max_kernel
+    assert slices_to_conv(_slices_dw(cols=[-1, 49]), nchwc_block(), 144) == 0  # another reshape of the taps
 
 
 @needs_nchwc
@@ -203,10 +204,10 @@ def test_dqn_step_is_the_same_bits_with_and_without_permute(monkeypatch):
     step = build_training_graph(DQN, optimizer="adamw", lr=1e-3)
     with_permute = Trainer(step, "cpu", threads=2)
     lowered = ir.from_proto(ir.to_proto(step))
-    kernels.lower(lowered, "cpu", "default")
+    kernels.lower(lowered, "cpu", "default", nchwc_block=nchwc_block())
     ops = {n.op_type for n in lowered.graph}
     assert "Permute" in ops and "ConvTranspose" not in ops  # the 4x4/2 data gradient went to phases
-    monkeypatch.setattr(kernels, "fast_transposes", lambda model: 0)
+    monkeypatch.setattr(kernels.registry, "fast_transposes", lambda model: 0)
     without = Trainer(step, "cpu", threads=2)
     assert with_permute.kernels_fused > without.kernels_fused
     batches = random_batches(with_permute, 3, batch=8)

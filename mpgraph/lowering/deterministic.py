@@ -52,7 +52,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _hand_over, _initializer
+from mpgraph.lowering.match import hand_over, initializer
 
 __all__ = ["one_hot_scatter", "ones_matmul_sums"]
 
@@ -83,20 +83,20 @@ def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
     name = node.name or "scatter"
     batch_dims = len(indices.shape) - 1
     nodes = [
-        ir.Node("", "Reshape", [indices, _initializer(graph, f"{name}/flat_shape", np.array([-1], np.int64))], name=f"{name}/indices"),
+        ir.Node("", "Reshape", [indices, initializer(graph, f"{name}/flat_shape", np.array([-1], np.int64))], name=f"{name}/indices"),
         ir.Node("", "Flatten", [updates], attributes=[ir.AttrInt64("axis", batch_dims)], name=f"{name}/updates"),
     ]
     flat, rows = (n.outputs[0] for n in nodes)
     dims = list(data.shape) if data.shape is not None else None
     if dims is not None and all(isinstance(d, int) for d in dims):  # a parameter's gradient: static
-        depth = _initializer(graph, f"{name}/depth", np.array(dims[:1], np.int64))
-        shape = _initializer(graph, f"{name}/shape", np.array(dims, np.int64))
+        depth = initializer(graph, f"{name}/depth", np.array(dims[:1], np.int64))
+        shape = initializer(graph, f"{name}/shape", np.array(dims, np.int64))
     else:
         sizes = [ir.Node("", "Shape", [data], attributes=[ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)], name=f"{name}/depth"),
                  ir.Node("", "Shape", [data], name=f"{name}/shape")]
         nodes += sizes
         depth, shape = (n.outputs[0] for n in sizes)
-    one_hot = ir.Node("", "OneHot", [flat, depth, _initializer(graph, f"{name}/off_on", np.array([0, 1], np.float32))],
+    one_hot = ir.Node("", "OneHot", [flat, depth, initializer(graph, f"{name}/off_on", np.array([0, 1], np.float32))],
                       attributes=[ir.AttrInt64("axis", -1)], name=f"{name}/one_hot")
     gemm = ir.Node("", "Gemm", [one_hot.outputs[0], rows], attributes=[ir.AttrInt64("transA", 1)], name=f"{name}/gemm")
     out = ir.Node("", "Reshape", [gemm.outputs[0], shape], name=f"{name}/reshape")
@@ -105,7 +105,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
         nodes.append(ir.Node("", "Add", [data, out.outputs[0]], name=f"{name}/add"))
     for new in nodes:
         graph.insert_before(node, new)
-    _hand_over(node.outputs, nodes[-1].outputs)
+    hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
 
 
@@ -160,17 +160,17 @@ def _sum_rewrite(graph: ir.Graph, node: ir.Node, k: int) -> None:
     matmul = ir.Node("", "MatMul", [nodes[-1].outputs[0], flat.outputs[0]], name=f"{name}/matmul")
     nodes.append(matmul)
     if all(isinstance(d, int) for d in trailing):
-        shape = _initializer(graph, f"{name}/trailing", np.array(trailing, np.int64))
+        shape = initializer(graph, f"{name}/trailing", np.array(trailing, np.int64))
     else:
         nodes.append(ir.Node("", "Shape", [x], attributes=[ir.AttrInt64("start", k)], name=f"{name}/trailing"))
         shape = nodes[-1].outputs[0]
     nodes.append(ir.Node("", "Reshape", [matmul.outputs[0], shape], name=f"{name}/reshape"))
     if keepdims:
-        axes = _initializer(graph, f"{name}/kept", np.arange(k, dtype=np.int64))
+        axes = initializer(graph, f"{name}/kept", np.arange(k, dtype=np.int64))
         nodes.append(ir.Node("", "Unsqueeze", [nodes[-1].outputs[0], axes], name=f"{name}/keepdims"))
     for new in nodes:
         graph.insert_before(node, new)
-    _hand_over(node.outputs, nodes[-1].outputs)
+    hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
 
 

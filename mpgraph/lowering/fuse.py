@@ -23,85 +23,64 @@ step graph a user saves keeps its standard ONNX ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph.lowering.match import (
+    DOMAIN,
+    constant,
+    consts,
+    initializer,
+    is_scalar,
+    link,
+    producer,
+    replace,
+    same_shape,
+    uses,
+)
+
 __all__ = ["DOMAIN", "fuse_adamw", "fuse_layernorm_grad"]
 
-#: The custom-op domain of mpgraph's kernel library.
-DOMAIN = "ai.mpgraph"
 
 
-def _producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
-    node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
 
 
-def _only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:
-    return len(value.uses()) == 1 and value not in graph_outputs
 
 
-def _one_reader(value: ir.Value, outputs: set[ir.Value]) -> bool:
-    """``value`` is read by one node (perhaps in several inputs) and is no graph output."""
-    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
 
 
-def _link(value: ir.Value | None, op_type: str, outputs: set[ir.Value]) -> ir.Node | None:
-    """``value``'s ``op_type`` producer when the chain is its one reader (``None`` otherwise)."""
-    node = _producer(value, op_type)
-    return node if node is not None and _only_reader(value, outputs) else None  # type: ignore[arg-type]
 
 
-def _is_scalar(value: ir.Value | None) -> bool:
-    if value is None or value.dtype != ir.DataType.FLOAT or value.shape is None:
-        return False
-    return all(isinstance(d, int) and d == 1 for d in value.shape)
 
-
-def _same_shape(*values: ir.Value) -> bool:
-    """Float32 values of one static shape, as far as shape inference knows: the first must be
-    static, and the others agree with it wherever a dim is known (a gradient's dims are often
-    symbolic). The kernel checks the sizes again at run time, so a wrong guess fails loudly."""
-    if any(v.dtype != ir.DataType.FLOAT or v.shape is None for v in values):
-        return False
-    first = list(values[0].shape)  # type: ignore[arg-type]
-    if not all(isinstance(d, int) for d in first):
-        return False
-    return all(
-        len(v.shape) == len(first) and all(not isinstance(d, int) or d == f for d, f in zip(v.shape, first))  # type: ignore[arg-type]
-        for v in values[1:]
-    )
 
 
 def _match_moments(m_new: ir.Value, v_new: ir.Value, outputs: set[ir.Value]) -> tuple | None:
     """``v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))`` and ``m' = Add(m, Mul(Sub(g, m), c1))``:
     ``(g, m, v, c1, b2, c2, nodes)``."""
     # v' = Add(Mul(v, b2), Mul(Mul(g, g), c2))
-    add_v = _producer(v_new, "Add")
+    add_v = producer(v_new, "Add")
     if add_v is None:
         return None
     decayed_v, fresh_v = add_v.inputs
-    mul_b2, mul_c2 = _link(decayed_v, "Mul", outputs), _link(fresh_v, "Mul", outputs)
+    mul_b2, mul_c2 = link(decayed_v, "Mul", outputs), link(fresh_v, "Mul", outputs)
     if mul_b2 is None or mul_c2 is None:
         return None
     v, b2 = mul_b2.inputs
     squared, c2 = mul_c2.inputs
-    square = _link(squared, "Mul", outputs)
+    square = link(squared, "Mul", outputs)
     if square is None or square.inputs[0] is not square.inputs[1]:
         return None
     g = square.inputs[0]
     # m' = Add(m, Mul(Sub(g, m), c1))
-    add_m = _producer(m_new, "Add")
+    add_m = producer(m_new, "Add")
     if add_m is None:
         return None
     m, step_m = add_m.inputs
-    mul_c1 = _link(step_m, "Mul", outputs)
+    mul_c1 = link(step_m, "Mul", outputs)
     if mul_c1 is None:
         return None
     diff, c1 = mul_c1.inputs
-    sub_m = _link(diff, "Sub", outputs)
+    sub_m = link(diff, "Sub", outputs)
     if sub_m is None or sub_m.inputs[0] is not g or sub_m.inputs[1] is not m:
         return None
     return g, m, v, c1, b2, c2, [add_v, mul_b2, mul_c2, square, add_m, mul_c1, sub_m]
@@ -111,23 +90,23 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     """The fused node's inputs, the nodes it replaces, and m', v' (``None``: no match)."""
     p_decayed, update = sub.inputs
     chain: list[ir.Node] = [sub]
-    mul_step = _link(update, "Mul", outputs)
+    mul_step = link(update, "Mul", outputs)
     if mul_step is None:
         return None
     quotient, step_size = mul_step.inputs
-    div = _link(quotient, "Div", outputs)
+    div = link(quotient, "Div", outputs)
     if div is None:
         return None
     m_new, denom = div.inputs
-    add_eps = _link(denom, "Add", outputs)
+    add_eps = link(denom, "Add", outputs)
     if add_eps is None:
         return None
     scaled, eps = add_eps.inputs
-    div_bc = _link(scaled, "Div", outputs)
+    div_bc = link(scaled, "Div", outputs)
     if div_bc is None:
         return None
     root, bc2_sqrt = div_bc.inputs
-    sqrt = _link(root, "Sqrt", outputs)
+    sqrt = link(root, "Sqrt", outputs)
     if sqrt is None:
         return None
     v_new = sqrt.inputs[0]
@@ -140,63 +119,27 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     # p_decayed = Mul(p, decay), or p itself
     decay: ir.Value | None = None
     p = p_decayed
-    mul_decay = _link(p_decayed, "Mul", outputs)
-    if mul_decay is not None and _is_scalar(mul_decay.inputs[1]) and _same_shape(mul_decay.inputs[0], p_decayed):
+    mul_decay = link(p_decayed, "Mul", outputs)
+    if mul_decay is not None and is_scalar(mul_decay.inputs[1]) and same_shape(mul_decay.inputs[0], p_decayed):
         p, decay = mul_decay.inputs
         chain.append(mul_decay)
     # m' and v' are read by the chain (Div, Sqrt) and otherwise only as graph outputs (state).
     if any(use.node is not div for use in m_new.uses()) or any(use.node is not sqrt for use in v_new.uses()):
         return None
     scalars = [c1, b2, c2, bc2_sqrt, eps, step_size]
-    if not all(_is_scalar(s) for s in scalars) or not _same_shape(p, g, m, v, m_new, v_new):
+    if not all(is_scalar(s) for s in scalars) or not same_shape(p, g, m, v, m_new, v_new):
         return None
     assert p is not None and g is not None and m is not None and v is not None
     inputs = [p, g, m, v, *scalars, decay]
     return inputs, chain, m_new, v_new  # type: ignore[return-value]
 
 
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    """Register ``array`` as an initializer of ``graph`` named ``name``; return its value."""
-    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
-                     shape=ir.Shape(list(array.shape)), const_value=ir.tensor(array))
-    graph.register_initializer(value)
-    return value
 
 
-def _hand_over(olds: list[ir.Value] | tuple[ir.Value, ...], news: list[ir.Value] | tuple[ir.Value, ...]) -> None:
-    """Give each of ``olds`` (name, type, shape, readers, graph-output slot) to its twin in ``news``."""
-    for old, new in zip(olds, news):
-        new.shape, new.type = old.shape, old.type
-        old.replace_all_uses_with(new, replace_graph_outputs=True)
-        name = old.name
-        old.name = None
-        new.name = name
 
 
-def _replace(graph: ir.Graph, chain: list[ir.Node], node: ir.Node, olds: tuple[ir.Value, ...], before: ir.Node) -> None:
-    """Put ``node`` before ``before``, hand each of ``olds`` (name, readers, graph-output slot)
-    to ``node``'s output of the same position, and remove ``chain``."""
-    graph.insert_before(before, node)
-    _hand_over(olds, node.outputs)
-    graph.remove(chain, safe=True)
 
 
-def _fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple | None], op: str) -> int:
-    """Replace every chain ``match`` finds ending at a ``Mul`` (``(inputs, nodes)``, the Mul
-    first) with one ``op`` node that takes over the Mul's output; how many were made."""
-    graph = model.graph
-    outputs = set(graph.outputs)
-    fused = 0
-    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        found = match(mul, outputs) if mul.graph is not None else None
-        if found is not None:
-            inputs, nodes = found
-            node = ir.Node(DOMAIN, op, inputs, name=f"{mul.name}/{op}", metadata_props=dict(mul.metadata_props))
-            _replace(graph, nodes, node, (mul.outputs[0],), before=mul)
-            fused += 1
-    if fused:
-        model.opset_imports.setdefault(DOMAIN, 1)
-    return fused
 
 
 def fuse_adamw(model: ir.Model) -> int:
@@ -218,49 +161,23 @@ def fuse_adamw(model: ir.Model) -> int:
         inputs, chain, m_new, v_new = found
         if inputs[-1] is None:
             if one is None:
-                one = _initializer(graph, "ai.mpgraph/one", np.array(1.0, np.float32))
+                one = initializer(graph, "ai.mpgraph/one", np.array(1.0, np.float32))
             inputs[-1] = one
         node = ir.Node(DOMAIN, "AdamWUpdate", inputs, num_outputs=3, name=f"{sub.name}/AdamWUpdate",
                        metadata_props=dict(sub.metadata_props))
-        _replace(graph, chain, node, (sub.outputs[0], m_new, v_new), before=sub)
+        replace(graph, chain, node, (sub.outputs[0], m_new, v_new), before=sub)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused
 
 
-def _constant(value: ir.Value | None) -> np.ndarray | None:
-    """``value``'s array when it is an initializer or a ``Constant``'s output."""
-    if value is None:
-        return None
-    if value.const_value is not None:
-        return np.asarray(value.const_value.numpy())
-    producer = value.producer()
-    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
-        return None
-    return np.asarray(producer.attributes["value"].as_tensor().numpy())
 
 
-def _perm(node: ir.Node | None) -> list[int] | None:
-    """A ``Transpose``'s permutation: its ``perm``, or the axes reversed (ONNX's default) when
-    the input's rank is known; else ``None``."""
-    if node is None:
-        return None
-    attr = node.attributes.get("perm")
-    if attr is not None:
-        return list(attr.as_ints())
-    x = node.inputs[0] if node.inputs else None
-    return None if x is None or x.shape is None else list(range(len(x.shape)))[::-1]
 
 
-def _consts(value: ir.Value | None) -> list[int] | None:
-    array = _constant(value)
-    return None if array is None else [int(a) for a in array.reshape(-1)]
 
 
-def _uses(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
-    """The nodes reading ``value`` (``None`` when it is also a graph output)."""
-    return None if value in outputs else [use.node for use in value.uses()]
 
 
 def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], outputs: set[ir.Value]) -> tuple | None:
@@ -272,7 +189,7 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     xhat = xh_node.outputs[0]
     if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) < 2:
         return None
-    unit = _constant(ones)
+    unit = constant(ones)
     if unit is None or not np.all(unit == 1):  # xhat itself, not a scaled LayerNorm
         return None
     rank = len(x.shape)
@@ -286,7 +203,7 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     # Nothing read the forward's Mean before: a pass may have dropped its name and type.
     if inv_std.dtype != ir.DataType.FLOAT or mean.dtype not in (ir.DataType.FLOAT, None):
         return None
-    readers = _uses(xhat, outputs)
+    readers = uses(xhat, outputs)
     if readers is None or len(readers) != 3 or any(n.op_type != "Mul" for n in readers):
         return None
     # Mul_1 = Mul(dxhat, xhat), Mul_2 = Mul(xhat, m2), Mul_4 = Mul(dy, xhat)
@@ -295,7 +212,7 @@ def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], ou
     if len(mul2) != 1 or len(others) != 2:
         return None
     mul2 = mul2[0]
-    dxhat_mul = next((n for n in others if _producer(n.inputs[0], "Mul") is not None
+    dxhat_mul = next((n for n in others if producer(n.inputs[0], "Mul") is not None
                       and n.inputs[0].producer().inputs[1] is fwd.inputs[1]), None)  # type: ignore[union-attr]
     if dxhat_mul is None:
         return None
@@ -323,7 +240,7 @@ def _match_layernorm_dx(dxhat: ir.Value, dxhat_mul: ir.Node, mul2: ir.Node, inv_
     """``m1 = ReduceMean(dxhat)``, ``m2 = ReduceMean(dxhat * xhat)`` over the last axis, and
     ``dx = Mul(inv_std, Sub(Sub(dxhat, m1), Mul(xhat, m2)))``: those nodes, ``dx``'s last."""
     # m1 = ReduceMean(dxhat, [-1]); Sub(dxhat, m1); m2 = ReduceMean(Mul_1, [-1])
-    dxhat_readers = _uses(dxhat, outputs)
+    dxhat_readers = uses(dxhat, outputs)
     if dxhat_readers is None or len(dxhat_readers) != 3:
         return None
     rmean1 = next((n for n in dxhat_readers if n.op_type == "ReduceMean"), None)
@@ -331,17 +248,17 @@ def _match_layernorm_dx(dxhat: ir.Value, dxhat_mul: ir.Node, mul2: ir.Node, inv_
     if rmean1 is None or sub0 is None or sub0.inputs[1] is not rmean1.outputs[0]:
         return None
     t = dxhat_mul.outputs[0]
-    t_readers = _uses(t, outputs)
+    t_readers = uses(t, outputs)
     if t_readers is None or len(t_readers) != 1 or t_readers[0].op_type != "ReduceMean":
         return None
     rmean2 = t_readers[0]
     last = [rank - 1]
     for reduce in (rmean1, rmean2):
-        axes = _consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
+        axes = consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
         keep = reduce.attributes.get("keepdims")
         if axes is None or [a % rank for a in axes] != last or (keep is not None and keep.as_int() != 1):
             return None
-        if _uses(reduce.outputs[0], outputs) is None or len(reduce.outputs[0].uses()) != 1:
+        if uses(reduce.outputs[0], outputs) is None or len(reduce.outputs[0].uses()) != 1:
             return None
     if mul2.inputs[1] is not rmean2.outputs[0]:
         return None
@@ -361,7 +278,7 @@ def _match_layernorm_dx(dxhat: ir.Value, dxhat_mul: ir.Node, mul2: ir.Node, inv_
 def _match_layernorm_dscale(mul4: ir.Node, rank: int, outputs: set[ir.Value]) -> list[ir.Node] | None:
     """``dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0)``: the ReduceSum."""
     # dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0), shaped like scale
-    m4_readers = _uses(mul4.outputs[0], outputs)
+    m4_readers = uses(mul4.outputs[0], outputs)
     if m4_readers is None or len(m4_readers) != 1 or m4_readers[0].op_type != "ReduceSum":
         return None
     return [m4_readers[0]] if _sums_leading_axes(m4_readers[0], rank) else None
@@ -371,7 +288,7 @@ def _sums_leading_axes(node: ir.Node, rank: int) -> bool:
     """``node`` is ``ReduceSum(v, all axes but the last, keepdims=0)``."""
     if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
         return False
-    axes = _consts(node.inputs[1]) if len(node.inputs) > 1 else None
+    axes = consts(node.inputs[1]) if len(node.inputs) > 1 else None
     keep = node.attributes.get("keepdims")
     return axes is not None and sorted(a % rank for a in axes) == list(range(rank - 1)) and keep is not None and keep.as_int() == 0
 
@@ -385,7 +302,7 @@ def _bias_grad(dy: ir.Value, chain: list[ir.Node], rank: int, outputs: set[ir.Va
     if len(others) != 1 or not _sums_leading_axes(others[0], rank) or dy in outputs or others[0].inputs[0] is not dy:
         return None
     reduce = others[0]
-    cast = _producer(dy, "Cast")
+    cast = producer(dy, "Cast")
     low = cast.inputs[0] if cast is not None else None
     if low is not None and low.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
         return reduce, low, cast
@@ -432,7 +349,7 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
         # Before the chain's first node: every input is computed by then (dy is read by the
         # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
         members = set(map(id, chain))
-        _replace(graph, chain, new, olds, before=next(n for n in graph if id(n) in members))
+        replace(graph, chain, new, olds, before=next(n for n in graph if id(n) in members))
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

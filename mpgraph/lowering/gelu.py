@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import DOMAIN, _constant, _producer, _replace
+from mpgraph.lowering.match import DOMAIN, constant, producer, readers, replace, single_reader
 
 __all__ = ["fuse_gelu"]
 
@@ -27,7 +27,7 @@ _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 
 def _scalar(value: ir.Value | None, dtype: ir.DataType) -> bool:
-    array = _constant(value)
+    array = constant(value)
     return array is not None and array.size == 1 and value.dtype == dtype  # type: ignore[union-attr]
 
 
@@ -43,18 +43,6 @@ def _split(node: ir.Node, value: ir.Value, dtype: ir.DataType) -> tuple[ir.Value
     return None
 
 
-def _readers(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
-    """The distinct nodes reading ``value`` (``None`` when it is a graph output)."""
-    if value in outputs:
-        return None
-    return list({id(u.node): u.node for u in value.uses()}.values())
-
-
-def _single(value: ir.Value, op_type: str, outputs: set[ir.Value]) -> ir.Node | None:
-    readers = _readers(value, outputs)
-    if readers is None or len(readers) != 1 or readers[0].op_type != op_type or readers[0].domain not in ("", "ai.onnx"):
-        return None
-    return readers[0]
 
 
 def _match_forward(y_mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
@@ -63,18 +51,18 @@ def _match_forward(y_mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         x, cdf = y_mul.inputs[slot], y_mul.inputs[1 - slot]
         if x is None or cdf is None or x.dtype not in _TYPES:
             continue
-        half_mul = _producer(cdf, "Mul")
+        half_mul = producer(cdf, "Mul")
         a = next((v for v in (half_mul.inputs if half_mul else ()) if not _scalar(v, x.dtype)), None)
         split = _split(half_mul, a, x.dtype) if half_mul is not None and a is not None else None
-        add = _producer(a, "Add") if split is not None else None
+        add = producer(a, "Add") if split is not None else None
         e = next((v for v in (add.inputs if add else ()) if not _scalar(v, x.dtype)), None)
         add_split = _split(add, e, x.dtype) if add is not None and e is not None else None
-        erf = _producer(e, "Erf") if add_split is not None else None
-        div = _producer(erf.inputs[0], "Div") if erf is not None else None
+        erf = producer(e, "Erf") if add_split is not None else None
+        div = producer(erf.inputs[0], "Div") if erf is not None else None
         if div is None or div.inputs[0] is not x or not _scalar(div.inputs[1], x.dtype):
             continue
         s = div.outputs[0]
-        if _single(e, "Add", outputs) is None or _single(a, "Mul", outputs) is None:  # type: ignore[arg-type]
+        if single_reader(e, outputs, "Add") is None or single_reader(a, outputs, "Mul") is None:  # type: ignore[arg-type]
             continue
         consts = [div.inputs[1], add_split[1], split[1]]  # type: ignore[index]
         return x, consts, s, cdf, [div, erf, add, half_mul, y_mul]
@@ -83,20 +71,20 @@ def _match_forward(y_mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 
 def _match_backward(s: ir.Value, cdf: ir.Value, x: ir.Value, outputs: set[ir.Value]) -> tuple | None:
     """The rule's ``dx`` from ``s`` and ``cdf``: ``(dy, k, nodes)``; the last node makes dx."""
-    readers = _readers(s, outputs)
-    if readers is None or len(readers) != 3:
+    found = readers(s, outputs)
+    if found is None or len(found) != 3:
         return None
-    square = next((n for n in readers if n.op_type == "Mul" and n.inputs[0] is s and n.inputs[1] is s), None)
-    ratio = next((n for n in readers if n.op_type == "Div" and n.inputs[0] is s), None)
-    exp = _single(square.outputs[0], "Exp", outputs) if square is not None else None
-    if exp is None or ratio is None or ratio.inputs[1] is not exp.outputs[0] or _single(exp.outputs[0], "Div", outputs) is None:
+    square = next((n for n in found if n.op_type == "Mul" and n.inputs[0] is s and n.inputs[1] is s), None)
+    ratio = next((n for n in found if n.op_type == "Div" and n.inputs[0] is s), None)
+    exp = single_reader(square.outputs[0], outputs, "Exp") if square is not None else None
+    if exp is None or ratio is None or ratio.inputs[1] is not exp.outputs[0] or single_reader(exp.outputs[0], outputs, "Div") is None:
         return None
-    k_mul = _single(ratio.outputs[0], "Mul", outputs)
+    k_mul = single_reader(ratio.outputs[0], outputs, "Mul")
     split = _split(k_mul, ratio.outputs[0], x.dtype) if k_mul is not None else None
-    add = _single(k_mul.outputs[0], "Add", outputs) if split is not None else None  # type: ignore[union-attr]
+    add = single_reader(k_mul.outputs[0], outputs, "Add") if split is not None else None  # type: ignore[union-attr]
     if add is None or {id(v) for v in add.inputs} != {id(cdf), id(k_mul.outputs[0])}:  # type: ignore[union-attr]
         return None
-    dy_mul = _single(add.outputs[0], "Mul", outputs)
+    dy_mul = single_reader(add.outputs[0], outputs, "Mul")
     if dy_mul is None:
         return None
     dy = dy_mul.inputs[1] if dy_mul.inputs[0] is add.outputs[0] else dy_mul.inputs[0]
@@ -126,10 +114,10 @@ def fuse_gelu(model: ir.Model) -> int:
             dy, k, backward_nodes = backward
             grad = ir.Node(DOMAIN, "ErfGeluGrad", [dy, x, *consts, k], name=f"{y_mul.name}/ErfGeluGrad",
                            metadata_props=dict(backward_nodes[-1].metadata_props))
-            _replace(graph, backward_nodes, grad, (backward_nodes[-1].outputs[0],), before=backward_nodes[-1])
+            replace(graph, backward_nodes, grad, (backward_nodes[-1].outputs[0],), before=backward_nodes[-1])
             fused += 1
         node = ir.Node(DOMAIN, "ErfGelu", [x, *consts], name=f"{y_mul.name}/ErfGelu", metadata_props=meta)
-        _replace(graph, forward_nodes, node, (y_mul.outputs[0],), before=y_mul)
+        replace(graph, forward_nodes, node, (y_mul.outputs[0],), before=y_mul)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

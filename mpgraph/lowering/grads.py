@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _constant, _fuse_muls, _one_reader, _producer
+from mpgraph.lowering.match import constant, fuse_muls, one_reader, producer
 
 __all__ = ["fuse_relu_grad", "fuse_sce_grad"]
 
@@ -25,15 +25,15 @@ _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     for slot in (0, 1):
         dy, mask = mul.inputs[slot], mul.inputs[1 - slot]
-        cast = _producer(mask, "Cast")
-        greater = _producer(cast.inputs[0], "Greater") if cast is not None else None
+        cast = producer(mask, "Cast")
+        greater = producer(cast.inputs[0], "Greater") if cast is not None else None
         if greater is None or dy is None or dy.dtype not in _TYPES or mask.dtype != dy.dtype:  # type: ignore[union-attr]
             continue
         x, zero = greater.inputs
-        zero_value = _constant(zero)
+        zero_value = constant(zero)
         if x is None or x.dtype != dy.dtype or zero_value is None or zero_value.size != 1 or float(zero_value.reshape(-1)[0]) != 0:
             continue
-        if not _one_reader(mask, outputs) or not _one_reader(greater.outputs[0], outputs):  # type: ignore[arg-type]
+        if not one_reader(mask, outputs) or not one_reader(greater.outputs[0], outputs):  # type: ignore[arg-type]
             continue
         return [dy, x], [mul, cast, greater]
     return None
@@ -42,16 +42,16 @@ def _relu_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 def fuse_relu_grad(model: ir.Model) -> int:
     """Fuse every matching Relu backward in ``model``'s main graph, in place; how many
     ``ReluGrad`` nodes were made."""
-    return _fuse_muls(model, _relu_match, "ReluGrad")
+    return fuse_muls(model, _relu_match, "ReluGrad")
 
 
 def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
     """``depth`` is log_prob's class count: a constant equal to its static dim 1, or
     ``Shape(log_prob, start=1, end=2)`` (what the rule writes)."""
-    value = _constant(depth)
+    value = constant(depth)
     if value is not None:
         return value.size == 1 and int(value.reshape(-1)[0]) == log_prob.shape[1]  # type: ignore[index]
-    shape = _producer(depth, "Shape")
+    shape = producer(depth, "Shape")
     if shape is None or shape.inputs[0] is not log_prob:
         return False
     start, end = shape.attributes.get("start"), shape.attributes.get("end")
@@ -60,14 +60,14 @@ def _is_depth(depth: ir.Value | None, log_prob: ir.Value) -> bool:
 
 def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     sub_out, scale = mul.inputs
-    sub = _producer(sub_out, "Sub")
-    if sub is None or scale is None or scale.dtype != ir.DataType.FLOAT or not _one_reader(sub_out, outputs):  # type: ignore[arg-type]
+    sub = producer(sub_out, "Sub")
+    if sub is None or scale is None or scale.dtype != ir.DataType.FLOAT or not one_reader(sub_out, outputs):  # type: ignore[arg-type]
         return None
-    exp, one_hot = _producer(sub.inputs[0], "Exp"), _producer(sub.inputs[1], "OneHot")
-    if exp is None or one_hot is None or not _one_reader(sub.inputs[0], outputs) or not _one_reader(sub.inputs[1], outputs):  # type: ignore[arg-type]
+    exp, one_hot = producer(sub.inputs[0], "Exp"), producer(sub.inputs[1], "OneHot")
+    if exp is None or one_hot is None or not one_reader(sub.inputs[0], outputs) or not one_reader(sub.inputs[1], outputs):  # type: ignore[arg-type]
         return None
     log_prob, index = exp.inputs[0], one_hot.inputs[0]
-    on_off = _constant(one_hot.inputs[2])
+    on_off = constant(one_hot.inputs[2])
     axis = one_hot.attributes.get("axis")
     if log_prob is None or index is None or log_prob.dtype != ir.DataType.FLOAT or index.dtype != ir.DataType.INT64:
         return None
@@ -86,4 +86,4 @@ def _sce_match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 def fuse_sce_grad(model: ir.Model) -> int:
     """Fuse every matching softmax cross-entropy logits gradient in ``model``'s main graph, in
     place; how many ``SoftmaxCrossEntropyGrad`` nodes were made."""
-    return _fuse_muls(model, _sce_match, "SoftmaxCrossEntropyGrad")
+    return fuse_muls(model, _sce_match, "SoftmaxCrossEntropyGrad")

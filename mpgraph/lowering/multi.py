@@ -25,7 +25,7 @@ from collections import defaultdict
 
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import DOMAIN, _constant, _hand_over
+from mpgraph.lowering.match import DOMAIN, constant, hand_over
 
 __all__ = ["batch_adamw", "batch_casts", "fuse_unscale"]
 
@@ -52,7 +52,7 @@ def batch_adamw(model: ir.Model) -> int:
         multi = ir.Node(DOMAIN, "MultiAdamWUpdate", inputs, num_outputs=3 * len(nodes),
                         name=f"{nodes[0].name}/multi", metadata_props=dict(nodes[-1].metadata_props))
         graph.insert_after(nodes[-1], multi)
-        _hand_over([o for n in nodes for o in n.outputs], list(multi.outputs))
+        hand_over([o for n in nodes for o in n.outputs], list(multi.outputs))
         graph.remove(nodes, safe=True)
         merged += len(nodes) - 1
     if merged:
@@ -80,7 +80,7 @@ def batch_casts(model: ir.Model) -> int:
         multi = ir.Node(DOMAIN, ops[to], [n.inputs[0] for n in nodes], num_outputs=len(nodes),
                         name=f"ai.mpgraph/{ops[to]}", metadata_props=dict(nodes[0].metadata_props))
         graph.insert_before(nodes[0], multi)
-        _hand_over([n.outputs[0] for n in nodes], list(multi.outputs))
+        hand_over([n.outputs[0] for n in nodes], list(multi.outputs))
         graph.remove(nodes, safe=True)
         merged += len(nodes) - 1
     if merged:
@@ -89,7 +89,7 @@ def batch_casts(model: ir.Model) -> int:
 
 
 def _is_zero(value: ir.Value | None) -> bool:
-    array = _constant(value)
+    array = constant(value)
     return array is not None and array.size == 1 and float(array.reshape(-1)[0]) == 0.0
 
 
@@ -172,7 +172,7 @@ def fuse_unscale(model: ir.Model) -> int:
     for where in wheres:
         where.outputs[0].replace_all_uses_with(where.inputs[2])
     graph.remove(wheres, safe=True)
-    _hand_over([flag, *unscaled], list(fused.outputs))
+    hand_over([flag, *unscaled], list(fused.outputs))
     graph.remove(nodes, safe=True)
     graph.sort()  # an optimizer that reads u directly (no gating) may sit before the check
     model.opset_imports.setdefault(DOMAIN, 1)

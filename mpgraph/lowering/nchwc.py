@@ -16,7 +16,7 @@ follows the weight every step::
     X -> ReorderInput -> nchwc.Conv(X', W') -> ReorderOutput(channels=co) -> Y
 
 (a first layer with fewer than 8 input channels reads X as it is and its weight in the
-``OIHWBo`` order). The block size B is the machine's: ``block_size`` runs a one-layer probe
+``OIHWBo`` order). The block size B is the machine's: the runtime's ``probe.nchwc_block`` runs a one-layer probe
 once per process and returns 0 where ORT has no NCHWc kernels (no AVX2, or not x86), and then
 nothing is rewritten. Results equal the plain ``Conv`` up to summation order (the probe and
 ``tests/test_kernels_nchwc.py`` check them against it).
@@ -30,7 +30,7 @@ left to ORT's transformer. The weight gradient's kernel is as large as the forwa
 map; above ``max_kernel`` taps (the DQN's first layer: 20x20) the blocked kernel measured
 slower than MLAS's GEMM, so it keeps the plain op. A unit-stride ``ConvTranspose`` (the data
 gradient of a unit-stride Conv) becomes the Conv it equals, flipped filter, and moves too; with
-``phases`` (what ``kernels.lower`` asks for when the library's ``Permute`` runs the transposes)
+``phases`` (what ``lower`` asks for when the library's ``Permute`` runs the transposes)
 a strided one becomes one Conv over its output phases (``_phase_conv``). The per-tap slices
 weight gradient of a small unit-stride layer is rebuilt as one Conv first
 (``slices_dw.slices_to_conv``), which then moves like the others.
@@ -41,10 +41,10 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _constant, _hand_over, _initializer
+from mpgraph.lowering.match import constant, hand_over, initializer
 from mpgraph.lowering.slices_dw import slices_to_conv
 
-__all__ = ["NCHWC_DOMAIN", "block_size", "to_nchwc"]
+__all__ = ["NCHWC_DOMAIN", "to_nchwc"]
 
 #: ORT's domain of the blocked-layout CPU ops.
 NCHWC_DOMAIN = "com.microsoft.nchwc"
@@ -66,13 +66,6 @@ def _filter_order(co: int, ci: int | None, kh: int, kw: int, block: int) -> tupl
         return [co // block, block, ci, kh, kw], [0, 2, 3, 4, 1]
     return [co // block, block, ci // block if ci is not None else -1, block, kh, kw], [0, 2, 4, 5, 3, 1]  # OIHWBiBo
 
-
-def block_size() -> int:
-    """ORT CPU's NCHWc channel block on this machine (16 with AVX-512, 8 with AVX2), or 0
-    where its blocked convolutions are unavailable (``mpgraph.runtime.probe.nchwc_block``)."""
-    from mpgraph.runtime.probe import nchwc_block  # the runtime imports this package
-
-    return nchwc_block()
 
 
 def _dims(value: ir.Value | None, rank: int) -> list[int | None] | None:
@@ -99,7 +92,7 @@ def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | No
     dims = _dims(w, 4)
     if x is None or w is None or dims is None or x.dtype != ir.DataType.FLOAT or _dims(x, 4) is None:
         return None
-    if _constant(w) is not None and not w.is_graph_input():
+    if constant(w) is not None and not w.is_graph_input():
         return None  # ORT's own NCHWc transformer takes constant weights
     co, ci, kh, kw = dims
     if co is None or kh is None or kw is None or not _plain(node) or co % block or kh * kw > max_kernel:
@@ -110,7 +103,7 @@ def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | No
 
 
 def _const(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    return _initializer(graph, name, np.array(values, np.int64))
+    return initializer(graph, name, np.array(values, np.int64))
 
 
 def _pad_channels(graph: ir.Graph, name: str, x: ir.Value, w: ir.Value, block: int) -> tuple[list[ir.Node], ir.Value, ir.Value]:
@@ -156,7 +149,7 @@ def _rewrite(graph: ir.Graph, conv: ir.Node, dims: tuple[int, int | None, int, i
     nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderOutput", nodes[-1].outputs, attributes=[ir.AttrInt64("channels", co)],
                          name=f"{name}/ReorderOutput", metadata_props=dict(conv.metadata_props)))
     graph.insert_before(conv, nodes)
-    _hand_over(conv.outputs, nodes[-1].outputs)
+    hand_over(conv.outputs, nodes[-1].outputs)
     graph.remove(conv, safe=True)
 
 
@@ -287,28 +280,28 @@ def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int, phases
     name = f"{node.name or f'convt{id(node)}'}/as_conv"
     nodes, conv = _unit_conv(graph, node, plan, name) if plan is not None else _phase_conv(graph, node, strided, name)
     graph.insert_before(node, nodes)
-    _hand_over(node.outputs, nodes[-1].outputs)
+    hand_over(node.outputs, nodes[-1].outputs)
     graph.remove(node, safe=True)
     return conv
 
 
-def to_nchwc(model: ir.Model, *, block: int | None = None, max_kernel: int = MAX_KERNEL_TAPS, phases: bool = False) -> int:
+def to_nchwc(model: ir.Model, *, block: int, max_kernel: int = MAX_KERNEL_TAPS, phases: bool = False) -> int:
     """Rewrite ``model``'s trainable-weight convolutions onto ORT CPU's NCHWc ops, in place.
 
     Args:
         model: A step or inference graph for a CPU session (its main graph is rewritten).
-        block: The channel block (default: this machine's, ``block_size()``; 0 rewrites nothing).
+        block: ORT CPU's channel block on this machine (``mpgraph.runtime.probe.nchwc_block``,
+            which the runtime passes in ``PlanOptions.nchwc_block``); 0 rewrites nothing.
         max_kernel: Convolutions with more kernel taps than this keep the plain op.
         phases: Also rewrite strided ``ConvTranspose`` nodes as one Conv over their output
             phases (``_phase_conv``). It pays only when its transposes then run on the
-            library's ``Permute`` (``kernels.lower`` runs ``permute.fast_transposes`` after):
+            library's ``Permute`` (``lower`` runs ``permute.fast_transposes`` after):
             on ORT's own ``Transpose`` the interleave alone took 2.2-2.5 ms on the DQN's
             ``[32, 32, 2, 2, 10, 10]``.
 
     Returns:
         How many ``Conv`` nodes were rewritten.
     """
-    block = block_size() if block is None else block
     if not block:
         return 0
     graph = model.graph

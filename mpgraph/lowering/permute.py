@@ -24,7 +24,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import DOMAIN, _constant, _hand_over, _initializer, _perm
+from mpgraph.lowering.match import DOMAIN, constant, hand_over, initializer
+from mpgraph.lowering.match import perm as transpose_perm
 
 __all__ = ["fast_transposes", "merged_perm"]
 
@@ -60,7 +61,7 @@ def _flipped(value: ir.Value, rank: int) -> tuple[ir.Value, set[int]] | None:
     node = value.producer()
     if node is None or node.op_type != "Slice" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 5:
         return None
-    starts, ends, axes, steps = (_constant(v) for v in node.inputs[1:])
+    starts, ends, axes, steps = (constant(v) for v in node.inputs[1:])
     if any(a is None for a in (starts, ends, axes, steps)) or len(value.uses()) != 1 or value.is_graph_output():
         return None
     if not (np.all(steps == -1) and np.all(starts == -1) and np.all(ends <= -(2**31))):  # type: ignore[operator]
@@ -73,7 +74,7 @@ def _rewritable(node: ir.Node) -> tuple[ir.Value, list[int]] | None:
     if node.op_type != "Transpose" or node.domain not in ("", "ai.onnx") or not node.inputs:
         return None
     x = node.inputs[0]
-    perm = _perm(node)
+    perm = transpose_perm(node)
     if x is None or perm is None or any(reader.op_type in _MATMULS for reader, _ in node.outputs[0].uses()):
         return None
     flip = _flipped(x, len(perm))
@@ -99,10 +100,10 @@ def fast_transposes(model: ir.Model) -> int:
         x, perm = plan
         flip = node.inputs[0].producer() if x is not node.inputs[0] else None  # type: ignore[union-attr]
         name = f"{node.name or f'transpose{id(node)}'}/permute"
-        order = _initializer(graph, f"{name}/perm", np.array(perm, np.int64))
+        order = initializer(graph, f"{name}/perm", np.array(perm, np.int64))
         permute = ir.Node(DOMAIN, "Permute", [x, order], name=name, metadata_props=dict(node.metadata_props))
         graph.insert_before(node, permute)
-        _hand_over(node.outputs, permute.outputs)
+        hand_over(node.outputs, permute.outputs)
         graph.remove(node, safe=True)
         if flip is not None:
             graph.remove(flip, safe=True)

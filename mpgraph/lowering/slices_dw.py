@@ -23,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _consts, _hand_over, _perm, _producer
+from mpgraph.lowering.match import consts, hand_over, perm, producer
 
 __all__ = ["slices_to_conv"]
 
@@ -31,17 +31,17 @@ __all__ = ["slices_to_conv"]
 def _tap(part: ir.Value | None, rows: ir.Value, c: int) -> tuple[ir.Node, ir.Node, ir.Node, list[int], list[int]] | None:
     """``(MatMul, Reshape, Slice, starts, ends)`` of one tap's
     ``MatMul(Reshape(Slice(xt), [c, -1]), rows)``."""
-    matmul = _producer(part, "MatMul")
+    matmul = producer(part, "MatMul")
     if matmul is None or matmul.inputs[1] is not rows:
         return None
-    reshape = _producer(matmul.inputs[0], "Reshape")
-    if reshape is None or _consts(reshape.inputs[1]) != [c, -1]:
+    reshape = producer(matmul.inputs[0], "Reshape")
+    if reshape is None or consts(reshape.inputs[1]) != [c, -1]:
         return None
-    piece = _producer(reshape.inputs[0], "Slice")
+    piece = producer(reshape.inputs[0], "Slice")
     if piece is None or len(piece.inputs) < 4:
         return None
-    starts, ends, axes = (_consts(v) for v in piece.inputs[1:4])
-    steps = _consts(piece.inputs[4]) if len(piece.inputs) > 4 else [1, 1]
+    starts, ends, axes = (consts(v) for v in piece.inputs[1:4])
+    steps = consts(piece.inputs[4]) if len(piece.inputs) > 4 else [1, 1]
     if starts is None or ends is None or axes != [2, 3] or steps != [1, 1]:
         return None
     return matmul, reshape, piece, starts, ends  # type: ignore[return-value]
@@ -62,15 +62,15 @@ def _match(concat: ir.Node) -> tuple | None:
         return None
     stack = _reader(concat.outputs[0], "Reshape")
     swap = _reader(stack.outputs[0], "Transpose") if stack is not None else None
-    final = _reader(swap.outputs[0], "Reshape") if swap is not None and _perm(swap) == [2, 1, 0] else None
-    shape = _consts(final.inputs[1]) if final is not None else None
-    first = _producer(concat.inputs[0], "MatMul")
-    rows = _producer(first.inputs[1], "Reshape") if first is not None else None
-    dy_rows = _producer(rows.inputs[0], "Transpose") if rows is not None else None
-    if shape is None or len(shape) != 4 or dy_rows is None or _perm(dy_rows) != [0, 2, 3, 1]:
+    final = _reader(swap.outputs[0], "Reshape") if swap is not None and perm(swap) == [2, 1, 0] else None
+    shape = consts(final.inputs[1]) if final is not None else None
+    first = producer(concat.inputs[0], "MatMul")
+    rows = producer(first.inputs[1], "Reshape") if first is not None else None
+    dy_rows = producer(rows.inputs[0], "Transpose") if rows is not None else None
+    if shape is None or len(shape) != 4 or dy_rows is None or perm(dy_rows) != [0, 2, 3, 1]:
         return None
     m, c, kernel = shape[0], shape[1], shape[2:]
-    layouts = (_consts(rows.inputs[1]), _consts(stack.inputs[1]))  # type: ignore[union-attr]
+    layouts = (consts(rows.inputs[1]), consts(stack.inputs[1]))  # type: ignore[union-attr]
     if layouts != ([-1, m], [kernel[0] * kernel[1], c, m]):  # the rule's reshapes, not look-alikes
         return None
     taps = [_tap(part, rows.outputs[0], c) for part in concat.inputs]  # type: ignore[union-attr]
@@ -81,9 +81,9 @@ def _match(concat: ir.Node) -> tuple | None:
     for tap, start in zip(taps, np.ndindex(*kernel)):  # row-major taps, each the same window size
         if tap[2].inputs[0] is not xt or tap[3] != list(start) or [e - s for s, e in zip(tap[3], tap[4])] != size:  # type: ignore[index]
             return None
-    transpose = _producer(xt, "Transpose")
+    transpose = producer(xt, "Transpose")
     dy = dy_rows.inputs[0]
-    if transpose is None or _perm(transpose) != [1, 0, 2, 3] or dy is None or xt.dtype != ir.DataType.FLOAT:  # type: ignore[union-attr]
+    if transpose is None or perm(transpose) != [1, 0, 2, 3] or dy is None or xt.dtype != ir.DataType.FLOAT:  # type: ignore[union-attr]
         return None
     # producers before readers, so that _remove_dead, walking back, meets readers first
     nodes = [dy_rows, rows] + [n for t in taps for n in t[2::-1]] + [concat, stack, swap, final]  # type: ignore[index, list-item]
@@ -123,7 +123,7 @@ def slices_to_conv(model: ir.Model, block: int, max_kernel: int) -> int:
         for made in (dyt, conv):
             made.outputs[0].dtype = ir.DataType.FLOAT
         graph.insert_before(nodes[-1], [dyt, conv, back])
-        _hand_over([out], back.outputs)
+        hand_over([out], back.outputs)
         _remove_dead(graph, nodes)
         done += 1
     return done

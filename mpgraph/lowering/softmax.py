@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _consts, _fuse_muls, _one_reader
+from mpgraph.lowering.match import consts, fuse_muls, one_reader
 
 __all__ = ["fuse_softmax_grad"]
 
@@ -42,16 +42,16 @@ def _reshape_to(value: ir.Value | None, p: ir.Value, tail: int | None) -> bool:
         shape_of = _producer(target, "Shape")
         if shape_of is not None:
             return shape_of.inputs[0] is p and not shape_of.attributes
-        return static and _consts(target) == dims
+        return static and consts(target) == dims
     rows = int(np.prod(dims[:-1])) if static else -1
-    return _consts(target) in ([-1, tail], [rows, tail])
+    return consts(target) in ([-1, tail], [rows, tail])
 
 
 def _through(value: ir.Value | None, op_type: str, outputs: set[ir.Value], nodes: list[ir.Node]) -> ir.Value | None:
     """``value``'s source past an ``op_type`` node read only here (recorded in ``nodes``), or
     ``value`` itself when it has no such producer."""
     node = _producer(value, op_type)
-    if node is None or value is None or not _one_reader(value, outputs):
+    if node is None or value is None or not one_reader(value, outputs):
         return value
     nodes.append(node)
     return node.inputs[0]
@@ -82,7 +82,7 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         nodes: list[ir.Node] = [mul]
         sub_out = _through(rest, "Reshape", outputs, nodes)
         sub = _producer(sub_out, "Sub")
-        if sub is None or not _one_reader(sub_out, outputs):  # type: ignore[arg-type]
+        if sub is None or not one_reader(sub_out, outputs):  # type: ignore[arg-type]
             continue
         nodes.append(sub)
         if not _reshape_to(sub.inputs[0], p, keys) or not _reshape_to(sub.inputs[1], p, 1):
@@ -90,14 +90,14 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
         dp = _through(sub.inputs[0], "Reshape", outputs, nodes)
         delta = _through(_through(sub.inputs[1], "Reshape", outputs, nodes), "Cast", outputs, nodes)
         reduce = _producer(delta, "ReduceSum")
-        if dp is None or reduce is None or not _one_reader(delta, outputs) or dp.dtype != p.dtype:  # type: ignore[arg-type]
+        if dp is None or reduce is None or not one_reader(delta, outputs) or dp.dtype != p.dtype:  # type: ignore[arg-type]
             continue
         if dp.shape is None or len(dp.shape) != len(p.shape) or (isinstance(dp.shape[-1], int) and dp.shape[-1] != keys):  # type: ignore[arg-type]
             continue
-        axes = _consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
+        axes = consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
         keep = reduce.attributes.get("keepdims")
         prod = _producer(reduce.inputs[0], "Mul")
-        if axes != [-1] or (keep is not None and keep.as_int() != 1) or prod is None or not _one_reader(reduce.inputs[0], outputs):  # type: ignore[arg-type]
+        if axes != [-1] or (keep is not None and keep.as_int() != 1) or prod is None or not one_reader(reduce.inputs[0], outputs):  # type: ignore[arg-type]
             continue
         nodes += [reduce, prod]
         pair = [_through(v, "Cast", outputs, nodes) for v in prod.inputs]
@@ -112,4 +112,4 @@ def _match(mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
 def fuse_softmax_grad(model: ir.Model) -> int:
     """Fuse every matching attention softmax backward in ``model``'s main graph, in place; how
     many ``SoftmaxGradDot`` nodes were made."""
-    return _fuse_muls(model, _match, "SoftmaxGradDot")
+    return fuse_muls(model, _match, "SoftmaxGradDot")

@@ -29,7 +29,7 @@ import math
 
 import onnx_ir as ir
 
-from mpgraph.lowering.fuse import _constant, _replace
+from mpgraph.lowering.match import constant, replace
 
 __all__ = ["fold_scales", "fold_transposes"]
 
@@ -116,7 +116,7 @@ def _fold_transposed_gemm(graph: ir.Graph, transpose: ir.Node, outputs: set[ir.V
 
 def _swap_in(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
     """Put ``new`` where ``old`` is and give it ``old``'s output (name, readers, slot)."""
-    _replace(graph, [old], new, (old.outputs[0],), before=old)
+    replace(graph, [old], new, (old.outputs[0],), before=old)
 
 
 def fold_transposes(model: ir.Model, provider: str = "cuda") -> int:
@@ -151,7 +151,7 @@ def fold_transposes(model: ir.Model, provider: str = "cuda") -> int:
 
 
 def _power_of_two(value: ir.Value | None) -> float | None:
-    array = _constant(value)
+    array = constant(value)
     if array is None or array.size != 1:
         return None
     c = float(array.reshape(-1)[0])

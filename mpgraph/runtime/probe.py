@@ -384,23 +384,24 @@ def _node(op_type: str, inputs: list[str], output: str, **attributes: int | np.n
 
 
 def _nchwc_matches(block: int) -> bool:
-    """Whether ORT's NCHWc Conv here computes a plain Conv from a filter put in ``block``'s
-    order by ``mpgraph.lowering.nchwc`` (a 16-channel 3x3 layer against numpy)."""
-    from mpgraph.lowering.nchwc import NCHWC_DOMAIN, _filter_order
+    """Whether ORT's NCHWc Conv here computes a plain Conv once the lowering has moved it onto
+    ``block``-channel blocks (``plan_session``'s ``nchwc`` rule: a 16-channel 3x3 layer against
+    numpy)."""
+    from mpgraph.lowering import PlanOptions, plan_session
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 16, 5, 5)).astype(np.float32)
     w = rng.standard_normal((16, 16, 3, 3)).astype(np.float32)
-    shape, perm = _filter_order(16, 16, 3, 3, block)
     inputs = [ir.Value(name=n, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(a.shape)) for n, a in (("x", x), ("w", w))]
-    reorder = ir.Node(NCHWC_DOMAIN, "ReorderInput", [inputs[0]])
-    conv = ir.Node(NCHWC_DOMAIN, "Conv", [reorder.outputs[0], inputs[1]], [ir.AttrInt64s("kernel_shape", [3, 3])])
-    out = ir.Node(NCHWC_DOMAIN, "ReorderOutput", conv.outputs, [ir.AttrInt64("channels", 16)])
-    out.outputs[0].name = "y"
-    graph = ir.Graph(inputs, out.outputs, nodes=[reorder, conv, out], opset_imports={"": 17, NCHWC_DOMAIN: 1})
+    conv = ir.Node("", "Conv", inputs, [ir.AttrInt64s("kernel_shape", [3, 3])])
+    conv.outputs[0].name = "y"
+    conv.outputs[0].type, conv.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape([2, 16, 3, 3])
+    graph = ir.Graph(inputs, conv.outputs, nodes=[conv], opset_imports={"": 17})
+    plan = plan_session(ir.Model(graph, ir_version=9), "cpu", PlanOptions(scope="native", nchwc_block=block))
+    if dict(plan.applied).get("nchwc") != 1:  # not moved: the plain Conv would match anyway
+        return False
     try:
-        session = cpu_session(ir.Model(graph, ir_version=9))
-        y = session.run(None, {"x": x, "w": w.reshape(shape).transpose(perm).reshape(w.shape).copy()})[0]
+        y = cpu_session(plan.graph).run(None, {"x": x, "w": w})[0]
     except Exception:  # noqa: BLE001 - no NCHWc kernels in this build or on this CPU
         return False
     cols = np.lib.stride_tricks.sliding_window_view(x, (3, 3), axis=(2, 3))  # [2, 16, 3, 3, 3, 3]

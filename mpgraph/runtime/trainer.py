@@ -47,14 +47,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 
-from mpgraph import lowering as kernels_lib
 from mpgraph._ir import meta as md
 from mpgraph.data import (
     Batches,
@@ -67,8 +66,8 @@ from mpgraph.data import (
 )
 from mpgraph.errors import CheckpointError, MpgraphError, TrainingError, UsageError
 from mpgraph.io import ModelLike, as_model, as_proto
-from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
-from mpgraph.runtime import providers
+from mpgraph.lowering import PlanOptions, SessionPlan, plan_session
+from mpgraph.runtime import probe, providers
 from mpgraph.runtime.checkpoint import (
     MetricsLog,
     graph_fingerprint,
@@ -179,21 +178,6 @@ def _data_inputs(model: ir.Model, state_names: set[str]) -> list[InputSpec]:
         for v in model.graph.inputs if v.name and v.name not in state_names and v.name != _LR
     ]
 
-
-def _kernels(provider: str, wanted: bool | None) -> tuple[str | None, str | None, str]:
-    """The kernel library to load (``None``: none), the ``kernels.lower`` scope to run
-    (``None``: none) and, when less than the provider's default runs, why."""
-    if wanted is False:
-        return None, None, "kernels=False"
-    scope = "all" if wanted else "default"
-    try:
-        return str(kernels_lib.library(provider)), scope, ""
-    except kernels_lib.KernelBuildError as e:
-        if wanted:
-            raise
-        logger.warning("mpgraph kernels off: %s", e)
-        # ORT's own blocked convolutions need no library (CPU only).
-        return None, ("native" if provider != "cuda" else None), str(e)
 
 
 def _loss_scale_state(props: Mapping[str, str], outputs: set[str], state: set[str]) -> tuple[str | None, str | None]:
@@ -412,12 +396,14 @@ class Trainer:
                              "gradient's one-hot Gemm would round its inputs to TF32")
         self._threads = threads
         self._mem_pattern = mem_pattern
-        self._kernels_library, self._kernels_scope, self.kernels_reason = _kernels(provider, kernels)
-        #: Nodes the fused kernels replaced in the session's graph (0: kernels off).
-        self.kernels_fused = 0
-        #: Scatter-adds the session runs as one-hot Gemms (``deterministic=True`` on CUDA).
-        self.deterministic_rewrites = 0
+        block = probe.nchwc_block() if provider != "cuda" and kernels is not False else 0
+        self._plan_options = PlanOptions(kernels=kernels, deterministic=deterministic, nchwc_block=block)
         self.session = self._new_session(graph=False)
+        #: Why less than the provider's default kernel rules run ("" when they all do).
+        self.kernels_reason = self._plan.kernels_reason
+        if self._plan.custom_ops is None:  # the specialised graph's plan must not try the build again
+            self._plan_options = replace(self._plan_options, kernels=False if self._plan.scope is None else None,
+                                         scope=self._plan.scope)
         # CUDA graphs are captured at the first step, from a copy of the graph specialised to
         # that batch's shapes (so no shape arithmetic is left for the CPU provider).
         self._want_graph = provider == "cuda" and cuda_graph is not False
@@ -515,20 +501,16 @@ class Trainer:
 
     # -- buffers -------------------------------------------------------------------------
 
-    def _new_session(self, graph: bool, model: ir.Model | None = None) -> ort.InferenceSession:
-        """An ORT session of the step graph (or of ``model``, which it may rewrite);
+    def _new_session(self, graph: bool, shapes: Mapping[str, tuple[int, ...]] | None = None) -> ort.InferenceSession:
+        """An ORT session of the step graph's plan (specialised to ``shapes`` when given);
         ``graph`` turns on CUDA graph capture."""
-        data = self._session_bytes
-        if self._kernels_scope is not None:
-            model = model or as_model(data)
-            self.kernels_fused = kernels_lib.lower(model, self.provider, self._kernels_scope)
-        if self._deterministic and self.provider == "cuda":  # ORT CPU's scatter-add is sequential
-            model = model or as_model(data)
-            self.deterministic_rewrites = one_hot_scatter(model) + ones_matmul_sums(model)
-        if model is not None:
-            data = ir.to_proto(model).SerializeToString()
-        return providers.new_session(data, self.provider, self.provider_options,
-                               threads=self._threads, cuda_graph=graph, custom_ops=self._kernels_library,
+        self._plan: SessionPlan = plan_session(self._session_bytes, self.provider, replace(self._plan_options, shapes=shapes))
+        #: Nodes the fused kernels replaced in the session's graph (0: kernels off).
+        self.kernels_fused = self._plan.kernels_fused
+        #: Scatter-adds and sums the session runs as Gemms (``deterministic=True`` on CUDA).
+        self.deterministic_rewrites = self._plan.deterministic_rewrites
+        return providers.new_session(self._plan.graph, self.provider, self.provider_options,
+                               threads=self._threads, cuda_graph=graph, custom_ops=self._plan.custom_ops,
                                mem_pattern=self._mem_pattern if self._mem_pattern is not None else (False if graph else None),
                                deterministic=self._deterministic)
 
@@ -645,14 +627,10 @@ class Trainer:
 
     def _start_replay(self, batch: Mapping[str, np.ndarray]) -> None:
         """Build the capturing session for ``batch``'s shapes and its fixed buffers."""
-        from mpgraph.lowering.specialize import specialize_shapes
-
         names = [spec.name for spec in self.data_inputs]
         signature = self._signature(batch, names)
         try:
-            fixed = specialize_shapes(as_model(self._session_bytes),
-                                      {n: shape for n, (shape, _) in signature.items()})
-            session = self._new_session(graph=True, model=fixed)
+            session = self._new_session(graph=True, shapes={n: shape for n, (shape, _) in signature.items()})
         except MpgraphError as e:
             self._graph_off(str(e))
             return

@@ -321,10 +321,11 @@ def kernel_errors(exported: Exported, run: GradientRun | None = None,
 
     ``run``: ``gradient_run(exported)`` when the caller has it."""
     from mpgraph import lowering as kernels
+    from mpgraph.runtime.probe import nchwc_block
 
     run = run if run is not None else gradient_run(exported)
     lowered = ir.from_proto(run.proto)
-    kernels.lower(lowered, "cpu")
+    kernels.lower(lowered, "cpu", nchwc_block=nchwc_block())
     made = Counter(n.op_type for n in lowered.graph if n.domain in ("ai.mpgraph", "com.microsoft", "com.microsoft.nchwc"))
     feeds = _feeds(exported.case)
     names = run.names

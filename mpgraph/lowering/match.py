@@ -1,0 +1,165 @@
+"""The one matcher of the lowering rules: how a rule walks a graph and swaps nodes in.
+
+Every rule under ``mpgraph/lowering/`` finds its pattern with these helpers and puts its fused
+node in with ``replace`` (or ``hand_over``), so the questions "is this value read only by the
+chain?" and "which op made this value?" have one answer. They speak onnx-ir only.
+
+Example:
+    >>> import onnx_ir as ir
+    >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))
+    >>> relu = ir.Node("", "Relu", [x])
+    >>> producer(relu.outputs[0], "Relu") is relu, producer(relu.outputs[0], "Sigmoid")
+    (True, None)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import onnx_ir as ir
+
+__all__ = [
+    "DOMAIN", "constant", "consts", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
+    "one_reader", "only_reader", "perm", "producer", "readers", "replace", "same_shape", "single_reader", "uses",
+]
+
+#: The custom-op domain of mpgraph's kernel library.
+DOMAIN = "ai.mpgraph"
+
+
+def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
+    node = value.producer() if value is not None else None
+    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:
+    return len(value.uses()) == 1 and value not in graph_outputs
+
+
+def one_reader(value: ir.Value, outputs: set[ir.Value]) -> bool:
+    """``value`` is read by one node (perhaps in several inputs) and is no graph output."""
+    return value not in outputs and len({id(u.node) for u in value.uses()}) == 1
+
+
+def link(value: ir.Value | None, op_type: str, outputs: set[ir.Value]) -> ir.Node | None:
+    """``value``'s ``op_type`` producer when the chain is its one reader (``None`` otherwise)."""
+    node = producer(value, op_type)
+    return node if node is not None and only_reader(value, outputs) else None  # type: ignore[arg-type]
+
+
+def is_scalar(value: ir.Value | None) -> bool:
+    if value is None or value.dtype != ir.DataType.FLOAT or value.shape is None:
+        return False
+    return all(isinstance(d, int) and d == 1 for d in value.shape)
+
+
+def same_shape(*values: ir.Value) -> bool:
+    """Float32 values of one static shape, as far as shape inference knows: the first must be
+    static, and the others agree with it wherever a dim is known (a gradient's dims are often
+    symbolic). The kernel checks the sizes again at run time, so a wrong guess fails loudly."""
+    if any(v.dtype != ir.DataType.FLOAT or v.shape is None for v in values):
+        return False
+    first = list(values[0].shape)  # type: ignore[arg-type]
+    if not all(isinstance(d, int) for d in first):
+        return False
+    return all(
+        len(v.shape) == len(first) and all(not isinstance(d, int) or d == f for d, f in zip(v.shape, first))  # type: ignore[arg-type]
+        for v in values[1:]
+    )
+
+
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """Register ``array`` as an initializer of ``graph`` named ``name``; return its value."""
+    value = ir.Value(name=name, type=ir.TensorType(ir.DataType.from_numpy(array.dtype)),
+                     shape=ir.Shape(list(array.shape)), const_value=ir.tensor(array))
+    graph.register_initializer(value)
+    return value
+
+
+def hand_over(olds: list[ir.Value] | tuple[ir.Value, ...], news: list[ir.Value] | tuple[ir.Value, ...]) -> None:
+    """Give each of ``olds`` (name, type, shape, readers, graph-output slot) to its twin in ``news``."""
+    for old, new in zip(olds, news):
+        new.shape, new.type = old.shape, old.type
+        old.replace_all_uses_with(new, replace_graph_outputs=True)
+        name = old.name
+        old.name = None
+        new.name = name
+
+
+def replace(graph: ir.Graph, chain: list[ir.Node], node: ir.Node, olds: tuple[ir.Value, ...], before: ir.Node) -> None:
+    """Put ``node`` before ``before``, hand each of ``olds`` (name, readers, graph-output slot)
+    to ``node``'s output of the same position, and remove ``chain``."""
+    graph.insert_before(before, node)
+    hand_over(olds, node.outputs)
+    graph.remove(chain, safe=True)
+
+
+def fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple | None], op: str) -> int:
+    """Replace every chain ``match`` finds ending at a ``Mul`` (``(inputs, nodes)``, the Mul
+    first) with one ``op`` node that takes over the Mul's output; how many were made."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    fused = 0
+    for mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
+        found = match(mul, outputs) if mul.graph is not None else None
+        if found is not None:
+            inputs, nodes = found
+            node = ir.Node(DOMAIN, op, inputs, name=f"{mul.name}/{op}", metadata_props=dict(mul.metadata_props))
+            replace(graph, nodes, node, (mul.outputs[0],), before=mul)
+            fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
+
+
+def constant(value: ir.Value | None) -> np.ndarray | None:
+    """``value``'s array when it is an initializer or a ``Constant``'s output."""
+    if value is None:
+        return None
+    if value.const_value is not None:
+        return np.asarray(value.const_value.numpy())
+    producer = value.producer()
+    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+        return None
+    return np.asarray(producer.attributes["value"].as_tensor().numpy())
+
+
+def perm(node: ir.Node | None) -> list[int] | None:
+    """A ``Transpose``'s permutation: its ``perm``, or the axes reversed (ONNX's default) when
+    the input's rank is known; else ``None``."""
+    if node is None:
+        return None
+    attr = node.attributes.get("perm")
+    if attr is not None:
+        return list(attr.as_ints())
+    x = node.inputs[0] if node.inputs else None
+    return None if x is None or x.shape is None else list(range(len(x.shape)))[::-1]
+
+
+def consts(value: ir.Value | None) -> list[int] | None:
+    array = constant(value)
+    return None if array is None else [int(a) for a in array.reshape(-1)]
+
+
+def uses(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
+    """The nodes reading ``value`` (``None`` when it is also a graph output)."""
+    return None if value in outputs else [use.node for use in value.uses()]
+
+
+def readers(value: ir.Value, outputs: set[ir.Value]) -> list[ir.Node] | None:
+    """The distinct nodes reading ``value`` (``None`` when it is a graph output)."""
+    if value in outputs:
+        return None
+    return list({id(u.node): u.node for u in value.uses()}.values())
+
+
+def single_reader(value: ir.Value, outputs: set[ir.Value], op_type: str | None = None) -> ir.Node | None:
+    """The one node reading ``value`` (perhaps in several inputs), when ``value`` is no graph
+    output; with ``op_type``, only an ONNX-domain node of that type."""
+    found = readers(value, outputs)
+    if found is None or len(found) != 1:
+        return None
+    if op_type is not None and (found[0].op_type != op_type or found[0].domain not in ("", "ai.onnx")):
+        return None
+    return found[0]

@@ -1,0 +1,165 @@
+"""``plan_session``: a step graph in, what one ORT session runs out (the lowering's one door).
+
+The runtime calls nothing else of this package. A plan is made in three steps:
+
+1. With ``PlanOptions.shapes``, the graph is specialised to those input shapes first
+   (``specialize.specialize_shapes``: shape arithmetic folds away, which CUDA graph capture
+   needs). Specialising must come before the rules: a fused op has no ONNX shape inference, so
+   a ``Shape`` read after one cannot fold (the bench GPT kept 17 of them when lowered first).
+2. The kernel library is chosen (``PlanOptions.kernels``): ``True`` builds it or fails;
+   ``None`` builds it where it can and otherwise keeps the rules that need none
+   (``kernels_reason`` says why); ``False`` runs no kernel rule.
+3. The registered rules for the provider and scope run in ``RULES`` order, then, for a
+   deterministic CUDA session, the deterministic rules.
+
+Each session graph is lowered exactly once: a CUDA trainer has two (the graph for any batch
+shape and the one specialised to its batch for CUDA graph capture), each planned once.
+
+Example:
+    >>> from mpgraph.training import build_training_graph
+    >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
+    >>> plan = plan_session(step, "cpu", PlanOptions(kernels=True))
+    >>> plan.kernels_fused, [name for name, n in plan.applied if n]
+    (4, ['adamw', 'adam_scalars', 'relu_grad'])
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+
+from mpgraph.io import ModelLike, as_model
+from mpgraph.lowering.build import KernelBuildError, build_library
+from mpgraph.lowering.registry import RULES, SCOPES, Target
+from mpgraph.lowering.specialize import specialize_shapes
+
+__all__ = ["PlanOptions", "SessionPlan", "library", "lower", "plan_session"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def library(provider: str) -> Path:
+    """The kernel library for ``provider`` (``cpu`` or ``cuda``), built on first use.
+
+    Raises:
+        KernelBuildError: It cannot be built here.
+    """
+    path = build_library(cuda=provider == "cuda")
+    lib = ctypes.CDLL(str(path))
+    if provider == "cuda" and not lib.MpgraphKernelsHaveCuda():
+        raise KernelBuildError(f"{path} was built without CUDA kernels")
+    return path
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """What a session plan is asked for."""
+
+    #: ``True``: every kernel rule (the library must build); ``None``: the provider's default;
+    #: ``False``: none.
+    kernels: bool | None = None
+    #: Add the deterministic rules (CUDA only: ORT CPU's adds are in order already).
+    deterministic: bool = False
+    #: Data input name -> fixed shape: specialise the graph first.
+    shapes: Mapping[str, Sequence[int]] | None = None
+    #: ORT CPU's NCHWc channel block here (0: none); measured by the runtime's probe.
+    nchwc_block: int = 0
+    #: A ``lower`` scope instead of the one ``kernels`` picks (``native`` needs no library).
+    scope: str | None = None
+
+
+@dataclass(frozen=True)
+class SessionPlan:
+    """One session's graph and what its session must load."""
+
+    graph: bytes  # the serialized ONNX model the session loads
+    provider: str
+    custom_ops: str | None  # the kernel library to register (None: none)
+    scope: str | None  # the kernel scope that ran (None: no kernel rule)
+    kernels_reason: str  # why less than the provider's default ran ("" when it all did)
+    applied: tuple[tuple[str, int], ...] = field(default=())  # (rule, rewrites), in order
+
+    @property
+    def kernels_fused(self) -> int:
+        """Rewrites made by the kernel rules (the deterministic ones not counted)."""
+        return sum(n for name, n in self.applied if not _deterministic(name))
+
+    @property
+    def deterministic_rewrites(self) -> int:
+        return sum(n for name, n in self.applied if _deterministic(name))
+
+
+def _deterministic(name: str) -> bool:
+    return any(r.name == name and r.scope == "deterministic" for r in RULES)
+
+
+def _kernels(provider: str, options: PlanOptions) -> tuple[str | None, str | None, str]:
+    """The kernel library to load (``None``: none), the scope to run (``None``: none) and,
+    when less than the provider's default runs, why."""
+    if options.scope is not None:
+        if options.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {options.scope!r}")
+        return (None if options.scope == "native" else str(library(provider))), options.scope, ""
+    if options.kernels is False:
+        return None, None, "kernels=False"
+    scope = "all" if options.kernels else "default"
+    try:
+        return str(library(provider)), scope, ""
+    except KernelBuildError as e:
+        if options.kernels:
+            raise
+        logger.warning("mpgraph kernels off: %s", e)
+        # ORT's own blocked convolutions need no library (CPU only).
+        return None, ("native" if provider != "cuda" else None), str(e)
+
+
+def _apply(model: ir.Model, target: Target, deterministic: bool) -> list[tuple[str, int]]:
+    applied = []
+    for rule in RULES:
+        if rule.runs(target.provider, target.scope) or (
+                deterministic and rule.scope == "deterministic" and target.provider in rule.providers):
+            applied.append((rule.name, rule.apply(model, target)))
+    return applied
+
+
+def lower(model: ir.Model, provider: str = "cpu", scope: str = "all", *, nchwc_block: int = 0) -> int:
+    """Rewrite ``model`` in place with the registered rules ``scope`` runs on ``provider``
+    (``registry.RULES``; ``nchwc_block`` is ORT CPU's channel block, 0: no NCHWc rewrite); how
+    many rewrites they made."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {', '.join(SCOPES)}, not {scope!r}")
+    return sum(n for _, n in _apply(model, Target(provider, scope, nchwc_block), False))
+
+
+def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = PlanOptions()) -> SessionPlan:
+    """The graph one session on ``provider`` runs, lowered as ``options`` ask (see the module).
+
+    ``step_graph`` itself is never changed.
+
+    Raises:
+        KernelBuildError: ``kernels=True`` and the library cannot be built.
+        MpgraphError: ``shapes`` names no graph input or contradicts a static dim.
+    """
+    custom_ops, scope, reason = _kernels(provider, options)
+    deterministic = options.deterministic and provider == "cuda"
+    model: ir.Model | None = None
+    if options.shapes is not None:
+        model = specialize_shapes(as_model(step_graph), options.shapes)
+    applied: list[tuple[str, int]] = []
+    if scope is not None or deterministic:
+        model = model or as_model(step_graph, copy=True)
+        applied = _apply(model, Target(provider, scope or "", options.nchwc_block), deterministic)
+    if model is not None:
+        graph = ir.to_proto(model).SerializeToString()
+    elif isinstance(step_graph, bytes):
+        graph = step_graph
+    else:
+        graph = ir.to_proto(as_model(step_graph)).SerializeToString()
+    return SessionPlan(graph, provider, custom_ops, scope, reason, tuple(applied))

@@ -1,0 +1,140 @@
+"""Every lowering rule, in the order a session plan applies them.
+
+A rule rewrites a session's copy of a step graph in place and says how many rewrites it made.
+Each is registered here once, with:
+
+- ``name``: what the plan records (``SessionPlan.applied``) and the docs cite;
+- ``scope``: the narrowest ``lower`` scope that runs it. ``native`` rewrites onto ONNX
+  Runtime's own ops and needs no library (it runs in every scope); ``default`` is in each
+  provider's default; ``all`` runs on CPU only when everything is asked for (on CUDA the default
+  is everything); ``deterministic`` runs only for a deterministic session
+  (``PlanOptions.deterministic``), whatever the kernel scope;
+- ``providers``: the execution providers it is for;
+- ``exactness``: ``bit-identical`` (the same bits as the ops it replaces), ``same math`` (the
+  same terms rounded the same way, summed in another order: equal within float32 rounding), or
+  ``approximate`` (other arithmetic; none yet).
+
+Adding a fusion is one rule module (a matcher over canonical ops with ``mpgraph.lowering.match``,
+its kernel in ``csrc/``), one line in ``RULES`` and its test; ``docs/architecture.md`` walks
+through one.
+
+Example:
+    >>> [r.name for r in RULES if r.runs("cpu", "default")]
+    ['adamw', 'adam_scalars', 'multi_adamw', 'relu_grad', 'nchwc', 'permute']
+    >>> next(r for r in RULES if r.name == "gelu").exactness
+    <Exactness.SAME_MATH: 'same math'>
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+import onnx_ir as ir
+
+from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
+from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
+from mpgraph.lowering.gelu import fuse_gelu
+from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
+from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
+from mpgraph.lowering.nchwc import to_nchwc
+from mpgraph.lowering.permute import fast_transposes
+from mpgraph.lowering.scalars import fuse_adam_scalars
+from mpgraph.lowering.softmax import fuse_softmax_grad
+from mpgraph.lowering.transpose import fold_scales, fold_transposes
+
+__all__ = ["Exactness", "LoweringRule", "RULES", "SCOPES", "Target"]
+
+#: What ``lower`` rewrites: ``all`` of it; each provider's ``default``, what the ``Trainer``
+#: runs (everything on CUDA; on CPU what measured faster there: ORT's blocked convolutions,
+#: the multi-tensor AdamW and its scalars, the Relu backward; the LayerNorm, GELU and softmax
+#: CPU loops are there to test the CUDA kernels' arithmetic, not for speed); or only the
+#: rewrites onto ONNX Runtime's own ops (``native``: on CPU the convolutions; no library).
+SCOPES = ("all", "default", "native")
+
+BOTH = frozenset({"cpu", "cuda"})
+CPU = frozenset({"cpu"})
+CUDA = frozenset({"cuda"})
+
+
+class Exactness(str, Enum):
+    BIT_IDENTICAL = "bit-identical"
+    SAME_MATH = "same math"
+    APPROXIMATE = "approximate"
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a rule may ask about the session it lowers for."""
+
+    provider: str
+    scope: str
+    #: ORT CPU's NCHWc channel block (0: no blocked convolutions); the runtime measures it.
+    nchwc_block: int = 0
+
+
+@dataclass(frozen=True)
+class LoweringRule:
+    name: str
+    scope: str
+    providers: frozenset[str]
+    exactness: Exactness
+    apply: Callable[[ir.Model, Target], int]
+    doc: str
+
+    def runs(self, provider: str, scope: str) -> bool:
+        """Whether ``lower(..., provider, scope)`` applies this rule."""
+        if provider not in self.providers or self.scope == "deterministic":
+            return False
+        if self.scope == "native":
+            return scope in SCOPES
+        if scope == "all":
+            return True
+        if scope == "default":
+            return self.scope == "default" or provider == "cuda"
+        return False
+
+
+BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
+
+#: The rules in the order they apply (later matchers see earlier rewrites: ``multi_adamw``
+#: batches the nodes ``adamw`` made; ``permute`` moves the transposes ``nchwc`` wrote).
+RULES: tuple[LoweringRule, ...] = (
+    LoweringRule("adamw", "default", BOTH, BIT, lambda m, t: fuse_adamw(m),
+                 "a tensor's AdamW/Adam update (14 ops) as one AdamWUpdate (fuse.py, csrc/adamw.cu)"),
+    LoweringRule("adam_scalars", "default", BOTH, BIT, lambda m, t: fuse_adam_scalars(m),
+                 "the optimizer's float64 step-size arithmetic as one AdamScalars (scalars.py)"),
+    LoweringRule("multi_adamw", "default", BOTH, BIT, lambda m, t: batch_adamw(m),
+                 "AdamWUpdate nodes sharing their scalars as one MultiAdamWUpdate (multi.py, csrc/multi.cu)"),
+    LoweringRule("layernorm_grad", "all", BOTH, SAME, lambda m, t: fuse_layernorm_grad(m),
+                 "a float32 LayerNormalization backward as LayerNormGrad(Bias) (fuse.py, csrc/layernorm.cu)"),
+    LoweringRule("gelu", "all", BOTH, SAME, lambda m, t: fuse_gelu(m),
+                 "an erf GELU and its backward as ErfGelu/ErfGeluGrad (gelu.py, csrc/gelu.cu)"),
+    LoweringRule("unscale", "all", BOTH, BIT, lambda m, t: fuse_unscale(m),
+                 "loss scaling's unscale and finite check as one UnscaleGradients (multi.py)"),
+    LoweringRule("multi_cast", "all", BOTH, BIT, lambda m, t: batch_casts(m),
+                 "the master weights' casts as one CastToBFloat16/CastToFloat16 (multi.py)"),
+    LoweringRule("fold_transposes", "all", BOTH, SAME, lambda m, t: fold_transposes(m, t.provider),
+                 "transposes read by a matmul folded into FusedMatMul/Gemm flags (transpose.py)"),
+    LoweringRule("softmax_grad", "all", BOTH, SAME, lambda m, t: fuse_softmax_grad(m),
+                 "an attention softmax's backward as SoftmaxGradDot (softmax.py, csrc/softmax.cu)"),
+    LoweringRule("relu_grad", "default", BOTH, BIT, lambda m, t: fuse_relu_grad(m),
+                 "a Relu's backward as ReluGrad (grads.py, csrc/grads.cu)"),
+    LoweringRule("sce_grad", "default", CUDA, SAME, lambda m, t: fuse_sce_grad(m),
+                 "the cross-entropy logits gradient as SoftmaxCrossEntropyGrad (grads.py; CUDA: "
+                 "the kernel's expf is ORT's, ORT CPU's Exp is MLAS's own)"),
+    LoweringRule("nchwc", "native", CPU, SAME,
+                 lambda m, t: to_nchwc(m, block=t.nchwc_block, phases=t.scope != "native"),
+                 "trainable-weight convolutions on ORT CPU's NCHWc kernels; with the library, "
+                 "strided ConvTranspose as a phase Conv (nchwc.py, slices_dw.py)"),
+    LoweringRule("permute", "default", CPU, BIT, lambda m, t: fast_transposes(m),
+                 "float32 transposes ORT CPU copies element by element onto Permute (permute.py)"),
+    LoweringRule("fold_scales", "all", BOTH, BIT, lambda m, t: fold_scales(m, t.provider),
+                 "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
+                 "exact outside float overflow/underflow)"),
+    LoweringRule("one_hot_scatter", "deterministic", CUDA, SAME, lambda m, t: one_hot_scatter(m),
+                 "the embedding gradient's scatter-add as a one-hot Gemm (deterministic.py)"),
+    LoweringRule("ones_matmul_sums", "deterministic", CUDA, SAME, lambda m, t: ones_matmul_sums(m),
+                 "bias-gradient sums over leading axes as MatMuls with ones (deterministic.py)"),
+)
