@@ -80,7 +80,8 @@ def build_pipeline(
         if emulate:
             passes += [EmulatePrecisionPass(policy.dtype), FoldCastsPass()]
         if policy.fp8 is not None:
-            passes.append(QuantizeFp8Pass(policy.fp8, policy.dtype))
+            # Then types for the values it made, as a second conversion would infer them.
+            passes += [QuantizeFp8Pass(policy.fp8, policy.dtype), InferTypesPass()]
     if validate:
         passes.append(ValidateModelPass())
     return Pipeline(passes)
