@@ -295,3 +295,30 @@ def test_inference_graph_uses_current_scaling_and_conversion_is_idempotent() -> 
 def test_no_opset_upgrade_is_refused_with_the_fix() -> None:
     with pytest.raises(mpgraph.MpgraphError, match="fp8: Cast to float8 needs opset 19, the model has opset 18; convert without"):
         mpgraph.convert(ROOT / "models" / "onnx" / "tiny_mlp.onnx", "fp8", upgrade_opset=False)
+
+
+# --- audit -------------------------------------------------------------------------------------
+
+
+def test_audit_lists_fp8_tensors_and_scales(tmp_path: Path) -> None:
+    from mpgraph.audit import audit
+    from tests.helpers import mpgraph_cli
+
+    model = _tiny_step("extends: fp8\nfp8: {scaling: {history: 4}}")
+    report = audit(model)
+    assert report.fp8 is not None and report.fp8["recipe"]["used"] == "delayed"
+    tensors = report.fp8["tensors"]
+    assert tensors["fc1.weight"] == {"format": "float8e4m3fn", "kind": "forward", "scale": "fp8/fc1.weight/scale",
+                                     "scale_value": 1.0, "history": 4, "gemms": ["node_linear"]}
+    assert tensors["grad/node_relu/Mul"]["format"] == "float8e5m2"
+    # The quantisation's nodes are counted apart, not as the model's float32 ops.
+    assert report.fp8["nodes"] == sum(n.metadata_props.get(md.NODE_INSERTED) == "fp8" for n in model.graph) > 0
+    assert sum(sum(c.values()) for ops in report.ops.values() for c in ops.values()) + report.fp8["nodes"] \
+        + report.casts_inserted + report.rounds_inserted == len(model.graph)
+    assert audit(mpgraph.convert(ROOT / "models" / "onnx" / "tiny_mlp.onnx", "bf16")).fp8 is None
+    path = tmp_path / "step.onnx"
+    ir.save(model, path)
+    result = mpgraph_cli("audit", str(path))
+    assert result.returncode == 0, result.stderr
+    assert "fp8: 9 tensors (6 float8e4m3fn, 3 float8e5m2)" in result.stdout
+    assert "scaling delayed (history 4, amax max, margin 0, rounding pow2)" in result.stdout

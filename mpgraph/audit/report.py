@@ -34,6 +34,12 @@ class AuditReport:
         nodes: Per-node records (name, op_type, role, precision, reason).
         loss_scaling: The policy's loss-scaling settings (``mpgraph.loss_scaling``) when the
             model is a training step graph that loss scaling rewrote, else ``None``.
+        fp8: With fp8 products (``QuantizeFp8Pass``), else ``None``: ``recipe`` (the scaling
+            settings and the recipe used), ``nodes`` (the quantisation's nodes, left out of
+            ``ops`` and ``reasons``) and ``tensors``: per quantised tensor its ``format``,
+            ``kind`` (forward or gradient), ``scale`` (the state input, ``None`` when computed
+            per run), ``scale_value`` (the value stored in the model: the initial one),
+            ``history`` (length) and ``gemms`` (the products reading it).
     """
 
     policy: str | None
@@ -49,6 +55,7 @@ class AuditReport:
     initializer_range: list[dict[str, Any]]
     nodes: list[dict[str, str]]
     loss_scaling: dict[str, Any] | None = None
+    fp8: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -62,7 +69,7 @@ def audit(model: ir.Model) -> AuditReport:
     )
     reasons: collections.Counter[str] = collections.Counter()
     nodes: list[dict[str, str]] = []
-    casts = rounds = total_casts = 0
+    casts = rounds = total_casts = fp8_nodes = 0
     for node in model.graph:
         inserted = node.metadata_props.get(md.NODE_INSERTED)
         if node.op_type == "Cast":
@@ -72,6 +79,9 @@ def audit(model: ir.Model) -> AuditReport:
             continue
         if inserted == "round":
             rounds += 1
+            continue
+        if inserted == "fp8":
+            fp8_nodes += 1
             continue
         role = node.metadata_props.get(md.NODE_ROLE, "all")
         precision = node.metadata_props.get(md.NODE_PRECISION, "undecided")
@@ -96,4 +106,25 @@ def audit(model: ir.Model) -> AuditReport:
         initializer_range=json.loads(props.get(md.MODEL_INIT_RANGE, "[]")),
         nodes=nodes,
         loss_scaling=json.loads(props[md.MODEL_LOSS_SCALING]) if md.MODEL_LOSS_SCALE_STATE in props else None,
+        fp8=_fp8_summary(model, fp8_nodes),
     )
+
+
+def _fp8_summary(model: ir.Model, nodes: int) -> dict[str, Any] | None:
+    """``AuditReport.fp8`` from the ``mpgraph.fp8`` record and the state's stored values."""
+    raw = model.metadata_props.get(md.MODEL_FP8)
+    if raw is None:
+        return None
+    record = json.loads(raw)
+    inits = model.graph.initializers
+    tensors = {}
+    for t in record["tensors"]:
+        scale = inits.get(t["scale"]) if t["scale"] else None
+        history = inits.get(t["history"]) if t["history"] else None
+        tensors[t["tensor"]] = {
+            "format": t["format"], "kind": t["kind"], "scale": t["scale"],
+            "scale_value": float(scale.const_value.numpy()) if scale is not None and scale.const_value is not None else None,
+            "history": int(history.shape[0]) if history is not None and history.shape is not None else None,
+            "gemms": t["gemms"],
+        }
+    return {"recipe": record["recipe"], "nodes": nodes, "tensors": tensors}

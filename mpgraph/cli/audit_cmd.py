@@ -64,6 +64,8 @@ def audit_command(
     if report.loss_scaling is not None:
         scaling = report.loss_scaling
         console.print("loss scaling: " + ", ".join(f"{k}={scaling[k]}" for k in sorted(scaling)), highlight=False)
+    if report.fp8 is not None:
+        _print_fp8(report.fp8)
     for event in report.initializer_range:
         console.print(
             f"[yellow]range:[/] {event['name']}: {event['overflow']} overflow, {event['underflow']} underflow -> {event['action']}"
@@ -99,3 +101,20 @@ def _print_reasons(report: AuditReport, *, nodes: bool) -> None:
         for rec in report.nodes:
             detail.add_row(*(rec[c] for c in ("name", "op_type", "role", "precision", "reason")))
         console.print(detail)
+
+
+def _print_fp8(fp8: dict) -> None:
+    """The fp8 recipe and one row per quantised tensor."""
+    recipe, tensors = fp8["recipe"], fp8["tensors"]
+    formats = sorted({t["format"] for t in tensors.values()})
+    counts = ", ".join(f"{sum(t['format'] == f for t in tensors.values())} {f}" for f in formats)
+    settings = (f"history {recipe['history']}, amax {recipe['amax']}, " if recipe["used"] == "delayed" else "")
+    console.print(f"fp8: {len(tensors)} tensors ({counts}), {fp8['nodes']} quantisation nodes; scaling {recipe['used']} "
+                  f"({settings}margin {recipe['margin']}, rounding {recipe['rounding']})", highlight=False)
+    table = Table(title="fp8 tensors")
+    for col in ("tensor", "format", "kind", "scale", "products"):
+        table.add_column(col)
+    for name, t in tensors.items():
+        scale = f"{t['scale']} = {t['scale_value']:g}" if t["scale"] else "amax of each run"
+        table.add_row(name, t["format"], t["kind"], scale, ", ".join(t["gemms"]))
+    console.print(table)
