@@ -39,12 +39,13 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 
-__all__ = ["SplitStep", "split_step_graph"]
+__all__ = ["SplitStep", "optimizer_groups", "shard_apply_part", "split_step_graph"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +108,64 @@ def split_step_graph(model: ir.Model) -> SplitStep:
     return SplitStep(grad_model, apply_model, tuple((p, n) for (p, _), n in zip(cuts, cut_names, strict=True)),
                      tuple(passthrough), loss.name or "", data_inputs,
                      tuple((a, b) for a, b in json.loads(props.get(md.MODEL_STATE_PAIRS, "[]"))))
+
+
+def optimizer_groups(split: SplitStep) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """The apply part's state, split into groups that update independently, for sharding.
+
+    Two state inputs are in one group when the update of one reads the other: a parameter
+    and its moments; every parameter of a packed (flat) slot with the slot's moments. State
+    of at most one element (the step counter, the loss scale) is left out of the groups: it
+    is read by every update, so every rank computes it.
+
+    Returns:
+        The groups (state input names, in ``state_pairs`` order), and the scalar state.
+
+    Example: per-tensor AdamW over ``w, b``: ``[("w", "optim/w/m", "optim/w/v"), ("b", ...)]``
+    and ``("optim/step",)``.
+    """
+    graph = split.apply.graph
+    inputs = {v.name: v for v in graph.inputs}
+    made = {v.name: v for v in graph.outputs}
+    pairs = [(a, b) for a, b in split.state_pairs if b in made]
+    scalar = tuple(a for a, _ in pairs if _numel(inputs.get(a)) <= 1)
+    grouped = [(a, b) for a, b in pairs if a not in scalar]
+    root = {a: a for a, _ in grouped}
+
+    def find(a: str) -> str:
+        while root[a] != a:
+            a = root[a]
+        return a
+
+    for a, b in grouped:
+        for node in _ancestors([made[b]]):
+            for value in node.inputs:
+                if value is not None and value.name in root:
+                    root[find(value.name)] = find(a)
+    groups: dict[str, list[str]] = {}
+    for a, _ in grouped:
+        groups.setdefault(find(a), []).append(a)
+    return [tuple(g) for g in groups.values()], scalar
+
+
+def shard_apply_part(split: SplitStep, outputs: set[str]) -> ir.Model:
+    """A copy of the apply part that makes only ``outputs`` (and ``found_inf``), with only the
+    nodes and inputs they need: one rank's share of a sharded optimizer."""
+    model = ir.from_proto(ir.to_proto(split.apply))
+    graph = model.graph
+    kept = [v for v in graph.outputs if v.name in outputs or v.name == md.FOUND_INF]
+    graph.outputs.clear()
+    graph.outputs.extend(kept)
+    needed = _ancestors(kept)
+    graph.remove([n for n in graph if n not in needed], safe=True)
+    _drop_unused_inputs(graph)
+    return model
+
+
+def _numel(value: ir.Value | None) -> int:
+    if value is None or value.shape is None:
+        return 0
+    return int(np.prod([d if isinstance(d, int) else 2 for d in value.shape], dtype=np.int64))
 
 
 def _values_by_name(graph: ir.Graph) -> dict[str, ir.Value]:

@@ -1,0 +1,419 @@
+"""Data-parallel training of a step graph over ``torch.distributed`` (gloo on CPU, NCCL on GPU).
+
+Every rank holds the whole model and runs the same step on its share of the global batch:
+
+1. **Gradients.** The step graph is cut by ``training.split_step_graph``; each rank runs the
+   gradient part on its batch share (``micro_batches`` times on equal slices of it, summed
+   in slice order, for gradient accumulation). ORT writes every gradient, and the loss,
+   straight into flat float32 **buckets** (IOBinding onto views of the bucket arrays, no
+   copies). The layout is fixed by the graph: gradients in reverse ``mpgraph.gradients``
+   order (the order the backward finishes them), a new bucket after ``bucket_bytes``; the
+   loss is the last element of the last bucket.
+2. **Reduction, one collective per bucket.** ``reduction="ordered"`` (the default) is an
+   ``all_gather`` of the bucket, then on every rank the sum in rank order and one division
+   by the number of slices: ``(((g0 + g1) + g2) / 3)``. Plain ``all_reduce`` sums in an
+   order that depends on the algorithm and the chunk (gloo's ring), so float32 results
+   depend on the world size and the element's position; the ordered sum fixes the order, so
+   N processes with B/N samples each give exactly the numbers of one process that
+   accumulates the same N slices (``micro_batches=N``), bit for bit in float32. It costs N
+   times the bucket in receive buffers and traffic. ``reduction="all_reduce"`` is one
+   ``all_reduce(SUM)`` per bucket: the same bits for 2 ranks (a + b = b + a), not beyond.
+   The mean over slices matches a loss that is a mean over the batch (the zoo's).
+3. **Apply.** The apply part runs on every rank on the reduced buckets (bound as views):
+   loss scaling's finite check sees the same numbers on every rank, so every rank skips the
+   same steps (an inf on one rank makes the reduced sum inf everywhere) and the scale
+   sequence is one process's.
+4. **Optimizer-state sharding** (``shard_optimizer=True``, ZeRO stage 1): the optimizer
+   state is split into groups that update independently (a parameter with its moments;
+   ``training.optimizer_groups``), the groups are dealt to ranks by size, and each rank runs
+   an apply part pruned to its groups (``training.shard_apply_part``) and keeps only their
+   moments. Scalars (step counter, loss scale) are updated on every rank. Each rank then
+   broadcasts its updated parameters, one flat buffer per owner. Bit for bit the unsharded
+   update: the same nodes on the same inputs.
+5. **Checkpoints** are collective: moments are gathered to rank 0, which writes one
+   ``.npz`` atomically (``io.write_atomic``); every rank waits for it. Any world size can
+   read it back (the state is whole), sharded or not.
+
+What it needs from an ``Executor`` (runtime redesign): two sessions instead of one, IOBinding
+of inputs and outputs onto caller-owned buffers (views of a flat array), and a hook between
+the two runs. On CUDA the buckets would be device arrays handed to NCCL through DLPack; only
+the CPU path is written and tested here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import logging
+from collections.abc import Mapping
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import torch
+import torch.distributed as dist
+
+from mpgraph._ir import meta as md
+from mpgraph.errors import CheckpointError, OutputError, UsageError
+from mpgraph.io import write_atomic
+from mpgraph.training.split_step_graph import (
+    SplitStep,
+    optimizer_groups,
+    shard_apply_part,
+    split_step_graph,
+)
+
+__all__ = ["DataParallelOptions", "DataParallelRunner", "DataParallelStep", "backend_for", "shard_batch"]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "mpgraph.data_parallel/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelOptions:
+    """How a ``DataParallelRunner`` reduces and updates.
+
+    Attributes:
+        bucket_bytes: Bytes of gradients per bucket (one collective each; torch DDP's 25 MiB).
+        reduction: ``ordered`` (all_gather, sum in rank order: fixed float32 bits) or
+            ``all_reduce`` (one sum collective: less traffic, order-dependent bits beyond 2 ranks).
+        micro_batches: Slices of each rank's batch run one after the other and summed.
+        shard_optimizer: ZeRO stage 1: each rank keeps and updates only its optimizer groups.
+        threads: ORT intra-op threads (``None``: ORT's default).
+    """
+
+    bucket_bytes: int = 25 * 2**20
+    reduction: str = "ordered"
+    micro_batches: int = 1
+    shard_optimizer: bool = False
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduction not in ("ordered", "all_reduce"):
+            raise UsageError(f"reduction must be 'ordered' or 'all_reduce', got '{self.reduction}'")
+        if self.micro_batches < 1 or self.bucket_bytes < 4:
+            raise UsageError("micro_batches must be >= 1 and bucket_bytes >= 4")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelStep:
+    """One step: the loss averaged over the global batch, and whether loss scaling skipped it."""
+
+    loss: float
+    skipped: bool
+
+
+def backend_for(provider: str) -> str:
+    """The ``torch.distributed`` backend for an ORT provider: NCCL for CUDA, else gloo."""
+    return "nccl" if provider == "cuda" else "gloo"
+
+
+def shard_batch(feeds: Mapping[str, np.ndarray], index: int, count: int) -> dict[str, np.ndarray]:
+    """Slice ``index`` of ``count`` equal, contiguous slices of a batch along its first axis.
+
+    Example:
+        >>> shard_batch({"x": np.arange(6)}, 1, 3)
+        {'x': array([2, 3])}
+    """
+    out = {}
+    for name, value in feeds.items():
+        if len(value) % count:
+            raise UsageError(f"batch input '{name}' has {len(value)} rows, not divisible into {count} slices")
+        size = len(value) // count
+        out[name] = value[index * size:(index + 1) * size]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bucket:
+    """A flat float32 array and where each gradient (and maybe the loss) sits in it."""
+
+    array: np.ndarray
+    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
+
+    def views(self, array: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        base = self.array if array is None else array
+        return {name: base[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                for name, start, shape in self.slots}
+
+
+def _make_buckets(split: SplitStep, shapes: Mapping[str, tuple[int, ...]], bucket_bytes: int) -> list[_Bucket]:
+    """Gradients in reverse ``mpgraph.gradients`` order, a new bucket past ``bucket_bytes``;
+    the loss last."""
+    layout: list[list[tuple[str, int, tuple[int, ...]]]] = [[]]
+    used = 0
+    for name, shape in [*((g, shapes[g]) for _, g in reversed(split.gradients)), (split.loss, ())]:
+        size = int(np.prod(shape, dtype=np.int64))
+        if layout[-1] and (used + size) * 4 > bucket_bytes and name != split.loss:
+            layout.append([])
+            used = 0
+        layout[-1].append((name, used, shape))
+        used += size
+    return [_Bucket(np.zeros(sum(int(np.prod(s, dtype=np.int64)) for _, _, s in slots), np.float32), tuple(slots))
+            for slots in layout]
+
+
+class DataParallelRunner:
+    """Runs a training step graph on every rank of a ``torch.distributed`` group (module rules).
+
+    Every rank builds the runner from the same step graph, calls ``step`` with its own share of
+    the global batch (``shard_batch``), and ``save``/``load`` together. Without a process group
+    it runs alone (world size 1), which with ``micro_batches=N`` reproduces N ranks.
+
+    Args:
+        step: A step graph from ``build_training_graph`` with an optimizer, converted or not.
+        options: Bucket size, reduction, micro-batches, optimizer sharding, threads.
+        group: The process group (``None``: the default group, if one is initialized).
+    """
+
+    def __init__(self, step: ir.Model, *, options: DataParallelOptions | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        self.options = options or DataParallelOptions()
+        self.group = group
+        grouped = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if grouped else 0
+        self.world = dist.get_world_size(group) if grouped else 1
+        self.split = split_step_graph(step)
+        self.steps = 0
+        initial = _initial_state(step, self.split)
+        self.params = tuple(p for p, _ in self.split.gradients)
+        self.owners = self._deal_groups(initial) if self.options.shard_optimizer else {}
+        held = [n for n, _ in self.split.state_pairs if self._holds(n)]
+        self._state = {n: np.array(initial[n], np.float32, copy=True) for n in held}
+        self._spare = {n: np.empty_like(a) for n, a in self._state.items()}
+        self._outputs = dict(self.split.state_pairs)
+        apply_model = self.split.apply if not self.options.shard_optimizer else shard_apply_part(
+            self.split, {self._outputs[n] for n in held})
+        self._grad_session = _session(self.split.gradient, self.options.threads)
+        self._apply_session = _session(apply_model, self.options.threads)
+        self._lr = float(initial.get("lr", np.float32(0.0)))
+        shapes = {g: self._state[p].shape for p, g in self.split.gradients}
+        self.buckets = _make_buckets(self.split, shapes, self.options.bucket_bytes)
+        self._scratch = [np.empty_like(b.array) for b in self.buckets] if self.options.micro_batches > 1 else []
+        self._gathered = ([[torch.empty(len(b.array)) for _ in range(self.world)] for b in self.buckets]
+                          if self.world > 1 and self.options.reduction == "ordered" else [])
+
+    @property
+    def state(self) -> dict[str, np.ndarray]:
+        """Copies of the state this rank holds (all of it unless the optimizer is sharded)."""
+        return {n: a.copy() for n, a in self._state.items()}
+
+    def step(self, feeds: Mapping[str, np.ndarray], *, lr: float | None = None) -> DataParallelStep:
+        """One step on this rank's share of the global batch; every rank must call it."""
+        passthrough = self._gradients(feeds)
+        self._reduce()
+        skipped = self._apply(passthrough, self._lr if lr is None else lr)
+        if self.options.shard_optimizer and self.world > 1:
+            self._broadcast_params()
+        self.steps += 1
+        last = self.buckets[-1]
+        return DataParallelStep(float(last.views()[self.split.loss]), skipped)
+
+    def _gradients(self, feeds: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
+        """Rule 1: the gradient part over the micro-batches, into the buckets."""
+        count = self.options.micro_batches
+        wanted = _input_names(self._grad_session)
+        passthrough: dict[str, ort.OrtValue] = {}
+        for k in range(count):
+            part = shard_batch(feeds, k, count) if count > 1 else feeds
+            arrays = [b.array for b in self.buckets] if k == 0 else self._scratch
+            binding = self._grad_session.io_binding()
+            keep = _bind_inputs(binding, {**{n: a for n, a in self._state.items() if n in wanted}, **part})
+            for bucket, array in zip(self.buckets, arrays, strict=True):
+                for name, view in bucket.views(array).items():
+                    keep.append(ort.OrtValue.ortvalue_from_numpy(view))
+                    binding.bind_ortvalue_output(name, keep[-1])
+            for name in self.split.passthrough:
+                binding.bind_output(name, "cpu")
+            self._grad_session.run_with_iobinding(binding)
+            made = dict(zip([o.name for o in self._grad_session.get_outputs()], binding.get_outputs(), strict=True))
+            passthrough = {n: made[n] for n in self.split.passthrough}
+            if k:
+                for bucket, array in zip(self.buckets, arrays, strict=True):
+                    np.add(bucket.array, array, out=bucket.array)
+        return passthrough
+
+    def _reduce(self) -> None:
+        """Rule 2: one collective per bucket, all issued before the first wait; then the mean."""
+        slices = np.float32(self.world * self.options.micro_batches)
+        if self.world > 1:
+            if self.options.reduction == "ordered":
+                works = [dist.all_gather(out, torch.from_numpy(b.array), group=self.group, async_op=True)
+                         for b, out in zip(self.buckets, self._gathered, strict=True)]
+            else:
+                works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=self.group,
+                                         async_op=True) for b in self.buckets]
+            for i, work in enumerate(works):
+                work.wait()
+                if self._gathered:
+                    _sum_in_order(self.buckets[i].array, [t.numpy() for t in self._gathered[i]])
+        if slices != 1:
+            for b in self.buckets:
+                np.divide(b.array, slices, out=b.array)
+
+    def _apply(self, passthrough: Mapping[str, ort.OrtValue], lr: float) -> bool:
+        """Rule 3: the apply part on the reduced buckets; returns whether the step was skipped."""
+        session = self._apply_session
+        wanted = _input_names(session)
+        binding = session.io_binding()
+        feeds: dict[str, np.ndarray] = {n: a for n, a in self._state.items() if n in wanted}
+        for bucket in self.buckets:
+            feeds.update({n: v for n, v in bucket.views().items() if n in wanted})
+        if "lr" in wanted:
+            feeds["lr"] = np.asarray(lr, dtype=np.float32)
+        keep = _bind_inputs(binding, feeds)
+        for name, value in passthrough.items():
+            if name in wanted:
+                binding.bind_ortvalue_input(name, value)
+        made = {o.name for o in session.get_outputs()}
+        for name, spare in self._spare.items():
+            if self._outputs.get(name) in made:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(spare))
+                binding.bind_ortvalue_output(self._outputs[name], keep[-1])
+        if md.FOUND_INF in made:
+            binding.bind_output(md.FOUND_INF, "cpu")
+        session.run_with_iobinding(binding)
+        outputs = dict(zip([o.name for o in session.get_outputs()], binding.get_outputs(), strict=True))
+        self._state, self._spare = self._spare, self._state
+        return bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False
+
+    def _deal_groups(self, initial: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """Rule 4: optimizer groups dealt largest first to the least-loaded rank (the lowest on
+        a tie); returns the owner of every grouped state input."""
+        groups, _ = optimizer_groups(self.split)
+        sizes = [sum(int(initial[n].size) for n in g) for g in groups]
+        load = [0] * self.world
+        owners: dict[str, int] = {}
+        for i in sorted(range(len(groups)), key=lambda i: (-sizes[i], i)):
+            rank = min(range(self.world), key=lambda r: (load[r], r))
+            load[rank] += sizes[i]
+            owners.update((n, rank) for n in groups[i])
+        return owners
+
+    def _holds(self, name: str) -> bool:
+        """Every rank holds the parameters (the forward reads them) and the scalar state."""
+        return name in self.params or self.owners.get(name, self.rank) == self.rank
+
+    def _broadcast_params(self) -> None:
+        """Rule 4: each owner's updated parameters, one flat broadcast per owner."""
+        for owner in range(self.world):
+            names = [p for p in self.params if self.owners.get(p) == owner]
+            if not names:
+                continue
+            if owner == self.rank:
+                flat = np.concatenate([self._state[p].ravel() for p in names])
+            else:
+                flat = np.empty(sum(self._state[p].size for p in names), np.float32)
+            source = owner if self.group is None else dist.get_global_rank(self.group, owner)
+            dist.broadcast(torch.from_numpy(flat), src=source, group=self.group)
+            if owner != self.rank:
+                start = 0
+                for p in names:
+                    size = self._state[p].size
+                    self._state[p][...] = flat[start:start + size].reshape(self._state[p].shape)
+                    start += size
+
+    def full_state(self) -> dict[str, np.ndarray]:
+        """Every state value, on every rank (collective: sharded moments are gathered)."""
+        return self._gather_state(everyone=True) or {}
+
+    def _gather_state(self, *, everyone: bool) -> dict[str, np.ndarray] | None:
+        """The whole state in ``state_pairs`` order on rank 0 (or every rank); ``None`` elsewhere."""
+        held = {n: a.copy() for n, a in self._state.items()}
+        if self.options.shard_optimizer and self.world > 1:
+            mine = {n: a for n, a in held.items() if self.owners.get(n) == self.rank and n not in self.params}
+            parts: list[dict[str, np.ndarray]] = [{} for _ in range(self.world)]
+            if everyone:
+                dist.all_gather_object(parts, mine, group=self.group)
+            else:
+                dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
+            for part in parts:
+                held.update(part)
+        if not everyone and self.rank != 0:
+            return None
+        return {a: held[a] for a, _ in self.split.state_pairs}
+
+    def save(self, path: str) -> None:
+        """Rule 5: rank 0 writes the whole state atomically; every rank calls it and waits.
+
+        Raises:
+            OutputError: On every rank, when rank 0 could not write (the previous file stays).
+        """
+        state = self._gather_state(everyone=False)
+        error = [""]
+        if state is not None:
+            meta = {"format": FORMAT, "steps": self.steps, "names": list(state), "world": self.world}
+            buffer = io.BytesIO()
+            np.savez(buffer, __meta__=np.array(json.dumps(meta)), **{f"s{i}": a for i, a in enumerate(state.values())})
+            try:
+                write_atomic(path, buffer.getvalue())
+            except OutputError as e:
+                error = [str(e)]
+        if self.world > 1:
+            dist.broadcast_object_list(error, src=0, group=self.group)
+        if error[0]:
+            raise OutputError(error[0])
+
+    def load(self, path: str) -> None:
+        """Every rank reads a checkpoint from ``save`` (any world size, sharded or not).
+
+        Raises:
+            CheckpointError: Not such a checkpoint, or its state names or shapes differ.
+        """
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                meta = json.loads(str(data["__meta__"]))
+                arrays = {n: data[f"s{i}"] for i, n in enumerate(meta["names"])}
+        except (OSError, KeyError, ValueError) as e:
+            raise CheckpointError(f"{path}: not a data-parallel checkpoint ({e})") from e
+        if meta.get("format") != FORMAT or list(arrays) != [a for a, _ in self.split.state_pairs]:
+            raise CheckpointError(f"{path}: its state ({meta.get('format')}, {len(arrays)} arrays) is not this "
+                                  f"step graph's ({len(self.split.state_pairs)}); resume with the graph it was saved from")
+        for name, array in self._state.items():
+            if arrays[name].shape != array.shape:
+                raise CheckpointError(f"{path}: state '{name}' has shape {arrays[name].shape}, the graph {array.shape}")
+            array[...] = arrays[name]
+        self.steps = int(meta["steps"])
+
+
+def _initial_state(step: ir.Model, split: SplitStep) -> dict[str, np.ndarray]:
+    """Every state input's initializer value, and ``lr``'s."""
+    inits = step.graph.initializers
+    names = [a for a, _ in split.state_pairs] + (["lr"] if "lr" in inits else [])
+    missing = [n for n in names if n not in inits or inits[n].const_value is None]
+    if missing:
+        raise UsageError(f"state input '{missing[0]}' has no initial value in the step graph; build it with "
+                         f"`mpgraph train-graph`, which writes one")
+    return {n: inits[n].const_value.numpy() for n in names}  # type: ignore[union-attr]
+
+
+def _session(model: ir.Model, threads: int | None) -> ort.InferenceSession:
+    """An ORT CPU session (the CUDA path, device buckets through DLPack, is not written yet)."""
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if threads is not None:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _input_names(session: ort.InferenceSession) -> set[str]:
+    """Every input a session takes, those with initializers (the state) included."""
+    return {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
+
+
+def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, np.ndarray]) -> list[ort.OrtValue]:
+    """Binds each array as an OrtValue over its memory; returns them (they must outlive the run)."""
+    keep = []
+    for name, value in feeds.items():
+        keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
+        binding.bind_ortvalue_input(name, keep[-1])
+    return keep
+
+
+def _sum_in_order(out: np.ndarray, parts: list[np.ndarray]) -> None:
+    """``out = ((parts[0] + parts[1]) + parts[2]) + ...``: one float32 add per element and term."""
+    np.copyto(out, parts[0])
+    for part in parts[1:]:
+        np.add(out, part, out=out)

@@ -1,0 +1,54 @@
+"""One rank of the data-parallel tests (``tests/test_data_parallel.py``), run as a process.
+
+``python -m tests.dp_worker DIR RANK WORLD`` joins a gloo group through ``DIR/rendezvous``,
+runs every scenario of ``DIR/scenarios.json`` on this rank's share of its batches, and writes
+``DIR/<scenario>.<rank>.npz``: the whole state after the last step, the losses and skips.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import torch.distributed as dist
+
+from mpgraph.runtime.data_parallel import DataParallelOptions, DataParallelRunner, shard_batch
+
+
+def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
+    step = ir.from_proto(onnx.load(os.path.join(folder, scenario["model"])))
+    options = DataParallelOptions(threads=1, **scenario["options"])
+    runner = DataParallelRunner(step, options=options)
+    with np.load(os.path.join(folder, scenario["batches"])) as data:
+        batches = [{k.split(":")[1]: data[k] for k in data.files if k.startswith(f"{i}:")}
+                   for i in range(scenario["steps"])]
+    losses, skipped = [], []
+    for batch in batches:
+        result = runner.step(shard_batch(batch, rank, world))
+        losses.append(result.loss)
+        skipped.append(result.skipped)
+    if scenario.get("checkpoint"):
+        runner.save(os.path.join(folder, f"{scenario['name']}.ckpt.npz"))
+    state = runner.full_state()
+    np.savez(os.path.join(folder, f"{scenario['name']}.{rank}.npz"), __losses=np.array(losses),
+             __skipped=np.array(skipped), __held=np.array(sorted(runner.state)), **state)
+
+
+def main() -> None:
+    folder, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(folder, 'rendezvous')}", rank=rank,
+                            world_size=world)
+    try:
+        with open(os.path.join(folder, "scenarios.json")) as f:
+            for scenario in json.load(f):
+                run_scenario(folder, scenario, rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
