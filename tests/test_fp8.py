@@ -322,3 +322,15 @@ def test_audit_lists_fp8_tensors_and_scales(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert "fp8: 9 tensors (6 float8e4m3fn, 3 float8e5m2)" in result.stdout
     assert "scaling delayed (history 4, amax max, margin 0, rounding pow2)" in result.stdout
+
+
+def test_audit_memory_counts_fp8_bytes() -> None:
+    from mpgraph.audit.memory import estimate_memory
+
+    report = estimate_memory(_tiny_step("extends: fp8"), batch=32)
+    # tiny MLP 4-64-64-2, batch 32: operands x, relu, relu_1 (32x4, 32x64, 32x64), the weights
+    # (64x4, 64x64, 2x64) and the gradients dlogits, drelu_1, drelu (32x2, 32x64, 32x64), a byte each.
+    operands = 32 * 4 + 32 * 64 * 2 + 64 * 4 + 64 * 64 + 2 * 64 + 32 * 2 + 32 * 64 * 2
+    assert report.fp8_bytes == {"values": operands, "state": 9 * 4 * (1 + 1024)}
+    assert report.other_state_bytes >= report.fp8_bytes["state"]
+    assert estimate_memory(build_training_graph(ROOT / "models" / "onnx" / "tiny_mlp.loss.onnx"), batch=32).fp8_bytes == {}

@@ -45,7 +45,7 @@ import dataclasses
 import itertools
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 
 import numpy as np
@@ -101,6 +101,9 @@ class MemoryReport:
             without it).
         unknown_shapes: Intermediate values whose shape could not be inferred (not counted).
         nodes: Nodes walked.
+        fp8_bytes: fp8 products (``QuantizeFp8Pass``): ``values``, the fp8 operands (1 byte an
+            element, each counted once; part of the transient figures) and ``state``, the scales
+            and amax histories (part of ``other_state_bytes``); empty without fp8.
     """
 
     policy: str | None
@@ -123,6 +126,7 @@ class MemoryReport:
     estimated_peak_bytes: int
     unknown_shapes: int
     nodes: int
+    fp8_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def peak_without_pattern_bytes(self) -> int:
@@ -396,7 +400,19 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         estimated_peak_bytes=persistent + output_bytes + extra_sets + arena + block,
         unknown_shapes=unknown,
         nodes=len(model.graph),
+        fp8_bytes=_fp8_bytes(model, size),
     )
+
+
+def _fp8_bytes(model: ir.Model, size: Callable[[str], int]) -> dict[str, int]:
+    """``MemoryReport.fp8_bytes``: the fp8 operand values and the fp8 scale state."""
+    raw = model.metadata_props.get(md.MODEL_FP8)
+    if raw is None:
+        return {}
+    state = {n for t in json.loads(raw)["tensors"] for n in (t["scale"], t["history"]) if n}
+    values = {v.name for node in model.graph for v in node.outputs
+              if v.name and v.dtype is not None and v.dtype.itemsize == 1 and v.dtype.is_floating_point()}
+    return {"values": sum(size(n) for n in values), "state": sum(size(n) for n in state)}
 
 
 def ort_order(model: ir.Model) -> list[ir.Node]:

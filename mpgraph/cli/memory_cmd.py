@@ -79,6 +79,9 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
         ("data inputs", report.data_bytes, ""),
         ("other state", report.other_state_bytes, "running statistics, loss scale, step counter"),
         ("constants", report.constant_bytes, ""),
+        *([("fp8 operands", report.fp8_bytes["values"], "1 byte an element, in the transient figures"),
+           ("fp8 scale state", report.fp8_bytes["state"], "scales and amax histories, in other state")]
+          if report.fp8_bytes else []),
         ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
         *([("third state set", report.extra_state_set_bytes, "a pipelined CUDA trainer's (--pipelined)")]
           if pipelined else []),
