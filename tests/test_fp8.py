@@ -334,3 +334,17 @@ def test_audit_memory_counts_fp8_bytes() -> None:
     assert report.fp8_bytes == {"values": operands, "state": 9 * 4 * (1 + 1024)}
     assert report.other_state_bytes >= report.fp8_bytes["state"]
     assert estimate_memory(build_training_graph(ROOT / "models" / "onnx" / "tiny_mlp.loss.onnx"), batch=32).fp8_bytes == {}
+
+
+def test_compare_runs_on_fp8_step_graphs() -> None:
+    from mpgraph.audit.compare_train import compare_train
+
+    reference = build_training_graph(ROOT / "models" / "onnx" / "tiny_mlp.loss.onnx", optimizer="adamw", lr=0.05)
+    candidate = mpgraph.convert(reference.clone(), "fp8", emulate=True)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 4)).astype(F32)
+    report = compare_train(reference, candidate, {"x": x, "label": (x[:, 0] > 0).astype(np.int64)})
+    assert 0 < report.loss_rel_error < 0.05 and len(report.gradients) == 6
+    # The first product whose operands were quantised (at scale 1: the initial state) diverges first.
+    assert report.first_divergence is not None and report.first_divergence.producer == "Gemm 'node_linear'"
+    assert report.first_backward_divergence is not None and report.first_backward_divergence.precision == "bfloat16"
