@@ -13,7 +13,7 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 from mpgraph.training import build_training_graph
-from mpgraph.training.split_step_graph import split_step_graph
+from mpgraph.training.split_step_graph import optimizer_groups, shard_apply_part, split_step_graph
 from tests.helpers import run_named
 
 
@@ -83,7 +83,7 @@ def test_overflow_is_found_from_the_gradients_the_apply_part_is_fed():
 
 def test_state_made_from_the_batch_is_refused():
     step = build_training_graph("models/onnx/resnet.loss.onnx", optimizer="sgd")
-    with pytest.raises(MpgraphError, match="running_mean/updated.*--batchnorm eval"):
+    with pytest.raises(MpgraphError, match="differ between ranks.*--batchnorm eval"):
         split_step_graph(step)
 
 
@@ -91,3 +91,29 @@ def test_a_gradient_graph_without_optimizer_is_refused():
     step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer=None)
     with pytest.raises(MpgraphError, match="with an optimizer"):
         split_step_graph(step)
+
+
+def test_optimizer_groups_pair_each_parameter_with_its_moments():
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw", optimizer_options={"pack": False})
+    groups, scalar = optimizer_groups(split_step_graph(step))
+    assert scalar == ("optim/step",)
+    assert groups[0] == ("fc1.weight", "optim/fc1.weight/m", "optim/fc1.weight/v")
+    assert sorted(g[0] for g in groups) == sorted(p for p in {n for g in groups for n in g} if not p.startswith("optim/"))
+    assert len(groups) == 6 and all(len(g) == 3 for g in groups)
+    # Packed (the default for small parameters): one slot, one group.
+    packed, _ = optimizer_groups(split_step_graph(_step("tiny_mlp", "fp16")))
+    assert len(packed) == 1 and {"optim/flat/m", "fc3.bias"} <= set(packed[0])
+
+
+def test_a_shard_of_the_apply_part_updates_its_groups_like_the_whole():
+    step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw", optimizer_options={"pack": False})
+    split = split_step_graph(step)
+    grads, applied = _run_split(split, _batch("tiny_mlp", np.random.default_rng(0), 4))
+    shard = shard_apply_part(split, {"fc2.weight/updated", "optim/fc2.weight/m/updated", "optim/fc2.weight/v/updated",
+                                     "optim/step/updated"})
+    inputs = {v.name for v in shard.graph.inputs}
+    assert {"fc2.weight", "optim/fc2.weight/m"} <= inputs and "optim/fc1.weight/m" not in inputs
+    part = run_named(shard, {k: v for k, v in grads.items() if k in inputs})
+    assert set(part) == {"fc2.weight/updated", "optim/fc2.weight/m/updated", "optim/fc2.weight/v/updated", "optim/step/updated"}
+    for name, value in part.items():
+        np.testing.assert_array_equal(value, applied[name])

@@ -59,6 +59,7 @@ from mpgraph.errors import CheckpointError, OutputError, UsageError
 from mpgraph.io import write_atomic
 from mpgraph.training.split_step_graph import (
     SplitStep,
+    deal_groups,
     optimizer_groups,
     shard_apply_part,
     split_step_graph,
@@ -280,17 +281,14 @@ class DataParallelRunner:
         return bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False
 
     def _deal_groups(self, initial: Mapping[str, np.ndarray]) -> dict[str, int]:
-        """Rule 4: optimizer groups dealt largest first to the least-loaded rank (the lowest on
-        a tie); returns the owner of every grouped state input."""
+        """Rule 4: the owner of every grouped state input (``training.deal_groups``)."""
         groups, _ = optimizer_groups(self.split)
-        sizes = [sum(int(initial[n].size) for n in g) for g in groups]
-        load = [0] * self.world
-        owners: dict[str, int] = {}
-        for i in sorted(range(len(groups)), key=lambda i: (-sizes[i], i)):
-            rank = min(range(self.world), key=lambda r: (load[r], r))
-            load[rank] += sizes[i]
-            owners.update((n, rank) for n in groups[i])
-        return owners
+        if len(groups) < self.world:
+            logger.warning("optimizer sharding: %d update group(s) for %d ranks, so some ranks hold no optimizer "
+                           "state; a packed optimizer updates small parameters as one group (build the step "
+                           "graph with optimizer_options={'pack': False})", len(groups), self.world)
+        owners = deal_groups([sum(int(initial[n].size) for n in g) for g in groups], self.world)
+        return {n: owner for g, owner in zip(groups, owners, strict=True) for n in g}
 
     def _holds(self, name: str) -> bool:
         """Every rank holds the parameters (the forward reads them) and the scalar state."""
