@@ -27,12 +27,12 @@ def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
         batches = [{k.split(":")[1]: data[k] for k in data.files if k.startswith(f"{i}:")}
                    for i in range(scenario["steps"])]
     losses, skipped = [], []
-    for batch in batches:
+    for i, batch in enumerate(batches, 1):
         result = runner.step(shard_batch(batch, rank, world))
         losses.append(result.loss)
         skipped.append(result.skipped)
-    if scenario.get("checkpoint"):
-        runner.save(os.path.join(folder, f"{scenario['name']}.ckpt.npz"))
+        if i == scenario.get("checkpoint_after"):
+            runner.save(os.path.join(folder, f"{scenario['name']}.ckpt.npz"))
     state = runner.full_state()
     np.savez(os.path.join(folder, f"{scenario['name']}.{rank}.npz"), __losses=np.array(losses),
              __skipped=np.array(skipped), __held=np.array(sorted(runner.state)), **state)

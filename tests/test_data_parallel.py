@@ -47,16 +47,16 @@ def _step(model: str) -> ir.Model:
     return ir.from_proto(onnx.load_from_string(_model_bytes(model)))
 
 
-def _batches(model: str, steps: int, plant: int | None) -> list[dict[str, np.ndarray]]:
+def _batches(model: str, steps: int, plant: int | None, size: int = GLOBAL_BATCH) -> list[dict[str, np.ndarray]]:
     """Seeded global batches; with ``plant``, an inf in the last row (the last rank's slice)
     of that step's batch."""
     rng = np.random.default_rng(7)
     out = []
     for i in range(steps):
         if model.startswith("gpt"):
-            batch = {"tokens": rng.integers(0, 64, (GLOBAL_BATCH, 16)), "label": rng.integers(0, 64, (GLOBAL_BATCH, 16))}
+            batch = {"tokens": rng.integers(0, 64, (size, 16)), "label": rng.integers(0, 64, (size, 16))}
         else:
-            batch = {"x": rng.standard_normal((GLOBAL_BATCH, 4)).astype(np.float32), "label": rng.integers(0, 2, GLOBAL_BATCH)}
+            batch = {"x": rng.standard_normal((size, 4)).astype(np.float32), "label": rng.integers(0, 2, size)}
             if i == plant:
                 batch["x"][-1, 0] = np.inf
         out.append(batch)
@@ -71,7 +71,9 @@ SCENARIOS = {
     "mlp_zero": ("tiny_mlp:unpacked", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
     "gpt_zero": ("gpt:unpacked", {"shard_optimizer": True}, 2, None),
     "mlp_all_reduce": ("tiny_mlp", {"reduction": "all_reduce"}, 3, None),
+    "gpt_micro": ("gpt", {"micro_batches": 2}, 2, None),
 }
+GLOBAL_BATCH_OF = {"gpt_micro": 12}  # 2 slices a rank on 2 and 3 ranks
 
 
 def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
@@ -79,10 +81,10 @@ def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
     scenarios = []
     for name, (model, options, steps, plant) in SCENARIOS.items():
         (folder / f"{name}.onnx").write_bytes(_model_bytes(model))
-        np.savez(folder / f"{name}.batches.npz",
-                 **{f"{i}:{k}": v for i, b in enumerate(_batches(model, steps, plant)) for k, v in b.items()})
+        batches = _batches(model, steps, plant, GLOBAL_BATCH_OF.get(name, GLOBAL_BATCH))
+        np.savez(folder / f"{name}.batches.npz", **{f"{i}:{k}": v for i, b in enumerate(batches) for k, v in b.items()})
         scenarios.append({"name": name, "model": f"{name}.onnx", "batches": f"{name}.batches.npz", "steps": steps,
-                          "options": options, "checkpoint": name == "mlp"})
+                          "options": options, "checkpoint_after": 2 if name == "mlp" else None})
     (folder / "scenarios.json").write_text(json.dumps(scenarios))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.dp_worker", str(folder), str(r), str(world)], cwd=ROOT,
@@ -104,12 +106,14 @@ def world(request, tmp_path_factory):
     return request.param, folder, _run_world(folder, request.param)
 
 
-def _one_process(name: str, slices: int, shard: bool = False) -> tuple[DataParallelRunner, list]:
-    """The scenario in this process: ``slices`` micro-batches of each global batch."""
+def _one_process(name: str, world: int) -> tuple[DataParallelRunner, list]:
+    """The scenario in this process, unsharded: each global batch in as many slices as
+    ``world`` ranks cut it into, summed in the same tree."""
     model, options, steps, plant = SCENARIOS[name]
-    options = {**options, "shard_optimizer": shard, "reduction": "ordered"}
-    runner = DataParallelRunner(_step(model), options=DataParallelOptions(threads=1, micro_batches=slices, **options))
-    return runner, [runner.step(b) for b in _batches(model, steps, plant)]
+    slices = world * options.get("micro_batches", 1)
+    options = {**options, "shard_optimizer": False, "reduction": "ordered", "micro_batches": slices}
+    runner = DataParallelRunner(_step(model), options=DataParallelOptions(threads=1, **options))
+    return runner, [runner.step(b) for b in _batches(model, steps, plant, GLOBAL_BATCH_OF.get(name, GLOBAL_BATCH))]
 
 
 def _assert_ranks_equal_one_process(results, name: str, world: int) -> dict[str, np.ndarray]:
@@ -166,13 +170,22 @@ def test_plain_all_reduce_is_bit_for_bit_on_two_ranks(world):
     _assert_ranks_equal_one_process(results, "mlp_all_reduce", 2)
 
 
+def test_micro_batches_on_every_rank_sum_like_one_process(world):
+    """2 slices a rank on N ranks: the bits of one process over 2N slices (rule 2's tree)."""
+    size, _, results = world
+    _assert_ranks_equal_one_process(results, "gpt_micro", size)
+
+
 def test_rank_zero_checkpoint_resumes_on_another_world_size(world):
+    """Saved by N ranks after step 2, resumed by one process (N slices): step 3 gives the
+    N ranks' step 3 bit for bit."""
     size, folder, results = world
     path = folder / "mlp.ckpt.npz"
     assert [p.name for p in folder.iterdir() if p.name.startswith(".mlp.ckpt")] == []  # no temporary left
     resumed = DataParallelRunner(_step("tiny_mlp"), options=DataParallelOptions(threads=1, micro_batches=size))
     resumed.load(str(path))
-    assert resumed.steps == 3
+    assert resumed.steps == 2
+    resumed.step(_batches("tiny_mlp", 3, None)[2])
     for key, value in resumed.full_state().items():
         np.testing.assert_array_equal(value, results["mlp"][0][key], err_msg=key)
     with pytest.raises(CheckpointError, match="not this step graph"):

@@ -3,22 +3,25 @@
 Every rank holds the whole model and runs the same step on its share of the global batch:
 
 1. **Gradients.** The step graph is cut by ``training.split_step_graph``; each rank runs the
-   gradient part on its batch share (``micro_batches`` times on equal slices of it, summed
-   in slice order, for gradient accumulation). ORT writes every gradient, and the loss,
-   straight into flat float32 **buckets** (IOBinding onto views of the bucket arrays, no
-   copies). The layout is fixed by the graph: gradients in reverse ``mpgraph.gradients``
-   order (the order the backward finishes them), a new bucket after ``bucket_bytes``; the
-   loss is the last element of the last bucket.
+   gradient part on its batch share (``micro_batches`` times on equal slices of it, for
+   gradient accumulation). ORT writes every gradient, and the loss, straight into flat
+   float32 **buckets** (IOBinding onto views of the bucket arrays, no copies). The layout is
+   fixed by the graph: gradients in reverse ``mpgraph.gradients`` order (the order the
+   backward finishes them), a new bucket after ``bucket_bytes``; the loss is the last
+   element of the last bucket.
 2. **Reduction, one collective per bucket.** ``reduction="ordered"`` (the default) is an
-   ``all_gather`` of the bucket, then on every rank the sum in rank order and one division
-   by the number of slices: ``(((g0 + g1) + g2) / 3)``. Plain ``all_reduce`` sums in an
-   order that depends on the algorithm and the chunk (gloo's ring), so float32 results
-   depend on the world size and the element's position; the ordered sum fixes the order, so
-   N processes with B/N samples each give exactly the numbers of one process that
-   accumulates the same N slices (``micro_batches=N``), bit for bit in float32. It costs N
-   times the bucket in receive buffers and traffic. ``reduction="all_reduce"`` is one
-   ``all_reduce(SUM)`` per bucket: the same bits for 2 ranks (a + b = b + a), not beyond.
-   The mean over slices matches a loss that is a mean over the batch (the zoo's).
+   ``all_gather`` of the bucket, then on every rank a sum over the ranks as a fixed binary
+   tree (``_pairwise_sum``; a rank's micro-batches are summed the same way first) and one
+   division by the number of slices. Plain ``all_reduce`` sums in an order that depends on
+   the algorithm and the chunk (gloo's ring): on 3 ranks it gave other float32 bits than
+   the ordered sum in 27 of the GPT's 32 state arrays after 2 steps. The fixed tree makes N
+   processes with B/N samples each give exactly the numbers of one process that
+   accumulates the same N slices (``micro_batches=N``), and, with ``micro_batches`` a
+   power of two, any world size with the same number of slices gives the same bits (so a
+   run resumes on another world size bit for bit). It costs N times the bucket in receive
+   buffers and traffic. ``reduction="all_reduce"`` is one ``all_reduce(SUM)`` per bucket:
+   the same bits for 2 ranks (a + b = b + a), not beyond. The mean over slices matches a
+   loss that is a mean over the batch (the zoo's).
 3. **Apply.** The apply part runs on every rank on the reduced buckets (bound as views):
    loss scaling's finite check sees the same numbers on every rank, so every rank skips the
    same steps (an inf on one rank makes the reduced sum inf everywhere) and the scale
@@ -46,7 +49,7 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import numpy as np
 import onnx_ir as ir
@@ -78,9 +81,10 @@ class DataParallelOptions:
 
     Attributes:
         bucket_bytes: Bytes of gradients per bucket (one collective each; torch DDP's 25 MiB).
-        reduction: ``ordered`` (all_gather, sum in rank order: fixed float32 bits) or
+        reduction: ``ordered`` (all_gather, a fixed summation tree: fixed float32 bits) or
             ``all_reduce`` (one sum collective: less traffic, order-dependent bits beyond 2 ranks).
-        micro_batches: Slices of each rank's batch run one after the other and summed.
+        micro_batches: Slices of each rank's batch run one after the other and summed (a
+            power of two keeps the bits independent of the world size, rule 2).
         shard_optimizer: ZeRO stage 1: each rank keeps and updates only its optimizer groups.
         threads: ORT intra-op threads (``None``: ORT's default).
     """
@@ -192,7 +196,9 @@ class DataParallelRunner:
         self._lr = float(initial.get("lr", np.float32(0.0)))
         shapes = {g: self._state[p].shape for p, g in self.split.gradients}
         self.buckets = _make_buckets(self.split, shapes, self.options.bucket_bytes)
-        self._scratch = [np.empty_like(b.array) for b in self.buckets] if self.options.micro_batches > 1 else []
+        # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
+        sets = int(np.ceil(np.log2(self.options.micro_batches))) + 2 if self.options.micro_batches > 1 else 0
+        self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
         self._gathered = ([[torch.empty(len(b.array)) for _ in range(self.world)] for b in self.buckets]
                           if self.world > 1 and self.options.reduction == "ordered" else [])
 
@@ -213,28 +219,41 @@ class DataParallelRunner:
         return DataParallelStep(float(last.views()[self.split.loss]), skipped)
 
     def _gradients(self, feeds: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
-        """Rule 1: the gradient part over the micro-batches, into the buckets."""
+        """Rule 1: the gradient part over the micro-batches, summed pairwise into the buckets."""
         count = self.options.micro_batches
-        wanted = _input_names(self._grad_session)
+        if count == 1:
+            return self._run_gradient(feeds, [b.array for b in self.buckets])
+        pool = list(self._scratch)
         passthrough: dict[str, ort.OrtValue] = {}
-        for k in range(count):
-            part = shard_batch(feeds, k, count) if count > 1 else feeds
-            arrays = [b.array for b in self.buckets] if k == 0 else self._scratch
-            binding = self._grad_session.io_binding()
-            keep = _bind_inputs(binding, {**{n: a for n, a in self._state.items() if n in wanted}, **part})
-            for bucket, array in zip(self.buckets, arrays, strict=True):
-                for name, view in bucket.views(array).items():
-                    keep.append(ort.OrtValue.ortvalue_from_numpy(view))
-                    binding.bind_ortvalue_output(name, keep[-1])
-            for name in self.split.passthrough:
-                binding.bind_output(name, "cpu")
-            self._grad_session.run_with_iobinding(binding)
-            made = dict(zip([o.name for o in self._grad_session.get_outputs()], binding.get_outputs(), strict=True))
-            passthrough = {n: made[n] for n in self.split.passthrough}
-            if k:
-                for bucket, array in zip(self.buckets, arrays, strict=True):
-                    np.add(bucket.array, array, out=bucket.array)
+
+        def slices() -> Iterator[list[np.ndarray]]:
+            nonlocal passthrough
+            for k in range(count):
+                arrays = pool.pop()
+                passthrough = self._run_gradient(shard_batch(feeds, k, count), arrays)
+                yield arrays
+
+        total = _pairwise_sum(slices(), pool.append)
+        for bucket, array in zip(self.buckets, total, strict=True):
+            np.copyto(bucket.array, array)
+        pool.append(total)
         return passthrough
+
+    def _run_gradient(self, feeds: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, ort.OrtValue]:
+        """The gradient part on one slice, its gradients and loss written into ``arrays``
+        (one per bucket); returns the passthrough values."""
+        wanted = _input_names(self._grad_session)
+        binding = self._grad_session.io_binding()
+        keep = _bind_inputs(binding, {**{n: a for n, a in self._state.items() if n in wanted}, **feeds})
+        for bucket, array in zip(self.buckets, arrays, strict=True):
+            for name, view in bucket.views(array).items():
+                keep.append(ort.OrtValue.ortvalue_from_numpy(view))
+                binding.bind_ortvalue_output(name, keep[-1])
+        for name in self.split.passthrough:
+            binding.bind_output(name, "cpu")
+        self._grad_session.run_with_iobinding(binding)
+        made = dict(zip([o.name for o in self._grad_session.get_outputs()], binding.get_outputs(), strict=True))
+        return {n: made[n] for n in self.split.passthrough}
 
     def _reduce(self) -> None:
         """Rule 2: one collective per bucket, all issued before the first wait; then the mean."""
@@ -246,10 +265,12 @@ class DataParallelRunner:
             else:
                 works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=self.group,
                                          async_op=True) for b in self.buckets]
-            for i, work in enumerate(works):
+            for work in works:
                 work.wait()
-                if self._gathered:
-                    _sum_in_order(self.buckets[i].array, [t.numpy() for t in self._gathered[i]])
+            if self._gathered:
+                ranks = ([out[r].numpy() for out in self._gathered] for r in range(self.world))
+                for bucket, array in zip(self.buckets, _pairwise_sum(ranks, lambda _: None), strict=True):
+                    np.copyto(bucket.array, array)
         if slices != 1:
             for b in self.buckets:
                 np.divide(b.array, slices, out=b.array)
@@ -410,8 +431,35 @@ def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, np.ndarray]) -> lis
     return keep
 
 
-def _sum_in_order(out: np.ndarray, parts: list[np.ndarray]) -> None:
-    """``out = ((parts[0] + parts[1]) + parts[2]) + ...``: one float32 add per element and term."""
-    np.copyto(out, parts[0])
-    for part in parts[1:]:
-        np.add(out, part, out=out)
+def _pairwise_sum(terms: Iterable[list[np.ndarray]], release: Callable[[list[np.ndarray]], None]) -> list[np.ndarray]:
+    """The sum of a sequence of bucket sets as a fixed binary tree, in place in the terms.
+
+    Terms are merged like a binary counter: ``((t0 + t1) + (t2 + t3)) + ...``, and what is
+    left at the end from the right: for 3 terms ``(t0 + t1) + t2``, for 6
+    ``((t0 + t1) + (t2 + t3)) + (t4 + t5)``. A block of 2^k terms is one subtree wherever it
+    starts at a multiple of 2^k, so ranks that each sum 2^k slices (``micro_batches``) and
+    then sum across ranks the same way compute the very tree of one process over all the
+    slices: the same float32 bits for any world size. ``release`` gets each set merged into
+    another (free for reuse).
+    """
+    stack: list[tuple[int, list[np.ndarray]]] = []
+    for arrays in terms:
+        level = 0
+        while stack and stack[-1][0] == level:
+            _, left = stack.pop()
+            _add_into(left, arrays)
+            release(arrays)
+            arrays, level = left, level + 1
+        stack.append((level, arrays))
+    _, total = stack.pop()
+    while stack:
+        _, left = stack.pop()
+        _add_into(left, total)
+        release(total)
+        total = left
+    return total
+
+
+def _add_into(left: list[np.ndarray], right: list[np.ndarray]) -> None:
+    for a, b in zip(left, right, strict=True):
+        np.add(a, b, out=a)
