@@ -37,8 +37,8 @@ class AuditReport:
         fp8: With fp8 products (``QuantizeFp8Pass``), else ``None``: ``recipe`` (the scaling
             settings and the recipe used), ``nodes`` (the quantisation's nodes, left out of
             ``ops`` and ``reasons``) and ``tensors``: per quantised tensor its ``format``,
-            ``kind`` (forward or gradient), ``scale`` (the state input, ``None`` when computed
-            per run), ``scale_value`` (the value stored in the model: the initial one),
+            ``kind`` (forward or gradient), ``scale`` (its entry of the state input, ``None``
+            when computed per run), ``scale_value`` (the value stored in the model: the initial one),
             ``history`` (length) and ``gemms`` (the products reading it).
     """
 
@@ -119,11 +119,12 @@ def _fp8_summary(model: ir.Model, nodes: int) -> dict[str, Any] | None:
     inits = model.graph.initializers
     tensors = {}
     for t in record["tensors"]:
-        scale = inits.get(t["scale"]) if t["scale"] else None
+        scales = inits.get(t["scale"]) if t["scale"] else None
         history = inits.get(t["history"]) if t["history"] else None
+        stored = scales.const_value.numpy()[t["index"]] if scales is not None and scales.const_value is not None else None
         tensors[t["tensor"]] = {
-            "format": t["format"], "kind": t["kind"], "scale": t["scale"],
-            "scale_value": float(scale.const_value.numpy()) if scale is not None and scale.const_value is not None else None,
+            "format": t["format"], "kind": t["kind"], "scale": f"{t['scale']}[{t['index']}]" if t["scale"] else None,
+            "scale_value": float(stored) if stored is not None else None,
             "history": int(history.shape[0]) if history is not None and history.shape is not None else None,
             "gemms": t["gemms"],
         }

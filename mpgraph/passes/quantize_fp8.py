@@ -32,6 +32,10 @@ __all__ = ["FP8_MIN_OPSET", "QuantizeFp8Pass", "fp8_max"]
 FP8_MIN_OPSET = 19
 #: Scope of every name the pass makes (``fp8/<tensor>/scale``, ``fp8/<tensor>/float8e4m3fn``).
 _SCOPE = "fp8"
+#: The delayed recipe's state: one scale per tensor ``[T]`` and the amax history ``[history, T]``
+#: (newest first), as Transformer Engine keeps them; tensor ``i`` is column ``i``.
+_SCALES = "fp8/scales"
+_HISTORY = "fp8/amax_history"
 #: Ops that only move or re-type data: an operand read through them is the same tensor.
 _MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
 _NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
@@ -51,8 +55,8 @@ class _Tensor:
     kind: str
     scale: ir.Value | None = None
     scale_inv: ir.Value | None = None
-    history: ir.Value | None = None
     amax: ir.Value | None = None
+    index: int = -1
     gemms: list[str] = dataclasses.field(default_factory=list)
 
 
@@ -76,12 +80,14 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
            The scale from an amax ``a`` and a previous scale ``s0`` (``Fp8Scaling``):
            ``r = fp8_max / a / 2**margin``, rounded down to a power of two with ``pow2``; ``s0``
            where ``a`` is 0, inf or NaN or ``r`` is inf.
-        4. Delayed recipe on a training step graph: ``s`` and an amax history (newest first)
-           are state inputs ``fp8/<tensor>/scale`` (1) and ``fp8/<tensor>/amax_history``
-           (zeros); the step outputs the history with this step's amax pushed in, and the scale
-           derived from its max (or newest entry) with ``s0 = s``; both pairs join
-           ``mpgraph.state_pairs``. Otherwise (current recipe, or an inference graph) ``s`` is
-           derived from this run's amax with ``s0 = 1``.
+        4. Delayed recipe on a training step graph: the scales of all T tensors are one state
+           input ``fp8/scales`` ``[T]`` (ones; tensor ``i`` reads ``Gather(scales, i)``) and
+           their amax histories one ``fp8/amax_history`` ``[history, T]`` (zeros, newest row
+           first). The step outputs the history with this step's amaxes pushed in as a row,
+           and the scales derived from its column max (or newest row) with ``s0`` the incoming
+           scales, element-wise in one set of nodes; both pairs join ``mpgraph.state_pairs``.
+           Otherwise (current recipe, or an inference graph) ``s`` is derived per tensor from
+           this run's amax with ``s0 = 1``.
         5. The product gets ``mpgraph.fp8`` (slot -> tensor, format, fp8 value, ``s_inv``), the
            model ``mpgraph.fp8`` (the recipe and every tensor); a model with that record is
            quantised already and left as it is.
@@ -142,7 +148,11 @@ class _Quantizer:
         self.builders = {role: _Fp8Builder(self.graph, role=role, scope=_SCOPE, names=names) for role in (*md.Role, "")}
         self.tensors: dict[ir.Value, _Tensor] = {}
         self.dequantized: dict[ir.Value, tuple[ir.Value, ir.Value]] = {}  # operand -> (fp8 bits, dequantised)
-        self.pairs: list[list[str]] = []
+        self.amaxes: list[ir.Value] = []  # in tensor order
+        # Delayed recipe: the state inputs (typed and registered by ``finish``).
+        self.scales = ir.Value(name=_SCALES, type=ir.TensorType(ir.DataType.FLOAT))
+        self.scales_inv: ir.Value | None = None
+        self.history: ir.Value | None = None
 
     def quantize(self, gemm: ir.Node) -> None:
         """Rules 1-3 for the operands (inputs 0 and 1) of one product."""
@@ -196,38 +206,32 @@ class _Quantizer:
         return bits, out
 
     def _scale(self, b: _Fp8Builder, wide: ir.Value, tensor: _Tensor) -> None:
-        """Rules 3-4: the tensor's amax, scale, ``1 / scale`` and (delayed) state update."""
+        """Rules 3-4 at the tensor's first operand: its amax, scale and ``1 / scale``."""
         key = tensor.key
         amax = b.op("ReduceMax", b.op("Abs", wide, name=f"{key}/abs"), keepdims=0, name=f"{key}/amax")
         amax.shape = ir.Shape([])
-        tensor.amax = amax
+        tensor.amax, tensor.index = amax, len(self.amaxes)
+        self.amaxes.append(amax)
         if not self.delayed:
-            tensor.scale = self._derive(b, amax, b.scalar32(1.0), tensor)
+            top = b.scalar32(fp8_max(tensor.fmt))
+            tensor.scale = self._derive(b, amax, b.scalar32(1.0), top, key)
+            tensor.scale_inv = b.op("Reciprocal", tensor.scale, name=f"{key}/scale_inv")
         else:
-            opt = self.builders[md.Role.OPTIMIZER]
-            h = self.scaling.history
-            tensor.scale = self._state(f"{_SCOPE}/{key}/scale", np.array(1.0, np.float32))
-            tensor.history = self._state(f"{_SCOPE}/{key}/amax_history", np.zeros((h,), np.float32))
-            newest = opt.op("Unsqueeze", amax, opt.ints([0]), name=f"{key}/amax_1d")
-            pushed = newest if h == 1 else opt.op(
-                "Concat", newest, opt.op("Slice", tensor.history, opt.ints([0]), opt.ints([h - 1]), name=f"{key}/amax_older"),
-                axis=0, name=f"{key}/amax_pushed")
-            reduced = amax if self.scaling.amax == "most_recent" else opt.op(
-                "ReduceMax", pushed, keepdims=0, name=f"{key}/amax_of_history")
-            new_scale = self._derive(opt, reduced, tensor.scale, tensor)
-            new_hist = opt.op("Identity", pushed, name=f"{key}/amax_history_next")
-            new_scale.name = opt.unique(f"{tensor.scale.name}/updated")
-            new_hist.name = opt.unique(f"{tensor.history.name}/updated")
-            new_scale.shape, new_hist.shape = ir.Shape([]), ir.Shape([h])
-            self.graph.outputs.extend([new_scale, new_hist])
-            self.pairs += [[tensor.scale.name or "", new_scale.name], [tensor.history.name or "", new_hist.name]]
-        tensor.scale_inv = b.op("Reciprocal", tensor.scale, name=f"{key}/scale_inv")
-        tensor.scale_inv.shape = ir.Shape([])
+            index = b.const(np.array(tensor.index, np.int64))
+            tensor.scale = b.op("Gather", self.scales, index, axis=0, name=f"{key}/scale")
+            tensor.scale_inv = b.op("Gather", self._scales_inv(), index, axis=0, name=f"{key}/scale_inv")
+        tensor.scale.shape = tensor.scale_inv.shape = ir.Shape([])
 
-    def _derive(self, b: _Fp8Builder, amax: ir.Value, old: ir.Value, tensor: _Tensor) -> ir.Value:
-        """Rule 3: the scale for ``amax``, ``old`` where ``amax`` gives none."""
-        key, s = tensor.key, self.scaling
-        ratio = b.op("Div", b.scalar32(fp8_max(tensor.fmt)), amax, name=f"{key}/headroom")
+    def _scales_inv(self) -> ir.Value:
+        """``1 / fp8/scales``, once for every tensor."""
+        if self.scales_inv is None:
+            self.scales_inv = self.builders[md.Role.FORWARD].op("Reciprocal", self.scales, name="scales_inv")
+        return self.scales_inv
+
+    def _derive(self, b: _Fp8Builder, amax: ir.Value, old: ir.Value, top: ir.Value, key: str) -> ir.Value:
+        """Rule 3: the scale for ``amax`` (element-wise), ``old`` where ``amax`` gives none."""
+        s = self.scaling
+        ratio = b.op("Div", top, amax, name=f"{key}/headroom")
         if s.margin:
             ratio = b.op("Div", ratio, b.scalar32(2.0**s.margin), name=f"{key}/headroom_margin")
         scale = ratio
@@ -246,28 +250,46 @@ class _Quantizer:
                                   b.op("IsInf", ratio, name=f"{key}/headroom_inf"), name=f"{key}/any_inf"),
                       name=f"{key}/finite")
         valid = b.op("And", positive, finite, name=f"{key}/scale_valid")
-        out = b.op("Where", valid, scale, old, name=f"{key}/scale_new")
-        out.shape = ir.Shape([])
-        return out
-
-    def _state(self, name: str, initial: np.ndarray) -> ir.Value:
-        value = ir.Value(name=name, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape(list(initial.shape)),
-                         const_value=ir.tensor(initial, name=name))
-        self.graph.inputs.append(value)
-        self.graph.register_initializer(value)
-        return value
+        return b.op("Where", valid, scale, old, name=f"{key}/scale_new")
 
     def finish(self) -> None:
-        """Rule 4's state pairs join the step graph's."""
-        if self.pairs:
-            props = self.model.metadata_props
-            props[md.MODEL_STATE_PAIRS] = json.dumps(json.loads(props[md.MODEL_STATE_PAIRS]) + self.pairs)
+        """Rule 4 (delayed): this step's amaxes pushed into the history, the new scales, and
+        their state pairs."""
+        if not self.delayed or not self.amaxes:
+            return
+        opt, h, count = self.builders[md.Role.OPTIMIZER], self.scaling.history, len(self.amaxes)
+        history = ir.Value(name=_HISTORY, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([h, count]))
+        self._register(self.scales, np.ones((count,), np.float32))
+        self._register(history, np.zeros((h, count), np.float32))
+        newest = opt.op("Concat", *(opt.op("Unsqueeze", a, opt.ints([0, 1]), name=f"{t.key}/amax_2d")
+                                    for t, a in zip(self.tensors.values(), self.amaxes)), axis=1, name="amaxes")
+        pushed = newest if h == 1 else opt.op(
+            "Concat", newest, opt.op("Slice", history, opt.ints([0]), opt.ints([h - 1]), opt.ints([0]), name="amax_older"),
+            axis=0, name="amax_pushed")
+        reduced = opt.op("ReduceMax", newest if self.scaling.amax == "most_recent" else pushed, opt.ints([0]),
+                         keepdims=0, name="amax_reduced")
+        top = opt.const(np.array([fp8_max(t.fmt) for t in self.tensors.values()], np.float32))
+        new_scales = self._derive(opt, reduced, self.scales, top, "scales")
+        new_history = opt.op("Identity", pushed, name="amax_history_next")
+        new_scales.name, new_history.name = opt.unique(f"{_SCALES}/updated"), opt.unique(f"{_HISTORY}/updated")
+        new_scales.shape, new_history.shape = ir.Shape([count]), ir.Shape([h, count])
+        self.graph.outputs.extend([new_scales, new_history])
+        props = self.model.metadata_props
+        pairs = json.loads(props[md.MODEL_STATE_PAIRS]) + [[_SCALES, new_scales.name], [_HISTORY, new_history.name]]
+        props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        self.history = history
+
+    def _register(self, value: ir.Value, initial: np.ndarray) -> None:
+        """``value`` becomes a state input whose initializer holds ``initial``."""
+        value.shape = ir.Shape(list(initial.shape))
+        value.const_value = ir.tensor(initial, name=value.name)
+        self.graph.inputs.append(value)
+        self.graph.register_initializer(value)
 
     def record(self, t: _Tensor) -> dict[str, object]:
         return {"tensor": t.key, "format": t.fmt.name.lower(), "kind": t.kind,
-                "scale": t.scale.name if self.delayed and t.scale is not None else None,
-                "history": t.history.name if t.history is not None else None,
-                "amax": t.amax.name if t.amax is not None else None, "gemms": t.gemms}
+                "scale": _SCALES if self.delayed else None, "history": _HISTORY if self.delayed else None,
+                "index": t.index, "amax": t.amax.name if t.amax is not None else None, "gemms": t.gemms}
 
 
 class _Fp8Builder(Builder):
