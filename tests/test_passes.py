@@ -6,6 +6,7 @@ infer op, ``clear1`` a clear op; the assertions read like the spec.
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import ml_dtypes
@@ -303,6 +304,27 @@ def test_emulation_matches_numpy_rounding():
     np.testing.assert_allclose(got, want, rtol=2**-7)
     assert np.mean(got == want) > 0.9  # summation order may flip a last bit
 
+
+
+def test_emulation_leaves_omitted_optional_outputs_alone():
+    """An ``Attention`` whose ``present_key``/``present_value`` are omitted (named ``""``) and
+    whose ``qk_matmul_output`` is kept, as in onnx's ``test_attention_4d_with_qk_matmul``: the
+    emulation rounded the omitted outputs too, with Casts reading ``""`` that ORT refused
+    ("input 0 is marked single but has an empty string"), so the fp16 range check, which runs
+    the emulated lowering, failed (a warning under ``calibrate="auto"``). Now only values
+    something reads are rounded: the check runs, and the emulation matches float32."""
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for _ in range(3))
+    nodes = [h.make_node("Attention", ["q", "k", "v"], ["y", "", "", "qk"], name="attn")]
+    model = make_model(nodes, [vi(n, [1, 2, 3, 4]) for n in "qkv"], [vi("y", [1, 2, 3, 4]), vi("qk", [1, 2, 3, 3])],
+                       opset=23, ir_version=11)
+    feeds = {"q": q, "k": k, "v": v}
+    native = mpgraph.convert(copy.deepcopy(model), "fp16", calibrate=feeds)
+    assert native.graph.node("attn").metadata_props["mpgraph.precision"] == "float16"
+    emu = mpgraph.convert(copy.deepcopy(model), "fp16", emulate=True, calibrate=feeds)
+    assert all(i is None or i.name for n in emu.graph for i in n.inputs)
+    for want, got in zip(run(model, feeds), run(emu, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-2, atol=1e-2)
 
 FLOATS = [d for d in FLOAT_FORMATS if d not in (ir.DataType.DOUBLE,)]
 

@@ -32,6 +32,7 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
         3. A low constant is stored back as float32; its values are already rounded.
         4. A low graph input stays low and is widened once; low graph outputs become float32
            holding rounded values.
+        5. A value nothing reads (an omitted optional output among them) is only retyped.
     """
 
     def __init__(self, low: ir.DataType) -> None:
@@ -60,11 +61,17 @@ class EmulatePrecisionPass(ir.passes.InPlacePass):
                 modified = True
                 continue
             producer = value.producer()
-            is_cast = producer is not None and producer.op_type == "Cast"
+            computed = producer is not None and producer.op_type != "Cast"
+            if computed:
+                value.type = ir.TensorType(ir.DataType.FLOAT)  # a new type: clones share it
+                modified = True
+            if not value.uses() and not value.is_graph_output():
+                # Nothing reads it, so there is no rounding to show; an omitted optional output
+                # (Attention's present_key, named "") would get a Cast reading "", which ORT refuses.
+                continue
             rounded = value
             new_nodes: list[ir.Node] = []
-            if not is_cast and producer is not None:
-                value.type = ir.TensorType(ir.DataType.FLOAT)  # a new type: clones share it
+            if computed:
                 down = _cast(names.fresh(f"round/{value.name}_{short_name(low)}"), value, low)
                 new_nodes.append(down)
                 rounded = down.outputs[0]
