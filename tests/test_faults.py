@@ -634,15 +634,17 @@ def test_nonfinite_loss_is_undone(files: dict[str, Path]):
 def test_loss_scale_collapse_warns(caplog: pytest.LogCaptureFixture):
     import logging
 
-    from mpgraph.runtime import trainer as tr
+    from mpgraph.runtime import loop as tr
+    from mpgraph.runtime.metrics import Metrics, StepResult
+    from mpgraph.runtime.trainer import Trainer
 
-    t = tr.Trainer.__new__(tr.Trainer)  # only fit's report: steps that all come back skipped
-    t.steps, t.has_loss_scale, t.metrics = 0, False, tr.Metrics()
+    t = Trainer.__new__(Trainer)  # only fit's report: steps that all come back skipped
+    t.steps, t.has_loss_scale, t.metrics = 0, False, Metrics()
     report = tr._FitReport(t, 25, None, False)
-    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.trainer"):
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.loop"):
         for _ in range(25):
             t.steps += 1
-            result = tr.StepResult(1.0, None, True, 0.0)
+            result = StepResult(1.0, None, True, 0.0)
             t.metrics.append(t.steps, result)
             report(result)
     warnings = [r.getMessage() for r in caplog.records if "loss scale collapsed" in r.getMessage()]

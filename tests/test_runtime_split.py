@@ -171,3 +171,33 @@ def test_loss_scale_state_is_read_from_its_record_and_old_graphs_fall_back_to_na
     old = Trainer(scaled, threads=1)
     assert (old.found_inf_name, old.loss_scale) == (md.FOUND_INF, trainer.loss_scale)
     assert Trainer(mlp_step).found_inf_name is None and Trainer(mlp_step).loss_scale is None
+
+
+# -- program.py, executor.py, options.py ----------------------------------------------------------
+
+
+def test_run_options_are_the_trainer_keywords_and_one_way_in(mlp_step: ir.Model):
+    """``Trainer(**keywords)`` and ``Trainer(options=RunOptions(...))`` are the same run; giving
+    both is refused rather than silently preferring one."""
+    from mpgraph.runtime.options import RunOptions
+
+    options = RunOptions(provider="cpu", threads=1, kernels=False)
+    a, b = Trainer(mlp_step, "cpu", threads=1, kernels=False), Trainer(mlp_step, options=options)
+    assert a.options == b.options == options and a.kernels_reason == b.kernels_reason == "kernels=False"
+    assert a.step(_batch()).loss == b.step(_batch()).loss
+    with pytest.raises(MpgraphError, match="either as keywords or as options"):
+        Trainer(mlp_step, "cpu", threads=2, options=options)
+    assert set(RunOptions.fields()) >= {"provider", "kernels", "pipeline", "deterministic", "cuda_graph"}
+
+
+def test_the_session_runs_the_plan_the_lowering_made(mlp_step: ir.Model):
+    """The runtime rewrites nothing: the session's graph is ``plan_session``'s, byte for byte,
+    and the step graph the trainer was given is unchanged."""
+    from mpgraph.lowering import PlanOptions, plan_session
+    from mpgraph.runtime.program import Program
+
+    before = ir.to_proto(mlp_step).SerializeToString()
+    trainer = Trainer(mlp_step, "cpu", threads=1, kernels=True)
+    plan = plan_session(Program(mlp_step).session_graph, "cpu", PlanOptions(kernels=True))
+    assert trainer.executor.plan.graph == plan.graph and trainer.kernels_fused == plan.kernels_fused > 0
+    assert ir.to_proto(mlp_step).SerializeToString() == before

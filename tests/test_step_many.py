@@ -19,6 +19,7 @@ import pytest
 from mpgraph.convert import convert
 from mpgraph.errors import TrainingError, UsageError
 from mpgraph.policy import load_policy
+from mpgraph.runtime.executor import Executor
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.helpers import random_batches
@@ -55,7 +56,7 @@ def lagged(monkeypatch: pytest.MonkeyPatch) -> None:
     def events(provider: str, device_id: int, pipeline: bool | None, cuda_graph: bool | None) -> tuple:
         return (None, "pipeline=False") if pipeline is False else (_HostEvents(), "")
 
-    monkeypatch.setattr(Trainer, "_pipeline_events", staticmethod(events))
+    monkeypatch.setattr(Executor, "_pipeline_events", staticmethod(events))
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +93,7 @@ def test_step_many_is_step_per_batch_on_cpu(mlp_step):
 
 def test_lagged_step_many_is_step_per_batch(lagged, mlp_step):
     a, b = Trainer(mlp_step, "cpu"), Trainer(mlp_step, "cpu", pipeline=False)
-    assert a.pipeline and len(a._sets) == 3 and not b.pipeline and len(b._sets) == 2
+    assert a.pipeline and a.executor.ring == len(a.executor.sets) == 3 and not b.pipeline and len(b.executor.sets) == 2
     batches = random_batches(a, 12, 16)
     _same_run(a, b, a.step_many(batches, lr=1e-2), [b.step(x, lr=1e-2) for x in batches])
     assert not a._inflight
@@ -214,7 +215,7 @@ def test_pipelined_fit_undoes_bad_steps_like_fit(mode):
 def test_pipeline_default_leaves_a_large_state_alone():
     """``pipeline=None`` adds no third state set over ``PIPELINE_MAX_STATE_MIB`` on CUDA (the
     reason names the size); an explicit choice and other providers are left as asked."""
-    from mpgraph.runtime.trainer import PIPELINE_MAX_STATE_MIB, _pipeline_default
+    from mpgraph.runtime.executor import PIPELINE_MAX_STATE_MIB, _pipeline_default
 
     big = PIPELINE_MAX_STATE_MIB + 1.0
     pipeline, reason = _pipeline_default("cuda", None, big)

@@ -382,16 +382,16 @@ def test_replay_buffers_match_the_plain_path_on_cpu():
         if i == 1:
             # What provider="cuda" sets; the CPU session just never captures. Starting at an
             # odd step checks that the replay bindings follow the buffer parity.
-            forced._want_graph = True
+            forced.executor._want_graph = True
         lr = 1e-3 if i < 4 else 5e-4  # an lr change must reach the fixed lr buffer
         a, b = plain.step(batches[i % 3], lr), forced.step(batches[i % 3], lr)
         assert a.loss == b.loss, i
-    assert forced._replay is not None and forced.cuda_graph
+    assert forced.executor.replay is not None and forced.cuda_graph
     odd = {"tokens": batches[0]["tokens"][:2], "label": batches[0]["label"][:2]}
     assert plain.step(odd).loss == forced.step(odd).loss  # another shape: the plain session
     saved = plain.state
-    forced._set_state(saved)  # a checkpoint load: same buffers, overwritten in place
-    assert forced._replay is not None
+    forced.executor.set_state(saved)  # a checkpoint load: same buffers, overwritten in place
+    assert forced.executor.replay is not None
     for name, value in forced.state.items():
         np.testing.assert_array_equal(value, saved[name])
     assert plain.step(batches[0]).loss == forced.step(batches[0]).loss

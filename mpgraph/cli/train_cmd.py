@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.markup import escape
@@ -42,6 +42,7 @@ from mpgraph.errors import MpgraphError
 if TYPE_CHECKING:
     from mpgraph.data import Dataset
     from mpgraph.runtime.metrics import StepResult
+    from mpgraph.runtime.options import RunOptions
     from mpgraph.runtime.trainer import Trainer
 
 __all__ = ["train"]
@@ -85,7 +86,7 @@ def _check_args(step: Path, steps: int, batch: int | None, checkpoint_every: int
 def _stream(trainer: Trainer, batch: int | None, seed: int | None, resume: Path | None) -> tuple[int, int]:
     """``--batch`` and ``--seed`` resolved (``Trainer.stream_settings``); a note names the
     checkpoint's values a resume takes."""
-    from mpgraph.cli.main import err_console
+    from mpgraph.cli.console import err_console
 
     resolved = trainer.stream_settings(batch, seed)
     taken = [f"{flag} {value}" for flag, given, value in (("--batch", batch, resolved[0]), ("--seed", seed, resolved[1]))
@@ -106,14 +107,14 @@ def _provider_options(items: list[str] | None) -> dict[str, str]:
     return options
 
 
-def _open_trainer(step: Path, provider: str, **options: Any) -> Trainer:
+def _open_trainer(step: Path, options: RunOptions) -> Trainer:
     """The trainer of ``step``, its notes printed; an ORT failure to load is one line."""
-    from mpgraph.cli.main import err_console
+    from mpgraph.cli.console import err_console
     from mpgraph.runtime.providers import ort_error
     from mpgraph.runtime.trainer import Trainer
 
     try:
-        trainer = Trainer(step, provider, **options)
+        trainer = Trainer(step, options=options)
     except MpgraphError:
         raise
     except Exception as e:  # noqa: BLE001 - ORT raises RuntimeError and its own pybind types
@@ -129,7 +130,7 @@ def _open_trainer(step: Path, provider: str, **options: Any) -> Trainer:
 @contextmanager
 def _progress(steps: int, start_step: int, quiet: bool) -> Iterator[Callable[[int, StepResult], None]]:
     """A progress bar while the block runs; yields the per-step callback that updates it."""
-    from mpgraph.cli.main import console
+    from mpgraph.cli.console import console
 
     columns = (
         TextColumn("[bold]train[/]"), BarColumn(), MofNCompleteColumn(),
@@ -222,14 +223,17 @@ def train(
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
-    from mpgraph.cli.main import console, err_console
+    from mpgraph.cli.console import console, err_console
     from mpgraph.errors import CheckpointError, TrainingError
     from mpgraph.runtime.trainer import FinalCheckpointError, run_training
 
     _check_args(step, steps, batch, checkpoint_every, threads, lr, on_nonfinite, checkpoint, metrics, plot)
-    trainer = _open_trainer(step, provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
-                            provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
-                            kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic)
+    from mpgraph.runtime.options import RunOptions
+
+    options = RunOptions(provider=provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
+                         provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
+                         kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic)
+    trainer = _open_trainer(step, options)
     if resume is not None:
         trainer.load_checkpoint(resume)
     # A resumed run continues the checkpoint's data stream: its batch size and seed unless

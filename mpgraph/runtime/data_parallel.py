@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from mpgraph._ir import meta as md
+from mpgraph.data import Batches, InputSpec, dataset_for_model
 from mpgraph.errors import CheckpointError, OutputError, UsageError
 from mpgraph.io import write_atomic
 from mpgraph.training.split_step_graph import (
@@ -68,7 +69,8 @@ from mpgraph.training.split_step_graph import (
     split_step_graph,
 )
 
-__all__ = ["DataParallelOptions", "DataParallelRunner", "DataParallelStep", "backend_for", "shard_batch"]
+__all__ = ["DataParallelOptions", "DataParallelRunner", "DataParallelStep", "backend_for", "shard_batch",
+           "train_data_parallel"]
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +356,10 @@ class DataParallelRunner:
             return None
         return {a: held[a] for a, _ in self.split.state_pairs}
 
-    def save(self, path: str) -> None:
+    def save(self, path: str, extra: Mapping[str, object] | None = None) -> None:
         """Rule 5: rank 0 writes the whole state atomically; every rank calls it and waits.
+
+        ``extra`` (JSON-serialisable, e.g. the data stream's position) is stored beside it.
 
         Raises:
             OutputError: On every rank, when rank 0 could not write (the previous file stays).
@@ -363,7 +367,8 @@ class DataParallelRunner:
         state = self._gather_state(everyone=False)
         error = [""]
         if state is not None:
-            meta = {"format": FORMAT, "steps": self.steps, "names": list(state), "world": self.world}
+            meta = {"format": FORMAT, "steps": self.steps, "names": list(state), "world": self.world,
+                    "extra": dict(extra or {})}
             buffer = io.BytesIO()
             np.savez(buffer, __meta__=np.array(json.dumps(meta)), **{f"s{i}": a for i, a in enumerate(state.values())})
             try:
@@ -375,8 +380,9 @@ class DataParallelRunner:
         if error[0]:
             raise OutputError(error[0])
 
-    def load(self, path: str) -> None:
-        """Every rank reads a checkpoint from ``save`` (any world size, sharded or not).
+    def load(self, path: str) -> dict[str, object]:
+        """Every rank reads a checkpoint from ``save`` (any world size, sharded or not);
+        returns the ``extra`` it was saved with.
 
         Raises:
             CheckpointError: Not such a checkpoint, or its state names or shapes differ.
@@ -395,6 +401,50 @@ class DataParallelRunner:
                 raise CheckpointError(f"{path}: state '{name}' has shape {arrays[name].shape}, the graph {array.shape}")
             array[...] = arrays[name]
         self.steps = int(meta["steps"])
+        return dict(meta.get("extra", {}))
+
+
+def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: int, seed: int = 0,
+                        lr: float | None = None, checkpoint: str | None = None, checkpoint_every: int = 0,
+                        resume: str | None = None, options: DataParallelOptions | None = None,
+                        report: Callable[[int, DataParallelStep], None] | None = None) -> DataParallelRunner:
+    """Train on every rank of the process group (the Python twin of ``mpgraph train --nproc``).
+
+    Every rank draws the same global batches of ``batch_size`` samples (``data.Batches``,
+    seeded) and steps on its slice of each. Checkpoints (``checkpoint_every`` steps and at
+    the end) hold the data stream's position, so ``resume`` continues the stream, on any
+    world size that divides the batch.
+
+    Args:
+        step: The step graph (the same on every rank).
+        data: A dataset name (``digits``, ``sequence``) or ``.npz`` path (``data.dataset_for_model``).
+        steps: Steps to run (after the resumed ones).
+        batch_size: Global batch: divisible by world size times ``micro_batches``.
+        report: Called on every rank with the step number and its result.
+    """
+    runner = DataParallelRunner(step, options=options)
+    slices = runner.world * runner.options.micro_batches
+    if batch_size % slices:
+        raise UsageError(f"batch {batch_size} must be divisible by {runner.world} ranks x "
+                         f"{runner.options.micro_batches} micro-batches = {slices}")
+    graph = runner.split.gradient.graph
+    specs = [InputSpec(v.name or "", np.dtype(v.dtype.numpy()) if v.dtype is not None else np.dtype(np.float32),
+                       None if v.shape is None else tuple(d if isinstance(d, int) else str(d) for d in v.shape))
+             for v in graph.inputs if v.name in runner.split.data_inputs]
+    stream = Batches(dataset_for_model(data, specs, seed=seed).train, batch_size=batch_size, seed=seed)
+    if resume is not None:
+        position = runner.load(resume).get("data")
+        if isinstance(position, list):
+            stream.seek((int(position[0]), int(position[1])))
+    for _ in range(steps):
+        result = runner.step(shard_batch(next(stream), runner.rank, runner.world), lr=lr)
+        if report is not None:
+            report(runner.steps, result)
+        if checkpoint is not None and checkpoint_every and runner.steps % checkpoint_every == 0:
+            runner.save(checkpoint, {"data": list(stream.position)})
+    if checkpoint is not None:
+        runner.save(checkpoint, {"data": list(stream.position)})
+    return runner
 
 
 def _initial_state(step: ir.Model, split: SplitStep) -> dict[str, np.ndarray]:
