@@ -76,7 +76,9 @@ def _check_against_torch(module: torch.nn.Module, args: tuple, names: list[str],
     return errors
 
 
-@pytest.fixture(scope="module", params=["gpt2", "distilbert", "qwen2"])
+# GPT-2 and DistilBERT as the corpus builds them (HF's default attention) are exported the
+# same way in tests/test_dynamo_text.py, with the other text models, at opsets 18 and 23.
+@pytest.fixture(scope="module", params=["qwen2"])
 def exported(request: pytest.FixtureRequest):
     case = getattr(models, request.param)()
     return case, *_export(case.module, case.inputs, list(case.input_names))
@@ -84,12 +86,9 @@ def exported(request: pytest.FixtureRequest):
 
 @pytest.mark.slow
 def test_unoptimized_export_trains_every_parameter_alone(exported) -> None:
-    """GPT-2 (Conv1D, learned positions, tied lm_head), DistilBERT (the float attention mask
-    ``val_74``), Qwen2 (rotary ``inv_freq`` buffer and caches, GQA, q/k/v biases): every
-    parameter has its own gradient, no buffer or constant has one. Measured: worst 3e-7
-    (GPT-2), 5e-7 (DistilBERT), 7e-7 (Qwen2). GPT-2's q/k/v split is ``SplitToSequence``
-    without the optimizer; it refused (``no gradient rule for op ai.onnx::SequenceAt``)
-    before it became a ``Split``."""
+    """Qwen2 with eager attention (rotary ``inv_freq`` buffer and caches, GQA written out with
+    ``repeat_kv``, q/k/v biases): every parameter has its own gradient, no buffer or constant
+    has one. Measured: worst 7e-7."""
     case, plain, _ = exported
     errors = _check_against_torch(case.module, case.inputs, list(case.input_names), plain)
     worst = max(errors, key=errors.__getitem__)
@@ -98,9 +97,8 @@ def test_unoptimized_export_trains_every_parameter_alone(exported) -> None:
 
 @pytest.mark.slow
 def test_optimized_export_is_refused_in_one_line(exported) -> None:
-    """The default export folds parameters away (GPT-2's ``wpe`` into ``embedding_1``; every
-    ``nn.Linear`` weight pre-transposed into ``val_*`` in DistilBERT and Qwen2) and drops
-    zero biases: refused, counted, with the recipe."""
+    """The default export folds parameters away (every ``nn.Linear`` weight pre-transposed
+    into ``val_*``): refused, counted, with the recipe."""
     case, _, optimized = exported
     with pytest.raises(UnsupportedModelError) as info:
         build_training_graph(optimized, optimizer=None)
@@ -108,8 +106,6 @@ def test_optimized_export_is_refused_in_one_line(exported) -> None:
     assert "\n" not in message and "optimize=False" in message and "mpgraph export" in message
     count, first = re.search(r"merged (\d+) torch parameters .*\(first: '([^']+)'", message).groups()
     assert int(count) >= 1 and first in dict(case.module.named_parameters())
-    if case.name == "gpt2":
-        assert "'model.transformer.wpe.weight', folded into 'embedding_1'" in message
 
 
 # -- a module whose parameters the optimizer merges but does not fold ------------------------
