@@ -197,8 +197,10 @@ def test_delayed_state_matches_the_reference_step_for_step(scaling: str) -> None
     names = [o.name for o in sess.get_outputs()]
     ref = {t["tensor"]: (F32(1.0), np.zeros(settings.history, F32)) for t in tensors}
     rng = np.random.default_rng(0)
-    for step in range(6):
+    for step in range(7):
         x = (rng.standard_normal((32, 4)) * 10.0 ** (step - 2)).astype(F32)  # amax from 0.03 to 300
+        if step == 6:
+            x[0, 0] = np.nan  # every amax NaN: pushed as 0, scales kept
         feeds = {**state, "x": x, "label": (x[:, 0] > 0).astype(np.int64)}
         out = dict(zip(names, sess.run(names, feeds)))
         for i, t in enumerate(tensors):
@@ -209,12 +211,16 @@ def test_delayed_state_matches_the_reference_step_for_step(scaling: str) -> None
             assert same_bits(state["fp8/scales"][i], scale), (step, key)  # the scale this step used ...
             assert same_bits(out[f"fp8/{key}/dequantized"], ref_quantize(operand, scale, fmt)[1]).all(), (step, key)
             amax = np.max(np.abs(operand))
+            if step == 6 and key == "x":
+                assert np.isnan(amax)
+            amax = amax if np.isfinite(amax) else F32(0)
             history = np.concatenate([[amax], history[:-1]]).astype(F32)
             reduced = amax if settings.amax == "most_recent" else history.max()
             ref[key] = (ref_scale(reduced, scale, fmt, settings.margin, settings.rounding), history)
             assert same_bits(out["fp8/amax_history/updated"][:, i], history).all(), (step, key)
             assert same_bits(out["fp8/scales/updated"][i], ref[key][0]), (step, key, out["fp8/scales/updated"][i], ref[key][0])
         state = {a: out[b] for a, b in pairs}
+    assert (out["fp8/amax_history/updated"][0] == 0).sum() >= 3  # x, relu and relu_1 pushed NaN as 0
     scales = [float(ref[t["tensor"]][0]) for t in tensors]
     assert len(set(scales)) > 3  # the scales moved, differently per tensor
 

@@ -83,7 +83,8 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
         4. Delayed recipe on a training step graph: the scales of all T tensors are one state
            input ``fp8/scales`` ``[T]`` (ones; tensor ``i`` reads ``Gather(scales, i)``) and
            their amax histories one ``fp8/amax_history`` ``[history, T]`` (zeros, newest row
-           first). The step outputs the history with this step's amaxes pushed in as a row,
+           first). The step outputs the history with this step's amaxes pushed in as a row
+           (an inf or NaN amax as 0, so one bad step does not hold the scales for ``history`` steps),
            and the scales derived from its column max (or newest row) with ``s0`` the incoming
            scales, element-wise in one set of nodes; both pairs join ``mpgraph.state_pairs``.
            Otherwise (current recipe, or an inference graph) ``s`` is derived per tensor from
@@ -261,8 +262,10 @@ class _Quantizer:
         history = ir.Value(name=_HISTORY, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([h, count]))
         self._register(self.scales, np.ones((count,), np.float32))
         self._register(history, np.zeros((h, count), np.float32))
-        newest = opt.op("Concat", *(opt.op("Unsqueeze", a, opt.ints([0, 1]), name=f"{t.key}/amax_2d")
-                                    for t, a in zip(self.tensors.values(), self.amaxes)), axis=1, name="amaxes")
+        raw = opt.op("Concat", *(opt.op("Unsqueeze", a, opt.ints([0, 1]), name=f"{t.key}/amax_2d")
+                                 for t, a in zip(self.tensors.values(), self.amaxes)), axis=1, name="amaxes")
+        bad = opt.op("Or", opt.op("IsNaN", raw, name="amaxes_nan"), opt.op("IsInf", raw, name="amaxes_inf"), name="amaxes_bad")
+        newest = opt.op("Where", bad, opt.scalar32(0.0), raw, name="amaxes_finite")
         pushed = newest if h == 1 else opt.op(
             "Concat", newest, opt.op("Slice", history, opt.ints([0]), opt.ints([h - 1]), opt.ints([0]), name="amax_older"),
             axis=0, name="amax_pushed")
