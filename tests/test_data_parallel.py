@@ -23,7 +23,12 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.errors import CheckpointError, UsageError
 from mpgraph.policy import parse_policy
-from mpgraph.runtime.data_parallel import DataParallelOptions, DataParallelRunner, shard_batch
+from mpgraph.runtime.data_parallel import (
+    DataParallelOptions,
+    DataParallelRunner,
+    shard_batch,
+    train_data_parallel,
+)
 from mpgraph.training import build_training_graph
 from tests.cpu_runner import CpuRunner
 
@@ -196,3 +201,27 @@ def test_shard_batch_refuses_a_batch_that_does_not_divide():
     assert shard_batch({"x": np.arange(6)}, 2, 3)["x"].tolist() == [4, 5]
     with pytest.raises(UsageError, match="not divisible into 4"):
         shard_batch({"x": np.arange(6)}, 0, 4)
+
+
+def test_torchrun_launch_trains_like_one_process_and_resumes_the_stream(tmp_path):
+    """``python -m mpgraph.cli.train_nproc --nproc 2`` (what ``mpgraph train --nproc 2`` runs):
+    5 steps of the data stream on 2 ranks equal one process with 2 slices that runs 3 steps,
+    checkpoints, and resumes for 2 (the checkpoint holds the stream's position)."""
+    (tmp_path / "mlp.onnx").write_bytes(_model_bytes("tiny_mlp"))
+    rng = np.random.default_rng(3)
+    np.savez(tmp_path / "d.npz", x=rng.standard_normal((20, 4)).astype(np.float32), label=rng.integers(0, 2, 20))
+    args = ["mlp.onnx", "--data", "d.npz", "--steps", "5", "--batch", "8", "--checkpoint", "ranks.npz", "--threads", "1"]
+    ran = subprocess.run([sys.executable, "-m", "mpgraph.cli.train_nproc", "--nproc", "2", *args], cwd=tmp_path,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                         timeout=300)
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert "step 5: loss" in ran.stdout and "trained 5 steps on 2 processes" in ran.stdout
+    options = DataParallelOptions(threads=1, micro_batches=2)
+    first = str(tmp_path / "one.npz")
+    train_data_parallel(_step("tiny_mlp"), str(tmp_path / "d.npz"), steps=3, batch_size=8, checkpoint=first, options=options)
+    one = train_data_parallel(_step("tiny_mlp"), str(tmp_path / "d.npz"), steps=2, batch_size=8, resume=first, options=options)
+    assert one.steps == 5  # 20 samples, batch 8: step 3 starts the second epoch
+    check = DataParallelRunner(_step("tiny_mlp"), options=options)
+    check.load(str(tmp_path / "ranks.npz"))
+    for key, value in one.full_state().items():
+        np.testing.assert_array_equal(check.full_state()[key], value, err_msg=key)

@@ -1,0 +1,100 @@
+"""``mpgraph train --nproc N``: data-parallel training on N processes, launched through torchrun.
+
+``launch`` runs ``python -m torch.distributed.run --standalone --nproc-per-node N -m
+mpgraph.cli.train_nproc STEP ...``; every rank (this module's ``main``) joins the group torchrun
+set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` in its environment) and trains with
+``runtime.data_parallel.train_data_parallel``. Rank 0 prints the loss lines and writes the
+checkpoint; an error is one ``error:`` line from the rank that met it, exit code 2.
+
+The hook in ``mpgraph train`` (an ``--nproc`` option that calls ``launch``) belongs to
+``cli/train_cmd.py``; until it lands, ``python -m mpgraph.cli.train_nproc --nproc N STEP ...``
+launches the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+__all__ = ["launch", "launch_command", "main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mpgraph train --nproc N", description=__doc__.splitlines()[0])
+    p.add_argument("step", help="training step graph (.onnx)")
+    p.add_argument("--data", required=True, help="digits, sequence, or an .npz")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--batch", type=int, default=64, help="global batch (divisible by N x --micro-batches)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.add_argument("--resume", default=None)
+    p.add_argument("--shard-optimizer", action="store_true", help="ZeRO-1: optimizer state split over the ranks")
+    p.add_argument("--micro-batches", type=int, default=1)
+    p.add_argument("--reduction", default="ordered", choices=["ordered", "all_reduce"])
+    p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads per rank")
+    p.add_argument("--log-every", type=int, default=10)
+    return p
+
+
+def launch_command(nproc: int, args: list[str]) -> list[str]:
+    """The torchrun command line for ``nproc`` ranks of ``mpgraph.cli.train_nproc ARGS``.
+
+    Example:
+        >>> launch_command(2, ["net.onnx", "--data", "digits"])[1:7]
+        ['-m', 'torch.distributed.run', '--standalone', '--nproc-per-node', '2', '-m']
+    """
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            "-m", "mpgraph.cli.train_nproc", *args]
+
+
+def launch(nproc: int, args: list[str]) -> int:
+    """Run ``nproc`` ranks through torchrun; their exit code (torchrun's)."""
+    if nproc < 1:
+        from mpgraph.errors import UsageError
+
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    _parser().parse_args(args)  # refuse bad flags here, not in N processes
+    return subprocess.call(launch_command(nproc, args))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """One rank: join torchrun's group, train, report on rank 0."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--nproc"]:
+        return launch(int(argv[1]), argv[2:])
+    args = _parser().parse_args(argv)
+    import torch.distributed as dist
+
+    from mpgraph.errors import MpgraphError
+    from mpgraph.io import load_model
+    from mpgraph.runtime.data_parallel import DataParallelOptions, backend_for, train_data_parallel
+
+    dist.init_process_group(backend_for("cpu"))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        options = DataParallelOptions(shard_optimizer=args.shard_optimizer, micro_batches=args.micro_batches,
+                                      reduction=args.reduction, threads=args.threads)
+
+        def report(step: int, result) -> None:  # noqa: ANN001
+            if rank == 0 and (step % max(args.log_every, 1) == 0 or step == args.steps):
+                print(f"step {step}: loss {result.loss:.6f}{' (skipped: overflow)' if result.skipped else ''}", flush=True)
+
+        train_data_parallel(load_model(args.step), args.data, steps=args.steps, batch_size=args.batch, seed=args.seed,
+                            lr=args.lr, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
+                            resume=args.resume, options=options, report=report)
+    except MpgraphError as e:
+        print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(f"trained {args.steps} steps on {world} processes"
+              f"{'; checkpoint ' + args.checkpoint if args.checkpoint else ''}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
