@@ -84,5 +84,11 @@ def _summary(result: ir.Model, out: Path, pol: Policy, elapsed: float, *, emulat
            if as_inputs and not pol.is_identity else "")
         + (f", {report.rounds_inserted} emulation roundings" if emulate else "")
     )
+    if report.fp8 is not None:
+        tensors = report.fp8["tensors"].values()
+        formats = sorted({t["format"] for t in tensors})
+        console.print(f"fp8: {len(tensors)} tensors quantised ("
+                      + ", ".join(f"{sum(t['format'] == f for t in tensors)} {f}" for f in formats)
+                      + f"), {report.fp8['recipe']['used']} scaling; `mpgraph audit` lists them", highlight=False)
     for line in conversion_notes(result, emulate=emulate):
         console.print(line, highlight=False, soft_wrap=True)
