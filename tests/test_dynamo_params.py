@@ -244,3 +244,33 @@ def test_split_to_sequence_with_constant_positions_becomes_split(split, keepdims
            for m in (proto, ir.to_proto(model))]
     for before, after in zip(*run, strict=True):
         np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("x_shape", [(2, 3, 5, 8), (2, 5, 24)], ids=["4d", "3d"])
+def test_rotary_caches_of_one_row_are_expanded_to_the_batch(x_shape) -> None:
+    """``RotaryEmbedding`` without ``position_ids`` reading ``(1, S, d)`` caches, as HF
+    computes ``cos``/``sin`` for one row of positions: ONNX Runtime refuses them ("expected to
+    have the same shape as input 'x', got 1 and 5", CPU and CUDA). The step graph reads them
+    expanded to the batch, and its gradient equals that of the model given ``(B, S, d)``
+    caches."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    w = rng.standard_normal(x_shape).astype(np.float32)
+    angles = rng.standard_normal((1, 5, 4)).astype(np.float32)
+    attrs = {"num_heads": 3} if len(x_shape) == 3 else {}
+
+    def forward(cos: np.ndarray, sin: np.ndarray) -> onnx.ModelProto:
+        nodes = [h.make_node("Mul", ["x", "w"], ["h"], name="scale"),
+                 h.make_node("RotaryEmbedding", ["h", "cos", "sin"], ["y"], name="rope", **attrs),
+                 h.make_node("Mul", ["y", "y"], ["sq"], name="square"),
+                 h.make_node("ReduceSum", ["sq"], ["loss"], name="sum", keepdims=0)]
+        inits = [init("w", w), init("cos", cos), init("sin", sin)]
+        return make_model(nodes, [vi("x", list(x_shape))], [vi("loss", [])], inits, opset=23, ir_version=11)
+
+    one_row = forward(np.cos(angles), np.sin(angles))
+    with pytest.raises(Exception, match="expected to have the same shape as input 'x', got 1 and 5"):
+        run_named(ir.from_proto(one_row), {"x": x})
+    got = run_named(build_training_graph(one_row, optimizer=None, params=["w"]), {"x": x})
+    batched = forward(np.cos(angles).repeat(2, axis=0), np.sin(angles).repeat(2, axis=0))
+    want = run_named(build_training_graph(batched, optimizer=None, params=["w"]), {"x": x})
+    np.testing.assert_allclose(got["grad/w"], want["grad/w"], rtol=1e-6, atol=1e-6)

@@ -154,6 +154,8 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
        dynamo exporter's ``torch.split`` without its optimizer) becomes one ``Split``.
     8. Constant-only subgraphs are folded (``FoldConstantSubgraphsPass``; ``params`` as in
        ``SelectParametersPass``).
+    9. A ``RotaryEmbedding`` without ``position_ids`` whose cos/sin caches may have another
+       batch size than its input (HF's ``(1, S, d)`` caches) reads them expanded to it.
 
     Example:
         >>> import numpy as np
@@ -187,6 +189,7 @@ class NormalizeForwardPass(ir.passes.InPlacePass):
         modified = _untie_identity_initializers(graph) > 0 or modified
         modified = _split_sequences(graph) > 0 or modified
         modified = FoldConstantSubgraphsPass(self.inputs_mark_params, self.params)(model).modified or modified
+        modified = _expand_rotary_caches(graph) > 0 or modified
         return ir.passes.PassResult(model, modified)
 
 
@@ -368,3 +371,49 @@ def _split_sizes(node: ir.Node) -> list[int] | None:
 def _const_int(value: ir.Value | None) -> int | None:
     tensor = ir.convenience.get_const_tensor(value) if value is not None else None
     return None if tensor is None or tensor.numpy().size != 1 else int(tensor.numpy().reshape(-1)[0])
+
+
+def _expand_rotary_caches(graph: ir.Graph) -> int:
+    """Rule 9; returns how many ``RotaryEmbedding`` nodes now read expanded caches.
+
+    Without ``position_ids`` the spec gives the caches the shape ``(batch, sequence,
+    rotary_dim / 2)``, and ONNX Runtime (CPU and CUDA: ``rotary_embedding_helper::
+    CheckInputs``) requires that batch to be the input's. Caches computed for one row of
+    positions, ``(1, S, d)`` as HF's ``cos``/``sin`` (torch broadcasts them), are refused:
+    "Inputs 'cos_cache' and 'sin_cache' are expected to have the same shape as input 'x',
+    got 1 and S". So both are expanded to ``(B, 1, 1)``, B the input's first dimension,
+    before the node; the backward rule (``RotaryEmbedding(dy, cos, -sin)``) reads them too.
+    Left alone: nodes with ``position_ids`` (2-D caches), caches of another rank, and caches
+    whose first dimension is statically the input's.
+    """
+    nodes = [n for n in graph if n.op_type == "RotaryEmbedding" and n.domain in ("", "ai.onnx")
+             and (len(n.inputs) < 4 or n.inputs[3] is None)]
+    names = NameScope(graph) if nodes else None
+    count = 0
+    for node in nodes:
+        assert names is not None
+        x, cos, sin = node.inputs[:3]
+        if x is None or cos is None or sin is None or not all(_rank_may_be(v, 3) for v in (cos, sin)):
+            continue
+        batch = x.shape[0] if x.shape is not None and len(x.shape) > 0 else None
+        if isinstance(batch, int) and all(v.shape is not None and v.shape[0] == batch for v in (cos, sin)):
+            continue
+        first = ir.Node("", "Shape", [x], [ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)],
+                        name=names.fresh(f"{node.name}/batch"))
+        ones = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(np.ones(2, np.int64)))],
+                       name=names.fresh(f"{node.name}/ones"))
+        shape = ir.Node("", "Concat", [first.outputs[0], ones.outputs[0]], [ir.AttrInt64("axis", 0)],
+                        name=names.fresh(f"{node.name}/cache_shape"))
+        expands = [ir.Node("", "Expand", [cache, shape.outputs[0]], name=names.fresh(f"{node.name}/{part}"))
+                   for cache, part in ((cos, "cos"), (sin, "sin"))]
+        for new in (first, ones, shape, *expands):
+            new.outputs[0].name = new.name
+        graph.insert_before(node, [first, ones, shape, *expands])
+        node.replace_input_with(1, expands[0].outputs[0])
+        node.replace_input_with(2, expands[1].outputs[0])
+        count += 1
+    return count
+
+
+def _rank_may_be(value: ir.Value, rank: int) -> bool:
+    return value.shape is None or len(value.shape) == rank
