@@ -81,7 +81,8 @@ def build_pipeline(
             passes += [EmulatePrecisionPass(policy.dtype), FoldCastsPass()]
         if policy.fp8 is not None:
             # Then types for the values it made, as a second conversion would infer them.
-            passes += [QuantizeFp8Pass(policy.fp8, policy.dtype), InferTypesPass()]
+            # (FoldCastsPass drops the low copies only the products read before.)
+            passes += [QuantizeFp8Pass(policy.fp8, policy.dtype), FoldCastsPass(), InferTypesPass()]
     if validate:
         passes.append(ValidateModelPass())
     return Pipeline(passes)

@@ -76,6 +76,10 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
         2. Each tensor has one scale ``s``; each operand value is quantised once:
            ``q = Cast(x * s, fp8, saturate=1)``, ``x' = Cast(q, float) * s_inv`` with
            ``s_inv = 1 / s``, cast back to the operand's dtype when that is not float32.
+           ``x`` is the float32 value itself where the operand is its policy-boundary cast to
+           the low dtype (a master weight, an activation of a float32 op): one rounding, to
+           fp8, as a fused quantising kernel would do; a value computed in the low dtype is
+           widened as it is.
         3. ``amax = ReduceMax(|x|)`` of the first operand read of the tensor (graph order).
            The scale from an amax ``a`` and a previous scale ``s0`` (``Fp8Scaling``):
            ``r = fp8_max / a / 2**margin``, rounded down to a power of two with ``pow2``; ``s0``
@@ -188,7 +192,9 @@ class _Quantizer:
     def _chain(self, b: _Fp8Builder, value: ir.Value, tensor: _Tensor) -> tuple[ir.Value, ir.Value]:
         """Rule 2 (and rule 3 at the tensor's first operand): the fp8 bits and the dequantised operand."""
         key = tensor.key
-        wide = value if value.dtype == ir.DataType.FLOAT else b.cast_float(value, f"{key}/float32")
+        wide = _lowered_float32(value)
+        if wide is None:
+            wide = value if value.dtype == ir.DataType.FLOAT else b.cast_float(value, f"{key}/float32")
         if tensor.scale is None:
             self._scale(b, wide, tensor)
         assert tensor.scale is not None and tensor.scale_inv is not None
@@ -317,6 +323,27 @@ class _Fp8Builder(Builder):
         producer = value.producer()
         assert producer is not None
         producer.metadata_props[md.NODE_PRECISION] = md.Precision.NONE
+
+
+def _lowered_float32(value: ir.Value) -> ir.Value | None:
+    """The float32 value that ``value`` is the policy-boundary cast of (in the emulation:
+    that cast's rounding), else ``None`` (a value computed in the low dtype)."""
+    producer = value.producer()
+    if _is_cast(producer, ir.DataType.FLOAT, "round"):
+        assert producer is not None
+        value = producer.inputs[0]
+        producer = value.producer()
+    if producer is None or producer.op_type != "Cast" or producer.metadata_props.get(md.NODE_INSERTED) != "cast":
+        return None
+    source = producer.inputs[0]
+    return source if source is not None and source.dtype == ir.DataType.FLOAT else None
+
+
+def _is_cast(node: ir.Node | None, to: ir.DataType, inserted: str) -> bool:
+    if node is None or node.op_type != "Cast" or node.metadata_props.get(md.NODE_INSERTED) != inserted:
+        return False
+    attr = node.attributes.get("to")
+    return attr is not None and attr.as_int() == to.value and node.inputs[0] is not None
 
 
 def _source(value: ir.Value) -> ir.Value:
