@@ -357,3 +357,16 @@ def test_compare_runs_on_fp8_step_graphs() -> None:
     # The first product whose operands were quantised (at scale 1: the initial state) diverges first.
     assert report.first_divergence is not None and report.first_divergence.producer == "Gemm 'node_linear'"
     assert report.first_backward_divergence is not None and report.first_backward_divergence.precision == "bfloat16"
+
+
+def test_boundary_casts_are_quantised_from_float32_and_low_values_as_they_are() -> None:
+    model = _tiny_step("extends: fp8")
+
+    def amax_reads(key: str) -> ir.Value:
+        return model.graph.node(f"fp8/{key}/abs").inputs[0]
+
+    # Master weights and the float32 input: one rounding, float32 -> fp8 (not via bfloat16).
+    assert [amax_reads(k).name for k in ("x", "fc1.weight", "fc2.weight")] == ["x", "fc1.weight", "fc2.weight"]
+    # relu runs in bfloat16 (emulated: float32 rounded to bfloat16): quantised from that rounding.
+    relu = amax_reads("relu").producer()
+    assert relu is not None and relu.op_type == "Cast" and relu.metadata_props[md.NODE_INSERTED] == "round"
