@@ -21,6 +21,7 @@ import pytest
 
 import mpgraph
 from mpgraph._ir import meta as md
+from mpgraph.audit.rank_memory import rank_memory
 from mpgraph.errors import CheckpointError, UsageError
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.data_parallel import (
@@ -31,6 +32,7 @@ from mpgraph.runtime.data_parallel import (
 )
 from mpgraph.training import build_training_graph
 from tests.cpu_runner import CpuRunner
+from tests.helpers import mpgraph_cli
 
 GLOBAL_BATCH = 6  # divisible by 2 and 3
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -166,6 +168,26 @@ def test_sharded_optimizer_state_trains_like_one_unsharded_process(world, name):
     for key in moments:
         assert sum(key in h for h in held) == 1, f"{key} is held by {sum(key in h for h in held)} ranks"
     assert all(any(k in h for k in moments) for h in held)  # every rank holds a share
+    # audit --memory --nproc: the bytes it counts per rank are the bytes the ranks held.
+    estimate = rank_memory(_step(SCENARIOS[name][0]), size, shard_optimizer=True)
+    state = results[name][0]
+    params = {k for k in state if not k.startswith("optim/") and not k.startswith("__")}
+    for rank, h in enumerate(held):
+        assert estimate[rank].optimizer_state == sum(state[k].nbytes for k in h - params)
+        assert estimate[rank].master_weights == sum(state[k].nbytes for k in params)
+
+
+def test_audit_memory_reports_bytes_per_rank(tmp_path):
+    path = tmp_path / "gpt.onnx"
+    path.write_bytes(_model_bytes("gpt:unpacked"))
+    ran = mpgraph_cli("audit", "--memory", "--nproc", "2", "--shard-optimizer", "--json", str(path))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    ranks = json.loads(ran.stdout)["ranks"]
+    unsharded = rank_memory(_step("gpt:unpacked"), 2)
+    moments = unsharded[0].optimizer_state - 4  # less the step counter, which every rank keeps
+    assert [r["optimizer_state"] for r in ranks] == [moments // 2 + 4] * 2  # the GPT's groups split evenly
+    assert ranks[0]["receive_buffers"] == 2 * ranks[0]["gradient_buckets"]
+    assert mpgraph_cli("audit", "--nproc", "2", str(path)).returncode == 2  # only with --memory
 
 
 def test_plain_all_reduce_is_bit_for_bit_on_two_ranks(world):
