@@ -51,17 +51,23 @@ def _mib(n: int) -> str:
 
 
 def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool,
-                  pipelined: bool = False) -> None:
+                  pipelined: bool = False, nproc: int | None = None, shard_optimizer: bool = False) -> None:
     """Print ``estimate_memory`` for ``model`` (table or JSON); ``pipelined``: for a pipelined
-    CUDA trainer (three state sets)."""
+    CUDA trainer (three state sets); ``nproc``: also the bytes per rank (``_rank_report``)."""
     from mpgraph.audit.memory import ROLES, estimate_memory
     from mpgraph.errors import UsageError
 
     if batch < 1:
         raise UsageError(f"--batch must be >= 1, got {batch}")
-    report = estimate_memory(step_graph_for(model, optimizer, policy), batch=batch, state_sets=3 if pipelined else 2)
+    if shard_optimizer and nproc is None:
+        raise UsageError("--shard-optimizer: only with --nproc N (the bytes per rank)")
+    if nproc is not None and nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {nproc}")
+    step = step_graph_for(model, optimizer, policy)
+    report = estimate_memory(step, batch=batch, state_sets=3 if pipelined else 2)
     if as_json:
-        sys.stdout.write(report.to_json() + "\n")
+        text = report.to_json() if nproc is None else _with_ranks(report.to_json(), step, nproc, shard_optimizer)
+        sys.stdout.write(text + "\n")
         return
     console.print(f"[bold]{model}[/]  policy={report.policy or 'float32 (not converted)'}  batch={batch}  "
                   f"parameters={report.parameters:,}", highlight=False, soft_wrap=True)
@@ -101,3 +107,32 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
     if report.unknown_shapes:
         console.print(f"note: {report.unknown_shapes} intermediate values have no inferred shape and are not counted",
                       highlight=False)
+    if nproc is not None:
+        _rank_report(step, nproc, shard_optimizer)
+
+
+def _with_ranks(text: str, step: ir.Model, nproc: int, shard_optimizer: bool) -> str:
+    """The JSON report with ``ranks``: a list of ``audit.rank_memory`` records and their totals."""
+    import dataclasses
+    import json
+
+    from mpgraph.audit.rank_memory import rank_memory
+
+    ranks = rank_memory(step, nproc, shard_optimizer=shard_optimizer)
+    return json.dumps({**json.loads(text), "ranks": [{**dataclasses.asdict(r), "total": r.total} for r in ranks]})
+
+
+def _rank_report(step: ir.Model, nproc: int, shard_optimizer: bool) -> None:
+    """``audit --memory --nproc N``: what each rank of a data-parallel run holds (``audit.rank_memory``)."""
+    from mpgraph.audit.rank_memory import rank_memory
+
+    ranks = rank_memory(step, nproc, shard_optimizer=shard_optimizer)
+    table = Table(title=f"bytes per rank, {nproc} processes{', optimizer state sharded (ZeRO-1)' if shard_optimizer else ''}")
+    for col in ("rank", "master weights", "optimizer state", "state outputs", "gradient buckets", "receive buffers",
+                "total"):
+        table.add_column(col, justify="right")
+    for r in ranks:
+        table.add_row(str(r.rank), *(_mib(n) for n in (r.master_weights, r.optimizer_state, r.state_outputs,
+                                                        r.gradient_buckets, r.receive_buffers, r.total)))
+    console.print(table)
+    console.print(f"note: activations per rank are those of one process at batch / {nproc}", highlight=False)
