@@ -357,6 +357,18 @@ def test_compare_runs_on_fp8_step_graphs() -> None:
     # The first product whose operands were quantised (at scale 1: the initial state) diverges first.
     assert report.first_divergence is not None and report.first_divergence.producer == "Gemm 'node_linear'"
     assert report.first_backward_divergence is not None and report.first_backward_divergence.precision == "bfloat16"
+    assert [t.tensor for t in report.fp8][:2] == ["x", "fc1.weight"] and len(report.fp8) == 9
+    # Scales that make x saturate and fc1.weight flush to zero: the shares are numpy's.
+    scales = np.ones(9, F32)
+    scales[:2] = [2.0**12, 2.0**-12]
+    candidate.graph.initializers["fp8/scales"].const_value = ir.tensor(scales, name="fp8/scales")
+    report = compare_train(reference, candidate, {"x": x, "label": (x[:, 0] > 0).astype(np.int64)})
+    w = reference.graph.initializers["fc1.weight"].const_value.numpy()
+    stats = {t.tensor: t for t in report.fp8}
+    assert (stats["x"].scale, stats["x"].entries) == (4096.0, x.size)
+    assert stats["x"].saturated == np.mean(np.abs(x) * 4096 > 448) > 0.9
+    assert stats["fc1.weight"].flushed == np.mean(ref_quantize(w, 2.0**-12, E4M3)[0].astype(F32) == 0) > 0.9
+    assert stats["relu"].saturated == stats["relu"].flushed == 0
 
 
 def test_boundary_casts_are_quantised_from_float32_and_low_values_as_they_are() -> None:

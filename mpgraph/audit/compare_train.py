@@ -15,7 +15,9 @@ The report holds:
    (a skipped step, ``found_inf``, shows as an update of zero: error 1);
 4. every value along the graph in the candidate's topological order, and the **first backward
    value** whose relative error passes the threshold: the node where the backward pass
-   starts to diverge.
+   starts to diverge;
+5. for an fp8 candidate, per quantised tensor the scale used and the shares of entries that
+   saturate or flush to zero.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.audit.compare import match_value, relative_error, run_all
+from mpgraph.audit.fp8_stats import Fp8TensorStats, fp8_stats
 from mpgraph.data import check_inputs
 from mpgraph.errors import MpgraphError
 
@@ -96,6 +99,8 @@ class TrainCompareReport:
         threshold: Relative error at which a value counts as diverged.
         first_divergence: First value past the threshold (any role).
         first_backward_divergence: First backward value past the threshold.
+        fp8: Per quantised tensor of an fp8 candidate: the scale used, the shares of its
+            entries that saturate and flush to zero (``mpgraph.audit.fp8_stats``).
     """
 
     loss_reference: float
@@ -109,6 +114,7 @@ class TrainCompareReport:
     threshold: float
     first_divergence: StepValueDivergence | None
     first_backward_divergence: StepValueDivergence | None
+    fp8: list[Fp8TensorStats] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> str:
         def clean(x: object) -> object:
@@ -207,7 +213,8 @@ def compare_train(
     first = next((v for v in values if v.rel_error > threshold), None)
     first_back = next((v for v in values if v.role == "backward" and v.rel_error > threshold), None)
     return TrainCompareReport(loss_ref, loss_cand, loss_err, scale, found_inf, _gradients(params, ref, cand, cand_value),
-                              _updates(reference, params, ref, cand), values, threshold, first, first_back)
+                              _updates(reference, params, ref, cand), values, threshold, first, first_back,
+                              fp8_stats(candidate, cand))
 
 
 def _loss(reference: ir.Model, candidate: ir.Model, ref: Mapping[str, np.ndarray],

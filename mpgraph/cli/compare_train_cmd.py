@@ -55,6 +55,13 @@ def compare_train_report(
         for r in sorted(rows, key=lambda r: (r.nonfinite, r.rel_error), reverse=True)[:top]:
             table.add_row(r.name, f"{r.rel_error:.3g}", f"{r.underflow:.3g}", str(r.nonfinite))
         console.print(table)
+    if report.fp8:
+        table = Table(title="fp8 tensors (this step)")
+        for col in ("tensor", "format", "scale", "entries", "saturated", "flushed to zero"):
+            table.add_column(col, justify="left" if col in ("tensor", "format") else "right")
+        for t in report.fp8:
+            table.add_row(t.tensor, t.format, f"{t.scale:g}", str(t.entries), f"{t.saturated:.3g}", f"{t.flushed:.3g}")
+        console.print(table)
     for label, v in (("first divergence", report.first_divergence), ("first backward divergence", report.first_backward_divergence)):
         if v is None:
             console.print(f"{label}: none past {threshold:g} ({len(report.values)} values compared)", highlight=False)
