@@ -41,9 +41,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @functools.cache
 def _model_bytes(model: str) -> bytes:
     name, _, kind = model.partition(":")
-    options = {"pack": False} if kind == "unpacked" else None
+    options = {"pack": False} if "unpacked" in kind else None
     step = build_training_graph(f"models/onnx/{name}.loss.onnx", optimizer="adamw", optimizer_options=options)
-    if kind == "fp16":
+    if "fp16" in kind:
         policy = parse_policy("extends: fp16\nloss_scaling: {mode: dynamic, init: 1024, growth_interval: 2}\n",
                                              "dp.yaml")
         step = mpgraph.convert(step, policy, emulate=True)
@@ -75,6 +75,7 @@ SCENARIOS = {
     "mlp": ("tiny_mlp", {"bucket_bytes": 4096}, 3, None),
     "gpt": ("gpt", {"bucket_bytes": 1 << 16}, 2, None),
     "mlp_fp16": ("tiny_mlp:fp16", {}, 4, 1),
+    "mlp_fp16_zero": ("tiny_mlp:fp16-unpacked", {"shard_optimizer": True}, 4, 1),
     "mlp_zero": ("tiny_mlp:unpacked", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
     "gpt_zero": ("gpt:unpacked", {"shard_optimizer": True}, 2, None),
     "mlp_all_reduce": ("tiny_mlp", {"reduction": "all_reduce"}, 3, None),
@@ -149,10 +150,11 @@ def test_ranks_train_like_one_process_bit_for_bit(world, name):
         np.testing.assert_allclose(state[key], value, rtol=1e-4, atol=1e-4, err_msg=key)
 
 
-def test_an_overflow_on_one_rank_skips_on_every_rank(world):
+@pytest.mark.parametrize("name", ["mlp_fp16", "mlp_fp16_zero"])
+def test_an_overflow_on_one_rank_skips_on_every_rank(world, name):
     size, _, results = world
-    state = _assert_ranks_equal_one_process(results, "mlp_fp16", size)
-    for got in results["mlp_fp16"]:
+    state = _assert_ranks_equal_one_process(results, name, size)
+    for got in results[name]:
         assert got["__skipped"].tolist() == [False, True, False, False]
     # 1024; step 1 finite (tracker 1); step 2 overflows: 512, tracker 0; steps 3 and 4 finite:
     # the second makes 2 in a row, 1024, tracker 0.
