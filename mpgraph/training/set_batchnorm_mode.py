@@ -184,9 +184,10 @@ def _unbias_running_var(graph: ir.Graph, node: ir.Node, ctx: Builder) -> ir.Valu
 
     The node's update is ``old * m + var * (1 - m)`` with the biased batch variance; torch's
     is ``old * m + (update - old * m) * n / (n - 1)``, written after the node. ONNX Runtime's
-    CPU kernel writes its updates into its running-statistic inputs (the caller's feed, too:
-    ``tests/test_dynamo_vision.py``), so a node that read ``old`` after it ran would read the
-    update: the node gets a copy (``old * 1``) of its own, made before it.
+    CPU kernel writes an updated running variance that is not a graph output into its input's
+    buffer (the caller's feed, too: ``tests/test_dynamo_vision.py``), so a node that read
+    ``old`` after it ran would read the update: the node gets a copy (``old * 1``) of its own,
+    made before it.
     """
     x, scale, var_in = node.inputs[0], node.inputs[1], node.inputs[4]
     assert x is not None and scale is not None and var_in is not None

@@ -234,6 +234,32 @@ def segformer() -> Case:
     return _hf("segformer", SegformerForSemanticSegmentation(cfg), pixel_values=_image(1), labels=labels)
 
 
+class DenoiseLoss(torch.nn.Module):
+    """A diffusers model's noise prediction against the noise: mean squared error."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample: torch.Tensor, timestep: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.model(sample, timestep).sample, noise)
+
+
+def unet2d() -> Case:
+    """A diffusers ``UNet2DModel``: sinusoidal timestep embedding, GroupNorm, SiLU, resnet blocks
+    with a time projection, self-attention at the lower resolution, strided-conv downsampling,
+    nearest upsampling and skip concatenations. Not in ``BUILDERS`` (the corpus's checks over
+    both exporters): ``tests/test_dynamo_vision.py`` trains it from torch's dynamo exporter."""
+    from diffusers import UNet2DModel
+
+    model = UNet2DModel(sample_size=8, in_channels=3, out_channels=3, layers_per_block=1, block_out_channels=(8, 16),
+                        norm_num_groups=4, attention_head_dim=8, down_block_types=("DownBlock2D", "AttnDownBlock2D"),
+                        up_block_types=("AttnUpBlock2D", "UpBlock2D"))
+    timestep = torch.tensor([3, 17])
+    return Case("unet2d", DenoiseLoss(model), (_image(1, size=8), timestep, _image(2, size=8)),
+                ("sample", "timestep", "noise"))
+
+
 class ConvSegmenter(torch.nn.Module):
     """A small encoder-decoder segmentation net: strided convs with BatchNorm down, a
     ConvTranspose up, a skip connection by concatenation, per-pixel cross-entropy."""
