@@ -254,7 +254,8 @@ def test_the_fp8_preset() -> None:
     policy = load_policy("fp8")
     assert policy.dtype == ir.DataType.BFLOAT16 and policy.loss_scaling.mode == "none"
     assert policy.ops == load_policy("bf16").ops  # every other op as in bf16
-    assert policy.fp8 == Fp8(("MatMul", "Gemm"), E4M3, E5M2, Fp8Scaling("delayed", 1024, "max", 0, "pow2"))
+    assert policy.fp8 == Fp8(ops=("MatMul", "Gemm"), products="all", forward=E4M3, backward=E5M2,
+                             scaling=Fp8Scaling("delayed", 1024, "max", 0, "pow2"))
 
 
 @pytest.mark.parametrize("text,message", [
@@ -266,7 +267,8 @@ def test_the_fp8_preset() -> None:
     ("fp8: {scaling: {margin: 1.5}}", "p.yaml:2: fp8.scaling.margin: invalid value 1.5; expected an integer"),
     ("fp8: {scaling: {amax: mean}}", "p.yaml:2: fp8.scaling.amax: invalid value 'mean'; valid: max, most_recent"),
     ("fp8: {scaling: {rounding: up}}", "p.yaml:2: fp8.scaling.rounding: invalid value 'up'; valid: pow2, none"),
-    ("fp8: {format: e4m3}", "p.yaml:2: fp8.format: unknown key (did you mean 'forward'?); valid: ops, forward, backward, scaling"),
+    ("fp8: {format: e4m3}", "p.yaml:2: fp8.format: unknown key (did you mean 'forward'?); valid: ops, products, forward, backward, scaling"),
+    ("fp8: {products: linears}", "p.yaml:2: fp8.products: invalid value 'linears' (did you mean 'linear'?); valid: all, linear"),
 ])
 def test_bad_fp8_sections_name_file_key_value_and_choices(text: str, message: str) -> None:
     with pytest.raises(PolicyError) as info:
@@ -382,3 +384,18 @@ def test_boundary_casts_are_quantised_from_float32_and_low_values_as_they_are() 
     # relu runs in bfloat16 (emulated: float32 rounded to bfloat16): quantised from that rounding.
     relu = amax_reads("relu").producer()
     assert relu is not None and relu.op_type == "Cast" and relu.metadata_props[md.NODE_INSERTED] == "round"
+
+
+def test_linear_products_only_quantise_layers_with_weights_and_their_backward() -> None:
+    step = build_training_graph(ROOT / "models" / "onnx" / "gpt.loss.onnx", optimizer="adamw", lr=3e-3)
+    model = mpgraph.convert(step, parse_policy("extends: fp8\nfp8: {products: linear}", "p.yaml"), emulate=True)
+    quantised = {n.name for n in model.graph if md.NODE_FP8 in n.metadata_props}
+    products = {n.name: n for n in model.graph if n.op_type in ("MatMul", "Gemm") and md.NODE_INSERTED not in n.metadata_props}
+    forward = {name for name in quantised if products[name].metadata_props.get(md.NODE_ROLE) == md.Role.FORWARD}
+    # 2 blocks x (qkv, proj, fc, out) + head: the attention products Q K^T and P V are left alone.
+    assert len(forward) == 9 and not any(name.startswith("node_matmul") for name in forward)
+    backward = quantised - forward
+    assert backward == {n for n, node in products.items() if node.metadata_props.get(md.NODE_GRAD_OF) in forward}
+    assert len(backward) == 18  # dX and dW of each
+    tensors = json.loads(model.metadata_props[md.MODEL_FP8])["tensors"]
+    assert sum(t["kind"] == "gradient" for t in tensors) == 9 and sum(t["tensor"].endswith("weight") for t in tensors) == 9

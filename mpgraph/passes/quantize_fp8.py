@@ -67,6 +67,9 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
     the MatMul/Gemm nodes decided in the low dtype whose op type ``fp8.ops`` lists.
 
     Rules:
+        0. With ``products: linear``, only the products with an operand read (through data
+           movement, rule 1) from an initializer, i.e. a weight or a step graph's parameter,
+           and the backward products of those (``mpgraph.grad_of``).
         1. An operand is a *tensor*: the value it is read through ``Transpose``, ``Reshape``,
            ``Flatten``, ``Identity``, ``Squeeze``, ``Unsqueeze`` and ``Cast`` from. A tensor
            a backward node makes is a gradient and gets ``fp8.backward`` (E5M2); every other
@@ -135,9 +138,16 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
         return ir.passes.PassResult(model, True)
 
     def _products(self, graph: ir.Graph) -> list[ir.Node]:
+        """Rule 0: the products to quantise."""
         low = self.low.name.lower()
-        return [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in self.fp8.ops
-                and n.metadata_props.get(md.NODE_PRECISION) == low]
+        found = [n for n in graph if n.domain in ("", "ai.onnx") and n.op_type in self.fp8.ops
+                 and n.metadata_props.get(md.NODE_PRECISION) == low]
+        if self.fp8.products == "all":
+            return found
+        weights = set(graph.initializers.values())
+        linear = {n.name for n in found if n.metadata_props.get(md.NODE_ROLE) != md.Role.BACKWARD
+                  and any(v is not None and _source(v) in weights for v in n.inputs[:2])}
+        return [n for n in found if n.name in linear or n.metadata_props.get(md.NODE_GRAD_OF) in linear]
 
 
 class _Quantizer:

@@ -4,6 +4,7 @@ Schema (every key optional; an extending file replaces the keys it gives)::
 
     fp8:
       ops: [MatMul, Gemm]          # op types whose data inputs are quantised
+      products: all                # all | linear: only products with a weight operand, and their backward
       forward: float8e4m3fn        # activations and weights: float8e4m3fn | float8e5m2 (e4m3, e5m2)
       backward: float8e5m2         # gradients read by the backward products
       scaling:
@@ -35,6 +36,7 @@ import onnx_ir as ir
 from mpgraph.policy.schema import (
     AMAX_COMPUTE,
     FP8_FORMATS,
+    FP8_PRODUCTS,
     SCALE_ROUNDING,
     SCALING_RECIPES,
     Fp8,
@@ -46,7 +48,7 @@ __all__ = ["FP8_OPS", "parse_fp8"]
 
 #: Op types the fp8 quantisation knows how to treat (their inputs 0 and 1 are the operands).
 FP8_OPS = ("MatMul", "Gemm")
-_KEYS = ("ops", "forward", "backward", "scaling")
+_KEYS = ("ops", "products", "forward", "backward", "scaling")
 _SCALING_KEYS = tuple(f.name for f in dataclasses.fields(Fp8Scaling))
 #: Longest amax history: a float32 vector per quantised tensor, kept in the step's state.
 MAX_HISTORY = 1 << 16
@@ -82,6 +84,8 @@ def parse_fp8(doc: Any, data: dict[str, Any], base: Policy | None, dtype: ir.Dat
         if not isinstance(ops, list) or not ops:
             doc.fail(("fp8", "ops"), f"invalid value {ops!r}; expected a non-empty list of {', '.join(FP8_OPS)}")
         values["ops"] = tuple(_choice(doc, ("fp8", "ops", str(i)), op, FP8_OPS) for i, op in enumerate(ops))
+    if "products" in section:
+        values["products"] = _choice(doc, ("fp8", "products"), section["products"], FP8_PRODUCTS)
     for key in ("forward", "backward"):
         if key in section:
             values[key] = FP8_FORMATS[_choice(doc, ("fp8", key), section[key], tuple(FP8_FORMATS))]

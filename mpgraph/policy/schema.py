@@ -36,6 +36,7 @@ __all__ = [
     "SCALING_RECIPES",
     "AMAX_COMPUTE",
     "SCALE_ROUNDING",
+    "FP8_PRODUCTS",
     "Fp8",
     "Fp8Scaling",
     "Override",
@@ -68,6 +69,10 @@ FP8_FORMATS: Mapping[str, ir.DataType] = {
 }
 #: ``delayed``: the scale comes from a history of earlier steps' amax; ``current``: this step's.
 SCALING_RECIPES = ("delayed", "current")
+#: Which products of ``Fp8.ops`` are quantised: ``all``, or ``linear``: those with a parameter
+#: operand (a weight: an initializer or a step graph's parameter, read through data movement)
+#: and their backward products, as Transformer Engine quantises its Linear layers only.
+FP8_PRODUCTS = ("all", "linear")
 #: How the delayed recipe reduces its amax history: its maximum, or the newest entry.
 AMAX_COMPUTE = ("max", "most_recent")
 #: ``pow2``: the scale is rounded down to a power of two (exact multiplication, the dequantised
@@ -162,12 +167,14 @@ class Fp8:
 
     Attributes:
         ops: Op types whose (low-precision) data inputs are quantised: ``MatMul``, ``Gemm``.
+        products: ``all`` of them, or the ``linear`` ones (``FP8_PRODUCTS``).
         forward: Format of activations and weights (forward values), E4M3 by default.
         backward: Format of gradients read by the backward products, E5M2 by default.
         scaling: The scaling recipe.
     """
 
     ops: tuple[str, ...] = ("MatMul", "Gemm")
+    products: str = "all"
     forward: ir.DataType = ir.DataType.FLOAT8E4M3FN
     backward: ir.DataType = ir.DataType.FLOAT8E5M2
     scaling: Fp8Scaling = Fp8Scaling()

@@ -110,6 +110,7 @@ def _fp8_lines(policy: Policy) -> list[str]:
         "# recipe (delayed | current; history length, amax max | most_recent, margin, rounding pow2 | none).",
         "fp8:",
         f"  ops: [{', '.join(fp8.ops)}]",
+        f"  products: {fp8.products}  # all | linear (only products with a weight operand, and their backward)",
         f"  forward: {fp8.forward.name.lower()}",
         f"  backward: {fp8.backward.name.lower()}",
         "  scaling: {" + ", ".join(f"{k}: {_scalar(v)}" for k, v in scaling.items()) + "}",
