@@ -24,7 +24,7 @@ Schema (all keys optional except ``dtype``)::
     initializers: {overflow: keep_fp32, underflow: keep}
     loss_scaling: {mode: dynamic, init: 65536, growth_interval: 2000, growth_factor: 2.0,
                    backoff_factor: 0.5, min: 1.0, max: 16777216}
-    fp8: {ops: [MatMul, Gemm], forward: float8e4m3fn, backward: float8e5m2,
+    fp8: {ops: [MatMul, Gemm], products: all, forward: float8e4m3fn, backward: float8e5m2,
           scaling: {recipe: delayed, history: 1024, amax: max, margin: 0, rounding: pow2}}
                                     # (see mpgraph.policy.fp8)
 """
