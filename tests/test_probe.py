@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -17,7 +15,6 @@ from mpgraph.runtime.probe import (
     Calibration,
     ValueRange,
     cpu_session,
-    evaluate_nodes,
     measure_ranges,
     run,
     run_with_values,
@@ -88,24 +85,6 @@ def test_run_with_values_exposes_only_what_is_asked() -> None:
     np.testing.assert_allclose(out["e"], np.exp(X), rtol=1e-6)
     assert [v.name for v in model.graph.outputs] == ["z"]  # the model is not changed
 
-
-def test_evaluate_nodes_folds_constants() -> None:
-    a = ir.Value(name="a", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2]),
-                 const_value=ir.tensor(np.array([1.0, 4.0], np.float32), name="a"))
-    graph = ir.Graph([], [], nodes=[], initializers=[a], opset_imports={"": 17})
-    sqrt = ir.Node("", "Sqrt", [a], name="sqrt", graph=graph)
-    sqrt.outputs[0].name, sqrt.outputs[0].dtype = "r", ir.DataType.FLOAT
-    (root,) = evaluate_nodes(graph, [sqrt], [sqrt.outputs[0]])
-    np.testing.assert_array_equal(root, [1.0, 2.0])
-
-
-def test_evaluate_nodes_warns_and_gives_up_when_ort_cannot(caplog: pytest.LogCaptureFixture) -> None:
-    graph = ir.Graph([], [], nodes=[], opset_imports={"": 17, "custom": 1})
-    node = ir.Node("custom", "Mystery", [], name="m", graph=graph)
-    node.outputs[0].name, node.outputs[0].dtype = "m_out", ir.DataType.FLOAT
-    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.probe"):
-        assert evaluate_nodes(graph, [node], [node.outputs[0]]) is None
-    assert "constant folding skipped" in caplog.text
 
 
 def test_measure_ranges_reads_every_float_value_the_feeds_and_outputs() -> None:

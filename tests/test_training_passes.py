@@ -185,6 +185,27 @@ def test_fold_leaves_parameters_alone() -> None:
     assert [n.name for n in model.graph] == ["neg", "mul"]
 
 
+
+def test_fold_evaluates_without_onnxruntime() -> None:
+    """Rule 2: the values are computed by onnx's reference evaluator (a float Sqrt here), and
+    nothing in the pass imports onnxruntime (tests/test_architecture.py: training runs no model)."""
+    model = _ir([h.make_node("Sqrt", ["a"], ["r"], name="sqrt"), h.make_node("Mul", ["x", "r"], ["y"], name="mul")],
+                [vi("x", [2])], [vi("y", [2])], [init("a", np.array(4.0, np.float32))])
+    model.graph.node(0).outputs[0].dtype = ir.DataType.FLOAT
+    assert FoldConstantSubgraphsPass(inputs_mark_params=True)(model).modified
+    assert ir.convenience.get_const_tensor(model.graph.node(1).inputs[1]).numpy().tolist() == 2.0
+
+
+def test_fold_warns_and_changes_nothing_when_it_cannot_evaluate(caplog: pytest.LogCaptureFixture) -> None:
+    """Rule 2: a constant subgraph the evaluator refuses (6 elements reshaped to 4) stays."""
+    model = _ir([h.make_node("Reshape", ["a", "s"], ["r"], name="bad"), h.make_node("Add", ["x", "r"], ["y"], name="add")],
+                [vi("x", [4])], [vi("y", [4])],
+                [init("a", np.arange(6, dtype=np.int64)), init("s", np.array([4], np.int64))])
+    model.graph.node(0).outputs[0].dtype = ir.DataType.INT64
+    with caplog.at_level(logging.WARNING, logger="mpgraph.training.fold_constant_subgraphs"):
+        assert not FoldConstantSubgraphsPass(inputs_mark_params=True)(model).modified
+    assert [n.name for n in model.graph] == ["bad", "add"] and "constant folding skipped" in caplog.text
+
 # -- AttachLossPass ----------------------------------------------------------------------
 
 

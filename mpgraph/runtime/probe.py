@@ -30,14 +30,12 @@ import onnxruntime as ort
 
 from mpgraph.dtypes import is_float, smallest_subnormal
 from mpgraph.errors import DataError, MpgraphError, first_line
-from mpgraph.io import min_ir_version
 
 __all__ = [
     "MATERIALIZE_BYTES",
     "Calibration",
     "ValueRange",
     "cpu_session",
-    "evaluate_nodes",
     "measure_ranges",
     "nchwc_block",
     "run",
@@ -117,24 +115,6 @@ def _without_value_info(proto: onnx.ModelProto) -> bytes:
     finally:
         proto.graph.value_info.extend(infos.value_info)
 
-
-def evaluate_nodes(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> list[np.ndarray] | None:
-    """Run ``nodes`` (constant inputs only) of ``graph`` on ORT CPU and return ``values``.
-
-    Used to fold constant subgraphs; None (with a warning) when ORT cannot evaluate them,
-    since folding is an optimization.
-    """
-    inits = sorted({v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer() and v.name})
-    # A view: the nodes stay in ``graph``.
-    view = ir.GraphView([], values, nodes=nodes, initializers=[graph.initializers[name] for name in inits],
-                        opset_imports=dict(graph.opset_imports), name="fold")
-    ir_version = max(8, min_ir_version(graph.opset_imports))
-    try:
-        session = cpu_session(ir.Model(view, ir_version=ir_version), log_severity=3)  # type: ignore[arg-type]
-        return [np.asarray(a) for a in session.run([v.name or "" for v in values], {})]
-    except Exception as e:  # noqa: BLE001 - ORT raises many types; folding is an optimization
-        logger.warning("constant folding skipped: ONNX Runtime cannot evaluate the constant subgraphs (%s)", first_line(e))
-        return None
 
 
 def run(

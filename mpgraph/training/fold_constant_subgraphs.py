@@ -1,4 +1,5 @@
-"""Evaluate the subgraphs of a forward model that read only constants."""
+"""Evaluate the subgraphs of a forward model that read only constants (no model is run:
+onnx's reference evaluator computes them in numpy)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph.errors import first_line
+from mpgraph.io import min_ir_version
 from mpgraph.optypes import NONDETERMINISTIC_OPS
-from mpgraph.runtime.probe import evaluate_nodes
 from mpgraph.training.select_parameters import parameter_like
 
 __all__ = ["FoldConstantSubgraphsPass"]
@@ -32,8 +34,9 @@ class FoldConstantSubgraphsPass(ir.passes.InPlacePass):
        already folded value. Anything reading a parameter (``parameter_like``, with the same
        ``params`` patterns as ``SelectParametersPass``) or a graph input stays, and so do
        random ops, Dropout and nodes with subgraphs.
-    2. Only folded values read outside the folded set (or graph outputs) are evaluated, in
-       ONNX Runtime; when it cannot run them, nothing changes (a warning says why).
+    2. Only folded values read outside the folded set (or graph outputs) are evaluated, by
+       onnx's reference evaluator (numpy; building a step graph runs no model on ONNX
+       Runtime); when it cannot evaluate them, nothing changes (a warning says why).
     3. Results become Constant nodes named ``<producer>/folded`` (the value keeps its name),
        rather than initializers, since a float initializer would be a parameter.
     4. Results of more than ``_FOLD_LIMIT`` elements, and graph outputs, stay computed.
@@ -69,7 +72,7 @@ class FoldConstantSubgraphsPass(ir.passes.InPlacePass):
                     and (o.is_graph_output() or any(u not in folded_nodes for u, _ in o.uses()))]
         if not frontier:
             return ir.passes.PassResult(model, False)
-        values = evaluate_nodes(graph, folding, frontier)
+        values = _evaluate(graph, folding, frontier)
         if values is None:
             return ir.passes.PassResult(model, False)
         count = 0
@@ -82,6 +85,24 @@ class FoldConstantSubgraphsPass(ir.passes.InPlacePass):
         if count:
             logger.info("folded %d constant subgraph values into Constant nodes", count)
         return ir.passes.PassResult(model, count > 0 or removed > 0)
+
+
+def _evaluate(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> list[np.ndarray] | None:
+    """Rule 2: ``values`` computed from ``nodes`` (constant inputs only) of ``graph``; ``None``
+    (with a warning) when the reference evaluator cannot, since folding is an optimization."""
+    from onnx.reference import ReferenceEvaluator  # imported when something folds
+
+    inits = sorted({v.name for n in nodes for v in n.inputs if v is not None and v.is_initializer() and v.name})
+    # A view: the nodes stay in ``graph``.
+    view = ir.GraphView([], values, nodes=nodes, initializers=[graph.initializers[name] for name in inits],
+                        opset_imports=dict(graph.opset_imports), name="fold")
+    try:
+        proto = ir.to_proto(ir.Model(view, ir_version=max(8, min_ir_version(graph.opset_imports))))  # type: ignore[arg-type]
+        return [np.asarray(a) for a in ReferenceEvaluator(proto).run([v.name or "" for v in values], {})]
+    except Exception as e:  # noqa: BLE001 - the evaluator raises many types; folding is an optimization
+        logger.warning("constant folding skipped: the reference evaluator cannot evaluate the constant subgraphs (%s)",
+                       first_line(e))
+        return None
 
 
 def _foldable(graph: ir.Graph, params: set[ir.Value]) -> list[ir.Node]:
