@@ -370,7 +370,10 @@ def _nonfinite_sources(
     ]
     if not bad_out:
         return [], []
-    arrays = run_with_values(view, calibration.feeds, lambda v: v.dtype is None or is_float(v.dtype))
+    # Not the fp8 operands: numpy gets E4M3 as raw bytes and E5M2 not at all (their widened
+    # float32 values are exposed).
+    arrays = run_with_values(view, calibration.feeds,
+                             lambda v: v.dtype is None or (is_float(v.dtype) and v.dtype.itemsize > 1))
 
     def nonfinite(name: str) -> bool:
         held = arrays.get(f"round/{name}", arrays.get(name))
