@@ -399,3 +399,25 @@ def test_linear_products_only_quantise_layers_with_weights_and_their_backward() 
     assert len(backward) == 18  # dX and dW of each
     tensors = json.loads(model.metadata_props[md.MODEL_FP8])["tensors"]
     assert sum(t["kind"] == "gradient" for t in tensors) == 9 and sum(t["tensor"].endswith("weight") for t in tensors) == 9
+
+
+def test_the_trainer_runs_the_rounding_the_reference_checks() -> None:
+    """The trainer's session (its kernels, its options) ends 3 steps with the state of the plain
+    session that test_delayed_state_matches_the_reference_step_for_step checks, bit for bit."""
+    from mpgraph.runtime.trainer import Trainer
+
+    model = _tiny_step("extends: fp8\nfp8: {scaling: {history: 4}}")
+    pairs = json.loads(model.metadata_props[md.MODEL_STATE_PAIRS])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((32, 4)).astype(F32)
+    batch = {"x": x, "label": (x[:, 0] > 0).astype(np.int64)}
+    trainer = Trainer(model, provider="cpu", threads=1)
+    sess = session(model, [])
+    names = [o.name for o in sess.get_outputs()]
+    state = {a: model.graph.initializers[a].const_value.numpy() for a, _ in pairs}
+    for _ in range(3):
+        trainer.step(batch)
+        out = dict(zip(names, sess.run(names, {**state, **batch})))
+        state = {a: out[b] for a, b in pairs}
+    assert all(np.array_equal(state[a], trainer.state[a]) for a in state), [a for a in state if not np.array_equal(state[a], trainer.state[a])]
+    assert not np.array_equal(state["fp8/scales"], np.ones(9, F32))
