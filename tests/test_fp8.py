@@ -421,3 +421,15 @@ def test_the_trainer_runs_the_rounding_the_reference_checks() -> None:
         state = {a: out[b] for a, b in pairs}
     assert all(np.array_equal(state[a], trainer.state[a]) for a in state), [a for a in state if not np.array_equal(state[a], trainer.state[a])]
     assert not np.array_equal(state["fp8/scales"], np.ones(9, F32))
+
+
+def test_a_users_input_named_like_the_fp8_state_is_refused() -> None:
+    x = onnx.helper.make_tensor_value_info("fp8/scales", onnx.TensorProto.FLOAT, [2, 2])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 2])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("MatMul", ["fp8/scales", "fp8/scales"], ["y"], name="allow1")],
+                                   "g", [x], [y])
+    model = ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 19)], ir_version=9))
+    model.graph.node("allow1").metadata_props[md.NODE_PRECISION] = "bfloat16"
+    model.metadata_props.update({md.MODEL_TRAINING: "true", md.MODEL_STATE_PAIRS: "[]"})
+    with pytest.raises(mpgraph.MpgraphError, match="fp8: the step graph has an input named 'fp8/scales', but it is not fp8 state"):
+        QuantizeFp8Pass(Fp8(), ir.DataType.BFLOAT16)(model)

@@ -101,7 +101,8 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
            quantised already and left as it is.
 
     Raises:
-        MpgraphError: The model's opset is below 19 (no fp8 ``Cast``).
+        MpgraphError: The model's opset is below 19 (no fp8 ``Cast``), or a step graph has its
+            own input named ``fp8/scales`` or ``fp8/amax_history``.
     """
 
     def __init__(self, fp8: Fp8, low: ir.DataType) -> None:
@@ -124,6 +125,11 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
         props = model.metadata_props
         delayed = (self.fp8.scaling.recipe == "delayed" and props.get(md.MODEL_TRAINING) == "true"
                    and md.MODEL_STATE_PAIRS in props)
+        taken = [v.name for v in model.graph.inputs if v.name in (_SCALES, _HISTORY)]
+        if delayed and taken:
+            raise MpgraphError(f"fp8: the step graph has an input named '{taken[0]}', but it is not fp8 state "
+                               f"(metadata '{md.MODEL_FP8}' records none); rename that input, since fp8 scaling "
+                               "adds its state under that name")
         quantizer = _Quantizer(model, self.fp8, delayed)
         for gemm in gemms:
             quantizer.quantize(gemm)
