@@ -23,7 +23,7 @@ from mpgraph.runtime import providers
 from mpgraph.runtime.metrics import StepResult
 
 if TYPE_CHECKING:
-    from mpgraph.runtime.trainer import Trainer
+    from mpgraph.runtime.loop import TrainingLoop
 
 __all__ = ["FinalCheckpointError", "StopRequest", "run_training", "stop_on_signals"]
 
@@ -89,7 +89,7 @@ def stop_on_signals(signals: Iterable[int] = (signal.SIGINT, signal.SIGTERM)) ->
 
 
 def run_training(
-    trainer: Trainer,
+    trainer: TrainingLoop,
     data: Dataset | Mapping[str, np.ndarray] | Iterable[Mapping[str, np.ndarray]],
     steps: int,
     lr: float | None = None,
