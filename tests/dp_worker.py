@@ -35,7 +35,8 @@ def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
             runner.save(os.path.join(folder, f"{scenario['name']}.ckpt.npz"))
     state = runner.full_state()
     np.savez(os.path.join(folder, f"{scenario['name']}.{rank}.npz"), __losses=np.array(losses),
-             __skipped=np.array(skipped), __held=np.array(sorted(runner.state)), **state)
+             __skipped=np.array(skipped), __held=np.array(sorted(runner.state)),
+             __held_sizes=np.array([a.size for _, a in sorted(runner.state.items())]), **state)
 
 
 def main() -> None:

@@ -75,8 +75,8 @@ SCENARIOS = {
     "mlp": ("tiny_mlp", {"bucket_bytes": 4096}, 3, None),
     "gpt": ("gpt", {"bucket_bytes": 1 << 16}, 2, None),
     "mlp_fp16": ("tiny_mlp:fp16", {}, 4, 1),
-    "mlp_fp16_zero": ("tiny_mlp:fp16-unpacked", {"shard_optimizer": True}, 4, 1),
-    "mlp_zero": ("tiny_mlp:unpacked", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
+    "mlp_fp16_zero": ("tiny_mlp:fp16", {"shard_optimizer": True}, 4, 1),
+    "mlp_zero": ("tiny_mlp", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
     "gpt_zero": ("gpt:unpacked", {"shard_optimizer": True}, 2, None),
     "mlp_all_reduce": ("tiny_mlp", {"reduction": "all_reduce"}, 3, None),
     "gpt_micro": ("gpt", {"micro_batches": 2}, 2, None),
@@ -161,21 +161,28 @@ def test_an_overflow_on_one_rank_skips_on_every_rank(world, name):
     assert state[md.LOSS_SCALE] == 1024.0 and state[md.GROWTH_TRACKER] == 0.0
 
 
-@pytest.mark.parametrize("name", ["mlp_zero", "gpt_zero"])
+@pytest.mark.parametrize("name", ["mlp_zero", "gpt_zero", "mlp_fp16_zero"])
 def test_sharded_optimizer_state_trains_like_one_unsharded_process(world, name):
+    """Per-tensor AdamW (gpt_zero): each parameter's moments live on one rank. Packed
+    (mlp_zero, mlp_fp16_zero: every parameter in one flat slot): each rank holds and updates
+    its slice of the flat moments."""
     size, _, results = world
     _assert_ranks_equal_one_process(results, name, size)
-    held = [set(got["__held"].tolist()) for got in results[name]]
-    moments = [k for k in results[name][0] if k.startswith("optim/") and k != "optim/step"]
+    state = results[name][0]
+    held = [dict(zip(got["__held"].tolist(), got["__held_sizes"].tolist(), strict=True)) for got in results[name]]
+    moments = [k for k in state if k.startswith("optim/") and k != "optim/step"]
     for key in moments:
-        assert sum(key in h for h in held) == 1, f"{key} is held by {sum(key in h for h in held)} ranks"
+        holders = [h[key] for h in held if key in h]
+        if key.startswith("optim/flat/"):
+            assert len(holders) == size and sum(holders) == state[key].size and max(holders) - min(holders) <= 1
+        else:
+            assert len(holders) == 1, f"{key} is held by {len(holders)} ranks"
     assert all(any(k in h for k in moments) for h in held)  # every rank holds a share
     # audit --memory --nproc: the bytes it counts per rank are the bytes the ranks held.
     estimate = rank_memory(_step(SCENARIOS[name][0]), size, shard_optimizer=True)
-    state = results[name][0]
-    params = {k for k in state if not k.startswith("optim/") and not k.startswith("__")}
+    params = {k for k in state if not k.startswith(("optim/", "loss_scale", "__"))}
     for rank, h in enumerate(held):
-        assert estimate[rank].optimizer_state == sum(state[k].nbytes for k in h - params)
+        assert estimate[rank].optimizer_state == 4 * sum(n for k, n in h.items() if k not in params)
         assert estimate[rank].master_weights == sum(state[k].nbytes for k in params)
 
 

@@ -13,6 +13,7 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
 from mpgraph.training import build_training_graph
+from mpgraph.training.shard_flat_slot import flat_slots, slice_range
 from mpgraph.training.split_step_graph import optimizer_groups, shard_apply_part, split_step_graph
 from tests.helpers import run_named
 
@@ -117,3 +118,34 @@ def test_a_shard_of_the_apply_part_updates_its_groups_like_the_whole():
     assert set(part) == {"fc2.weight/updated", "optim/fc2.weight/m/updated", "optim/fc2.weight/v/updated", "optim/step/updated"}
     for name, value in part.items():
         np.testing.assert_array_equal(value, applied[name])
+
+
+def test_a_packed_slot_updated_in_slices_is_the_whole_update_bit_for_bit():
+    """fp16 loss-scaled AdamW packs the MLP's 6 parameters into one slot of 4,610 elements:
+    3 ranks' slices of the moments and of the new flat parameter, put together, are the whole
+    apply part's outputs."""
+    split = split_step_graph(_step("tiny_mlp", "fp16"))
+    params = {p for p, _ in split.gradients}
+    (slot,) = flat_slots(split.apply, list(split.state_pairs), params)
+    assert slot.state == ("optim/flat/m", "optim/flat/v") and slot.size == 4610 and len(slot.members) == 6
+    grads, whole = _run_split(split, _batch("tiny_mlp", np.random.default_rng(0), 4))
+    rng = np.random.default_rng(1)
+    moments = {n: rng.random(slot.size, dtype=np.float32) * 1e-3 for n in slot.state}  # not the zeros they start at
+    wanted = {v.name for v in split.apply.graph.inputs}
+    whole = run_named(split.apply, {**{k: v for k, v in grads.items() if k in wanted}, **moments})
+    outputs = {o for a, o in split.state_pairs if a not in params}
+    parts: dict[str, list[np.ndarray]] = {}
+    for rank in range(3):
+        start, end = slice_range(slot.size, rank, 3)
+        shard = shard_apply_part(split, outputs, [slot], rank, 3)
+        inputs = {v.name for v in shard.graph.inputs}
+        got = run_named(shard, {**{k: v for k, v in grads.items() if k in inputs},
+                                **{k: v[start:end] for k, v in moments.items()}})
+        assert not {f"{p}/updated" for p in params} & set(got)  # the runner gathers the parameters
+        for name, value in got.items():
+            parts.setdefault(name, []).append(value)
+    for name in ("optim/flat/m/updated", "optim/flat/v/updated"):
+        np.testing.assert_array_equal(np.concatenate(parts[name]), whole[name])
+    flat = np.concatenate(parts[slot.output])
+    np.testing.assert_array_equal(flat, np.concatenate([whole[f"{p}/updated"].ravel() for p, _ in slot.members]))
+    assert all(np.array_equal(v, parts[md.FOUND_INF][0]) for v in parts[md.FOUND_INF])

@@ -5,8 +5,9 @@ it out (``training.split_step_graph``), without running it:
 
 1. **Master weights**: every parameter on every rank (the forward of each rank reads them).
 2. **Optimizer state**: all of it on every rank; with ``shard_optimizer`` (ZeRO-1) each
-   rank's share of the update groups (``training.optimizer_groups``, dealt by
-   ``training.deal_groups``, as the runner deals them) plus the scalars every rank keeps.
+   rank's slice of every packed slot's moments (``training.flat_slots``), its share of the
+   other update groups (``training.optimizer_groups``, dealt by ``training.deal_groups``),
+   as the runner splits them, plus the scalars every rank keeps.
    Example: per-tensor AdamW on the zoo GPT over 2 ranks: the moments split 50/50 up to the
    largest group.
 3. **State outputs**: a second buffer for every state value a rank holds (the step writes
@@ -26,6 +27,7 @@ import dataclasses
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph.training.shard_flat_slot import flat_slots, slice_range
 from mpgraph.training.split_step_graph import deal_groups, optimizer_groups, split_step_graph
 
 __all__ = ["RankBytes", "rank_memory"]
@@ -60,8 +62,10 @@ def rank_memory(step: ir.Model, world: int, *, shard_optimizer: bool = False,
     nbytes = {a: _bytes(inits[a]) if a in inits else 0 for a, _ in split.state_pairs}
     params = {p for p, _ in split.gradients}
     owner: dict[str, int] = {}
+    slot_size: dict[str, int] = {}
     if shard_optimizer:
-        groups, _ = optimizer_groups(split)
+        slot_size = {n: slot.size for slot in flat_slots(split.apply, list(split.state_pairs), params) for n in slot.state}
+        groups = [g for g in optimizer_groups(split)[0] if not any(n in slot_size for n in g)]
         dealt = deal_groups([sum(nbytes[n] for n in g) for g in groups], world)
         owner = {n: r for g, r in zip(groups, dealt, strict=True) for n in g}
     master = sum(nbytes[p] for p in params)
@@ -69,9 +73,14 @@ def rank_memory(step: ir.Model, world: int, *, shard_optimizer: bool = False,
     receive = world * buckets if reduction == "ordered" and world > 1 else 0
     out = []
     for rank in range(world):
-        optimizer = sum(b for n, b in nbytes.items() if n not in params and owner.get(n, rank) == rank)
+        optimizer = sum(b for n, b in nbytes.items() if n not in params and n not in slot_size and owner.get(n, rank) == rank)
+        optimizer += sum(nbytes[n] // size * _length(slice_range(size, rank, world)) for n, size in slot_size.items())
         out.append(RankBytes(rank, master, optimizer, master + optimizer, buckets, receive))
     return out
+
+
+def _length(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
 
 
 def _bytes(value: ir.Value) -> int:

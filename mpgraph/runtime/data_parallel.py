@@ -26,13 +26,17 @@ Every rank holds the whole model and runs the same step on its share of the glob
    loss scaling's finite check sees the same numbers on every rank, so every rank skips the
    same steps (an inf on one rank makes the reduced sum inf everywhere) and the scale
    sequence is one process's.
-4. **Optimizer-state sharding** (``shard_optimizer=True``, ZeRO stage 1): the optimizer
-   state is split into groups that update independently (a parameter with its moments;
-   ``training.optimizer_groups``), the groups are dealt to ranks by size, and each rank runs
-   an apply part pruned to its groups (``training.shard_apply_part``) and keeps only their
-   moments. Scalars (step counter, loss scale) are updated on every rank. Each rank then
-   broadcasts its updated parameters, one flat buffer per owner. Bit for bit the unsharded
-   update: the same nodes on the same inputs.
+4. **Optimizer-state sharding** (``shard_optimizer=True``, ZeRO stage 1). A packed slot
+   (many small parameters updated as one flat vector, the default AdamW's form for
+   parameters under 65,536 elements; ``training.flat_slots``) is updated in N contiguous
+   slices: each rank keeps its slice of the slot's moments, updates it
+   (``training.shard_flat_slots``), and the slices of the new flat parameter are
+   all-gathered and unpacked. The other state is split into groups that update
+   independently (a parameter with its moments; ``training.optimizer_groups``), dealt to
+   ranks by size; the owner updates a group and broadcasts its parameters, one flat buffer
+   per owner. Scalars (step counter, loss scale) are updated on every rank. Each rank runs
+   one apply part pruned and sliced to its share (``training.shard_apply_part``). Bit for
+   bit the unsharded update: every element is computed by the same ops on the same numbers.
 5. **Checkpoints** are collective: moments are gathered to rank 0, which writes one
    ``.npz`` atomically (``io.write_atomic``); every rank waits for it. Any world size can
    read it back (the state is whole), sharded or not.
@@ -61,6 +65,7 @@ from mpgraph._ir import meta as md
 from mpgraph.data import Batches, InputSpec, dataset_for_model
 from mpgraph.errors import CheckpointError, OutputError, UsageError
 from mpgraph.io import write_atomic
+from mpgraph.training.shard_flat_slot import FlatSlot, flat_slots, slice_range
 from mpgraph.training.split_step_graph import (
     SplitStep,
     deal_groups,
@@ -186,13 +191,16 @@ class DataParallelRunner:
         self.steps = 0
         initial = _initial_state(step, self.split)
         self.params = tuple(p for p, _ in self.split.gradients)
-        self.owners = self._deal_groups(initial) if self.options.shard_optimizer else {}
+        shard = self.options.shard_optimizer
+        self.slots = flat_slots(self.split.apply, list(self.split.state_pairs), set(self.params)) if shard else []
+        self._slot_of = {n: slot for slot in self.slots for n in slot.state}
+        self.owners = self._deal_groups(initial) if shard else {}
         held = [n for n, _ in self.split.state_pairs if self._holds(n)]
-        self._state = {n: np.array(initial[n], np.float32, copy=True) for n in held}
+        self._state = {n: np.array(self._share(n, initial[n]), np.float32, copy=True) for n in held}
         self._spare = {n: np.empty_like(a) for n, a in self._state.items()}
         self._outputs = dict(self.split.state_pairs)
-        apply_model = self.split.apply if not self.options.shard_optimizer else shard_apply_part(
-            self.split, {self._outputs[n] for n in held})
+        apply_model = self.split.apply if not shard else shard_apply_part(
+            self.split, {self._outputs[n] for n in held}, self.slots, self.rank, self.world)
         self._grad_session = _session(self.split.gradient, self.options.threads)
         self._apply_session = _session(apply_model, self.options.threads)
         self._lr = float(initial.get("lr", np.float32(0.0)))
@@ -213,7 +221,9 @@ class DataParallelRunner:
         """One step on this rank's share of the global batch; every rank must call it."""
         passthrough = self._gradients(feeds)
         self._reduce()
-        skipped = self._apply(passthrough, self._lr if lr is None else lr)
+        skipped, outputs = self._apply(passthrough, self._lr if lr is None else lr)
+        for slot in self.slots:
+            self._unpack(slot, self._all_gather_flat(outputs[slot.output].numpy(), slot.size))
         if self.options.shard_optimizer and self.world > 1:
             self._broadcast_params()
         self.steps += 1
@@ -277,8 +287,9 @@ class DataParallelRunner:
             for b in self.buckets:
                 np.divide(b.array, slices, out=b.array)
 
-    def _apply(self, passthrough: Mapping[str, ort.OrtValue], lr: float) -> bool:
-        """Rule 3: the apply part on the reduced buckets; returns whether the step was skipped."""
+    def _apply(self, passthrough: Mapping[str, ort.OrtValue], lr: float) -> tuple[bool, dict[str, ort.OrtValue]]:
+        """Rule 3: the apply part on the reduced buckets; returns whether the step was skipped,
+        and the outputs not bound to state buffers."""
         session = self._apply_session
         wanted = _input_names(session)
         binding = session.io_binding()
@@ -291,21 +302,22 @@ class DataParallelRunner:
         for name, value in passthrough.items():
             if name in wanted:
                 binding.bind_ortvalue_input(name, value)
-        made = {o.name for o in session.get_outputs()}
-        for name, spare in self._spare.items():
-            if self._outputs.get(name) in made:
-                keep.append(ort.OrtValue.ortvalue_from_numpy(spare))
-                binding.bind_ortvalue_output(self._outputs[name], keep[-1])
-        if md.FOUND_INF in made:
-            binding.bind_output(md.FOUND_INF, "cpu")
+        made = [o.name for o in session.get_outputs()]
+        spare = {self._outputs[n]: a for n, a in self._spare.items()}
+        for name in made:  # in session order, so get_outputs() lines up
+            if name in spare:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(spare[name]))
+                binding.bind_ortvalue_output(name, keep[-1])
+            else:  # found_inf, a packed slot's slice of the new parameter
+                binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
-        outputs = dict(zip([o.name for o in session.get_outputs()], binding.get_outputs(), strict=True))
+        outputs = dict(zip(made, binding.get_outputs(), strict=True))
         self._state, self._spare = self._spare, self._state
-        return bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False
+        return (bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False), outputs
 
     def _deal_groups(self, initial: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Rule 4: the owner of every grouped state input (``training.deal_groups``)."""
-        groups, _ = optimizer_groups(self.split)
+        groups = [g for g in optimizer_groups(self.split)[0] if not any(n in self._slot_of for n in g)]
         if len(groups) < self.world:
             logger.warning("optimizer sharding: %d update group(s) for %d ranks, so some ranks hold no optimizer "
                            "state; a packed optimizer updates small parameters as one group (build the step "
@@ -314,8 +326,37 @@ class DataParallelRunner:
         return {n: owner for g, owner in zip(groups, owners, strict=True) for n in g}
 
     def _holds(self, name: str) -> bool:
-        """Every rank holds the parameters (the forward reads them) and the scalar state."""
-        return name in self.params or self.owners.get(name, self.rank) == self.rank
+        """Every rank holds the parameters (the forward reads them), the scalar state, and its
+        slice of each packed slot's state."""
+        return name in self.params or name in self._slot_of or self.owners.get(name, self.rank) == self.rank
+
+    def _share(self, name: str, array: np.ndarray) -> np.ndarray:
+        """This rank's slice of a packed slot's state; other state whole."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            return array
+        start, end = slice_range(slot.size, self.rank, self.world)
+        return array[start:end]
+
+    def _all_gather_flat(self, part: np.ndarray, size: int) -> np.ndarray:
+        """Every rank's slice of a ``size``-element vector, in rank order (padded to one
+        length for the collective)."""
+        if self.world == 1:
+            return part
+        ranges = [slice_range(size, r, self.world) for r in range(self.world)]
+        width = max(b - a for a, b in ranges)
+        padded = np.zeros(width, np.float32)
+        padded[:part.size] = part
+        gathered = [torch.empty(width) for _ in range(self.world)]
+        dist.all_gather(gathered, torch.from_numpy(padded), group=self.group)
+        return np.concatenate([t.numpy()[:b - a] for t, (a, b) in zip(gathered, ranges, strict=True)])
+
+    def _unpack(self, slot: FlatSlot, flat: np.ndarray) -> None:
+        """The new flat parameter of a packed slot into its parameters' state buffers."""
+        start = 0
+        for name, size in slot.members:
+            self._state[name][...] = flat[start:start + size].reshape(self._state[name].shape)
+            start += size
 
     def _broadcast_params(self) -> None:
         """Rule 4: each owner's updated parameters, one flat broadcast per owner."""
@@ -344,7 +385,8 @@ class DataParallelRunner:
         """The whole state in ``state_pairs`` order on rank 0 (or every rank); ``None`` elsewhere."""
         held = {n: a.copy() for n, a in self._state.items()}
         if self.options.shard_optimizer and self.world > 1:
-            mine = {n: a for n, a in held.items() if self.owners.get(n) == self.rank and n not in self.params}
+            mine = {n: a for n, a in held.items()
+                    if n not in self.params and (self.owners.get(n) == self.rank or n in self._slot_of)}
             parts: list[dict[str, np.ndarray]] = [{} for _ in range(self.world)]
             if everyone:
                 dist.all_gather_object(parts, mine, group=self.group)
@@ -352,6 +394,7 @@ class DataParallelRunner:
                 dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
             for part in parts:
                 held.update(part)
+            held.update({n: np.concatenate([part[n] for part in parts]) for n in self._slot_of})
         if not everyone and self.rank != 0:
             return None
         return {a: held[a] for a, _ in self.split.state_pairs}
@@ -397,9 +440,10 @@ class DataParallelRunner:
             raise CheckpointError(f"{path}: its state ({meta.get('format')}, {len(arrays)} arrays) is not this "
                                   f"step graph's ({len(self.split.state_pairs)}); resume with the graph it was saved from")
         for name, array in self._state.items():
-            if arrays[name].shape != array.shape:
-                raise CheckpointError(f"{path}: state '{name}' has shape {arrays[name].shape}, the graph {array.shape}")
-            array[...] = arrays[name]
+            share = self._share(name, arrays[name])
+            if share.shape != array.shape:
+                raise CheckpointError(f"{path}: state '{name}' has shape {arrays[name].shape}, the graph another")
+            array[...] = share
         self.steps = int(meta["steps"])
         return dict(meta.get("extra", {}))
 

@@ -38,12 +38,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError
+from mpgraph.training.shard_flat_slot import FlatSlot, shard_flat_slots
 
 __all__ = ["SplitStep", "deal_groups", "optimizer_groups", "shard_apply_part", "split_step_graph"]
 
@@ -163,11 +165,15 @@ def deal_groups(sizes: list[int], world: int) -> list[int]:
     return owners
 
 
-def shard_apply_part(split: SplitStep, outputs: set[str]) -> ir.Model:
+def shard_apply_part(split: SplitStep, outputs: set[str], slots: Sequence[FlatSlot] = (), rank: int = 0,
+                     world: int = 1) -> ir.Model:
     """A copy of the apply part that makes only ``outputs`` (and ``found_inf``), with only the
-    nodes and inputs they need: one rank's share of a sharded optimizer."""
+    nodes and inputs they need: one rank's share of a sharded optimizer. Each of ``slots`` is
+    updated in this rank's slice (``shard_flat_slots``) and gives that slice as an output."""
     model = ir.from_proto(ir.to_proto(split.apply))
+    shard_flat_slots(model, list(slots), rank, world)
     graph = model.graph
+    outputs = outputs | {slot.output for slot in slots}
     kept = [v for v in graph.outputs if v.name in outputs or v.name == md.FOUND_INF]
     graph.outputs.clear()
     graph.outputs.extend(kept)
