@@ -18,8 +18,8 @@ BERT's GELU as ``Gelu``; its optimizer fuses RMSNorm into ``RMSNormalization``.
 
 The ``optimize=False`` step graphs also run, with AdamW, in ONNX Runtime's CPU provider with
 its default graph optimizations (``tests.helpers.run_named``), and as mpgraph's emulated bf16
-conversion. The file costs about 50 s of CPU (one process, OMP_NUM_THREADS=1), most of it the
-12 exports (1.5-6 s each).
+conversion. The file costs about 58 s of CPU (user+sys, one process, OMP_NUM_THREADS=1),
+most of it the 13 exports (1.5-6 s each; the 512-position Llama's with its step, 13 s).
 """
 
 from __future__ import annotations
