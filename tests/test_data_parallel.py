@@ -256,3 +256,20 @@ def test_torchrun_launch_trains_like_one_process_and_resumes_the_stream(tmp_path
     check.load(str(tmp_path / "ranks.npz"))
     for key, value in one.full_state().items():
         np.testing.assert_array_equal(check.full_state()[key], value, err_msg=key)
+
+
+def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_path):
+    """``mpgraph train --nproc 2`` hands its flags to the torchrun launcher (the launch itself
+    is the test above) and refuses the flags a data-parallel run does not take yet."""
+    import mpgraph.cli.train_nproc as train_nproc
+
+    launched = []
+    monkeypatch.setattr(train_nproc, "launch", lambda nproc, args: launched.append((nproc, args)) or 0)
+    ran = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--data", "d.npz", "--steps", "5", "--batch", "8",
+                      "--checkpoint", str(tmp_path / "c.npz"))
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    assert launched == [(2, ["m.onnx", "--data", "d.npz", "--steps", "5", "--batch", "8", "--seed", "0",
+                             "--checkpoint-every", "0", "--checkpoint", str(tmp_path / "c.npz")])]
+    refused = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--metrics", str(tmp_path / "m.csv"))
+    assert refused.returncode == 2 and "--metrics: not with --nproc" in refused.stderr
+    assert len(launched) == 1

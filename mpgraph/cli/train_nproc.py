@@ -6,18 +6,19 @@ set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` in its environment) and trains
 ``runtime.data_parallel.train_data_parallel``. Rank 0 prints the loss lines and writes the
 checkpoint; an error is one ``error:`` line from the rank that met it, exit code 2.
 
-The hook in ``mpgraph train`` (an ``--nproc`` option that calls ``launch``) belongs to
-``cli/train_cmd.py``; until it lands, ``python -m mpgraph.cli.train_nproc --nproc N STEP ...``
-launches the same run.
+``mpgraph train --nproc N`` calls ``train_with_nproc``, which refuses the one-process run's
+flags a data-parallel run does not take yet (``--provider cuda``, ``--metrics``, ``--plot``...);
+``python -m mpgraph.cli.train_nproc --nproc N STEP ...`` launches the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 
-__all__ = ["launch", "launch_command", "main"]
+__all__ = ["launch", "launch_command", "main", "train_with_nproc"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,6 +59,29 @@ def launch(nproc: int, args: list[str]) -> int:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
     _parser().parse_args(args)  # refuse bad flags here, not in N processes
     return subprocess.call(launch_command(nproc, args))
+
+
+def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: int, lr: float | None, batch: int | None,
+                     seed: int | None, threads: int | None, checkpoint: os.PathLike[str] | None, checkpoint_every: int,
+                     resume: os.PathLike[str] | None, unsupported: dict[str, bool]) -> int:
+    """``mpgraph train --nproc N``: the flags a data-parallel run takes, as a torchrun launch.
+
+    Raises:
+        UsageError: ``unsupported`` names a flag that was given (``True``): the one-process
+            run's flags that a data-parallel run does not take yet.
+    """
+    from mpgraph.errors import UsageError
+
+    given = [flag for flag, on in unsupported.items() if on]
+    if given:
+        raise UsageError(f"{', '.join(given)}: not with --nproc yet (a data-parallel run on the CPU takes --data, "
+                         f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume)")
+    args = [os.fspath(step), "--data", data, "--steps", str(steps), "--batch", str(64 if batch is None else batch),
+            "--seed", str(seed or 0), "--checkpoint-every", str(checkpoint_every)]
+    for flag, value in (("--lr", lr), ("--threads", threads), ("--checkpoint", checkpoint), ("--resume", resume)):
+        if value is not None:
+            args += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+    return launch(nproc, args)
 
 
 def main(argv: list[str] | None = None) -> int:
