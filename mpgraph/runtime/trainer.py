@@ -96,7 +96,7 @@ class Trainer(TrainingLoop):
             (``mpgraph.lowering.lower``: multi-tensor AdamW, casts and loss-scale unscale,
             bit-identical; the LayerNorm, GELU, attention-softmax, Relu and cross-entropy
             backwards, equal within float32 rounding; on CPU, convolutions on ORT's NCHWc
-            kernels). ``None``: each provider's default (``kernels.lower(scope="default")``):
+            kernels). ``None``: each provider's default (the ``default`` scope of ``mpgraph.lowering``'s rules):
             all of it on CUDA where the library builds (needs ``nvcc``); on CPU the
             convolutions, AdamW and the Relu backward (the convolutions alone where no C++
             compiler builds the library). ``True``: all of it (fails if the library cannot be
