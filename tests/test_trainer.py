@@ -222,7 +222,7 @@ def test_cuda_matches_cpu_and_stays_on_gpu(step_path: Path, digits):
     lc = [cpu.step(b, 1e-2).loss for b in batches]
     lg = [gpu.step(b, 1e-2).loss for b in batches]
     np.testing.assert_allclose(lg, lc, rtol=1e-3, atol=1e-4)
-    assert gpu._state["fc1.weight"].device_name().lower() == "cuda"
+    assert gpu.executor.state_set()["fc1.weight"].device_name().lower() == "cuda"
     placement = gpu.node_providers()
     assert placement and "CUDAExecutionProvider" in placement.values()
 
