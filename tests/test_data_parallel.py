@@ -94,7 +94,7 @@ def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
         batches = _batches(model, steps, plant, GLOBAL_BATCH_OF.get(name, GLOBAL_BATCH))
         np.savez(folder / f"{name}.batches.npz", **{f"{i}:{k}": v for i, b in enumerate(batches) for k, v in b.items()})
         scenarios.append({"name": name, "model": f"{name}.onnx", "batches": f"{name}.batches.npz", "steps": steps,
-                          "options": options, "checkpoint_after": 2 if name == "mlp" else None})
+                          "options": options, "checkpoint_after": 2 if name in ("mlp", "mlp_zero") else None})
     (folder / "scenarios.json").write_text(json.dumps(scenarios))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.dp_worker", str(folder), str(r), str(world)], cwd=ROOT,
@@ -212,18 +212,19 @@ def test_plain_all_reduce_is_bit_for_bit_on_two_ranks(world):
     _assert_ranks_equal_one_process(results, "mlp_all_reduce", 2)
 
 
-def test_rank_zero_checkpoint_resumes_on_another_world_size(world):
-    """Saved by N ranks after step 2, resumed by one process (N slices): step 3 gives the
-    N ranks' step 3 bit for bit."""
+@pytest.mark.parametrize("name", ["mlp", "mlp_zero"])
+def test_rank_zero_checkpoint_resumes_on_another_world_size(world, name):
+    """Saved by N ranks after step 2 (mlp_zero: the flat moments gathered from their slices),
+    resumed by one unsharded process (N slices): step 3 gives the N ranks' step 3 bit for bit."""
     size, folder, results = world
-    path = folder / "mlp.ckpt.npz"
-    assert [p.name for p in folder.iterdir() if p.name.startswith(".mlp.ckpt")] == []  # no temporary left
+    path = folder / f"{name}.ckpt.npz"
+    assert [p.name for p in folder.iterdir() if p.name.startswith(f".{name}.ckpt")] == []  # no temporary left
     resumed = DataParallelRunner(_step("tiny_mlp"), options=DataParallelOptions(threads=1, micro_batches=size))
     resumed.load(str(path))
     assert resumed.steps == 2
     resumed.step(_batches("tiny_mlp", 3, None)[2])
     for key, value in resumed.full_state().items():
-        np.testing.assert_array_equal(value, results["mlp"][0][key], err_msg=key)
+        np.testing.assert_array_equal(value, results[name][0][key], err_msg=key)
     with pytest.raises(CheckpointError, match="not this step graph"):
         DataParallelRunner(_step("gpt"), options=DataParallelOptions(threads=1)).load(str(path))
 

@@ -318,7 +318,7 @@ class DataParallelRunner:
     def _deal_groups(self, initial: Mapping[str, np.ndarray]) -> dict[str, int]:
         """Rule 4: the owner of every grouped state input (``training.deal_groups``)."""
         groups = [g for g in optimizer_groups(self.split)[0] if not any(n in self._slot_of for n in g)]
-        if len(groups) < self.world:
+        if not self.slots and len(groups) < self.world:
             logger.warning("optimizer sharding: %d update group(s) for %d ranks, so some ranks hold no optimizer "
                            "state; a packed optimizer updates small parameters as one group (build the step "
                            "graph with optimizer_options={'pack': False})", len(groups), self.world)
@@ -392,9 +392,10 @@ class DataParallelRunner:
                 dist.all_gather_object(parts, mine, group=self.group)
             else:
                 dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
-            for part in parts:
-                held.update(part)
-            held.update({n: np.concatenate([part[n] for part in parts]) for n in self._slot_of})
+            if everyone or self.rank == 0:
+                for part in parts:
+                    held.update(part)
+                held.update({n: np.concatenate([part[n] for part in parts]) for n in self._slot_of})
         if not everyone and self.rank != 0:
             return None
         return {a: held[a] for a, _ in self.split.state_pairs}
