@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Sequence
@@ -14,17 +13,8 @@ import onnx_ir as ir
 import onnx_ir.passes.common
 
 from mpgraph._ir.builder import Builder
-from mpgraph._ir.meta import (
-    MODEL_FORWARD_OUTPUTS,
-    MODEL_GRAD_SEED,
-    MODEL_GRADIENTS,
-    MODEL_LOGITS,
-    MODEL_LOSS,
-    MODEL_STATE_PAIRS,
-    MODEL_TRAINING,
-    NODE_ROLE,
-    Role,
-)
+from mpgraph._ir.contract import LR_INPUT, StepContract
+from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
@@ -50,7 +40,6 @@ logger = logging.getLogger(__name__)
 TARGET_WEIGHT_GRAD_FORM: dict[str, str | None] = {"cpu": None, "cuda": "im2col"}
 #: ONNX Runtime 1.31 refuses models with a higher ir_version (opset 28 needs 14).
 MAX_IR_VERSION = 13
-LR_INPUT = "lr"
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
 
 State = list[tuple[ir.Value, ir.Value]]
@@ -58,8 +47,7 @@ State = list[tuple[ir.Value, ir.Value]]
 
 def state_pairs(model: ir.Model) -> list[tuple[str, str]]:
     """``[(state input, updated output)]`` recorded on a training step graph."""
-    raw = model.metadata_props.get(MODEL_STATE_PAIRS)
-    return [] if raw is None else [(a, b) for a, b in json.loads(raw)]
+    return list(StepContract.read(model).state_pairs) if StepContract.recorded(model) else []
 
 
 def build_training_graph(
@@ -134,7 +122,7 @@ def build_training_graph(
     _keep_loss_only(m, loss_value, state)
     if pad_gemms or (pad_gemms is None and target == "cuda"):
         PadGemmColumnsPass()(m)
-    grads = _differentiate(m, loss_value, trained, target, forward.opset)
+    grads, seed = _differentiate(m, loss_value, trained, target, forward.opset)
     if target == "cuda":
         ExpandWhereConditionsPass()(m)
     optim = Builder(m.graph, role=Role.OPTIMIZER, scope="optim")
@@ -146,7 +134,8 @@ def build_training_graph(
                                   trained, grads, state)
     outputs += _state_outputs(m.graph, optim, state)
     _finish(m, state, outputs)
-    _record_forward(m, forward_outputs)
+    _record_contract(m, state, loss_value, seed, None if opt is None else [(p, grads[name_of(p)]) for p in trained],
+                     forward_outputs)
     if validate:
         _validate(m)
     return m
@@ -170,8 +159,8 @@ def _keep_loss_only(model: ir.Model, loss: ir.Value, state: State) -> None:
 
 
 def _differentiate(model: ir.Model, loss: ir.Value, params: list[ir.Value], target: str | None,
-                   user_opset: int) -> dict[str, ir.Value]:
-    """The backward pass from a ``grad/seed`` value; records the seed and the loss."""
+                   user_opset: int) -> tuple[dict[str, ir.Value], ir.Value]:
+    """The backward pass from a ``grad/seed`` value: the gradients by parameter, and the seed."""
     graph = model.graph
     opset = graph.opset_imports[""]
     seed = _gradient_seed(graph, loss)
@@ -183,9 +172,7 @@ def _differentiate(model: ir.Model, loss: ir.Value, params: list[ir.Value], targ
             raise
         # The rules are looked up at the upgraded opset; the user knows their model's own.
         raise GradientError(str(e).replace(f" at opset {opset} ", f" at opset {user_opset} (upgraded to {opset}) ")) from None
-    model.metadata_props[MODEL_GRAD_SEED] = name_of(seed)
-    model.metadata_props[MODEL_LOSS] = name_of(loss)
-    return grads
+    return grads, seed
 
 
 def _gradient_seed(graph: ir.Graph, loss: ir.Value) -> ir.Value:
@@ -243,7 +230,6 @@ def _attach_optimizer(model: ir.Model, ctx: Builder, opt: Optimizer, lr: float, 
     graph.inputs.append(lr_value)
     make_state = _StateInputs(ctx)
     updated, opt_state = opt.build(ctx, [(p, grads[name_of(p)]) for p in params], lr_value, make_state)
-    model.metadata_props[MODEL_GRADIENTS] = json.dumps([[name_of(p), grads[name_of(p)].name] for p in params])
     graph.inputs.extend(make_state.inputs)
     return [(p, updated[name_of(p)]) for p in params] + state + opt_state
 
@@ -261,7 +247,7 @@ def _state_outputs(graph: ir.Graph, ctx: Builder, state: State) -> State:
 
 
 def _finish(model: ir.Model, state: State, outputs: State) -> None:
-    """Outputs, roles, metadata, the ir_version and the shapes of the new outputs.
+    """Outputs, roles, the ir_version and the shapes of the new outputs.
 
     ``outputs`` pairs each new output with the value whose shape it has (its parameter or
     state input), for when shape inference leaves it unknown.
@@ -270,8 +256,6 @@ def _finish(model: ir.Model, state: State, outputs: State) -> None:
     graph.outputs.extend(out for _, out in outputs)
     for node in graph:
         node.metadata_props.setdefault(NODE_ROLE, Role.FORWARD)
-    model.metadata_props[MODEL_STATE_PAIRS] = json.dumps([[i.name, o.name] for i, o in state])
-    model.metadata_props[MODEL_TRAINING] = "true"
     graph.name = graph.name or "train_step"
     model.ir_version = max(8, min_ir_version(model.opset_imports))
     if model.ir_version > MAX_IR_VERSION:
@@ -286,14 +270,20 @@ def _finish(model: ir.Model, state: State, outputs: State) -> None:
             out.shape = like.shape
 
 
-def _record_forward(model: ir.Model, forward_outputs: list[str]) -> None:
-    """Record the logits and the forward outputs the step computes, so runtimes need not guess."""
+def _record_contract(model: ir.Model, state: State, loss: ir.Value, seed: ir.Value,
+                     gradients: State | None, forward_outputs: list[str]) -> None:
+    """Write the step contract (``StepContract``): names are taken now, after every rename,
+    so readers need not guess the logits or the forward outputs the step computes."""
     graph = model.graph
-    logits = find_logits(graph)
-    if logits is not None:
-        model.metadata_props[MODEL_LOGITS] = logits
     computed = {v.name for node in graph for v in node.outputs} | {v.name for v in graph.inputs}
-    model.metadata_props[MODEL_FORWARD_OUTPUTS] = json.dumps([name for name in forward_outputs if name in computed])
+    StepContract(
+        state_pairs=tuple((name_of(i), name_of(o)) for i, o in state),
+        loss=name_of(loss),
+        grad_seed=name_of(seed),
+        gradients=None if gradients is None else tuple((name_of(p), name_of(g)) for p, g in gradients),
+        logits=find_logits(graph),
+        forward_outputs=tuple(name for name in forward_outputs if name in computed),
+    ).write(model)
 
 
 def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
