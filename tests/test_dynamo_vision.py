@@ -173,3 +173,66 @@ def test_ort_batchnorm_training_writes_into_its_running_variance_input() -> None
     assert not np.allclose(new_var, 1.0)
     np.testing.assert_array_equal(var, new_var)  # ... written into the caller's feed
     np.testing.assert_array_equal(late, new_var)  # ... and read as the input: should be 1
+
+
+def _transpose_pad_transpose() -> onnx.ModelProto:
+    nodes = [h.make_node("Transpose", ["x"], ["t"], perm=[0, 2, 3, 1]),
+             h.make_node("Pad", ["t", "pads", "", "axes"], ["p"]),
+             h.make_node("Transpose", ["p"], ["y"], perm=[0, 3, 1, 2])]
+    inits = [onnx.numpy_helper.from_array(np.array([1], np.int64), "axes"),
+             onnx.numpy_helper.from_array(np.array([1, 2], np.int64), "pads")]
+    graph = h.make_graph(nodes, "pad", [h.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 3, 4, 5])],
+                         [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)], inits)
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+
+
+def test_ort_transpose_optimizer_breaks_a_pad_with_axes() -> None:
+    """ONNX Runtime 1.32's transpose optimizer (in its basic level, so in every default
+    session) moves the Transposes around ``Pad(pads, axes)`` as if ``pads`` covered every axis:
+    it permutes the two pads of axis 1 with a Gather over eight positions, which fails. This
+    is how a timm-style Swin's step graph failed (``Gather node 'Gather_token_146': indices
+    element out of data bounds, idx=2 must be within the inclusive range [-2,1]``): Slice's
+    gradient was a Pad with ``axes``. mpgraph's gradients write pads for every axis
+    (``mpgraph.autodiff.rules.shape.full_pads``). When this test fails, ONNX Runtime handles
+    ``axes`` and the workaround can go."""
+    x = np.arange(120, dtype=np.float32).reshape(2, 3, 4, 5)
+    model = _transpose_pad_transpose().SerializeToString()
+    plain = ort.SessionOptions()
+    plain.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    expected = np.pad(x, [(0, 0), (0, 0), (1, 2), (0, 0)])
+    np.testing.assert_array_equal(ort.InferenceSession(model, plain, providers=["CPUExecutionProvider"]).run(None, {"x": x})[0], expected)
+    default = ort.SessionOptions()
+    default.log_severity_level = 4
+    with pytest.raises(Exception, match=r"Gather.*indices element out of data bounds"):
+        ort.InferenceSession(model, default, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+
+def test_slice_and_strided_conv_gradients_pad_every_axis() -> None:
+    """The same pattern in a backward pass: Slice's gradient between two Transposes, and a
+    stride-2 Conv over runtime-sized images, whose input gradient (a ConvTranspose) misses a
+    row and a column that a Pad adds. The step graph's Pads have no ``axes`` and it runs with
+    ORT's default optimizations, with torch's gradients. (Before: the Gather error above.)"""
+    f = onnx.TensorProto.FLOAT
+    nodes = [h.make_node("Mul", ["x", "a"], ["xa"]),
+             h.make_node("Conv", ["xa", "w"], ["c"], strides=[2, 2], pads=[1, 1, 1, 1]),
+             h.make_node("Transpose", ["c"], ["t"], perm=[0, 2, 3, 1]),
+             h.make_node("Slice", ["t", "starts", "ends", "axes"], ["s"]),
+             h.make_node("Transpose", ["s"], ["u"], perm=[0, 3, 1, 2]),
+             h.make_node("Mul", ["u", "u"], ["sq"]),
+             h.make_node("ReduceSum", ["sq"], ["loss"], keepdims=0)]
+    rng = np.random.default_rng(0)
+    a, w = rng.standard_normal((1, 3, 1, 1)).astype(np.float32), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    inits = [onnx.numpy_helper.from_array(v, n) for n, v in (
+        ("a", a), ("w", w), ("starts", np.array([1], np.int64)), ("ends", np.array([3], np.int64)), ("axes", np.array([1], np.int64)))]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", f, [2, 3, "H", "W"])], [h.make_tensor_value_info("loss", f, [])], inits)
+    forward = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=8)
+    step = build_training_graph(forward, optimizer=None, params=["a", "w"])
+    pads = [n for n in step.graph if n.op_type == "Pad"]
+    assert len(pads) == 2 and not [n.name for n in pads if len(n.inputs) > 3 and n.inputs[3] is not None]
+    x = rng.standard_normal((2, 3, 8, 8)).astype(np.float32)
+    got = run_named(step, {"x": x})
+    at, wt = (torch.from_numpy(v).double().requires_grad_() for v in (a, w))
+    c = torch.nn.functional.conv2d(torch.from_numpy(x).double() * at, wt, stride=2, padding=1)
+    (c[:, :, 1:3, :] ** 2).sum().backward()
+    for name, tensor in (("a", at), ("w", wt)):
+        np.testing.assert_allclose(got[f"grad/{name}"], tensor.grad.numpy(), rtol=1e-5, atol=1e-5, err_msg=name)

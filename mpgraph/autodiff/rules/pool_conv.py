@@ -101,10 +101,17 @@ def _data_grad(ctx: Ctx, node: ir.Node, dy: V, w: V, kernel: list[int], group: i
         extra = [xi[i] - ((yi[i] - 1) * strides[i] - pads[i] - pads[n + i] + dilations[i] * (kernel[i] - 1) + 1) for i in range(n)]
         if all(0 <= e < max(strides[i], dilations[i]) for i, e in enumerate(extra)):
             return ctx.op("ConvTranspose", dy, w, output_padding=extra if any(extra) else None, **attrs)
-    dx = ctx.op("ConvTranspose", dy, w, **attrs)
+    # Runtime sizes: the ConvTranspose crops only the leading pads, and a Pad sizes the rest
+    # to the input's: it adds the zero rows past the last window, or crops the trailing pads
+    # (a negative pad). Cropping the trailing pads in the ConvTranspose too cut rows that
+    # windows read: a 3x3/2 conv padded 1 on 8 rows, whose last window reads row 7, lost
+    # row 7's gradient (ConvTranspose gives 7 rows; 41% off for a per-channel scale before).
+    dx = ctx.op("ConvTranspose", dy, w, **dict(attrs, pads=pads[:n] + [0] * n))
     missing = ctx.op("Sub", ctx.shape(x, 2), ctx.shape(dx, 2))
-    pads_v = ctx.op("Concat", ctx.ints([0] * n), missing, axis=0)
-    return ctx.op("Pad", dx, pads_v, None, ctx.ints(range(2, n + 2)))
+    # Pads for every axis, no ``axes`` input: ONNX Runtime's transpose optimizer mishandles
+    # one (``shape.full_pads``).
+    pads_v = ctx.op("Concat", ctx.ints([0] * (n + 4)), missing, axis=0)
+    return ctx.op("Pad", dx, pads_v)
 
 
 def _large_map(ctx: Ctx, like_dy: V, kernel: list[int], rows: int) -> bool:

@@ -69,9 +69,25 @@ def slice_(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
             begin = ctx.op("Max", ctx.op("Min", wrapped, dims), ctx.const(np.int64(0)))
         grown = ctx.op("Sub", dims, ctx.op("Gather", ctx.shape(dy), idx))
         pads = ctx.op("Concat", begin, ctx.op("Sub", grown, begin), axis=0)
-        return (ctx.op("Pad", dy, pads, None, idx),) + none
+        return (ctx.op("Pad", dy, full_pads(ctx, pads, [a % rank for a in axes], rank)),) + none
     positions = ctx.op("Slice", _flat_positions(ctx, x), *node.inputs[1:])
     return (_scatter_back(ctx, x, positions, dy),) + none
+
+
+def full_pads(ctx: Ctx, pads: V, axes: list[int], rank: int) -> V:
+    """Pad's ``pads`` for every axis of a rank-``rank`` tensor, from ``pads`` for ``axes``
+    (their begins, then their ends), so the Pad needs no ``axes`` input.
+
+    ONNX Runtime's transpose optimizer (1.32, at every optimization level) moves Transposes
+    through a Pad as if its pads covered every axis: with an ``axes`` input it permutes the
+    shorter pads with a Gather that fails (timm-style Swin: ``Gather node 'Gather_token_146':
+    indices element out of data bounds, idx=2 must be within [-2,1]``; reproducer in
+    ``tests/test_dynamo_vision.py``).
+    """
+    if axes == list(range(rank)):
+        return pads
+    where = ctx.ints([*axes, *(a + rank for a in axes)])
+    return ctx.op("ScatterElements", ctx.ints([0] * (2 * rank)), where, pads, axis=0)
 
 
 def _nonneg_int64(ctx: Ctx, indices: V, dims: V) -> V:
@@ -183,14 +199,24 @@ def pad(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x, pads_v = ctx.input(0), ctx.input(1)
     mode, pads = ctx.attr("mode", "constant"), ctx.const_ints(pads_v)
     none = (None,) * (len(node.inputs) - 1)
-    if mode != "constant":
-        positions = ctx.op("Pad", _flat_positions(ctx, x), *node.inputs[1:2], None, *node.inputs[3:], mode=mode)
-        return (_scatter_back(ctx, x, positions, dy),) + none
     axes_v = ctx.optional_input(3)
+    known = ctx.const_ints(axes_v)
+
+    def pad_by(data: V, pads_for_axes: V, **attrs: str) -> V:
+        if axes_v is not None and known is None:  # runtime axes: as given
+            return ctx.op("Pad", data, pads_for_axes, None, axes_v, **attrs)
+        if known is not None:
+            rank = ctx.rank(x)
+            pads_for_axes = full_pads(ctx, pads_for_axes, [a % rank for a in known], rank)
+        return ctx.op("Pad", data, pads_for_axes, **attrs)
+
+    if mode != "constant":
+        positions = pad_by(_flat_positions(ctx, x), pads_v, mode=mode)
+        return (_scatter_back(ctx, x, positions, dy),) + none
     if pads is None or any(p < 0 for p in pads):
         # Runtime or negative (cropping) pads: the adjoint is the Pad by the negated pads,
         # which crops what was added and zero-fills what was cropped.
-        return (ctx.op("Pad", dy, ctx.op("Neg", pads_v), None, axes_v),) + none
+        return (pad_by(dy, ctx.op("Neg", pads_v)),) + none
     axes = ctx.required_ints(axes_v, "Pad axes") if axes_v is not None else list(range(ctx.rank(x)))
     begin = ctx.ints(pads[: len(axes)])
     end = ctx.op("Add", begin, ctx.op("Gather", ctx.shape(x), ctx.ints(axes)))
