@@ -279,3 +279,21 @@ def test_layernorm_recompute_with_a_scale_is_not_taken_for_xhat():
     grads.graph.register_initializer(twos)
     xhat.replace_input_with(1, twos)
     assert fuse_layernorm_grad(grads) == 4
+
+
+def test_every_lowering_is_a_registered_documented_rule():
+    """``registry.RULES``: unique names, a known scope, providers, exactness and a doc each; the
+    order per provider and scope is the one the session plans apply (the old if-ladder's)."""
+    from mpgraph.lowering.registry import RULES, Exactness
+
+    names = [r.name for r in RULES]
+    assert len(set(names)) == len(names)
+    assert all(r.scope in (*kernels.SCOPES, "deterministic") and r.providers <= {"cpu", "cuda"} and r.providers
+               and isinstance(r.exactness, Exactness) and r.doc for r in RULES)
+    order = {(p, s): [r.name for r in RULES if r.runs(p, s)] for p in ("cpu", "cuda") for s in kernels.SCOPES}
+    library = ["adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "unscale", "multi_cast",
+               "fold_transposes", "softmax_grad", "relu_grad"]
+    assert order["cuda", "all"] == order["cuda", "default"] == [*library, "sce_grad", "fold_scales"]
+    assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales"]
+    assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
+    assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == []
