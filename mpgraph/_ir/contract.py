@@ -125,6 +125,15 @@ class StepContract:
             if text is not None:
                 props[key] = text
 
+    def record_state(self, model: ir.Model) -> None:
+        """Record only the state fields (``state_pairs``, and ``loss_scale`` unless ``None``):
+        what a pass that adds state inputs (loss scaling, fp8 scaling) writes, leaving every
+        other key as the graph had it (``read``'s guesses for older graphs are not written)."""
+        props = model.metadata_props
+        props[md.MODEL_STATE_PAIRS] = json.dumps([list(p) for p in self.state_pairs])
+        if self.loss_scale is not None:
+            props[md.MODEL_LOSS_SCALE_STATE] = self.loss_scale.to_json()
+
     @classmethod
     def recorded(cls, model: ir.Model) -> bool:
         """Whether ``model`` is a step graph (it records state pairs)."""

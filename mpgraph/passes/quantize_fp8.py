@@ -22,6 +22,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.builder import Builder
+from mpgraph._ir.contract import StepContract
 from mpgraph._ir.names import NameScope
 from mpgraph.errors import MpgraphError
 from mpgraph.policy.schema import Fp8, Fp8Scaling
@@ -299,9 +300,9 @@ class _Quantizer:
         new_scales.name, new_history.name = opt.unique(f"{_SCALES}/updated"), opt.unique(f"{_HISTORY}/updated")
         new_scales.shape, new_history.shape = ir.Shape([count]), ir.Shape([h, count])
         self.graph.outputs.extend([new_scales, new_history])
-        props = self.model.metadata_props
-        pairs = json.loads(props[md.MODEL_STATE_PAIRS]) + [[_SCALES, new_scales.name], [_HISTORY, new_history.name]]
-        props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
+        contract = StepContract.read(self.model)
+        pairs = (*contract.state_pairs, (_SCALES, new_scales.name), (_HISTORY, new_history.name))
+        dataclasses.replace(contract, state_pairs=pairs, loss_scale=None).record_state(self.model)  # adds no loss scaling
         self.history = history
 
     def _register(self, value: ir.Value, initial: np.ndarray) -> None:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 
 import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.builder import Builder
+from mpgraph._ir.contract import LossScaleState, StepContract
 from mpgraph._ir.names import NameScope
 from mpgraph.errors import MpgraphError
 from mpgraph.policy.schema import LossScaling
@@ -74,12 +75,12 @@ class ScaleLossPass(ir.passes.InPlacePass):
             return ir.passes.PassResult(model, False)
         if _already_scaled(model):
             return ir.passes.PassResult(model, False)
-        seed, grads = _seed_and_gradients(model)
+        contract, seed, grads = _seed_and_gradients(model)
         graph = model.graph
         names = NameScope(model)
         bwd = Builder(graph, role=md.Role.BACKWARD, scope=_SCOPE, names=names)
         opt = Builder(graph, role=md.Role.OPTIMIZER, scope=_SCOPE, names=names)
-        pairs: list[list[str]] = json.loads(model.metadata_props[md.MODEL_STATE_PAIRS])
+        pairs = [list(p) for p in contract.state_pairs]
         scale, tracker = self._scale(graph, opt)
         _scale_seed(bwd, seed, scale)
         marks = {n: n.metadata_props[md.NODE_ON_SKIP] for n in graph
@@ -99,11 +100,8 @@ class ScaleLossPass(ir.passes.InPlacePass):
         for node in (*bwd.tape.nodes, *opt.tape.nodes):
             is_bool = node.op_type in ("IsNaN", "GreaterOrEqual") or (node.op_type == "Identity" and node.inputs[0] is found_inf)
             node.outputs[0].type = ir.TensorType(ir.DataType.BOOL if is_bool else ir.DataType.FLOAT)
-        model.metadata_props[md.MODEL_STATE_PAIRS] = json.dumps(pairs)
-        state = {"found_inf": flag.name}
-        if tracker is not None:
-            state.update(scale=md.LOSS_SCALE, growth_tracker=md.GROWTH_TRACKER)
-        model.metadata_props[md.MODEL_LOSS_SCALE_STATE] = json.dumps(state)
+        state = LossScaleState(flag.name or md.FOUND_INF, *((md.LOSS_SCALE, md.GROWTH_TRACKER) if tracker is not None else ()))
+        dataclasses.replace(contract, state_pairs=tuple((a, b) for a, b in pairs), loss_scale=state).record_state(model)
         graph.sort()  # the seed product and the unscales were appended after their readers
         return ir.passes.PassResult(model, True)
 
@@ -156,8 +154,8 @@ def _already_scaled(model: ir.Model) -> bool:
     return False
 
 
-def _seed_and_gradients(model: ir.Model) -> tuple[ir.Value, list[tuple[str, ir.Value]]]:
-    """The gradient seed and the ``(parameter, gradient)`` pairs the metadata names.
+def _seed_and_gradients(model: ir.Model) -> tuple[StepContract, ir.Value, list[tuple[str, ir.Value]]]:
+    """The step contract, the gradient seed and the ``(parameter, gradient)`` pairs it names.
 
     Raises:
         MpgraphError: A step graph not from ``train-graph`` with an optimizer, one whose node
@@ -165,6 +163,7 @@ def _seed_and_gradients(model: ir.Model) -> tuple[ir.Value, list[tuple[str, ir.V
     """
     props, graph = model.metadata_props, model.graph
     missing = [k for k in (md.MODEL_GRADIENTS, md.MODEL_GRAD_SEED, md.MODEL_STATE_PAIRS) if k not in props]
+    contract = StepContract.read(model) if not missing else None
     if missing:
         raise MpgraphError(
             f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
@@ -183,11 +182,12 @@ def _seed_and_gradients(model: ir.Model) -> tuple[ir.Value, list[tuple[str, ir.V
     for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
         if value.name:
             values.setdefault(value.name, value)
-    seed = values.get(props[md.MODEL_GRAD_SEED])
-    grads = [(p, values.get(g)) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
+    assert contract is not None and contract.grad_seed is not None and contract.gradients is not None
+    seed = values.get(contract.grad_seed)
+    grads = [(p, values.get(g)) for p, g in contract.gradients]
     if seed is None or any(g is None for _, g in grads):
         raise MpgraphError("loss scaling: the gradient seed or a gradient named in the metadata is missing")
-    return seed, [(p, g) for p, g in grads if g is not None]
+    return contract, seed, [(p, g) for p, g in grads if g is not None]
 
 
 def _scale_seed(bwd: Builder, seed: ir.Value, scale: ir.Value) -> None:

@@ -8,6 +8,7 @@ import logging
 import onnx_ir as ir
 
 from mpgraph._ir.builder import Builder
+from mpgraph._ir.contract import LOSS_OPS
 from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
@@ -17,8 +18,6 @@ __all__ = ["BUILTIN_LOSSES", "LOSS_OPS", "AttachLossPass", "LossResult", "find_l
 logger = logging.getLogger(__name__)
 
 BUILTIN_LOSSES = ("cross_entropy", "mse")
-#: The ops that compute a loss from logits (both torch exporters emit them for cross-entropy).
-LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 
 
 @dataclasses.dataclass

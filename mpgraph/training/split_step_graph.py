@@ -37,13 +37,13 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Sequence
 
 import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.errors import MpgraphError
 from mpgraph.training.shard_flat_slot import FlatSlot, shard_flat_slots
 
@@ -88,17 +88,19 @@ def split_step_graph(model: ir.Model) -> SplitStep:
             batch.
     """
     props = model.metadata_props
-    if md.MODEL_GRADIENTS not in props or md.MODEL_LOSS not in props:
+    if md.MODEL_GRADIENTS not in props or md.MODEL_LOSS not in props or not StepContract.recorded(model):
         raise MpgraphError("split: not a step graph with an optimizer (no 'mpgraph.gradients' metadata); "
                            "build it with `mpgraph train-graph --optimizer ...`")
+    contract = StepContract.read(model)
+    assert contract.gradients is not None and contract.loss is not None
     proto = ir.to_proto(model)
     grad_model, apply_model = ir.from_proto(proto), ir.from_proto(proto)
     nodes = list(grad_model.graph)
     values = _values_by_name(grad_model.graph)
-    cuts = [(param, _cut(values[name], param)) for param, name in json.loads(props[md.MODEL_GRADIENTS])]
-    loss = values[props[md.MODEL_LOSS]]
+    cuts = [(param, _cut(values[name], param)) for param, name in contract.gradients]
+    loss = values[contract.loss]
     in_grad = _ancestors([v for _, v in cuts] + [loss])
-    data = _data_inputs(grad_model)
+    data = _data_inputs(grad_model, contract)
     crossing = _crossing(nodes, in_grad, {v for _, v in cuts})
     _refuse_batch_dependent(nodes, crossing, data)
     _refuse_state_made_in_gradient_part(grad_model.graph, in_grad, loss)
@@ -109,7 +111,7 @@ def split_step_graph(model: ir.Model) -> SplitStep:
     data_inputs = tuple(v.name or "" for v in grad_model.graph.inputs if v in data)
     return SplitStep(grad_model, apply_model, tuple((p, n) for (p, _), n in zip(cuts, cut_names, strict=True)),
                      tuple(passthrough), loss.name or "", data_inputs,
-                     tuple((a, b) for a, b in json.loads(props.get(md.MODEL_STATE_PAIRS, "[]"))))
+                     contract.state_pairs)
 
 
 def optimizer_groups(split: SplitStep) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
@@ -223,11 +225,10 @@ def _ancestors(outputs: list[ir.Value]) -> set[ir.Node]:
     return seen
 
 
-def _data_inputs(model: ir.Model) -> set[ir.Value]:
-    """Graph inputs that are not state, not ``lr`` and have no initializer: the batch."""
-    state = {a for a, _ in json.loads(model.metadata_props.get(md.MODEL_STATE_PAIRS, "[]"))}
-    return {v for v in model.graph.inputs
-            if v.name not in state and v.name != "lr" and v.name not in model.graph.initializers}
+def _data_inputs(model: ir.Model, contract: StepContract) -> set[ir.Value]:
+    """The contract's data inputs that have no initializer: the batch."""
+    data = set(contract.data_inputs)
+    return {v for v in model.graph.inputs if v.name in data and v.name not in model.graph.initializers}
 
 
 def _crossing(nodes: list[ir.Node], in_grad: set[ir.Node], cuts: set[ir.Value]) -> list[ir.Value]:
