@@ -274,3 +274,6 @@ def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_pat
     refused = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--metrics", str(tmp_path / "m.csv"))
     assert refused.returncode == 2 and "--metrics: not with --nproc" in refused.stderr
     assert len(launched) == 1
+    monkeypatch.undo()  # the real launcher: an uneven batch is refused before any process starts
+    uneven = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--batch", "7")
+    assert uneven.returncode == 2 and "--batch 7 must be divisible by --nproc 2" in uneven.stderr

@@ -52,13 +52,28 @@ def launch_command(nproc: int, args: list[str]) -> list[str]:
 
 
 def launch(nproc: int, args: list[str]) -> int:
-    """Run ``nproc`` ranks through torchrun; their exit code (torchrun's)."""
-    if nproc < 1:
-        from mpgraph.errors import UsageError
+    """Run ``nproc`` ranks through torchrun; 0, or 2 after one ``error:`` line from the first
+    rank that failed (torchrun's own report of the failure is left out), or torchrun's code.
 
+    Raises:
+        UsageError: ``nproc`` below 1, a bad flag, or a batch the ranks cannot split evenly
+            (refused here, before N processes start).
+    """
+    from mpgraph.errors import UsageError
+
+    if nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
-    _parser().parse_args(args)  # refuse bad flags here, not in N processes
-    return subprocess.call(launch_command(nproc, args))
+    parsed = _parser().parse_args(args)
+    if parsed.batch % (nproc * parsed.micro_batches):
+        raise UsageError(f"--batch {parsed.batch} must be divisible by --nproc {nproc} x --micro-batches "
+                         f"{parsed.micro_batches}: it is the global batch, split evenly over the ranks")
+    ran = subprocess.run(launch_command(nproc, args), stderr=subprocess.PIPE, text=True, check=False)
+    errors = [line for line in ran.stderr.splitlines() if line.startswith("error: rank ")]
+    if ran.returncode and errors:
+        print(errors[0], file=sys.stderr)
+        return 2
+    sys.stderr.write(ran.stderr)
+    return ran.returncode
 
 
 def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: int, lr: float | None, batch: int | None,
