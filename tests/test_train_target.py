@@ -38,3 +38,30 @@ def test_cuda_target_uses_im2col_and_matches_the_cpu_forms() -> None:
 def test_unknown_target_is_refused() -> None:
     with pytest.raises(GradientError, match="target must be 'cpu' or 'cuda'"):
         build_training_graph(ZOO_DIR / "dqn_cnn.loss.onnx", target="tpu")
+
+
+def test_target_is_an_argument_of_differentiation() -> None:
+    """``differentiate(..., target=)`` picks the Conv weight-gradient form with no module
+    switch: two graphs differentiated with different targets, one after the other, each get
+    their target's form (an 8x8/4 conv: im2col via SpaceToDepth on cuda, one Conv otherwise)."""
+    import onnx_ir as ir
+
+    from mpgraph.autodiff import differentiate
+    from mpgraph.autodiff.rules import pool_conv
+
+    def graph() -> tuple[ir.Graph, ir.Value, ir.Value]:
+        x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([2, 4, 84, 84]))
+        w = ir.Value(name="w", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([8, 4, 8, 8]))
+        conv = ir.node("Conv", [x, w], {"strides": [4, 4], "kernel_shape": [8, 8]}, name="conv")
+        conv.outputs[0].name, conv.outputs[0].dtype, conv.outputs[0].shape = "y", ir.DataType.FLOAT, ir.Shape([2, 8, 20, 20])
+        total = ir.node("ReduceSum", [conv.outputs[0]], {"keepdims": 0}, name="sum")
+        total.outputs[0].name, total.outputs[0].dtype, total.outputs[0].shape = "loss", ir.DataType.FLOAT, ir.Shape([])
+        return ir.Graph([x, w], [total.outputs[0]], nodes=[conv, total], opset_imports={"": 18}), total.outputs[0], w
+
+    def packed(target: str | None) -> int:
+        g, loss, w = graph()
+        differentiate(g, loss, [w], opset=18, target=target)
+        return sum(n.op_type == "SpaceToDepth" for n in g)
+
+    assert pool_conv.WEIGHT_GRAD_FORM is None
+    assert (packed("cuda"), packed(None), packed("cuda"), packed("cpu")) == (1, 0, 1, 0)

@@ -16,7 +16,6 @@ from mpgraph._ir.builder import Builder
 from mpgraph._ir.contract import LR_INPUT, StepContract
 from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.autodiff import differentiate
-from mpgraph.autodiff.rules import pool_conv
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError, first_line
 from mpgraph.io import min_ir_version
@@ -30,14 +29,10 @@ from mpgraph.training.pad_gemm_columns import PadGemmColumnsPass
 from mpgraph.training.select_parameters import SelectParametersPass
 from mpgraph.training.set_batchnorm_mode import SetBatchNormModePass
 
-__all__ = ["LR_INPUT", "MAX_IR_VERSION", "TARGET_WEIGHT_GRAD_FORM", "build_training_graph", "state_pairs"]
+__all__ = ["LR_INPUT", "MAX_IR_VERSION", "build_training_graph", "state_pairs"]
 
 logger = logging.getLogger(__name__)
 
-#: The conv weight-gradient form per ``target`` (``None``: by layer shape, from ORT CPU
-#: measurements). On ORT CUDA (H200) the one-hot im2col form beat the single Conv on the
-#: Nature DQN's 8x8/4 (0.085 vs 0.309 ms) and 4x4/2 layers (0.074 vs 0.117 ms).
-TARGET_WEIGHT_GRAD_FORM: dict[str, str | None] = {"cpu": None, "cuda": "im2col"}
 #: ONNX Runtime 1.31 refuses models with a higher ir_version (opset 28 needs 14).
 MAX_IR_VERSION = 13
 _DEFAULT_LR = {"sgd": 1e-2, "adam": 1e-3, "adamw": 1e-3}
@@ -165,8 +160,7 @@ def _differentiate(model: ir.Model, loss: ir.Value, params: list[ir.Value], targ
     opset = graph.opset_imports[""]
     seed = _gradient_seed(graph, loss)
     try:
-        with pool_conv.weight_grad_form(TARGET_WEIGHT_GRAD_FORM.get(target or "cpu")):
-            grads = differentiate(graph, loss, params, opset=opset, seed=seed)
+        grads = differentiate(graph, loss, params, opset=opset, seed=seed, target=target)
     except GradientError as e:
         if user_opset == opset:
             raise

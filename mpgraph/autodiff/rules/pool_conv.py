@@ -9,9 +9,7 @@ shape; MaxPool routes gradients through its indices output.
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 
 import numpy as np
 import onnx_ir as ir
@@ -29,25 +27,18 @@ Ctx = GradContext
 #: Emit unit-stride data gradients as a Conv with the flipped kernel (else ConvTranspose).
 UNIT_STRIDE_AS_CONV = True
 
-#: Which weight-gradient form the rules emit: ``None`` picks per layer shape
-#: (``_weight_grad_form``); ``"conv"`` forces the single-Conv form, ``"slices"`` the per-tap
-#: Slice + MatMul form (one group, static dims), ``"im2col"`` the one-hot im2col forms
-#: (SpaceToDepth where it applies). Tests and benchmarks set it to cover each form.
+#: A weight-gradient form forced for every layer, for tests and benchmarks that cover each
+#: form: ``"conv"`` the single-Conv form, ``"slices"`` the per-tap Slice + MatMul form (one
+#: group, static dims), ``"im2col"`` the one-hot im2col forms (SpaceToDepth where it
+#: applies). ``None`` (always, outside tests): the form comes from the differentiation's
+#: ``target`` (``TARGET_FORM``), else from the layer shape (``_weight_grad_form``).
 WEIGHT_GRAD_FORM: str | None = None
 
-
-@contextlib.contextmanager
-def weight_grad_form(form: str | None) -> Iterator[None]:
-    """Within the block, emit ``form`` (see ``WEIGHT_GRAD_FORM``); ``None`` changes nothing,
-    and a form already forced (tests, benchmarks) wins."""
-    global WEIGHT_GRAD_FORM
-    previous = WEIGHT_GRAD_FORM
-    if form is not None and previous is None:
-        WEIGHT_GRAD_FORM = form
-    try:
-        yield
-    finally:
-        WEIGHT_GRAD_FORM = previous
+#: The weight-gradient form per ``target`` of the differentiation (``GradContext.target``);
+#: a target not listed (``None``, ``cpu``) picks each layer's form by shape, from ORT CPU
+#: measurements. On ORT CUDA (H200) the one-hot im2col form beat the single Conv on the
+#: Nature DQN's 8x8/4 (0.085 vs 0.309 ms) and 4x4/2 layers (0.074 vs 0.117 ms).
+TARGET_FORM: dict[str, str] = {"cuda": "im2col"}
 
 
 def _geometry(ctx: Ctx, node: ir.Node, kernel: list[int]) -> tuple[list[int], list[int], list[int]]:
@@ -266,8 +257,10 @@ def _slices_weight_grad(
     return ctx.op("Reshape", grad, ctx.ints([m, c, *kernel]))
 
 
-def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, small_map: bool) -> str:
-    """The weight-gradient form that measures faster on ORT CPU for this layer shape.
+def _weight_grad_form(target: str | None, kernel: list[int], geometry: tuple, c: int, group: int,
+                      small_map: bool) -> str:
+    """The form forced (``WEIGHT_GRAD_FORM``), else ``target``'s (``TARGET_FORM``), else the
+    weight-gradient form that measures faster on ORT CPU for this layer shape.
 
     ``benchmarks/results/conv_dw_ab.txt`` (from the one-off probe ``benchmarks/conv_dw_ab.py`` at
     be82dfc), ms of the form over ms of the one-hot im2col forms (SpaceToDepth where it
@@ -287,6 +280,8 @@ def _weight_grad_form(kernel: list[int], geometry: tuple, c: int, group: int, sm
     """
     if WEIGHT_GRAD_FORM is not None:
         return WEIGHT_GRAD_FORM
+    if target in TARGET_FORM:
+        return TARGET_FORM[target]
     strides, pads, _ = geometry
     taps = math.prod(kernel)
     if group == 1 and 1 < taps <= 16 and all(s == 1 for s in strides) and not any(pads) and c >= 16 and small_map:
@@ -302,7 +297,8 @@ def _pick_weight_grad(
 ) -> V:
     """The weight gradient in the form that measures faster for this layer shape (the im2col
     forms where the chosen one does not apply)."""
-    form = _weight_grad_form(kernel, geometry, cg * group, group, not _large_map(ctx, like_dy, kernel, m // group))
+    form = _weight_grad_form(ctx.target, kernel, geometry, cg * group, group,
+                             not _large_map(ctx, like_dy, kernel, m // group))
     if form == "conv":
         return _conv_weight_grad(ctx, x, dy, like_dy, m, cg, geometry, kernel, group)
     dw = None
