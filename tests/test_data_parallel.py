@@ -267,10 +267,12 @@ def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_pat
     launched = []
     monkeypatch.setattr(train_nproc, "launch", lambda nproc, args: launched.append((nproc, args)) or 0)
     ran = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--data", "d.npz", "--steps", "5", "--batch", "8",
-                      "--checkpoint", str(tmp_path / "c.npz"))
+                      "--checkpoint", str(tmp_path / "c.npz"), "--shard-optimizer")
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert launched == [(2, ["m.onnx", "--data", "d.npz", "--steps", "5", "--batch", "8", "--seed", "0",
-                             "--checkpoint-every", "0", "--checkpoint", str(tmp_path / "c.npz")])]
+                             "--checkpoint-every", "0", "--checkpoint", str(tmp_path / "c.npz"), "--shard-optimizer"])]
+    alone = mpgraph_cli("train", "m.onnx", "--shard-optimizer")
+    assert alone.returncode == 2 and "--shard-optimizer: only with --nproc" in alone.stderr
     refused = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--metrics", str(tmp_path / "m.csv"))
     assert refused.returncode == 2 and "--metrics: not with --nproc" in refused.stderr
     assert len(launched) == 1

@@ -78,7 +78,7 @@ def launch(nproc: int, args: list[str]) -> int:
 
 def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: int, lr: float | None, batch: int | None,
                      seed: int | None, threads: int | None, checkpoint: os.PathLike[str] | None, checkpoint_every: int,
-                     resume: os.PathLike[str] | None, unsupported: dict[str, bool]) -> int:
+                     resume: os.PathLike[str] | None, unsupported: dict[str, bool], shard_optimizer: bool = False) -> int:
     """``mpgraph train --nproc N``: the flags a data-parallel run takes, as a torchrun launch.
 
     Raises:
@@ -87,16 +87,18 @@ def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: in
     """
     from mpgraph.errors import UsageError
 
+    if shard_optimizer and nproc == 1:
+        raise UsageError("--shard-optimizer: only with --nproc N (N processes share the optimizer state)")
     given = [flag for flag, on in unsupported.items() if on]
     if given:
         raise UsageError(f"{', '.join(given)}: not with --nproc yet (a data-parallel run on the CPU takes --data, "
-                         f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume)")
+                         f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume, --shard-optimizer)")
     args = [os.fspath(step), "--data", data, "--steps", str(steps), "--batch", str(64 if batch is None else batch),
             "--seed", str(seed or 0), "--checkpoint-every", str(checkpoint_every)]
     for flag, value in (("--lr", lr), ("--threads", threads), ("--checkpoint", checkpoint), ("--resume", resume)):
         if value is not None:
             args += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
-    return launch(nproc, args)
+    return launch(nproc, args + (["--shard-optimizer"] if shard_optimizer else []))
 
 
 def main(argv: list[str] | None = None) -> int:
