@@ -222,13 +222,15 @@ def train(
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
     nproc: Annotated[int, typer.Option("--nproc", help="Data-parallel on this many processes (torchrun, gloo on the CPU); --batch is the global batch. See docs/data-parallel.md.")] = 1,
+    shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With --nproc: each process keeps and updates its share of the optimizer state (ZeRO-1).")] = False,
 ) -> None:
     """Train STEP on a dataset: state stays on the device, loss scaling runs in the graph."""
-    if nproc != 1:  # mpgraph.cli.train_nproc: a torchrun launch; the one-process flags it lacks are refused
+    if nproc != 1 or shard_optimizer:  # mpgraph.cli.train_nproc: a torchrun launch; the one-process flags it lacks are refused
         from mpgraph.cli.train_nproc import train_with_nproc
 
         raise typer.Exit(train_with_nproc(nproc, step, data=data, steps=steps, lr=lr, batch=batch, seed=seed, threads=threads,
                                           checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
+                                          shard_optimizer=shard_optimizer,
                                           unsupported={"--provider cuda": provider != "cpu", "--metrics": metrics is not None,
                                                        "--plot": plot is not None, "--on-nonfinite": on_nonfinite != "stop"}))
     from mpgraph.cli.console import console, err_console
