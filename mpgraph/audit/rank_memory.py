@@ -13,8 +13,9 @@ it out (``training.split_step_graph``), without running it:
 3. **State outputs**: a second buffer for every state value a rank holds (the step writes
    the new state beside the old).
 4. **Gradient buckets**: every gradient in float32, and the loss.
-5. **Receive buffers**: ``reduction="ordered"`` gathers every rank's buckets (world x the
-   buckets); ``all_reduce`` reduces in place (none).
+5. **Receive buffers**: ``reduction="ordered"`` receives one chunk of every rank's bucket
+   (the buckets' size again, less their padding to a multiple of the world size);
+   ``all_reduce`` reduces in place (none).
 
 Activations are not here: a rank's are those of one process at the per-rank batch
 (``estimate_memory`` with ``batch / world``).
@@ -70,7 +71,7 @@ def rank_memory(step: ir.Model, world: int, *, shard_optimizer: bool = False,
         owner = {n: r for g, r in zip(groups, dealt, strict=True) for n in g}
     master = sum(nbytes[p] for p in params)
     buckets = 4 * (sum(nbytes[p] // max(_itemsize(inits[p]), 1) for p in params if p in inits) + 1)
-    receive = world * buckets if reduction == "ordered" and world > 1 else 0
+    receive = buckets if reduction == "ordered" and world > 1 else 0
     out = []
     for rank in range(world):
         optimizer = sum(b for n, b in nbytes.items() if n not in params and n not in slot_size and owner.get(n, rank) == rank)

@@ -9,19 +9,21 @@ Every rank holds the whole model and runs the same step on its share of the glob
    fixed by the graph: gradients in reverse ``mpgraph.gradients`` order (the order the
    backward finishes them), a new bucket after ``bucket_bytes``; the loss is the last
    element of the last bucket.
-2. **Reduction, one collective per bucket.** ``reduction="ordered"`` (the default) is an
-   ``all_gather`` of the bucket, then on every rank a sum over the ranks as a fixed binary
-   tree (``_pairwise_sum``; a rank's micro-batches are summed the same way first) and one
-   division by the number of slices. Plain ``all_reduce`` sums in an order that depends on
-   the algorithm and the chunk (gloo's ring): on 3 ranks it gave other float32 bits than
-   the ordered sum in 27 of the GPT's 32 state arrays after 2 steps. The fixed tree makes N
+2. **Reduction.** ``reduction="ordered"`` (the default) fixes the order of the sum: per
+   bucket an ``all_to_all`` gives rank r chunk r of every rank's bucket, rank r sums those N
+   chunks as a fixed binary tree (``_pairwise_sum``; a rank's micro-batches are summed the
+   same way first), and an ``all_gather`` returns the summed chunks to every rank; then one
+   division by the number of slices. These are the two halves of a ring all-reduce
+   (reduce-scatter, all-gather), with the same traffic, 2 (N - 1) / N of a bucket a rank,
+   and one bucket of receive buffer. Plain ``all_reduce`` sums in an order that depends on
+   the algorithm and the chunk (gloo's ring): on 3 ranks it gave other float32 bits than a
+   rank-order sum in 27 of the GPT's 32 state arrays after 2 steps. The fixed tree makes N
    processes with B/N samples each give exactly the numbers of one process that
-   accumulates the same N slices (``micro_batches=N``), and, with ``micro_batches`` a
-   power of two, any world size with the same number of slices gives the same bits (so a
-   run resumes on another world size bit for bit). It costs N times the bucket in receive
-   buffers and traffic. ``reduction="all_reduce"`` is one ``all_reduce(SUM)`` per bucket:
-   the same bits for 2 ranks (a + b = b + a), not beyond. The mean over slices matches a
-   loss that is a mean over the batch (the zoo's).
+   accumulates the same N slices (``micro_batches=N``), and, with ``micro_batches`` a power
+   of two, any world size with the same number of slices gives the same bits (so a run
+   resumes on another world size bit for bit). ``reduction="all_reduce"`` is one
+   ``all_reduce(SUM)`` per bucket: the same bits for 2 ranks (a + b = b + a), not beyond.
+   The mean over slices matches a loss that is a mean over the batch (the zoo's).
 3. **Apply.** The apply part runs on every rank on the reduced buckets (bound as views):
    loss scaling's finite check sees the same numbers on every rank, so every rank skips the
    same steps (an inf on one rank makes the reduced sum inf everywhere) and the scale
@@ -88,7 +90,7 @@ class DataParallelOptions:
 
     Attributes:
         bucket_bytes: Bytes of gradients per bucket (one collective each; torch DDP's 25 MiB).
-        reduction: ``ordered`` (all_gather, a fixed summation tree: fixed float32 bits) or
+        reduction: ``ordered`` (all_to_all, a fixed summation tree, all_gather: fixed float32 bits) or
             ``all_reduce`` (one sum collective: less traffic, order-dependent bits beyond 2 ranks).
         micro_batches: Slices of each rank's batch run one after the other and summed (a
             power of two keeps the bits independent of the world size, rule 2).
@@ -151,9 +153,10 @@ class _Bucket:
                 for name, start, shape in self.slots}
 
 
-def _make_buckets(split: SplitStep, shapes: Mapping[str, tuple[int, ...]], bucket_bytes: int) -> list[_Bucket]:
+def _make_buckets(split: SplitStep, shapes: Mapping[str, tuple[int, ...]], bucket_bytes: int,
+                  world: int) -> list[_Bucket]:
     """Gradients in reverse ``mpgraph.gradients`` order, a new bucket past ``bucket_bytes``;
-    the loss last."""
+    the loss last. Each array is padded with zeros to a multiple of ``world`` (equal chunks)."""
     layout: list[list[tuple[str, int, tuple[int, ...]]]] = [[]]
     used = 0
     for name, shape in [*((g, shapes[g]) for _, g in reversed(split.gradients)), (split.loss, ())]:
@@ -163,8 +166,9 @@ def _make_buckets(split: SplitStep, shapes: Mapping[str, tuple[int, ...]], bucke
             used = 0
         layout[-1].append((name, used, shape))
         used += size
-    return [_Bucket(np.zeros(sum(int(np.prod(s, dtype=np.int64)) for _, _, s in slots), np.float32), tuple(slots))
-            for slots in layout]
+    sizes = [sum(int(np.prod(s, dtype=np.int64)) for _, _, s in slots) for slots in layout]
+    return [_Bucket(np.zeros(-(-size // world) * world, np.float32), tuple(slots))
+            for size, slots in zip(sizes, layout, strict=True)]
 
 
 class DataParallelRunner:
@@ -205,11 +209,11 @@ class DataParallelRunner:
         self._apply_session = _session(apply_model, self.options.threads)
         self._lr = float(initial.get("lr", np.float32(0.0)))
         shapes = {g: self._state[p].shape for p, g in self.split.gradients}
-        self.buckets = _make_buckets(self.split, shapes, self.options.bucket_bytes)
+        self.buckets = _make_buckets(self.split, shapes, self.options.bucket_bytes, self.world)
         # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
         sets = int(np.ceil(np.log2(self.options.micro_batches))) + 2 if self.options.micro_batches > 1 else 0
         self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
-        self._gathered = ([[torch.empty(len(b.array)) for _ in range(self.world)] for b in self.buckets]
+        self._received = ([torch.empty(len(b.array)) for b in self.buckets]
                           if self.world > 1 and self.options.reduction == "ordered" else [])
 
     @property
@@ -268,24 +272,35 @@ class DataParallelRunner:
         return {n: made[n] for n in self.split.passthrough}
 
     def _reduce(self) -> None:
-        """Rule 2: one collective per bucket, all issued before the first wait; then the mean."""
+        """Rule 2: the buckets reduced across ranks (every collective issued before the first
+        wait), then the mean over slices."""
         slices = np.float32(self.world * self.options.micro_batches)
-        if self.world > 1:
-            if self.options.reduction == "ordered":
-                works = [dist.all_gather(out, torch.from_numpy(b.array), group=self.group, async_op=True)
-                         for b, out in zip(self.buckets, self._gathered, strict=True)]
-            else:
-                works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=self.group,
-                                         async_op=True) for b in self.buckets]
+        if self.world > 1 and self.options.reduction == "ordered":
+            self._reduce_ordered()
+        elif self.world > 1:
+            works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+                     for b in self.buckets]
             for work in works:
                 work.wait()
-            if self._gathered:
-                ranks = ([out[r].numpy() for out in self._gathered] for r in range(self.world))
-                for bucket, array in zip(self.buckets, _pairwise_sum(ranks, lambda _: None), strict=True):
-                    np.copyto(bucket.array, array)
         if slices != 1:
             for b in self.buckets:
                 np.divide(b.array, slices, out=b.array)
+
+    def _reduce_ordered(self) -> None:
+        """Rule 2, ordered: per bucket an ``all_to_all`` (rank r receives chunk r of every
+        rank's bucket), the fixed-tree sum of those chunks, and an ``all_gather`` of the
+        summed chunks back into every rank's bucket."""
+        scatters = [dist.all_to_all_single(received, torch.from_numpy(b.array), group=self.group, async_op=True)
+                    for b, received in zip(self.buckets, self._received, strict=True)]
+        gathers = []
+        for bucket, received, work in zip(self.buckets, self._received, scatters, strict=True):
+            work.wait()
+            chunks = received.numpy().reshape(self.world, -1)
+            (total,) = _pairwise_sum(([chunk] for chunk in chunks), lambda _: None)
+            into = list(torch.from_numpy(bucket.array).view(self.world, -1).unbind(0))
+            gathers.append(dist.all_gather(into, torch.from_numpy(total), group=self.group, async_op=True))
+        for work in gathers:
+            work.wait()
 
     def _apply(self, passthrough: Mapping[str, ort.OrtValue], lr: float) -> tuple[bool, dict[str, ort.OrtValue]]:
         """Rule 3: the apply part on the reduced buckets; returns whether the step was skipped,
