@@ -66,7 +66,8 @@ def test_grad_context_names_and_tags_the_forward_node():
     ctx.node = forward
     dy = ctx.op("Mul", x, ctx.scalar(2.0, x))
     assert dy.name == "grad/relu1/Mul"
-    assert dict(dy.producer().metadata_props) == {md.NODE_ROLE: "backward", md.NODE_GRAD_OF: "relu1"}
+    assert dict(dy.producer().metadata_props) == {md.NODE_ROLE: "backward", md.NODE_GRAD_OF: "relu1",
+                                                  md.NODE_GRAD_OF_VALUE: forward.outputs[0].name}
     ctx.node = None
     assert ctx.op("Neg", x).name == "grad/step/Neg"
     assert isinstance(ctx, Builder)  # optimizers take a Builder, so a GradContext does too

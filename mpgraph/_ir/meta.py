@@ -32,6 +32,7 @@ __all__ = [
     "MODEL_GRAD_SEED",
     "MODEL_LOSS",
     "NODE_GRAD_OF",
+    "NODE_GRAD_OF_VALUE",
     "NODE_FLAT",
     "FLAT_GRADIENT",
     "FLAT_PARAM",
@@ -94,8 +95,12 @@ MODEL_GRADIENTS = "mpgraph.gradients"
 MODEL_GRAD_SEED = "mpgraph.grad_seed"
 #: Name of the scalar loss value of a training step graph.
 MODEL_LOSS = "mpgraph.loss"
-#: On backward nodes: the name of the forward node whose gradient rule emitted them.
+#: On backward nodes: the name of the forward node whose gradient rule emitted them (for
+#: people; code follows ``NODE_GRAD_OF_VALUE``, which survives renaming nodes).
 NODE_GRAD_OF = "mpgraph.grad_of"
+#: On backward nodes: the first output value of the forward node whose gradient rule emitted
+#: them, the link code resolves (``_ir.links.forward_twins``).
+NODE_GRAD_OF_VALUE = "mpgraph.grad_of_value"
 #: On the flat-buffer nodes of a flat optimizer (``optimizer_options={"flat": True}``): which
 #: buffer the node makes, one of ``FLAT_GRADIENT``, ``FLAT_PARAM``, ``FLAT_SPLIT``. Loss
 #: scaling unscales, checks and guards these once instead of once per parameter.

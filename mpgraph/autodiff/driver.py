@@ -25,7 +25,8 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.builder import Builder
-from mpgraph._ir.meta import NODE_GRAD_OF, Role
+from mpgraph._ir.links import link_to
+from mpgraph._ir.meta import Role
 from mpgraph.autodiff import registry
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import GradientError
@@ -52,7 +53,8 @@ class GradContext(Builder):
 
     Node building (``op``, ``const``, ``scalar``, ``ints``, ``cast``, ``shape``,
     ``zeros_like``) is the ``Builder``'s; what is autodiff's is here: the current forward
-    node (named in generated names, ``grad/<node>/<op>``, and recorded as ``mpgraph.grad_of``),
+    node (named in generated names, ``grad/<node>/<op>``, and recorded by its first output
+    value, ``mpgraph.grad_of_value``, and its name, ``mpgraph.grad_of``: ``_ir.links``),
     its inputs and attributes, which inputs need a gradient, and un-broadcasting.
 
     Args:
@@ -83,8 +85,8 @@ class GradContext(Builder):
         """The role, and which forward node's rule emitted the node: policies keep the
         backward of deny ops float32."""
         props = super().metadata()
-        if self.node is not None and self.node.name:
-            props[NODE_GRAD_OF] = self.node.name
+        if self.node is not None:
+            props.update(link_to(self.node))
         return props
 
     # -- node inspection -------------------------------------------------------------------

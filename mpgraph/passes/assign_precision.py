@@ -17,6 +17,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.links import forward_twins
 from mpgraph._ir.meta import Category, Phase, Precision, Role
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
@@ -222,6 +223,7 @@ class _Assignment:
         self.low = _PRECISION[policy.dtype]
         self.opsets = dict(model.opset_imports)
         self.nodes = [n for n in model.graph if md.NODE_INSERTED not in n.metadata_props]
+        self.twins = forward_twins(self.nodes)  # backward node -> its forward node, by value
         self.typings = {n: node_typing(n, self.opsets) for n in self.nodes}
         self.decisions: dict[ir.Node, Decision] = {}
         #: The policy rule of every node phase 0 left open (and of overridden nodes).
@@ -358,10 +360,8 @@ class _Assignment:
         """
         if not any(n.metadata_props.get(md.NODE_ROLE) == Role.BACKWARD for n in self.nodes):
             return
-        forward = (Role.FORWARD, Role.LOSS)
-        twins = {n.name: n for n in self.nodes if n.name and n.metadata_props.get(md.NODE_ROLE) in forward}
         for node in self.nodes:
-            twin = twins.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
+            twin = self.twins.get(node)
             if (
                 node in self.fixed_nodes
                 or twin is None
@@ -445,13 +445,13 @@ class _Assignment:
         GPT, cast kernels 4.12 -> 2.82 ms and the bf16 step 24.2 -> 22.2 ms
         (``benchmarks/results/gpu_step_softmax_bwd_prototype.log``).
         """
-        lowered = {n.name: n for n in self.nodes
-                   if n.name and n in self.decisions and self.decisions[n].phase == Phase.LOW_IO and n.op_type in LOW_IO_FLOAT32_KERNELS}
+        lowered = {n for n in self.nodes
+                   if n in self.decisions and self.decisions[n].phase == Phase.LOW_IO and n.op_type in LOW_IO_FLOAT32_KERNELS}
         if not lowered:
             return
         for node in self.nodes:
-            twin = lowered.get(node.metadata_props.get(md.NODE_GRAD_OF, ""))
-            if twin is None or node.metadata_props.get(md.NODE_ROLE) != Role.BACKWARD or node.domain not in _DEFAULT_DOMAINS:
+            twin = self.twins.get(node)
+            if twin not in lowered or node.metadata_props.get(md.NODE_ROLE) != Role.BACKWARD or node.domain not in _DEFAULT_DOMAINS:
                 continue
             decided = self.decisions.get(node)
             if decided is not None and decided.precision != Precision.FLOAT32:
@@ -510,12 +510,11 @@ class _Facts:
         self.opsets = run.opsets
         self.typings = run.typings
         self.protected = _shape_protected_nodes(run.nodes)
+        self.twins = run.twins
         # Training graphs: backward nodes of deny ops (norms, softmax, losses) stay float32.
         self.deny_forward = {
-            n.name: n.op_type
-            for n in run.nodes
-            if n.name
-            and n.metadata_props.get(md.NODE_ROLE, Role.FORWARD) in (Role.FORWARD, Role.LOSS)
+            n for n in run.nodes
+            if n.metadata_props.get(md.NODE_ROLE, Role.FORWARD) in (Role.FORWARD, Role.LOSS)
             and run.policy.category(n.op_type, n.domain)[0] == Category.DENY
         }
 
@@ -563,9 +562,9 @@ class _Facts:
         """Why a float32 node stays float32 under the policy: its role, shapes, pins, opset."""
         if node.metadata_props.get(md.NODE_ROLE) == Role.OPTIMIZER:
             return "optimizer step and its state stay float32"
-        twin = node.metadata_props.get(md.NODE_GRAD_OF)
+        twin = self.twins.get(node)
         if twin is not None and twin in self.deny_forward:
-            return f"backward of deny op {self.deny_forward[twin]} '{twin}' stays float32"
+            return f"backward of deny op {twin.op_type} '{twin.name}' stays float32"
         if node in self.protected:
             return self.protected[node]
         for slot, why in self.policy.pinned_slots(node.op_type, node.domain).items():

@@ -23,6 +23,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph._ir.builder import Builder
 from mpgraph._ir.contract import StepContract
+from mpgraph._ir.links import forward_twins
 from mpgraph._ir.names import NameScope
 from mpgraph.errors import MpgraphError
 from mpgraph.policy.schema import Fp8, Fp8Scaling
@@ -70,7 +71,7 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
     Rules:
         0. With ``products: linear``, only the products with an operand read (through data
            movement, rule 1) from an initializer, i.e. a weight or a step graph's parameter,
-           and the backward products of those (``mpgraph.grad_of``).
+           and the backward products of those (linked by ``mpgraph.grad_of_value``, ``_ir.links``).
         1. An operand is a *tensor*: the value it is read through ``Transpose``, ``Reshape``,
            ``Flatten``, ``Identity``, ``Squeeze``, ``Unsqueeze`` and ``Cast`` from. A tensor
            a backward node makes is a gradient and gets ``fp8.backward`` (E5M2); every other
@@ -152,9 +153,10 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
         if self.fp8.products == "all":
             return found
         weights = set(graph.initializers.values())
-        linear = {n.name for n in found if n.metadata_props.get(md.NODE_ROLE) != md.Role.BACKWARD
+        linear = {n for n in found if n.metadata_props.get(md.NODE_ROLE) != md.Role.BACKWARD
                   and any(v is not None and _source(v) in weights for v in n.inputs[:2])}
-        return [n for n in found if n.name in linear or n.metadata_props.get(md.NODE_GRAD_OF) in linear]
+        twins = forward_twins(graph)
+        return [n for n in found if n in linear or twins.get(n) in linear]
 
 
 class _Quantizer:
