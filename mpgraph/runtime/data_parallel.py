@@ -43,10 +43,17 @@ Every rank holds the whole model and runs the same step on its share of the glob
    ``.npz`` atomically (``io.write_atomic``); every rank waits for it. Any world size can
    read it back (the state is whole), sharded or not.
 
-What it needs from an ``Executor`` (runtime redesign): two sessions instead of one, IOBinding
-of inputs and outputs onto caller-owned buffers (views of a flat array), and a hook between
-the two runs. On CUDA the buckets would be device arrays handed to NCCL through DLPack; only
-the CPU path is written and tested here.
+Not overlapped with the backward: the gradient part is one ORT run, so the buckets are
+reduced after it (all issued before the first wait). On CUDA the buckets would be device
+arrays handed to NCCL through DLPack; only the CPU path is written and tested here.
+
+As an ``Executor`` (``runtime.executor``'s interface): ``ring`` 2 (``_state`` and ``_spare``
+swap), ``launch`` = ``step`` (synchronous) and ``read`` its loss and skip flag, ``rewind(1)``
+swaps back (the previous set is intact); it needs from ``Program`` a session plan per part
+(the split, then lowering on each part), from the ``Executor`` base IOBinding of outputs onto
+caller-owned buffers (bucket views) and a hook between two runs, and from the loop a
+collective checkpoint (every rank calls ``save``; rank 0 writes) and ``full_state`` for the
+sharded state.
 """
 
 from __future__ import annotations
