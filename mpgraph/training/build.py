@@ -23,6 +23,7 @@ from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
 from mpgraph.training.attach_loss import AttachLossPass, find_logits
+from mpgraph.training.canonicalize_ops import CanonicalizeOpsPass
 from mpgraph.training.expand_conditions import ExpandWhereConditionsPass
 from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
 from mpgraph.training.pad_gemm_columns import PadGemmColumnsPass
@@ -59,6 +60,7 @@ def build_training_graph(
     validate: bool = True,
     target: str | None = None,
     pad_gemms: bool | None = None,
+    canonicalize: bool = False,
 ) -> ir.Model:
     """Build the training step graph of a forward model.
 
@@ -91,6 +93,10 @@ def build_training_graph(
             slice them off its output (``PadGemmColumnsPass``: a 50257-token vocabulary's
             GEMMs then run on aligned tensor-core kernels). ``None``: when ``target`` is
             ``cuda``. Same math; the parameters keep their shapes.
+        canonicalize: Rewrite written-out attention, GELU, LayerNorm and RMSNorm into the
+            standard ops ``Attention``, ``Gelu``, ``LayerNormalization`` and
+            ``RMSNormalization`` before differentiating (``CanonicalizeOpsPass``; the opset
+            is raised to 23 where they need it). Same math.
 
     Returns:
         The training step model, with the lowest ir_version its opsets allow (8 up to
@@ -108,6 +114,8 @@ def build_training_graph(
     forward = load_forward(model)
     m = forward.model
     NormalizeForwardPass(forward.inputs_mark_params, params)(m)
+    if canonicalize:
+        CanonicalizeOpsPass()(m)
     forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None
