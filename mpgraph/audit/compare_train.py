@@ -33,6 +33,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.audit.compare import match_value, relative_error, run_all
 from mpgraph.audit.fp8_stats import Fp8TensorStats, fp8_stats
 from mpgraph.data import check_inputs
@@ -148,7 +149,7 @@ def _run(model: ir.Model, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarr
 
 def _scaled_values(model: ir.Model) -> set[str]:
     """Values downstream of the gradient seed through backward nodes (scaled by the loss scale)."""
-    seed = model.metadata_props.get(md.MODEL_GRAD_SEED)
+    seed = StepContract.read(model).grad_seed
     start = [v for n in model.graph for v in n.outputs if v.name == "loss_scale/scaled_seed"]
     start += [v for n in model.graph for v in n.outputs if v.name == seed and not start]
     scaled: set[str] = set()
@@ -190,11 +191,11 @@ def compare_train(
         MpgraphError: Not step graphs, or ORT cannot run one of them.
     """
     for label, model in (("reference", reference), ("candidate", candidate)):
-        if model.metadata_props.get(md.MODEL_TRAINING) != "true":
+        if model.metadata_props.get(md.MODEL_TRAINING) != "true" or not StepContract.recorded(model):
             raise MpgraphError(f"{label} is not a training step graph (run train-graph first)")
-    # The loss-scale state, by role (ScaleLossPass's record); none recorded: not loss-scaled.
-    state = json.loads(candidate.metadata_props.get(md.MODEL_LOSS_SCALE_STATE, "{}"))
-    scale_value = _state_value(candidate, state["scale"]) if "scale" in state else None
+    # The loss-scale state, by role (the step contract); none: not loss-scaled.
+    state = StepContract.read(candidate).loss_scale
+    scale_value = _state_value(candidate, state.scale) if state is not None and state.scale is not None else None
     scale = float(scale_value) if scale_value is not None else 1.0
     check_inputs(feeds, "inputs")
     ref = _run(reference, feeds)
@@ -207,8 +208,8 @@ def compare_train(
         return array / scale if (base in scaled or name in scaled) and scale != 1.0 else array
 
     loss_ref, loss_cand, loss_err = _loss(reference, candidate, ref, cand)
-    found_inf = "found_inf" in state and bool(np.asarray(cand.get(state["found_inf"], False)).any())
-    params = json.loads(reference.metadata_props.get(md.MODEL_GRADIENTS, "[]"))
+    found_inf = state is not None and bool(np.asarray(cand.get(state.found_inf, False)).any())
+    params = [list(pair) for pair in StepContract.read(reference).gradients or ()]
     values = _along_graph(candidate, ref, cand, cand_value)
     first = next((v for v in values if v.rel_error > threshold), None)
     first_back = next((v for v in values if v.role == "backward" and v.rel_error > threshold), None)
@@ -220,9 +221,8 @@ def compare_train(
 def _loss(reference: ir.Model, candidate: ir.Model, ref: Mapping[str, np.ndarray],
           cand: Mapping[str, np.ndarray]) -> tuple[float, float, float]:
     """(reference loss, candidate loss, relative error; inf when the candidate's is not finite)."""
-    loss_name = reference.metadata_props.get(md.MODEL_LOSS, "loss")
-    loss_ref = float(ref[loss_name])
-    loss_cand = float(cand[candidate.metadata_props.get(md.MODEL_LOSS, loss_name)])
+    loss_ref = float(ref[StepContract.read(reference).loss or "loss"])
+    loss_cand = float(cand[StepContract.read(candidate).loss or "loss"])
     loss_err = abs(loss_cand - loss_ref) / abs(loss_ref) if loss_ref else float(loss_cand != loss_ref)
     if not math.isfinite(loss_cand):
         loss_err = float("inf")

@@ -53,6 +53,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.errors import MpgraphError, first_line
 
 __all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT"]
@@ -348,9 +349,10 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     props = model.metadata_props
     _check_request(props, batch, state_sets)
     sizes = _concrete(ir.to_proto(model), batch, dims or {})
-    gradients = [(p, g) for p, g in json.loads(props[md.MODEL_GRADIENTS])]
+    contract = StepContract.read(model)
+    gradients = list(contract.gradients or ())
     params = {p for p, _ in gradients}
-    state_inputs = {a for a, _ in json.loads(props[md.MODEL_STATE_PAIRS])}
+    state_inputs = set(contract.state_inputs)
 
     def size(name: str) -> int:
         return sizes.get(name) or 0
@@ -406,10 +408,9 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
 
 def _fp8_bytes(model: ir.Model, size: Callable[[str], int]) -> dict[str, int]:
     """``MemoryReport.fp8_bytes``: the fp8 operand values and the fp8 scale state."""
-    raw = model.metadata_props.get(md.MODEL_FP8)
-    if raw is None:
+    if md.MODEL_FP8 not in model.metadata_props:
         return {}
-    state = {n for t in json.loads(raw)["tensors"] for n in (t["scale"], t["history"]) if n}
+    state = StepContract.read(model).fp8_state
     values = {v.name for node in model.graph for v in node.outputs
               if v.name and v.dtype is not None and v.dtype.itemsize == 1 and v.dtype.is_floating_point()}
     return {"values": sum(size(n) for n in values), "state": sum(size(n) for n in state)}
