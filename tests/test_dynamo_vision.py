@@ -62,8 +62,8 @@ FIRST_FOLDED = {
 #: (UNet2D: both 3e-10 to 7e-10 against 1e-18 in float64, 1e-9 of the largest gradient's
 #: norm), which GRAD_TOL on 1e-6 of the largest norm cannot tell apart: their difference must
 #: stay within 1e-8 of the largest norm (an error of 1e-2 in ``_check_against_torch``'s units;
-#: measured 1.1e-3).
-ZERO_GRADIENTS = ("*.attention.key.bias", "*.self.key.bias", "*.to_k.bias")
+#: measured: ViT 5.4e-5, Swin 6.5e-6, UNet2D 1.1e-3).
+ZERO_GRADIENTS = ("*.k_proj.bias", "*.to_k.bias")
 ZERO_TOL = 1e-2
 
 
@@ -101,7 +101,9 @@ CASES = [pytest.param(m, o, id=f"{m}-opset{o}") for m in MODELS for o in OPSETS]
 @pytest.mark.parametrize(("name", "opset"), CASES)
 def test_unoptimized_export_trains_every_parameter_alone(name: str, opset: int) -> None:
     """Every parameter has its own gradient (buffers, the timestep frequencies, GroupNorm's
-    and attention's constants have none), the key biases' within rounding noise."""
+    and attention's constants have none), the key biases' within rounding noise. Measured
+    worst error of the others, opsets 18/23: ViT 3.3e-7/3.8e-7, Swin 5.5e-7/5.6e-7, ResNet
+    2.0e-6 (a BatchNorm weight, both), UNet2D 5.5e-6/5.6e-6 (a downsampling conv bias)."""
     case = _case(name)
     plain, _ = _exports(name, opset)
     errors = _check_against_torch(case.module, case.inputs, list(case.input_names), plain)
@@ -136,7 +138,8 @@ def test_adamw_step_runs_with_default_optimizations(name: str) -> None:
     step = build_training_graph(plain, optimizer="adamw")
     outs = run_named(step, _feeds(case))
     module = copy.deepcopy(case.module)
-    loss = float(module(*case.inputs))
+    with torch.no_grad():
+        loss = float(module(*case.inputs))
     assert abs(float(outs[step.graph.outputs[0].name]) - loss) <= 1e-5 * max(1.0, abs(loss))
     buffers = {n: b.numpy() for n, b in module.named_buffers() if "running_" in n}
     assert len(buffers) == (16 if name == "resnet" else 0)
