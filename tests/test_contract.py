@@ -1,0 +1,89 @@
+"""``StepContract``: one typed record of a step graph's contract, over its metadata.
+
+Training writes it once, the passes that add state record that state through it, readers get
+every field from ``read``; graphs saved before a key existed read as they always did.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import onnx_ir as ir
+import pytest
+
+import mpgraph
+from mpgraph._ir import meta as md
+from mpgraph._ir.contract import LossScaleState, StepContract
+from mpgraph.training import build_training_graph
+from mpgraph.training.split_step_graph import split_step_graph
+
+ZOO = Path(__file__).resolve().parents[1] / "models" / "onnx"
+
+
+@pytest.fixture(scope="module")
+def gpt_step() -> ir.Model:
+    return build_training_graph(ZOO / "gpt.loss.onnx", optimizer="adamw")
+
+
+def _copy(model: ir.Model) -> ir.Model:
+    return ir.from_proto(ir.to_proto(model))
+
+
+def test_the_built_step_graph_reads_back_every_field(gpt_step: ir.Model) -> None:
+    contract = StepContract.read(gpt_step)
+    assert (contract.loss, contract.grad_seed, contract.logits, contract.lr) == ("loss", "grad/seed", "logits", "lr")
+    assert contract.data_inputs == ("tokens", "label") and contract.forward_outputs == ("loss", "logits")
+    outputs = {v.name for v in gpt_step.graph.outputs}
+    inputs = {v.name for v in gpt_step.graph.inputs}
+    assert set(contract.state_outputs) <= outputs and set(contract.state_inputs) <= inputs
+    assert contract.gradients is not None and {p for p, _ in contract.gradients} <= set(contract.state_inputs)
+    # The zoo GPT: vocabulary 64, labels of SoftmaxCrossEntropyLoss with ignore_index -100.
+    assert dict(contract.vocab) == {"tokens": 64} and dict(contract.label_bounds) == {"label": (64, -100)}
+    assert contract.loss_scale is None and contract.fp8_state == ()
+
+
+def test_write_of_what_was_read_changes_no_byte(gpt_step: ir.Model) -> None:
+    before = ir.to_proto(gpt_step).SerializeToString()
+    model = _copy(gpt_step)
+    StepContract.read(model).write(model)
+    assert ir.to_proto(model).SerializeToString() == before
+    # Written into a graph without the record, the keys come back in the same order.
+    for key in list(model.metadata_props):
+        del model.metadata_props[key]
+    StepContract.read(gpt_step).write(model)
+    assert list(model.metadata_props.items()) == list(gpt_step.metadata_props.items())
+
+
+def test_loss_scaling_records_its_state_and_nothing_else(gpt_step: ir.Model) -> None:
+    scaled = mpgraph.convert(_copy(gpt_step), "fp16")
+    contract, before = StepContract.read(scaled), StepContract.read(gpt_step)
+    assert contract.loss_scale == LossScaleState("found_inf", md.LOSS_SCALE, md.GROWTH_TRACKER)
+    assert contract.state_pairs[: len(before.state_pairs)] == before.state_pairs
+    assert {a for a, _ in contract.state_pairs[len(before.state_pairs):]} == {md.LOSS_SCALE, md.GROWTH_TRACKER}
+    assert dataclasses.replace(contract, state_pairs=before.state_pairs, loss_scale=None) == before
+
+
+def test_a_graph_saved_before_the_newer_keys_reads_as_it_did(gpt_step: ir.Model) -> None:
+    """No ``mpgraph.logits``, ``mpgraph.loss`` or ``mpgraph.loss_scale_state``: the logits are
+    the value named ``logits``, the loss the output named ``loss``, the loss-scale state the
+    names loss scaling gives it."""
+    old = mpgraph.convert(_copy(gpt_step), "fp16")
+    for key in (md.MODEL_LOGITS, md.MODEL_LOSS, md.MODEL_LOSS_SCALE_STATE, md.MODEL_FORWARD_OUTPUTS):
+        del old.metadata_props[key]
+    contract = StepContract.read(old)
+    assert (contract.logits, contract.loss, contract.forward_outputs) == ("logits", "loss", None)
+    assert contract.loss_scale == LossScaleState("found_inf", md.LOSS_SCALE, md.GROWTH_TRACKER)
+
+
+def test_not_a_step_graph_is_refused() -> None:
+    with pytest.raises(ValueError, match="not a training step graph"):
+        StepContract.read(ir.from_proto(mpgraph.io.as_proto(str(ZOO / "tiny_mlp.onnx"))))
+
+
+def test_split_step_graph_takes_the_contract_names(gpt_step: ir.Model) -> None:
+    contract = StepContract.read(gpt_step)
+    split = split_step_graph(gpt_step)
+    assert split.loss == contract.loss and split.state_pairs == contract.state_pairs
+    assert split.data_inputs == contract.data_inputs
+    assert [p for p, _ in split.gradients] == [p for p, _ in contract.gradients or ()]
