@@ -15,15 +15,12 @@ Every rank holds the whole model and runs the same step on its share of the glob
    same way first), and an ``all_gather`` returns the summed chunks to every rank; then one
    division by the number of slices. These are the two halves of a ring all-reduce
    (reduce-scatter, all-gather), with the same traffic, 2 (N - 1) / N of a bucket a rank,
-   and one bucket of receive buffer. Plain ``all_reduce`` sums in an order that depends on
-   the algorithm and the chunk (gloo's ring): on 3 ranks it gave other float32 bits than a
-   rank-order sum in 27 of the GPT's 32 state arrays after 2 steps. The fixed tree makes N
-   processes with B/N samples each give exactly the numbers of one process that
-   accumulates the same N slices (``micro_batches=N``), and, with ``micro_batches`` a power
-   of two, any world size with the same number of slices gives the same bits (so a run
-   resumes on another world size bit for bit). ``reduction="all_reduce"`` is one
-   ``all_reduce(SUM)`` per bucket: the same bits for 2 ranks (a + b = b + a), not beyond.
-   The mean over slices matches a loss that is a mean over the batch (the zoo's).
+   and one bucket of receive buffer. N processes with B/N samples each then give exactly
+   the bits of one process that sums the same N slices (``micro_batches=N``); with
+   ``micro_batches`` a power of two, any world size with as many slices does (a run resumes
+   on another world size bit for bit). ``reduction="all_reduce"`` (one ``all_reduce(SUM)``
+   a bucket) sums in the backend's order: on 3 gloo ranks, other bits than a rank-order sum
+   in 27 of the GPT's 32 state arrays after 2 steps; fixed for 2 ranks only (a + b = b + a).
 3. **Apply.** The apply part runs on every rank on the reduced buckets (bound as views):
    loss scaling's finite check sees the same numbers on every rank, so every rank skips the
    same steps (an inf on one rank makes the reduced sum inf everywhere) and the scale
@@ -63,12 +60,11 @@ import io
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
-import torch
-import torch.distributed as dist
 
 from mpgraph._ir import meta as md
 from mpgraph.data import Batches, InputSpec, dataset_for_model
@@ -82,6 +78,9 @@ from mpgraph.training.split_step_graph import (
     shard_apply_part,
     split_step_graph,
 )
+
+if TYPE_CHECKING:
+    import torch.distributed
 
 __all__ = ["DataParallelOptions", "DataParallelRunner", "DataParallelStep", "backend_for", "shard_batch",
            "train_data_parallel"]
@@ -192,12 +191,13 @@ class DataParallelRunner:
     """
 
     def __init__(self, step: ir.Model, *, options: DataParallelOptions | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: torch.distributed.ProcessGroup | None = None) -> None:
+        self._torch, self._dist = _torch()
         self.options = options or DataParallelOptions()
         self.group = group
-        grouped = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank(group) if grouped else 0
-        self.world = dist.get_world_size(group) if grouped else 1
+        grouped = self._dist.is_available() and self._dist.is_initialized()
+        self.rank = self._dist.get_rank(group) if grouped else 0
+        self.world = self._dist.get_world_size(group) if grouped else 1
         self.split = split_step_graph(step)
         self.steps = 0
         initial = _initial_state(step, self.split)
@@ -220,7 +220,7 @@ class DataParallelRunner:
         # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
         sets = int(np.ceil(np.log2(self.options.micro_batches))) + 2 if self.options.micro_batches > 1 else 0
         self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
-        self._received = ([torch.empty(len(b.array)) for b in self.buckets]
+        self._received = ([self._torch.empty(len(b.array)) for b in self.buckets]
                           if self.world > 1 and self.options.reduction == "ordered" else [])
 
     @property
@@ -281,6 +281,7 @@ class DataParallelRunner:
     def _reduce(self) -> None:
         """Rule 2: the buckets reduced across ranks (every collective issued before the first
         wait), then the mean over slices."""
+        torch, dist = self._torch, self._dist
         slices = np.float32(self.world * self.options.micro_batches)
         if self.world > 1 and self.options.reduction == "ordered":
             self._reduce_ordered()
@@ -297,6 +298,7 @@ class DataParallelRunner:
         """Rule 2, ordered: per bucket an ``all_to_all`` (rank r receives chunk r of every
         rank's bucket), the fixed-tree sum of those chunks, and an ``all_gather`` of the
         summed chunks back into every rank's bucket."""
+        torch, dist = self._torch, self._dist
         scatters = [dist.all_to_all_single(received, torch.from_numpy(b.array), group=self.group, async_op=True)
                     for b, received in zip(self.buckets, self._received, strict=True)]
         gathers = []
@@ -363,6 +365,7 @@ class DataParallelRunner:
     def _all_gather_flat(self, part: np.ndarray, size: int) -> np.ndarray:
         """Every rank's slice of a ``size``-element vector, in rank order (padded to one
         length for the collective)."""
+        torch, dist = self._torch, self._dist
         if self.world == 1:
             return part
         ranges = [slice_range(size, r, self.world) for r in range(self.world)]
@@ -382,6 +385,7 @@ class DataParallelRunner:
 
     def _broadcast_params(self) -> None:
         """Rule 4: each owner's updated parameters, one flat broadcast per owner."""
+        torch, dist = self._torch, self._dist
         for owner in range(self.world):
             names = [p for p in self.params if self.owners.get(p) == owner]
             if not names:
@@ -405,6 +409,7 @@ class DataParallelRunner:
 
     def _gather_state(self, *, everyone: bool) -> dict[str, np.ndarray] | None:
         """The whole state in ``state_pairs`` order on rank 0 (or every rank); ``None`` elsewhere."""
+        dist = self._dist
         held = {n: a.copy() for n, a in self._state.items()}
         if self.options.shard_optimizer and self.world > 1:
             mine = {n: a for n, a in held.items()
@@ -430,6 +435,7 @@ class DataParallelRunner:
         Raises:
             OutputError: On every rank, when rank 0 could not write (the previous file stays).
         """
+        dist = self._dist
         state = self._gather_state(everyone=False)
         error = [""]
         if state is not None:
@@ -512,6 +518,17 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
     if checkpoint is not None:
         runner.save(checkpoint, {"data": list(stream.position)})
     return runner
+
+
+def _torch() -> tuple[Any, Any]:
+    """``torch`` and ``torch.distributed``, imported when a runner is made (an optional extra);
+    ``UsageError`` without torch."""
+    try:
+        import torch
+        import torch.distributed
+    except ImportError as e:
+        raise UsageError(f"data-parallel training needs torch ({e}); install mpgraph[torch]") from e
+    return torch, torch.distributed
 
 
 def _initial_state(step: ir.Model, split: SplitStep) -> dict[str, np.ndarray]:
