@@ -1,8 +1,9 @@
 """``Program``: a step graph's contract and its session plans, read once.
 
 A step graph (``build_training_graph``, maybe converted) says in its metadata what it is: the
-state pairs (input -> output), the loss, the loss-scale state, the lr input. The ``Program``
-reads that once; the ``Executor`` and the training loop ask it instead of the graph. Its
+state pairs (input -> output), the loss, the loss-scale state, the lr input, the data inputs
+and what they must fit (``mpgraph._ir.contract.StepContract``). The ``Program`` reads that
+once (``Program.contract``); the ``Executor`` and the training loop ask it instead of the graph. Its
 session plans come from the lowering's one entry point, ``mpgraph.lowering.plan_session``:
 the runtime never rewrites a graph itself.
 
@@ -16,53 +17,39 @@ Example:
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir import meta as md
+from mpgraph._ir.contract import LR_INPUT, StepContract
 from mpgraph.data import InputSpec
 from mpgraph.errors import MpgraphError
 from mpgraph.io import ModelLike, as_model, as_proto
 from mpgraph.lowering import PlanOptions, SessionPlan, plan_session
-from mpgraph.runtime import probe, providers
+from mpgraph.runtime import probe
 from mpgraph.runtime.checkpoint import graph_fingerprint
 from mpgraph.runtime.options import RunOptions
 
 __all__ = ["LR", "Program"]
 
 #: The learning-rate input of a step graph.
-LR = "lr"
+LR = LR_INPUT
 
 
-def _state_pairs(model: ir.Model) -> list[tuple[str, str]]:
-    raw = model.metadata_props.get(md.MODEL_STATE_PAIRS)
-    if raw is None:
+def _contract(model: ir.Model) -> StepContract:
+    if not StepContract.recorded(model):
         raise MpgraphError("not a training step graph (no mpgraph.state_pairs metadata); build one with `mpgraph train-graph`")
-    return [(a, b) for a, b in json.loads(raw)]
+    return StepContract.read(model)
 
 
-def _data_inputs(model: ir.Model, state_names: set[str]) -> list[InputSpec]:
-    """The graph inputs a batch feeds: every input but the state and the lr."""
+def _data_inputs(model: ir.Model, names: Sequence[str]) -> list[InputSpec]:
+    """The graph inputs a batch feeds (the contract's data inputs), with dtype and shape."""
     return [
         InputSpec(v.name, np.dtype(v.dtype.numpy() if v.dtype is not None else np.float32),
                   tuple(d if isinstance(d, int) else str(d) for d in v.shape) if v.shape is not None else None)
-        for v in model.graph.inputs if v.name and v.name not in state_names and v.name != LR
+        for v in model.graph.inputs if v.name in names
     ]
-
-
-def _loss_scale_state(props: Mapping[str, str], outputs: set[str], state: set[str]) -> tuple[str | None, str | None]:
-    """The ``found_inf`` output and the loss-scale state input of a step graph (each ``None``
-    when absent; static scaling has no scale input), as ``MODEL_LOSS_SCALE_STATE`` records them."""
-    raw = props.get(md.MODEL_LOSS_SCALE_STATE)
-    if raw is None:
-        # Step graphs saved before the record existed: the names loss scaling gives its state.
-        return (md.FOUND_INF if md.FOUND_INF in outputs else None), (md.LOSS_SCALE if md.LOSS_SCALE in state else None)
-    record = json.loads(raw)
-    found, scale = record.get("found_inf"), record.get("scale")
-    return (found if found in outputs else None), (scale if scale in state else None)
 
 
 class Program:
@@ -87,17 +74,18 @@ class Program:
 
     def __init__(self, model: ModelLike, state: Mapping[str, np.ndarray] | None = None) -> None:
         self.model = as_model(model)
-        self.pairs: list[tuple[str, str]] = _state_pairs(self.model)
+        self.contract = _contract(self.model)
+        self.pairs: list[tuple[str, str]] = list(self.contract.state_pairs)
         self.state_names = {a for a, _ in self.pairs}
         self.initial = self._prepare(state)
-        props = self.model.metadata_props
         outputs = [o.name or "" for o in self.model.graph.outputs]
-        self.loss_name: str = props.get(md.MODEL_LOSS) or ("loss" if "loss" in outputs else outputs[0])
-        self.found_inf_name, self.scale_name = _loss_scale_state(props, set(outputs), self.state_names)
+        self.loss_name: str = self.contract.loss or outputs[0]
+        scaling = self.contract.loss_scale
+        self.found_inf_name, self.scale_name = (scaling.found_inf, scaling.scale) if scaling is not None else (None, None)
         state_outs = {b for _, b in self.pairs}
         self.extra_outputs = [n for n in outputs if n not in state_outs and n not in (self.loss_name, self.found_inf_name)]
-        self.data_inputs = _data_inputs(self.model, self.state_names)
-        self.has_lr = any(v.name == LR for v in self.model.graph.inputs)
+        self.data_inputs = _data_inputs(self.model, self.contract.data_inputs)
+        self.has_lr = self.contract.lr is not None
 
     def _prepare(self, state: Mapping[str, np.ndarray] | None) -> dict[str, np.ndarray]:
         """Set the fingerprint, default lr and session graph; return the initial state."""
@@ -137,38 +125,11 @@ class Program:
     # -- what the data must fit -----------------------------------------------------------
 
     def label_bounds(self) -> dict[str, tuple[int, int | None]]:
-        """Data inputs that are class labels of a loss op, with (classes, ignore_index).
-
-        The label may reach the loss through shape-only ops (``Reshape``, ``Flatten``, ...). The
-        class count is the loss's score input's dimension 1 when it is static
-        (``SoftmaxCrossEntropyLoss``/``NegativeLogLikelihoodLoss`` take ``[N, C, ...]``).
-        """
-        passthrough = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
-        origin = {s.name: s.name for s in self.data_inputs if s.dtype.kind in "iu"}
-        out: dict[str, tuple[int, int | None]] = {}
-        for node in self.model.graph:  # topological order: a label's reshapes come first
-            first = node.inputs[0] if node.inputs else None
-            if node.op_type in passthrough and first is not None and first.name in origin:
-                for o in node.outputs:
-                    origin[o.name or ""] = origin[first.name]
-                continue
-            if node.op_type not in providers.LOSS_OPS or len(node.inputs) < 2:
-                continue
-            scores, labels = node.inputs[0], node.inputs[1]
-            if labels is None or labels.name not in origin or scores is None or scores.shape is None:
-                continue
-            if len(scores.shape) < 2 or not isinstance(scores.shape[1], int):
-                continue
-            attr = node.attributes.get("ignore_index")
-            out[origin[labels.name]] = (int(scores.shape[1]), int(attr.as_int()) if attr is not None else None)
-        return out
+        """Data inputs that are class labels of a loss op, with (classes, ignore_index)
+        (``StepContract.label_bounds``)."""
+        return dict(self.contract.label_bounds)
 
     def vocab(self, token_input: str) -> int | None:
-        """Rows of the embedding table a token input indexes (a Gather on it), if any."""
-        for node in self.model.graph:
-            table = node.inputs[0] if node.inputs else None
-            if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None \
-                    and node.inputs[1].name == token_input and table is not None \
-                    and table.shape is not None and isinstance(table.shape[0], int):
-                return int(table.shape[0])
-        return None
+        """Rows of the embedding table a token input indexes (a Gather on it), if any
+        (``StepContract.vocab``)."""
+        return self.contract.vocab.get(token_input)

@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 from mpgraph import targets
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.errors import MpgraphError
 from mpgraph.io import as_model
 
@@ -60,7 +61,6 @@ ORT_TYPES = {
     "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_,
     "tensor(uint8)": np.uint8, "tensor(int8)": np.int8,
 }
-LOSS_OPS = ("SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss")
 _ORT_NODE = re.compile(r"running (\w+) node\. Name:'([^']*)' Status Message: (.*)")
 
 
@@ -204,23 +204,18 @@ def check_cuda_session(session: ort.InferenceSession, model: ir.Model, *, allow_
 
 
 def logits_name(model: ir.Model) -> str:
-    """The logits of a step graph: the value its metadata records, else a guess.
+    """The logits of a step graph, as its contract names them (``StepContract.logits``: the
+    recorded value; for a graph saved before that key, the value named ``logits``, else the
+    scores input of the loss op).
 
     Raises:
-        MpgraphError: No recorded logits, no value named ``logits`` and no loss op.
+        MpgraphError: Not a step graph, or one with neither recorded logits, a value named
+            ``logits`` nor a loss op.
     """
-    recorded = model.metadata_props.get(md.MODEL_LOGITS)
-    if recorded:
-        return recorded
-    # Step graphs saved before train-graph recorded their logits: the value named
-    # ``logits``, else the scores input of the cross-entropy loss op.
-    values = {v.name for n in model.graph for v in n.outputs}
-    if "logits" in values:
-        return "logits"
-    for node in model.graph:
-        if node.op_type in LOSS_OPS and node.inputs[0] is not None and node.inputs[0].name:
-            return node.inputs[0].name
-    raise MpgraphError("cannot evaluate: the step graph has no 'logits' value and no SoftmaxCrossEntropyLoss/NLL loss op")
+    logits = StepContract.read(model).logits if StepContract.recorded(model) else None
+    if logits is None:
+        raise MpgraphError("cannot evaluate: the step graph has no 'logits' value and no SoftmaxCrossEntropyLoss/NLL loss op")
+    return logits
 
 
 def forward_model(step: bytes, target: str) -> ir.Model:
