@@ -234,6 +234,93 @@ def segformer() -> Case:
     return _hf("segformer", SegformerForSemanticSegmentation(cfg), pixel_values=_image(1), labels=labels)
 
 
+class WindowAttention(torch.nn.Module):
+    """Multi-head self-attention inside windows, with a relative position bias gathered from a
+    learned table by an index buffer, and the shifted windows' mask added."""
+
+    def __init__(self, dim: int, heads: int, window: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.table = torch.nn.Parameter(torch.randn((2 * window - 1) ** 2, heads) * 0.02)
+        coords = torch.stack(torch.meshgrid(torch.arange(window), torch.arange(window), indexing="ij")).flatten(1)
+        rel = (coords[:, :, None] - coords[:, None, :]).permute(1, 2, 0) + (window - 1)
+        self.register_buffer("index", (rel[..., 0] * (2 * window - 1) + rel[..., 1]).view(-1), persistent=False)
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        b, n, c = x.shape
+        q, k, v = self.qkv(x).reshape(b, n, 3, self.heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q * q.shape[-1] ** -0.5) @ k.transpose(-2, -1)
+        scores = scores + self.table[self.index].view(n, n, -1).permute(2, 0, 1).unsqueeze(0)
+        if mask is not None:
+            windows = mask.shape[0]
+            scores = (scores.view(-1, windows, self.heads, n, n) + mask.view(1, windows, 1, n, n)).view(b, self.heads, n, n)
+        return self.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, n, c))
+
+
+class SwinBlock(torch.nn.Module):
+    """timm's Swin v1 block, channels last: windows by reshape and permute, ``torch.roll``."""
+
+    def __init__(self, dim: int, heads: int, window: int, shift: int, size: int) -> None:
+        super().__init__()
+        self.window, self.shift = window, shift
+        self.norm1, self.norm2 = torch.nn.LayerNorm(dim), torch.nn.LayerNorm(dim)
+        self.attn = WindowAttention(dim, heads, window)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim))
+        mask = None
+        if shift:
+            region = torch.zeros(1, size, size, 1)
+            cuts = (slice(0, -window), slice(-window, -shift), slice(-shift, None))
+            for i, (h, w) in enumerate((h, w) for h in cuts for w in cuts):
+                region[:, h, w, :] = i
+            ids = self._partition(region).squeeze(-1)
+            mask = (ids.unsqueeze(1) != ids.unsqueeze(2)).float() * -100.0
+        self.register_buffer("mask", mask, persistent=False)
+
+    def _partition(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        x = x.view(b, h // self.window, self.window, w // self.window, self.window, c)
+        return x.permute(0, 1, 3, 2, 4, 5).reshape(-1, self.window * self.window, c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        y = torch.roll(self.norm1(x), (-self.shift, -self.shift), (1, 2)) if self.shift else self.norm1(x)
+        y = self.attn(self._partition(y), self.mask)
+        y = y.view(b, h // self.window, w // self.window, self.window, self.window, c)
+        y = y.permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+        x = x + (torch.roll(y, (self.shift, self.shift), (1, 2)) if self.shift else y)
+        return x + self.mlp(self.norm2(x))
+
+
+class WindowedSwin(torch.nn.Module):
+    """A Swin written as timm writes it (channels last; transformers' Swin keeps (B, L, C)):
+    patch embedding, two blocks (the second shifted), patch merging by reshape and permute,
+    mean pooling, a linear head and cross-entropy."""
+
+    def __init__(self, dim: int = 16, window: int = 4, size: int = 8, classes: int = 5) -> None:
+        super().__init__()
+        self.embed = torch.nn.Conv2d(3, dim, 4, 4)
+        self.norm = torch.nn.LayerNorm(dim)
+        self.blocks = torch.nn.Sequential(SwinBlock(dim, 2, window, 0, size), SwinBlock(dim, 2, window, window // 2, size))
+        self.merge_norm = torch.nn.LayerNorm(4 * dim)
+        self.reduction = torch.nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.head = torch.nn.Linear(2 * dim, classes)
+
+    def forward(self, pixels: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.blocks(self.norm(self.embed(pixels).permute(0, 2, 3, 1)))
+        b, h, w, c = x.shape
+        x = x.reshape(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 4, 2, 5).flatten(3)
+        logits = self.head(self.reduction(self.merge_norm(x)).mean((1, 2)))
+        return torch.nn.functional.cross_entropy(logits, labels)
+
+
+def windowed_swin() -> Case:
+    """Not in ``BUILDERS``: ``tests/test_dynamo_vision.py`` trains it from the dynamo exporter
+    (its step graph is where ONNX Runtime's transpose optimizer met a Pad with ``axes``)."""
+    return Case("windowed_swin", WindowedSwin(), (_image(1), _classes(2, 5)), ("pixels", "labels"))
+
+
 class DenoiseLoss(torch.nn.Module):
     """A diffusers model's noise prediction against the noise: mean squared error."""
 
