@@ -11,7 +11,7 @@ Every rank holds the whole model and runs the same step on its share of the glob
    element of the last bucket.
 2. **Reduction.** ``reduction="ordered"`` (the default) fixes the order of the sum: per
    bucket an ``all_to_all`` gives rank r chunk r of every rank's bucket, rank r sums those N
-   chunks as a fixed binary tree (``_pairwise_sum``; a rank's micro-batches are summed the
+   chunks as a fixed binary tree (``gradient_buckets.pairwise_sum``; a rank's micro-batches are summed the
    same way first), and an ``all_gather`` returns the summed chunks to every rank; then one
    division by the number of slices. These are the two halves of a ring all-reduce
    (reduce-scatter, all-gather), with the same traffic, 2 (N - 1) / N of a bucket a rank,
@@ -59,7 +59,7 @@ import dataclasses
 import io
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -70,6 +70,7 @@ from mpgraph._ir import meta as md
 from mpgraph.data import Batches, InputSpec, dataset_for_model
 from mpgraph.errors import CheckpointError, OutputError, UsageError
 from mpgraph.io import write_atomic
+from mpgraph.runtime.gradient_buckets import make_buckets, pairwise_sum
 from mpgraph.training.shard_flat_slot import FlatSlot, flat_slots, slice_range
 from mpgraph.training.split_step_graph import (
     SplitStep,
@@ -146,37 +147,6 @@ def shard_batch(feeds: Mapping[str, np.ndarray], index: int, count: int) -> dict
     return out
 
 
-@dataclasses.dataclass(frozen=True)
-class _Bucket:
-    """A flat float32 array and where each gradient (and maybe the loss) sits in it."""
-
-    array: np.ndarray
-    slots: tuple[tuple[str, int, tuple[int, ...]], ...]
-
-    def views(self, array: np.ndarray | None = None) -> dict[str, np.ndarray]:
-        base = self.array if array is None else array
-        return {name: base[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
-                for name, start, shape in self.slots}
-
-
-def _make_buckets(split: SplitStep, shapes: Mapping[str, tuple[int, ...]], bucket_bytes: int,
-                  world: int) -> list[_Bucket]:
-    """Gradients in reverse ``mpgraph.gradients`` order, a new bucket past ``bucket_bytes``;
-    the loss last. Each array is padded with zeros to a multiple of ``world`` (equal chunks)."""
-    layout: list[list[tuple[str, int, tuple[int, ...]]]] = [[]]
-    used = 0
-    for name, shape in [*((g, shapes[g]) for _, g in reversed(split.gradients)), (split.loss, ())]:
-        size = int(np.prod(shape, dtype=np.int64))
-        if layout[-1] and (used + size) * 4 > bucket_bytes and name != split.loss:
-            layout.append([])
-            used = 0
-        layout[-1].append((name, used, shape))
-        used += size
-    sizes = [sum(int(np.prod(s, dtype=np.int64)) for _, _, s in slots) for slots in layout]
-    return [_Bucket(np.zeros(-(-size // world) * world, np.float32), tuple(slots))
-            for size, slots in zip(sizes, layout, strict=True)]
-
-
 class DataParallelRunner:
     """Runs a training step graph on every rank of a ``torch.distributed`` group (module rules).
 
@@ -209,6 +179,7 @@ class DataParallelRunner:
         held = [n for n, _ in self.split.state_pairs if self._holds(n)]
         self._state = {n: np.array(self._share(n, initial[n]), np.float32, copy=True) for n in held}
         self._spare = {n: np.empty_like(a) for n, a in self._state.items()}
+        self._bindings: dict[tuple[object, ...], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
         self._outputs = dict(self.split.state_pairs)
         apply_model = self.split.apply if not shard else shard_apply_part(
             self.split, {self._outputs[n] for n in held}, self.slots, self.rank, self.world)
@@ -216,7 +187,7 @@ class DataParallelRunner:
         self._apply_session = _session(apply_model, self.options.threads)
         self._lr = float(initial.get("lr", np.float32(0.0)))
         shapes = {g: self._state[p].shape for p, g in self.split.gradients}
-        self.buckets = _make_buckets(self.split, shapes, self.options.bucket_bytes, self.world)
+        self.buckets = make_buckets(self.split, shapes, self.options.bucket_bytes, self.world)
         # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
         sets = int(np.ceil(np.log2(self.options.micro_batches))) + 2 if self.options.micro_batches > 1 else 0
         self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
@@ -256,7 +227,7 @@ class DataParallelRunner:
                 passthrough = self._run_gradient(shard_batch(feeds, k, count), arrays)
                 yield arrays
 
-        total = _pairwise_sum(slices(), pool.append)
+        total = pairwise_sum(slices(), pool.append)
         for bucket, array in zip(self.buckets, total, strict=True):
             np.copyto(bucket.array, array)
         pool.append(total)
@@ -264,19 +235,36 @@ class DataParallelRunner:
 
     def _run_gradient(self, feeds: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, ort.OrtValue]:
         """The gradient part on one slice, its gradients and loss written into ``arrays``
-        (one per bucket); returns the passthrough values."""
-        wanted = _input_names(self._grad_session)
-        binding = self._grad_session.io_binding()
-        keep = _bind_inputs(binding, {**{n: a for n, a in self._state.items() if n in wanted}, **feeds})
-        for bucket, array in zip(self.buckets, arrays, strict=True):
-            for name, view in bucket.views(array).items():
-                keep.append(ort.OrtValue.ortvalue_from_numpy(view))
-                binding.bind_ortvalue_output(name, keep[-1])
-        for name in self.split.passthrough:
-            binding.bind_output(name, "cpu")
+        (one per bucket); returns the passthrough values. Only the batch is bound anew."""
+        key = ("gradient", id(self._state), id(arrays[0]))
+        if key not in self._bindings:
+            views = {n: v for b, a in zip(self.buckets, arrays, strict=True) for n, v in b.views(a).items()}
+            self._bindings[key] = self._binding(self._grad_session, {}, views)
+        binding, _ = self._bindings[key]
+        keep = _bind_inputs(binding, feeds)
         self._grad_session.run_with_iobinding(binding)
+        del keep
+        if not self.split.passthrough:
+            return {}
         made = dict(zip([o.name for o in self._grad_session.get_outputs()], binding.get_outputs(), strict=True))
         return {n: made[n] for n in self.split.passthrough}
+
+    def _binding(self, session: ort.InferenceSession, extra: Mapping[str, np.ndarray],
+                 outputs: Mapping[str, np.ndarray]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
+        """A binding that reads the current state set (and ``extra``) and writes each output
+        named in ``outputs`` into its array, the others to new CPU buffers, in session order
+        (so ``get_outputs`` lines up). Made once per state set and buffer set: the arrays are
+        only ever written in place."""
+        wanted = _input_names(session)
+        binding = session.io_binding()
+        keep = _bind_inputs(binding, {n: a for n, a in {**self._state, **extra}.items() if n in wanted})
+        for name in (o.name for o in session.get_outputs()):
+            if name in outputs:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(outputs[name]))
+                binding.bind_ortvalue_output(name, keep[-1])
+            else:  # found_inf, passthrough values, a packed slot's slice of the new parameter
+                binding.bind_output(name, "cpu")
+        return binding, keep
 
     def _reduce(self) -> None:
         """Rule 2: the buckets reduced across ranks (every collective issued before the first
@@ -305,7 +293,7 @@ class DataParallelRunner:
         for bucket, received, work in zip(self.buckets, self._received, scatters, strict=True):
             work.wait()
             chunks = received.numpy().reshape(self.world, -1)
-            (total,) = _pairwise_sum(([chunk] for chunk in chunks), lambda _: None)
+            (total,) = pairwise_sum(([chunk] for chunk in chunks), lambda _: None)
             into = list(torch.from_numpy(bucket.array).view(self.world, -1).unbind(0))
             gathers.append(dist.all_gather(into, torch.from_numpy(total), group=self.group, async_op=True))
         for work in gathers:
@@ -315,27 +303,19 @@ class DataParallelRunner:
         """Rule 3: the apply part on the reduced buckets; returns whether the step was skipped,
         and the outputs not bound to state buffers."""
         session = self._apply_session
+        key = ("apply", id(self._state))
+        if key not in self._bindings:
+            views = {n: v for b in self.buckets for n, v in b.views().items()}
+            self._bindings[key] = self._binding(session, views, {self._outputs[n]: a for n, a in self._spare.items()})
+        binding, _ = self._bindings[key]
         wanted = _input_names(session)
-        binding = session.io_binding()
-        feeds: dict[str, np.ndarray] = {n: a for n, a in self._state.items() if n in wanted}
-        for bucket in self.buckets:
-            feeds.update({n: v for n, v in bucket.views().items() if n in wanted})
-        if "lr" in wanted:
-            feeds["lr"] = np.asarray(lr, dtype=np.float32)
-        keep = _bind_inputs(binding, feeds)
+        keep = _bind_inputs(binding, {"lr": np.asarray(lr, dtype=np.float32)} if "lr" in wanted else {})
         for name, value in passthrough.items():
             if name in wanted:
                 binding.bind_ortvalue_input(name, value)
-        made = [o.name for o in session.get_outputs()]
-        spare = {self._outputs[n]: a for n, a in self._spare.items()}
-        for name in made:  # in session order, so get_outputs() lines up
-            if name in spare:
-                keep.append(ort.OrtValue.ortvalue_from_numpy(spare[name]))
-                binding.bind_ortvalue_output(name, keep[-1])
-            else:  # found_inf, a packed slot's slice of the new parameter
-                binding.bind_output(name, "cpu")
         session.run_with_iobinding(binding)
-        outputs = dict(zip(made, binding.get_outputs(), strict=True))
+        del keep
+        outputs = dict(zip([o.name for o in session.get_outputs()], binding.get_outputs(), strict=True))
         self._state, self._spare = self._spare, self._state
         return (bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False), outputs
 
@@ -563,37 +543,3 @@ def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, np.ndarray]) -> lis
         keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
         binding.bind_ortvalue_input(name, keep[-1])
     return keep
-
-
-def _pairwise_sum(terms: Iterable[list[np.ndarray]], release: Callable[[list[np.ndarray]], None]) -> list[np.ndarray]:
-    """The sum of a sequence of bucket sets as a fixed binary tree, in place in the terms.
-
-    Terms are merged like a binary counter: ``((t0 + t1) + (t2 + t3)) + ...``, and what is
-    left at the end from the right: for 3 terms ``(t0 + t1) + t2``, for 6
-    ``((t0 + t1) + (t2 + t3)) + (t4 + t5)``. A block of 2^k terms is one subtree wherever it
-    starts at a multiple of 2^k, so ranks that each sum 2^k slices (``micro_batches``) and
-    then sum across ranks the same way compute the very tree of one process over all the
-    slices: the same float32 bits for any world size. ``release`` gets each set merged into
-    another (free for reuse).
-    """
-    stack: list[tuple[int, list[np.ndarray]]] = []
-    for arrays in terms:
-        level = 0
-        while stack and stack[-1][0] == level:
-            _, left = stack.pop()
-            _add_into(left, arrays)
-            release(arrays)
-            arrays, level = left, level + 1
-        stack.append((level, arrays))
-    _, total = stack.pop()
-    while stack:
-        _, left = stack.pop()
-        _add_into(left, total)
-        release(total)
-        total = left
-    return total
-
-
-def _add_into(left: list[np.ndarray], right: list[np.ndarray]) -> None:
-    for a, b in zip(left, right, strict=True):
-        np.add(a, b, out=a)
