@@ -104,8 +104,8 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             tag_var="key_format", tag_values=["BHSD", "BHSD3", "BSHD"])
         scores = op.MatMul(_scaled(op, query, q_scale, "q_scaling"), _scaled(op, key_t, k_scale, "k_scaling"))
         scores = _scaled(op, scores, qk_scale, "qk_scaling")
-        scores = pattern.OrValue([op.Add(scores, mask), op.Where(cond, scores, fill), scores],
-                                 tag_var="mask_style", tag_values=["add", "where", "none"])
+        scores = pattern.OrValue([op.Add(scores, mask), op.Where(cond, scores, fill), op.Where(cond, fill, scores), scores],
+                                 tag_var="mask_style", tag_values=["add", "where", "where_masked", "none"])
         probs = op.Softmax(scores, axis=-1)
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
         return op.MatMul(probs, value)
@@ -119,7 +119,7 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             k = [k[0], k[2], k[1], k[3]]
         if key_format == "BHSD3" and _dims(kw.get("key_t3")) != [k[0], k[1], k[3], k[2]]:
             return result.fail("the 3-D transpose of K does not give [B, H, D, S]", key)
-        if q[1] is None or q[1] != k[1] or k[1] != v[1] or q[3] is None or q[3] != k[3] or k[2] != v[2]:
+        if q[2] is None or q[1] is None or q[1] != k[1] or k[1] != v[1] or q[3] is None or q[3] != k[3] or k[2] != v[2]:
             return result.fail("Q, K and V heads or sizes do not agree", query)
         scale = 1.0
         for tag, name in (("q_scaling", "q_scale"), ("k_scaling", "k_scale"), ("qk_scaling", "qk_scale")):
@@ -130,11 +130,11 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
                 return result.fail(f"{name} is not a constant scalar", kw.get(name))
             scale *= factor if kw[tag] == "Mul" else 1.0 / factor
         self._scale = scale
-        self._mask_input, self._causal = None, 0
+        self._mask_input, self._causal, self._inverted = None, 0, False
         if mask_style == "add":
             return self._check_float_mask(result, mask, query, q, k)
-        if mask_style == "where":
-            return self._check_bool_mask(result, cond, fill, q, k)
+        if mask_style in ("where", "where_masked"):
+            return self._check_bool_mask(result, cond, fill, q, k, inverted=mask_style == "where_masked")
         return result
 
     def _check_float_mask(self, result, mask, query, q, k):
@@ -151,24 +151,43 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         self._mask_input = mask
         return result
 
-    def _check_bool_mask(self, result, cond, fill, q, k):
+    def _check_bool_mask(self, result, cond, fill, q, k, inverted: bool):
         level = _scalar(fill)
         if cond.dtype != ir.DataType.BOOL or level is None or level > _MASKED:
             return result.fail("Where(mask, scores, fill) needs a boolean mask and a fill of -inf", cond)
         if not _broadcasts(_dims(cond), [q[0], q[1], q[2], k[2]]):
             return result.fail("the boolean mask's shape does not fit the scores", cond)
         tensor = ir.convenience.get_const_tensor(cond)
-        if tensor is not None and _is_causal(~tensor.numpy(), tensor.numpy(), None, q[2], k[2]):
+        kept = None if tensor is None else ~tensor.numpy() if inverted else tensor.numpy()
+        if kept is not None and _is_causal(~kept, kept, None, q[2], k[2]):
             self._causal = 1
         else:
             self._mask_input = cond  # True: attend, as Attention reads a boolean mask
+            self._inverted = inverted  # True: masked (masked_fill's), so Attention reads Not(cond)
         return result
 
     def rewrite(self, op, query, key, value, key_format, **_):
         if key_format == "BSHD":
             key = op.Transpose(key, perm=[0, 2, 1, 3])
-        inputs = [query, key, value] + ([self._mask_input] if self._mask_input is not None else [])
+        mask = self._mask_input
+        if mask is not None and self._inverted:
+            producer = mask.producer()
+            negated = producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx")
+            mask = producer.inputs[0] if negated else op.Not(mask)
+        if mask is not None:
+            mask = _full_query_rows(op, mask, _dims(query)[2])
+        inputs = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*inputs, scale=float(np.float32(self._scale)), is_causal=self._causal)
+
+
+def _full_query_rows(op, mask, rows: int | None):
+    """ONNX Runtime (1.32, CPU) refuses a mask that broadcasts over the query positions
+    ("inconsistent q_sequence_length (between attn_mask and Q)"), which the spec allows: such
+    a mask (``[B, 1, 1, S]`` padding masks, rank 1) is expanded to ``rows`` query rows."""
+    dims = _dims(mask)
+    if dims is None or rows is None or (len(dims) >= 2 and dims[-2] == rows):
+        return mask
+    return op.Expand(mask, op.Constant(value=ir.tensor(np.array([rows, 1], dtype=np.int64))))
 
 
 def _broadcasts(dims: list[int | None] | None, target: list[int | None]) -> bool:
@@ -257,7 +276,8 @@ class _TanhGelu(pattern.RewriteRuleClassBase):
         self.form = form
 
     def pattern(self, op, x):
-        inner = op.Mul(_either(op, "Add", x, op.Mul(op.Pow(x, 3.0), 0.044715)), _SQRT_2_OVER_PI)
+        cube = pattern.OrValue([op.Pow(x, 3.0), _either(op, "Mul", x, op.Mul(x, x))])
+        inner = op.Mul(_either(op, "Add", x, op.Mul(cube, 0.044715)), _SQRT_2_OVER_PI)
         return _gelu_forms(op, x, op.Add(op.Tanh(inner), 1.0))[self.form]
 
     def rewrite(self, op, x):
@@ -356,7 +376,8 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
     1. No-op nodes between the ops of a pattern go: ``Identity`` (torch's clone and dropout
        in eval) and a ``Cast`` to the type its input has (HF's ``softmax(..., dtype=float32)
        .to(query.dtype)`` in float32), unless they read a graph input or an initializer or
-       write a graph output.
+       write a graph output. A ``CastLike`` of a small constant becomes a ``Constant``, and a
+       constant operand of ``Add``/``Mul`` is put second.
     2. ``scale * (x - mean) / sqrt(var + eps) (+ bias)`` over the last axis becomes
        ``LayerNormalization``; then ``scale * x / sqrt(mean(x^2) + eps)`` (``Reciprocal`` or
        ``1 /``) becomes ``RMSNormalization`` (LayerNorm first: its tail is an RMS of ``x - mean``).
@@ -388,6 +409,7 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         ceiling = _opset_ceiling(graph, opset)
         self.counts = dict.fromkeys(CANONICAL_OPS, 0)
         modified = _drop_noop_nodes(graph) > 0
+        modified = _fold_cast_like(graph) > 0 or modified
         modified = _constants_second(graph) > 0 or modified
         if ceiling >= 23 and opset < 23:
             graph.opset_imports[""] = 23  # the rewriter builds nodes against the graph's opset
@@ -466,6 +488,31 @@ def _constant_masks(graph: ir.Graph) -> int:
     return changed
 
 
+def _fold_cast_like(graph: ir.Graph) -> int:
+    """A ``CastLike`` of a constant becomes the constant in the other operand's type: the
+    dynamo exporter's ``CastLike(-inf, scores)`` is a second use of the scores, which would
+    keep the matched attention nodes alive. Returns how many were folded."""
+    names = NameScope(graph)
+    folded = 0
+    for node in list(graph):
+        if node.op_type != "CastLike" or node.domain not in ("", "ai.onnx") or node.outputs[0].is_graph_output():
+            continue
+        tensor = ir.convenience.get_const_tensor(node.inputs[0]) if node.inputs[0] is not None else None
+        like = node.inputs[1]
+        if tensor is None or like is None or like.dtype is None or tensor.numpy().size > 16:
+            continue
+        array = tensor.numpy().astype(like.dtype.numpy())
+        constant = ir.Node("", "Constant", [], [ir.AttrTensor("value", ir.tensor(array))], name=names.fresh(f"{node.name}/folded"))
+        graph.insert_before(node, constant)
+        out = node.outputs[0]
+        constant.outputs[0].name, out.name = out.name, None
+        constant.outputs[0].dtype, constant.outputs[0].shape = like.dtype, ir.Shape(array.shape)
+        out.replace_all_uses_with(constant.outputs[0])
+        graph.remove(node, safe=True)
+        folded += 1
+    return folded
+
+
 def _constants_second(graph: ir.Graph) -> int:
     """A constant operand of ``Add`` or ``Mul`` is put second (exact: both commute), so the
     GELU rules need not try every operand order. Returns how many nodes were swapped."""
@@ -503,8 +550,8 @@ def _log_leftovers(graph: ir.Graph) -> None:
             left.setdefault("erf GELU (Erf)", []).append(node.name or "?")
         elif node.op_type == "Tanh" and _reads_cube(node):
             left.setdefault("tanh GELU (Tanh)", []).append(node.name or "?")
-        elif node.op_type == "ReduceMean" and node.inputs[0] is not None and node.inputs[0].dtype in (
-                ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+        elif (node.op_type == "ReduceMean" and node.attributes.get_int("keepdims", 1) and len(node.inputs) > 1
+              and node.inputs[0] is not None and _last_axis(node.inputs[1], node.inputs[0])):
             left.setdefault("a norm (ReduceMean)", []).append(node.name or "?")
     for form, nodes in left.items():
         logger.warning("canonical ops: %d %s left as written, not recognised (first: node '%s')", len(nodes), form, nodes[0])
@@ -518,7 +565,9 @@ def _reads_cube(node: ir.Node, depth: int = 0) -> bool:
         producer = value.producer() if value is not None else None
         if producer is None:
             continue
-        if producer.op_type == "Pow" and _scalar(producer.inputs[1]) == 3.0:
+        if producer.op_type == "Pow" and _scalar(producer.inputs[1]) == 3.0 or (
+                producer.op_type == "Mul" and any(v is not None and v.producer() is not None
+                                                  and v.producer().op_type == "Mul" for v in producer.inputs)):
             return True
         if _reads_cube(producer, depth + 1):
             return True
