@@ -138,6 +138,9 @@ def test_every_site_is_the_standard_op(exported) -> None:
     assert not left, f"{key}: written-out ops left: {left}"
     assert model.graph.opset_imports[""] == 23
     assert canonicalize.counts["RMSNormalization"] == CASES[key].get("RMSNormalization", 0)
+    before = [(n.op_type, n.name) for n in model.graph]
+    assert not CanonicalizeOpsPass()(model).modified  # idempotent
+    assert [(n.op_type, n.name) for n in model.graph] == before
 
 
 def test_forward_is_unchanged(exported) -> None:

@@ -397,6 +397,21 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
     7. Softmax, Erf, Tanh-of-cube and ReduceMean nodes left over are logged as not recognised.
 
     ``counts`` holds, after a call, how many of each standard op the rules wrote.
+
+    Example:
+        >>> from onnx import helper as h, TensorProto
+        >>> nodes = [h.make_node("Div", ["x", "r2"], ["d"]), h.make_node("Erf", ["d"], ["e"]),
+        ...          h.make_node("Add", ["one", "e"], ["a"]), h.make_node("Mul", ["x", "a"], ["m"]),
+        ...          h.make_node("Mul", ["m", "half"], ["y"])]
+        >>> consts = [h.make_tensor(n, TensorProto.FLOAT, [], [v]) for n, v in (("r2", 2 ** 0.5), ("one", 1.0), ("half", 0.5))]
+        >>> graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+        ...                      [h.make_tensor_value_info("y", TensorProto.FLOAT, [3])], initializer=consts)
+        >>> model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)]))
+        >>> canonicalize = CanonicalizeOpsPass()
+        >>> canonicalize(model).modified, [n.op_type for n in model.graph], model.opset_imports[""]
+        (True, ['Gelu'], 20)
+        >>> canonicalize(model).modified
+        False
     """
 
     def __init__(self) -> None:
