@@ -17,6 +17,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -118,9 +119,7 @@ class Program:
     def plan(self, provider: str, options: PlanOptions,
              shapes: Mapping[str, Sequence[int]] | None = None) -> SessionPlan:
         """The session plan of this program on ``provider`` (specialised to ``shapes``)."""
-        return plan_session(self.session_graph, provider, PlanOptions(
-            kernels=options.kernels, deterministic=options.deterministic, shapes=shapes,
-            nchwc_block=options.nchwc_block, scope=options.scope))
+        return plan_session(self.session_graph, provider, dataclasses.replace(options, shapes=shapes))
 
     # -- what the data must fit -----------------------------------------------------------
 

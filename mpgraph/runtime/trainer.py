@@ -3,8 +3,9 @@
 A ``Trainer`` is the public face of three parts: a ``Program`` (``program.py``: the step
 contract and its session plans from ``mpgraph.lowering.plan_session``), an ``Executor``
 (``executor.py``: one device's sessions, buffers and bindings) and the training loop
-(``loop.py``/``stream.py``: steps, fit, data, checkpoints, metrics). It owns one ORT session of a training step graph (``build_training_graph``,
-optionally converted by ``mpgraph.convert``). Every state input of ``MODEL_STATE_PAIRS``
+(``loop.py``/``stream.py``: steps, fit, data, checkpoints, metrics), driven by one
+``RunOptions``. It runs a training step graph (``build_training_graph``, optionally converted
+by ``mpgraph.convert``) in one ORT session. Every state input of ``MODEL_STATE_PAIRS``
 (parameters, optimizer moments, step counter, running statistics and, with loss scaling,
 ``loss_scale`` and its growth tracker) lives in an ``OrtValue`` on the provider's device.
 Two buffer sets and two prebuilt ``IOBinding`` objects alternate: binding A reads set 1 and
@@ -169,8 +170,10 @@ class Trainer(TrainingLoop):
         deterministic: bool = False,
         options: RunOptions | None = None,
     ) -> None:
-        keywords = RunOptions(provider, device_id, threads, allow_cpu_fallback, track_scale, dict(provider_options or {}),
-                              tf32, cuda_graph, kernels, mem_pattern, pipeline, deterministic)
+        keywords = RunOptions(
+            provider=provider, device_id=device_id, threads=threads, allow_cpu_fallback=allow_cpu_fallback,
+            track_scale=track_scale, provider_options=dict(provider_options or {}), tf32=tf32, cuda_graph=cuda_graph,
+            kernels=kernels, mem_pattern=mem_pattern, pipeline=pipeline, deterministic=deterministic)
         if options is not None and keywords != RunOptions():
             raise UsageError("Trainer: give the run options either as keywords or as options=RunOptions(...), not both")
         #: How this trainer runs (the keywords above as one record).
