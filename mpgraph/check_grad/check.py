@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph._ir.meta import MODEL_LOSS
+from mpgraph._ir.contract import StepContract
 from mpgraph.check_grad.fd import central, direction
 from mpgraph.check_grad.graphs import forward_model, inference_dropout, load
 from mpgraph.check_grad.inputs import BATCH, generate_inputs, random_weights, read_inputs
@@ -112,7 +112,7 @@ def _gradient_graph(model: ir.Model | onnx.ModelProto | str | os.PathLike[str], 
         notes.append(f"Dropout ran in inference mode ({dropped} node(s)): a random mask has no finite difference")
     step_model = build_training_graph(fwd, optimizer=None, loss=loss, freeze=freeze, batchnorm=batchnorm)
     graph = step_model.graph
-    loss_name = step_model.metadata_props.get(MODEL_LOSS) or graph.outputs[0].name or "loss"
+    loss_name = StepContract.read(step_model).loss or "loss"
     params = [o.name[len("grad/"):] for o in graph.outputs if o.name and o.name.startswith("grad/")]
     return step_model, loss_name, params
 
