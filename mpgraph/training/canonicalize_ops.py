@@ -443,6 +443,7 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         modified = modified or needed != opset or any(self.counts.values())
         if modified:
             model.ir_version = max(model.ir_version, min_ir_version(graph.opset_imports))
+            _drop_dead_nodes(graph)
             _name_new(graph)
         _log_leftovers(graph)
         logger.info("canonical ops written: %s", {k: v for k, v in self.counts.items() if v})
@@ -540,6 +541,14 @@ def _constants_second(graph: ir.Graph) -> int:
             node.replace_input_with(1, a)
             swapped += 1
     return swapped
+
+
+def _drop_dead_nodes(graph: ir.Graph) -> None:
+    """Nodes whose outputs nothing reads any more (the constant ``sqrt(scale)`` factors of
+    torch's SDPA decomposition once its Muls are gone) go."""
+    for node in reversed(list(graph)):
+        if not any(out.uses() or out.is_graph_output() for out in node.outputs):
+            graph.remove(node, safe=True)
 
 
 def _name_new(graph: ir.Graph) -> None:
