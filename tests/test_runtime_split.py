@@ -82,7 +82,11 @@ def test_forward_cut_of_a_native_bf16_graph_ends_in_a_float32_cast(mlp_step: ir.
     kept = [t for t in proto.graph.initializer if t.name not in state]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
-    forward = providers.forward_model(proto.SerializeToString(), providers.logits_name(low))
+    from mpgraph.lowering import PlanOptions, plan_session
+
+    plan = plan_session(proto.SerializeToString(), "cpu", PlanOptions(forward_of=providers.logits_name(low)))
+    assert plan.custom_ops is None and plan.applied == ()
+    forward = ir.from_proto(onnx.load_from_string(plan.graph))
     (output,) = forward.graph.outputs
     assert output.name == "logits/float32" and output.dtype == ir.DataType.FLOAT
     assert output.producer().op_type == "Cast"

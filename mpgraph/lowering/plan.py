@@ -12,6 +12,9 @@ The runtime calls nothing else of this package. A plan is made in three steps:
 3. The registered rules for the provider and scope run in ``RULES`` order, then, for a
    deterministic CUDA session, the deterministic rules.
 
+An evaluation session's plan (``PlanOptions.forward_of``) is the forward part of the graph
+instead (``forward.forward_part``): the runtime cuts no graph either.
+
 Each session graph is lowered exactly once: a CUDA trainer has two (the graph for any batch
 shape and the one specialised to its batch for CUDA graph capture), each planned once.
 
@@ -36,6 +39,7 @@ import onnx_ir as ir
 
 from mpgraph.io import ModelLike, as_model
 from mpgraph.lowering.build import KernelBuildError, build_library
+from mpgraph.lowering.forward import forward_part
 from mpgraph.lowering.registry import RULES, SCOPES, Target
 from mpgraph.lowering.specialize import specialize_shapes
 
@@ -73,6 +77,9 @@ class PlanOptions:
     nchwc_block: int = 0
     #: A ``lower`` scope instead of the one ``kernels`` picks (``native`` needs no library).
     scope: str | None = None
+    #: Plan an evaluation session instead: the forward part computing this value (the
+    #: contract's logits) as float32, no kernel rule (``forward.forward_part``).
+    forward_of: str | None = None
 
 
 @dataclass(frozen=True)
@@ -147,6 +154,9 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
         KernelBuildError: ``kernels=True`` and the library cannot be built.
         MpgraphError: ``shapes`` names no graph input or contradicts a static dim.
     """
+    if options.forward_of is not None:
+        graph = ir.to_proto(forward_part(step_graph, options.forward_of)).SerializeToString()
+        return SessionPlan(graph, provider, None, None, "")
     custom_ops, scope, reason = _kernels(provider, options)
     deterministic = options.deterministic and provider == "cuda"
     model: ir.Model | None = None

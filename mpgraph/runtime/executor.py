@@ -30,7 +30,8 @@ import numpy as np
 import onnxruntime as ort
 
 from mpgraph.errors import MpgraphError, UsageError
-from mpgraph.lowering import SessionPlan
+from mpgraph.io import as_model
+from mpgraph.lowering import PlanOptions, SessionPlan
 from mpgraph.runtime import providers
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.pipeline import StepEvents
@@ -355,8 +356,9 @@ class Executor:
 
     def _eval_session(self) -> tuple[ort.InferenceSession, str, list[str]]:
         if self._eval is None:
-            forward = providers.forward_model(self.program.session_graph, providers.logits_name(self.program.model))
-            session = providers.eval_session(forward, self.session.get_providers())
+            plan = self.program.plan(self.provider, PlanOptions(forward_of=providers.logits_name(self.program.model)))
+            session = providers.eval_session(plan.graph, self.session.get_providers())
+            forward = as_model(plan.graph)  # read for its names
             self._eval = (session, forward.graph.outputs[0].name or "", [v.name or "" for v in forward.graph.inputs])
         return self._eval
 

@@ -35,7 +35,6 @@ from mpgraph import targets
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
 from mpgraph.errors import MpgraphError
-from mpgraph.io import as_model
 
 __all__ = [
     "PROVIDERS",
@@ -46,7 +45,6 @@ __all__ = [
     "check_cuda_session",
     "node_providers",
     "logits_name",
-    "forward_model",
     "eval_session",
     "ort_error",
 ]
@@ -218,56 +216,12 @@ def logits_name(model: ir.Model) -> str:
     return logits
 
 
-def forward_model(step: bytes, target: str) -> ir.Model:
-    """The forward part of a serialized step graph: its inputs -> ``target`` as float32.
-
-    A new model: the nodes ``target`` depends on, the graph inputs and initializers they
-    read, and a Cast to float32 when ``target`` is in low precision (numpy has no bfloat16).
-
-    Args:
-        step: The step graph, serialized (its state inputs without initializers, so they
-            are bound at run time).
-        target: The value to compute (``logits_name``).
-    """
-    model = as_model(step)
-    graph = model.graph
-    value = next((v for n in graph for v in n.outputs if v.name == target), None)
-    if value is None:
-        raise MpgraphError(f"cannot evaluate: the step graph has no value '{target}'")
-    needed: set[ir.Node] = set()
-    stack = [value.producer()]
-    while stack:
-        node = stack.pop()
-        if node is None or node in needed:
-            continue
-        needed.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None)
-    output = value
-    if value.dtype != ir.DataType.FLOAT:
-        output = ir.Value(name=f"{target}/float32", type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)
-        graph.append(ir.node("Cast", [value], {"to": ir.DataType.FLOAT}, name=output.name, outputs=[output]))
-    graph.outputs.clear()
-    graph.outputs.append(output)
-    graph.remove([n for n in graph if n not in needed and n is not output.producer()], safe=True)
-    for node in graph:
-        for v in node.outputs:
-            if v is not output:
-                # No value_info: ORT then optimizes the forward graph as it always has (with
-                # them it fuses differently, and the zoo GPT's logits move by 6e-7).
-                v.type, v.shape = None, None
-    for v in [v for v in graph.inputs if not v.uses()]:
-        graph.inputs.remove(v)
-    for name in [name for name, v in graph.initializers.items() if not v.uses()]:
-        graph.initializers.pop(name)
-    model.metadata_props.clear()
-    return model
-
-
-def eval_session(model: ir.Model, providers: list[str]) -> ort.InferenceSession:
-    """An inference session of ``forward_model``'s result on the trainer's providers."""
+def eval_session(graph: bytes, providers: list[str]) -> ort.InferenceSession:
+    """An inference session of a forward plan's graph (``PlanOptions.forward_of``) on the
+    trainer's providers."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=providers)
+    return ort.InferenceSession(graph, options, providers=providers)
 
 
 def ort_error(error: Exception, what: str) -> MpgraphError | None:

@@ -23,7 +23,7 @@ uninterrupted run bit for bit on CPU: ``fit`` goes on with the checkpoint's batc
 when none is given and refuses other ones, or other data (``stream_settings``).
 
 Accuracy (``evaluate``): the forward part of the step graph (from the data inputs and
-parameters to the logits, ``session.forward_model``) runs in an inference session on the
+parameters to the logits, planned by ``mpgraph.lowering.plan_session``) runs in an inference session on the
 same provider, whose parameter inputs are bound to the trainer's state buffers, so
 evaluation copies no weights.
 
