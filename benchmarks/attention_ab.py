@@ -162,11 +162,11 @@ def time_torch(backend: object, tensors: dict[str, torch.Tensor], backward: bool
                 y = run()
             torch.cuda.synchronize()
             times.append((time.perf_counter() - start) * 1e3 / iters)
-    outs = {"y": y.float().detach().cpu().numpy()}
-    if backward:
-        q.grad = k.grad = v.grad = None
-        run()
-        outs |= {f"d{n}": t.grad.float().cpu().numpy() for n, t in zip("qkv", (q, k, v), strict=True)}
+        outs = {"y": y.float().detach().cpu().numpy()}
+        if backward:  # inside the backend's context: its own gradients
+            q.grad = k.grad = v.grad = None
+            run()
+            outs |= {f"d{n}": t.grad.float().cpu().numpy() for n, t in zip("qkv", (q, k, v), strict=True)}
     return statistics.median(times), outs
 
 
