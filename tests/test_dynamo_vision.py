@@ -170,6 +170,37 @@ def test_windowed_swin_trains_with_default_optimizations() -> None:
     assert abs(float(run_named(step, _feeds(case))[step.graph.outputs[0].name]) - loss) <= 1e-5 * loss
 
 
+class _BatchStatisticsNet(torch.nn.Module):
+    """A BatchNorm without running statistics (``track_running_stats=False``): batch
+    statistics in train and eval mode alike."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)  # a bias here would get no gradient at all
+        self.bn = torch.nn.BatchNorm2d(4, track_running_stats=False)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3))).pow(2).mean()
+
+
+def test_batchnorm_without_running_statistics_trains() -> None:
+    """The exporter writes it as ReduceMeans feeding an eval-form BatchNormalization: it stays
+    in that form (no state), and the gradient flows through the computed mean and variance.
+    It was refused ("its running mean 'val_1' is computed"), and with ``--batchnorm eval`` the
+    conv weight gradient was off by 2.0 times its norm (the rule gave the statistics none)."""
+    torch.manual_seed(0)
+    module, x = _BatchStatisticsNet().train(), torch.randn(2, 3, 6, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = torch.onnx.export(copy.deepcopy(module), (x,), dynamo=True, optimize=False, input_names=["x"],
+                                  verbose=False).model_proto
+    errors = _check_against_torch(module, (x,), ["x"], plain)
+    assert len(errors) == 5 and max(errors.values()) <= GRAD_TOL, errors
+    step = build_training_graph(plain, optimizer="adamw")
+    assert not [n for n in step.graph if n.op_type == "BatchNormalization" and n.attributes.get_int("training_mode", 0)]
+
+
 def test_ort_batchnorm_training_writes_into_its_running_variance_input() -> None:
     """ONNX Runtime 1.32's CPU ``BatchNormalization(training_mode=1)``, when its updated running
     variance is not a graph output, writes it into the buffer of its running-variance input:

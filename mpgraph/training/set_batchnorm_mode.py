@@ -38,8 +38,12 @@ class SetBatchNormModePass(ir.passes.InPlacePass):
        become graph inputs, each paired as state with the updated statistic (ONNX semantics:
        the running variance is updated with the biased batch variance).
     3. A running statistic that another node, slot or graph output shares is copied to an
-       initializer of the node's own (``<node>/running_mean``); a computed statistic, or a
-       shared graph input without a value, is an error.
+       initializer of the node's own (``<node>/running_mean``); a shared graph input without
+       a value, or one statistic computed and the other not, is an error.
+    3a. A node whose mean and variance are both computed stays in eval form, with no state:
+       they are batch statistics (torch's dynamo exporter writes a BatchNorm without running
+       statistics, ``track_running_stats=False``, as ReduceMeans feeding the eval-form node),
+       and the gradient flows through them.
     4. ``train-ops``: as ``train``, then the node is replaced by the ops of its definition
        (ReduceMean, Sub, Mul, Sqrt...): ONNX Runtime's CUDA provider refuses
        ``BatchNormalization(training_mode=1)`` at opset >= 14.
@@ -78,7 +82,7 @@ class SetBatchNormModePass(ir.passes.InPlacePass):
         for node in list(graph):
             if node.op_type != "BatchNormalization":
                 continue
-            if self.mode == "eval":
+            if self.mode == "eval" or _computed_statistics(node):
                 modified = _eval(node) or modified
                 continue
             before = _footprint(graph, node)
@@ -98,6 +102,12 @@ class SetBatchNormModePass(ir.passes.InPlacePass):
 def training_batchnorms(model: ir.Model) -> int:
     """How many BatchNormalization nodes of ``model`` run in training mode (ORT CPU only)."""
     return sum(n.op_type == "BatchNormalization" and n.attributes.get_int("training_mode", 0) == 1 for n in model.graph)
+
+
+def _computed_statistics(node: ir.Node) -> bool:
+    """Rule 3a: both statistics are computed by nodes (neither initializer nor graph input)."""
+    stats = node.inputs[3:5]
+    return len(stats) == 2 and all(v is not None and not v.is_initializer() and not v.is_graph_input() for v in stats)
 
 
 def _footprint(graph: ir.Graph, node: ir.Node) -> tuple[object, ...]:

@@ -154,6 +154,12 @@ def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
 
     Written so that the two batch sums serve all three gradients and the normalized input is
     never materialized: 11 full-tensor passes where the textbook form takes 14.
+
+    In eval mode, ``mean`` and ``var`` get ``-g * sum(dy)`` and ``-g * r^2 * sum(dy * c) / 2``
+    where they are computed from what trains: torch's dynamo exporter writes a BatchNorm
+    without running statistics (``track_running_stats=False``) as ReduceMeans feeding the
+    eval-form node (without these, the conv weight gradient before it was off by 2.0 to 2.4
+    times its norm).
     """
     x, scale, mean_in, var_in = ctx.input(0), ctx.input(1), ctx.input(3), ctx.input(4)
     rank = ctx.rank(x)
@@ -170,8 +176,9 @@ def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
         var = ctx.op("Reshape", var_in, column)
     inv_std = ctx.op("Reciprocal", ctx.op("Sqrt", ctx.op("Add", var, eps)))
     gain = ctx.op("Mul", ctx.op("Reshape", scale, column), inv_std)
-    need_dy_sum = ctx.needs(2) or (ctx.needs(0) and training)
-    need_dyc_sum = ctx.needs(1) or (ctx.needs(0) and training)
+    dmean_needed, dvar_needed = not training and ctx.needs(3), not training and ctx.needs(4)
+    need_dy_sum = ctx.needs(2) or (ctx.needs(0) and training) or dmean_needed
+    need_dyc_sum = ctx.needs(1) or (ctx.needs(0) and training) or dvar_needed
     dy_sum = ctx.op("ReduceSum", dy, axes, keepdims=1) if need_dy_sum else None
     dyc_sum = ctx.op("ReduceSum", ctx.op("Mul", dy, centered), axes, keepdims=1) if need_dyc_sum else None
     dx = None
@@ -185,7 +192,12 @@ def batch_norm(ctx: Ctx, node: ir.Node, dy: V, *_: V | None) -> tuple:
         dx = ctx.op("Mul", dy, gain)
     dscale = ctx.op("Reshape", ctx.op("Mul", dyc_sum, inv_std), flat) if ctx.needs(1) else None
     dbias = ctx.op("Reshape", dy_sum, flat) if ctx.needs(2) else None
-    return dx, dscale, dbias, None, None
+    dmean = ctx.op("Reshape", ctx.op("Neg", ctx.op("Mul", gain, dy_sum)), ctx.shape(mean_in)) if dmean_needed else None
+    dvar = None
+    if dvar_needed:
+        half = ctx.op("Mul", ctx.op("Mul", gain, ctx.op("Mul", inv_std, inv_std)), ctx.scalar(-0.5, x))
+        dvar = ctx.op("Reshape", ctx.op("Mul", half, dyc_sum), ctx.shape(var_in))
+    return dx, dscale, dbias, dmean, dvar
 
 
 def _channel_window_sum(ctx: Ctx, x: V, size: int, before: int, channels: int) -> V:
