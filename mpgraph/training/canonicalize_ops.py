@@ -15,12 +15,18 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
 from mpgraph._ir.names import NameScope
 from mpgraph.io import min_ir_version
+from mpgraph.training.canonical_attention import (
+    ATTENTION_RULES,
+    const_scalar,
+    drop_known_masks,
+    last_axis,
+    static_dims,
+)
 
 __all__ = ["CANONICAL_OPS", "CanonicalizeOpsPass"]
 
@@ -32,210 +38,8 @@ CANONICAL_OPS = {"Attention": 23, "RMSNormalization": 23, "Gelu": 20, "LayerNorm
 #: one is not re-declared at a higher opset (GroupNormalization-21 scales per channel,
 #: GridSample-20 renamed its modes, DFT-20 takes its axis as an input).
 _CHANGED_BY_23 = {"GroupNormalization": 21, "GridSample": 20, "DFT": 20}
-_ANY = pattern.ANY_VALUE
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
-#: A mask value at or below this is "never attend" (HF writes float32's lowest, SDPA -inf).
-_MASKED = -1e30
-
-
-def _scalar(value: ir.Value | None, depth: int = 0) -> float | None:
-    """A one-element float known before the graph runs: a constant, or Sqrt/Reciprocal/Div/
-    Mul/Cast/CastLike of such (torch's SDPA writes ``Sqrt(CastLike(scale, q))``)."""
-    if value is None:
-        return None
-    tensor = ir.convenience.get_const_tensor(value)
-    if tensor is not None:
-        array = tensor.numpy()
-        return float(array.reshape(-1)[0]) if array.size == 1 else None
-    node = value.producer()
-    if node is None or depth > 8 or node.domain not in ("", "ai.onnx"):
-        return None
-    args = [_scalar(v, depth + 1) for v in node.inputs[:1 if node.op_type in ("Cast", "CastLike") else 2]]
-    if any(a is None for a in args):
-        return None
-    a = args[0]
-    assert a is not None
-    if node.op_type in ("Cast", "CastLike"):
-        return a
-    if node.op_type == "Sqrt" and a >= 0:
-        return math.sqrt(a)
-    if node.op_type == "Reciprocal" and a != 0:
-        return 1.0 / a
-    b = args[1] if len(args) > 1 else None
-    if node.op_type == "Mul" and b is not None:
-        return a * b
-    if node.op_type == "Div" and b:
-        return a / b
-    return None
-
-
-def _dims(value: ir.Value | None) -> list[int | None] | None:
-    if value is None or value.shape is None:
-        return None
-    return [d if isinstance(d, int) else None for d in value.shape]
-
-
-def _last_axis(axes: ir.Value | None, x: ir.Value) -> bool:
-    """Whether ``axes`` (a ReduceMean's) is exactly the last axis of ``x``."""
-    tensor = ir.convenience.get_const_tensor(axes) if axes is not None else None
-    rank = len(x.shape) if x.shape is not None else None
-    if tensor is None or tensor.numpy().size != 1:
-        return False
-    axis = int(tensor.numpy().reshape(-1)[0])
-    return axis == -1 or (rank is not None and axis == rank - 1)
-
-
-# -- attention --------------------------------------------------------------------------------
-
-
-def _scaled(op, x, scale, tag: str):
-    return pattern.OrValue([op.Mul(x, scale), op.Div(x, scale), x], tag_var=tag, tag_values=["Mul", "Div", "None"])
-
-
-class _EagerAttention(pattern.RewriteRuleClassBase):
-    """``softmax(scale * Q K^T + mask) V`` written out (eager or torch's SDPA decomposition)."""
-
-    def pattern(self, op, query, key, value, mask, cond, fill, q_scale, k_scale, qk_scale):
-        key_t = pattern.OrValue(
-            [op.Transpose(key, perm=[0, 1, 3, 2]),
-             op.Reshape(op.Transpose(op.Reshape(key, _ANY), perm=[0, 2, 1]), _ANY, _outputs=["key_t3"]),
-             op.Transpose(key, perm=[0, 2, 3, 1])],
-            tag_var="key_format", tag_values=["BHSD", "BHSD3", "BSHD"])
-        scores = op.MatMul(_scaled(op, query, q_scale, "q_scaling"), _scaled(op, key_t, k_scale, "k_scaling"))
-        scores = _scaled(op, scores, qk_scale, "qk_scaling")
-        scores = pattern.OrValue([op.Add(scores, mask), op.Where(cond, scores, fill), op.Where(cond, fill, scores), scores],
-                                 tag_var="mask_style", tag_values=["add", "where", "where_masked", "none"])
-        probs = op.Softmax(scores, axis=-1)
-        probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
-        return op.MatMul(probs, value)
-
-    def check(self, context, query, key, value, key_format, mask_style, mask=None, cond=None, fill=None, **kw):
-        result = pattern.MatchResult()
-        q, k, v = _dims(query), _dims(key), _dims(value)
-        if q is None or k is None or v is None or not len(q) == len(k) == len(v) == 4:
-            return result.fail("Q, K and V must be 4-D with known rank", query)
-        if key_format == "BSHD":
-            k = [k[0], k[2], k[1], k[3]]
-        if key_format == "BHSD3" and _dims(kw.get("key_t3")) != [k[0], k[1], k[3], k[2]]:
-            return result.fail("the 3-D transpose of K does not give [B, H, D, S]", key)
-        if q[2] is None or q[1] is None or q[1] != k[1] or k[1] != v[1] or q[3] is None or q[3] != k[3] or k[2] != v[2]:
-            return result.fail("Q, K and V heads or sizes do not agree", query)
-        scale = 1.0
-        for tag, name in (("q_scaling", "q_scale"), ("k_scaling", "k_scale"), ("qk_scaling", "qk_scale")):
-            if kw.get(tag, "None") == "None":
-                continue
-            factor = _scalar(kw.get(name))
-            if factor is None or factor == 0:
-                return result.fail(f"{name} is not a constant scalar", kw.get(name))
-            scale *= factor if kw[tag] == "Mul" else 1.0 / factor
-        self._scale = scale
-        self._mask_input, self._causal, self._inverted = None, 0, False
-        if mask_style == "add":
-            return self._check_float_mask(result, mask, query, q, k)
-        if mask_style in ("where", "where_masked"):
-            return self._check_bool_mask(result, cond, fill, q, k, inverted=mask_style == "where_masked")
-        return result
-
-    def _check_float_mask(self, result, mask, query, q, k):
-        if mask.dtype != query.dtype or not _broadcasts(_dims(mask), [q[0], q[1], q[2], k[2]]):
-            return result.fail("the additive mask's type or shape does not fit the scores", mask)
-        tensor = ir.convenience.get_const_tensor(mask)
-        if tensor is not None:
-            array = tensor.numpy()
-            if not array.any():
-                return result  # all zeros: no mask
-            if _is_causal(array <= _MASKED, array > _MASKED, array, q[2], k[2]):
-                self._causal = 1
-                return result
-        self._mask_input = mask
-        return result
-
-    def _check_bool_mask(self, result, cond, fill, q, k, inverted: bool):
-        level = _scalar(fill)
-        if cond.dtype != ir.DataType.BOOL or level is None or level > _MASKED:
-            return result.fail("Where(mask, scores, fill) needs a boolean mask and a fill of -inf", cond)
-        if not _broadcasts(_dims(cond), [q[0], q[1], q[2], k[2]]):
-            return result.fail("the boolean mask's shape does not fit the scores", cond)
-        tensor = ir.convenience.get_const_tensor(cond)
-        kept = None if tensor is None else ~tensor.numpy() if inverted else tensor.numpy()
-        if kept is not None and _is_causal(~kept, kept, None, q[2], k[2]):
-            self._causal = 1
-        else:
-            self._mask_input = cond  # True: attend, as Attention reads a boolean mask
-            self._inverted = inverted  # True: masked (masked_fill's), so Attention reads Not(cond)
-        return result
-
-    def rewrite(self, op, query, key, value, key_format, **_):
-        if key_format == "BSHD":
-            key = op.Transpose(key, perm=[0, 2, 1, 3])
-        mask = self._mask_input
-        if mask is not None and self._inverted:
-            producer = mask.producer()
-            negated = producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx")
-            mask = producer.inputs[0] if negated else op.Not(mask)
-        if mask is not None:
-            mask = _full_query_rows(op, mask, _dims(query)[2])
-        inputs = [query, key, value] + ([mask] if mask is not None else [])
-        return op.Attention(*inputs, scale=float(np.float32(self._scale)), is_causal=self._causal)
-
-
-def _full_query_rows(op, mask, rows: int | None):
-    """ONNX Runtime (1.32, CPU) refuses a mask that broadcasts over the query positions
-    ("inconsistent q_sequence_length (between attn_mask and Q)"), which the spec allows: such
-    a mask (``[B, 1, 1, S]`` padding masks, rank 1) is expanded to ``rows`` query rows."""
-    dims = _dims(mask)
-    if dims is None or rows is None or (len(dims) >= 2 and dims[-2] == rows):
-        return mask
-    return op.Expand(mask, op.Constant(value=ir.tensor(np.array([rows, 1], dtype=np.int64))))
-
-
-def _broadcasts(dims: list[int | None] | None, target: list[int | None]) -> bool:
-    """``dims`` is statically known to broadcast to ``target`` (right-aligned, rank <= 4)."""
-    if dims is None or len(dims) > len(target):
-        return False
-    return all(d == 1 or (d is not None and d == t) for d, t in zip(reversed(dims), reversed(target), strict=False))
-
-
-def _is_causal(masked: np.ndarray, kept: np.ndarray, values: np.ndarray | None, sq: int | None, skv: int | None) -> bool:
-    """A constant mask that is exactly the causal triangle (query ``i`` sees keys ``<= i``),
-    the same for every batch row and head; kept entries of a float mask must be 0."""
-    if sq is None or sq != skv or masked.shape[-2:] != (sq, skv):
-        return False
-    tril = np.tril(np.ones((sq, skv), dtype=bool))
-    zeros = values is None or not np.any(values[kept])
-    return bool(zeros and np.all(kept == tril) and np.all(masked == ~tril))
-
-
-class _RepeatedKeyValues(pattern.RewriteRuleClassBase):
-    """GQA: ``Attention`` reading K and V through ``repeat_kv`` (Unsqueeze at 2, Expand,
-    Reshape) reads the shared heads directly."""
-
-    def pattern(self, op, query, key, value, k_axes, v_axes):
-        k = op.Reshape(op.Expand(op.Unsqueeze(key, k_axes), _ANY, _outputs=["k_wide"]), _ANY, _outputs=["k_rep"])
-        v = op.Reshape(op.Expand(op.Unsqueeze(value, v_axes), _ANY, _outputs=["v_wide"]), _ANY, _outputs=["v_rep"])
-        return op.Attention(query, k, v, pattern.Var("mask", can_match_none=True), _outputs=["out"],
-                            _allow_other_inputs=False)
-
-    def check(self, context, query, key, value, k_axes, v_axes, **kw):
-        result = pattern.MatchResult()
-        q = _dims(query)
-        for source, axes, wide, rep in ((key, k_axes, kw["k_wide"], kw["k_rep"]), (value, v_axes, kw["v_wide"], kw["v_rep"])):
-            d, w, r = _dims(source), _dims(wide), _dims(rep)
-            axis = _scalar(axes)
-            if q is None or d is None or w is None or r is None or axis not in (2, -3) or len(d) != 4 or len(w) != 5:
-                return result.fail("not repeat_kv: Unsqueeze at 2 of a 4-D value, Expand to 5-D", source)
-            if None in d or None in r or r[0] != d[0] or r[2:] != d[2:] or r[1] != q[1] or r[1] % d[1]:
-                return result.fail("repeat_kv's Reshape does not give [B, heads, S, D] from the shared heads", source)
-            if any(x is not None and x != y for x, y in zip(w[:2] + w[3:], d, strict=True)):
-                return result.fail("repeat_kv's Expand broadcasts more than the new axis", source)
-        return result
-
-    def rewrite(self, op, query, key, value, mask=None, out=None, **_):
-        assert out is not None
-        attrs = out.producer().attributes
-        inputs = [query, key, value] + ([mask] if mask is not None else [])
-        return op.Attention(*inputs, **{k: a.value for k, a in attrs.items()})
 
 
 # -- GELU -------------------------------------------------------------------------------------
@@ -304,7 +108,7 @@ class _RmsNorm(pattern.RewriteRuleClassBase):
         return _norm_check(x, scale, axes, epsilon)
 
     def rewrite(self, op, x, scale, epsilon, **_):
-        return op.RMSNormalization(x, scale, axis=-1, epsilon=_scalar(epsilon), stash_type=1)
+        return op.RMSNormalization(x, scale, axis=-1, epsilon=const_scalar(epsilon), stash_type=1)
 
 
 class _LayerNorm(pattern.RewriteRuleClassBase):
@@ -319,10 +123,10 @@ class _LayerNorm(pattern.RewriteRuleClassBase):
 
     def check(self, context, x, scale, axes, axes2, epsilon, **_):
         result = _norm_check(x, scale, axes, epsilon)
-        return result if not result or _last_axis(axes2, x) else result.fail("variance not over the last axis", x)
+        return result if not result or last_axis(axes2, x) else result.fail("variance not over the last axis", x)
 
     def rewrite(self, op, x, scale, epsilon, **_):
-        return op.LayerNormalization(x, scale, axis=-1, epsilon=_scalar(epsilon), stash_type=1)
+        return op.LayerNormalization(x, scale, axis=-1, epsilon=const_scalar(epsilon), stash_type=1)
 
 
 class _LayerNormBias(pattern.RewriteRuleClassBase):
@@ -330,7 +134,7 @@ class _LayerNormBias(pattern.RewriteRuleClassBase):
         return op.Add(op.LayerNormalization(x, scale, _outputs=["normalized"]), bias)
 
     def check(self, context, x, scale, bias, normalized, **_):
-        ok = _dims(bias) is not None and _dims(bias) == _dims(scale) and bias.dtype == x.dtype
+        ok = static_dims(bias) is not None and static_dims(bias) == static_dims(scale) and bias.dtype == x.dtype
         result = pattern.MatchResult()
         return result if ok and len(normalized.producer().outputs) == 1 else result.fail("bias is not [D]", bias)
 
@@ -341,14 +145,14 @@ class _LayerNormBias(pattern.RewriteRuleClassBase):
 
 def _norm_check(x: ir.Value, scale: ir.Value, axes: ir.Value, epsilon: ir.Value) -> pattern.MatchResult:
     result = pattern.MatchResult()
-    dims = _dims(x)
+    dims = static_dims(x)
     if x.dtype not in (ir.DataType.FLOAT, ir.DataType.DOUBLE) or scale.dtype != x.dtype:
         return result.fail("a norm is canonicalised in float32 or float64 only", x)
-    if not dims or dims[-1] is None or _dims(scale) != [dims[-1]]:
+    if not dims or dims[-1] is None or static_dims(scale) != [dims[-1]]:
         return result.fail("the scale is not [D], D the last axis", scale)
-    if not _last_axis(axes, x):
+    if not last_axis(axes, x):
         return result.fail("the mean is not over the last axis", x)
-    if _scalar(epsilon) is None:
+    if const_scalar(epsilon) is None:
         return result.fail("epsilon is not a constant scalar", epsilon)
     return result
 
@@ -363,8 +167,8 @@ _RULE_SETS: tuple[tuple[str, pattern.RewriteRuleSet, bool], ...] = (
     ("RMSNormalization", pattern.RewriteRuleSet([_RmsNorm.rule()], commute=True), True),
     ("Gelu", pattern.RewriteRuleSet([_ErfGelu.rule(form=f) for f in range(_GELU_FORMS)]
                                     + [_TanhGelu.rule(form=f) for f in range(_GELU_FORMS)]), True),
-    ("Attention", pattern.RewriteRuleSet([_EagerAttention.rule()], commute=True), True),
-    ("Attention", pattern.RewriteRuleSet([_RepeatedKeyValues.rule()]), False),
+    ("Attention", ATTENTION_RULES[0], True),
+    ("Attention", ATTENTION_RULES[1], False),
 )
 
 
@@ -386,10 +190,14 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
     4. ``MatMul(softmax(s * Q K^T + mask), V)`` becomes ``Attention(Q, K, V[, mask], scale=s)``
        with 4-D inputs: K transposed directly, through 3-D, or from ``[B, S, H, D]``; ``s`` the
        product of constant factors on Q, on K^T and on the scores (``Mul`` or ``Div``); the mask
-       added (float), or a ``Where(mask, scores, -inf)`` (boolean); an all-zero constant mask is
-       dropped and a constant causal triangle becomes ``is_causal=1``.
+       added (float), or a ``Where(mask, scores, -inf)`` / ``Where(mask, -inf, scores)``
+       (boolean, masked_fill's read through a ``Not``); a mask known before the graph runs
+       (constant, or computed from constants and static shapes) that hides nothing
+       is dropped, the causal triangle becomes ``is_causal=1``. A mask that broadcasts over
+       the query positions is expanded to them (ONNX Runtime refuses it). The attention rules
+       live in ``canonical_attention``.
     5. ``Attention`` reading K and V through ``repeat_kv`` reads the shared heads (GQA); an
-       ``Attention`` (the exporter's too) with a constant mask that hides nothing drops it,
+       ``Attention`` (the exporter's too) with a known mask that hides nothing drops it,
        one with the causal triangle gets ``is_causal=1`` instead.
     6. The opset is raised to what the new ops need (23 for Attention and RMSNormalization, 20
        for Gelu) and the IR version with it, unless the graph holds an op whose meaning changed
@@ -437,7 +245,7 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
             modified = modified or found > 0
             if adds:
                 self.counts[op_type] += found
-        modified = _constant_masks(graph) > 0 or modified
+        modified = drop_known_masks(graph) > 0 or modified
         needed = max([opset] + [CANONICAL_OPS[t] for t, n in self.counts.items() if n])
         graph.opset_imports[""] = needed
         modified = modified or needed != opset or any(self.counts.values())
@@ -478,32 +286,6 @@ def _drop_noop_nodes(graph: ir.Graph) -> int:
     return dropped
 
 
-def _constant_masks(graph: ir.Graph) -> int:
-    """Rule 5: an ``Attention`` whose constant mask hides nothing loses it, one whose mask is
-    the causal triangle gets ``is_causal=1`` instead (as the eager forms do). Returns how many."""
-    changed = 0
-    for node in graph:
-        if node.op_type != "Attention" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 4:
-            continue
-        mask, q, k = node.inputs[3], _dims(node.inputs[0]), _dims(node.inputs[1])
-        tensor = ir.convenience.get_const_tensor(mask) if mask is not None else None
-        if tensor is None or q is None or k is None or len(q) != 4 or node.attributes.get_int("is_causal", 0):
-            continue
-        array = tensor.numpy()
-        kept = array if array.dtype == np.bool_ else array > _MASKED
-        values = None if array.dtype == np.bool_ else array
-        if np.all(kept) and (values is None or not values.any()):
-            causal = 0
-        elif _is_causal(~kept, kept, values, q[2], k[2]):
-            causal = 1
-        else:
-            continue
-        node.resize_inputs(3)
-        node.attributes["is_causal"] = ir.AttrInt64("is_causal", causal)
-        changed += 1
-    return changed
-
-
 def _fold_cast_like(graph: ir.Graph) -> int:
     """A ``CastLike`` of a constant becomes the constant in the other operand's type: the
     dynamo exporter's ``CastLike(-inf, scores)`` is a second use of the scores, which would
@@ -535,7 +317,7 @@ def _constants_second(graph: ir.Graph) -> int:
     swapped = 0
     for node in graph:
         if (node.op_type in ("Add", "Mul") and node.domain in ("", "ai.onnx") and len(node.inputs) == 2
-                and _scalar(node.inputs[0]) is not None and _scalar(node.inputs[1]) is None):
+                and const_scalar(node.inputs[0]) is not None and const_scalar(node.inputs[1]) is None):
             a, b = node.inputs
             node.replace_input_with(0, b)
             node.replace_input_with(1, a)
@@ -575,7 +357,7 @@ def _log_leftovers(graph: ir.Graph) -> None:
         elif node.op_type == "Tanh" and _reads_cube(node):
             left.setdefault("tanh GELU (Tanh)", []).append(node.name or "?")
         elif (node.op_type == "ReduceMean" and node.attributes.get_int("keepdims", 1) and len(node.inputs) > 1
-              and node.inputs[0] is not None and _last_axis(node.inputs[1], node.inputs[0])):
+              and node.inputs[0] is not None and last_axis(node.inputs[1], node.inputs[0])):
             left.setdefault("a norm (ReduceMean)", []).append(node.name or "?")
     for form, nodes in left.items():
         logger.warning("canonical ops: %d %s left as written, not recognised (first: node '%s')", len(nodes), form, nodes[0])
@@ -589,7 +371,7 @@ def _reads_cube(node: ir.Node, depth: int = 0) -> bool:
         producer = value.producer() if value is not None else None
         if producer is None:
             continue
-        if producer.op_type == "Pow" and _scalar(producer.inputs[1]) == 3.0 or (
+        if producer.op_type == "Pow" and const_scalar(producer.inputs[1]) == 3.0 or (
                 producer.op_type == "Mul" and any(v is not None and v.producer() is not None
                                                   and v.producer().op_type == "Mul" for v in producer.inputs)):
             return True
