@@ -143,7 +143,9 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             tag_var="key_format", tag_values=["BHSD", "BHSD3", "BSHD"])
         scores = op.MatMul(_scaled(op, query, q_scale, "q_scaling"), _scaled(op, key_t, k_scale, "k_scaling"))
         scores = _scaled(op, scores, qk_scale, "qk_scaling")
-        scores = pattern.OrValue([op.Add(scores, mask), op.Where(cond, scores, fill), op.Where(cond, fill, scores), scores],
+        scores = pattern.OrValue([op.Add(scores, mask, _outputs=["masked_add"]),
+                                  op.Where(cond, scores, fill, _outputs=["masked_where"]),
+                                  op.Where(cond, fill, scores, _outputs=["masked_fill"]), scores],
                                  tag_var="mask_style", tag_values=["add", "where", "where_masked", "none"])
         probs = op.Softmax(scores, axis=-1)
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
@@ -170,6 +172,9 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             scale *= factor if kw[tag] == "Mul" else 1.0 / factor
         self._scale = scale
         self._mask_input, self._causal, self._inverted = None, 0, False
+        # A mask dim exporters left symbolic broadcasts when the masked scores keep their shape.
+        masked = kw.get("masked_add") or kw.get("masked_where") or kw.get("masked_fill")
+        self._scores_kept = masked is not None and static_dims(masked) == [q[0], q[1], q[2], k[2]] and None not in q
         if mask_style == "add":
             return self._check_float_mask(result, mask, query, q, k)
         if mask_style in ("where", "where_masked"):
@@ -177,7 +182,7 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         return result
 
     def _check_float_mask(self, result, mask, query, q, k):
-        if mask.dtype != query.dtype or not _broadcasts(static_dims(mask), [q[0], q[1], q[2], k[2]]):
+        if mask.dtype != query.dtype or not self._fits(static_dims(mask), [q[0], q[1], q[2], k[2]]):
             return result.fail("the additive mask's type or shape does not fit the scores", mask)
         array = _known(mask)
         if array is not None:
@@ -193,7 +198,7 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         level = const_scalar(fill)
         if cond.dtype != ir.DataType.BOOL or level is None or level > _MASKED:
             return result.fail("Where(mask, scores, fill) needs a boolean mask and a fill of -inf", cond)
-        if not _broadcasts(static_dims(cond), [q[0], q[1], q[2], k[2]]):
+        if not self._fits(static_dims(cond), [q[0], q[1], q[2], k[2]]):
             return result.fail("the boolean mask's shape does not fit the scores", cond)
         known = _known(cond)
         kept = None if known is None else ~known if inverted else known
@@ -203,6 +208,12 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             self._mask_input = cond  # True: attend, as Attention reads a boolean mask
             self._inverted = inverted  # True: masked (masked_fill's), so Attention reads Not(cond)
         return result
+
+    def _fits(self, dims: list[int | None] | None, target: list[int | None]) -> bool:
+        """The mask broadcasts to the scores: known from its dims, or from the masked scores'."""
+        if dims is None or len(dims) > 4 or dims[-1] != target[-1]:
+            return False
+        return _broadcasts(dims, target) or self._scores_kept
 
     def rewrite(self, op, query, key, value, key_format, **_):
         if key_format == "BSHD":
@@ -221,7 +232,8 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
 def _full_query_rows(op, mask, rows: int | None):
     """ONNX Runtime (1.32, CPU) refuses a mask that broadcasts over the query positions
     ("inconsistent q_sequence_length (between attn_mask and Q)"), which the spec allows: such
-    a mask (``[B, 1, 1, S]`` padding masks, rank 1) is expanded to ``rows`` query rows."""
+    a mask (``[B, 1, 1, S]`` padding masks, rank 1, a symbolic dim that is 1 or ``rows``) is
+    expanded to ``rows`` query rows."""
     dims = static_dims(mask)
     if dims is None or rows is None or (len(dims) >= 2 and dims[-2] == rows):
         return mask
