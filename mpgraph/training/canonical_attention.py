@@ -135,7 +135,7 @@ def _scaled(op, x, scale, tag: str):
 class _EagerAttention(pattern.RewriteRuleClassBase):
     """``softmax(scale * Q K^T + mask) V`` written out (eager or torch's SDPA decomposition)."""
 
-    def pattern(self, op, query, key, value, mask, cond, fill, q_scale, k_scale, qk_scale):
+    def pattern(self, op, query, key, value, mask, mask2, cond, fill, q_scale, k_scale, qk_scale):
         key_t = pattern.OrValue(
             [op.Transpose(key, perm=[0, 1, 3, 2]),
              op.Reshape(op.Transpose(op.Reshape(key, _ANY), perm=[0, 2, 1]), _ANY, _outputs=["key_t3"]),
@@ -143,15 +143,17 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
             tag_var="key_format", tag_values=["BHSD", "BHSD3", "BSHD"])
         scores = op.MatMul(_scaled(op, query, q_scale, "q_scaling"), _scaled(op, key_t, k_scale, "k_scaling"))
         scores = _scaled(op, scores, qk_scale, "qk_scaling")
-        scores = pattern.OrValue([op.Add(scores, mask, _outputs=["masked_add"]),
+        scores = pattern.OrValue([op.Add(op.Add(scores, mask), mask2, _outputs=["masked_add2"]),
+                                  op.Add(scores, mask, _outputs=["masked_add"]),
                                   op.Where(cond, scores, fill, _outputs=["masked_where"]),
                                   op.Where(cond, fill, scores, _outputs=["masked_fill"]), scores],
-                                 tag_var="mask_style", tag_values=["add", "where", "where_masked", "none"])
+                                 tag_var="mask_style", tag_values=["add2", "add", "where", "where_masked", "none"])
         probs = op.Softmax(scores, axis=-1)
         probs = pattern.OrValue([op.Where(op.IsNaN(probs), 0.0, probs), probs])
         return op.MatMul(probs, value)
 
-    def check(self, context, query, key, value, key_format, mask_style, mask=None, cond=None, fill=None, **kw):
+    def check(self, context, query, key, value, key_format, mask_style, mask=None, mask2=None, cond=None, fill=None,
+              **kw):
         result = pattern.MatchResult()
         q, k, v = static_dims(query), static_dims(key), static_dims(value)
         if q is None or k is None or v is None or not len(q) == len(k) == len(v) == 4:
@@ -171,27 +173,30 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
                 return result.fail(f"{name} is not a constant scalar", kw.get(name))
             scale *= factor if kw[tag] == "Mul" else 1.0 / factor
         self._scale = scale
-        self._mask_input, self._causal, self._inverted = None, 0, False
+        self._masks, self._causal, self._inverted = [], 0, False
         # A mask dim exporters left symbolic broadcasts when the masked scores keep their shape.
-        masked = kw.get("masked_add") or kw.get("masked_where") or kw.get("masked_fill")
+        masked = next((kw[n] for n in ("masked_add2", "masked_add", "masked_where", "masked_fill") if kw.get(n)), None)
         self._scores_kept = masked is not None and static_dims(masked) == [q[0], q[1], q[2], k[2]] and None not in q
-        if mask_style == "add":
-            return self._check_float_mask(result, mask, query, q, k)
+        if mask_style in ("add", "add2"):
+            return self._check_float_masks(result, [mask] + ([mask2] if mask_style == "add2" else []), query, q, k)
         if mask_style in ("where", "where_masked"):
             return self._check_bool_mask(result, cond, fill, q, k, inverted=mask_style == "where_masked")
         return result
 
-    def _check_float_mask(self, result, mask, query, q, k):
-        if mask.dtype != query.dtype or not self._fits(static_dims(mask), [q[0], q[1], q[2], k[2]]):
-            return result.fail("the additive mask's type or shape does not fit the scores", mask)
-        array = _known(mask)
-        if array is not None:
-            if not array.any():
-                return result  # all zeros: no mask
-            if _is_causal(array <= _MASKED, array > _MASKED, array, q[2], k[2]):
+    def _check_float_masks(self, result, masks, query, q, k):
+        """Additive masks (T5 adds its position bias, then the causal or padding mask): one
+        known to hide nothing goes, one known to be the causal triangle becomes is_causal."""
+        for mask in masks:
+            if mask.dtype != query.dtype or not self._fits(static_dims(mask), [q[0], q[1], q[2], k[2]]):
+                return result.fail("the additive mask's type or shape does not fit the scores", mask)
+        for mask in masks:
+            array = _known(mask)
+            if array is not None and not array.any():
+                continue  # all zeros: no mask
+            if array is not None and not self._causal and _is_causal(array <= _MASKED, array > _MASKED, array, q[2], k[2]):
                 self._causal = 1
-                return result
-        self._mask_input = mask
+                continue
+            self._masks.append(mask)
         return result
 
     def _check_bool_mask(self, result, cond, fill, q, k, inverted: bool):
@@ -205,7 +210,7 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         if kept is not None and _is_causal(~kept, kept, None, q[2], k[2]):
             self._causal = 1
         else:
-            self._mask_input = cond  # True: attend, as Attention reads a boolean mask
+            self._masks = [cond]  # True: attend, as Attention reads a boolean mask
             self._inverted = inverted  # True: masked (masked_fill's), so Attention reads Not(cond)
         return result
 
@@ -218,7 +223,7 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
     def rewrite(self, op, query, key, value, key_format, **_):
         if key_format == "BSHD":
             key = op.Transpose(key, perm=[0, 2, 1, 3])
-        mask = self._mask_input
+        mask = None if not self._masks else self._masks[0] if len(self._masks) == 1 else op.Add(*self._masks)
         if mask is not None and self._inverted:
             producer = mask.producer()
             negated = producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx")

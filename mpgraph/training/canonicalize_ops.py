@@ -189,8 +189,8 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
        (x + 0.044715 x^3)))`` ``Gelu(approximate="tanh")``, in each association and operand order.
     4. ``MatMul(softmax(s * Q K^T + mask), V)`` becomes ``Attention(Q, K, V[, mask], scale=s)``
        with 4-D inputs: K transposed directly, through 3-D, or from ``[B, S, H, D]``; ``s`` the
-       product of constant factors on Q, on K^T and on the scores (``Mul`` or ``Div``); the mask
-       added (float), or a ``Where(mask, scores, -inf)`` / ``Where(mask, -inf, scores)``
+       product of constant factors on Q, on K^T and on the scores (``Mul`` or ``Div``); one or
+       two masks added (float: T5 adds its position bias, then the causal mask), or a ``Where(mask, scores, -inf)`` / ``Where(mask, -inf, scores)``
        (boolean, masked_fill's read through a ``Not``); a mask known before the graph runs
        (constant, or computed from constants and static shapes) that hides nothing
        is dropped, the causal triangle becomes ``is_causal=1``. A mask that broadcasts over
