@@ -223,13 +223,15 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
     def rewrite(self, op, query, key, value, key_format, **_):
         if key_format == "BSHD":
             key = op.Transpose(key, perm=[0, 2, 1, 3])
-        mask = None if not self._masks else self._masks[0] if len(self._masks) == 1 else op.Add(*self._masks)
-        if mask is not None and self._inverted:
-            producer = mask.producer()
+        rows = static_dims(query)[2]
+        masks = list(self._masks)
+        if masks and self._inverted:
+            producer = masks[0].producer()
             negated = producer is not None and producer.op_type == "Not" and producer.domain in ("", "ai.onnx")
-            mask = producer.inputs[0] if negated else op.Not(mask)
-        if mask is not None:
-            mask = _full_query_rows(op, mask, static_dims(query)[2])
+            masks = [producer.inputs[0]] if negated else [op.Not(_full_query_rows(op, masks[0], rows))]
+        # Expanded before they are combined: a value the rewrite makes has no shape yet.
+        masks = [_full_query_rows(op, m, rows) for m in masks]
+        mask = None if not masks else masks[0] if len(masks) == 1 else op.Add(*masks)
         inputs = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*inputs, scale=float(np.float32(self._scale)), is_causal=self._causal)
 
