@@ -41,14 +41,8 @@ MAX_FILE_LINES, MAX_CLASS_LINES = 600, 400
 FLOOR = ("mpgraph._ir", "mpgraph.dtypes", "mpgraph.errors", "mpgraph.optypes", "mpgraph.io")
 #: What the runtime may import from the lowering (rule 7).
 LOWERING_ENTRY = ("plan_session", "PlanOptions", "SessionPlan")
-#: Circles and underscore imports that existed when rules 9 and 10 came (owner: the fp8 policy
-#: work; policy/fp8.py reads the loader's private key checks).
-KNOWN_DEBT = {
-    "circle": {("mpgraph.policy.fp8", "mpgraph.policy.loader")},
-    "underscore": {("mpgraph.policy.fp8", "mpgraph.policy.loader._check_keys"),
-                   ("mpgraph.policy.fp8", "mpgraph.policy.loader._choice"),
-                   ("mpgraph.policy.fp8", "mpgraph.policy.loader._number")},
-}
+#: Circles and underscore imports that existed when rules 9 and 10 came (none left).
+KNOWN_DEBT: dict[str, set[tuple[str, str]]] = {"circle": set(), "underscore": set()}
 #: Files over MAX_FILE_LINES when rule 11 came, with the size they may not exceed.
 OVERSIZE = {"mpgraph/data.py": 606, "mpgraph/export.py": 738, "mpgraph/io.py": 733,
             "mpgraph/passes/assign_precision.py": 685}

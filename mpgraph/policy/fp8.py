@@ -43,6 +43,7 @@ from mpgraph.policy.schema import (
     Fp8Scaling,
     Policy,
 )
+from mpgraph.policy.validate import PolicyDoc, check_choice, check_keys, check_number
 
 __all__ = ["FP8_OPS", "parse_fp8"]
 
@@ -56,25 +57,22 @@ MAX_HISTORY = 1 << 16
 MAX_MARGIN = 64
 
 
-def parse_fp8(doc: Any, data: dict[str, Any], base: Policy | None, dtype: ir.DataType) -> Fp8 | None:
+def parse_fp8(doc: PolicyDoc, data: dict[str, Any], base: Policy | None, dtype: ir.DataType) -> Fp8 | None:
     """``fp8``: the base's settings with this file's keys replaced, then checked.
 
     Args:
-        doc: The loader's parsed document (``fail`` names file, line and key path).
+        doc: The parsed document (``fail`` names file, line and key path).
         data: The policy's top-level mapping.
         base: The policy ``extends`` names, if any.
         dtype: The policy's low dtype (fp8 needs one: float16 or bfloat16).
     """
-    # Imported here: the loader imports this module.
-    from mpgraph.policy.loader import _check_keys, _choice
-
     fp8 = base.fp8 if base else None
     if "fp8" not in data:
         return fp8
     section = data["fp8"]
     if section is False or section is None:
         return None
-    _check_keys(doc, ("fp8",), section, _KEYS)
+    check_keys(doc, ("fp8",), section, _KEYS)
     fp8 = fp8 or Fp8()
     if dtype == ir.DataType.FLOAT:
         doc.fail(("fp8",), "needs a low dtype for the other ops: set dtype to bfloat16 or float16 (or extends: bf16)")
@@ -83,31 +81,29 @@ def parse_fp8(doc: Any, data: dict[str, Any], base: Policy | None, dtype: ir.Dat
         ops = section["ops"]
         if not isinstance(ops, list) or not ops:
             doc.fail(("fp8", "ops"), f"invalid value {ops!r}; expected a non-empty list of {', '.join(FP8_OPS)}")
-        values["ops"] = tuple(_choice(doc, ("fp8", "ops", str(i)), op, FP8_OPS) for i, op in enumerate(ops))
+        values["ops"] = tuple(check_choice(doc, ("fp8", "ops", str(i)), op, FP8_OPS) for i, op in enumerate(ops))
     if "products" in section:
-        values["products"] = _choice(doc, ("fp8", "products"), section["products"], FP8_PRODUCTS)
+        values["products"] = check_choice(doc, ("fp8", "products"), section["products"], FP8_PRODUCTS)
     for key in ("forward", "backward"):
         if key in section:
-            values[key] = FP8_FORMATS[_choice(doc, ("fp8", key), section[key], tuple(FP8_FORMATS))]
+            values[key] = FP8_FORMATS[check_choice(doc, ("fp8", key), section[key], tuple(FP8_FORMATS))]
     if "scaling" in section:
         values["scaling"] = _parse_scaling(doc, section["scaling"], fp8.scaling)
     return dataclasses.replace(fp8, **values)
 
 
-def _parse_scaling(doc: Any, section: Any, base: Fp8Scaling) -> Fp8Scaling:
+def _parse_scaling(doc: PolicyDoc, section: Any, base: Fp8Scaling) -> Fp8Scaling:
     """``fp8.scaling``: the recipe and its settings."""
-    from mpgraph.policy.loader import _check_keys, _choice, _number
-
     kp = ("fp8", "scaling")
-    _check_keys(doc, kp, section, _SCALING_KEYS)
+    check_keys(doc, kp, section, _SCALING_KEYS)
     values = dataclasses.asdict(base)
     choices = {"recipe": SCALING_RECIPES, "amax": AMAX_COMPUTE, "rounding": SCALE_ROUNDING}
     limits = {"history": (1, MAX_HISTORY), "margin": (0, MAX_MARGIN)}
     for key, value in section.items():
         if key in choices:
-            values[key] = _choice(doc, (*kp, key), value, choices[key])
+            values[key] = check_choice(doc, (*kp, key), value, choices[key])
             continue
-        number = _number(doc, (*kp, key), value, integer=True)
+        number = check_number(doc, (*kp, key), value, integer=True)
         low, high = limits[key]
         if not low <= number <= high:
             doc.fail((*kp, key), f"invalid value {number!r}; expected an integer from {low} to {high}")

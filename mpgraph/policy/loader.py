@@ -32,19 +32,13 @@ Schema (all keys optional except ``dtype``)::
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import functools
 import importlib.resources
 import logging
 import os
-import re
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import onnx
 import onnx_ir as ir
-import yaml
 
 from mpgraph.errors import PolicyError
 from mpgraph.policy.fp8 import parse_fp8
@@ -59,6 +53,14 @@ from mpgraph.policy.schema import (
     Override,
     Pin,
     Policy,
+)
+from mpgraph.policy.validate import (
+    PolicyDoc,
+    check_choice,
+    check_keys,
+    check_number,
+    check_op_type,
+    did_you_mean,
 )
 
 __all__ = ["load_policy", "load_policy_file", "list_presets", "preset_path", "parse_policy"]
@@ -102,7 +104,7 @@ def preset_path(name: str) -> Path:
     path = _presets_dir() / f"{name}.yaml"
     if not path.is_file():
         raise PolicyError(
-            f"unknown preset '{name}'{_suggest(name, list_presets())}; "
+            f"unknown preset '{name}'{did_you_mean(name, list_presets())}; "
             f"valid presets: {', '.join(list_presets())} (or a path to a .yaml file)"
         )
     return path
@@ -157,179 +159,9 @@ def _load_file(path: str, chain: tuple[str, ...]) -> Policy:
     return parse_policy(text, path, _chain=(*chain, path))
 
 
-@functools.lru_cache(maxsize=32)
-def _compose(text: str) -> yaml.Node | None:
-    """The YAML node tree of ``text``, parsed once per distinct text.
-
-    Parsing is most of a conversion's time on small models: the pure-Python parser took 70 ms
-    for the fp16 preset and its ``extends`` base, 36 of the 54 s that converting 128 single-op
-    models four ways took. Keyed by the text itself, so an edited file is parsed again; the
-    tree is only read afterwards (``_Doc`` builds its own containers from it). A text that
-    fails raises each time (``lru_cache`` keeps results only).
-    """
-    return yaml.compose(text, Loader=yaml.SafeLoader)
-
-#: Nodes a policy may expand to once aliases are resolved; a few hundred in real policies.
-_MAX_NODES = 100_000
-#: Nesting depth of mappings and lists; real policies nest 4 deep.
-_MAX_DEPTH = 64
-
-
-class _Doc:
-    """A parsed YAML document that remembers the line of every key path.
-
-    Aliases are expanded with a budget: a recursive alias (``&a [*a]``) and an alias bomb
-    (each level repeating the one below) are refused by line before they are expanded.
-    """
-
-    def __init__(self, text: str, path: str) -> None:
-        self.path = path
-        self.lines: dict[tuple[str, ...], int] = {}
-        self._expanded = 0
-        self._open: set[int] = set()
-        try:
-            node = _compose(text)
-        except RecursionError:
-            raise PolicyError(f"{path}: invalid YAML: nested too deeply") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            line = f":{mark.line + 1}" if mark is not None else ""
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise PolicyError(f"{path}{line}: invalid YAML: {problem}") from e
-        if node is not None:
-            self._measure(node, {}, set(), 0)
-        self.data = self._build(node, ()) if node is not None else None
-
-    def _measure(self, node: yaml.Node, sizes: dict[int, int], stack: set[int], depth: int) -> int:
-        """Nodes ``node`` expands to, counted on the alias graph (each node once), refusing a
-        recursive alias, an expansion over ``_MAX_NODES`` or nesting over ``_MAX_DEPTH``."""
-        key = id(node)
-        if key in sizes:
-            return sizes[key]
-        line = node.start_mark.line + 1
-        if key in stack:
-            raise PolicyError(f"{self.path}:{line}: recursive alias (a value that contains itself)")
-        if depth > _MAX_DEPTH:
-            raise PolicyError(f"{self.path}:{line}: nested deeper than {_MAX_DEPTH} levels")
-        total = 1
-        if isinstance(node, yaml.CollectionNode):
-            stack.add(key)
-            children = [v for pair in node.value for v in pair] if isinstance(node, yaml.MappingNode) else node.value
-            for child in children:
-                total += self._measure(child, sizes, stack, depth + 1)
-                if total > _MAX_NODES:
-                    raise PolicyError(f"{self.path}:{line}: aliases would expand to more than {_MAX_NODES:,} nodes "
-                                      "(an alias bomb?); refused before expanding")
-            stack.discard(key)
-        sizes[key] = total
-        return total
-
-    def _build(self, node: yaml.Node, keypath: tuple[str, ...]) -> Any:
-        self.lines.setdefault(keypath, node.start_mark.line + 1)
-        self._expanded += 1
-        if self._expanded > _MAX_NODES:
-            self.fail(keypath, f"aliases expand to more than {_MAX_NODES:,} nodes (an alias bomb?); write the values out")
-        if len(keypath) > _MAX_DEPTH:
-            self.fail(keypath, f"nested deeper than {_MAX_DEPTH} levels")
-        if isinstance(node, yaml.CollectionNode):
-            if id(node) in self._open:
-                self.fail(keypath, "recursive alias (a value that contains itself)")
-            self._open.add(id(node))
-            try:
-                return self._build_collection(node, keypath)
-            finally:
-                self._open.discard(id(node))
-        return self._build_scalar(node)
-
-    def _build_collection(self, node: yaml.CollectionNode, keypath: tuple[str, ...]) -> Any:
-        if isinstance(node, yaml.MappingNode):
-            out: dict[str, Any] = {}
-            for knode, vnode in node.value:
-                key = str(knode.value)
-                if key in out:
-                    self.lines[(*keypath, key)] = knode.start_mark.line + 1
-                    self.fail((*keypath, key), "duplicate key")
-                self.lines[(*keypath, key)] = knode.start_mark.line + 1
-                out[key] = self._build(vnode, (*keypath, key))
-            return out
-        return [self._build(v, (*keypath, str(i))) for i, v in enumerate(node.value)]
-
-    def _build_scalar(self, node: yaml.Node) -> Any:
-        try:
-            return yaml.constructor.SafeConstructor().construct_object(node, deep=True)
-        except yaml.YAMLError as e:
-            problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise PolicyError(f"{self.path}:{node.start_mark.line + 1}: invalid YAML: {problem}") from e
-
-    def fail(self, keypath: tuple[str, ...], message: str) -> NoReturn:
-        line = ""
-        for i in range(len(keypath), -1, -1):
-            if keypath[:i] in self.lines:
-                line = f":{self.lines[keypath[:i]]}"
-                break
-        where = ".".join(keypath) or "<top>"
-        raise PolicyError(f"{self.path}{line}: {where}: {message}")
-
-
-def _suggest(bad: str, valid: Iterator[str] | list[str] | tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(bad, list(valid), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
-
-
-def _choice(doc: _Doc, keypath: tuple[str, ...], value: Any, valid: tuple[str, ...]) -> str:
-    if not isinstance(value, str) or value not in valid:
-        doc.fail(
-            keypath,
-            f"invalid value {value!r}{_suggest(str(value), valid)}; valid: {', '.join(valid)}",
-        )
-    return value
-
-
-def _check_keys(doc: _Doc, keypath: tuple[str, ...], mapping: Any, valid: tuple[str, ...]) -> None:
-    if not isinstance(mapping, dict):
-        doc.fail(keypath, f"expected a mapping with keys {', '.join(valid)}, got {mapping!r}")
-    for key in mapping:
-        if key not in valid:
-            doc.fail((*keypath, key), f"unknown key{_suggest(key, valid)}; valid: {', '.join(valid)}")
-
-
-@functools.lru_cache(maxsize=1)
-def _known_op_types() -> frozenset[str]:
-    return frozenset(s.name for s in onnx.defs.get_all_schemas_with_history() if s.domain in ("", "ai.onnx"))
-
-
-def _check_op_type(doc: _Doc, keypath: tuple[str, ...], op_type: str) -> None:
-    if "." not in op_type and op_type not in _known_op_types():
-        doc.fail(
-            keypath,
-            f"unknown op type '{op_type}'{_suggest(op_type, sorted(_known_op_types()))}"
-            "; use 'domain.Op' for ops outside the default ONNX domain",
-        )
-
-
-# YAML 1.2 floats that PyYAML (YAML 1.1) leaves as strings: 1e9 (no dot), 1.5e3 (no exponent sign).
-_FLOAT_RE = re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?")
-
-
 #: The largest ``growth_interval``: the graph counts finite steps in float32 (exact to 2**24),
 #: and no run reaches 2**31 steps.
 _MAX_INTERVAL = 2**31 - 1
-
-
-def _number(doc: _Doc, keypath: tuple[str, ...], value: Any, *, integer: bool = False) -> float:
-    if not integer and isinstance(value, str) and _FLOAT_RE.fullmatch(value):
-        value = float(value)
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok:
-        kind = "an integer" if integer else "a number"
-        doc.fail(keypath, f"invalid value {value!r}; expected {kind}")
-    if not integer:
-        try:
-            float(value)
-        except OverflowError:  # a YAML integer of hundreds of digits
-            text = str(value)
-            doc.fail(keypath, f"invalid value {text[:12]}...({len(text)} digits); expected a number below 1.8e308")
-    return value
 
 
 def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] = ()) -> Policy:
@@ -347,16 +179,16 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
     Raises:
         PolicyError: Naming file, line, key path, bad value and the valid choices.
     """
-    doc = _Doc(text, path)
+    doc = PolicyDoc(text, path)
     data = doc.data
     if not isinstance(data, dict):
         doc.fail((), f"a policy is a YAML mapping with keys {', '.join(_TOP_KEYS)}")
-    _check_keys(doc, (), data, _TOP_KEYS)
+    check_keys(doc, (), data, _TOP_KEYS)
     base = _parse_extends(doc, data, path, _chain)
     dtype = _parse_dtype(doc, data, base)
     default = base.default_category if base else "deny"
     if "default" in data:
-        default = _choice(doc, ("default",), data["default"], CATEGORIES)
+        default = check_choice(doc, ("default",), data["default"], CATEGORIES)
     ops = _parse_ops(doc, data, base)
     overrides = _parse_overrides(doc, data, base)
     pins = _parse_pins(doc, data, base)
@@ -387,7 +219,7 @@ def parse_policy(text: str, path: str = "<string>", *, _chain: tuple[str, ...] =
     )
 
 
-def _parse_extends(doc: _Doc, data: dict[str, Any], path: str, chain: tuple[str, ...]) -> Policy | None:
+def _parse_extends(doc: PolicyDoc, data: dict[str, Any], path: str, chain: tuple[str, ...]) -> Policy | None:
     """The policy ``extends`` names (a preset, or a file relative to ``path``), if any."""
     if "extends" not in data:
         return None
@@ -408,26 +240,26 @@ def _parse_extends(doc: _Doc, data: dict[str, Any], path: str, chain: tuple[str,
         return _load_file(str(preset_path(parent)), chain)
     doc.fail(
         ("extends",),
-        f"unknown preset {parent!r}{_suggest(parent, list_presets())}; "
+        f"unknown preset {parent!r}{did_you_mean(parent, list_presets())}; "
         f"valid: {', '.join(list_presets())} (or a path ending in .yaml)",
     )
 
 
-def _parse_dtype(doc: _Doc, data: dict[str, Any], base: Policy | None) -> ir.DataType:
+def _parse_dtype(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> ir.DataType:
     """``dtype`` (required unless the base has one)."""
     if "dtype" in data:
-        return DTYPES[_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
+        return DTYPES[check_choice(doc, ("dtype",), data["dtype"], tuple(DTYPES))]
     if base is not None:
         return base.dtype
     doc.fail(("dtype",), f"missing required key; valid: {', '.join(DTYPES)}")
 
 
-def _parse_ops(doc: _Doc, data: dict[str, Any], base: Policy | None) -> dict[str, tuple[str, str]]:
+def _parse_ops(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> dict[str, tuple[str, str]]:
     """``ops``: category -> {op type: reason} or [op type]; each op type listed once."""
     ops: dict[str, tuple[str, str]] = dict(base.ops) if base else {}
     if "ops" not in data:
         return ops
-    _check_keys(doc, ("ops",), data["ops"], CATEGORIES)
+    check_keys(doc, ("ops",), data["ops"], CATEGORIES)
     seen: dict[str, str] = {}
     for category, entries in data["ops"].items():
         kp = ("ops", category)
@@ -439,7 +271,7 @@ def _parse_ops(doc: _Doc, data: dict[str, Any], base: Policy | None) -> dict[str
             doc.fail(kp, f"expected a mapping of op type to reason or a list, got {entries!r}")
         for op_type, reason in entries.items():
             okp = (*kp, op_type)
-            _check_op_type(doc, okp, op_type)
+            check_op_type(doc, okp, op_type)
             if op_type in seen:
                 doc.fail(okp, f"op type listed twice (also in ops.{seen[op_type]})")
             seen[op_type] = category
@@ -447,7 +279,7 @@ def _parse_ops(doc: _Doc, data: dict[str, Any], base: Policy | None) -> dict[str
     return ops
 
 
-def _parse_overrides(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[Override, ...]:
+def _parse_overrides(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> tuple[Override, ...]:
     """``overrides``: this file's, then the base's (first match wins)."""
     overrides: list[Override] = []
     if "overrides" in data:
@@ -455,17 +287,17 @@ def _parse_overrides(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tu
             doc.fail(("overrides",), "expected a list of {match, precision, reason}")
         for i, entry in enumerate(data["overrides"]):
             kp = ("overrides", str(i))
-            _check_keys(doc, kp, entry, ("match", "precision", "reason"))
+            check_keys(doc, kp, entry, ("match", "precision", "reason"))
             if not isinstance(entry.get("match"), str):
                 doc.fail((*kp, "match"), "missing or non-string node-name pattern")
-            precision = _choice(doc, (*kp, "precision"), entry.get("precision"), ("low", "float32"))
+            precision = check_choice(doc, (*kp, "precision"), entry.get("precision"), ("low", "float32"))
             overrides.append(Override(entry["match"], precision, str(entry.get("reason", ""))))
     # First match wins, so the extending file's overrides go before its parent's.
     overrides += base.overrides if base else ()
     return tuple(overrides)
 
 
-def _parse_pins(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[Pin, ...]:
+def _parse_pins(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> tuple[Pin, ...]:
     """``pins``: the base's, then this file's; each ``{op, inputs, reason}``."""
     pins = list(base.pins) if base else []
     if "pins" not in data:
@@ -474,11 +306,11 @@ def _parse_pins(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[P
         doc.fail(("pins",), "expected a list of {op, inputs, reason}")
     for i, entry in enumerate(data["pins"]):
         kp = ("pins", str(i))
-        _check_keys(doc, kp, entry, ("op", "inputs", "reason"))
+        check_keys(doc, kp, entry, ("op", "inputs", "reason"))
         op_type = entry.get("op")
         if not isinstance(op_type, str):
             doc.fail((*kp, "op"), "missing or non-string op type")
-        _check_op_type(doc, (*kp, "op"), op_type)
+        check_op_type(doc, (*kp, "op"), op_type)
         slots = entry.get("inputs")
         if not isinstance(slots, list) or not all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in slots
@@ -488,7 +320,7 @@ def _parse_pins(doc: _Doc, data: dict[str, Any], base: Policy | None) -> tuple[P
     return tuple(pins)
 
 
-def _parse_keep_io_types(doc: _Doc, data: dict[str, Any], base: Policy | None) -> bool | tuple[str, ...]:
+def _parse_keep_io_types(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> bool | tuple[str, ...]:
     """``keep_io_types``: true, false or a list of input/output names."""
     if "keep_io_types" not in data:
         return base.keep_io_types if base else True
@@ -500,44 +332,44 @@ def _parse_keep_io_types(doc: _Doc, data: dict[str, Any], base: Policy | None) -
     doc.fail(("keep_io_types",), f"invalid value {value!r}; expected true, false or a list of names")
 
 
-def _parse_initializers(doc: _Doc, data: dict[str, Any], base: Policy | None) -> InitializerRange:
+def _parse_initializers(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> InitializerRange:
     """``initializers``: what to do with weights beyond the low dtype's range."""
     init_range = base.initializers if base else InitializerRange()
     if "initializers" not in data:
         return init_range
-    _check_keys(doc, ("initializers",), data["initializers"], _INIT_KEYS)
+    check_keys(doc, ("initializers",), data["initializers"], _INIT_KEYS)
     section = data["initializers"]
     return InitializerRange(
-        overflow=_choice(doc, ("initializers", "overflow"), section.get("overflow", init_range.overflow), OVERFLOW_ACTIONS),
-        underflow=_choice(doc, ("initializers", "underflow"), section.get("underflow", init_range.underflow), UNDERFLOW_ACTIONS),
+        overflow=check_choice(doc, ("initializers", "overflow"), section.get("overflow", init_range.overflow), OVERFLOW_ACTIONS),
+        underflow=check_choice(doc, ("initializers", "underflow"), section.get("underflow", init_range.underflow), UNDERFLOW_ACTIONS),
     )
 
 
-def _parse_loss_scaling(doc: _Doc, data: dict[str, Any], base: Policy | None) -> LossScaling:
+def _parse_loss_scaling(doc: PolicyDoc, data: dict[str, Any], base: Policy | None) -> LossScaling:
     """``loss_scaling``: the base's settings with this file's keys replaced, then checked."""
     loss = base.loss_scaling if base else LossScaling()
     if "loss_scaling" not in data:
         return loss
     section = data["loss_scaling"]
-    _check_keys(doc, ("loss_scaling",), section, _LOSS_KEYS)
+    check_keys(doc, ("loss_scaling",), section, _LOSS_KEYS)
     values = dataclasses.asdict(loss)
     for key, value in section.items():
         kp = ("loss_scaling", key)
         if key == "mode":
-            values[key] = _choice(doc, kp, value, LOSS_SCALING_MODES)
+            values[key] = check_choice(doc, kp, value, LOSS_SCALING_MODES)
         elif key == "growth_interval":
-            values[key] = int(_number(doc, kp, value, integer=True))
+            values[key] = int(check_number(doc, kp, value, integer=True))
             if not 1 <= values[key] <= _MAX_INTERVAL:
                 text = str(value) if len(str(value)) <= 24 else f"{str(value)[:12]}...({len(str(value))} digits)"
                 doc.fail(kp, f"invalid value {text}; expected an integer >= 1 and at most {_MAX_INTERVAL}")
         else:
-            values[key] = float(_number(doc, kp, value))
+            values[key] = float(check_number(doc, kp, value))
     loss = LossScaling(**values)
     _validate_loss_scaling(doc, loss)
     return loss
 
 
-def _validate_loss_scaling(doc: _Doc, loss: LossScaling) -> None:
+def _validate_loss_scaling(doc: PolicyDoc, loss: LossScaling) -> None:
     kp = ("loss_scaling",)
     if not loss.init > 0:
         doc.fail((*kp, "init"), f"invalid value {loss.init!r}; expected > 0")
