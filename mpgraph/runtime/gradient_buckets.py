@@ -4,7 +4,8 @@
 gradient order, a new bucket past ``bucket_bytes``, the loss last, each padded to a multiple
 of the world size); ``pairwise_sum`` adds sequences of bucket sets as one fixed binary tree,
 so a sum over slices and ranks has the same float32 bits however the slices are spread.
-``runtime.data_parallel`` uses both.
+``reduce_buckets`` reduces a rank's buckets across a ``torch.distributed`` group.
+``runtime.parallel_executor`` uses them.
 
 Example:
     >>> terms = [[np.array([x], np.float32)] for x in (1.0, 2.0, 3.0)]
@@ -15,13 +16,14 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
 from mpgraph.training.split_step_graph import SplitStep
 
-__all__ = ["Bucket", "make_buckets", "pairwise_sum"]
+__all__ = ["Bucket", "make_buckets", "pairwise_sum", "reduce_buckets"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,3 +89,35 @@ def pairwise_sum(terms: Iterable[list[np.ndarray]], release: Callable[[list[np.n
 def _add_into(left: list[np.ndarray], right: list[np.ndarray]) -> None:
     for a, b in zip(left, right, strict=True):
         np.add(a, b, out=a)
+
+
+def reduce_buckets(buckets: Sequence[Bucket], received: Sequence[Any], dist: Any, group: Any,
+                   ordered: bool) -> None:
+    """Sum every rank's buckets into every rank's buckets, in place (every collective issued
+    before the first wait).
+
+    ``ordered``: per bucket an ``all_to_all`` (rank r receives chunk r of every rank's bucket
+    into ``received``, torch tensors of the buckets' sizes), the fixed-tree sum of those chunks,
+    and an ``all_gather`` of the summed chunks back into every rank's bucket. Otherwise one
+    ``all_reduce(SUM)`` a bucket (the backend's order). ``dist`` is ``torch.distributed``; the
+    buckets are shared with torch through ``torch.from_numpy`` (no copies).
+    """
+    import torch
+
+    if not ordered:
+        works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=group, async_op=True)
+                 for b in buckets]
+        for work in works:
+            work.wait()
+        return
+    world = dist.get_world_size(group)
+    scatters = [dist.all_to_all_single(r, torch.from_numpy(b.array), group=group, async_op=True)
+                for b, r in zip(buckets, received, strict=True)]
+    gathers = []
+    for bucket, r, work in zip(buckets, received, scatters, strict=True):
+        work.wait()
+        (total,) = pairwise_sum(([chunk] for chunk in r.numpy().reshape(world, -1)), lambda _: None)
+        into = list(torch.from_numpy(bucket.array).view(world, -1).unbind(0))
+        gathers.append(dist.all_gather(into, torch.from_numpy(total), group=group, async_op=True))
+    for work in gathers:
+        work.wait()

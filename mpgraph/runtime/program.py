@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -31,6 +32,7 @@ from mpgraph.lowering import PlanOptions, SessionPlan, plan_session
 from mpgraph.runtime import probe
 from mpgraph.runtime.checkpoint import graph_fingerprint
 from mpgraph.runtime.options import RunOptions
+from mpgraph.training.split_step_graph import SplitStep, split_step_graph
 
 __all__ = ["LR", "Program"]
 
@@ -120,6 +122,22 @@ class Program:
              shapes: Mapping[str, Sequence[int]] | None = None) -> SessionPlan:
         """The session plan of this program on ``provider`` (specialised to ``shapes``)."""
         return plan_session(self.session_graph, provider, dataclasses.replace(options, shapes=shapes))
+
+    @functools.cached_property
+    def split(self) -> SplitStep:
+        """The step cut into its gradient and apply parts (``training.split_step_graph``), the
+        parts a data-parallel executor runs with a reduction between them."""
+        return split_step_graph(self.model)
+
+    def plan_part(self, part: ir.Model, provider: str, options: PlanOptions) -> SessionPlan:
+        """The session plan of a part of this step graph (``split``'s, or one rank's share of
+        its apply part): the state's initializers left out as in ``session_graph``, then
+        ``plan_session`` with the rules a whole step gets."""
+        proto = as_proto(part)
+        kept = [t for t in proto.graph.initializer if t.name not in self.state_names]
+        del proto.graph.initializer[:]
+        proto.graph.initializer.extend(kept)
+        return plan_session(proto.SerializeToString(), provider, options)
 
     # -- what the data must fit -----------------------------------------------------------
 

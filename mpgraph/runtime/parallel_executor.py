@@ -1,0 +1,448 @@
+"""``DataParallelExecutor``: the ``Executor`` of one rank of a data-parallel run.
+
+Every rank holds the whole model and runs the same step on its share of the global batch
+(``runtime.data_parallel`` has the rules: buckets, the ordered reduction, loss scaling across
+ranks, ZeRO-1). This executor runs two session plans of its ``Program`` instead of one: the
+**gradient part** and the **apply part** of ``Program.split`` (``training.split_step_graph``),
+each planned by ``Program.plan_part`` through ``lowering.plan_session``, so the lowering rules
+apply to both parts as to a one-process step (the AdamW fusion to the apply part, the ReLU
+gradient fusion to the gradient part). Between the two runs the gradients, which ORT wrote
+straight into flat float32 buckets (IOBinding onto views of the bucket arrays), are reduced
+across ranks (``gradient_buckets.reduce_buckets``); then the apply part reads them, and with
+optimizer sharding each rank's updated share goes to the others.
+
+The interface is ``runtime.executor``'s, so the training loop drives it as it drives one
+device: ``ring`` 2 (a step reads set ``slot`` and writes the other), ``launch(batch)`` runs a
+whole step synchronously on this rank's slice of the *global* batch, ``read`` gives its loss
+(averaged over the global batch) and skip flag, ``rewind`` goes back over steps whose sets are
+intact, ``state_set`` gives this rank's state buffers (views, no copies), ``set_state`` takes a
+whole state (a rank keeps its share), ``bind_lr``/``forget_lr``, ``predict``. What a
+one-device executor does not need: ``gather_state`` (the whole state, collective) for
+checkpoints written by rank 0.
+
+Only the CPU provider (gloo) runs today. The device path (NCCL reducing buckets that live on
+the GPU in place) needs the buckets allocated by torch on the device and bound to ORT through
+DLPack (``bucket_tensors`` is the seam); it is not written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import onnxruntime as ort
+
+from mpgraph._ir import meta as md
+from mpgraph.errors import UsageError
+from mpgraph.runtime import providers
+from mpgraph.runtime.executor import Executor
+from mpgraph.runtime.gradient_buckets import make_buckets, pairwise_sum, reduce_buckets
+from mpgraph.runtime.options import RunOptions
+from mpgraph.runtime.program import LR, Program
+from mpgraph.runtime.replay import Launched
+from mpgraph.training.shard_flat_slot import FlatSlot, flat_slots, slice_range
+from mpgraph.training.split_step_graph import deal_groups, optimizer_groups, shard_apply_part
+
+if TYPE_CHECKING:
+    import torch.distributed
+
+    from mpgraph.lowering import SessionPlan
+
+__all__ = ["DataParallelExecutor", "DataParallelOptions", "shard_batch"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class DataParallelOptions:
+    """How a data-parallel executor reduces and updates.
+
+    Attributes:
+        bucket_bytes: Bytes of gradients per bucket (one collective each; torch DDP's 25 MiB).
+        reduction: ``ordered`` (all_to_all, a fixed summation tree, all_gather: fixed float32 bits) or
+            ``all_reduce`` (one sum collective: less traffic, order-dependent bits beyond 2 ranks).
+        micro_batches: Slices of each rank's batch run one after the other and summed (a
+            power of two keeps the bits independent of the world size).
+        shard_optimizer: ZeRO stage 1: each rank keeps and updates only its optimizer groups.
+        threads: ORT intra-op threads (``None``: ORT's default).
+    """
+
+    bucket_bytes: int = 25 * 2**20
+    reduction: str = "ordered"
+    micro_batches: int = 1
+    shard_optimizer: bool = False
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.reduction not in ("ordered", "all_reduce"):
+            raise UsageError(f"reduction must be 'ordered' or 'all_reduce', got '{self.reduction}'")
+        if self.micro_batches < 1 or self.bucket_bytes < 4:
+            raise UsageError("micro_batches must be >= 1 and bucket_bytes >= 4")
+
+
+def shard_batch(feeds: Mapping[str, np.ndarray], index: int, count: int) -> dict[str, np.ndarray]:
+    """Slice ``index`` of ``count`` equal, contiguous slices of a batch along its first axis.
+
+    Example:
+        >>> shard_batch({"x": np.arange(6)}, 1, 3)
+        {'x': array([2, 3])}
+    """
+    out = {}
+    for name, value in feeds.items():
+        if len(value) % count:
+            raise UsageError(f"batch input '{name}' has {len(value)} rows, not divisible into {count} slices")
+        size = len(value) // count
+        out[name] = value[index * size:(index + 1) * size]
+    return out
+
+
+def torch_modules() -> tuple[Any, Any]:
+    """``torch`` and ``torch.distributed``, imported when an executor is made (an optional
+    extra); ``UsageError`` without torch."""
+    try:
+        import torch
+        import torch.distributed
+    except ImportError as e:
+        raise UsageError(f"data-parallel training needs torch ({e}); install mpgraph[torch]") from e
+    return torch, torch.distributed
+
+
+class DataParallelExecutor(Executor):
+    """One rank's sessions, buckets and state for a ``Program`` (see the module).
+
+    Args:
+        program: The step graph's program (the same on every rank).
+        options: How the sessions run (``provider`` must be ``cpu`` for now; ``threads``,
+            ``kernels`` reach the plans and sessions).
+        parallel: Buckets, reduction, micro-batches, optimizer sharding.
+        group: The process group (``None``: the default one if initialized, else world size 1).
+    """
+
+    def __init__(self, program: Program, options: RunOptions, parallel: DataParallelOptions | None = None,
+                 group: torch.distributed.ProcessGroup | None = None) -> None:
+        if options.provider != "cpu":
+            raise UsageError(f"data-parallel training runs on the cpu provider only (gloo), not '{options.provider}': "
+                             "device buckets reduced by NCCL are not written yet")
+        self.program, self.options = program, options
+        self.parallel = parallel or DataParallelOptions()
+        self._torch, self._dist = torch_modules()
+        self.group = group
+        grouped = self._dist.is_available() and self._dist.is_initialized()
+        self.rank = self._dist.get_rank(group) if grouped else 0
+        self.world = self._dist.get_world_size(group) if grouped else 1
+        self._one_device_fields()
+        self.split = program.split
+        self.params = tuple(p for p, _ in self.split.gradients)
+        shard = self.parallel.shard_optimizer
+        self.slots = flat_slots(self.split.apply, list(self.split.state_pairs), set(self.params)) if shard else []
+        self._slot_of = {n: slot for slot in self.slots for n in slot.state}
+        self.owners = self._deal_groups(program.initial) if shard else {}
+        self._outputs = dict(self.split.state_pairs)
+        # A rank updates the state it owns; the parameters it does not own come from their owner.
+        held = {self._outputs[n] for n, _ in self.split.state_pairs if self._holds(n)
+                and self.owners.get(n, self.rank) == self.rank}
+        apply_part = shard_apply_part(self.split, held, self.slots, self.rank, self.world) if shard else self.split.apply
+        plan_options = program.plan_options(options)
+        #: The session plans of the two parts (``lowering.plan_session``'s, via ``Program.plan_part``).
+        self.plans: dict[str, SessionPlan] = {"gradient": program.plan_part(self.split.gradient, "cpu", plan_options),
+                                              "apply": program.plan_part(apply_part, "cpu", plan_options)}
+        self.plan = self.plans["gradient"]
+        self.session = self._part_session(self.plans["gradient"])
+        self._apply_session = self._part_session(self.plans["apply"])
+        self.kernels_reason = self.plan.kernels_reason
+        self.kernels_fused = sum(p.kernels_fused for p in self.plans.values())
+        self._init_bucket_buffers()
+        self.set_state(program.initial)
+
+    def _one_device_fields(self) -> None:
+        """What the loop and the ``Trainer`` face read of an executor, as this one has it."""
+        self.provider, self.device, self.device_id = "cpu", "cpu", 0
+        self.pipeline, self.pipeline_reason, self.ring = False, "data-parallel steps run one at a time", 2
+        self.tf32, self.provider_options = False, {}
+        self.cuda_graph, self.cuda_graph_reason, self.replay = False, "CUDA graphs need the cuda provider", None
+        self.deterministic_rewrites = 0
+        self.lr: float | None = None
+        self._lr_array: np.ndarray | None = None
+        self._eval = None
+        self._bindings_of: dict[tuple[object, ...], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
+
+    def _part_session(self, plan: SessionPlan) -> ort.InferenceSession:
+        return providers.new_session(plan.graph, "cpu", {}, threads=self.parallel.threads or self.options.threads,
+                                     custom_ops=plan.custom_ops, mem_pattern=self.options.mem_pattern)
+
+    def _init_bucket_buffers(self) -> None:
+        shapes = {g: self.program.initial[p].shape for p, g in self.split.gradients}
+        self.buckets = make_buckets(self.split, shapes, self.parallel.bucket_bytes, self.world)
+        count = self.parallel.micro_batches
+        # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
+        sets = int(np.ceil(np.log2(count))) + 2 if count > 1 else 0
+        self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
+        self._received = ([self._torch.empty(len(b.array)) for b in self.buckets]
+                          if self.world > 1 and self.parallel.reduction == "ordered" else [])
+
+    def bucket_tensors(self) -> list[Any]:
+        """The buckets as torch tensors over the same memory (``torch.from_numpy``: no copy),
+        what the collectives read and write. On a device they would be the tensors that own
+        the memory, handed to ORT through DLPack instead."""
+        return [self._torch.from_numpy(b.array) for b in self.buckets]
+
+    # -- the state ------------------------------------------------------------------------
+
+    @property
+    def _state(self) -> dict[str, np.ndarray]:
+        return self.sets_np[self.slot]
+
+    def set_state(self, values: Mapping[str, np.ndarray]) -> None:
+        """Take a whole state (every state input): this rank keeps its share, into the current
+        set in place (the bindings keep their addresses) or, the first time, new sets."""
+        shares = {n: self._share(n, np.asarray(values[n])) for n, _ in self.split.state_pairs if self._holds(n)}
+        current = self.sets_np[self.slot] if hasattr(self, "sets_np") else None
+        if current is not None and all(current[n].shape == a.shape for n, a in shares.items()):
+            for name, array in shares.items():
+                current[name][...] = array
+            return
+        self.sets_np = [{n: np.array(a, copy=True, order="C") for n, a in shares.items()},
+                        {n: np.empty_like(a) for n, a in shares.items()}]
+        self.slot = 0
+        self._bindings_of = {}
+
+    def state_set(self, slot: int | None = None) -> dict[str, ort.OrtValue]:
+        """This rank's state buffers of set ``slot`` (``None``: the next step's), as OrtValues
+        over the same memory."""
+        return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.sets_np[self.slot if slot is None else slot].items()}
+
+    @property
+    def held(self) -> dict[str, np.ndarray]:
+        """This rank's state arrays of the current set (not copies)."""
+        return self._state
+
+    def scale_in(self, slot: int) -> float | None:
+        name = self.program.scale_name
+        return float(self.sets_np[slot][name].reshape(-1)[0]) if name is not None else None
+
+    def rewind(self, steps: int) -> None:
+        self.slot = (self.slot + steps) % 2
+
+    def bind_lr(self, lr: float | None) -> None:
+        """``Executor.bind_lr``: ``lr`` for the next steps (``None``: the one in use, else the graph's)."""
+        if lr is not None or self.lr is None:
+            value = lr if lr is not None else self.program.default_lr
+            if value is not None:
+                self.lr, self._lr_array = value, np.asarray(value, dtype=np.float32)
+
+    def forget_lr(self) -> None:
+        self.lr, self._lr_array = None, None
+
+    def node_providers(self) -> dict[str, str]:
+        return {**providers.node_providers(self.session), **providers.node_providers(self._apply_session)}
+
+    # -- steps ----------------------------------------------------------------------------
+
+    def launch(self, batch: Mapping[str, np.ndarray]) -> Launched:
+        """One whole step on this rank's slice of the global ``batch`` (collective: every rank
+        calls it with the same batch); ``read`` gives the loss over the global batch."""
+        slot = self.slot
+        loss, skipped = self.run(shard_batch(batch, self.rank, self.world))
+        return Launched(slot, batch, ort.OrtValue.ortvalue_from_numpy(np.array(loss, np.float32)),
+                        ort.OrtValue.ortvalue_from_numpy(np.array(skipped)))
+
+    def run(self, share: Mapping[str, np.ndarray]) -> tuple[float, bool]:
+        """One step on this rank's share of the batch: its loss averaged over the global batch
+        and whether loss scaling skipped it (the same on every rank)."""
+        self.bind_lr(None)
+        passthrough = self._gradients(share)
+        self._reduce()
+        skipped, outputs = self._apply(passthrough)
+        for slot in self.slots:
+            self._unpack(slot, self._all_gather_flat(outputs[slot.output].numpy(), slot.size))
+        if self.parallel.shard_optimizer and self.world > 1:
+            self._broadcast_params()
+        return float(self.buckets[-1].views()[self.split.loss]), skipped
+
+    def _gradients(self, feeds: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
+        """The gradient part over the micro-batches, summed pairwise into the buckets."""
+        count = self.parallel.micro_batches
+        if count == 1:
+            return self._run_gradient(feeds, [b.array for b in self.buckets])
+        pool = list(self._scratch)
+        passthrough: dict[str, ort.OrtValue] = {}
+
+        def slices() -> Iterator[list[np.ndarray]]:
+            nonlocal passthrough
+            for k in range(count):
+                arrays = pool.pop()
+                passthrough = self._run_gradient(shard_batch(feeds, k, count), arrays)
+                yield arrays
+
+        total = pairwise_sum(slices(), pool.append)
+        for bucket, array in zip(self.buckets, total, strict=True):
+            np.copyto(bucket.array, array)
+        pool.append(total)
+        return passthrough
+
+    def _run_gradient(self, feeds: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, ort.OrtValue]:
+        """The gradient part on one slice, its gradients and loss written into ``arrays``
+        (one per bucket); returns the passthrough values. Only the batch is bound anew."""
+        key = ("gradient", self.slot, id(arrays[0]))
+        if key not in self._bindings_of:
+            views = {n: v for b, a in zip(self.buckets, arrays, strict=True) for n, v in b.views(a).items()}
+            self._bindings_of[key] = self._binding(self.session, {}, views)
+        binding, _ = self._bindings_of[key]
+        keep = _bind_inputs(binding, feeds)
+        self.session.run_with_iobinding(binding)
+        del keep
+        if not self.split.passthrough:
+            return {}
+        made = dict(zip([o.name for o in self.session.get_outputs()], binding.get_outputs(), strict=True))
+        return {n: made[n] for n in self.split.passthrough}
+
+    def _binding(self, session: ort.InferenceSession, extra: Mapping[str, np.ndarray],
+                 outputs: Mapping[str, np.ndarray]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
+        """A binding that reads the current state set (and ``extra``) and writes each output
+        named in ``outputs`` into its array, the others to new CPU buffers, in session order
+        (so ``get_outputs`` lines up). Made once per state set and buffer set: the arrays are
+        only ever written in place."""
+        wanted = _input_names(session)
+        binding = session.io_binding()
+        keep = _bind_inputs(binding, {n: a for n, a in {**self._state, **extra}.items() if n in wanted})
+        for name in (o.name for o in session.get_outputs()):
+            if name in outputs:
+                keep.append(ort.OrtValue.ortvalue_from_numpy(outputs[name]))
+                binding.bind_ortvalue_output(name, keep[-1])
+            else:  # found_inf, passthrough values, a packed slot's slice of the new parameter
+                binding.bind_output(name, "cpu")
+        return binding, keep
+
+    def _reduce(self) -> None:
+        """The buckets reduced across ranks, then the mean over slices."""
+        if self.world > 1:
+            reduce_buckets(self.buckets, self._received, self._dist, self.group, self.parallel.reduction == "ordered")
+        slices = np.float32(self.world * self.parallel.micro_batches)
+        if slices != 1:
+            for b in self.buckets:
+                np.divide(b.array, slices, out=b.array)
+
+    def _apply(self, passthrough: Mapping[str, ort.OrtValue]) -> tuple[bool, dict[str, ort.OrtValue]]:
+        """The apply part on the reduced buckets, into the other state set; returns whether the
+        step was skipped, and the outputs not bound to state buffers."""
+        session = self._apply_session
+        key = ("apply", self.slot)
+        if key not in self._bindings_of:
+            views = {n: v for b in self.buckets for n, v in b.views().items()}
+            spare = self.sets_np[1 - self.slot]
+            self._bindings_of[key] = self._binding(session, views, {self._outputs[n]: a for n, a in spare.items()})
+        binding, _ = self._bindings_of[key]
+        wanted = _input_names(session)
+        keep = _bind_inputs(binding, {LR: self._lr_array} if LR in wanted and self._lr_array is not None else {})
+        for name, value in passthrough.items():
+            if name in wanted:
+                binding.bind_ortvalue_input(name, value)
+        session.run_with_iobinding(binding)
+        del keep
+        outputs = dict(zip([o.name for o in session.get_outputs()], binding.get_outputs(), strict=True))
+        self.rewind(1)
+        return (bool(outputs[md.FOUND_INF].numpy()) if md.FOUND_INF in outputs else False), outputs
+
+    # -- optimizer sharding ---------------------------------------------------------------
+
+    def _deal_groups(self, initial: Mapping[str, np.ndarray]) -> dict[str, int]:
+        """The owner of every grouped state input (``training.deal_groups``)."""
+        groups = [g for g in optimizer_groups(self.split)[0] if not any(n in self._slot_of for n in g)]
+        if not self.slots and len(groups) < self.world:
+            logger.warning("optimizer sharding: %d update group(s) for %d ranks, so some ranks hold no optimizer "
+                           "state; a packed optimizer updates small parameters as one group (build the step "
+                           "graph with optimizer_options={'pack': False})", len(groups), self.world)
+        owners = deal_groups([sum(int(initial[n].size) for n in g) for g in groups], self.world)
+        return {n: owner for g, owner in zip(groups, owners, strict=True) for n in g}
+
+    def _holds(self, name: str) -> bool:
+        """Every rank holds the parameters (the forward reads them), the scalar state, and its
+        slice of each packed slot's state."""
+        return name in self.params or name in self._slot_of or self.owners.get(name, self.rank) == self.rank
+
+    def _share(self, name: str, array: np.ndarray) -> np.ndarray:
+        """This rank's slice of a packed slot's state; other state whole."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            return array
+        start, end = slice_range(slot.size, self.rank, self.world)
+        return array[start:end]
+
+    def _all_gather_flat(self, part: np.ndarray, size: int) -> np.ndarray:
+        """Every rank's slice of a ``size``-element vector, in rank order (padded to one
+        length for the collective)."""
+        torch, dist = self._torch, self._dist
+        if self.world == 1:
+            return part
+        ranges = [slice_range(size, r, self.world) for r in range(self.world)]
+        width = max(b - a for a, b in ranges)
+        padded = np.zeros(width, np.float32)
+        padded[:part.size] = part
+        gathered = [torch.empty(width) for _ in range(self.world)]
+        dist.all_gather(gathered, torch.from_numpy(padded), group=self.group)
+        return np.concatenate([t.numpy()[:b - a] for t, (a, b) in zip(gathered, ranges, strict=True)])
+
+    def _unpack(self, slot: FlatSlot, flat: np.ndarray) -> None:
+        """The new flat parameter of a packed slot into its parameters' state buffers."""
+        start = 0
+        for name, size in slot.members:
+            self._state[name][...] = flat[start:start + size].reshape(self._state[name].shape)
+            start += size
+
+    def _broadcast_params(self) -> None:
+        """Each owner's updated parameters, one flat broadcast per owner."""
+        torch, dist = self._torch, self._dist
+        for owner in range(self.world):
+            names = [p for p in self.params if self.owners.get(p) == owner]
+            if not names:
+                continue
+            if owner == self.rank:
+                flat = np.concatenate([self._state[p].ravel() for p in names])
+            else:
+                flat = np.empty(sum(self._state[p].size for p in names), np.float32)
+            source = owner if self.group is None else dist.get_global_rank(self.group, owner)
+            dist.broadcast(torch.from_numpy(flat), src=source, group=self.group)
+            if owner != self.rank:
+                start = 0
+                for p in names:
+                    size = self._state[p].size
+                    self._state[p][...] = flat[start:start + size].reshape(self._state[p].shape)
+                    start += size
+
+    def gather_state(self, *, everyone: bool) -> dict[str, np.ndarray] | None:
+        """The whole state in ``state_pairs`` order (collective: sharded moments are gathered)
+        on rank 0, or on every rank with ``everyone``; ``None`` elsewhere."""
+        dist = self._dist
+        held = {n: a.copy() for n, a in self._state.items()}
+        if self.parallel.shard_optimizer and self.world > 1:
+            mine = {n: a for n, a in held.items()
+                    if n not in self.params and (self.owners.get(n) == self.rank or n in self._slot_of)}
+            parts: list[dict[str, np.ndarray]] = [{} for _ in range(self.world)]
+            if everyone:
+                dist.all_gather_object(parts, mine, group=self.group)
+            else:
+                dist.gather_object(mine, parts if self.rank == 0 else None, dst=0, group=self.group)
+            if everyone or self.rank == 0:
+                for part in parts:
+                    held.update(part)
+                held.update({n: np.concatenate([part[n] for part in parts]) for n in self._slot_of})
+        if not everyone and self.rank != 0:
+            return None
+        return {a: held[a] for a, _ in self.split.state_pairs}
+
+
+def _input_names(session: ort.InferenceSession) -> set[str]:
+    """Every input a session takes, those with initializers (``lr``) included."""
+    return {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
+
+
+def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, np.ndarray]) -> list[ort.OrtValue]:
+    """Binds each array as an OrtValue over its memory; returns them (they must outlive the run)."""
+    keep = []
+    for name, value in feeds.items():
+        keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
+        binding.bind_ortvalue_input(name, keep[-1])
+    return keep
