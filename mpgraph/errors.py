@@ -20,6 +20,7 @@ __all__ = [
     "CheckpointError",
     "TrainingError",
     "OutputError",
+    "ExportError",
     "first_line",
 ]
 
@@ -70,6 +71,10 @@ class TrainingError(MpgraphError):
 
 class OutputError(ModelSaveError):
     """An output path (checkpoint, metrics, plot, model) cannot be written."""
+
+
+class ExportError(MpgraphError):
+    """A PyTorch module cannot be exported (bad arguments or an unsupported module)."""
 
 
 def first_line(error: BaseException) -> str:

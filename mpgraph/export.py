@@ -57,18 +57,25 @@ import inspect
 import io
 import logging
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph.errors import MpgraphError, first_line
+from mpgraph.errors import ExportError, MpgraphError, first_line
+from mpgraph.export_batchnorm import batch_norm_translation
+from mpgraph.export_contract import (
+    BATCH_DIM,
+    LABEL_NAME,
+    LOGITS_NAME,
+    LOSS_NAME,
+    finish_export,
+    validate_export,
+)
 from mpgraph.io import save_model
 
 if TYPE_CHECKING:
@@ -92,18 +99,9 @@ logger = logging.getLogger(__name__)
 LossKind = Literal["cross_entropy", "mse"]
 BatchNormLowering = Literal["ops", "node"]
 LOSS_KINDS: tuple[str, ...] = ("cross_entropy", "mse")
-BATCH_DIM = "batch"
-LABEL_NAME = "label"
-LOGITS_NAME = "logits"
-LOSS_NAME = "loss"
 
 _MIN_OPSET = 18
-_MAX_OPSET = 22  # opset 23 needs IR version 11; we promise IR <= 10.
-_IR_VERSION = 10
-
-
-class ExportError(MpgraphError):
-    """A PyTorch module cannot be exported (bad arguments or an unsupported module)."""
+_MAX_OPSET = 22  # opset 23 needs IR version 11; we promise IR <= 10 (export_contract.IR_VERSION).
 
 
 def export_module(
@@ -177,9 +175,9 @@ def export_module(
     dynamic = _dynamic_shapes(torch, len(args), len(data_names), dynamic_batch)
     arg_names = [*data_names, *params, *buffers]
     model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset, batch_norm)
-    _finish(model, params, buffers, dynamic_batch)
+    finish_export(model, params, buffers, dynamic_batch)
     proto = ir.serde.serialize_model(model)
-    _validate(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
+    validate_export(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
     logger.debug("exported %s: %d nodes", type(module).__name__, len(proto.graph.node))
     if path is not None:
         save_model(model, path, external_data=False)
@@ -399,7 +397,7 @@ def _make_wrapper(
     """Builds the module torch exports: data, label, parameters and buffers in; loss, logits out.
 
     Buffers are arguments too, so the exporter's optimizer cannot fold or merge them (two
-    fresh BatchNorms hold equal running statistics); ``_finish`` turns them back into
+    fresh BatchNorms hold equal running statistics); ``finish_export`` turns them back into
     constants. They are cloned before use because a train-mode forward updates running
     statistics in place, and torch.export refuses to mutate a user input.
     """
@@ -437,151 +435,6 @@ def _make_wrapper(
     return Wrapper()
 
 
-def _batch_norm_translation(torch: Any, batch_norm: str) -> dict[Any, Callable[..., Any]]:
-    """Lowerings of aten's batch norm ops that honour ``training`` (torchlib ignores it)."""
-    from onnxscript import opset18
-
-    # Traced, not type-checked: onnxscript's opset stubs do not accept python scalars.
-    op: Any = opset18
-
-    def lower(
-        input: Any,
-        weight: Any = None,
-        bias: Any = None,
-        running_mean: Any = None,
-        running_var: Any = None,
-        training: bool = False,
-        momentum: float = 0.1,
-        eps: float = 1e-5,
-    ) -> tuple[Any, ...]:
-        stats = (running_mean, running_var)
-        return _lower_batch_norm(op, batch_norm, input, (weight, bias), stats, training, momentum, eps)
-
-    def lower_legit(
-        input: Any,
-        weight: Any,
-        bias: Any,
-        running_mean: Any,
-        running_var: Any,
-        training: bool,
-        momentum: float,
-        eps: float,
-    ) -> tuple[Any, ...]:
-        return lower(input, weight, bias, running_mean, running_var, training, momentum, eps)[:3]
-
-    def lower_no_stats(
-        input: Any, weight: Any, bias: Any, training: bool, momentum: float, eps: float
-    ) -> tuple[Any, ...]:
-        return lower(input, weight, bias, None, None, training, momentum, eps)[:3]
-
-    aten = torch.ops.aten
-    return {
-        aten._native_batch_norm_legit_functional.default: lower,
-        aten._native_batch_norm_legit.default: lower_legit,
-        aten._native_batch_norm_legit.no_stats: lower_no_stats,
-        aten.native_batch_norm.default: lower_legit,
-    }
-
-
-def _lower_batch_norm(
-    op: Any,
-    batch_norm: str,
-    input: Any,
-    affine: tuple[Any, Any],
-    stats: tuple[Any, Any],
-    training: bool,
-    momentum: float,
-    eps: float,
-) -> tuple[Any, ...]:
-    """aten's five batch norm outputs: normalised input, batch mean, batch inverse std, and
-    the running mean and variance torch would store.
-
-    An eval-mode BatchNorm with running statistics is an inference ``BatchNormalization``;
-    without running statistics torch normalises with batch ones, as in train mode. Train
-    mode normalises with batch statistics, as one ``BatchNormalization(training_mode=1)``
-    node (``batch_norm="node"``) or as explicit ops (``"ops"``).
-    """
-    running_mean, running_var = stats
-    rank = len(input.shape)
-    channels = op.Shape(input, start=1, end=2)
-    axes = op.Constant(value_ints=[0, *range(2, rank)])
-    if not training and running_mean is not None and running_var is not None:
-        weight, bias = _default_affine(op, input, channels, affine)
-        norm = op.BatchNormalization(input, weight, bias, running_mean, running_var, epsilon=eps)
-        invstd = op.Reciprocal(op.Sqrt(op.Add(running_var, op.CastLike(eps, input))))
-        return norm, running_mean, invstd, running_mean, running_var
-
-    mean = op.ReduceMean(input, axes)  # keepdims: [1, C, 1, ...]
-    centered = op.Sub(input, mean)
-    var = op.ReduceMean(op.Mul(centered, centered), axes)
-    invstd = op.Reciprocal(op.Sqrt(op.Add(var, op.CastLike(eps, input))))
-    if batch_norm == "node":
-        weight, bias = _default_affine(op, input, channels, affine)
-        # Without running statistics these inputs only feed the unused running outputs.
-        stats_mean = running_mean if running_mean is not None else op.Squeeze(mean, axes)
-        stats_var = running_var if running_var is not None else op.Squeeze(var, axes)
-        norm, _, _ = op.BatchNormalization(
-            input,
-            weight,
-            bias,
-            stats_mean,
-            stats_var,
-            epsilon=eps,
-            momentum=1.0 - momentum,  # ONNX weights the old value, torch the new one
-            training_mode=1,
-        )
-    else:
-        norm = _affine_ops(op, op.Mul(centered, invstd), affine, rank)
-    mean = op.Squeeze(mean, axes)
-    var = op.Squeeze(var, axes)
-    invstd = op.Squeeze(invstd, axes)
-    if running_mean is None or running_var is None:
-        return norm, mean, invstd, mean, var
-    new_mean, new_var = _running_statistics(op, input, channels, (mean, var), stats, momentum)
-    return norm, mean, invstd, new_mean, new_var
-
-
-def _default_affine(op: Any, input: Any, channels: Any, affine: tuple[Any, Any]) -> tuple[Any, Any]:
-    """Weight and bias for a ``BatchNormalization`` node: ones and zeros where torch has none."""
-    weight, bias = affine
-    if weight is None:
-        weight = op.Expand(op.CastLike(1.0, input), channels)
-    if bias is None:
-        bias = op.Expand(op.CastLike(0.0, input), channels)
-    return weight, bias
-
-
-def _affine_ops(op: Any, norm: Any, affine: tuple[Any, Any], rank: int) -> Any:
-    """``norm * weight + bias`` with the per-channel vectors shaped ``[C, 1, ...]``."""
-    weight, bias = affine
-    column = op.Constant(value_ints=[-1, *([1] * (rank - 2))])
-    if weight is not None:
-        norm = op.Mul(norm, op.Reshape(weight, column) if rank > 2 else weight)
-    if bias is not None:
-        norm = op.Add(norm, op.Reshape(bias, column) if rank > 2 else bias)
-    return norm
-
-
-def _running_statistics(
-    op: Any, input: Any, channels: Any, batch: tuple[Any, Any], stats: tuple[Any, Any], momentum: float
-) -> tuple[Any, Any]:
-    """The running mean and variance torch would store (unused: the graph does not output
-    them): ``momentum`` times the batch's (variance unbiased) plus the rest times the old."""
-    mean, var = batch
-    running_mean, running_var = stats
-    count = op.CastLike(op.Div(op.Size(input), op.Squeeze(channels)), input)
-    unbiased = op.Mul(var, op.Div(count, op.Sub(count, op.CastLike(1.0, input))))
-    new_mean = op.Add(
-        op.Mul(op.CastLike(momentum, input), mean),
-        op.Mul(op.CastLike(1.0 - momentum, input), running_mean),
-    )
-    new_var = op.Add(
-        op.Mul(op.CastLike(momentum, input), unbiased),
-        op.Mul(op.CastLike(1.0 - momentum, input), running_var),
-    )
-    return new_mean, new_var
-
-
 def _torch_export(
     torch: Any,
     wrapper: Any,
@@ -616,7 +469,7 @@ def _torch_export(
                 input_names=arg_names,
                 output_names=output_names,
                 opset_version=opset,
-                custom_translation_table=_batch_norm_translation(torch, batch_norm),
+                custom_translation_table=batch_norm_translation(torch, batch_norm),
                 optimize=True,
                 verbose=False,
             )
@@ -637,102 +490,3 @@ def _quiet_torch() -> Iterator[None]:
     finally:
         for log, level in zip(quiet, levels, strict=True):
             log.setLevel(level)
-
-
-def _finish(
-    model: ir.Model, params: dict[str, Any], buffers: dict[str, Any], dynamic_batch: bool
-) -> None:
-    """Attaches parameter initializers, turns buffers into constants, names the batch dim."""
-    graph = model.graph
-    batch_symbol = None
-    if dynamic_batch and graph.inputs and graph.inputs[0].shape:
-        first = graph.inputs[0].shape[0]
-        if isinstance(first, ir.SymbolicDim) and first.value:
-            batch_symbol = first.value
-    inputs = {value.name: value for value in graph.inputs}
-    for name, param in params.items():
-        value = inputs.get(name)
-        if value is None:
-            raise ExportError(f"parameter {name!r} is missing from the exported graph inputs")
-        array = param.detach().float().cpu().numpy()
-        value.const_value = ir.tensor(np.ascontiguousarray(array), name=name)
-        graph.register_initializer(value)
-    for name, buffer in buffers.items():
-        value = inputs.get(name)
-        if value is None:
-            raise ExportError(f"buffer {name!r} is missing from the exported graph inputs")
-        graph.inputs.remove(value)
-        if not value.uses():
-            continue
-        array = buffer.detach().to("cpu").numpy()
-        value.const_value = ir.tensor(np.ascontiguousarray(array), name=name)
-        graph.register_initializer(value)
-
-    if batch_symbol is not None:
-        _rename_symbol(graph, batch_symbol, BATCH_DIM)
-
-    model.ir_version = _IR_VERSION
-    model.doc_string = None
-    model.metadata_props.clear()
-    graph.metadata_props.clear()
-    graph.doc_string = None
-    for node in ir.traversal.RecursiveGraphIterator(graph):
-        node.metadata_props.clear()
-        node.doc_string = None
-        for output in node.outputs:
-            output.metadata_props.clear()
-            output.doc_string = None
-    for value in [*graph.inputs, *graph.outputs, *graph.initializers.values()]:
-        value.metadata_props.clear()
-        value.doc_string = None
-
-
-def _rename_symbol(graph: ir.Graph, old: str, new: str) -> None:
-    """Renames a symbolic dimension everywhere, also inside expressions such as ``16*s0``."""
-    pattern = re.compile(rf"\b{re.escape(old)}\b")
-    values = [*graph.inputs, *graph.initializers.values()]
-    values += [out for node in graph for out in node.outputs]
-    for value in values:
-        shape = value.shape
-        if shape is None:
-            continue
-        dims = [
-            ir.SymbolicDim(pattern.sub(new, dim.value))
-            if isinstance(dim, ir.SymbolicDim) and dim.value
-            else dim
-            for dim in shape
-        ]
-        if dims != list(shape):
-            value.shape = ir.Shape(dims)
-
-
-def _validate(
-    proto: onnx.ModelProto,
-    arg_names: list[str],
-    output_names: list[str],
-    dynamic_batch: bool,
-    num_batched_inputs: int,
-) -> None:
-    graph = proto.graph
-    actual_inputs = [value.name for value in graph.input]
-    if actual_inputs != arg_names:
-        raise ExportError(f"exported inputs {actual_inputs} differ from expected {arg_names}")
-    actual_outputs = [value.name for value in graph.output]
-    if actual_outputs != output_names:
-        raise ExportError(f"exported outputs {actual_outputs} differ from expected {output_names}")
-    domains = {opset.domain for opset in proto.opset_import} - {"", "ai.onnx"}
-    if domains or proto.functions:
-        raise ExportError(f"export used non-standard domains or functions: {sorted(domains)}")
-    if dynamic_batch:
-        batched = [*graph.input[:num_batched_inputs], *graph.output[-1:]]
-        for value in batched:
-            dims = value.type.tensor_type.shape.dim
-            if not dims or dims[0].dim_param != BATCH_DIM:
-                raise ExportError(
-                    f"torch specialised the batch dimension of {value.name!r};"
-                    " the module's forward depends on the batch size"
-                )
-    try:
-        onnx.checker.check_model(proto, full_check=True)
-    except onnx.checker.ValidationError as e:
-        raise ExportError(f"exported model fails the ONNX checker: {first_line(e)}") from e
