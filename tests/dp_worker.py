@@ -17,15 +17,20 @@ import onnx_ir as ir
 import torch.distributed as dist
 
 from mpgraph.runtime.data_parallel import DataParallelOptions, DataParallelRunner, shard_batch
+from mpgraph.runtime.options import RunOptions
+from mpgraph.runtime.parallel_trainer import DataParallelTrainer
 
 
 def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
     step = ir.from_proto(onnx.load(os.path.join(folder, scenario["model"])))
     options = DataParallelOptions(threads=1, **scenario["options"])
-    runner = DataParallelRunner(step, options=options)
     with np.load(os.path.join(folder, scenario["batches"])) as data:
         batches = [{k.split(":")[1]: data[k] for k in data.files if k.startswith(f"{i}:")}
                    for i in range(scenario["steps"])]
+    if scenario.get("loop"):
+        run_loop(folder, scenario, step, options, batches)
+        return
+    runner = DataParallelRunner(step, options=options)
     losses, skipped = [], []
     for i, batch in enumerate(batches, 1):
         result = runner.step(shard_batch(batch, rank, world))
@@ -37,6 +42,24 @@ def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
     np.savez(os.path.join(folder, f"{scenario['name']}.{rank}.npz"), __losses=np.array(losses),
              __skipped=np.array(skipped), __held=np.array(sorted(runner.state)),
              __held_sizes=np.array([a.size for _, a in sorted(runner.state.items())]), **state)
+
+
+def run_loop(folder: str, scenario: dict, step: ir.Model, options: DataParallelOptions, batches: list) -> None:
+    """The scenario through the training loop (``DataParallelTrainer.fit`` on the global
+    batches), its collective checkpoint written from the callback."""
+    trainer = DataParallelTrainer(step, RunOptions(threads=1), options)
+    path = os.path.join(folder, f"{scenario['name']}.ckpt.npz")
+
+    def callback(done: int, _) -> None:
+        if done == scenario.get("checkpoint_after"):
+            trainer.save_checkpoint(path)
+
+    metrics = trainer.fit(iter(batches), len(batches), callback=callback)
+    state = trainer.state
+    held = trainer.executor.held
+    np.savez(os.path.join(folder, f"{scenario['name']}.{trainer.rank}.npz"), __losses=np.array(metrics.loss),
+             __skipped=np.array(metrics.skipped), __held=np.array(sorted(held)),
+             __held_sizes=np.array([a.size for _, a in sorted(held.items())]), **state)
 
 
 def main() -> None:

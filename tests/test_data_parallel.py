@@ -23,6 +23,7 @@ import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.audit.rank_memory import rank_memory
 from mpgraph.errors import CheckpointError, UsageError
+from mpgraph.lowering import plan_session
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.data_parallel import (
     DataParallelOptions,
@@ -30,6 +31,9 @@ from mpgraph.runtime.data_parallel import (
     shard_batch,
     train_data_parallel,
 )
+from mpgraph.runtime.options import RunOptions
+from mpgraph.runtime.parallel_trainer import DataParallelTrainer
+from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
 from tests.cpu_runner import CpuRunner
 from tests.helpers import mpgraph_cli
@@ -79,7 +83,10 @@ SCENARIOS = {
     "mlp_zero": ("tiny_mlp", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
     "gpt_zero": ("gpt:unpacked", {"shard_optimizer": True}, 2, None),
     "mlp_all_reduce": ("tiny_mlp", {"reduction": "all_reduce"}, 3, None),
+    "mlp_zero_loop": ("tiny_mlp", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
 }
+#: Scenarios run through the training loop (``DataParallelTrainer.fit``), not the runner.
+LOOP = {"mlp_zero_loop"}
 GLOBAL_BATCH_OF = {"gpt": 12}  # 2 slices a rank on 2 and 3 ranks
 ONLY_ON = {"mlp_all_reduce": 2}
 
@@ -94,7 +101,8 @@ def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
         batches = _batches(model, steps, plant, GLOBAL_BATCH_OF.get(name, GLOBAL_BATCH))
         np.savez(folder / f"{name}.batches.npz", **{f"{i}:{k}": v for i, b in enumerate(batches) for k, v in b.items()})
         scenarios.append({"name": name, "model": f"{name}.onnx", "batches": f"{name}.batches.npz", "steps": steps,
-                          "options": options, "checkpoint_after": 2 if name in ("mlp", "mlp_zero") else None})
+                          "options": options, "checkpoint_after": 2 if name in ("mlp", "mlp_zero", "mlp_zero_loop") else None,
+                          "loop": name in LOOP})
     (folder / "scenarios.json").write_text(json.dumps(scenarios))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.dp_worker", str(folder), str(r), str(world)], cwd=ROOT,
@@ -227,6 +235,57 @@ def test_rank_zero_checkpoint_resumes_on_another_world_size(world, name):
         np.testing.assert_array_equal(value, results[name][0][key], err_msg=key)
     with pytest.raises(CheckpointError, match="not this step graph"):
         DataParallelRunner(_step("gpt"), options=DataParallelOptions(threads=1)).load(str(path))
+
+
+def test_the_training_loop_drives_the_data_parallel_executor(world, tmp_path):
+    """``DataParallelTrainer.fit`` (the one-process loop over a ``DataParallelExecutor``) on N
+    ranks with ZeRO-1 gives the runner's one-process bits; its collective checkpoint after step
+    2 (the loop's format, written by rank 0) resumes in one process on another world size, in
+    a ``DataParallelTrainer`` (step 3 gives the ranks' bits) and in a plain ``Trainer``."""
+    size, folder, results = world
+    _assert_ranks_equal_one_process(results, "mlp_zero_loop", size)
+    for got in results["mlp_zero_loop"]:  # each rank held a slice of the packed moments
+        sizes = dict(zip(got["__held"].tolist(), got["__held_sizes"].tolist(), strict=True))
+        flat = [k for k in sizes if k.startswith("optim/flat/")]
+        assert flat and all(sizes[k] < got[k].size for k in flat)
+    path = folder / "mlp_zero_loop.ckpt.npz"
+    resumed = DataParallelTrainer(_step("tiny_mlp"), RunOptions(threads=1), DataParallelOptions(micro_batches=size))
+    resumed.load_checkpoint(path)
+    assert resumed.steps == 2 and len(resumed.metrics.loss) == 2
+    plain = Trainer(_step("tiny_mlp"), threads=1)
+    plain.load_checkpoint(path)
+    for key, value in resumed.state.items():
+        np.testing.assert_array_equal(plain.state[key], value, err_msg=key)
+    resumed.step(_batches("tiny_mlp", 3, None)[2])
+    for key, value in resumed.state.items():
+        np.testing.assert_array_equal(value, results["mlp_zero_loop"][0][key], err_msg=key)
+    np.testing.assert_array_equal(resumed.metrics.loss, results["mlp_zero_loop"][0]["__losses"])
+
+
+def test_data_parallel_sessions_run_the_lowering_plans():
+    """The executor's two sessions load ``plan_session``'s plans of the two parts: together the
+    rules of the whole step's plan (ReLU gradient fusion in the gradient part, AdamW in the
+    apply part), whose fused nodes ORT then runs. They are bit-identical rules: without
+    kernels (nothing applied) two steps give the same bits."""
+    step = _step("tiny_mlp")
+    runs = {}
+    for kernels in (None, False):
+        runner = DataParallelRunner(step, options=DataParallelOptions(micro_batches=2),
+                                    run_options=RunOptions(threads=1, kernels=kernels))
+        runs[kernels] = runner, [runner.step(b).loss for b in _batches("tiny_mlp", 2, None)]
+    runner = runs[None][0]
+    applied = {part: {n: c for n, c in plan.applied if c} for part, plan in runner.executor.plans.items()}
+    assert applied == {"gradient": {"relu_grad": 2}, "apply": {"adamw": 1, "adam_scalars": 1}}
+    whole = plan_session(step, "cpu", runner.program.plan_options(RunOptions(threads=1)))
+    assert {n: c for n, c in whole.applied if c} == {**applied["gradient"], **applied["apply"]}
+    fused = [n for n in runner.executor.node_providers() if n.endswith(("/ReluGrad", "/AdamWUpdate"))]
+    assert len(fused) == 3
+    plain = runs[False][0]
+    assert all(plan.kernels_fused == 0 for plan in plain.executor.plans.values())
+    assert not [n for n in plain.executor.node_providers() if n.endswith(("/ReluGrad", "/AdamWUpdate"))]
+    assert runs[None][1] == runs[False][1]
+    for key, value in runner.full_state().items():
+        np.testing.assert_array_equal(plain.full_state()[key], value, err_msg=key)
 
 
 def test_shard_batch_refuses_a_batch_that_does_not_divide():

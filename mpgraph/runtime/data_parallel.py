@@ -153,8 +153,7 @@ class DataParallelRunner:
                 write_atomic(path, buffer.getvalue())
             except OutputError as e:
                 error = [str(e)]
-        if self.world > 1:
-            self.executor._dist.broadcast_object_list(error, src=0, group=self.executor.group)
+        self.executor.broadcast_object_list(error)
         if error[0]:
             raise OutputError(error[0])
 

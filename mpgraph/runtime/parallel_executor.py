@@ -412,6 +412,12 @@ class DataParallelExecutor(Executor):
                     self._state[p][...] = flat[start:start + size].reshape(self._state[p].shape)
                     start += size
 
+    def broadcast_object_list(self, objects: list[Any]) -> None:
+        """Rank 0's ``objects`` into every rank's list, in place (collective)."""
+        if self.world > 1:
+            source = 0 if self.group is None else self._dist.get_global_rank(self.group, 0)
+            self._dist.broadcast_object_list(objects, src=source, group=self.group)
+
     def gather_state(self, *, everyone: bool) -> dict[str, np.ndarray] | None:
         """The whole state in ``state_pairs`` order (collective: sharded moments are gathered)
         on rank 0, or on every rank with ``everyone``; ``None`` elsewhere."""

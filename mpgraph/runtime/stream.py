@@ -173,9 +173,21 @@ class DataStream:
         pairs = self.program.pairs
         meta = {"fingerprint": self.program.fingerprint, "steps": steps, "names": [name for name, _ in pairs],
                 "data": data, "lr": self.executor.lr}
-        arrays = [state[name].numpy() for name, _ in pairs]
-        write_checkpoint(path, meta, arrays, self.metrics, self._metrics_log, self.last_checkpoint_step)
+        arrays = self._checkpoint_arrays(state)
+        if arrays is not None:
+            write_checkpoint(path, meta, arrays, self.metrics, self._metrics_log, self.last_checkpoint_step)
         self.last_checkpoint_step = steps
+
+    def _checkpoint_arrays(self, state: Mapping[str, ort.OrtValue]) -> list[np.ndarray] | None:
+        """The whole state in ``pairs`` order, as a checkpoint holds it (``None``: this process
+        writes no file; a data-parallel rank other than 0, whose executor gathers the state)."""
+        return [state[name].numpy() for name, _ in self.program.pairs]
+
+    def _state_specs(self) -> dict[str, tuple[list[int], np.dtype | None]]:
+        """Shape and dtype of every state value, as a checkpoint must hold it."""
+        current = self.executor.state_set()
+        return {name: (current[name].shape(), providers.ORT_TYPES.get(current[name].data_type()))
+                for name, _ in self.program.pairs}
 
     def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Restore a checkpoint written by ``save_checkpoint`` for this same graph.
@@ -188,10 +200,7 @@ class DataStream:
             CheckpointError: Missing/unreadable file, bad metadata (naming the key), a state
                 array of another shape or dtype, or a checkpoint of a different graph.
         """
-        current = self.executor.state_set()
-        want = {name: (current[name].shape(), providers.ORT_TYPES.get(current[name].data_type()))
-                for name, _ in self.program.pairs}
-        meta, arrays, self.metrics = read_checkpoint(path, self.program.fingerprint, want)
+        meta, arrays, self.metrics = read_checkpoint(path, self.program.fingerprint, self._state_specs())
         self.executor.set_state(arrays)
         self.steps = meta["steps"]
         self._metrics_log = MetricsLog()
