@@ -63,11 +63,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.data import Batches, InputSpec, dataset_for_model
+from mpgraph.data import dataset_for_model
 from mpgraph.errors import CheckpointError, OutputError, UsageError
 from mpgraph.io import write_atomic
+from mpgraph.runtime.metrics import StepResult
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.parallel_executor import DataParallelExecutor, DataParallelOptions, shard_batch
+from mpgraph.runtime.parallel_trainer import DataParallelTrainer
 from mpgraph.runtime.program import Program
 
 if TYPE_CHECKING:
@@ -184,13 +186,14 @@ class DataParallelRunner:
 def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: int, seed: int = 0,
                         lr: float | None = None, checkpoint: str | None = None, checkpoint_every: int = 0,
                         resume: str | None = None, options: DataParallelOptions | None = None,
-                        report: Callable[[int, DataParallelStep], None] | None = None) -> DataParallelRunner:
+                        report: Callable[[int, StepResult], None] | None = None) -> DataParallelTrainer:
     """Train on every rank of the process group (the Python twin of ``mpgraph train --nproc``).
 
-    Every rank draws the same global batches of ``batch_size`` samples (``data.Batches``,
-    seeded) and steps on its slice of each. Checkpoints (``checkpoint_every`` steps and at
-    the end) hold the data stream's position, so ``resume`` continues the stream, on any
-    world size that divides the batch.
+    The one-process training loop (``DataParallelTrainer.fit``): every rank draws the same
+    global batches of ``batch_size`` samples (``data.Batches``, seeded) and steps on its slice
+    of each. Checkpoints (``checkpoint_every`` steps and at the end; collective, rank 0
+    writes the one-process format) hold the data stream's position, so ``resume`` continues
+    the stream, on any world size that divides the batch, or in a one-process ``Trainer``.
 
     Args:
         step: The step graph (the same on every rank).
@@ -199,26 +202,23 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
         batch_size: Global batch: divisible by world size times ``micro_batches``.
         report: Called on every rank with the step number and its result.
     """
-    runner = DataParallelRunner(step, options=options)
-    slices = runner.world * runner.options.micro_batches
+    options = options or DataParallelOptions()
+    trainer = DataParallelTrainer(step, RunOptions(threads=options.threads), options)
+    slices = trainer.world * options.micro_batches
     if batch_size % slices:
-        raise UsageError(f"batch {batch_size} must be divisible by {runner.world} ranks x "
-                         f"{runner.options.micro_batches} micro-batches = {slices}")
-    graph = runner.split.gradient.graph
-    specs = [InputSpec(v.name or "", np.dtype(v.dtype.numpy()) if v.dtype is not None else np.dtype(np.float32),
-                       None if v.shape is None else tuple(d if isinstance(d, int) else str(d) for d in v.shape))
-             for v in graph.inputs if v.name in runner.split.data_inputs]
-    stream = Batches(dataset_for_model(data, specs, seed=seed).train, batch_size=batch_size, seed=seed)
+        raise UsageError(f"batch {batch_size} must be divisible by {trainer.world} ranks x "
+                         f"{options.micro_batches} micro-batches = {slices}")
+    dataset = dataset_for_model(data, trainer.program.data_inputs, seed=seed)
     if resume is not None:
-        position = runner.load(resume).get("data")
-        if isinstance(position, list):
-            stream.seek((int(position[0]), int(position[1])))
-    for _ in range(steps):
-        result = runner.step(shard_batch(next(stream), runner.rank, runner.world), lr=lr)
+        trainer.load_checkpoint(resume)
+
+    def callback(done: int, result: StepResult) -> None:
         if report is not None:
-            report(runner.steps, result)
-        if checkpoint is not None and checkpoint_every and runner.steps % checkpoint_every == 0:
-            runner.save(checkpoint, {"data": list(stream.position)})
+            report(done, result)
+        if checkpoint is not None and checkpoint_every and done % checkpoint_every == 0:
+            trainer.save_checkpoint(checkpoint)
+
+    trainer.fit(dataset, steps, lr, batch_size=batch_size, seed=seed, callback=callback)
     if checkpoint is not None:
-        runner.save(checkpoint, {"data": list(stream.position)})
-    return runner
+        trainer.save_checkpoint(checkpoint)
+    return trainer
