@@ -104,18 +104,27 @@ def as_proto(model: ModelLike) -> onnx.ModelProto:
     return load_proto(model)
 
 
-def load_model(path: str | os.PathLike[str]) -> ir.Model:
+def load_model(path: str | os.PathLike[str], *, ordered: bool = False) -> ir.Model:
     """Read an ONNX file (external data included) into onnx-ir, checked by ``load_proto``.
+
+    Args:
+        path: The ``.onnx`` file.
+        ordered: Also require the nodes in topological order (``check_node_order``): the
+            entry check of the commands that rewrite the graph (``convert``, ``train-graph``).
 
     Raises:
         ModelLoadError: Missing, unreadable, truncated or non-ONNX file; bad external data
             (naming the tensor and the path); malformed tensors or names.
+        UnsupportedModelError: ``ordered`` and a node reads a value a later node makes.
     """
     proto = load_proto(path)
     try:
-        return ir.from_proto(proto)
+        model = ir.from_proto(proto)
     except Exception as e:  # noqa: BLE001 - onnx-ir raises many types on malformed protos
         raise ModelLoadError(f"{Path(path)}: malformed ONNX model ({first_line(e)})") from e
+    if ordered:
+        check_node_order(model, Path(path))
+    return model
 
 
 def min_ir_version(opset_imports: Mapping[str, int]) -> int:

@@ -33,7 +33,7 @@ def train_graph_command(
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
     from mpgraph.cli.checks import check_output_path, finite
-    from mpgraph.io import check_node_order, load_model, save_model
+    from mpgraph.io import load_model, save_model
     from mpgraph.training import (
         build_training_graph,
         optimizer_options,
@@ -52,8 +52,7 @@ def train_graph_command(
     if out.resolve() == model.resolve() and not overwrite_input:
         raise MpgraphError(f"{out}: refusing to overwrite the input model (pass --overwrite-input)")
     check_output_path(out, "-o")
-    forward = load_model(model)
-    check_node_order(forward, model)
+    forward = load_model(model, ordered=True)
     refuse_step_graph(forward, model)
     options = optimizer_options(optimizer, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                                 amsgrad=amsgrad, flat=flat_optimizer)
