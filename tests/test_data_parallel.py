@@ -288,6 +288,21 @@ def test_data_parallel_sessions_run_the_lowering_plans():
         np.testing.assert_array_equal(plain.full_state()[key], value, err_msg=key)
 
 
+def test_ort_writes_the_gradients_into_the_bucket_tensors():
+    """The buckets are torch tensors (what the collectives reduce in place) and ORT writes
+    every gradient and the loss into their views through DLPack: the same addresses, no copy.
+    (On a GPU the tensors would own device memory, bound the same way; not run here.)"""
+    runner = DataParallelRunner(_step("tiny_mlp"), options=DataParallelOptions(threads=1, bucket_bytes=64))
+    runner.step(_batches("tiny_mlp", 1, None)[0])
+    executor = runner.executor
+    assert len(executor.bucket_tensors) > 1
+    outputs, views = executor.gradient_outputs(), executor.bucket_views()
+    assert set(views) == {g for _, g in runner.split.gradients} | {runner.split.loss}
+    for name, view in views.items():
+        assert outputs[name].data_ptr() == view.data_ptr(), name
+    assert runner.step(_batches("tiny_mlp", 2, None)[1]).loss == float(views[runner.split.loss])
+
+
 def test_shard_batch_refuses_a_batch_that_does_not_divide():
     assert shard_batch({"x": np.arange(6)}, 2, 3)["x"].tolist() == [4, 5]
     with pytest.raises(UsageError, match="not divisible into 4"):

@@ -86,38 +86,36 @@ def pairwise_sum(terms: Iterable[list[np.ndarray]], release: Callable[[list[np.n
     return total
 
 
-def _add_into(left: list[np.ndarray], right: list[np.ndarray]) -> None:
+def _add_into(left: list[Any], right: list[Any]) -> None:
+    """``left[i] += right[i]`` in place: numpy arrays or torch tensors (on any device)."""
     for a, b in zip(left, right, strict=True):
-        np.add(a, b, out=a)
+        a += b
 
 
-def reduce_buckets(buckets: Sequence[Bucket], received: Sequence[Any], dist: Any, group: Any,
-                   ordered: bool) -> None:
+def reduce_buckets(tensors: Sequence[Any], received: Sequence[Any], dist: Any, group: Any, ordered: bool) -> None:
     """Sum every rank's buckets into every rank's buckets, in place (every collective issued
     before the first wait).
 
-    ``ordered``: per bucket an ``all_to_all`` (rank r receives chunk r of every rank's bucket
-    into ``received``, torch tensors of the buckets' sizes), the fixed-tree sum of those chunks,
-    and an ``all_gather`` of the summed chunks back into every rank's bucket. Otherwise one
-    ``all_reduce(SUM)`` a bucket (the backend's order). ``dist`` is ``torch.distributed``; the
-    buckets are shared with torch through ``torch.from_numpy`` (no copies).
+    ``tensors`` are the buckets as torch tensors (over the bucket arrays on CPU; on a GPU the
+    tensors that own the device memory ORT writes through DLPack), so the collectives read and
+    write the buckets themselves, no copies. ``ordered``: per bucket an ``all_to_all`` (rank r
+    receives chunk r of every rank's bucket into ``received``, tensors of the buckets' sizes
+    on the same device), the fixed-tree sum of those chunks (torch adds, on their device), and
+    an ``all_gather`` of the summed chunks back into every rank's bucket. Otherwise one
+    ``all_reduce(SUM)`` a bucket (the backend's order). ``dist`` is ``torch.distributed``.
     """
-    import torch
-
     if not ordered:
-        works = [dist.all_reduce(torch.from_numpy(b.array), op=dist.ReduceOp.SUM, group=group, async_op=True)
-                 for b in buckets]
+        works = [dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True) for t in tensors]
         for work in works:
             work.wait()
         return
     world = dist.get_world_size(group)
-    scatters = [dist.all_to_all_single(r, torch.from_numpy(b.array), group=group, async_op=True)
-                for b, r in zip(buckets, received, strict=True)]
+    scatters = [dist.all_to_all_single(r, t, group=group, async_op=True)
+                for t, r in zip(tensors, received, strict=True)]
     gathers = []
-    for bucket, r, work in zip(buckets, received, scatters, strict=True):
+    for tensor, r, work in zip(tensors, received, scatters, strict=True):
         work.wait()
-        (total,) = pairwise_sum(([chunk] for chunk in r.numpy().reshape(world, -1)), lambda _: None)
-        into = list(torch.from_numpy(bucket.array).view(world, -1).unbind(0))
-        gathers.append(dist.all_gather(into, torch.from_numpy(total), group=group, async_op=True))
+        (total,) = pairwise_sum(([chunk] for chunk in r.view(world, -1).unbind(0)), lambda _: None)
+        gathers.append(dist.all_gather(list(tensor.view(world, -1).unbind(0)), total, group=group, async_op=True))
     for work in gathers:
         work.wait()

@@ -180,14 +180,23 @@ class DataParallelExecutor(Executor):
         # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
         sets = int(np.ceil(np.log2(count))) + 2 if count > 1 else 0
         self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
+        #: The buckets as torch tensors over the same memory (``torch.from_numpy``, no copy):
+        #: ORT writes the gradients into their views through DLPack and the collectives reduce
+        #: them in place. On a GPU (not written) they would be device tensors that own the
+        #: memory, bound the same way, so that NCCL reduces what ORT wrote.
+        self.bucket_tensors = [self._torch.from_numpy(b.array) for b in self.buckets]
         self._received = ([self._torch.empty(len(b.array)) for b in self.buckets]
                           if self.world > 1 and self.parallel.reduction == "ordered" else [])
 
-    def bucket_tensors(self) -> list[Any]:
-        """The buckets as torch tensors over the same memory (``torch.from_numpy``: no copy),
-        what the collectives read and write. On a device they would be the tensors that own
-        the memory, handed to ORT through DLPack instead."""
-        return [self._torch.from_numpy(b.array) for b in self.buckets]
+    def bucket_views(self) -> dict[str, Any]:
+        """Each gradient's (and the loss's) view of the bucket tensors, by value name."""
+        return {n: v for b, t in zip(self.buckets, self.bucket_tensors, strict=True) for n, v in b.views(t).items()}
+
+    def gradient_outputs(self) -> dict[str, ort.OrtValue]:
+        """The gradient part's outputs as the last step's binding wrote them (without
+        micro-batches: the bucket views for gradients and loss, the same memory)."""
+        binding, _ = self._bindings_of[("gradient", 1 - self.slot, id(self.buckets[0].array))]
+        return dict(zip([o.name for o in self.session.get_outputs()], binding.get_outputs(), strict=True))
 
     # -- the state ------------------------------------------------------------------------
 
@@ -288,7 +297,8 @@ class DataParallelExecutor(Executor):
         (one per bucket); returns the passthrough values. Only the batch is bound anew."""
         key = ("gradient", self.slot, id(arrays[0]))
         if key not in self._bindings_of:
-            views = {n: v for b, a in zip(self.buckets, arrays, strict=True) for n, v in b.views(a).items()}
+            views = {n: v for b, a in zip(self.buckets, arrays, strict=True)
+                     for n, v in b.views(self._torch.from_numpy(a)).items()}
             self._bindings_of[key] = self._binding(self.session, {}, views)
         binding, _ = self._bindings_of[key]
         keep = _bind_inputs(binding, feeds)
@@ -299,8 +309,8 @@ class DataParallelExecutor(Executor):
         made = dict(zip([o.name for o in self.session.get_outputs()], binding.get_outputs(), strict=True))
         return {n: made[n] for n in self.split.passthrough}
 
-    def _binding(self, session: ort.InferenceSession, extra: Mapping[str, np.ndarray],
-                 outputs: Mapping[str, np.ndarray]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
+    def _binding(self, session: ort.InferenceSession, extra: Mapping[str, Any],
+                 outputs: Mapping[str, Any]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
         """A binding that reads the current state set (and ``extra``) and writes each output
         named in ``outputs`` into its array, the others to new CPU buffers, in session order
         (so ``get_outputs`` lines up). Made once per state set and buffer set: the arrays are
@@ -310,7 +320,7 @@ class DataParallelExecutor(Executor):
         keep = _bind_inputs(binding, {n: a for n, a in {**self._state, **extra}.items() if n in wanted})
         for name in (o.name for o in session.get_outputs()):
             if name in outputs:
-                keep.append(ort.OrtValue.ortvalue_from_numpy(outputs[name]))
+                keep.append(_ort_value(outputs[name]))
                 binding.bind_ortvalue_output(name, keep[-1])
             else:  # found_inf, passthrough values, a packed slot's slice of the new parameter
                 binding.bind_output(name, "cpu")
@@ -319,7 +329,8 @@ class DataParallelExecutor(Executor):
     def _reduce(self) -> None:
         """The buckets reduced across ranks, then the mean over slices."""
         if self.world > 1:
-            reduce_buckets(self.buckets, self._received, self._dist, self.group, self.parallel.reduction == "ordered")
+            reduce_buckets(self.bucket_tensors, self._received, self._dist, self.group,
+                           self.parallel.reduction == "ordered")
         slices = np.float32(self.world * self.parallel.micro_batches)
         if slices != 1:
             for b in self.buckets:
@@ -331,7 +342,7 @@ class DataParallelExecutor(Executor):
         session = self._apply_session
         key = ("apply", self.slot)
         if key not in self._bindings_of:
-            views = {n: v for b in self.buckets for n, v in b.views().items()}
+            views = self.bucket_views()
             spare = self.sets_np[1 - self.slot]
             self._bindings_of[key] = self._binding(session, views, {self._outputs[n]: a for n, a in spare.items()})
         binding, _ = self._bindings_of[key]
@@ -445,10 +456,18 @@ def _input_names(session: ort.InferenceSession) -> set[str]:
     return {i.name for i in (*session.get_inputs(), *session.get_overridable_initializers())}
 
 
-def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, np.ndarray]) -> list[ort.OrtValue]:
-    """Binds each array as an OrtValue over its memory; returns them (they must outlive the run)."""
+def _ort_value(value: Any) -> ort.OrtValue:
+    """An OrtValue over ``value``'s memory: a numpy array, or a torch tensor through DLPack."""
+    if isinstance(value, np.ndarray):
+        return ort.OrtValue.ortvalue_from_numpy(value)
+    return ort.OrtValue.from_dlpack(value)
+
+
+def _bind_inputs(binding: ort.IOBinding, feeds: Mapping[str, Any]) -> list[ort.OrtValue]:
+    """Binds each array or tensor as an OrtValue over its memory; returns them (they must
+    outlive the run)."""
     keep = []
     for name, value in feeds.items():
-        keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(value)))
+        keep.append(_ort_value(np.ascontiguousarray(value) if isinstance(value, np.ndarray) else value))
         binding.bind_ortvalue_input(name, keep[-1])
     return keep
