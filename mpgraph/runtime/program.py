@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx_ir as ir
@@ -32,7 +33,9 @@ from mpgraph.lowering import PlanOptions, SessionPlan, plan_session
 from mpgraph.runtime import probe
 from mpgraph.runtime.checkpoint import graph_fingerprint
 from mpgraph.runtime.options import RunOptions
-from mpgraph.training.split_step_graph import SplitStep, split_step_graph
+
+if TYPE_CHECKING:
+    from mpgraph.training.split_step_graph import SplitStep
 
 __all__ = ["LR", "Program"]
 
@@ -127,6 +130,9 @@ class Program:
     def split(self) -> SplitStep:
         """The step cut into its gradient and apply parts (``training.split_step_graph``), the
         parts a data-parallel executor runs with a reduction between them."""
+        # Imported here: a one-device run needs no split, and mpgraph.training is ~75 ms of import.
+        from mpgraph.training.split_step_graph import split_step_graph
+
         return split_step_graph(self.model)
 
     def plan_part(self, part: ir.Model, provider: str, options: PlanOptions) -> SessionPlan:
