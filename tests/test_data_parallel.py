@@ -288,6 +288,21 @@ def test_data_parallel_sessions_run_the_lowering_plans():
         np.testing.assert_array_equal(plain.full_state()[key], value, err_msg=key)
 
 
+def test_data_parallel_trainer_evaluates_like_a_trainer_with_its_state():
+    """One process: ``fit`` on a dataset, then ``evaluate`` and ``predict`` run the forward
+    plan on the executor's parameter buffers, as a ``Trainer`` holding the same state does."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((48, 4)).astype(np.float32)
+    data = {"x": x, "label": (x[:, 0] > 0).astype(np.int64)}
+    trainer = DataParallelTrainer(_step("tiny_mlp"), RunOptions(threads=1), DataParallelOptions(micro_batches=2))
+    trainer.fit(data, steps=4, batch_size=16)
+    plain = Trainer(_step("tiny_mlp"), threads=1, state=trainer.state)
+    np.testing.assert_array_equal(trainer.predict(data), plain.predict(data))
+    assert trainer.evaluate(data) == plain.evaluate(data)
+    with pytest.raises(UsageError, match="must be finite"):
+        trainer.step({k: v[:16] for k, v in data.items()}, lr=float("nan"))
+
+
 def test_ort_writes_the_gradients_into_the_bucket_tensors():
     """The buckets are torch tensors (what the collectives reduce in place) and ORT writes
     every gradient and the loss into their views through DLPack: the same addresses, no copy.

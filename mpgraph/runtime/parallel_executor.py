@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mpgraph._ir import meta as md
-from mpgraph.errors import UsageError
+from mpgraph.errors import MpgraphError, UsageError
 from mpgraph.runtime import providers
 from mpgraph.runtime.executor import Executor
 from mpgraph.runtime.gradient_buckets import make_buckets, pairwise_sum, reduce_buckets
@@ -237,6 +238,10 @@ class DataParallelExecutor(Executor):
 
     def bind_lr(self, lr: float | None) -> None:
         """``Executor.bind_lr``: ``lr`` for the next steps (``None``: the one in use, else the graph's)."""
+        if lr is not None and not self.program.has_lr:
+            raise MpgraphError("this step graph has no 'lr' input (built without an optimizer?)")
+        if lr is not None and not math.isfinite(lr):
+            raise UsageError(f"learning rate must be finite, got {lr}")
         if lr is not None or self.lr is None:
             value = lr if lr is not None else self.program.default_lr
             if value is not None:

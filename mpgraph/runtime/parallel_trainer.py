@@ -36,6 +36,7 @@ from mpgraph.runtime.loop import TrainingLoop
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.parallel_executor import DataParallelExecutor, DataParallelOptions
 from mpgraph.runtime.program import Program
+from mpgraph.runtime.trainer import Trainer
 
 if TYPE_CHECKING:
     import torch.distributed
@@ -79,6 +80,14 @@ class DataParallelTrainer(TrainingLoop):
     def state(self) -> dict[str, np.ndarray]:
         """The whole state (collective: every rank must read it; sharded moments are gathered)."""
         return self.executor.gather_state(everyone=True) or {}
+
+    def predict(self, arrays: Mapping[str, np.ndarray], batch_size: int = 512) -> np.ndarray:
+        """``Trainer.predict``: logits of the forward model on ``arrays`` (on this rank, all of
+        them: every rank holds the parameters)."""
+        return self.executor.predict(arrays, self._settled()[0], batch_size)
+
+    #: ``Trainer.evaluate``: classification accuracy of the current parameters on ``arrays``.
+    evaluate = Trainer.evaluate
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """``Trainer.save_checkpoint``, collectively: every rank calls it, rank 0 writes.
