@@ -114,6 +114,10 @@ def torch_modules() -> tuple[Any, Any]:
 class DataParallelExecutor(Executor):
     """One rank's sessions, buckets and state for a ``Program`` (see the module).
 
+    It replaces ``Executor``'s constructor (two part sessions, no ring of device sets, no
+    replay or pipelining) and the methods that touch sessions and state; ``read``, ``wait``
+    and ``predict`` (the forward plan, bound to ``state_set``) are the base class's.
+
     Args:
         program: The step graph's program (the same on every rank).
         options: How the sessions run (``provider`` must be ``cpu`` for now; ``threads``,
