@@ -22,7 +22,7 @@ import pytest
 import mpgraph
 from mpgraph._ir import meta as md
 from mpgraph.audit.rank_memory import rank_memory
-from mpgraph.errors import CheckpointError, UsageError
+from mpgraph.errors import CheckpointError, TrainingError, UsageError
 from mpgraph.lowering import plan_session
 from mpgraph.policy import parse_policy
 from mpgraph.runtime.data_parallel import (
@@ -316,6 +316,28 @@ def test_ort_writes_the_gradients_into_the_bucket_tensors():
     for name, view in views.items():
         assert outputs[name].data_ptr() == view.data_ptr(), name
     assert runner.step(_batches("tiny_mlp", 2, None)[1]).loss == float(views[runner.split.loss])
+
+
+def test_train_data_parallel_meets_a_nonfinite_batch_as_the_loop_does(monkeypatch, tmp_path):
+    """``--on-nonfinite`` reaches ``fit`` (rule 1: the batch is checked before the step):
+    ``stop`` raises, ``skip`` counts the step and leaves the state; ``mpgraph train --nproc``
+    passes the flag on to the ranks."""
+    import mpgraph.cli.train_nproc as train_nproc
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((16, 4)).astype(np.float32)
+    x[3, 1] = np.nan  # in one of the two batches of the first epoch
+    np.savez(tmp_path / "d.npz", x=x, label=rng.integers(0, 2, 16))
+    options = DataParallelOptions(threads=1, micro_batches=2)
+    with pytest.raises(TrainingError, match="non-finite"):
+        train_data_parallel(_step("tiny_mlp"), str(tmp_path / "d.npz"), steps=2, batch_size=8, options=options)
+    ran = train_data_parallel(_step("tiny_mlp"), str(tmp_path / "d.npz"), steps=2, batch_size=8, options=options,
+                              on_nonfinite="skip")
+    assert ran.steps == 2 and ran.metrics.skipped.count(True) == 1
+    launched = []
+    monkeypatch.setattr(train_nproc, "launch", lambda nproc, args: launched.append(args) or 0)
+    assert mpgraph_cli("train", "m.onnx", "--nproc", "2", "--on-nonfinite", "skip").returncode == 0
+    assert launched[0][-2:] == ["--on-nonfinite", "skip"]
 
 
 def test_shard_batch_refuses_a_batch_that_does_not_divide():

@@ -7,13 +7,14 @@ set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` in its environment) and trains
 checkpoint; an error is one ``error:`` line from the rank that met it, exit code 2.
 
 ``mpgraph train --nproc N`` calls ``train_with_nproc``, which refuses the one-process run's
-flags a data-parallel run does not take yet (``--provider cuda``, ``--metrics``, ``--plot``...);
+flags a data-parallel run does not take yet (``--provider cuda``, ``--metrics``, ``--plot``);
 ``python -m mpgraph.cli.train_nproc --nproc N STEP ...`` launches the same run.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -37,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--reduction", default="ordered", choices=["ordered", "all_reduce"])
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads per rank")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "ignore"],
+                   help="NaN/inf in a batch or the loss (the one-process loop's rules)")
     return p
 
 
@@ -78,7 +81,8 @@ def launch(nproc: int, args: list[str]) -> int:
 
 def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: int, lr: float | None, batch: int | None,
                      seed: int | None, threads: int | None, checkpoint: os.PathLike[str] | None, checkpoint_every: int,
-                     resume: os.PathLike[str] | None, unsupported: dict[str, bool], shard_optimizer: bool = False) -> int:
+                     resume: os.PathLike[str] | None, unsupported: dict[str, bool], shard_optimizer: bool = False,
+                     on_nonfinite: str = "stop") -> int:
     """``mpgraph train --nproc N``: the flags a data-parallel run takes, as a torchrun launch.
 
     Raises:
@@ -92,10 +96,12 @@ def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: in
     given = [flag for flag, on in unsupported.items() if on]
     if given:
         raise UsageError(f"{', '.join(given)}: not with --nproc yet (a data-parallel run on the CPU takes --data, "
-                         f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume, --shard-optimizer)")
+                         f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume, --shard-optimizer, "
+                         f"--on-nonfinite)")
     args = [os.fspath(step), "--data", data, "--steps", str(steps), "--batch", str(64 if batch is None else batch),
             "--seed", str(seed or 0), "--checkpoint-every", str(checkpoint_every)]
-    for flag, value in (("--lr", lr), ("--threads", threads), ("--checkpoint", checkpoint), ("--resume", resume)):
+    for flag, value in (("--lr", lr), ("--threads", threads), ("--checkpoint", checkpoint), ("--resume", resume),
+                        ("--on-nonfinite", None if on_nonfinite == "stop" else on_nonfinite)):
         if value is not None:
             args += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
     return launch(nproc, args + (["--shard-optimizer"] if shard_optimizer else []))
@@ -121,11 +127,12 @@ def main(argv: list[str] | None = None) -> int:
 
         def report(step: int, result) -> None:  # noqa: ANN001
             if rank == 0 and (step % max(args.log_every, 1) == 0 or step == args.steps):
-                print(f"step {step}: loss {result.loss:.6f}{' (skipped: overflow)' if result.skipped else ''}", flush=True)
+                why = " (skipped: overflow)" if math.isfinite(result.loss) else " (skipped: non-finite)"
+                print(f"step {step}: loss {result.loss:.6f}{why if result.skipped else ''}", flush=True)
 
         train_data_parallel(load_model(args.step), args.data, steps=args.steps, batch_size=args.batch, seed=args.seed,
                             lr=args.lr, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                            resume=args.resume, options=options, report=report)
+                            resume=args.resume, options=options, report=report, on_nonfinite=args.on_nonfinite)
     except MpgraphError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -186,7 +186,8 @@ class DataParallelRunner:
 def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: int, seed: int = 0,
                         lr: float | None = None, checkpoint: str | None = None, checkpoint_every: int = 0,
                         resume: str | None = None, options: DataParallelOptions | None = None,
-                        report: Callable[[int, StepResult], None] | None = None) -> DataParallelTrainer:
+                        report: Callable[[int, StepResult], None] | None = None,
+                        on_nonfinite: str = "stop") -> DataParallelTrainer:
     """Train on every rank of the process group (the Python twin of ``mpgraph train --nproc``).
 
     The one-process training loop (``DataParallelTrainer.fit``): every rank draws the same
@@ -201,6 +202,8 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
         steps: Steps to run (after the resumed ones).
         batch_size: Global batch: divisible by world size times ``micro_batches``.
         report: Called on every rank with the step number and its result.
+        on_nonfinite: ``fit``'s: a NaN/inf in a batch or an unskipped non-finite loss stops
+            (``TrainingError``; the state is the last good step's), is skipped, or is ignored.
     """
     options = options or DataParallelOptions()
     trainer = DataParallelTrainer(step, RunOptions(threads=options.threads), options)
@@ -218,7 +221,7 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
         if checkpoint is not None and checkpoint_every and done % checkpoint_every == 0:
             trainer.save_checkpoint(checkpoint)
 
-    trainer.fit(dataset, steps, lr, batch_size=batch_size, seed=seed, callback=callback)
+    trainer.fit(dataset, steps, lr, batch_size=batch_size, seed=seed, callback=callback, on_nonfinite=on_nonfinite)
     if checkpoint is not None:
         trainer.save_checkpoint(checkpoint)
     return trainer
