@@ -941,3 +941,39 @@ def test_model_over_2gb_converts_with_validation(tmp_path: Path):
         # 4.5 GB a run, and pytest keeps three runs' temp folders: 50 GB filled a disk once.
         for child in tmp_path.iterdir():
             shutil.rmtree(child) if child.is_dir() else child.unlink()
+
+
+def test_step_graph_validation_over_the_protobuf_cap_reads_types_and_shapes_only():
+    """Above ``LARGE_PROTO_BYTES`` (here forced to 0) the step graph is validated without its
+    large tensors' bytes: a diffusers UNet2D at its default config made a step graph over 2 GiB
+    and ``train-graph`` ended with "internal error: ... Failed to serialize proto". Small
+    tensors keep theirs (shape inference reads a Reshape's shape), and the stripped check
+    still catches a graph whose types do not agree."""
+    import onnx_ir as ir
+    from onnx import TensorProto, helper, numpy_helper
+
+    from mpgraph.errors import ValidationError
+    from mpgraph.training import build
+
+    w = np.arange(1200, dtype=np.float32).reshape(3, 400) / 1200  # 4,800 bytes: stripped
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Reshape", ["h", "flat"], ["f"]),
+             helper.make_node("ReduceSum", ["f"], ["loss"], keepdims=0)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+                              [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array([800], np.int64), "flat")])
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=9))
+    stepped = build.build_training_graph(ir.to_proto(model), optimizer="sgd", loss="loss")
+    seen: dict[str, int] = {}
+    infer = onnx.shape_inference.infer_shapes
+
+    def spy(proto, *args, **kwargs):
+        seen.update((t.name, len(t.raw_data) + len(t.float_data) + len(t.int64_data)) for t in proto.graph.initializer)
+        return infer(proto, *args, **kwargs)
+
+    with mock.patch.object(onnx.shape_inference, "infer_shapes", spy):
+        build._validate(stepped, large=0)  # passes: types and shapes agree
+    assert seen["w"] == 0 and seen["flat"] > 0, seen
+    assert stepped.graph.initializers["w"].const_value.numpy().tobytes() == w.tobytes(), "the model's bytes kept"
+    stepped.graph.outputs[0].dtype = ir.DataType.INT64  # the loss declared int64: strict inference refuses
+    with pytest.raises(ValidationError, match="the training graph is invalid"):
+        build._validate(stepped, large=0)
