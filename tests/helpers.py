@@ -5,13 +5,29 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib.util
+import sys
+import types
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper as h
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` as a module (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_model(nodes, inputs, outputs, initializers=(), opset=18, ir_version=9) -> onnx.ModelProto:

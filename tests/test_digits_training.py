@@ -7,35 +7,24 @@ must reach fp32's test accuracy within one percentage point.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.helpers import load_benchmark
+
 pytest.importorskip("torch")
 pytest.importorskip("sklearn")
 
-ROOT = Path(__file__).resolve().parents[1]
 STEPS = {"mlp": 250, "cnn": 150}
 BATCH = 64
 THREADS = 2
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location("train_digits", ROOT / "benchmarks" / "train_digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], object]:
-    bench = _bench()
+    bench = load_benchmark("train_digits")
     folder = str(tmp_path_factory.mktemp("digits"))
     out = {}
     for model in bench.MODELS:

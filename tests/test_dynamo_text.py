@@ -42,11 +42,10 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.corpus import models  # noqa: E402 - needs torch
+from tests.test_dynamo_params import GRAD_TOL, _check_against_torch  # noqa: E402 - needs torch
 
 pytestmark = pytest.mark.slow
 
-GRAD_TOL = 1e-4
-GRAD_FLOOR = 1e-6
 OPSETS = (18, 23)
 #: (model, attention): the library's default attention, and T5's workaround (see T5_SDPA).
 MODELS = (("gpt2", "sdpa"), ("llama", "sdpa"), ("qwen2", "sdpa"), ("bert", "sdpa"),
@@ -89,25 +88,10 @@ def _feeds(case: models.Case) -> dict[str, np.ndarray]:
 
 
 def _gradient_errors(case: models.Case, proto: onnx.ModelProto) -> dict[str, float]:
-    """Every torch parameter's gradient error; fails if the step trains anything else or
-    gives a parameter no gradient or two. A tied parameter (GPT-2's and Qwen2's ``lm_head``
-    and token embedding) is one tensor under several names: the graph has it once."""
-    outs = run_named(build_training_graph(proto, optimizer=None), _feeds(case))
-    module = copy.deepcopy(case.module).train()
-    module(*case.inputs).backward()
-    tensors: dict[int, tuple[torch.Tensor, list[str]]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        tensors.setdefault(id(p), (p, []))[1].append(name)
-    trained = {o.removeprefix("grad/") for o in outs if o.startswith("grad/")}
-    assert trained <= {n for _, ns in tensors.values() for n in ns}, f"not torch parameters: {trained}"
-    top = max(float(p.grad.norm()) for p, _ in tensors.values() if p.grad is not None)
-    errors = {}
-    for p, aliases in tensors.values():
-        got = [outs[f"grad/{n}"] for n in aliases if n in trained]
-        assert len(got) == 1, f"{aliases}: {len(got)} gradients"
-        expected = p.grad.numpy().astype(np.float64) if p.grad is not None else np.zeros(p.shape)
-        errors[aliases[0]] = float(np.linalg.norm(got[0] - expected) / max(np.linalg.norm(expected), GRAD_FLOOR * top))
-    return errors
+    """Every torch parameter's gradient error (``test_dynamo_params._check_against_torch``: it
+    fails if the step trains anything else or gives a parameter no gradient or two; a tied
+    parameter, GPT-2's and Qwen2's ``lm_head`` and token embedding, is one tensor there)."""
+    return _check_against_torch(case.module, case.inputs, list(case.input_names), proto)
 
 
 def _assert_matches_torch(case: models.Case, proto: onnx.ModelProto) -> None:

@@ -8,9 +8,7 @@ accuracy 96.66% for both; zoo GPT, 100 steps of 16 sequences: mean loss of the l
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -21,17 +19,9 @@ from mpgraph._ir import meta as md
 from mpgraph.data import dataset_for_model
 from mpgraph.runtime.trainer import Trainer
 from mpgraph.training import build_training_graph
+from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _bench():
-    spec = importlib.util.spec_from_file_location("train_digits", ROOT / "benchmarks" / "train_digits.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
 
 
 def _quantised_tensors(model) -> list[dict[str, object]]:
@@ -42,7 +32,7 @@ def _quantised_tensors(model) -> list[dict[str, object]]:
 def test_digits_mlp_fp8_accuracy_within_one_point_of_bf16(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     pytest.importorskip("sklearn")
-    bench = _bench()
+    bench = load_benchmark("train_digits")
     loss_model = bench.export("mlp", str(tmp_path))
     runs = {policy: bench.train(loss_model, "mlp", policy, steps=250, batch=64, threads=1) for policy in ("bf16", "fp8")}
     bf16, fp8 = runs["bf16"], runs["fp8"]

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 
-__all__ = ["forward_twins", "link_to"]
+__all__ = ["ancestors", "forward_twins", "link_to"]
 
 _FORWARD = (md.Role.FORWARD, md.Role.LOSS)
 
@@ -64,3 +64,17 @@ def forward_twins(nodes: Iterable[ir.Node]) -> dict[ir.Node, ir.Node]:
         if twin is not None and twin is not node:
             twins[node] = twin
     return twins
+
+
+def ancestors(values: Iterable[ir.Value]) -> set[ir.Node]:
+    """Every node the values need: their producers and, transitively, the producers of those
+    nodes' inputs (graph inputs and initializers have none)."""
+    seen: set[ir.Node] = set()
+    stack = [v.producer() for v in values]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        stack.extend(v.producer() for v in node.inputs if v is not None)
+    return seen

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from mpgraph._ir.links import ancestors
 from mpgraph.errors import MpgraphError
 from mpgraph.io import ModelLike, as_model
 
@@ -34,14 +35,7 @@ def forward_part(step: ModelLike, target: str) -> ir.Model:
     value = next((v for n in graph for v in n.outputs if v.name == target), None)
     if value is None:
         raise MpgraphError(f"cannot evaluate: the step graph has no value '{target}'")
-    needed: set[ir.Node] = set()
-    stack = [value.producer()]
-    while stack:
-        node = stack.pop()
-        if node is None or node in needed:
-            continue
-        needed.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None)
+    needed = ancestors([value])
     output = value
     if value.dtype != ir.DataType.FLOAT:
         output = ir.Value(name=f"{target}/float32", type=ir.TensorType(ir.DataType.FLOAT), shape=value.shape)

@@ -44,6 +44,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
+from mpgraph._ir.links import ancestors
 from mpgraph.errors import MpgraphError
 from mpgraph.training.shard_flat_slot import FlatSlot, shard_flat_slots
 
@@ -99,7 +100,7 @@ def split_step_graph(model: ir.Model) -> SplitStep:
     values = _values_by_name(grad_model.graph)
     cuts = [(param, _cut(values[name], param)) for param, name in contract.gradients]
     loss = values[contract.loss]
-    in_grad = _ancestors([v for _, v in cuts] + [loss])
+    in_grad = ancestors([v for _, v in cuts] + [loss])
     data = _data_inputs(grad_model, contract)
     crossing = _crossing(nodes, in_grad, {v for _, v in cuts})
     _refuse_batch_dependent(nodes, crossing, data)
@@ -142,7 +143,7 @@ def optimizer_groups(split: SplitStep) -> tuple[list[tuple[str, ...]], tuple[str
         return a
 
     for a, b in grouped:
-        for node in _ancestors([made[b]]):
+        for node in ancestors([made[b]]):
             for value in node.inputs:
                 if value is not None and value.name in root:
                     root[find(value.name)] = find(a)
@@ -179,7 +180,7 @@ def shard_apply_part(split: SplitStep, outputs: set[str], slots: Sequence[FlatSl
     kept = [v for v in graph.outputs if v.name in outputs or v.name == md.FOUND_INF]
     graph.outputs.clear()
     graph.outputs.extend(kept)
-    needed = _ancestors(kept)
+    needed = ancestors(kept)
     graph.remove([n for n in graph if n not in needed], safe=True)
     _drop_unused_inputs(graph)
     return model
@@ -210,19 +211,6 @@ def _cut(grad: ir.Value, param: str) -> ir.Value:
     raise MpgraphError(f"split: the gradient of '{param}' ('{grad.name}') is {grad.dtype} and is read by "
                        f"{sorted(n.op_type for n in readers)}, not by one Cast to float32; the gradients "
                        f"must cross the cut in float32 (convert with loss scaling, or in float32)")
-
-
-def _ancestors(outputs: list[ir.Value]) -> set[ir.Node]:
-    """Every node the values need."""
-    seen: set[ir.Node] = set()
-    stack = [v.producer() for v in outputs]
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        stack.extend(v.producer() for v in node.inputs if v is not None)
-    return seen
 
 
 def _data_inputs(model: ir.Model, contract: StepContract) -> set[ir.Value]:
