@@ -10,6 +10,7 @@ from typing import Any
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.dtypes import float_weight_bytes
 
 __all__ = ["AuditReport", "audit"]
@@ -105,9 +106,16 @@ def audit(model: ir.Model) -> AuditReport:
         reasons=dict(reasons.most_common()),
         initializer_range=json.loads(props.get(md.MODEL_INIT_RANGE, "[]")),
         nodes=nodes,
-        loss_scaling=json.loads(props[md.MODEL_LOSS_SCALING]) if md.MODEL_LOSS_SCALE_STATE in props else None,
+        loss_scaling=json.loads(props[md.MODEL_LOSS_SCALING]) if _loss_scaled(model) else None,
         fp8=_fp8_summary(model, fp8_nodes),
     )
+
+
+def _loss_scaled(model: ir.Model) -> bool:
+    """Whether loss scaling rewrote the step graph ``model`` (its contract has loss-scale
+    state) and recorded its settings."""
+    return (md.MODEL_LOSS_SCALING in model.metadata_props and StepContract.recorded(model)
+            and StepContract.read(model).loss_scale is not None)
 
 
 def _fp8_summary(model: ir.Model, nodes: int) -> dict[str, Any] | None:

@@ -10,7 +10,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from mpgraph._ir.meta import MODEL_STATE_PAIRS, MODEL_TRAINING
+from mpgraph._ir.contract import StepContract
+from mpgraph._ir.meta import MODEL_TRAINING
 from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import UnsupportedModelError, first_line
@@ -80,7 +81,7 @@ def refuse_step_graph(model: ir.Model, source: object) -> None:
     Raises:
         UnsupportedModelError: ``model`` was built by ``train-graph``.
     """
-    if MODEL_STATE_PAIRS in model.metadata_props or model.metadata_props.get(MODEL_TRAINING) == "true":
+    if StepContract.recorded(model) or model.metadata_props.get(MODEL_TRAINING) == "true":
         raise UnsupportedModelError(f"{source}: is already a training step graph (built by `mpgraph train-graph`); "
                                     "give the forward model")
 
