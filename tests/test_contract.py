@@ -87,3 +87,14 @@ def test_split_step_graph_takes_the_contract_names(gpt_step: ir.Model) -> None:
     assert split.loss == contract.loss and split.state_pairs == contract.state_pairs
     assert split.data_inputs == contract.data_inputs
     assert [p for p, _ in split.gradients] == [p for p, _ in contract.gradients or ()]
+
+
+def test_the_loss_scale_state_reads_from_a_step_graph_and_from_its_apply_part(gpt_step: ir.Model) -> None:
+    """The lowering finds the unscale from ``found_inf``; the split's apply part keeps the
+    loss-scale record but no state pairs, so ``StepContract.read`` refuses it."""
+    scaled = mpgraph.convert(_copy(gpt_step), "fp16")
+    assert LossScaleState.read(scaled) == StepContract.read(scaled).loss_scale
+    apply = split_step_graph(scaled).apply
+    assert not StepContract.recorded(apply)
+    assert LossScaleState.read(apply) == LossScaleState("found_inf", md.LOSS_SCALE, md.GROWTH_TRACKER)
+    assert LossScaleState.read(gpt_step) is None

@@ -66,6 +66,16 @@ class LossScaleState:
     scale: str | None = None
     growth_tracker: str | None = None
 
+    @classmethod
+    def read(cls, model: ir.Model) -> LossScaleState | None:
+        """The loss-scale state ``model`` records, or ``None``: what ``StepContract.read`` gives
+        as ``loss_scale``, for a step graph and for a part of one (``split_step_graph``'s
+        apply part keeps the record but no state pairs), ``scale`` and ``growth_tracker``
+        kept where they are graph inputs."""
+        graph = model.graph
+        return _loss_scale(model.metadata_props, {v.name or "" for v in graph.outputs},
+                           {v.name or "" for v in graph.inputs})
+
     def to_json(self) -> str:
         record = {"found_inf": self.found_inf}
         if self.scale is not None:

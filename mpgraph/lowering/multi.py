@@ -12,7 +12,8 @@ hundred launches of microseconds each). The multi-tensor ops do all of them in o
   (the master weights) become one ``CastToBFloat16``/``CastToFloat16``; bit-identical.
 - ``fuse_unscale``: the loss scaling pass's unscale and check (per gradient: a ``Cast`` to
   float, ``Mul`` by the inverse scale, ``ReduceSum``, an ``Add`` into the total, and the
-  ``Where`` that zeroes it on overflow; then ``IsNaN(total * 0)``) becomes one
+  ``Where`` that zeroes it on overflow; then ``IsNaN(total * 0)``, found from the loss-scale
+  state's ``found_inf`` output that the step contract records) becomes one
   ``UnscaleGradients``. The unscaled gradients are bit-identical; ``found_inf`` is "some entry
   is not finite", as PyTorch's ``GradScaler`` defines it. The ONNX form also reports
   overflow when a finite gradient's float32 sum overflows (entries near 1e38), which no
@@ -25,6 +26,7 @@ from collections import defaultdict
 
 import onnx_ir as ir
 
+from mpgraph._ir.contract import LossScaleState
 from mpgraph.lowering.match import DOMAIN, constant, hand_over
 
 __all__ = ["batch_adamw", "batch_casts", "fuse_unscale"]
@@ -148,16 +150,24 @@ def _match_unscale(check: ir.Node, outputs: set[ir.Value]) -> tuple | None:
     return inv, grads, nodes, unscaled
 
 
+def _found_inf_check(model: ir.Model) -> ir.Node | None:
+    """The ``IsNaN`` that makes the contract's ``found_inf`` output (through the loss
+    scaling's ``Identity``), or ``None`` without loss-scale state."""
+    state = LossScaleState.read(model)
+    flag = next((v for v in model.graph.outputs if state is not None and v.name == state.found_inf), None)
+    node = flag.producer() if flag is not None else None
+    if _plain(node, "Identity") and node.inputs[0] is not None:  # type: ignore[union-attr]
+        node = node.inputs[0].producer()  # type: ignore[union-attr]
+    return node if _plain(node, "IsNaN") else None
+
+
 def fuse_unscale(model: ir.Model) -> int:
     """Replace the loss scaling's per-gradient unscale and finite check with one
     ``UnscaleGradients`` node; how many nodes it replaced (0: no such chain)."""
     graph = model.graph
     outputs = set(graph.outputs)
-    found = None
-    for check in [n for n in graph if _plain(n, "IsNaN")]:  # the model's own IsNaN nodes do not match
-        found = _match_unscale(check, outputs)
-        if found is not None:
-            break
+    check = _found_inf_check(model)
+    found = _match_unscale(check, outputs) if check is not None else None
     if found is None:
         return 0
     inv, grads, nodes, unscaled = found
