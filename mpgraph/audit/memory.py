@@ -322,14 +322,17 @@ def _buffers(nodes: list[ir.Node]) -> dict[str, str]:
     return owner
 
 
-def _check_request(props: Mapping[str, str], batch: int, state_sets: int) -> None:
-    if md.MODEL_GRADIENTS not in props or md.MODEL_STATE_PAIRS not in props:
+def _check_request(model: ir.Model, batch: int, state_sets: int) -> StepContract:
+    """The step contract of ``model``, which must have gradients (an optimizer)."""
+    contract = StepContract.read(model) if StepContract.recorded(model) else None
+    if contract is None or contract.gradients is None:
         raise MpgraphError("not a training step graph (no mpgraph.gradients metadata): run train-graph first, "
                            "or pass --optimizer to build one")
     if batch < 1:
         raise MpgraphError(f"batch must be >= 1, got {batch}")
     if state_sets < 2:
         raise MpgraphError(f"state_sets must be >= 2 (the state inputs and outputs), got {state_sets}")
+    return contract
 
 
 def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None,
@@ -347,9 +350,8 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         MpgraphError: Not a training step graph, or shapes cannot be inferred.
     """
     props = model.metadata_props
-    _check_request(props, batch, state_sets)
+    contract = _check_request(model, batch, state_sets)
     sizes = _concrete(ir.to_proto(model), batch, dims or {})
-    contract = StepContract.read(model)
     gradients = list(contract.gradients or ())
     params = {p for p, _ in gradients}
     state_inputs = set(contract.state_inputs)
