@@ -12,7 +12,6 @@ into constants is refused with one line that gives the recipe.
 from __future__ import annotations
 
 import copy
-import re
 import warnings
 
 import numpy as np
@@ -97,16 +96,15 @@ def test_unoptimized_export_trains_every_parameter_alone(exported) -> None:
 
 
 @pytest.mark.slow
-def test_optimized_export_is_refused_in_one_line(exported) -> None:
-    """The default export folds parameters away (every ``nn.Linear`` weight pre-transposed
-    into ``val_*``): refused, counted, with the recipe."""
+def test_optimized_export_trains_every_parameter_alone(exported) -> None:
+    """The default export pre-transposes every ``nn.Linear`` weight into a ``val_*`` constant
+    and drops the weight; ``UntieExportedParametersPass`` rule 0 rebuilds each as
+    ``Transpose(weight)`` and unties the merged biases and norm weights, so every parameter
+    has its own gradient, as in the plain export."""
     case, _, optimized = exported
-    with pytest.raises(UnsupportedModelError) as info:
-        build_training_graph(optimized, optimizer=None)
-    message = str(info.value)
-    assert "\n" not in message and "optimize=False" in message and "mpgraph export" in message
-    count, first = re.search(r"merged (\d+) torch parameters .*\(first: '([^']+)'", message).groups()
-    assert int(count) >= 1 and first in dict(case.module.named_parameters())
+    errors = _check_against_torch(case.module, case.inputs, list(case.input_names), optimized)
+    worst = max(errors, key=errors.__getitem__)
+    assert errors[worst] <= GRAD_TOL, f"{case.name}: {worst} {errors[worst]:.2e}"
 
 
 # -- a module whose parameters the optimizer merges but does not fold ------------------------
@@ -166,9 +164,9 @@ def test_cli_refuses_an_optimized_export(two_norms, tmp_path, caplog: pytest.Log
     trains; ``--params`` on a plain export."""
     module, _, plain, optimized = two_norms
     model = ir.from_proto(optimized)
-    # Fold one parameter as the optimizer does to nn.Linear weights: a Transpose of it.
+    # Fold one parameter into a constant that is not its transpose (which rule 0 would rebuild).
     model.graph.initializers["val_9"] = folded = ir.Value(
-        name="val_9", const_value=ir.tensor(model.graph.initializers["w"].const_value.numpy().T, name="val_9"))
+        name="val_9", const_value=ir.tensor(2 * model.graph.initializers["w"].const_value.numpy().T, name="val_9"))
     folded.metadata_props["pkg.onnxscript.optimizer.folded_from"] = "['w']"
     onnx.save(ir.to_proto(model), tmp_path / "opt.onnx")
     bad = mpgraph_cli("train-graph", str(tmp_path / "opt.onnx"), "-o", str(tmp_path / "x.onnx"))
@@ -275,3 +273,42 @@ def test_rotary_caches_of_one_row_are_expanded_to_the_batch(x_shape) -> None:
     batched = forward(np.cos(angles).repeat(2, axis=0), np.sin(angles).repeat(2, axis=0))
     want = run_named(build_training_graph(batched, optimizer=None, params=["w"]), {"x": x})
     np.testing.assert_allclose(got["grad/w"], want["grad/w"], rtol=1e-6, atol=1e-6)
+
+
+_LINEAR = "%linear = call_function[target=torch.ops.aten.linear.default](args = (%x, %p_w), kwargs = {})"
+_W = np.arange(16, dtype=np.float32).reshape(4, 4)
+
+
+def _folded_linear(params: dict[str, np.ndarray], fx: str = _LINEAR) -> ir.Model:
+    """``MatMul(x, val_0)`` with ``val_0`` folded from the parameter ``w``, as the optimizer
+    folds an ``nn.Linear`` weight's Transpose."""
+    nodes = [h.make_node("MatMul", ["x", "val_0"], ["y"], name="mm")]
+    model = _signed(nodes, {"mm": fx}, params, ["w"])
+    folded = model.graph.initializers["val_0"]
+    del folded.metadata_props[TORCH_INPUT_KIND]
+    folded.metadata_props["pkg.onnxscript.optimizer.folded_from"] = "['w']"
+    return model
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["w-kept", "w-dropped"])
+def test_a_pre_transposed_weight_is_rebuilt_as_a_transpose_of_the_parameter(kept: bool) -> None:
+    """Rule 0: ``val_0 == w.T`` becomes ``Transpose(w)`` with ``w`` a parameter initializer
+    (``w`` kept: the values are equal exactly; dropped: ``w`` is ``val_0`` transposed back,
+    as the reader lowers ``aten.linear(x, w)``)."""
+    model = _folded_linear({"w": _W, "val_0": _W.T} if kept else {"val_0": _W.T})
+    assert UntieExportedParametersPass()(model).modified
+    graph = model.graph
+    assert set(graph.initializers) == {"w"} and graph.initializers["w"].metadata_props[TORCH_INPUT_KIND] == "PARAMETER"
+    np.testing.assert_array_equal(graph.initializers["w"].const_value.numpy(), _W)
+    transpose = graph.node("mm").inputs[1].producer()
+    assert transpose.op_type == "Transpose" and transpose.inputs[0] is graph.initializers["w"]
+    assert list(transpose.attributes["perm"].value) == [1, 0]
+
+
+@pytest.mark.parametrize(("params", "fx"), [
+    ({"w": _W, "val_0": 2 * _W.T}, _LINEAR),  # kept, but the folded value is not its transpose
+    ({"val_0": _W.T}, "%mm = call_function[target=torch.ops.aten.mm.default](args = (%x, %p_w))"),  # dropped, no linear
+], ids=["not-equal", "not-linear"])
+def test_a_fold_that_is_not_the_parameters_transpose_stays_refused(params, fx) -> None:
+    with pytest.raises(UnsupportedModelError, match=r"folded or merged 1 torch parameters .*first: 'w', folded into 'val_0'"):
+        UntieExportedParametersPass()(_folded_linear(params, fx))

@@ -28,6 +28,7 @@ import logging
 import re
 from collections.abc import Iterable
 
+import numpy as np
 import onnx_ir as ir
 
 from mpgraph.errors import UnsupportedModelError
@@ -107,6 +108,14 @@ class UntieExportedParametersPass(ir.passes.InPlacePass):
        counts them, names the first and gives the export recipe that keeps them (unless
        ``refuse`` is off: the user named the parameters with ``params`` and takes the
        graph as it is).
+    0. First, a *pre-transposed* parameter is rebuilt (``_rebuild_transposed``): a folded
+       initializer that names exactly one parameter ``P``, is 2-D and is ``P`` transposed
+       becomes ``Transpose(P)`` reading an initializer ``P`` (marked a parameter), so ``P``
+       trains. It is ``P`` transposed when ``P`` is still an initializer and the values are
+       equal exactly, or, when the exporter dropped ``P``, when every node reading it is a
+       ``MatMul`` reading it second that lowers ``aten.linear`` with ``P`` as the weight
+       (``x @ P.T``); ``P`` is then the folded value transposed back. Rules 1-5 see the
+       rebuilt graph, so only what is still folded counts.
     5. A parameter that no node and no folded value names is fine: torch.export passes a
        tied parameter through one placeholder (GPT-2's ``lm_head.weight`` serves ``wte``
        too), and a parameter the forward never uses has no gradient in torch either.
@@ -129,6 +138,7 @@ class UntieExportedParametersPass(ir.passes.InPlacePass):
         if not by_placeholder:
             return ir.passes.PassResult(model, False)
         order = list(dict.fromkeys(by_placeholder.values()))
+        rebuilt = _rebuild_transposed(graph, by_placeholder)
         present = {name for name in order if name in graph.initializers}
         missing = set(order) - present
         folded = _folded(graph, set(order))
@@ -170,7 +180,55 @@ class UntieExportedParametersPass(ir.passes.InPlacePass):
             logger.warning("%s; they stay constants: the parameters are the ones --params names", what)
         if untied:
             logger.info("untied %d parameters the exporter had merged with equal-valued ones", len(untied))
-        return ir.passes.PassResult(model, bool(untied))
+        if rebuilt:
+            logger.info("rebuilt %d parameters the exporter had folded into transposed constants", rebuilt)
+        return ir.passes.PassResult(model, bool(untied) or rebuilt > 0)
+
+
+def _rebuild_transposed(graph: ir.Graph, by_placeholder: dict[str, str]) -> int:
+    """Rule 0: replace every folded ``P.T`` by ``Transpose(P)``; returns how many."""
+    placeholders = {target: p for p, target in by_placeholder.items()}
+    rebuilt = 0
+    for name, value in list(graph.initializers.items()):
+        sources = _QUOTED.findall(value.metadata_props.get(_FOLDED_FROM, ""))
+        if len(sources) != 1 or sources[0] not in placeholders or value.const_value is None:
+            continue
+        source = sources[0]
+        if value in graph.inputs or value in graph.outputs or len(value.const_value.shape) != 2:
+            continue
+        folded = value.const_value.numpy()
+        original = graph.initializers.get(source)
+        if original is not None:
+            if original.const_value is None or not _equal(original.const_value.numpy(), folded.T):
+                continue
+        elif _reads_as_linear_weight(value, placeholders[source]):
+            original = _copy(graph, value, source, by_placeholder, np.ascontiguousarray(folded.T))
+        else:
+            continue
+        node = ir.node("Transpose", [original], {"perm": [1, 0]}, name=f"rebuild_{name}")
+        graph.insert_before(next(iter(graph)), node)
+        graph.initializers.pop(name)
+        value.replace_all_uses_with(node.outputs[0])
+        node.outputs[0].name = name
+        node.outputs[0].type, node.outputs[0].shape = value.type, value.shape
+        rebuilt += 1
+    return rebuilt
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _reads_as_linear_weight(value: ir.Value, placeholder: str) -> bool:
+    """Rule 0 without ``P``: every reader is ``MatMul(x, value)`` lowering ``aten.linear(x, P, ...)``."""
+    uses = list(value.uses())
+    for use in uses:
+        fx = use.node.metadata_props.get(_TORCH_FX_NODE, "")
+        args = _FX_ARGUMENT.findall(fx.split("args = (", 1)[-1]) if "args = (" in fx else []
+        if (use.node.op_type != "MatMul" or use.node.domain not in ("", "ai.onnx") or use.idx != 1
+                or "aten.linear" not in fx or len(args) < 2 or args[1] != placeholder):
+            return False
+    return bool(uses)
 
 
 def _folded(graph: ir.Graph, parameters: set[str]) -> dict[str, str]:
@@ -212,11 +270,14 @@ def _owner(read: str, candidates: Iterable[str]) -> str | None:
     return options[0] if len(options) == 1 else None
 
 
-def _copy(graph: ir.Graph, source: ir.Value, name: str, by_placeholder: dict[str, str]) -> ir.Value:
-    """Rule 1: an initializer ``name`` holding ``source``'s value, marked a parameter."""
+def _copy(graph: ir.Graph, source: ir.Value, name: str, by_placeholder: dict[str, str],
+          array: np.ndarray | None = None) -> ir.Value:
+    """Rule 1: an initializer ``name`` holding ``source``'s value (or ``array``, rule 0),
+    marked a parameter."""
     assert source.const_value is not None
-    value = ir.Value(name=name, type=source.type, shape=source.shape,
-                     const_value=ir.tensor(source.const_value.numpy(), name=name))
+    array = source.const_value.numpy() if array is None else array
+    value = ir.Value(name=name, type=source.type, shape=ir.Shape(array.shape),
+                     const_value=ir.tensor(array, name=name))
     value.metadata_props[TORCH_INPUT_KIND] = "PARAMETER"
     placeholder = next((p for p, target in by_placeholder.items() if target == name), None)
     if placeholder is not None:
