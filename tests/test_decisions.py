@@ -139,7 +139,9 @@ def test_none1_fixed_and_override1():
     assert meta(m, "override1", md.NODE_REASON) == "override 'override*': exact"
 
 
-def test_allow1_backward_follows_its_forward_twin():
+def _forward_with_backward1() -> ir.Model:
+    """MatMul ``allow1`` -> Softmax ``deny1`` -> Mul ``backward1``, every node marked forward
+    (the test then marks ``backward1`` and its link)."""
     nodes = [
         h.make_node("MatMul", ["x", "w"], ["a"], name="allow1"),
         h.make_node("Softmax", ["a"], ["y"], name="deny1", axis=-1),
@@ -148,6 +150,11 @@ def test_allow1_backward_follows_its_forward_twin():
     model = ir.from_proto(make_model(nodes, [vi("x", [2, 4])], [vi("g", [2, 4])], [init("w", np.ones((4, 4), np.float32))]))
     for node in model.graph:
         node.metadata_props[md.NODE_ROLE] = Role.FORWARD
+    return model
+
+
+def test_allow1_backward_follows_its_forward_twin():
+    model = _forward_with_backward1()
     backward = model.graph.node("backward1")
     backward.metadata_props[md.NODE_ROLE] = Role.BACKWARD
     backward.metadata_props[md.NODE_GRAD_OF] = "allow1"
@@ -159,14 +166,7 @@ def test_allow1_backward_follows_its_forward_twin():
 def test_allow1_backward_finds_its_twin_by_value_after_renames():
     """The link a gradient rule records is the forward node's output value: renaming the
     forward node (and leaving its stale name on the backward node) changes nothing."""
-    nodes = [
-        h.make_node("MatMul", ["x", "w"], ["a"], name="allow1"),
-        h.make_node("Softmax", ["a"], ["y"], name="deny1", axis=-1),
-        h.make_node("Mul", ["y", "y"], ["g"], name="backward1"),
-    ]
-    model = ir.from_proto(make_model(nodes, [vi("x", [2, 4])], [vi("g", [2, 4])], [init("w", np.ones((4, 4), np.float32))]))
-    for node in model.graph:
-        node.metadata_props[md.NODE_ROLE] = Role.FORWARD
+    model = _forward_with_backward1()
     backward = model.graph.node("backward1")
     backward.metadata_props.update({md.NODE_ROLE: Role.BACKWARD, md.NODE_GRAD_OF: "allow1", md.NODE_GRAD_OF_VALUE: "a"})
     model.graph.node("allow1").name = "renamed"

@@ -80,6 +80,14 @@ class TrainingLoop(DataStream):
 
     track_scale: bool
 
+    def _start_loop(self) -> None:
+        """The loop's own state, once the subclass has set ``options``, ``program`` and
+        ``executor``."""
+        self.track_scale = self.options.track_scale
+        self.has_loss_scale = self.program.scale_name is not None
+        self.stop_reason = ""
+        self._init_loop_state()
+
     def _check_inputs(self, batch: Mapping[str, np.ndarray]) -> None:
         for spec in self.program.data_inputs:
             if spec.name not in batch:

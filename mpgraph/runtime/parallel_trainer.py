@@ -63,10 +63,7 @@ class DataParallelTrainer(TrainingLoop):
         self.options = options or RunOptions()
         self.program = Program(as_model(model), state)
         self.executor = DataParallelExecutor(self.program, self.options, parallel, group)
-        self.track_scale = self.options.track_scale
-        self.has_loss_scale = self.program.scale_name is not None
-        self.stop_reason = ""
-        self._init_loop_state()
+        self._start_loop()
 
     @property
     def rank(self) -> int:

@@ -184,10 +184,7 @@ class Trainer(TrainingLoop):
         #: which refuses a graph converted for a target whose kernels ``provider`` lacks).
         self.notes: list[str] = providers.check_provider(model, self.options.provider)
         self.executor = Executor(self.program, self.options)
-        self.track_scale = self.options.track_scale
-        self.has_loss_scale = self.program.scale_name is not None
-        self.stop_reason = ""
-        self._init_loop_state()
+        self._start_loop()
 
     # -- what the parts answer ---------------------------------------------------------------
 
