@@ -22,11 +22,9 @@ from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing
 from mpgraph.passes.precision_facts import (
-    CALIBRATION_MARGIN,
     DEFAULT_DOMAINS,
     PRECISION_OF_DTYPE,
     PrecisionFacts,
-    constant_range,
     constant_tensor,
 )
 from mpgraph.policy.schema import OpRule, Policy, RuleSource
@@ -35,9 +33,6 @@ __all__ = [
     "AssignPrecisionPass",
     "Decision",
     "record_decision",
-    "constant_tensor",
-    "constant_range",
-    "CALIBRATION_MARGIN",
 ]
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from mpgraph._ir import meta as md
 from mpgraph._ir.builder import make_cast
 from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import short_name
-from mpgraph.passes.assign_precision import constant_tensor
+from mpgraph.passes.precision_facts import constant_tensor
 
 __all__ = ["EmulatePrecisionPass"]
 

@@ -14,7 +14,7 @@ from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing, type_string
-from mpgraph.passes.assign_precision import constant_range, constant_tensor
+from mpgraph.passes.precision_facts import constant_range, constant_tensor
 from mpgraph.policy.schema import Policy
 
 __all__ = ["InsertCastsPass"]
