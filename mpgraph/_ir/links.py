@@ -21,13 +21,15 @@ Example:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 
-__all__ = ["ancestors", "forward_twins", "link_to"]
+__all__ = ["GradientBlock", "ancestors", "forward_twins", "gradient_blocks", "link_to"]
 
 _FORWARD = (md.Role.FORWARD, md.Role.LOSS)
 
@@ -78,3 +80,56 @@ def ancestors(values: Iterable[ir.Value]) -> set[ir.Node]:
         seen.add(node)
         stack.extend(v.producer() for v in node.inputs if v is not None)
     return seen
+
+
+@dataclass(frozen=True)
+class GradientBlock:
+    """A forward node's backward, as the values autodiff recorded for it: ``dys[i]`` is the
+    gradient flowing into output ``i``, ``dxs[j]`` the node's contribution to input ``j``'s
+    gradient (``None`` where there is none, or where a pass removed the value). A lowering
+    rule that fuses the backward computes ``dxs`` from ``dys`` and the forward values, rewires
+    the readers of each ``dxs[j]`` and leaves the nodes between to dead-code removal: it never
+    needs to know which nodes the gradient rule emitted."""
+
+    node: ir.Node
+    dys: tuple[ir.Value | None, ...]
+    dxs: tuple[ir.Value | None, ...]
+
+
+def gradient_blocks(graph: ir.Graph) -> dict[ir.Node, GradientBlock]:
+    """Each node of ``graph`` that records its backward (``NODE_GRAD_INPUTS``) -> its block.
+
+    Example:
+        >>> import onnx_ir as ir
+        >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT))
+        >>> relu = ir.node("Relu", [x], metadata_props={
+        ...     md.NODE_GRAD_INPUTS: '["dx"]', md.NODE_GRAD_OUTPUTS: '["dy"]'})
+        >>> dy = ir.Value(name="dy")
+        >>> back = ir.node("Mul", [dy, x])
+        >>> back.outputs[0].name = "dx"
+        >>> graph = ir.Graph([x, dy], [back.outputs[0]], nodes=[relu, back])
+        >>> block = gradient_blocks(graph)[relu]
+        >>> block.dys[0].name, block.dxs[0].producer() is back
+        ('dy', True)
+    """
+    values: dict[str, ir.Value] = {}
+    for value in graph.inputs:
+        if value.name:
+            values[value.name] = value
+    for name, value in graph.initializers.items():
+        values.setdefault(name, value)
+    for node in graph:
+        for value in node.outputs:
+            if value.name:
+                values[value.name] = value
+
+    def resolve(names: str) -> tuple[ir.Value | None, ...]:
+        return tuple(values.get(n) if n is not None else None for n in json.loads(names))
+
+    blocks: dict[ir.Node, GradientBlock] = {}
+    for node in graph:
+        inputs = node.metadata_props.get(md.NODE_GRAD_INPUTS)
+        if inputs is not None:
+            outputs = node.metadata_props.get(md.NODE_GRAD_OUTPUTS, "[]")
+            blocks[node] = GradientBlock(node, resolve(outputs), resolve(inputs))
+    return blocks

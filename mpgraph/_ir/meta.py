@@ -33,6 +33,8 @@ __all__ = [
     "MODEL_LOSS",
     "NODE_GRAD_OF",
     "NODE_GRAD_OF_VALUE",
+    "NODE_GRAD_INPUTS",
+    "NODE_GRAD_OUTPUTS",
     "NODE_FLAT",
     "FLAT_GRADIENT",
     "FLAT_PARAM",
@@ -101,6 +103,13 @@ NODE_GRAD_OF = "mpgraph.grad_of"
 #: On backward nodes: the first output value of the forward node whose gradient rule emitted
 #: them, the link code resolves (``_ir.links.forward_twins``).
 NODE_GRAD_OF_VALUE = "mpgraph.grad_of_value"
+#: On forward nodes that autodiff differentiated: JSON list, per input slot, of the name of the
+#: value that is this node's contribution to that input's gradient (``null``: none), as its
+#: gradient rule returned it. Lowering replaces a node's whole backward by these names
+#: (``_ir.links.gradient_blocks``), whatever nodes the rule emitted between.
+NODE_GRAD_INPUTS = "mpgraph.grad_inputs"
+#: On the same nodes: JSON list, per output, of the name of the gradient flowing into it.
+NODE_GRAD_OUTPUTS = "mpgraph.grad_outputs"
 #: On the flat-buffer nodes of a flat optimizer (``optimizer_options={"flat": True}``): which
 #: buffer the node makes, one of ``FLAT_GRADIENT``, ``FLAT_PARAM``, ``FLAT_SPLIT``. Loss
 #: scaling unscales, checks and guards these once instead of once per parameter.

@@ -17,6 +17,7 @@ The driver walks the graph backwards from a scalar loss and asks each node's gra
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,6 +25,7 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir import meta as md
 from mpgraph._ir.builder import Builder
 from mpgraph._ir.links import link_to
 from mpgraph._ir.meta import Role
@@ -224,15 +226,32 @@ def input_gradients(ctx: GradContext, node: ir.Node, rule: registry.GradientRule
     """``(input, gradient)`` for each input ``ctx.needed`` marks, from ``rule`` applied to
     ``node`` with output cotangents ``dys``; broadcasting rules get their gradients reduced
     to the input's shape here, so rules read like the math."""
+    return [(inp, grad) for _, inp, grad in _slot_gradients(ctx, node, rule, dys)]
+
+
+def _slot_gradients(ctx: GradContext, node: ir.Node, rule: registry.GradientRule,
+                    dys: Sequence[ir.Value | None]) -> list[tuple[int, ir.Value, ir.Value]]:
+    """``input_gradients`` with each gradient's input slot."""
     grads = rule.fn(ctx, node, *dys)
-    pairs = []
+    found = []
     for i, (inp, grad) in enumerate(zip(node.inputs, grads, strict=False)):
         if grad is None or inp is None or not ctx.needed[i]:
             continue
         if rule.broadcast:
             grad = ctx.unbroadcast(grad, inp, node.outputs[0].shape)
-        pairs.append((inp, grad))
-    return pairs
+        found.append((i, inp, grad))
+    return found
+
+
+def _record_block(node: ir.Node, dys: Sequence[ir.Value | None],
+                  found: Sequence[tuple[int, ir.Value, ir.Value]]) -> None:
+    """Write on ``node`` which values its backward reads and makes (``NODE_GRAD_OUTPUTS``,
+    ``NODE_GRAD_INPUTS``): lowering finds a node's backward by them, not by node shapes."""
+    slots: list[str | None] = [None] * len(node.inputs)
+    for i, _, grad in found:
+        slots[i] = grad.name
+    node.metadata_props[md.NODE_GRAD_INPUTS] = json.dumps(slots)
+    node.metadata_props[md.NODE_GRAD_OUTPUTS] = json.dumps([d.name if d is not None else None for d in dys])
 
 
 def differentiate(
@@ -283,8 +302,10 @@ def differentiate(
             continue
         ctx.node = node
         ctx.needed = [v is not None and v in needed and v in active for v in node.inputs]
-        for inp, grad in input_gradients(ctx, node, rule, dys):
+        found = _slot_gradients(ctx, node, rule, dys)
+        for _, inp, grad in found:
             fan_in.add(inp, grad)
+        _record_block(node, dys, found)
     ctx.node = None
     result: dict[str, ir.Value] = {}
     for value in wrt:
