@@ -8,17 +8,20 @@ second session loads it at once.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["KernelBuildError", "build_library", "cache_dir"]
+__all__ = ["KernelBuildError", "build_library", "cache_dir", "cudnn_flags"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +69,7 @@ def _command(cuda: bool, out: Path) -> list[str]:
         archs = [a.strip() for a in os.environ.get("MPGRAPH_CUDA_ARCHS", ",".join(DEFAULT_ARCHS)).split(",") if a.strip()]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode,
+        return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode, *cudnn_flags()[0],
                 "-Xcompiler", "-fPIC,-ffp-contract=off,-fvisibility=hidden",
                 cc, *(str(p) for p in sorted(SOURCES.glob("*.cu"))), "-o", str(out)]
     cxx = _which(os.environ.get("CXX", ""), "g++", "c++", "clang++")
@@ -76,6 +79,46 @@ def _command(cuda: bool, out: Path) -> list[str]:
     # -fno-math-errno: sqrt vectorizes (it is exact either way; nothing reads errno).
     return [cxx, "-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=off", "-fno-math-errno", "-fvisibility=hidden",
             cc, "-o", str(out)]
+
+
+def _site_dirs() -> list[Path]:
+    paths = sysconfig.get_paths()
+    return [Path(p) for p in dict.fromkeys([paths["purelib"], paths["platlib"], *sys.path]) if p]
+
+
+def _first(candidates: list[Path], name: str) -> Path | None:
+    return next((d for d in candidates if (d / name).is_file()), None)
+
+
+@functools.cache
+def cudnn_flags() -> tuple[tuple[str, ...], str]:
+    """The nvcc flags that compile the fused attention (``csrc/sdpa.cu``) against cuDNN, and
+    ``""``; or no flags and why not (the library is then built without it).
+
+    Looked for, each first in its variable: cudnn-frontend's headers (``$CUDNN_FRONTEND_INCLUDE``;
+    the ``nvidia-cudnn-frontend`` wheel installs them under ``<site-packages>/include``), cuDNN's
+    headers (``$CUDNN_INCLUDE``; the ``nvidia-cudnn-cu*`` wheel's ``nvidia/cudnn/include``,
+    ``/usr/include``) and ``libcudnn.so.9`` (``$CUDNN_LIB``; the wheel's ``nvidia/cudnn/lib``,
+    the system's). ``MPGRAPH_NO_CUDNN=1`` turns it off.
+    """
+    if os.environ.get("MPGRAPH_NO_CUDNN") == "1":
+        return (), "MPGRAPH_NO_CUDNN=1"
+    def env(name: str) -> list[Path]:
+        return [Path(os.environ[name])] if os.environ.get(name) else []
+
+    sites = _site_dirs()
+    wheel = [d / "nvidia" / "cudnn" for d in sites]
+    frontend = _first(env("CUDNN_FRONTEND_INCLUDE") + [d / "include" for d in sites], "cudnn_frontend.h")
+    headers = _first(env("CUDNN_INCLUDE") + [d / "include" for d in wheel]
+                     + [Path("/usr/include"), Path("/usr/local/cuda/include")], "cudnn.h")
+    lib = _first(env("CUDNN_LIB") + [d / "lib" for d in wheel]
+                 + [Path("/usr/lib/x86_64-linux-gnu"), Path("/usr/local/cuda/lib64")], "libcudnn.so.9")
+    missing = [what for what, found in (("cudnn-frontend headers (pip install nvidia-cudnn-frontend)", frontend),
+                                        ("cuDNN headers", headers), ("libcudnn.so.9", lib)) if found is None]
+    if missing:
+        return (), "no " + ", no ".join(missing)
+    return ("-DMPG_WITH_CUDNN", f"-I{frontend}", f"-I{headers}", f"-L{lib}", "-l:libcudnn.so.9",
+            "-Xlinker", f"-rpath={lib}"), ""
 
 
 def build_library(cuda: bool) -> Path:
