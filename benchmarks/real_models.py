@@ -301,6 +301,7 @@ class PrepJob:
     emulate: bool
     target: str | None
     workdir: str
+    canonicalize: bool | None = None
 
 
 def prepare(job: PrepJob) -> dict[str, Any]:
@@ -329,7 +330,9 @@ def prepare(job: PrepJob) -> dict[str, Any]:
     steps = {}
     try:
         for pad in (None, False) if any(p.endswith(UNPADDED) for p in job.policies) else (None,):
+            canonical = {} if job.canonicalize is None else {"canonicalize": job.canonicalize}
             steps[pad] = build_training_graph(proto, optimizer="adamw", lr=LR, target=job.target, pad_gemms=pad,
+                                              **canonical,
                                               optimizer_options={"beta1": BETAS[0], "beta2": BETAS[1], "eps": EPS,
                                                                  "weight_decay": WEIGHT_DECAY})
     except Exception as e:  # noqa: BLE001 - the row says what train-graph refused
@@ -839,6 +842,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-budget", type=float, default=450.0,
                    help="seconds after which no further model/exporter starts (the JSON keeps what was measured)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--canonicalize", action="store_true",
+                   help="build_training_graph(canonicalize=True): attention written out by the exporter becomes "
+                        "ONNX Attention, which the CUDA lowering runs as cuDNN's fused attention")
     p.add_argument("--judge", metavar="JSON", help="print the tables of an earlier run's JSON and exit")
     args = p.parse_args(argv)
     if args.judge is None and args.out is None:
@@ -883,6 +889,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     for key in ("command", "commit", "date", "gpu"):
         print(f"# {key}: {header[key]}")
     print(f"# versions: {json.dumps(header['versions'])}; ORT providers: {header['ort_providers']}")
+    print(f"# build_training_graph canonicalize: {'True (exporter attention -> ONNX Attention)' if args.canonicalize else 'default'}")
     print("# mpgraph tf32: ORT's CUDA provider runs float32 MatMul/Gemm as TF32 (its default, which the tf32 "
           "preset keeps); the bf16 and fp16 rows run their float32 ops strict. fp16: dynamic loss scaling.")
     if (args.rounds + 1) * args.steps_per_round < args.check_step:
@@ -891,7 +898,8 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     bench = Bench(args, header, cuda)
     workdir = tempfile.mkdtemp(prefix="real_models_")
     jobs = [PrepJob(m, e, args.small, args.seed, tuple(args.policies or (GPU_POLICIES if cuda else CPU_POLICIES)), not cuda,
-                    "cuda" if cuda else None, workdir) for m in args.models for e in args.exporters]
+                    "cuda" if cuda else None, workdir, True if args.canonicalize else None)
+            for m in args.models for e in args.exporters]
     prep = Preparer(jobs, args.prep_workers)
     try:
         for name in args.models:
