@@ -112,11 +112,44 @@ def materialised_forward_backward() -> bytes:
     return _model(nodes, ["q", "k", "v", "dy"], ["y", "dq", "dk", "dv"], inits)
 
 
-def time_ort(model: bytes, feeds: dict[str, np.ndarray], rounds: int, iters: int) -> tuple[float, dict[str, np.ndarray]]:
+def fused(backward: bool) -> bytes:
+    """mpgraph's ``SdpaForward`` (and ``SdpaBackward``): cuDNN's fused attention (csrc/sdpa.cu)."""
+    attrs = {"scale": 1 / math.sqrt(D), "is_causal": 1, "domain": "ai.mpgraph"}
+    names = ["q", "k", "v", "dy"] if backward else ["q", "k", "v"]
+    nodes = _casts(names, BF16) + [h.make_node("SdpaForward", ["q_b", "k_b", "v_b"], ["y_b", "stats"], **attrs),
+                                   h.make_node("Cast", ["y_b"], ["y"], to=F32)]
+    outputs = ["y"]
+    if backward:
+        nodes += [h.make_node("SdpaBackward", ["q_b", "k_b", "v_b", "y_b", "dy_b", "stats"], ["dq_b", "dk_b", "dv_b"],
+                              **attrs), *[h.make_node("Cast", [f"d{n}_b"], [f"d{n}"], to=F32) for n in "qkv"]]
+        outputs += ["dq", "dk", "dv"]
+    shape = [B, H, S, D]
+    graph = h.make_graph(nodes, "fused", [h.make_tensor_value_info(n, F32, shape) for n in names],
+                         [h.make_tensor_value_info(n, F32, shape) for n in outputs])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 23), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+def _library() -> str | None:
+    """mpgraph's CUDA kernel library when it was built with cuDNN's SDPA, else None."""
+    import ctypes
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from mpgraph.lowering.plan import library
+
+    path = str(library("cuda"))
+    return path if getattr(ctypes.CDLL(path), "MpgraphKernelsHaveSdpa", lambda: 0)() else None
+
+
+def time_ort(model: bytes, feeds: dict[str, np.ndarray], rounds: int, iters: int,
+             custom_ops: str | None = None) -> tuple[float, dict[str, np.ndarray]]:
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if custom_ops:
+        options.register_custom_ops_library(custom_ops)
     session = ort.InferenceSession(model, options, providers=["CUDAExecutionProvider"])
     binding = session.io_binding()
     keep = []
@@ -185,11 +218,22 @@ def main() -> None:
     tensors = {n: torch.randn(B, H, S, D, device="cuda").bfloat16() for n in ("q", "k", "v", "dy")}
     feeds = {n: t.float().cpu().numpy() for n, t in tensors.items()}
     rows: list[tuple[str, float, dict[str, np.ndarray]]] = []
-    for label, model in (("ort Attention op, forward", attention_op()),
-                         ("ort materialised, forward", materialised_forward()),
-                         ("ort materialised, forward+backward", materialised_forward_backward())):
+    try:
+        custom_ops = _library()
+    except Exception as e:  # noqa: BLE001 - the fused rows are then left out, saying why
+        custom_ops = None
+        print(f"mpgraph fused rows: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    cases = [("ort Attention op, forward", attention_op()),
+             ("ort materialised, forward", materialised_forward()),
+             ("ort materialised, forward+backward", materialised_forward_backward())]
+    if custom_ops:
+        cases += [("mpgraph SdpaForward (cuDNN), forward", fused(False)),
+                  ("mpgraph Sdpa fused, forward+backward", fused(True))]
+    else:
+        print("# mpgraph's kernel library has no cuDNN SDPA here: no fused rows")
+    for label, model in cases:
         try:
-            ms, outs = time_ort(model, feeds, args.rounds, args.iters)
+            ms, outs = time_ort(model, feeds, args.rounds, args.iters, custom_ops if "mpgraph" in label else None)
             rows.append((label, ms, outs))
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the rest still run
             print(f"{label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
