@@ -19,7 +19,8 @@ it is read, including the lazy ones inside functions:
 8. ``mpgraph/training/`` and ``mpgraph/passes/`` import nothing from ``mpgraph.runtime``:
    building a step graph or compiling a policy runs no model.
 9. No import circles among mpgraph's modules (lazy imports count: they only hide a circle).
-10. No module imports another module's underscore names.
+10. No module imports another module's underscore names, nor reads them through a module it
+    imports (``from mpgraph.lowering import fuse`` then ``fuse._readers``).
 11. No file over 600 lines, no class over 400.
 
 Rules 9-11 list the debt they found (``KNOWN_DEBT``, ``OVERSIZE``): an entry may only go away
@@ -278,6 +279,46 @@ def test_no_module_imports_another_modules_private_names() -> None:
                           if a.name.startswith("_") and not a.name.startswith("__") and base != module.name}
     assert found - KNOWN_DEBT["underscore"] == set(), f"private names imported: {sorted(found - KNOWN_DEBT['underscore'])}"
     assert KNOWN_DEBT["underscore"] <= found, f"gone, remove from KNOWN_DEBT: {KNOWN_DEBT['underscore'] - found}"
+
+
+def _attribute_reads(module: Module) -> set[tuple[str, str]]:
+    """``(owner, name)`` for each attribute ``module`` reads of another mpgraph module it
+    imported (``import mpgraph.x as x`` or ``from mpgraph import x``, then ``x.name``)."""
+    bound: dict[str, str] = {}
+    for node in ast.walk(module.tree):
+        if isinstance(node, ast.Import):
+            bound |= {a.asname or a.name: a.name for a in node.names if a.name in NAMES}
+        elif isinstance(node, ast.ImportFrom):
+            base = module._resolve(node)
+            bound |= {a.asname or a.name: f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in NAMES}
+    return {(owner, node.attr) for node in ast.walk(module.tree) if isinstance(node, ast.Attribute)
+            and (owner := bound.get(ast.unparse(node.value))) is not None and owner != module.name}
+
+
+def _private_reads(module: Module) -> set[tuple[str, str]]:
+    """``(module, owner._name)`` for each underscore name read through an imported module."""
+    return {(module.name, f"{owner}.{name}") for owner, name in _attribute_reads(module)
+            if name.startswith("_") and not name.startswith("__")}
+
+
+def test_private_reads_are_found() -> None:
+    tree = ast.parse("import mpgraph.io as io\nfrom mpgraph.lowering import match\nfrom mpgraph import convert\n"
+                     "match._x(io._y, convert.public, self._z)\n")
+    module = Module("mpgraph.audit.report", PACKAGE / "audit" / "report.py", tree)
+    assert _private_reads(module) == {("mpgraph.audit.report", "mpgraph.lowering.match._x"),
+                                      ("mpgraph.audit.report", "mpgraph.io._y")}
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    found = set().union(*(_private_reads(m) for m in MODULES))
+    assert not found, f"private names read through a module: {sorted(found)}"
+
+
+def test_the_runtime_reads_only_the_entry_point_of_the_lowering_package() -> None:
+    """Rule 7 for ``from mpgraph import lowering`` then ``lowering.lower(...)``."""
+    bad = [f"{m.path.relative_to(PACKAGE.parent)} reads {owner}.{name}" for m in MODULES if _within(m.name, "mpgraph.runtime")
+           for owner, name in _attribute_reads(m) if _within(owner, "mpgraph.lowering") and name not in LOWERING_ENTRY]
+    assert not bad, "mpgraph/runtime/ reaches into the lowering:\n" + "\n".join(bad)
 
 
 def test_files_and_classes_are_small() -> None:
