@@ -34,6 +34,7 @@ from enum import Enum
 import onnx_ir as ir
 
 from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
+from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
@@ -101,6 +102,8 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 #: The rules in the order they apply (later matchers see earlier rewrites: ``multi_adamw``
 #: batches the nodes ``adamw`` made; ``permute`` moves the transposes ``nchwc`` wrote).
 RULES: tuple[LoweringRule, ...] = (
+    LoweringRule("fp8_gemm", "default", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
+                 "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
     LoweringRule("adamw", "default", BOTH, BIT, lambda m, t: fuse_adamw(m),
                  "a tensor's AdamW/Adam update (14 ops) as one AdamWUpdate (fuse.py, csrc/adamw.cu)"),
     LoweringRule("adam_scalars", "default", BOTH, BIT, lambda m, t: fuse_adam_scalars(m),

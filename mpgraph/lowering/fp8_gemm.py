@@ -1,0 +1,360 @@
+"""Native fp8 GEMMs: a quantised product becomes ``com.microsoft.GemmFloat8`` (CUDA).
+
+``QuantizeFp8Pass`` writes each operand of an fp8 product as ``q = Cast(x * s, fp8,
+saturate=1)``, dequantised ``Cast(q, float) * (1 / s)`` (then cast to the low dtype) before a
+plain MatMul/Gemm. On ONNX Runtime's CUDA provider the product can read ``q`` itself:
+``GemmFloat8(A=q_a, B=q_b, scaleA=1/s_a, scaleB=1/s_b)`` is cuBLASLt's fp8 GEMM, computing
+``alpha * (scaleA * A) @ (scaleB * B)^T`` into bf16, fp16 or float32. The dequantise nodes die.
+
+What ``GemmFloat8`` takes, read from ONNX Runtime's sources (1.31.1 ships the CUDA kernel of
+``onnxruntime/contrib_ops/cuda/math/gemm_float8.cu``; its strings are in the wheel's
+``libonnxruntime_providers_cuda.so``) and from its op schema (``GemmFloat8`` in
+``onnxruntime/core/graph/contrib_ops/contrib_defs.cc``, as ``onnxruntime.capi`` lists it):
+
+- inputs ``A, B, C (optional), scaleA, scaleB, scaleY`` (``scale*`` float32, optional):
+  with more than three inputs the kernel reads ``scaleA``/``scaleB`` from inputs 3 and 4
+  and ``scaleY`` from input 5 only when there are six; they are cuBLASLt's
+  ``A_SCALE_POINTER``/``B_SCALE_POINTER``, i.e. dequantisation multipliers. So: ``[A, B, "",
+  scaleA, scaleB]``, no ``scaleY`` (a D scale is for fp8 outputs);
+- attributes ``transA``, ``transB``, ``alpha``, ``beta``, ``dtype`` (the output's, as
+  ``Cast``'s ``to``), ``activation``; the schema documents "Float 8 only supported transA=0"
+  and "transB=1" (cuBLASLt's fp8 GEMMs on Hopper take only the "TN" layout; the kernel swaps
+  A and B for its column-major call). ``rowMajor``, ``computeType`` and
+  ``fastAccumulationMode`` of older versions are gone: the compute type follows the output
+  (bf16: ``CUBLAS_COMPUTE_32F_FAST_16BF``; float32: ``..._FAST_TF32``) and fp8 runs with
+  ``CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1``;
+- 2-D ``A`` and ``B`` only (``GetTypeAndShape`` enforces rank 2);
+- cuBLASLt fp8: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3, never E5M2 x E5M2; every leading
+  dimension a multiple of 16 bytes: with ``A'`` ``[M, K]``, ``B'`` ``[N, K]`` and ``Y``
+  ``[M, N]`` row-major, K and N multiples of 16 (``torch._scaled_mm`` checks the same on the
+  same cuBLASLt call);
+- each call synchronises the stream, creates a cuBLASLt handle and ``cudaMalloc``s a 32 MiB
+  workspace (freed after): it cannot be captured in a CUDA graph, and it costs host time.
+
+Rules (each product with ``mpgraph.fp8`` metadata, ``_ir/meta.NODE_FP8``):
+    1. Both operands must be the pass's dequantise chains, found by structure from the
+       product's inputs and checked against the metadata's ``fp8``/``scale_inv`` values
+       (slot numbers are not trusted: a lowering may have swapped a Gemm's inputs).
+    2. GemmFloat8 computes ``A' @ B'^T`` with ``A'`` ``[M, K]`` and ``B'`` ``[N, K]``. An
+       operand already in that layout is read as it is (``Gemm(dY, W, transB=1)``, the input
+       gradient); otherwise (a 3-D activation, ``Transpose``d operands) the fp8 value is cut
+       again from the scaled float value: ``Cast(Transpose/Reshape(x * s), fp8)``, the same
+       bits, since ``Cast`` is element-wise (ORT's CUDA ``Transpose``/``Reshape`` kernels
+       are not known here to take float8). Example: the forward ``MatMul(x[b, T, K],
+       W[K, N])`` reads ``Cast(Reshape(x*s, [-1, K]))`` and ``Cast(Transpose(W*s))``;
+       the weight gradient ``Gemm(x2, dY, transA=1)`` reads both transposed.
+    3. A MatMul batched over leading axes of its first operand is reshaped to 2-D and its
+       output back; one whose second operand is batched too (attention) is left alone.
+    4. Skipped, and counted by reason in the log: E5M2 x E5M2; a dim not a known multiple
+       of 16 among N and K (a symbolic token count as K counts when a static factor of it is,
+       e.g. ``batch * 2048``; M is free, as in ``torch._scaled_mm``'s checks); a Gemm with ``beta != 1``; an output dtype GemmFloat8 lacks.
+       A Gemm's bias ``C`` is added after, in the output dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph._ir import meta as md
+from mpgraph.lowering.match import hand_over
+
+__all__ = ["lower_fp8_gemms"]
+
+logger = logging.getLogger(__name__)
+
+MS_DOMAIN = "com.microsoft"
+#: cuBLASLt's fp8 alignment: every dim of the problem a multiple of this.
+ALIGN = 16
+_FP8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
+_OUT = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.FLOAT)
+#: Ops whose output has its input's shape (the other input, if any, a scalar or broadcast).
+_SAME_SHAPE = frozenset({"Cast", "Identity", "Mul", "Div"})
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """One dequantised operand: ``value`` (what the product reads) <- ``chain`` <- ``bits``
+    (``Cast(scaled, fp8)``), with ``1 / s`` in ``scale_inv``."""
+
+    value: ir.Value
+    bits: ir.Value
+    scaled: ir.Value
+    scale_inv: ir.Value
+    chain: tuple[ir.Node, ...]
+
+    @property
+    def fmt(self) -> ir.DataType:
+        assert self.bits.dtype is not None
+        return self.bits.dtype
+
+
+def _onnx(node: ir.Node | None, op: str) -> bool:
+    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
+
+
+def _cast_to(node: ir.Node | None) -> ir.DataType | None:
+    if not _onnx(node, "Cast"):
+        return None
+    attr = node.attributes.get("to")  # type: ignore[union-attr]
+    return ir.DataType(attr.as_int()) if attr is not None else None
+
+
+def _operand(value: ir.Value | None, entries: list[dict[str, str]]) -> _Operand | None:
+    """Rule 1: ``value``'s dequantise chain, when it is one the metadata names."""
+    if value is None:
+        return None
+    chain: list[ir.Node] = []
+    node = value.producer()
+    if _cast_to(node) in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):
+        chain.append(node)  # type: ignore[arg-type]
+        node = node.inputs[0].producer() if node.inputs[0] is not None else None  # type: ignore[union-attr]
+    if not _onnx(node, "Mul"):
+        return None
+    mul = node
+    chain.append(mul)  # type: ignore[arg-type]
+    for back, inv in (mul.inputs, mul.inputs[::-1]):  # type: ignore[union-attr]
+        widen = back.producer() if back is not None else None
+        if inv is None or _cast_to(widen) != ir.DataType.FLOAT:
+            continue
+        bits = widen.inputs[0]  # type: ignore[union-attr]
+        quantise = bits.producer() if bits is not None else None
+        if bits is None or bits.dtype not in _FP8 or _cast_to(quantise) != bits.dtype:
+            continue
+        if not any(e.get("fp8") == bits.name and e.get("scale_inv") == inv.name for e in entries):
+            continue
+        return _Operand(value, bits, quantise.inputs[0], inv, (*chain, widen))  # type: ignore[union-attr,arg-type]
+    return None
+
+
+def _dim(value: ir.Value, axis: int) -> int | None:
+    """``value``'s size along ``axis`` (negative: from the end) where it can be known: its
+    shape, or through same-shape ops and a last-axis ``Concat`` of known parts."""
+    for _ in range(64):
+        shape = value.shape
+        if shape is None:
+            return None
+        rank = len(shape)
+        ax = axis % rank if rank else 0
+        if rank and isinstance(shape[ax], int):
+            return int(shape[ax])
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx"):
+            return None
+        if node.op_type in _SAME_SHAPE and node.inputs and node.inputs[0] is not None:
+            value = node.inputs[0]
+            continue
+        if node.op_type == "Concat" and ax == rank - 1 and node.attributes["axis"].as_int() % rank == ax:
+            parts = [_dim(v, -1) if v is not None else None for v in node.inputs]
+            return sum(parts) if parts and all(p is not None for p in parts) else None  # type: ignore[misc]
+        return None
+    return None
+
+
+def _rows_factor(value: ir.Value) -> int:
+    """A static factor of the product of ``value``'s leading dims (its rows as a matrix),
+    looking through same-shape ops and ``Flatten``/``Reshape`` that keep the last axis."""
+    best = 1
+    for _ in range(64):
+        shape = value.shape
+        if shape is not None and len(shape) >= 1:
+            static = [d for d in shape[:-1] if isinstance(d, int)]
+            best = max(best, math.prod(static))
+        node = value.producer()
+        if node is None or node.domain not in ("", "ai.onnx") or not node.inputs or node.inputs[0] is None:
+            return best
+        if node.op_type in _SAME_SHAPE or (node.op_type in ("Flatten", "Reshape") and _dim(node.inputs[0], -1)
+                                           is not None and _dim(node.inputs[0], -1) == _dim(value, -1)):
+            value = node.inputs[0]
+            continue
+        return best
+    return best
+
+
+class _Lowerer:
+    """Rewrites one graph's fp8 products; ``skipped`` counts what it left, by reason."""
+
+    def __init__(self, graph: ir.Graph) -> None:
+        self.graph = graph
+        self.outputs = set(graph.outputs)
+        self.skipped: Counter[str] = Counter()
+        self.cut: dict[tuple[int, bool, bool], ir.Value] = {}  # (id(scaled), flatten, transpose) -> fp8 value
+        self.dead: list[ir.Node] = []
+        self.count = 0
+        self.made = 0  # nodes made, for unique names
+
+    def _name(self, node: ir.Node, what: str) -> str:
+        self.made += 1
+        return f"{node.name}/fp8_gemm/{what}_{self.made}"
+
+    def lower(self, node: ir.Node) -> None:
+        reason = self._try(node)
+        if reason:
+            self.skipped[reason] += 1
+            logger.debug("fp8_gemm: %s left emulated: %s", node.name, reason)
+
+    def _try(self, node: ir.Node) -> str | None:
+        entries = list(json.loads(node.metadata_props[md.NODE_FP8]).values())
+        a, b = (_operand(node.inputs[i] if i < len(node.inputs) else None, entries) for i in (0, 1))
+        if a is None or b is None:
+            return "operand not quantised"
+        if a.fmt == b.fmt == ir.DataType.FLOAT8E5M2:
+            return "e5m2 x e5m2"
+        out = node.outputs[0]
+        if out.dtype not in _OUT:
+            return "output dtype"
+        gemm = node.op_type == "Gemm"
+        ta, tb = (_int(node, "transA"), _int(node, "transB")) if gemm else (0, 0)
+        if a.value.shape is None or b.value.shape is None:
+            return "unknown rank"
+        rank_a, rank_b = len(a.value.shape), len(b.value.shape)
+        if rank_b != 2 or rank_a < 2 or (gemm and rank_a != 2):
+            return "batched B" if rank_b > 2 else "rank"
+        beta, bias = _float(node, "beta", 1.0), (node.inputs[2] if gemm and len(node.inputs) > 2 else None)
+        if bias is not None and beta != 1.0:
+            return "bias with beta != 1"
+        dims = self._dims(a, b, ta, tb)
+        if dims is None:
+            return "N or K not a multiple of 16"
+        self._rewrite(node, a, b, ta, tb, dims, bias)
+        return None
+
+    def _dims(self, a: _Operand, b: _Operand, ta: int, tb: int) -> tuple[int, int] | None:
+        """The problem's (N, K), both known multiples of 16 (rule 4), else ``None``. M is
+        free: it is no leading dimension of ``A'`` ``[M, K]``, ``B'`` or ``Y`` ``[M, N]``."""
+        k = _dim(a.value, 0 if ta else -1) or _dim(b.value, -1 if tb else 0)
+        if k is None and ta:  # the reduction runs over a token count: a static factor will do
+            k = _rows_factor(a.value)
+        n = _dim(b.value, 0 if tb else -1)
+        if k is None or n is None or k % ALIGN or n % ALIGN:
+            return None
+        return n, k
+
+    def _rewrite(self, node: ir.Node, a: _Operand, b: _Operand, ta: int, tb: int,
+                 dims: tuple[int, int], bias: ir.Value | None) -> None:
+        n, k = dims
+        out = node.outputs[0]
+        props = {key: v for key, v in node.metadata_props.items() if key == md.NODE_ROLE}
+        flatten = len(a.value.shape) > 2  # type: ignore[arg-type]
+        a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, props=props)
+        b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, props=props)
+        alpha = _float(node, "alpha", 1.0)
+        gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
+                       attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
+                                   ir.AttrInt64("dtype", out.dtype.value)],  # type: ignore[union-attr]
+                       metadata_props=dict(node.metadata_props))
+        self.graph.insert_before(node, gemm)
+        y = gemm.outputs[0]
+        y.dtype = out.dtype
+        y.shape = ir.Shape([_leading(out), n]) if flatten else out.shape
+        if flatten:
+            y = self._add(node, "Reshape", [y, self._out_shape(node, a, n, props)], props)
+        if bias is not None:
+            y = self._add(node, "Add", [y, bias], props)
+        hand_over((out,), (y,))
+        self.dead.extend([node, *a.chain, *b.chain, a.bits.producer(), b.bits.producer()])  # type: ignore[list-item]
+        self.count += 1
+
+    def _layout(self, node: ir.Node, op: _Operand, *, flatten: bool, transpose: bool, k: int,
+                props: dict[str, str]) -> ir.Value:
+        """Rule 2: ``op``'s fp8 value as ``[rows, K]`` (``flatten``) and/or transposed."""
+        if not flatten and not transpose:
+            return op.bits
+        key = (id(op.scaled), flatten, transpose)
+        if key not in self.cut:
+            x = op.scaled
+            shape = list(x.shape)  # type: ignore[arg-type]
+            if flatten:
+                x = self._add(node, "Reshape", [x, self._const(node, np.array([-1, k], np.int64))], props)
+                shape = [_leading(op.scaled), k]
+                x.dtype, x.shape = op.scaled.dtype, ir.Shape(shape)
+            if transpose:
+                x = self._add(node, "Transpose", [x], props, perm=[1, 0])
+                shape = shape[::-1]
+                x.dtype, x.shape = op.scaled.dtype, ir.Shape(shape)
+            bits = self._add(node, "Cast", [x], props, to=op.fmt, saturate=1)
+            bits.dtype, bits.shape = op.fmt, ir.Shape(shape)
+            self.cut[key] = bits
+        return self.cut[key]
+
+    def _out_shape(self, node: ir.Node, a: _Operand, n: int, props: dict[str, str]) -> ir.Value:
+        """The product's output shape: a constant where at most one dim is unknown, else
+        ``Concat(Shape(A)[:-1], [N])``."""
+        shape = node.outputs[0].shape
+        if shape is not None and sum(not isinstance(d, int) for d in shape) <= 1:
+            return self._const(node, np.array([d if isinstance(d, int) else -1 for d in shape], np.int64))
+        lead = self._add(node, "Shape", [a.scaled], props, end=-1)
+        return self._add(node, "Concat", [lead, self._const(node, np.array([n], np.int64))], props, axis=0)
+
+    def _const(self, node: ir.Node, array: np.ndarray) -> ir.Value:
+        c = ir.Node("", "Constant", [], attributes=[ir.AttrTensor("value", ir.tensor(array))], name=self._name(node, "const"))
+        self.graph.insert_before(node, c)
+        c.outputs[0].dtype, c.outputs[0].shape = ir.DataType.INT64, ir.Shape(list(array.shape))
+        c.outputs[0].name = c.name
+        return c.outputs[0]
+
+    def _add(self, node: ir.Node, op: str, inputs: list[ir.Value], props: dict[str, str], **attrs: object) -> ir.Value:
+        new = ir.node(op, inputs, attributes=attrs, name=self._name(node, op), metadata_props=dict(props))
+        self.graph.insert_before(node, new)
+        new.outputs[0].name = new.name
+        return new.outputs[0]
+
+    def sweep(self) -> None:
+        """Remove the replaced products and every dequantise node no one reads any more."""
+        pending = list(dict.fromkeys(n for n in self.dead if n is not None))
+        changed = True
+        while changed:
+            changed = False
+            for n in list(pending):
+                if n.graph is None:
+                    pending.remove(n)
+                elif all(not v.uses() and v not in self.outputs for v in n.outputs):
+                    self.graph.remove(n, safe=True)
+                    pending.remove(n)
+                    changed = True
+
+
+def _int(node: ir.Node, name: str) -> int:
+    attr = node.attributes.get(name)
+    return attr.as_int() if attr is not None else 0
+
+
+def _float(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return attr.as_float() if attr is not None else default
+
+
+def _leading(value: ir.Value) -> int | ir.SymbolicDim | None:
+    """The product of ``value``'s leading dims when static, else unknown."""
+    shape = value.shape
+    if shape is None or not all(isinstance(d, int) for d in shape[:-1]):
+        return None
+    return math.prod(shape[:-1])  # type: ignore[arg-type]
+
+
+def lower_fp8_gemms(model: ir.Model) -> int:
+    """Rewrite ``model``'s fp8 products onto ``GemmFloat8``, in place; how many were made.
+
+    Only products carrying ``mpgraph.fp8`` (``QuantizeFp8Pass``) are looked at; what is left
+    emulated is logged per reason.
+    """
+    graph = model.graph
+    products = [n for n in graph if md.NODE_FP8 in n.metadata_props and n.op_type in ("MatMul", "Gemm")
+                and n.domain in ("", "ai.onnx")]
+    if not products:
+        return 0
+    lowerer = _Lowerer(graph)
+    for node in products:
+        lowerer.lower(node)
+    lowerer.sweep()
+    if lowerer.count:
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
+    logger.info("fp8_gemm: %d of %d fp8 products on GemmFloat8; left emulated: %s", lowerer.count, len(products),
+                dict(sorted(lowerer.skipped.items())) or "none")
+    return lowerer.count
