@@ -80,6 +80,36 @@ def test_abi_slots_are_the_functions_they_name():
     ctypes.CFUNCTYPE(None, vp)(table[94])(info)  # ReleaseMemoryInfo
 
 
+def test_kernel_info_attribute_slots_read_the_nodes_attributes():
+    """Slots 85 and 86 (KernelInfoGetAttribute_float/_int64) need a kernel's info, which only a
+    session makes: SdpaForward's ``scale`` and ``is_causal`` change its output as the attributes
+    say, and a node without them gets the defaults (1/sqrt(head dim), not causal)."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((1, 1, 2, 4)).astype(np.float32) for _ in range(3))
+
+    def run(**attrs):
+        node = helper.make_node("SdpaForward", ["q", "k", "v"], ["y", "stats"], domain=kernels.DOMAIN, **attrs)
+        inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [1, 1, 2, 4]) for n in "qkv"]
+        outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y", "stats")]
+        model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
+                                  opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(kernels.DOMAIN, 1)])
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(kernels.library("cpu")))
+        session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return session.run(["y"], {"q": q, "k": k, "v": v})[0]
+
+    def want(scale, causal):
+        s = q[0, 0].astype(np.float64) @ k[0, 0].T * scale
+        s[0, 1] = -np.inf if causal else s[0, 1]
+        p = np.exp(s - s.max(-1, keepdims=True))
+        return (p / p.sum(-1, keepdims=True)) @ v[0, 0]
+
+    np.testing.assert_allclose(run()[0, 0], want(0.5, False), rtol=1e-5)
+    np.testing.assert_allclose(run(scale=3.0, is_causal=1)[0, 0], want(3.0, True), rtol=1e-5)
+
+
 def _count(model: ir.Model, op_type: str) -> int:
     return sum(1 for n in model.graph if n.op_type == op_type)
 
@@ -291,9 +321,9 @@ def test_every_lowering_is_a_registered_documented_rule():
     assert all(r.scope in (*kernels.SCOPES, "deterministic") and r.providers <= {"cpu", "cuda"} and r.providers
                and isinstance(r.exactness, Exactness) and r.doc for r in RULES)
     order = {(p, s): [r.name for r in RULES if r.runs(p, s)] for p in ("cpu", "cuda") for s in kernels.SCOPES}
-    library = ["adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "unscale", "multi_cast",
+    library = ["sdpa", "adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "unscale", "multi_cast",
                "fold_transposes", "softmax_grad", "relu_grad"]
-    assert order["cuda", "all"] == order["cuda", "default"] == [*library, "sce_grad", "fold_scales"]
+    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", *library, "sce_grad", "fold_scales"]
     assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
     assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == []

@@ -62,6 +62,15 @@ def library(provider: str) -> Path:
     return path
 
 
+@functools.cache
+def _has_sdpa(path: str | None) -> bool:
+    """Whether the library at ``path`` has the CUDA fused attention (an older one, without the
+    ``MpgraphKernelsHaveSdpa`` symbol, has not)."""
+    if path is None:
+        return False
+    return bool(getattr(ctypes.CDLL(path), "MpgraphKernelsHaveSdpa", lambda: 0)())
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """What a session plan is asked for."""
@@ -165,7 +174,8 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     applied: list[tuple[str, int]] = []
     if scope is not None or deterministic:
         model = model or as_model(step_graph, copy=True)
-        applied = _apply(model, Target(provider, scope or "", options.nchwc_block), deterministic)
+        target = Target(provider, scope or "", options.nchwc_block, sdpa=_has_sdpa(custom_ops))
+        applied = _apply(model, target, deterministic)
     if model is not None:
         graph = ir.to_proto(model).SerializeToString()
     elif isinstance(step_graph, bytes):

@@ -33,6 +33,7 @@ from enum import Enum
 
 import onnx_ir as ir
 
+from mpgraph.lowering.attention import fuse_attention
 from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
@@ -73,6 +74,8 @@ class Target:
     scope: str
     #: ORT CPU's NCHWc channel block (0: no blocked convolutions); the runtime measures it.
     nchwc_block: int = 0
+    #: The kernel library has the CUDA fused attention (``MpgraphKernelsHaveSdpa``; cuDNN).
+    sdpa: bool = False
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,11 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fp8_gemm", "default", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
                  "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
+    LoweringRule("sdpa", "all", BOTH, SAME,
+                 lambda m, t: fuse_attention(m, t.provider) if t.provider == "cpu" or t.sdpa else 0,
+                 "an Attention (no mask, cache or softcap) and its backward as SdpaForward/SdpaBackward: "
+                 "the scores stay in the kernel (attention.py; CUDA: cuDNN via csrc/sdpa.cu, float16/bfloat16, "
+                 "head dim a multiple of 8 up to 128; CPU: a float32 reference loop)"),
     LoweringRule("adamw", "default", BOTH, BIT, lambda m, t: fuse_adamw(m),
                  "a tensor's AdamW/Adam update (14 ops) as one AdamWUpdate (fuse.py, csrc/adamw.cu)"),
     LoweringRule("adam_scalars", "default", BOTH, BIT, lambda m, t: fuse_adam_scalars(m),

@@ -20,6 +20,7 @@
 
 #include "multi.h"
 #include "ort_abi.h"
+#include "sdpa.h"
 
 namespace {
 
@@ -153,6 +154,10 @@ struct OpSpec;
 struct Kernel {
   bool cuda;
   const OpSpec* spec;
+  // SdpaForward/SdpaBackward's attributes (read when the kernel is made; other ops keep these).
+  bool has_scale = false;  // false: 1/sqrt(head_dim)
+  float scale = 0.0f;
+  int64_t causal = 0, q_heads = 0, kv_heads = 0;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -806,6 +811,235 @@ OrtStatus* permute_compute(void*, OrtKernelContext* ctx) {
   });
 }
 
+// -- SdpaForward / SdpaBackward (CUDA in sdpa.cu through cuDNN; the interface in sdpa.h) -----
+//
+// SdpaForward(Q, K, V) -> (Y, Stats): Y = softmax(scale * Q K^T, causally masked) V, without
+//     the [Sq, Skv] scores leaving the kernel; Stats float32 [B, Hq, Sq, 1], per query row the
+//     natural-log log-sum-exp of its scaled, masked scores.
+// SdpaBackward(Q, K, V, Y, dY, Stats) -> (dQ, dK, dV): with P = exp(scale * Q K^T - Stats)
+//     recomputed and D_i = rowsum(dY * Y): dV = P^T dY, dS = P * (dY V^T - D), dQ = scale dS K,
+//     dK = scale dS^T Q; GQA sums dK and dV over the query heads of a group.
+// Attributes: scale (float; absent: 1/sqrt(head_dim)), is_causal (top-left: query i sees keys
+// j <= i), q_num_heads and kv_num_heads (3-D inputs). Layouts: 4-D [B, H, S, D] or 3-D
+// [B, S, H * D] (ONNX Attention's); Hq a multiple of Hkv, query head h reads kv head
+// h / (Hq / Hkv). CPU: float32, plain loops in float32 over (batch, head) tasks (a reference
+// for the CUDA path and for tests, not for speed). CUDA: float16 and bfloat16, only in a build
+// with cuDNN (MPG_WITH_CUDNN).
+
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
+#define MPG_SDPA_CUDA(...) __VA_ARGS__
+#define MPG_SDPA_ERROR() std::string(mpg_sdpa_last_error())
+#else
+#define MPG_SDPA_CUDA(...) ((void)stream, 0)
+#define MPG_SDPA_ERROR() std::string()
+#endif
+
+// Strides of dims (batch, head, sequence, head dim) of a contiguous tensor of ``heads`` heads
+// of ``dim`` elements: 4-D [B, H, S, D] or 3-D [B, S, H * D].
+void sdpa_strides(bool four_d, int64_t heads, int64_t len, int64_t dim, int64_t* stride) {
+  stride[3] = 1;
+  if (four_d) {
+    stride[2] = dim, stride[1] = len * dim, stride[0] = heads * len * dim;
+  } else {
+    stride[1] = dim, stride[2] = heads * dim, stride[0] = len * heads * dim;
+  }
+}
+
+// The shape of an SDPA from Q, K and V (their dims checked against each other), and Y's dims.
+OrtStatus* sdpa_shape(const char* name, const Kernel& kernel, const Tensor& q, const Tensor& k, const Tensor& v,
+                      SdpaShape* s, std::vector<int64_t>* y_dims) {
+  const size_t rank = q.dims.size();
+  if ((rank != 3 && rank != 4) || k.dims.size() != rank || v.dims.size() != rank)
+    return status(std::string(name) + ": Q, K and V must all be 3-D [B, S, H*D] or all 4-D [B, H, S, D]");
+  std::memset(s, 0, sizeof(*s));
+  const bool four = rank == 4;
+  s->batch = q.dims[0];
+  s->q_heads = four ? q.dims[1] : kernel.q_heads;
+  s->kv_heads = four ? k.dims[1] : kernel.kv_heads;
+  if (s->q_heads <= 0 || s->kv_heads <= 0 || s->q_heads % s->kv_heads)
+    return status(std::string(name) + ": the head counts must be positive, q heads a multiple of kv heads (3-D "
+                  "inputs need q_num_heads and kv_num_heads)");
+  const int64_t seq = four ? 2 : 1;
+  s->q_len = q.dims[seq];
+  s->kv_len = k.dims[seq];
+  s->head_dim = four ? q.dims[3] : q.dims[2] / s->q_heads;
+  s->v_head_dim = four ? v.dims[3] : v.dims[2] / s->kv_heads;
+  const bool fits = four ? (k.dims[1] == v.dims[1] && k.dims[3] == s->head_dim)
+                         : (q.dims[2] == s->q_heads * s->head_dim && k.dims[2] == s->kv_heads * s->head_dim &&
+                            v.dims[2] == s->kv_heads * s->v_head_dim);
+  if (!fits || k.dims[0] != s->batch || v.dims[0] != s->batch || v.dims[seq] != s->kv_len)
+    return status(std::string(name) + ": Q, K and V disagree in batch, heads, length or head dim");
+  sdpa_strides(four, s->q_heads, s->q_len, s->head_dim, s->q_stride);
+  sdpa_strides(four, s->kv_heads, s->kv_len, s->head_dim, s->k_stride);
+  sdpa_strides(four, s->kv_heads, s->kv_len, s->v_head_dim, s->v_stride);
+  sdpa_strides(four, s->q_heads, s->q_len, s->v_head_dim, s->y_stride);
+  s->type = q.type;
+  s->causal = kernel.causal ? 1 : 0;
+  s->scale = kernel.has_scale ? kernel.scale : 1.0f / std::sqrt(static_cast<float>(s->head_dim));
+  if (four)
+    *y_dims = {s->batch, s->q_heads, s->q_len, s->v_head_dim};
+  else
+    *y_dims = {s->batch, s->q_len, s->q_heads * s->v_head_dim};
+  return nullptr;
+}
+
+// Keys query i sees.
+int64_t sdpa_keys(const SdpaShape& s, int64_t i) { return s.causal ? std::min(i + 1, s.kv_len) : s.kv_len; }
+
+// Row i of head (b, h)'s scaled scores into p[0, keys); the row's max.
+float sdpa_scores(const SdpaShape& s, const float* q, const float* k, int64_t i, int64_t keys, float* p) {
+  float max = -INFINITY;
+  for (int64_t j = 0; j < keys; ++j) {
+    float dot = 0.0f;
+    for (int64_t d = 0; d < s.head_dim; ++d) dot += q[i * s.q_stride[2] + d] * k[j * s.k_stride[2] + d];
+    p[j] = dot * s.scale;
+    max = std::max(max, p[j]);
+  }
+  return max;
+}
+
+// One (batch, query head) of the forward: q, k, v, y point at the head's first element.
+void sdpa_forward_head(const SdpaShape& s, const float* q, const float* k, const float* v, float* y, float* stats) {
+  std::vector<float> p(static_cast<size_t>(s.kv_len));
+  for (int64_t i = 0; i < s.q_len; ++i) {
+    const int64_t keys = sdpa_keys(s, i);
+    const float max = sdpa_scores(s, q, k, i, keys, p.data());
+    float sum = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) sum += (p[j] = std::exp(p[j] - max));
+    for (int64_t j = 0; j < keys; ++j) p[j] /= sum;
+    for (int64_t d = 0; d < s.v_head_dim; ++d) {
+      float acc = 0.0f;
+      for (int64_t j = 0; j < keys; ++j) acc += p[j] * v[j * s.v_stride[2] + d];
+      y[i * s.y_stride[2] + d] = keys ? acc : 0.0f;
+    }
+    stats[i] = keys ? max + std::log(sum) : -INFINITY;
+  }
+}
+
+// One (batch, kv head) of the backward: the query heads of its group, one after the other, so
+// dK and dV (this task's alone) sum over them in order. t[]: q, k, v, y, dy, dq, dk, dv at head
+// (b, 0) of each (q, y, dy, dq) or at (b, g) (k, v, dk, dv).
+void sdpa_backward_group(const SdpaShape& s, const float* const* t, float* const* out, const float* stats) {
+  const float *q0 = t[0], *k = t[1], *v = t[2], *y0 = t[3], *dy0 = t[4];
+  float *dq0 = out[0], *dk = out[1], *dv = out[2];
+  for (int64_t j = 0; j < s.kv_len; ++j) {
+    for (int64_t d = 0; d < s.head_dim; ++d) dk[j * s.k_stride[2] + d] = 0.0f;
+    for (int64_t d = 0; d < s.v_head_dim; ++d) dv[j * s.v_stride[2] + d] = 0.0f;
+  }
+  std::vector<float> p(static_cast<size_t>(s.kv_len)), ds(static_cast<size_t>(s.kv_len));
+  for (int64_t r = 0; r < s.q_heads / s.kv_heads; ++r) {
+    const float *q = q0 + r * s.q_stride[1], *y = y0 + r * s.y_stride[1], *dy = dy0 + r * s.y_stride[1];
+    float* dq = dq0 + r * s.q_stride[1];
+    const float* lse = stats + r * s.q_len;
+    for (int64_t i = 0; i < s.q_len; ++i) {
+      const int64_t keys = sdpa_keys(s, i);
+      const float *yi = y + i * s.y_stride[2], *dyi = dy + i * s.y_stride[2], *qi = q + i * s.q_stride[2];
+      float delta = 0.0f;
+      for (int64_t d = 0; d < s.v_head_dim; ++d) delta += dyi[d] * yi[d];
+      sdpa_scores(s, q, k, i, keys, p.data());
+      for (int64_t j = 0; j < keys; ++j) {
+        p[j] = std::exp(p[j] - lse[i]);
+        const float* vj = v + j * s.v_stride[2];
+        float dp = 0.0f;
+        for (int64_t d = 0; d < s.v_head_dim; ++d) dp += dyi[d] * vj[d];
+        ds[j] = (p[j] * (dp - delta)) * s.scale;
+        float* dvj = dv + j * s.v_stride[2];
+        for (int64_t d = 0; d < s.v_head_dim; ++d) dvj[d] += p[j] * dyi[d];
+      }
+      for (int64_t d = 0; d < s.head_dim; ++d) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < keys; ++j) acc += ds[j] * k[j * s.k_stride[2] + d];
+        dq[i * s.q_stride[2] + d] = acc;
+      }
+      for (int64_t j = 0; j < keys; ++j)
+        for (int64_t d = 0; d < s.head_dim; ++d) dk[j * s.k_stride[2] + d] += ds[j] * qi[d];
+    }
+  }
+}
+
+// ``launch(stream)`` on the session's CUDA stream; a nonzero return is an error status with
+// sdpa.cu's message.
+template <typename Launch>
+OrtStatus* sdpa_on_gpu(OrtKernelContext* ctx, const std::string& name, Launch launch) {
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, name, [&](void* stream) {
+    const int rc = launch(stream);
+    if (rc) why = MPG_SDPA_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status(name + ": " + why);
+  }
+  return st;
+}
+
+// Q, K, V (and, for the backward, Y and dY) read and checked; Stats' dims.
+OrtStatus* sdpa_inputs(OrtKernelContext* ctx, const Kernel& kernel, const char* name, size_t count, Tensor* t,
+                       SdpaShape* s, std::vector<int64_t>* y_dims) {
+  for (size_t i = 0; i < count; ++i) {
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+    if (t[i].type != t[0].type) return status(std::string(name) + ": Q, K, V, Y and dY differ in type");
+  }
+  if (!kernel.cuda && t[0].type != MPG_FLOAT) return status(std::string(name) + ": the CPU kernel is float32 only");
+  if (OrtStatus* st = sdpa_shape(name, kernel, t[0], t[1], t[2], s, y_dims)) return st;
+  for (size_t i = 3; i < count; ++i)
+    if (t[i].dims != *y_dims) return status(std::string(name) + ": Y or dY has not the shape of the output");
+  return nullptr;
+}
+
+OrtStatus* sdpa_forward_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor t[3], y, stats;
+  SdpaShape s;
+  std::vector<int64_t> y_dims;
+  if (OrtStatus* st = sdpa_inputs(ctx, kernel, "SdpaForward", 3, t, &s, &y_dims)) return st;
+  if (OrtStatus* st = output(ctx, 0, y_dims, &y)) return st;
+  if (OrtStatus* st = output(ctx, 1, {s.batch, s.q_heads, s.q_len, 1}, &stats)) return st;
+  if (y.count == 0) return nullptr;
+  if (!kernel.cuda) {
+    return parallel_for(ctx, static_cast<size_t>(s.batch * s.q_heads), [&](size_t task) {
+      const int64_t b = static_cast<int64_t>(task) / s.q_heads, h = static_cast<int64_t>(task) % s.q_heads;
+      const int64_t g = h / (s.q_heads / s.kv_heads);
+      sdpa_forward_head(s, t[0].data + b * s.q_stride[0] + h * s.q_stride[1], t[1].data + b * s.k_stride[0] + g * s.k_stride[1],
+                        t[2].data + b * s.v_stride[0] + g * s.v_stride[1], y.data + b * s.y_stride[0] + h * s.y_stride[1],
+                        stats.data + static_cast<int64_t>(task) * s.q_len);
+    });
+  }
+  return sdpa_on_gpu(ctx, "SdpaForward", [&](void* stream) {
+    return MPG_SDPA_CUDA(mpg_sdpa_forward_cuda(&s, t[0].data, t[1].data, t[2].data, y.data, stats.data, stream));
+  });
+}
+
+OrtStatus* sdpa_backward_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor t[5], stats, d[3];
+  SdpaShape s;
+  std::vector<int64_t> y_dims;
+  if (OrtStatus* st = sdpa_inputs(ctx, kernel, "SdpaBackward", 5, t, &s, &y_dims)) return st;
+  if (OrtStatus* st = input(ctx, 5, &stats)) return st;
+  if (stats.type != MPG_FLOAT || stats.count != static_cast<size_t>(s.batch * s.q_heads * s.q_len))
+    return status("SdpaBackward: Stats must be float32 [B, Hq, Sq, 1]");
+  for (size_t i = 0; i < 3; ++i)
+    if (OrtStatus* st = output(ctx, i, t[i].dims, &d[i])) return st;
+  if (d[0].count + d[1].count + d[2].count == 0) return nullptr;
+  if (!kernel.cuda) {
+    const int64_t reps = s.q_heads / s.kv_heads;
+    return parallel_for(ctx, static_cast<size_t>(s.batch * s.kv_heads), [&](size_t task) {
+      const int64_t b = static_cast<int64_t>(task) / s.kv_heads, g = static_cast<int64_t>(task) % s.kv_heads;
+      const int64_t qo = b * s.q_stride[0] + g * reps * s.q_stride[1], yo = b * s.y_stride[0] + g * reps * s.y_stride[1];
+      const int64_t ko = b * s.k_stride[0] + g * s.k_stride[1], vo = b * s.v_stride[0] + g * s.v_stride[1];
+      const float* in[5] = {t[0].data + qo, t[1].data + ko, t[2].data + vo, t[3].data + yo, t[4].data + yo};
+      float* out[3] = {d[0].data + qo, d[1].data + ko, d[2].data + vo};
+      sdpa_backward_group(s, in, out, stats.data + (b * s.q_heads + g * reps) * s.q_len);
+    });
+  }
+  return sdpa_on_gpu(ctx, "SdpaBackward", [&](void* stream) {
+    return MPG_SDPA_CUDA(mpg_sdpa_backward_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, t[4].data, stats.data,
+                                                d[0].data, d[1].data, d[2].data, stream));
+  });
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -851,6 +1085,15 @@ const OpSpec kSpecs[] = {
     {"SoftmaxCrossEntropyGrad", 0, 0, 3, 1, {MPG_INT64, MPG_FLOAT}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, sce_grad_compute},
     {"Permute", 0, kCpuOnly, 2, 1, {MPG_FLOAT, MPG_INT64}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, permute_compute},
     {"AdamScalars", 0, 0, 5, 2, {MPG_DOUBLE, MPG_DOUBLE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, adam_scalars_compute},
+    // Stats (SdpaForward's output 1, SdpaBackward's input 5) is float32 whatever elem says.
+    {"SdpaForward", MPG_FLOAT, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
+    {"SdpaBackward", MPG_FLOAT, kCpuOnly, 6, 3, {}, {}, false, 1, 0, 1, sdpa_backward_compute},
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
+    {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
+    {"SdpaForward", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
+    {"SdpaBackward", MPG_FLOAT16, kCudaOnly, 6, 3, {}, {}, false, 1, 0, 1, sdpa_backward_compute},
+    {"SdpaBackward", MPG_BFLOAT16, kCudaOnly, 6, 3, {}, {}, false, 1, 0, 1, sdpa_backward_compute},
+#endif
 };
 constexpr size_t kOpCount = sizeof(kSpecs) / sizeof(kSpecs[0]);
 
@@ -869,9 +1112,11 @@ int typed(size_t index, size_t count, const int* last_two) {
 int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
+  if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
 }
 int output_type(const MpgCustomOp* op, size_t index) {
+  if (spec_of(op).compute == sdpa_forward_compute && index == 1) return MPG_FLOAT;  // Stats
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).outputs, spec_of(op).out_types);
 }
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
@@ -890,8 +1135,26 @@ void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) 
 void compute_v1(void*, OrtKernelContext*) {}
 void destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 int default_memory(const MpgCustomOp*, size_t) { return 0; }
-OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi*, const OrtKernelInfo*, void** kernel) {
-  *kernel = new Kernel{reinterpret_cast<const Op*>(op)->cuda, reinterpret_cast<const Op*>(op)->spec};
+// An attribute of the node, or ``fallback`` when it has none (false then).
+template <typename T>
+bool attribute(const OrtApi* api, const OrtKernelInfo* info, MpgOrtSlot slot, const char* name, T fallback, T* out) {
+  using Get = OrtStatus* (*)(const OrtKernelInfo*, const char*, T*);
+  if (OrtStatus* st = mpg_slot<Get>(api, slot)(info, name, out)) {
+    mpg_slot<void (*)(OrtStatus*)>(api, kReleaseStatus)(st);
+    *out = fallback;
+    return false;
+  }
+  return true;
+}
+OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
+  Kernel* made = new Kernel{reinterpret_cast<const Op*>(op)->cuda, reinterpret_cast<const Op*>(op)->spec};
+  if (made->spec->compute == sdpa_forward_compute || made->spec->compute == sdpa_backward_compute) {
+    made->has_scale = attribute<float>(api, info, kKernelInfoGetAttribute_float, "scale", 0.0f, &made->scale);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "is_causal", 0, &made->causal);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "q_num_heads", 0, &made->q_heads);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "kv_num_heads", 0, &made->kv_heads);
+  }
+  *kernel = made;
   return nullptr;
 }
 OrtStatus* compute(void* kernel, OrtKernelContext* ctx) { return static_cast<Kernel*>(kernel)->spec->compute(kernel, ctx); }
@@ -950,6 +1213,16 @@ extern "C" {
 // Which providers this build has kernels for (the Python side reads it with ctypes).
 __attribute__((visibility("default"))) int MpgraphKernelsHaveCuda() {
 #ifdef MPG_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether this build has the CUDA fused attention (SdpaForward/SdpaBackward through cuDNN);
+// the CPU reference kernels are always in.
+__attribute__((visibility("default"))) int MpgraphKernelsHaveSdpa() {
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
   return 1;
 #else
   return 0;

@@ -46,6 +46,8 @@ enum MpgOrtSlot {
   kGetDimensions = 62,
   kGetTensorShapeElementCount = 64,
   kGetTensorTypeAndShape = 65,
+  kKernelInfoGetAttribute_float = 85,
+  kKernelInfoGetAttribute_int64 = 86,
   kKernelContext_GetInputCount = 88,
   kKernelContext_GetOutputCount = 89,
   kKernelContext_GetInput = 90,
