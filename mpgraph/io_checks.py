@@ -20,6 +20,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import check_recorded
 from mpgraph.errors import ModelLoadError, UnsupportedModelError, first_line
 
 __all__ = [
@@ -43,14 +44,13 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
     """mpgraph's own model metadata (``mpgraph.*`` keys) is well formed and names real values.
 
     Rules:
-        1. ``state_pairs`` and ``gradients`` are JSON lists of ``[name, name]`` string pairs;
-           a state pair is (graph input, graph output), a gradient pair (graph input, value).
-        2. ``loss`` and ``grad_seed`` name values of the graph.
-        3. ``initializer_range`` is a JSON list of objects with ``name``, ``overflow``,
+        1. The step contract's keys (``state_pairs``, ``gradients``, ``loss``, ``grad_seed``,
+           ``training``, ``loss_scale_state``) pass ``_ir.contract.check_recorded``: pairs of
+           real inputs and outputs or values, names of real values, ``true``/``false``, the
+           loss-scale state's roles naming graph outputs and inputs.
+        2. ``initializer_range`` is a JSON list of objects with ``name``, ``overflow``,
            ``underflow`` and ``action``; ``weight_bytes_before`` is an integer.
-        4. ``training``, ``emulated`` and ``tf32`` are ``true`` or ``false``.
-        5. ``loss_scale_state`` is a JSON object whose ``found_inf`` names a graph output and
-           whose ``scale`` and ``growth_tracker`` (when present) name graph inputs.
+        3. ``emulated`` and ``tf32`` are ``true`` or ``false``.
 
     Raises:
         ModelLoadError: Naming the key and what is wrong with it.
@@ -60,24 +60,11 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
         return
     g = proto.graph
     inputs = {v.name for v in g.input}
-    outputs = {v.name for v in g.output}
     values = inputs | {t.name for t in g.initializer} | {o for n in g.node for o in n.output}
-    for key, first_in, second_in, what in ((md.MODEL_STATE_PAIRS, inputs, outputs, "graph output"),
-                                           (md.MODEL_GRADIENTS, inputs, values, "value")):
-        if key not in props:
-            continue
-        pairs = _json_meta(props, key, path)
-        if not isinstance(pairs, list) or not all(
-                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
-            raise ModelLoadError(f"{path}: metadata '{key}' should be a JSON list of [name, name] pairs")
-        for a, b in pairs:
-            if a not in first_in:
-                raise ModelLoadError(f"{path}: metadata '{key}' names '{a}', which is not a graph input")
-            if b not in second_in:
-                raise ModelLoadError(f"{path}: metadata '{key}' names '{b}', which is not a {what} of the graph")
-    for key in (md.MODEL_LOSS, md.MODEL_GRAD_SEED):
-        if key in props and props[key] not in values:
-            raise ModelLoadError(f"{path}: metadata '{key}' names '{props[key]}', which is not a value of the graph")
+    try:
+        check_recorded(props, inputs=inputs, outputs={v.name for v in g.output}, values=values)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
     if md.MODEL_INIT_RANGE in props:
         events = _json_meta(props, md.MODEL_INIT_RANGE, path)
         fields = ("name", "overflow", "underflow", "action")
@@ -89,22 +76,9 @@ def check_metadata(proto: onnx.ModelProto, path: str | os.PathLike[str] = "<mode
     before = props.get(md.MODEL_WEIGHT_BYTES_BEFORE)
     if before is not None and not before.strip().isdigit():
         raise ModelLoadError(f"{path}: metadata '{md.MODEL_WEIGHT_BYTES_BEFORE}' should be an integer, got {before[:40]!r}")
-    for key in (md.MODEL_TRAINING, md.MODEL_EMULATED, md.MODEL_TF32):
+    for key in (md.MODEL_EMULATED, md.MODEL_TF32):
         if key in props and props[key] not in ("true", "false"):
             raise ModelLoadError(f"{path}: metadata '{key}' should be true or false, got {props[key][:40]!r}")
-    if md.MODEL_LOSS_SCALE_STATE in props:
-        _check_loss_scale_state(_json_meta(props, md.MODEL_LOSS_SCALE_STATE, path), inputs, outputs, path)
-
-
-def _check_loss_scale_state(state: object, inputs: set[str], outputs: set[str], path: str | os.PathLike[str]) -> None:
-    key = md.MODEL_LOSS_SCALE_STATE
-    if not isinstance(state, dict) or "found_inf" not in state:
-        raise ModelLoadError(f"{path}: metadata '{key}' should be a JSON object naming found_inf")
-    for role, name in state.items():
-        where = outputs if role == "found_inf" else inputs
-        if role not in ("found_inf", "scale", "growth_tracker") or not isinstance(name, str) or name not in where:
-            raise ModelLoadError(f"{path}: metadata '{key}' names {role} {name!r}, which is not a graph "
-                                 f"{'output' if role == 'found_inf' else 'input'} (roles: found_inf, scale, growth_tracker)")
 
 
 def _graphs(graph: onnx.GraphProto) -> Iterator[onnx.GraphProto]:

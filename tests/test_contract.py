@@ -14,7 +14,7 @@ import pytest
 
 import mpgraph
 from mpgraph._ir import meta as md
-from mpgraph._ir.contract import LossScaleState, StepContract
+from mpgraph._ir.contract import LossScaleState, StepContract, check_recorded
 from mpgraph.training import build_training_graph
 from mpgraph.training.split_step_graph import split_step_graph
 
@@ -98,3 +98,35 @@ def test_the_loss_scale_state_reads_from_a_step_graph_and_from_its_apply_part(gp
     assert not StepContract.recorded(apply)
     assert LossScaleState.read(apply) == LossScaleState("found_inf", md.LOSS_SCALE, md.GROWTH_TRACKER)
     assert LossScaleState.read(gpt_step) is None
+
+
+def test_the_strict_check_names_the_key_and_the_fault(gpt_step: ir.Model) -> None:
+    """``check_recorded`` (what ``mpgraph.io.check_metadata`` runs on every loaded file) takes
+    the built graph and refuses each contract key broken in one way, naming key and value."""
+    graph = gpt_step.graph
+    inputs, outputs = {v.name for v in graph.inputs}, {v.name for v in graph.outputs}
+    values = inputs | set(graph.initializers) | {v.name for n in graph for v in n.outputs}
+    props = dict(gpt_step.metadata_props)
+    check_recorded(props, inputs=inputs, outputs=outputs, values=values)
+    param = StepContract.read(gpt_step).state_pairs[0][0]
+    broken = {
+        md.MODEL_STATE_PAIRS: (f'[["{param}", "nowhere"]]', "names 'nowhere', which is not a graph output"),
+        md.MODEL_GRADIENTS: ('[["nowhere", "loss"]]', "names 'nowhere', which is not a graph input"),
+        md.MODEL_LOSS: ("nowhere", "names 'nowhere', which is not a value of the graph"),
+        md.MODEL_TRAINING: ("yes", "should be true or false, got 'yes'"),
+        md.MODEL_LOSS_SCALE_STATE: ('{"found_inf": "loss"', "is not valid JSON"),
+    }
+    for key, (text, message) in broken.items():
+        with pytest.raises(ValueError, match=f"metadata '{key}' {message}"):
+            check_recorded({**props, key: text}, inputs=inputs, outputs=outputs, values=values)
+
+
+def test_what_a_pass_asks_of_the_record(gpt_step: ir.Model) -> None:
+    model = _copy(gpt_step)
+    assert StepContract.is_training(model) and not LossScaleState.recorded(model)
+    assert StepContract.missing(model, "gradients", "grad_seed", "state_pairs") == []
+    del model.metadata_props[md.MODEL_GRAD_SEED]
+    model.metadata_props[md.MODEL_TRAINING] = "false"
+    assert StepContract.missing(model, "gradients", "grad_seed", "state_pairs") == [md.MODEL_GRAD_SEED]
+    assert not StepContract.is_training(model)
+    assert LossScaleState.recorded(mpgraph.convert(_copy(gpt_step), "fp16"))

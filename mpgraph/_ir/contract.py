@@ -47,7 +47,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 
-__all__ = ["LOSS_OPS", "LR_INPUT", "LossScaleState", "StepContract"]
+__all__ = ["KEYS", "LOSS_OPS", "LR_INPUT", "LossScaleState", "StepContract", "check_recorded"]
 
 #: The ops that compute a loss from logits (both torch exporters emit them for cross-entropy).
 LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
@@ -55,6 +55,17 @@ LOSS_OPS = frozenset({"SoftmaxCrossEntropyLoss", "NegativeLogLikelihoodLoss"})
 LR_INPUT = "lr"
 #: Ops a label may pass through on its way to the loss op (shape-only).
 _LABEL_PASSTHROUGH = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
+#: The metadata key of each recorded field (``training`` is the flag ``write`` sets).
+KEYS = {
+    "grad_seed": md.MODEL_GRAD_SEED,
+    "loss": md.MODEL_LOSS,
+    "gradients": md.MODEL_GRADIENTS,
+    "state_pairs": md.MODEL_STATE_PAIRS,
+    "training": md.MODEL_TRAINING,
+    "logits": md.MODEL_LOGITS,
+    "forward_outputs": md.MODEL_FORWARD_OUTPUTS,
+    "loss_scale": md.MODEL_LOSS_SCALE_STATE,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +86,12 @@ class LossScaleState:
         graph = model.graph
         return _loss_scale(model.metadata_props, {v.name or "" for v in graph.outputs},
                            {v.name or "" for v in graph.inputs})
+
+    @classmethod
+    def recorded(cls, model: ir.Model) -> bool:
+        """Whether ``model`` records loss-scale state (``mpgraph.loss_scale_state``): loss
+        scaling ran, whether or not the names still resolve (``read`` then gives ``None``)."""
+        return KEYS["loss_scale"] in model.metadata_props
 
     def to_json(self) -> str:
         record = {"found_inf": self.found_inf}
@@ -147,7 +164,19 @@ class StepContract:
     @classmethod
     def recorded(cls, model: ir.Model) -> bool:
         """Whether ``model`` is a step graph (it records state pairs)."""
-        return md.MODEL_STATE_PAIRS in model.metadata_props
+        return KEYS["state_pairs"] in model.metadata_props
+
+    @classmethod
+    def is_training(cls, model: ir.Model) -> bool:
+        """Whether ``model`` is marked a training step graph (``mpgraph.training`` is ``true``,
+        as ``write`` records it; ``split_step_graph``'s parts and inference models are not)."""
+        return model.metadata_props.get(KEYS["training"]) == "true"
+
+    @classmethod
+    def missing(cls, model: ir.Model, *fields: str) -> list[str]:
+        """The metadata keys of the recorded ``fields`` (``KEYS``' names) that ``model`` lacks,
+        in the order asked: what a reader needing them names in its error."""
+        return [KEYS[f] for f in fields if KEYS[f] not in model.metadata_props]
 
     @classmethod
     def read(cls, model: ir.Model) -> StepContract:
@@ -180,6 +209,77 @@ class StepContract:
             label_bounds=_label_bounds(graph, data),
             vocab=_vocab(graph, data),
         )
+
+
+def check_recorded(props: Mapping[str, str], *, inputs: set[str], outputs: set[str], values: set[str]) -> None:
+    """The contract's keys in ``props``, strictly: each well formed and naming a real value.
+
+    ``read`` is lenient on purpose (it fills in what older graphs lack and keeps only names
+    that resolve); this is the check at the load boundary (``mpgraph.io.check_metadata``),
+    on names alone, so that it runs on the file's proto before anything is built from it.
+
+    Rules:
+        1. ``state_pairs`` and ``gradients`` are JSON lists of ``[name, name]`` string pairs;
+           a state pair is (graph input, graph output), a gradient pair (graph input, value).
+        2. ``loss`` and ``grad_seed`` name values of the graph.
+        3. ``training`` is ``true`` or ``false``.
+        4. ``loss_scale_state`` is a JSON object whose ``found_inf`` names a graph output and
+           whose ``scale`` and ``growth_tracker`` (when present) name graph inputs.
+
+    Args:
+        props: The model's metadata.
+        inputs, outputs: The graph's input and output names.
+        values: Every value name of the graph (inputs, initializers, node outputs).
+
+    Raises:
+        ValueError: Naming the key and what is wrong with it (the caller adds the file).
+
+    Example:
+        >>> check_recorded({"mpgraph.loss": "nowhere"}, inputs={"x"}, outputs={"y"}, values={"x", "y"})
+        Traceback (most recent call last):
+        ...
+        ValueError: metadata 'mpgraph.loss' names 'nowhere', which is not a value of the graph
+    """
+    for key, first_in, second_in, what in ((KEYS["state_pairs"], inputs, outputs, "graph output"),
+                                           (KEYS["gradients"], inputs, values, "value")):
+        if key not in props:
+            continue
+        pairs = _json(props, key)
+        if not isinstance(pairs, list) or not all(
+                isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs):
+            raise ValueError(f"metadata '{key}' should be a JSON list of [name, name] pairs")
+        for a, b in pairs:
+            if a not in first_in:
+                raise ValueError(f"metadata '{key}' names '{a}', which is not a graph input")
+            if b not in second_in:
+                raise ValueError(f"metadata '{key}' names '{b}', which is not a {what} of the graph")
+    for key in (KEYS["loss"], KEYS["grad_seed"]):
+        if key in props and props[key] not in values:
+            raise ValueError(f"metadata '{key}' names '{props[key]}', which is not a value of the graph")
+    key = KEYS["training"]
+    if key in props and props[key] not in ("true", "false"):
+        raise ValueError(f"metadata '{key}' should be true or false, got {props[key][:40]!r}")
+    if KEYS["loss_scale"] in props:
+        _check_loss_scale(_json(props, KEYS["loss_scale"]), inputs, outputs)
+
+
+def _json(props: Mapping[str, str], key: str) -> object:
+    try:
+        return json.loads(props[key])
+    except (ValueError, RecursionError) as e:
+        cause = (str(e).strip().splitlines() or [type(e).__name__])[0]  # errors.first_line's rule
+        raise ValueError(f"metadata '{key}' is not valid JSON ({cause})") from e
+
+
+def _check_loss_scale(state: object, inputs: set[str], outputs: set[str]) -> None:
+    key = KEYS["loss_scale"]
+    if not isinstance(state, dict) or "found_inf" not in state:
+        raise ValueError(f"metadata '{key}' should be a JSON object naming found_inf")
+    for role, name in state.items():
+        where = outputs if role == "found_inf" else inputs
+        if role not in ("found_inf", "scale", "growth_tracker") or not isinstance(name, str) or name not in where:
+            raise ValueError(f"metadata '{key}' names {role} {name!r}, which is not a graph "
+                             f"{'output' if role == 'found_inf' else 'input'} (roles: found_inf, scale, growth_tracker)")
 
 
 def _guess_logits(graph: ir.Graph) -> str | None:

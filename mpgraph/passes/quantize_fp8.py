@@ -125,8 +125,7 @@ class QuantizeFp8Pass(ir.passes.InPlacePass):
                 f"--no-opset-upgrade (upgrade_opset=True) so it is upgraded"
             )
         props = model.metadata_props
-        delayed = (self.fp8.scaling.recipe == "delayed" and props.get(md.MODEL_TRAINING) == "true"
-                   and md.MODEL_STATE_PAIRS in props)
+        delayed = self.fp8.scaling.recipe == "delayed" and StepContract.is_training(model) and StepContract.recorded(model)
         taken = [v.name for v in model.graph.inputs if v.name in (_SCALES, _HISTORY)]
         if delayed and taken:
             raise MpgraphError(f"fp8: the step graph has an input named '{taken[0]}', but it is not fp8 state "

@@ -71,7 +71,7 @@ class ScaleLossPass(ir.passes.InPlacePass):
         self.settings = settings
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
-        if self.settings.mode == "none" or model.metadata_props.get(md.MODEL_TRAINING) != "true":
+        if self.settings.mode == "none" or not StepContract.is_training(model):
             return ir.passes.PassResult(model, False)
         if _already_scaled(model):
             return ir.passes.PassResult(model, False)
@@ -140,7 +140,7 @@ def _already_scaled(model: ir.Model) -> bool:
         MpgraphError: Without that record, a graph input or output that has the name of the
             state the pass adds: a user's value, which the runtime would take for the state.
     """
-    if md.MODEL_LOSS_SCALE_STATE in model.metadata_props:
+    if LossScaleState.recorded(model):
         return True
     graph = model.graph
     taken = [v.name for v in graph.inputs if v.name in (md.LOSS_SCALE, md.GROWTH_TRACKER)]
@@ -161,28 +161,28 @@ def _seed_and_gradients(model: ir.Model) -> tuple[StepContract, ir.Value, list[t
         MpgraphError: A step graph not from ``train-graph`` with an optimizer, one whose node
             roles were lost, or metadata naming missing values.
     """
-    props, graph = model.metadata_props, model.graph
-    missing = [k for k in (md.MODEL_GRADIENTS, md.MODEL_GRAD_SEED, md.MODEL_STATE_PAIRS) if k not in props]
-    contract = StepContract.read(model) if not missing else None
+    graph = model.graph
+    missing = StepContract.missing(model, "gradients", "grad_seed", "state_pairs")
     if missing:
         raise MpgraphError(
             f"loss scaling needs a step graph built by `mpgraph train-graph` with an optimizer "
             f"(missing metadata {', '.join(missing)})"
         )
+    contract = StepContract.read(model)
     if not any(node.metadata_props.get(md.NODE_ROLE) == md.Role.OPTIMIZER for node in graph):
         # Rule 4 finds what to guard by role: without roles a skipped step would still
         # apply its inf/NaN update. (onnx.version_converter drops node metadata.)
         raise MpgraphError(
             f"loss scaling: no node carries the '{md.NODE_ROLE}' optimizer role, so the update "
             f"could not be skipped on overflow; the node metadata was lost (opset upgrade: "
-            f"{props.get(md.MODEL_OPSET_UPGRADED, 'none recorded')}); convert the step graph "
+            f"{model.metadata_props.get(md.MODEL_OPSET_UPGRADED, 'none recorded')}); convert the step graph "
             f"from `mpgraph train-graph` again with --no-opset-upgrade (upgrade_opset=False)"
         )
     values: dict[str, ir.Value] = {}
     for value in (*(v for n in graph for v in n.outputs), *graph.inputs, *graph.initializers.values()):
         if value.name:
             values.setdefault(value.name, value)
-    assert contract is not None and contract.grad_seed is not None and contract.gradients is not None
+    assert contract.grad_seed is not None and contract.gradients is not None
     seed = values.get(contract.grad_seed)
     grads = [(p, values.get(g)) for p, g in contract.gradients]
     if seed is None or any(g is None for _, g in grads):
