@@ -47,8 +47,9 @@ Rules (each product with ``mpgraph.fp8`` metadata, ``_ir/meta.NODE_FP8``):
        output back; one whose second operand is batched too (attention) is left alone.
     4. Skipped, and counted by reason in the log: E5M2 x E5M2; a dim not a known multiple
        of 16 among N and K (a symbolic token count as K counts when a static factor of it is,
-       e.g. ``batch * 2048``; M is free, as in ``torch._scaled_mm``'s checks); a Gemm with ``beta != 1``; an output dtype GemmFloat8 lacks.
-       A Gemm's bias ``C`` is added after, in the output dtype.
+       e.g. ``batch * 2048``; M is free, as in ``torch._scaled_mm``'s checks); a Gemm with a bias
+       ``C`` (GemmFloat8 adds a bias only of the output dtype, untested here); an output dtype
+       GemmFloat8 lacks.
 """
 
 from __future__ import annotations
@@ -216,13 +217,12 @@ class _Lowerer:
         rank_a, rank_b = len(a.value.shape), len(b.value.shape)
         if rank_b != 2 or rank_a < 2 or (gemm and rank_a != 2):
             return "batched B" if rank_b > 2 else "rank"
-        beta, bias = _float(node, "beta", 1.0), (node.inputs[2] if gemm and len(node.inputs) > 2 else None)
-        if bias is not None and beta != 1.0:
-            return "bias with beta != 1"
+        if gemm and len(node.inputs) > 2 and node.inputs[2] is not None:
+            return "Gemm with a bias"
         dims = self._dims(a, b, ta, tb)
         if dims is None:
             return "N or K not a multiple of 16"
-        self._rewrite(node, a, b, ta, tb, dims, bias)
+        self._rewrite(node, a, b, ta, tb, dims)
         return None
 
     def _dims(self, a: _Operand, b: _Operand, ta: int, tb: int) -> tuple[int, int] | None:
@@ -237,13 +237,14 @@ class _Lowerer:
         return n, k
 
     def _rewrite(self, node: ir.Node, a: _Operand, b: _Operand, ta: int, tb: int,
-                 dims: tuple[int, int], bias: ir.Value | None) -> None:
+                 dims: tuple[int, int]) -> None:
         n, k = dims
         out = node.outputs[0]
         props = {key: v for key, v in node.metadata_props.items() if key == md.NODE_ROLE}
         flatten = len(a.value.shape) > 2  # type: ignore[arg-type]
-        a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, props=props)
-        b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, props=props)
+        rows = _dim(a.value, -1) if ta else _leading(a.value)
+        a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
+        b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, rows=n, props=props)
         alpha = _float(node, "alpha", 1.0)
         gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
                        attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
@@ -255,14 +256,12 @@ class _Lowerer:
         y.shape = ir.Shape([_leading(out), n]) if flatten else out.shape
         if flatten:
             y = self._add(node, "Reshape", [y, self._out_shape(node, a, n, props)], props)
-        if bias is not None:
-            y = self._add(node, "Add", [y, bias], props)
         hand_over((out,), (y,))
         self.dead.extend([node, *a.chain, *b.chain, a.bits.producer(), b.bits.producer()])  # type: ignore[list-item]
         self.count += 1
 
     def _layout(self, node: ir.Node, op: _Operand, *, flatten: bool, transpose: bool, k: int,
-                props: dict[str, str]) -> ir.Value:
+                rows: int | None, props: dict[str, str]) -> ir.Value:
         """Rule 2: ``op``'s fp8 value as ``[rows, K]`` (``flatten``) and/or transposed."""
         if not flatten and not transpose:
             return op.bits
@@ -279,7 +278,7 @@ class _Lowerer:
                 shape = shape[::-1]
                 x.dtype, x.shape = op.scaled.dtype, ir.Shape(shape)
             bits = self._add(node, "Cast", [x], props, to=op.fmt, saturate=1)
-            bits.dtype, bits.shape = op.fmt, ir.Shape(shape)
+            bits.dtype, bits.shape = op.fmt, ir.Shape([rows if rows is not None else shape[0], k])
             self.cut[key] = bits
         return self.cut[key]
 

@@ -105,7 +105,7 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 #: The rules in the order they apply (later matchers see earlier rewrites: ``multi_adamw``
 #: batches the nodes ``adamw`` made; ``permute`` moves the transposes ``nchwc`` wrote).
 RULES: tuple[LoweringRule, ...] = (
-    LoweringRule("fp8_gemm", "default", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
+    LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
                  "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
     LoweringRule("sdpa", "all", BOTH, SAME,
                  lambda m, t: fuse_attention(m, t.provider) if t.provider == "cpu" or t.sdpa else 0,

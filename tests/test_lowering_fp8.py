@@ -1,0 +1,213 @@
+"""The ``fp8_gemm`` lowering: fp8 products onto ``com.microsoft.GemmFloat8`` (CUDA only).
+
+ORT's CPU provider has no GemmFloat8 kernel, so these tests check the rewrite two ways on the
+CPU: its structure against the op schema ONNX Runtime itself lists (inputs, attributes, type
+constraints, the fp8 layout transA=0/transB=1), and its numbers, by replacing each GemmFloat8
+with the schema's documented math in standard ops, ``Cast(Cast(A, float) * scaleA) @
+(Cast(B, float) * scaleB)^T * alpha`` (``GemmFloatReference``), and running the step before and
+after the rewrite on ORT CPU: the same losses, parameters and fp8 state.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_c
+
+import mpgraph
+from mpgraph._ir import meta as md
+from mpgraph.lowering import PlanOptions, plan_session
+from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
+from mpgraph.lowering.registry import RULES, Exactness
+from mpgraph.policy import parse_policy
+from mpgraph.training import build_training_graph
+
+ROOT = Path(__file__).resolve().parents[1]
+E4M3, E5M2 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2
+
+
+def _gpt_step(emulate: bool, policy: str = "fp8") -> ir.Model:
+    step = build_training_graph(ROOT / "models" / "onnx" / "gpt.loss.onnx", optimizer="adamw", lr=3e-3,
+                                target=None if emulate else "cuda")
+    return mpgraph.convert(step, parse_policy(policy, "p.yaml") if "\n" in policy else policy, emulate=emulate,
+                           validate=False, calibrate=None)
+
+
+@pytest.fixture(scope="module")
+def native() -> tuple[ir.Model, ir.Model]:
+    """The zoo GPT's native fp8 step (bf16 products) before and after the rewrite."""
+    step = _gpt_step(emulate=False)
+    lowered = ir.from_proto(ir.to_proto(step))
+    lower_fp8_gemms(lowered)
+    return step, lowered
+
+
+def _gemms(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.op_type == "GemmFloat8" and n.domain == "com.microsoft"]
+
+
+def test_the_rule_is_registered_for_cuda_only_as_approximate() -> None:
+    rule = next(r for r in RULES if r.name == "fp8_gemm")
+    assert rule.exactness is Exactness.APPROXIMATE
+    # ORT's own op, no kernel library: it runs in every CUDA scope, ``native`` included.
+    assert all(rule.runs("cuda", scope) for scope in ("all", "default", "native")) and not rule.runs("cpu", "all")
+
+
+def test_every_linear_product_becomes_a_gemm_float8_and_attention_stays(native, caplog) -> None:
+    step, lowered = native
+    products = [n for n in step.graph if md.NODE_FP8 in n.metadata_props]
+    # 9 forward linear products (qkv, proj, fc, out per layer, the head), 18 backward ones
+    # (input and weight gradient of each); the 12 attention products (batched B) stay.
+    assert len(products) == 39 and len(_gemms(lowered)) == 27
+    left = [n for n in lowered.graph if md.NODE_FP8 in n.metadata_props and n.op_type == "MatMul"]
+    assert len(left) == 12 and all(len(n.inputs[1].shape) == 4 for n in left)
+    with caplog.at_level(logging.INFO, logger="mpgraph.lowering.fp8_gemm"):
+        lower_fp8_gemms(ir.from_proto(ir.to_proto(step)))
+    assert "27 of 39 fp8 products on GemmFloat8; left emulated: {'batched B': 12}" in caplog.text
+    # The dequantise chains of the rewritten products are gone; those of attention remain.
+    widen = [n for n in lowered.graph if n.op_type == "Cast" and n.inputs[0].dtype in (E4M3, E5M2)]
+    assert len(widen) == len({id(v) for n in left for v in n.inputs[:2]})
+    assert lower_fp8_gemms(lowered) == 0  # nothing left to rewrite
+
+
+def test_gemm_float8_nodes_follow_the_schema_onnxruntime_lists(native) -> None:
+    schema = next(s for s in ort_c.get_all_operator_schema() if s.name == "GemmFloat8" and s.domain == "com.microsoft")
+    allowed = {t.type_param_str: set(t.allowed_type_strs) for t in schema.type_constraints}
+    params = [i.typeStr for i in schema.inputs]
+    _, lowered = native
+    formats = Counter()
+    for node in _gemms(lowered):
+        assert set(node.attributes) <= set(schema.attributes)
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        assert attrs["transA"] == 0 and attrs["transB"] == 1 and attrs["dtype"] == ir.DataType.BFLOAT16.value
+        assert len(node.inputs) == 5 and node.inputs[2] is None
+        for value, param in zip(node.inputs, params):
+            if value is not None:
+                assert f"tensor({value.dtype.name.lower()})" in allowed[param], (node.name, param, value.dtype)
+        a, b, _, scale_a, scale_b = node.inputs
+        assert a.shape is not None and b.shape is not None and len(a.shape) == len(b.shape) == 2
+        k_a, k_b = a.shape[1], b.shape[1]
+        assert not (isinstance(k_a, int) and isinstance(k_b, int)) or k_a == k_b, node.name
+        assert isinstance(b.shape[0], int) and b.shape[0] % 16 == 0
+        # Scales are the quantised tensors' 1/s, as the product's metadata names them.
+        names = {(e["fp8"], e["scale_inv"]) for e in json.loads(node.metadata_props[md.NODE_FP8]).values()}
+        assert {s.name for s in (scale_a, scale_b)} <= {inv for _, inv in names}
+        assert scale_a.dtype == scale_b.dtype == ir.DataType.FLOAT
+        formats[(a.dtype.name, b.dtype.name, node.metadata_props[md.NODE_ROLE])] += 1
+    # Forward E4M3 x E4M3; input gradients E5M2 x E4M3 (dY W^T); weight gradients E4M3 x E5M2.
+    assert formats == {("FLOAT8E4M3FN", "FLOAT8E4M3FN", "forward"): 9, ("FLOAT8E5M2", "FLOAT8E4M3FN", "backward"): 9,
+                       ("FLOAT8E4M3FN", "FLOAT8E5M2", "backward"): 9}
+
+
+def test_input_gradients_read_the_quantised_values_without_a_copy(native) -> None:
+    """``Gemm(dY, W, transB=1)`` is GemmFloat8's own layout: it reads the pass's fp8 values;
+    the forward's weight and both weight-gradient operands are cut again, transposed."""
+    _, lowered = native
+    for node in _gemms(lowered):
+        a, b = node.inputs[:2]
+        if node.metadata_props[md.NODE_ROLE] == "forward":
+            assert b.producer().inputs[0].producer().op_type == "Transpose"
+        elif a.dtype == E5M2:
+            assert a.name.startswith("fp8/") and b.name.startswith("fp8/"), node.name
+        else:
+            assert {v.producer().inputs[0].producer().op_type for v in (a, b)} == {"Transpose"}
+
+
+def test_e5m2_pairs_and_unaligned_dims_stay_emulated(caplog) -> None:
+    # Every tensor E5M2: every product is E5M2 x E5M2, which cuBLASLt has no kernel for.
+    step = _gpt_step(emulate=False, policy="extends: fp8\nfp8: {forward: float8e5m2, backward: float8e5m2}")
+    with caplog.at_level(logging.INFO, logger="mpgraph.lowering.fp8_gemm"):
+        assert lower_fp8_gemms(step) == 0
+    assert "left emulated: {'e5m2 x e5m2': 39}" in caplog.text
+    caplog.clear()
+    tiny = build_training_graph(ROOT / "models" / "onnx" / "tiny_mlp.loss.onnx", optimizer="adamw", lr=0.05, target="cuda")
+    tiny = mpgraph.convert(tiny, "fp8", emulate=False, validate=False, calibrate=None)
+    with caplog.at_level(logging.INFO, logger="mpgraph.lowering.fp8_gemm"):
+        count = lower_fp8_gemms(tiny)
+    # 4-64-64-2: only the middle layer's products have N and K multiples of 16.
+    assert "'N or K not a multiple of 16'" in caplog.text and 0 < count < 9, caplog.text
+
+
+def test_plan_session_on_cuda_lowers_fp8_and_cpu_does_not() -> None:
+    step = _gpt_step(emulate=False)
+    cuda = plan_session(step, "cuda", PlanOptions(scope="native"))
+    assert dict(cuda.applied)["fp8_gemm"] == 27
+    assert "fp8_gemm" not in dict(plan_session(step, "cpu", PlanOptions(scope="native")).applied)
+
+
+# --- numbers: GemmFloat8 as its documented math, on ORT CPU -----------------------------------
+
+
+def _reference_expansion(model: ir.Model) -> int:
+    """Replace each GemmFloat8 by the schema's math in standard ops (``A``, ``B`` widened and
+    multiplied by their scales, transposed per the flags, multiplied, times ``alpha``, cast to
+    ``dtype``); how many were replaced."""
+    graph = model.graph
+    count = 0
+    for node in list(graph):
+        if node.op_type != "GemmFloat8":
+            continue
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        a, b, c, scale_a, scale_b = node.inputs
+        assert c is None
+        made: list[ir.Node] = []
+
+        def op(kind: str, *inputs: ir.Value, made: list[ir.Node] = made, **kw: object) -> ir.Value:
+            made.append(ir.node(kind, list(inputs), attributes=kw))
+            return made[-1].outputs[0]
+
+        x = op("Mul", op("Cast", a, to=ir.DataType.FLOAT), scale_a)
+        w = op("Mul", op("Cast", b, to=ir.DataType.FLOAT), scale_b)
+        x = op("Transpose", x, perm=[1, 0]) if attrs.get("transA", 0) else x
+        w = op("Transpose", w, perm=[1, 0]) if attrs.get("transB", 0) else w
+        y = op("MatMul", x, w)
+        alpha = ir.Value(name=f"{node.name}/alpha", const_value=ir.tensor(np.array(attrs.get("alpha", 1.0), np.float32)))
+        graph.register_initializer(alpha)
+        y = op("Cast", op("Mul", y, alpha), to=ir.DataType(attrs["dtype"]))
+        graph.insert_before(node, made)
+        old = node.outputs[0]
+        old.replace_all_uses_with(y, replace_graph_outputs=True)
+        y.name, old.name = old.name, None
+        y.dtype, y.shape = old.dtype, old.shape
+        graph.remove(node, safe=True)
+        count += 1
+    return count
+
+
+def _run_step(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    names = [o.name for o in session.get_outputs()]
+    return dict(zip(names, session.run(None, feeds)))
+
+
+def test_the_rewritten_step_computes_what_the_emulated_step_computes() -> None:
+    """The emulated fp8 GPT step (float32 products on dequantised operands) against the same
+    step rewritten onto GemmFloat8, GemmFloat8 evaluated as its documented math: every output
+    (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding."""
+    step = _gpt_step(emulate=True)
+    lowered = ir.from_proto(ir.to_proto(step))
+    assert lower_fp8_gemms(lowered) == 24
+    assert _reference_expansion(lowered) == 24
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
+    # Scales other than the initial ones, so each product's scaleA/scaleB wiring counts.
+    count = step.graph.initializers["fp8/scales"].shape[0]
+    feeds["fp8/scales"] = (2.0 ** rng.integers(-3, 4, count)).astype(np.float32)
+    before, after = _run_step(step, feeds), _run_step(lowered, feeds)
+    assert before.keys() == after.keys()
+    for name, want in before.items():
+        got = after[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-5, atol=1e-6, err_msg=name)
+    plain = {k: v for k, v in feeds.items() if k != "fp8/scales"}
+    assert not np.array_equal(before["loss"], _run_step(_gpt_step(emulate=True, policy="bf16"), plain)["loss"])
