@@ -212,6 +212,14 @@ def test_what_the_rule_leaves_alone(why: str, model, target: Target) -> None:
     assert ir.to_proto(step).SerializeToString() == before
 
 
+def _assert_in_order(model: ir.Model) -> None:
+    """Every node reads only graph inputs, initializers and values made before it."""
+    seen = {*model.graph.inputs, *model.graph.initializers.values()}
+    for node in model.graph:
+        assert all(v is None or v in seen for v in node.inputs), node.name
+        seen.update(node.outputs)
+
+
 def _bf16_step(heads: tuple[int, int]) -> ir.Model:
     return mpgraph.convert(build_training_graph(_block(heads), optimizer="adamw"), "bf16", target="cuda")
 
@@ -230,10 +238,7 @@ def test_cuda_rewrite_of_a_bf16_step_graph() -> None:
     assert {v.dtype for v in fused["SdpaBackward"].inputs[:5]} == {ir.DataType.BFLOAT16}
     assert fused["SdpaForward"].outputs[1].dtype == ir.DataType.FLOAT is fused["SdpaBackward"].inputs[5].dtype
     assert fused["SdpaBackward"].inputs[5] is fused["SdpaForward"].outputs[1]
-    seen = {*step.graph.inputs, *step.graph.initializers.values()}
-    for node in step.graph:
-        assert all(v is None or v in seen for v in node.inputs), node.name
-        seen.update(node.outputs)
+    _assert_in_order(step)
     after = {n.name: sum(v is None for v in (*b.dys, *b.dxs)) for n, b in gradient_blocks(step.graph).items()}
     assert after == {("attn/SdpaForward" if k == "attn" else k): v for k, v in blocks.items()}
 
@@ -242,3 +247,37 @@ def test_cuda_rewrite_needs_a_head_dim_multiple_of_8() -> None:
     step = _bf16_step((4, 2))  # head dim 4
     assert RULE.apply(step, Target("cuda", "default", sdpa=True)) == 0
     assert fuse_attention(step, "cpu") == 0  # bfloat16 is not the CPU kernels' type
+
+
+def test_cuda_rewrite_casts_dy_and_the_gradients_to_the_recorded_types() -> None:
+    """Where dY arrives in float32 (and a Cast of it to Y's type exists) and an input's recorded
+    gradient is float32, the fused backward reads that Cast and a new Cast hands the float32
+    gradient (name and readers) on."""
+    from mpgraph._ir import meta as md
+
+    step = _bf16_step((2, 1))
+    attn = next(n for n in step.graph if n.op_type == "Attention")
+    block = gradient_blocks(step.graph)[attn]
+    dy, dq = block.dys[0], block.dxs[0]
+    dy_readers, dq_readers = [(u.node, u.idx) for u in dy.uses()], [(u.node, u.idx) for u in dq.uses()]
+    up = ir.node("Cast", [dy], {"to": ir.DataType.FLOAT}, name="dy32")
+    up.outputs[0].name, up.outputs[0].dtype = "dy32", ir.DataType.FLOAT
+    down = ir.node("Cast", [up.outputs[0]], {"to": ir.DataType.BFLOAT16}, name="dy16")
+    down.outputs[0].name, down.outputs[0].dtype = "dy16", ir.DataType.BFLOAT16
+    wide = ir.node("Cast", [dq], {"to": ir.DataType.FLOAT}, name="dq32")
+    wide.outputs[0].name, wide.outputs[0].dtype = "dq32", ir.DataType.FLOAT
+    for node, idx in dy_readers:
+        node.replace_input_with(idx, down.outputs[0])
+    step.graph.insert_after(dy.producer(), [up, down])
+    step.graph.insert_after(dq.producer(), wide)
+    for node, idx in dq_readers:
+        node.replace_input_with(idx, wide.outputs[0])
+    attn.metadata_props[md.NODE_GRAD_OUTPUTS] = '["dy32"]'
+    attn.metadata_props[md.NODE_GRAD_INPUTS] = attn.metadata_props[md.NODE_GRAD_INPUTS].replace(dq.name, "dq32")
+    assert RULE.apply(step, Target("cuda", "default", sdpa=True)) == 1
+    backward = next(n for n in step.graph if n.op_type == "SdpaBackward")
+    assert backward.inputs[4] is down.outputs[0] and up.inputs[0] is dy  # the existing Cast, not a second one
+    handed = next(v for n in step.graph for v in n.outputs if v.name == "dq32")
+    assert handed.dtype == ir.DataType.FLOAT and handed.producer().op_type == "Cast"
+    assert handed.producer().inputs[0] is backward.outputs[0] and handed.uses()
+    _assert_in_order(step)

@@ -222,11 +222,12 @@ def fuse_attention(model: ir.Model, provider: str) -> int:
              and (a := _fusable(node, provider)) is not None]
     if not found:
         return 0
-    blocks, names = gradient_blocks(graph), NameScope(graph)
+    names = NameScope(graph)
     backwards = 0
     for index, a in enumerate(found):
         base = a.node.name or f"Attention_{index}"
-        block = blocks.get(a.node)
+        # read again each time: a fused block's gradients were handed to new values
+        block = gradient_blocks(graph).get(a.node)
         dead = {a.node}
         fused = _forward(graph, a, base, names)
         if block is not None and _complete(block):
