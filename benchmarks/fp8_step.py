@@ -148,8 +148,9 @@ def run_model(name: str, steps: int, rounds: int) -> dict[str, object]:
     build_s = time.perf_counter() - t0
     vocab, seq, _, _, _, batch = SIZES[name]
     data = markov_batches(vocab, seq, batch, count=16)
-    def make(policy: str) -> Side:
-        return Side(policy, Trainer(graphs[policy], "cuda", cuda_graph=False if policy == "fp8" else None))
+
+    def make(policy: str) -> Side:  # the trainer keeps its own copy: the graph is dropped
+        return Side(policy, Trainer(graphs.pop(policy), "cuda", cuda_graph=False if policy == "fp8" else None))
 
     def train(group: list[Side]) -> None:
         per_round, done = max(1, steps // rounds), 0
@@ -174,7 +175,6 @@ def run_model(name: str, steps: int, rounds: int) -> dict[str, object]:
         sides = [make("bf16"), make("fp8")]
         train(sides)
         result["fp8_gemms"] = dict(sides[1].trainer.executor.plan.applied).get("fp8_gemm", 0)
-    del graphs
     for side in sides:
         timed = side.round_ms[1:] or side.round_ms
         result[side.policy] = {"ms": statistics.median(timed), "loss_last10": float(np.mean(side.losses[-10:])),
