@@ -52,7 +52,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.match import hand_over, initializer
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
+from mpgraph.lowering.match import hand_over
 
 __all__ = ["one_hot_scatter", "ones_matmul_sums"]
 
@@ -78,34 +80,26 @@ def _eligible(node: ir.Node) -> bool:
     return data is not None and dtype == ir.DataType.FLOAT and shape is not None and len(shape) >= 1 and shape[-1] == 1
 
 
-def _rewrite(graph: ir.Graph, node: ir.Node) -> None:
+def _rewrite(graph: ir.Graph, node: ir.Node, names: NameScope) -> None:
     data, indices, updates = node.inputs
-    name = node.name or "scatter"
-    batch_dims = len(indices.shape) - 1
-    nodes = [
-        ir.Node("", "Reshape", [indices, initializer(graph, f"{name}/flat_shape", np.array([-1], np.int64))], name=f"{name}/indices"),
-        ir.Node("", "Flatten", [updates], attributes=[ir.AttrInt64("axis", batch_dims)], name=f"{name}/updates"),
-    ]
-    flat, rows = (n.outputs[0] for n in nodes)
+    rw = Rewrite(graph, node.name or "scatter", names=names)
+    flat = rw.node("Reshape", indices, rw.constant("flat_shape", np.array([-1], np.int64)), name="indices").outputs[0]
+    rows = rw.node("Flatten", updates, axis=len(indices.shape) - 1, name="updates").outputs[0]
     dims = list(data.shape) if data.shape is not None else None
     if dims is not None and all(isinstance(d, int) for d in dims):  # a parameter's gradient: static
-        depth = initializer(graph, f"{name}/depth", np.array(dims[:1], np.int64))
-        shape = initializer(graph, f"{name}/shape", np.array(dims, np.int64))
+        depth = rw.constant("depth", np.array(dims[:1], np.int64))
+        shape = rw.constant("shape", np.array(dims, np.int64))
     else:
-        sizes = [ir.Node("", "Shape", [data], attributes=[ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)], name=f"{name}/depth"),
-                 ir.Node("", "Shape", [data], name=f"{name}/shape")]
-        nodes += sizes
-        depth, shape = (n.outputs[0] for n in sizes)
-    one_hot = ir.Node("", "OneHot", [flat, depth, initializer(graph, f"{name}/off_on", np.array([0, 1], np.float32))],
-                      attributes=[ir.AttrInt64("axis", -1)], name=f"{name}/one_hot")
-    gemm = ir.Node("", "Gemm", [one_hot.outputs[0], rows], attributes=[ir.AttrInt64("transA", 1)], name=f"{name}/gemm")
-    out = ir.Node("", "Reshape", [gemm.outputs[0], shape], name=f"{name}/reshape")
-    nodes += [one_hot, gemm, out]
+        depth = rw.node("Shape", data, start=0, end=1, name="depth").outputs[0]
+        shape = rw.node("Shape", data, name="shape").outputs[0]
+    one_hot = rw.node("OneHot", flat, depth, rw.constant("off_on", np.array([0, 1], np.float32)), axis=-1, name="one_hot")
+    gemm = rw.node("Gemm", one_hot.outputs[0], rows, transA=1, name="gemm")
+    out = rw.node("Reshape", gemm.outputs[0], shape, name="reshape")
     if not _zeros(data):
-        nodes.append(ir.Node("", "Add", [data, out.outputs[0]], name=f"{name}/add"))
-    for new in nodes:
+        rw.node("Add", data, out.outputs[0], name="add")
+    for new in rw.nodes:
         graph.insert_before(node, new)
-    hand_over(node.outputs, nodes[-1].outputs)
+    hand_over(node.outputs, rw.nodes[-1].outputs)
     graph.remove(node, safe=True)
 
 
@@ -113,8 +107,9 @@ def one_hot_scatter(model: ir.Model) -> int:
     """Rewrite every eligible scatter-add of ``model``'s graph as a one-hot ``Gemm`` (see the
     module docstring); return how many were rewritten."""
     found = [node for node in model.graph if _eligible(node)]
+    names = NameScope(model.graph)
     for node in found:
-        _rewrite(model.graph, node)
+        _rewrite(model.graph, node, names)
     return len(found)
 
 
@@ -141,36 +136,29 @@ def _leading_axes(node: ir.Node) -> int | None:
     return len(axes) if axes == list(range(len(axes))) else None
 
 
-def _sum_rewrite(graph: ir.Graph, node: ir.Node, k: int) -> None:
+def _sum_rewrite(graph: ir.Graph, node: ir.Node, k: int, names: NameScope) -> None:
     x = node.inputs[0]
-    name = node.name or "reduce_sum"
+    rw = Rewrite(graph, node.name or "reduce_sum", names=names)
     keep = node.attributes.get("keepdims")
     keepdims = keep is None or bool(keep.as_int())
     trailing = list(x.shape)[k:]
-    flat = ir.Node("", "Flatten", [x], attributes=[ir.AttrInt64("axis", k)], name=f"{name}/flat")
-    rows = ir.Node("", "Shape", [flat.outputs[0]], attributes=[ir.AttrInt64("start", 0), ir.AttrInt64("end", 1)],
-                   name=f"{name}/rows")
+    flat = rw.node("Flatten", x, axis=k, name="flat").outputs[0]
+    rows = rw.node("Shape", flat, start=0, end=1, name="rows").outputs[0]
     # float32 ones, cast for bfloat16: ConstantOfShape takes bfloat16 only from opset 20.
-    ones = ir.Node("", "ConstantOfShape", [rows.outputs[0]],
-                   attributes=[ir.AttrTensor("value", ir.tensor([1.0], dtype=ir.DataType.FLOAT))], name=f"{name}/ones")
-    nodes = [flat, rows, ones]
+    ones = rw.node("ConstantOfShape", rows, value=ir.tensor([1.0], dtype=ir.DataType.FLOAT), name="ones").outputs[0]
     if x.dtype != ir.DataType.FLOAT:
-        nodes.append(ir.Node("", "Cast", [ones.outputs[0]], attributes=[ir.AttrInt64("to", x.dtype.value)],
-                             name=f"{name}/ones_cast"))
-    matmul = ir.Node("", "MatMul", [nodes[-1].outputs[0], flat.outputs[0]], name=f"{name}/matmul")
-    nodes.append(matmul)
+        ones = rw.node("Cast", ones, to=x.dtype.value, name="ones_cast").outputs[0]
+    summed = rw.node("MatMul", ones, flat, name="matmul").outputs[0]
     if all(isinstance(d, int) for d in trailing):
-        shape = initializer(graph, f"{name}/trailing", np.array(trailing, np.int64))
+        shape = rw.constant("trailing", np.array(trailing, np.int64))
     else:
-        nodes.append(ir.Node("", "Shape", [x], attributes=[ir.AttrInt64("start", k)], name=f"{name}/trailing"))
-        shape = nodes[-1].outputs[0]
-    nodes.append(ir.Node("", "Reshape", [matmul.outputs[0], shape], name=f"{name}/reshape"))
+        shape = rw.node("Shape", x, start=k, name="trailing").outputs[0]
+    out = rw.node("Reshape", summed, shape, name="reshape").outputs[0]
     if keepdims:
-        axes = initializer(graph, f"{name}/kept", np.arange(k, dtype=np.int64))
-        nodes.append(ir.Node("", "Unsqueeze", [nodes[-1].outputs[0], axes], name=f"{name}/keepdims"))
-    for new in nodes:
+        rw.node("Unsqueeze", out, rw.constant("kept", np.arange(k, dtype=np.int64)), name="keepdims")
+    for new in rw.nodes:
         graph.insert_before(node, new)
-    hand_over(node.outputs, nodes[-1].outputs)
+    hand_over(node.outputs, rw.nodes[-1].outputs)
     graph.remove(node, safe=True)
 
 
@@ -178,6 +166,7 @@ def ones_matmul_sums(model: ir.Model) -> int:
     """Rewrite every float32/bfloat16 ``ReduceSum`` over leading axes of ``model``'s graph as a
     ``MatMul`` with a vector of ones (see the module docstring); return how many were rewritten."""
     found = [(node, k) for node in model.graph if (k := _leading_axes(node)) is not None]
+    names = NameScope(model.graph)
     for node, k in found:
-        _sum_rewrite(model.graph, node, k)
+        _sum_rewrite(model.graph, node, k, names)
     return len(found)

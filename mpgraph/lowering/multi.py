@@ -27,6 +27,8 @@ from collections import defaultdict
 import onnx_ir as ir
 
 from mpgraph._ir.contract import LossScaleState
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
 from mpgraph.lowering.match import DOMAIN, constant, hand_over
 
 __all__ = ["batch_adamw", "batch_casts", "fuse_unscale"]
@@ -47,12 +49,14 @@ def batch_adamw(model: ir.Model) -> int:
         if node.op_type == "AdamWUpdate" and node.domain == DOMAIN:
             groups[tuple(id(v) for v in node.inputs[4:])].append(node)
     merged = 0
+    names: NameScope | None = None
     for nodes in groups.values():
         if len(nodes) < 2:
             continue
+        names = names or NameScope(graph)
         inputs = [*nodes[0].inputs[4:]] + [v for n in nodes for v in n.inputs[:4]]
-        multi = ir.Node(DOMAIN, "MultiAdamWUpdate", inputs, num_outputs=3 * len(nodes),
-                        name=f"{nodes[0].name}/multi", metadata_props=dict(nodes[-1].metadata_props))
+        multi = Rewrite(graph, nodes[0].name or "adamw", names=names).node(
+            "MultiAdamWUpdate", *inputs, name="multi", domain=DOMAIN, num_outputs=3 * len(nodes), like=nodes[-1])
         graph.insert_after(nodes[-1], multi)
         hand_over([o for n in nodes for o in n.outputs], list(multi.outputs))
         graph.remove(nodes, safe=True)
@@ -76,11 +80,13 @@ def batch_casts(model: ir.Model) -> int:
         if to in ops:
             groups[to].append(node)
     merged = 0
+    rw: Rewrite | None = None
     for to, nodes in groups.items():
         if len(nodes) < 2:
             continue
-        multi = ir.Node(DOMAIN, ops[to], [n.inputs[0] for n in nodes], num_outputs=len(nodes),
-                        name=f"ai.mpgraph/{ops[to]}", metadata_props=dict(nodes[0].metadata_props))
+        rw = rw or Rewrite(graph, DOMAIN)
+        multi = rw.node(ops[to], *(n.inputs[0] for n in nodes), name=ops[to], domain=DOMAIN, num_outputs=len(nodes),
+                        like=nodes[0])
         graph.insert_before(nodes[0], multi)
         hand_over([n.outputs[0] for n in nodes], list(multi.outputs))
         graph.remove(nodes, safe=True)
@@ -171,8 +177,8 @@ def fuse_unscale(model: ir.Model) -> int:
     if found is None:
         return 0
     inv, grads, nodes, unscaled = found
-    fused = ir.Node(DOMAIN, "UnscaleGradients", [inv, *grads], num_outputs=1 + len(grads),
-                    name="ai.mpgraph/UnscaleGradients", metadata_props=dict(check.metadata_props))  # type: ignore[union-attr]
+    fused = Rewrite(graph, DOMAIN).node("UnscaleGradients", inv, *grads, name="UnscaleGradients", domain=DOMAIN,
+                                        num_outputs=1 + len(grads), like=check)
     graph.insert_before(check, fused)  # type: ignore[arg-type]
     flag = check.outputs[0]  # type: ignore[union-attr]
     # The loss scaling's Where(found_inf, 0, u) readers: the fused output is zeroed already.

@@ -41,7 +41,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.match import constant, hand_over, initializer
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
+from mpgraph.lowering.match import constant, hand_over
 from mpgraph.lowering.slices_dw import slices_to_conv
 
 __all__ = ["NCHWC_DOMAIN", "to_nchwc"]
@@ -102,54 +104,45 @@ def _eligible(node: ir.Node, block: int, max_kernel: int) -> tuple[int, int | No
     return co, ci, kh, kw
 
 
-def _const(graph: ir.Graph, name: str, values: list[int]) -> ir.Value:
-    return initializer(graph, name, np.array(values, np.int64))
+def _const(rw: Rewrite, name: str, values: list[int]) -> ir.Value:
+    return rw.constant(name, np.array(values, np.int64))
 
 
-def _pad_channels(graph: ir.Graph, name: str, x: ir.Value, w: ir.Value, block: int) -> tuple[list[ir.Node], ir.Value, ir.Value]:
+def _pad_channels(rw: Rewrite, x: ir.Value, w: ir.Value, block: int) -> tuple[ir.Value, ir.Value]:
     """Nodes that pad ``x``'s and ``w``'s axis 1 (the input channels) with zeros to a multiple
     of ``block``: zero channels add nothing to the convolution's sums."""
-    c = ir.Node("", "Shape", [x], attributes=[ir.AttrInt64("start", 1), ir.AttrInt64("end", 2)], name=f"{name}/channels")
-    blk = _const(graph, f"{name}/block", [block])
-    rem = ir.Node("", "Mod", [c.outputs[0], blk], name=f"{name}/rem")
-    short = ir.Node("", "Sub", [blk, rem.outputs[0]], name=f"{name}/short")
-    pad = ir.Node("", "Mod", [short.outputs[0], blk], name=f"{name}/pad")
-    pads = ir.Node("", "Concat", [_const(graph, f"{name}/pads_head", [0, 0, 0, 0, 0]), pad.outputs[0],
-                                  _const(graph, f"{name}/pads_tail", [0, 0])], attributes=[ir.AttrInt64("axis", 0)],
-                   name=f"{name}/pads")
-    px = ir.Node("", "Pad", [x, pads.outputs[0]], name=f"{name}/PadX")
-    pw = ir.Node("", "Pad", [w, pads.outputs[0]], name=f"{name}/PadW")
-    return [c, rem, short, pad, pads, px, pw], px.outputs[0], pw.outputs[0]
+    c = rw.node("Shape", x, start=1, end=2, name="nchwc/channels").outputs[0]
+    blk = _const(rw, "nchwc/block", [block])
+    rem = rw.node("Mod", c, blk, name="nchwc/rem").outputs[0]
+    short = rw.node("Sub", blk, rem, name="nchwc/short").outputs[0]
+    pad = rw.node("Mod", short, blk, name="nchwc/pad").outputs[0]
+    pads = rw.node("Concat", _const(rw, "nchwc/pads_head", [0, 0, 0, 0, 0]), pad, _const(rw, "nchwc/pads_tail", [0, 0]),
+                   axis=0, name="nchwc/pads").outputs[0]
+    return rw.node("Pad", x, pads, name="nchwc/PadX").outputs[0], rw.node("Pad", w, pads, name="nchwc/PadW").outputs[0]
 
 
-def _rewrite(graph: ir.Graph, conv: ir.Node, dims: tuple[int, int | None, int, int], block: int) -> None:
+def _rewrite(graph: ir.Graph, conv: ir.Node, dims: tuple[int, int | None, int, int], block: int, names: NameScope) -> None:
     co, ci, kh, kw = dims
     x, w = conv.inputs[0], conv.inputs[1]
     assert x is not None and w is not None
-    name = f"{conv.name or f'conv{id(conv)}'}/nchwc"
-    nodes: list[ir.Node] = []
+    rw = Rewrite(graph, conv.name or "conv", names=names)
     if ci is None:
-        nodes, x, w = _pad_channels(graph, name, x, w, block)
+        x, w = _pad_channels(rw, x, w, block)
     shape, perm = _filter_order(co, ci, kh, kw, block)
-    nodes.append(ir.Node("", "Reshape", [w, _const(graph, f"{name}/blocks", shape)], name=f"{name}/Reshape"))
-    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", perm)],
-                         name=f"{name}/Transpose"))
-    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/dims", [co, -1, kh, kw])],
-                         name=f"{name}/Filter"))
-    for node in nodes[-3:]:  # typed, so that later lowerings (``permute``) see float32 values
-        node.outputs[0].dtype = ir.DataType.FLOAT
-    filt = nodes[-1].outputs[0]
+    filt = rw.node("Reshape", w, _const(rw, "nchwc/blocks", shape), name="nchwc/Reshape").outputs[0]
+    filt.dtype = ir.DataType.FLOAT  # typed, so that later lowerings (``permute``) see float32 values
+    filt = rw.node("Transpose", filt, perm=perm, name="nchwc/Transpose").outputs[0]
+    filt.dtype = ir.DataType.FLOAT
+    filt = rw.node("Reshape", filt, _const(rw, "nchwc/dims", [co, -1, kh, kw]), name="nchwc/Filter").outputs[0]
+    filt.dtype = ir.DataType.FLOAT
     if ci is None or ci >= 8:
-        nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderInput", [x], name=f"{name}/ReorderInput"))
-        x = nodes[-1].outputs[0]
+        x = rw.node("ReorderInput", x, name="nchwc/ReorderInput", domain=NCHWC_DOMAIN).outputs[0]
     attrs = dict(conv.attributes.items())
     attrs.setdefault("kernel_shape", ir.AttrInt64s("kernel_shape", [kh, kw]))
-    nodes.append(ir.Node(NCHWC_DOMAIN, "Conv", [x, filt, *conv.inputs[2:3]], attributes=list(attrs.values()),
-                         name=f"{name}/Conv", metadata_props=dict(conv.metadata_props)))
-    nodes.append(ir.Node(NCHWC_DOMAIN, "ReorderOutput", nodes[-1].outputs, attributes=[ir.AttrInt64("channels", co)],
-                         name=f"{name}/ReorderOutput", metadata_props=dict(conv.metadata_props)))
-    graph.insert_before(conv, nodes)
-    hand_over(conv.outputs, nodes[-1].outputs)
+    y = rw.node("Conv", x, filt, *conv.inputs[2:3], name="nchwc/Conv", domain=NCHWC_DOMAIN, like=conv, **attrs).outputs[0]
+    rw.node("ReorderOutput", y, channels=co, name="nchwc/ReorderOutput", domain=NCHWC_DOMAIN, like=conv)
+    graph.insert_before(conv, rw.nodes)
+    hand_over(conv.outputs, rw.nodes[-1].outputs)
     graph.remove(conv, safe=True)
 
 
@@ -187,26 +180,22 @@ def _transpose_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
     return ci, co, kh, kw, conv_pads, dil
 
 
-def _flip(graph: ir.Graph, value: ir.Value, axes: list[int], name: str) -> ir.Node:
+def _flip(rw: Rewrite, value: ir.Value, axes: list[int]) -> ir.Value:
     """``Slice`` reversing ``value``'s ``axes`` whole (what ``permute`` folds into a copy)."""
-    return ir.Node("", "Slice", [value, _const(graph, f"{name}/starts", [-1] * len(axes)),
-                                 _const(graph, f"{name}/ends", [-(2**62)] * len(axes)), _const(graph, f"{name}/axes", axes),
-                                 _const(graph, f"{name}/steps", [-1] * len(axes))], name=f"{name}/Flip")
+    return rw.node("Slice", value, _const(rw, "as_conv/starts", [-1] * len(axes)), _const(rw, "as_conv/ends", [-(2**62)] * len(axes)),
+                   _const(rw, "as_conv/axes", axes), _const(rw, "as_conv/steps", [-1] * len(axes)), name="as_conv/Flip").outputs[0]
 
 
-def _unit_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
+def _unit_conv(rw: Rewrite, node: ir.Node, plan: tuple) -> ir.Node:
     """A unit-stride ConvTranspose as ``Conv(x, W')``: ``W'`` the filter flipped in space with
     its channel axes swapped, padded ``d*(k-1) - p`` a side (``plan``'s pads)."""
     ci, co, kh, kw, pads, dil = plan
-    flip = _flip(graph, node.inputs[1], [2, 3], name)  # type: ignore[arg-type]
-    swap = ir.Node("", "Transpose", flip.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
-    flip.outputs[0].shape, flip.outputs[0].dtype = ir.Shape([ci, co, kh, kw]), ir.DataType.FLOAT
-    swap.outputs[0].shape, swap.outputs[0].dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
-    conv = ir.Node("", "Conv", [node.inputs[0], swap.outputs[0], *node.inputs[2:3]], name=name,
-                   metadata_props=dict(node.metadata_props),
-                   attributes=[ir.AttrInt64s("pads", pads), ir.AttrInt64s("dilations", dil),
-                               ir.AttrInt64s("kernel_shape", [kh, kw])])
-    return [flip, swap, conv], conv
+    flip = _flip(rw, node.inputs[1], [2, 3])  # type: ignore[arg-type]
+    swap = rw.node("Transpose", flip, perm=[1, 0, 2, 3], name="as_conv/Swap").outputs[0]
+    flip.shape, flip.dtype = ir.Shape([ci, co, kh, kw]), ir.DataType.FLOAT
+    swap.shape, swap.dtype = ir.Shape([co, ci, kh, kw]), ir.DataType.FLOAT
+    return rw.node("Conv", node.inputs[0], swap, *node.inputs[2:3], name="as_conv", like=node,
+                   pads=pads, dilations=dil, kernel_shape=[kh, kw])
 
 
 def _phase_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
@@ -226,7 +215,7 @@ def _phase_plan(node: ir.Node, block: int, max_kernel: int) -> tuple | None:
     return ci, co, [kh, kw], strides, taps, pads, [h, w], out
 
 
-def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple[list[ir.Node], ir.Node]:
+def _phase_conv(rw: Rewrite, node: ir.Node, plan: tuple) -> ir.Node:
     """A strided ConvTranspose as one ``Conv`` over its ``s*s`` output phases, interleaved after.
 
     Output row ``s*p + a`` of the transposed convolution sums ``x[p - m] * W[a + s*m]`` over
@@ -237,39 +226,30 @@ def _phase_conv(graph: ir.Graph, node: ir.Node, plan: tuple, name: str) -> tuple
     transposed convolution's pads crop the border."""
     ci, co, (kh, kw), (sh, sw), (mh, mw), pads, (h, w), (out_h, out_w) = plan
     filt = node.inputs[1]
-    nodes: list[ir.Node] = []
     if mh * sh != kh or mw * sw != kw:  # zero taps up to a whole number of phases
-        nodes.append(ir.Node("", "Pad", [filt, _const(graph, f"{name}/filter_pads", [0, 0, 0, 0, 0, 0, mh * sh - kh, mw * sw - kw])],
-                             name=f"{name}/PadFilter"))
-        filt = nodes[-1].outputs[0]
-    nodes.append(ir.Node("", "Reshape", [filt, _const(graph, f"{name}/phases", [ci, co, mh, sh, mw, sw])], name=f"{name}/Phases"))
-    nodes.append(_flip(graph, nodes[-1].outputs[0], [2, 4], name))
-    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", [1, 3, 5, 0, 2, 4])],
-                         name=f"{name}/Stack"))
-    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/filter", [co * sh * sw, ci, mh, mw])],
-                         name=f"{name}/Filter"))
-    nodes[-1].outputs[0].shape = ir.Shape([co * sh * sw, ci, mh, mw])
-    conv = ir.Node("", "Conv", [node.inputs[0], nodes[-1].outputs[0]], name=name, metadata_props=dict(node.metadata_props),
-                   attributes=[ir.AttrInt64s("pads", [mh - 1, mw - 1, mh - 1, mw - 1]), ir.AttrInt64s("kernel_shape", [mh, mw])])
+        filt = rw.node("Pad", filt, _const(rw, "as_conv/filter_pads", [0, 0, 0, 0, 0, 0, mh * sh - kh, mw * sw - kw]),
+                       name="as_conv/PadFilter").outputs[0]
+    filt = rw.node("Reshape", filt, _const(rw, "as_conv/phases", [ci, co, mh, sh, mw, sw]), name="as_conv/Phases").outputs[0]
+    filt = rw.node("Transpose", _flip(rw, filt, [2, 4]), perm=[1, 3, 5, 0, 2, 4], name="as_conv/Stack").outputs[0]
+    filt = rw.node("Reshape", filt, _const(rw, "as_conv/filter", [co * sh * sw, ci, mh, mw]), name="as_conv/Filter").outputs[0]
+    filt.shape = ir.Shape([co * sh * sw, ci, mh, mw])
+    conv = rw.node("Conv", node.inputs[0], filt, name="as_conv", like=node,
+                   pads=[mh - 1, mw - 1, mh - 1, mw - 1], kernel_shape=[mh, mw])
     p, q = h + mh - 1, w + mw - 1
     conv.outputs[0].shape = ir.Shape([node.inputs[0].shape[0], co * sh * sw, p, q])  # type: ignore[index]
-    nodes.append(conv)
-    nodes.append(ir.Node("", "Reshape", [conv.outputs[0], _const(graph, f"{name}/split", [-1, co, sh, sw, p, q])],
-                         name=f"{name}/Split"))
-    nodes.append(ir.Node("", "Transpose", nodes[-1].outputs, attributes=[ir.AttrInt64s("perm", [0, 1, 4, 2, 5, 3])],
-                         name=f"{name}/Interleave"))
-    nodes.append(ir.Node("", "Reshape", [nodes[-1].outputs[0], _const(graph, f"{name}/rows", [-1, co, sh * p, sw * q])],
-                         name=f"{name}/Rows"))
-    for made in nodes:  # typed, so that later lowerings (``permute``) see float32 values
+    y = rw.node("Reshape", conv.outputs[0], _const(rw, "as_conv/split", [-1, co, sh, sw, p, q]), name="as_conv/Split").outputs[0]
+    y = rw.node("Transpose", y, perm=[0, 1, 4, 2, 5, 3], name="as_conv/Interleave").outputs[0]
+    rw.node("Reshape", y, _const(rw, "as_conv/rows", [-1, co, sh * p, sw * q]), name="as_conv/Rows")
+    for made in rw.nodes:  # typed, so that later lowerings (``permute``) see float32 values
         made.outputs[0].dtype = ir.DataType.FLOAT
     if (pads[0], pads[1], out_h, out_w) != (0, 0, sh * p, sw * q):
-        nodes.append(ir.Node("", "Slice", [nodes[-1].outputs[0], _const(graph, f"{name}/crop_starts", pads[:2]),
-                                           _const(graph, f"{name}/crop_ends", [pads[0] + out_h, pads[1] + out_w]),
-                                           _const(graph, f"{name}/crop_axes", [2, 3])], name=f"{name}/Crop"))
-    return nodes, conv
+        rw.node("Slice", rw.nodes[-1].outputs[0], _const(rw, "as_conv/crop_starts", pads[:2]),
+                _const(rw, "as_conv/crop_ends", [pads[0] + out_h, pads[1] + out_w]), _const(rw, "as_conv/crop_axes", [2, 3]),
+                name="as_conv/Crop")
+    return conv
 
 
-def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int, phases: bool = False) -> ir.Node | None:
+def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int, phases: bool, names: NameScope) -> ir.Node | None:
     """A 2-D ``ConvTranspose`` (a Conv's data gradient) rewritten as the ``Conv`` it equals
     (``_unit_conv``; strided ones with ``phases``, ``_phase_conv``) when that Conv is one
     ``to_nchwc`` takes: that Conv, to be moved next; else ``None`` (nothing changed)."""
@@ -277,10 +257,10 @@ def _as_conv(graph: ir.Graph, node: ir.Node, block: int, max_kernel: int, phases
     strided = _phase_plan(node, block, max_kernel) if phases and plan is None else None
     if plan is None and strided is None:
         return None
-    name = f"{node.name or f'convt{id(node)}'}/as_conv"
-    nodes, conv = _unit_conv(graph, node, plan, name) if plan is not None else _phase_conv(graph, node, strided, name)
-    graph.insert_before(node, nodes)
-    hand_over(node.outputs, nodes[-1].outputs)
+    rw = Rewrite(graph, node.name or "convt", names=names)
+    conv = _unit_conv(rw, node, plan) if plan is not None else _phase_conv(rw, node, strided)
+    graph.insert_before(node, rw.nodes)
+    hand_over(node.outputs, rw.nodes[-1].outputs)
     graph.remove(node, safe=True)
     return conv
 
@@ -307,11 +287,12 @@ def to_nchwc(model: ir.Model, *, block: int, max_kernel: int = MAX_KERNEL_TAPS, 
     graph = model.graph
     done = 0
     slices_to_conv(model, block, max_kernel)  # its Convs are counted as they move, below
+    names = NameScope(graph)
     for node in list(graph):
-        node = _as_conv(graph, node, block, max_kernel, phases) or node
+        node = _as_conv(graph, node, block, max_kernel, phases, names) or node
         dims = _eligible(node, block, max_kernel)
         if dims is not None:
-            _rewrite(graph, node, dims, block)
+            _rewrite(graph, node, dims, block, names)
             done += 1
     if done:
         model.opset_imports.setdefault(NCHWC_DOMAIN, 1)

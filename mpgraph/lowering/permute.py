@@ -24,7 +24,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.match import DOMAIN, constant, hand_over, initializer
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
+from mpgraph.lowering.match import DOMAIN, constant, hand_over
 from mpgraph.lowering.match import perm as transpose_perm
 
 __all__ = ["fast_transposes", "merged_perm"]
@@ -93,15 +95,17 @@ def fast_transposes(model: ir.Model) -> int:
     module's docstring for which), in place; how many were rewritten."""
     graph = model.graph
     done = 0
+    names: NameScope | None = None
     for node in list(graph):
         plan = _rewritable(node)
         if plan is None:
             continue
         x, perm = plan
         flip = node.inputs[0].producer() if x is not node.inputs[0] else None  # type: ignore[union-attr]
-        name = f"{node.name or f'transpose{id(node)}'}/permute"
-        order = initializer(graph, f"{name}/perm", np.array(perm, np.int64))
-        permute = ir.Node(DOMAIN, "Permute", [x, order], name=name, metadata_props=dict(node.metadata_props))
+        names = names or NameScope(graph)
+        rw = Rewrite(graph, node.name or "transpose", names=names)
+        order = rw.constant("permute/perm", np.array(perm, np.int64))
+        permute = rw.node("Permute", x, order, name="permute", domain=DOMAIN, like=node)
         graph.insert_before(node, permute)
         hand_over(node.outputs, permute.outputs)
         graph.remove(node, safe=True)

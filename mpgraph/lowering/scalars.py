@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
 from mpgraph.lowering.match import DOMAIN, constant, producer, replace, single_reader
 
 __all__ = ["fuse_adam_scalars"]
@@ -75,6 +77,7 @@ def fuse_adam_scalars(model: ir.Model) -> int:
     graph = model.graph
     outputs = set(graph.outputs)
     fused = 0
+    names: NameScope | None = None
     for div in [n for n in graph if n.op_type == "Div" and n.domain in ("", "ai.onnx")]:
         if div.graph is None or div.outputs[0].dtype != _F64:
             continue
@@ -82,8 +85,9 @@ def fuse_adam_scalars(model: ir.Model) -> int:
         if found is None:
             continue
         inputs, nodes, step_size, bc2_sqrt = found
-        node = ir.Node(DOMAIN, "AdamScalars", inputs, num_outputs=2, name=f"{div.name}/AdamScalars",
-                       metadata_props=dict(div.metadata_props))
+        names = names or NameScope(graph)
+        node = Rewrite(graph, div.name or "div", names=names).node(
+            "AdamScalars", *inputs, name="AdamScalars", domain=DOMAIN, num_outputs=2, like=div)
         # Before the step size's Cast: every input is made by then.
         replace(graph, nodes, node, (step_size, bc2_sqrt), before=nodes[7])
         fused += 1

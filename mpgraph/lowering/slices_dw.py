@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
 from mpgraph.lowering.match import consts, hand_over, perm, producer
 
 __all__ = ["slices_to_conv"]
@@ -103,6 +105,7 @@ def slices_to_conv(model: ir.Model, block: int, max_kernel: int) -> int:
     multiple of ``block``, ``P*Q`` at most ``max_kernel`` taps); how many were rebuilt."""
     graph = model.graph
     done = 0
+    names: NameScope | None = None
     for node in list(graph):
         if node.graph is not graph:
             continue
@@ -113,16 +116,15 @@ def slices_to_conv(model: ir.Model, block: int, max_kernel: int) -> int:
         m = out.shape[0] if out.shape is not None else None
         if not isinstance(m, int) or m % block or size[0] * size[1] > max_kernel:
             continue
-        name = f"{node.name or f'concat{id(node)}'}/as_conv"
-        dyt = ir.Node("", "Transpose", [dy], attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/SwapDy")
-        conv = ir.Node("", "Conv", [xt, dyt.outputs[0]], attributes=[ir.AttrInt64s("kernel_shape", size)],
-                       name=name, metadata_props=dict(node.metadata_props))
-        back = ir.Node("", "Transpose", conv.outputs, attributes=[ir.AttrInt64s("perm", [1, 0, 2, 3])], name=f"{name}/Swap")
-        dyt.outputs[0].shape = ir.Shape([m, dy.shape[0] if dy.shape is not None else None, *size])
-        conv.outputs[0].shape = ir.Shape([xt.shape[0] if xt.shape is not None else None, m, *kernel])
-        for made in (dyt, conv):
-            made.outputs[0].dtype = ir.DataType.FLOAT
-        graph.insert_before(nodes[-1], [dyt, conv, back])
+        names = names or NameScope(graph)
+        rw = Rewrite(graph, node.name or "concat", names=names)
+        dyt = rw.node("Transpose", dy, perm=[1, 0, 2, 3], name="as_conv/SwapDy").outputs[0]
+        conv = rw.node("Conv", xt, dyt, kernel_shape=size, name="as_conv", like=node).outputs[0]
+        back = rw.node("Transpose", conv, perm=[1, 0, 2, 3], name="as_conv/Swap")
+        dyt.shape = ir.Shape([m, dy.shape[0] if dy.shape is not None else None, *size])
+        conv.shape = ir.Shape([xt.shape[0] if xt.shape is not None else None, m, *kernel])
+        dyt.dtype = conv.dtype = ir.DataType.FLOAT
+        graph.insert_before(nodes[-1], rw.nodes)
         hand_over([out], back.outputs)
         _remove_dead(graph, nodes)
         done += 1

@@ -29,6 +29,8 @@ import math
 
 import onnx_ir as ir
 
+from mpgraph._ir.names import NameScope
+from mpgraph._ir.rewrite import Rewrite
 from mpgraph.lowering.match import constant, replace
 
 __all__ = ["fold_scales", "fold_transposes"]
@@ -56,7 +58,7 @@ def _foldable_type(value: ir.Value, provider: str) -> bool:
     return value.dtype == ir.DataType.FLOAT or (provider == "cuda" and value.dtype in _LOW)
 
 
-def _fold_matmul(graph: ir.Graph, node: ir.Node, provider: str) -> bool:
+def _fold_matmul(graph: ir.Graph, node: ir.Node, provider: str, names: NameScope) -> bool:
     a, b = node.inputs
     if a is None or b is None or not _foldable_type(a, provider):
         return False
@@ -64,10 +66,9 @@ def _fold_matmul(graph: ir.Graph, node: ir.Node, provider: str) -> bool:
     if sources == [None, None]:
         return False
     inputs = [s if s is not None else v for s, v in zip(sources, (a, b))]
-    fused = ir.Node(MS_DOMAIN, "FusedMatMul", inputs, name=f"{node.name}/FusedMatMul",
-                    attributes=[ir.AttrFloat32("alpha", 1.0), ir.AttrInt64("transA", int(sources[0] is not None)),
-                                ir.AttrInt64("transB", int(sources[1] is not None))],
-                    metadata_props=dict(node.metadata_props))
+    fused = Rewrite(graph, node.name or "matmul", names=names).node(
+        "FusedMatMul", *inputs, name="FusedMatMul", domain=MS_DOMAIN, like=node,
+        alpha=1.0, transA=int(sources[0] is not None), transB=int(sources[1] is not None))
     _swap_in(graph, node, fused)
     return True
 
@@ -82,7 +83,8 @@ def _gemm_attrs(node: ir.Node, trans_a: int, trans_b: int) -> list[ir.Attr]:
     return [*keep, ir.AttrInt64("transA", trans_a), ir.AttrInt64("transB", trans_b)]
 
 
-def _fold_gemm_inputs(graph: ir.Graph, node: ir.Node, provider: str) -> bool:
+def _fold_gemm_inputs(node: ir.Node, provider: str) -> bool:
+    """A ``Gemm`` reading a 2-D ``Transpose`` reads its input instead, its flag flipped (in place)."""
     a, b = node.inputs[:2]
     if a is None or b is None or not _foldable_type(a, provider):
         return False
@@ -91,13 +93,15 @@ def _fold_gemm_inputs(graph: ir.Graph, node: ir.Node, provider: str) -> bool:
         return False
     inputs = [s if s is not None else v for s, v in zip(sources, (a, b))]
     ta, tb = _flag(node, "transA") ^ (sources[0] is not None), _flag(node, "transB") ^ (sources[1] is not None)
-    gemm = ir.Node("", "Gemm", [*inputs, *node.inputs[2:]], name=node.name, attributes=_gemm_attrs(node, ta, tb),
-                   metadata_props=dict(node.metadata_props))
-    _swap_in(graph, node, gemm)
+    attrs = _gemm_attrs(node, ta, tb)
+    for slot, value in enumerate(inputs):
+        node.replace_input_with(slot, value)
+    node.attributes.clear()
+    node.attributes.update({attr.name: attr for attr in attrs})
     return True
 
 
-def _fold_transposed_gemm(graph: ir.Graph, transpose: ir.Node, outputs: set[ir.Value]) -> bool:
+def _fold_transposed_gemm(graph: ir.Graph, transpose: ir.Node, outputs: set[ir.Value], names: NameScope) -> bool:
     """``Transpose(Gemm(A, B), (1, 0))`` -> ``Gemm(B, A)`` with both flags flipped."""
     y = _swap_last_two(transpose)
     gemm = y.producer() if y is not None else None
@@ -106,9 +110,9 @@ def _fold_transposed_gemm(graph: ir.Graph, transpose: ir.Node, outputs: set[ir.V
     if len(y.uses()) != 1 or y in outputs:  # type: ignore[union-attr]
         return False
     a, b = gemm.inputs
-    swapped = ir.Node("", "Gemm", [b, a], name=f"{gemm.name}/transposed",
-                      attributes=_gemm_attrs(gemm, 1 - _flag(gemm, "transB"), 1 - _flag(gemm, "transA")),
-                      metadata_props=dict(gemm.metadata_props))
+    attrs = _gemm_attrs(gemm, 1 - _flag(gemm, "transB"), 1 - _flag(gemm, "transA"))
+    swapped = Rewrite(graph, gemm.name or "gemm", names=names).node(
+        "Gemm", b, a, name="transposed", like=gemm, **{attr.name: attr for attr in attrs})
     _swap_in(graph, transpose, swapped)
     graph.remove(gemm, safe=True)
     return True
@@ -133,15 +137,16 @@ def fold_transposes(model: ir.Model, provider: str = "cuda") -> int:
     graph = model.graph
     outputs = set(graph.outputs)
     before = sum(1 for n in graph if n.op_type == "Transpose")
+    names = NameScope(graph)
     for node in list(graph):
         if node.graph is None or node.domain not in ("", "ai.onnx"):
             continue
         if node.op_type == "Transpose":
-            _fold_transposed_gemm(graph, node, outputs)
+            _fold_transposed_gemm(graph, node, outputs, names)
         elif node.op_type == "MatMul":
-            _fold_matmul(graph, node, provider)
+            _fold_matmul(graph, node, provider, names)
         elif node.op_type == "Gemm":
-            _fold_gemm_inputs(graph, node, provider)
+            _fold_gemm_inputs(node, provider)
     dead = [n for n in graph if n.op_type == "Transpose" and not n.outputs[0].uses() and n.outputs[0] not in outputs]
     graph.remove(dead, safe=True)
     removed = before - sum(1 for n in graph if n.op_type == "Transpose")
@@ -158,13 +163,12 @@ def _power_of_two(value: ir.Value | None) -> float | None:
     return c if c != 0 and math.isfinite(c) and abs(math.frexp(c)[0]) == 0.5 else None
 
 
-def _as_fused(graph: ir.Graph, node: ir.Node) -> ir.Node:
+def _as_fused(graph: ir.Graph, node: ir.Node, names: NameScope) -> ir.Node:
     """``node`` itself when it is a ``FusedMatMul``; a plain ``MatMul`` becomes one (alpha 1)."""
     if node.op_type == "FusedMatMul":
         return node
-    fused = ir.Node(MS_DOMAIN, "FusedMatMul", list(node.inputs), name=f"{node.name}/FusedMatMul",
-                    attributes=[ir.AttrFloat32("alpha", 1.0), ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 0)],
-                    metadata_props=dict(node.metadata_props))
+    fused = Rewrite(graph, node.name or "matmul", names=names).node(
+        "FusedMatMul", *node.inputs, name="FusedMatMul", domain=MS_DOMAIN, like=node, alpha=1.0, transA=0, transB=0)
     _swap_in(graph, node, fused)
     return fused
 
@@ -179,7 +183,7 @@ def _is_matmul(node: ir.Node | None) -> bool:
                                  or (node.op_type == "FusedMatMul" and node.domain == MS_DOMAIN))
 
 
-def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Value]) -> bool:
+def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Value], names: NameScope) -> bool:
     for slot in (0, 1):
         v, c = mul.inputs[slot], _power_of_two(mul.inputs[1 - slot])
         out = mul.outputs[0]
@@ -187,12 +191,12 @@ def _fold_scale(graph: ir.Graph, mul: ir.Node, provider: str, outputs: set[ir.Va
             continue
         producer = v.producer()
         if _is_matmul(producer) and len(v.uses()) == 1 and v not in outputs:
-            fused = _as_fused(graph, producer)  # type: ignore[arg-type]
+            fused = _as_fused(graph, producer, names)  # type: ignore[arg-type]
             _scale_alpha(fused, c)
             v = fused.outputs[0]
         elif out.uses() and all(_is_matmul(u.node) for u in out.uses()):
             for reader in list({id(u.node): u.node for u in out.uses()}.values()):
-                fused = _as_fused(graph, reader)
+                fused = _as_fused(graph, reader, names)
                 slots = [i for i, x in enumerate(fused.inputs) if x is out]
                 for i in slots:
                     fused.replace_input_with(i, v)
@@ -217,9 +221,10 @@ def fold_scales(model: ir.Model, provider: str = "cuda") -> int:
     graph = model.graph
     outputs = set(graph.outputs)
     folded = 0
+    names = NameScope(graph)
     for node in list(graph):
         if node.graph is not None and node.op_type == "Mul" and node.domain in ("", "ai.onnx"):
-            folded += _fold_scale(graph, node, provider, outputs)
+            folded += _fold_scale(graph, node, provider, outputs, names)
     if folded:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     return folded
