@@ -39,6 +39,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.data import check_inputs
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.errors import MpgraphError
@@ -164,7 +165,7 @@ def advise_scale(
         MpgraphError: Not a float32 step graph, no batches, or the policy lowers no backward value.
     """
     props = step.metadata_props
-    if props.get(md.MODEL_TRAINING) != "true":
+    if not StepContract.is_training(step):
         raise MpgraphError("advise-scale needs a training step graph (run train-graph first)")
     if md.MODEL_POLICY in props:
         raise MpgraphError("advise-scale needs the float32 step graph, not a converted one")

@@ -15,6 +15,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph._ir.meta import Phase, Precision
 from mpgraph.data import check_inputs, random_feeds, read_npz
 from mpgraph.dtypes import float_weight_bytes, is_float
@@ -347,7 +348,7 @@ def _calibrate(model: ir.Model, policy: Policy, calibrate: CalibrateSpec, proto:
 
 def _checks_finite(model: ir.Model, policy: Policy) -> bool:
     # A loss-scaled step graph overflows on purpose: it detects inf/NaN and skips the update.
-    return not (model.metadata_props.get(md.MODEL_TRAINING) == "true" and policy.loss_scaling.mode == "dynamic")
+    return not (StepContract.is_training(model) and policy.loss_scaling.mode == "dynamic")
 
 
 def _emulated_view(model: ir.Model, emulate: bool, low: ir.DataType) -> ir.Model:

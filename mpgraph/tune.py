@@ -40,6 +40,7 @@ import onnx_ir as ir
 import yaml
 
 from mpgraph._ir import meta as md
+from mpgraph._ir.contract import StepContract
 from mpgraph.audit.compare import compare, relative_error
 from mpgraph.data import check_inputs, random_feeds
 from mpgraph.errors import MpgraphError, UsageError
@@ -98,7 +99,7 @@ class LossAfterSteps:
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
         from mpgraph.runtime.trainer import Trainer
 
-        if reference.metadata_props.get(md.MODEL_TRAINING) != "true":
+        if not StepContract.is_training(reference):
             raise MpgraphError("objective 'loss' needs a training step graph (run train-graph first)")
 
         def final_loss(model: ir.Model) -> float:
@@ -130,7 +131,7 @@ class GradientTolerance:
     def bind(self, reference: ir.Model, feeds: Mapping[str, np.ndarray]) -> Callable[[ir.Model], float]:
         from mpgraph.audit.compare_train import compare_train
 
-        if reference.metadata_props.get(md.MODEL_TRAINING) != "true":
+        if not StepContract.is_training(reference):
             raise MpgraphError("objective 'grad' needs a training step graph (run train-graph first)")
 
         def error(candidate: ir.Model) -> float:
@@ -408,7 +409,7 @@ def _first_divergent(reference: ir.Model, candidate: ir.Model | None, inputs: Ma
         return None
     try:
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf in overflowing values
-            if reference.metadata_props.get(md.MODEL_TRAINING) == "true":
+            if StepContract.is_training(reference):
                 from mpgraph.audit.compare_train import compare_train
 
                 report = compare_train(reference, candidate, inputs)  # unscales backward values

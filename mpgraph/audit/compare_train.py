@@ -191,7 +191,7 @@ def compare_train(
         MpgraphError: Not step graphs, or ORT cannot run one of them.
     """
     for label, model in (("reference", reference), ("candidate", candidate)):
-        if model.metadata_props.get(md.MODEL_TRAINING) != "true" or not StepContract.recorded(model):
+        if not StepContract.is_training(model) or not StepContract.recorded(model):
             raise MpgraphError(f"{label} is not a training step graph (run train-graph first)")
     # The loss-scale state, by role (the step contract); none: not loss-scaled.
     state = StepContract.read(candidate).loss_scale

@@ -14,9 +14,9 @@ __all__ = ["compare_train_report", "is_step_graph"]
 
 def is_step_graph(model: Any) -> bool:
     """Whether ``model`` (an onnx-ir model) is a training step graph."""
-    from mpgraph._ir import meta as md
+    from mpgraph._ir.contract import StepContract
 
-    return model.metadata_props.get(md.MODEL_TRAINING) == "true"
+    return StepContract.is_training(model)
 
 
 def compare_train_report(

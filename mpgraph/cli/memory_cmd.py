@@ -23,6 +23,7 @@ def step_graph_for(model: Path, optimizer: str | None, policy: str | None) -> ir
     ``convert`` with ``policy`` when given; a float32 step graph is converted with ``policy``.
     """
     from mpgraph._ir import meta as md
+    from mpgraph._ir.contract import StepContract
     from mpgraph.convert import convert
     from mpgraph.errors import MpgraphError
     from mpgraph.io import load_model
@@ -30,7 +31,7 @@ def step_graph_for(model: Path, optimizer: str | None, policy: str | None) -> ir
 
     loaded = load_model(model)
     props = loaded.metadata_props
-    if props.get(md.MODEL_TRAINING) != "true":
+    if not StepContract.is_training(loaded):
         if md.MODEL_POLICY in props:
             raise MpgraphError(f"{model}: a converted forward model; give the float32 forward model (with "
                                "--optimizer and --policy) or a training step graph")

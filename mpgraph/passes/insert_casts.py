@@ -10,6 +10,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.builder import make_cast
+from mpgraph._ir.contract import StepContract
 from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import finite_max, short_name
 from mpgraph.errors import MpgraphError
@@ -78,7 +79,7 @@ class _Rewrite:
         self.is_low = {n: n.metadata_props.get(md.NODE_PRECISION) == low_name for n in self.nodes}
         self.first_node = next(iter(self.graph), None)
         # A training step's inputs and outputs are master weights and state: always float32.
-        self.training = model.metadata_props.get(md.MODEL_TRAINING) == "true"
+        self.training = StepContract.is_training(model)
         self.modified = False
         self.to_low: dict[ir.Value, ir.Value] = {}
         self.to_f32: dict[ir.Value, ir.Value] = {}

@@ -11,7 +11,6 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph._ir.contract import StepContract
-from mpgraph._ir.meta import MODEL_TRAINING
 from mpgraph._ir.names import NameScope
 from mpgraph.dtypes import FLOAT_TYPES
 from mpgraph.errors import UnsupportedModelError, first_line
@@ -81,7 +80,7 @@ def refuse_step_graph(model: ir.Model, source: object) -> None:
     Raises:
         UnsupportedModelError: ``model`` was built by ``train-graph``.
     """
-    if StepContract.recorded(model) or model.metadata_props.get(MODEL_TRAINING) == "true":
+    if StepContract.recorded(model) or StepContract.is_training(model):
         raise UnsupportedModelError(f"{source}: is already a training step graph (built by `mpgraph train-graph`); "
                                     "give the forward model")
 

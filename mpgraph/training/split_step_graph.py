@@ -88,8 +88,7 @@ def split_step_graph(model: ir.Model) -> SplitStep:
             more than one float32 Cast, or the apply part reads a value that depends on the
             batch.
     """
-    props = model.metadata_props
-    if md.MODEL_GRADIENTS not in props or md.MODEL_LOSS not in props or not StepContract.recorded(model):
+    if StepContract.missing(model, "gradients", "loss") or not StepContract.recorded(model):
         raise MpgraphError("split: not a step graph with an optimizer (no 'mpgraph.gradients' metadata); "
                            "build it with `mpgraph train-graph --optimizer ...`")
     contract = StepContract.read(model)
