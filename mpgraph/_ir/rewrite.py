@@ -28,6 +28,8 @@ Example:
     [('relu1/flat', 'relu1/flat', {}), ('relu1/Relu', 'relu1/Relu', {'mpgraph.role': 'forward'})]
     >>> sorted(graph.initializers)
     ['relu1/shape']
+    >>> rw.node("Reshape", x, rw.constant("shape", np.array([-1], np.int64)), name="flat").name  # taken: a suffix
+    'relu1/flat_1'
 """
 
 from __future__ import annotations
