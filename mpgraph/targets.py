@@ -23,8 +23,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterable
 
+import onnx
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
@@ -87,7 +89,21 @@ def kernel_cell(provider: str, op_type: str, dtype: str, opset: int) -> str | No
         return None
     opsets = probed_opsets(provider)
     column = max((o for o in opsets if o <= opset), default=opsets[0])
+    # A column where the op is another version (or none: Gelu at 18 for a model at opset 20)
+    # says nothing about it; a later probed opset with the model's version of the op does.
+    version = _since_version(op_type, opset)
+    if version is not None and _since_version(op_type, column) != version:
+        column = min((o for o in opsets if o > opset and _since_version(op_type, o) == version), default=column)
     return row.get(f"{dtype}@{column}")
+
+
+@functools.cache
+def _since_version(op_type: str, opset: int) -> int | None:
+    """The opset that introduced the version of ``op_type`` in force at ``opset``."""
+    try:
+        return onnx.defs.get_schema(op_type, opset).since_version
+    except onnx.defs.SchemaError:
+        return None
 
 
 def kernel_gaps(

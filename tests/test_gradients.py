@@ -813,15 +813,17 @@ def _gelu_softmax_model(fill: float, read_cdf: bool) -> onnx.ModelProto:
 @pytest.mark.parametrize("read_cdf", [False, True])
 @pytest.mark.parametrize("fill", [-np.inf, -1e4])
 def test_erf_gelu_and_masked_softmax_patterns(fill: float, read_cdf: bool) -> None:
-    """The erf-GELU pattern gets one compact backward (no rule runs for Div/Erf/Add inside it),
-    and Where(-inf) before Softmax passes dy through; both match torch. A finite fill keeps
-    the Where's select (a fully masked row would not give exact zeros)."""
+    """The erf GELU becomes one ``Gelu`` before differentiating (its rule writes the backward),
+    unless the loss reads an interior value (then the rewrite would lose it: each op keeps its
+    own rule); Where(-inf) before Softmax passes dy through. Both match torch. A finite fill
+    keeps the Where's select (a fully masked row would not give exact zeros)."""
     from mpgraph._ir.meta import NODE_GRAD_OF
 
     model = _gelu_softmax_model(fill, read_cdf)
     step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
     grad_of = {n.metadata_props.get(NODE_GRAD_OF) for n in step.graph if n.name.startswith("grad/")}
     forward_ops = {n.name: n.op_type for n in step.graph if not n.name.startswith("grad/")}
+    assert ("Gelu" in forward_ops.values()) == (not read_cdf)
     assert bool({forward_ops.get(g) for g in grad_of} & {"Div", "Erf", "Add"}) == read_cdf
     assert ("mask" in grad_of) == (fill != -np.inf)
     x = np.random.default_rng(3).standard_normal((2, 5, 5)).astype(np.float32) * 2
@@ -857,21 +859,21 @@ def _torchscript_gelu_model(read_interior: bool) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
 
 
+@pytest.mark.parametrize("canonicalize", [None, False])
 @pytest.mark.parametrize("read_interior", [False, True])
-def test_torchscript_erf_gelu_gets_the_compact_backward(read_interior: bool) -> None:
-    """The inner product ``x * (1 + erf(x/sqrt(2)))`` is differentiated in one piece (no rule
-    runs for its Div, Erf or Add unless the loss reads the interior), 2 nodes fewer than node
-    by node, and the gradient matches torch's."""
+def test_torchscript_erf_gelu_gets_the_gelu_rule(read_interior: bool, canonicalize: bool | None) -> None:
+    """The torchscript exporter's GELU becomes ``Gelu`` by default and gets its rule's
+    backward; read inside by the loss, or with ``canonicalize=False``, each of its ops keeps
+    its own rule (no rule recognises a GELU written out). The gradient matches torch's."""
     from mpgraph._ir.meta import NODE_GRAD_OF
 
     model = _torchscript_gelu_model(read_interior)
-    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"])
+    step = build_training_graph(model, optimizer=None, loss="loss", trainable_inputs=["x"], canonicalize=canonicalize)
     grad_of = {n.metadata_props.get(NODE_GRAD_OF) for n in step.graph if n.name.startswith("grad/")}
     forward_ops = {n.name: n.op_type for n in step.graph if not n.name.startswith("grad/")}
-    assert bool({forward_ops.get(g) for g in grad_of} & {"Div", "Erf", "Add"}) == read_interior
-    if not read_interior:
-        backward = [n for n in step.graph if n.name.startswith("grad/") and n.op_type != "Constant"]
-        assert len([n for n in backward if n.metadata_props.get(NODE_GRAD_OF) == "gelu_inner"]) == 6
+    canonical = canonicalize is None and not read_interior
+    assert ("Gelu" in forward_ops.values()) == canonical
+    assert bool({forward_ops.get(g) for g in grad_of} & {"Div", "Erf", "Add"}) == (not canonical)
     x = np.random.default_rng(5).standard_normal((3, 8)).astype(np.float32) * 3
     session = ort.InferenceSession(ir.to_proto(step).SerializeToString(), providers=["CPUExecutionProvider"])
     got = session.run(["grad/x"], {"x": x})[0]

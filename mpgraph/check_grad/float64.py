@@ -12,7 +12,8 @@ differences (built with ``_ir.builder.Builder``, placed where the node was):
    flipped.
 3. ``GlobalAveragePool`` / ``GlobalMaxPool`` become ``ReduceMean`` / ``ReduceMax``.
 4. ``AveragePool`` (1-D/2-D) and ``Resize`` (linear/nearest) become one MatMul by a constant
-   float64 matrix per spatial axis (``resample``); ``Erf`` a positive series in ``x**2``.
+   float64 matrix per spatial axis (``resample``); ``Erf`` a positive series in ``x**2``,
+   ``Gelu`` its formula over that series (or over ``Tanh``).
 
 Example:
     >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1, 1, 2, 2]))
@@ -382,6 +383,25 @@ def _erf(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
     del shapes
     x = node.inputs[0]
     assert x is not None
+    return _erf_series(b, x)
+
+
+def _gelu(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
+    """``Gelu`` as its formula: ``0.5 x (1 + erf(x / sqrt 2))`` (erf as in ``_erf``), or the
+    tanh form (``Tanh`` has a float64 kernel)."""
+    del shapes
+    x = node.inputs[0]
+    assert x is not None
+    if node.attributes.get_string("approximate", "none") == "tanh":
+        inner = b.op("Mul", b.op("Add", x, b.op("Mul", b.op("Mul", b.op("Mul", x, x), x), b.const(0.044715))),
+                     b.const(float(np.sqrt(2.0 / np.pi))))
+        cdf = b.op("Add", b.op("Tanh", inner), b.const(1.0))
+    else:
+        cdf = b.op("Add", _erf_series(b, b.op("Mul", x, b.const(float(np.sqrt(0.5))))), b.const(1.0))
+    return b.op("Mul", b.op("Mul", x, b.const(0.5)), cdf)
+
+
+def _erf_series(b: Builder, x: ir.Value) -> ir.Value:
     xc = b.op("Clip", x, b.const(-ERF_CLIP), b.const(ERF_CLIP))
     x2 = b.op("Mul", xc, xc)
     one = b.const(1.0)
@@ -393,5 +413,5 @@ def _erf(b: Builder, node: ir.Node, shapes: Shapes) -> ir.Value | None:
 
 _REWRITES: dict[str, Callable[[Builder, ir.Node, Shapes], ir.Value | None]] = {
     "Conv": _conv, "ConvTranspose": _conv_transpose, "GlobalAveragePool": _global_pool, "GlobalMaxPool": _global_pool,
-    "AveragePool": _average_pool, "Resize": _resize, "Erf": _erf,
+    "AveragePool": _average_pool, "Resize": _resize, "Erf": _erf, "Gelu": _gelu,
 }

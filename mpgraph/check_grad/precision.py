@@ -47,6 +47,10 @@ _EXACT_IN_FLOAT32 = frozenset({"OneHot", "Shape", "Size", "Identity", "Reshape",
 #: Op types ORT CPU loads in float64 but cannot run in it ("LSTM operator does not support
 #: double yet"; checked on ORT 1.32): they run in float32 from the start.
 _FLOAT64_FAILS_AT_RUN = frozenset({"LSTM", "GRU", "RNN"})
+#: Op types ORT CPU runs in float64 only by expanding their function body, which has an op
+#: without a float64 kernel (a float64 ``Gelu`` becomes ``Erf``...: the error names the ``Erf``,
+#: not the ``Gelu``); ``to_float64`` rewrites them from the start.
+_FLOAT64_BY_FUNCTION = frozenset({"Gelu"})
 _NO_KERNEL = re.compile(r"Could not find an implementation for (\w+)\(")
 
 
@@ -83,7 +87,7 @@ def session_in_best_dtype(model: ir.Model, float64: bool,
         MpgraphError: ORT cannot load even the float32 model.
     """
     note = "float64 not requested"
-    keep32: set[str] = {n.op_type for n in model.graph if n.op_type in _FLOAT64_FAILS_AT_RUN}
+    keep32: set[str] = {n.op_type for n in model.graph if n.op_type in _FLOAT64_FAILS_AT_RUN | _FLOAT64_BY_FUNCTION}
     while float64 and len(keep32) < 12:
         try:
             converted, islands = to_float64(model, frozenset(keep32), input_shapes)

@@ -1,8 +1,9 @@
 """Lower a step graph onto mpgraph's fused kernels (``ai.mpgraph`` ops).
 
 ``fuse_adamw``: each tensor's AdamW update (14 ONNX ops) becomes one ``AdamWUpdate`` node.
-``fuse_layernorm_grad``: each float32 LayerNormalization backward (11 nodes) becomes one
-``LayerNormGrad`` node (its third output is the kernel's workspace; nothing reads it).
+``fuse_layernorm_grad``: each float32 ``LayerNormalization``'s backward becomes one
+``LayerNormGrad`` node, found by value (the node's gradient block), not by the nodes its
+gradient rule emitted.
 
 ``mpgraph.optim.adam`` writes one tensor's update as::
 
@@ -26,32 +27,23 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph._ir.names import NameScope
 from mpgraph.lowering.match import (
     DOMAIN,
-    constant,
-    consts,
+    cast_to,
     initializer,
     is_scalar,
     link,
     producer,
     replace,
     same_shape,
-    uses,
+    swap_backward,
 )
 
 __all__ = ["DOMAIN", "fuse_adamw", "fuse_layernorm_grad"]
 
-
-
-
-
-
-
-
-
-
-
-
+FLOAT = ir.DataType.FLOAT
 
 
 def _match_moments(m_new: ir.Value, v_new: ir.Value, outputs: set[ir.Value]) -> tuple | None:
@@ -134,14 +126,6 @@ def _match(sub: ir.Node, outputs: set[ir.Value]) -> tuple[list[ir.Value], list[i
     return inputs, chain, m_new, v_new  # type: ignore[return-value]
 
 
-
-
-
-
-
-
-
-
 def fuse_adamw(model: ir.Model) -> int:
     """Fuse every matching AdamW/Adam tensor update in ``model``'s main graph, in place.
 
@@ -174,183 +158,95 @@ def fuse_adamw(model: ir.Model) -> int:
 
 
 
+# -- LayerNorm backward ---------------------------------------------------------------------
+#
+# ``LayerNormalization(x, scale[, bias])`` over the last axis, float32 (a low-precision policy
+# keeps norms float32), with the Mean and InvStdDev outputs its gradient rule
+# (``autodiff.rules.norm.layer_norm``) asks for. The rule writes, with ``xhat`` recomputed by a
+# unit-scale LayerNorm::
+#
+#     dxhat = dy * scale
+#     dx = inv_std * ((dxhat - mean(dxhat)) - xhat * mean(dxhat * xhat))
+#     dscale = sum(dy * xhat), dbias = sum(dy)          (over the leading axes)
+#
+# about twelve kernels. ``LayerNormGrad(dy, x, scale, mean, inv_std) -> (dx, dscale, workspace)``
+# computes the same terms in one pass over the rows (the sums in another order: ``same math``);
+# ``LayerNormGradBias`` also makes dbias and reads a float16/bfloat16 dy as it is (the rule's
+# ops read its exact float32 cast). The workspace output holds the kernel's column partials;
+# nothing reads it.
 
 
-
-
-
-
-def _match_layernorm_grad(xh_node: ir.Node, forward: dict[ir.Value, ir.Node], outputs: set[ir.Value]) -> tuple | None:
-    """For ``xhat = LayerNormalization(x, ones)`` (the rule's recompute), the nodes of
-    ``mpgraph.autodiff.rules.norm.layer_norm``'s dx and dscale, and the fused node's inputs."""
-    if len(xh_node.inputs) != 2 or len(xh_node.outputs) != 1:
+def _layernorm_operands(block: GradientBlock) -> tuple | None:
+    """``(dy, x, scale, mean, inv_std, [dx, dscale, dbias])`` of a fusable LayerNorm block."""
+    node = block.node
+    if len(node.inputs) < 2 or len(node.outputs) < 3 or not block.dys or block.dys[0] is None:
         return None
-    x, ones = xh_node.inputs
-    xhat = xh_node.outputs[0]
-    if x is None or x.dtype != ir.DataType.FLOAT or x.shape is None or len(x.shape) < 2:
+    x, scale = node.inputs[0], node.inputs[1]
+    mean, inv_std = node.outputs[1], node.outputs[2]
+    if x is None or scale is None or x.dtype != FLOAT or x.shape is None or len(x.shape) < 2:
         return None
-    unit = constant(ones)
-    if unit is None or not np.all(unit == 1):  # xhat itself, not a scaled LayerNorm
+    rank, cols = len(x.shape), x.shape[-1]
+    if node.attributes.get_int("axis", -1) % rank != rank - 1 or not _is_row(scale, cols):
         return None
-    rank = len(x.shape)
-    if xh_node.attributes.get("axis") is None or xh_node.attributes["axis"].as_int() % rank != rank - 1:
-        return None
-    fwd = forward.get(x)
-    if fwd is None or len(fwd.outputs) < 3 or fwd.attributes.get("axis", None) is None \
-            or fwd.attributes["axis"].as_int() % rank != rank - 1:
-        return None
-    mean, inv_std = fwd.outputs[1], fwd.outputs[2]
     # Nothing read the forward's Mean before: a pass may have dropped its name and type.
-    if inv_std.dtype != ir.DataType.FLOAT or mean.dtype not in (ir.DataType.FLOAT, None):
+    if inv_std.dtype != FLOAT or mean.dtype not in (FLOAT, None):
         return None
-    readers = uses(xhat, outputs)
-    if readers is None or len(readers) != 3 or any(n.op_type != "Mul" for n in readers):
+    dy = block.dys[0]
+    grads = [*block.dxs[:3], *[None] * (3 - len(block.dxs[:3]))]
+    bias = node.inputs[2] if len(node.inputs) > 2 else None
+    if grads[2] is not None and (bias is None or not _is_row(bias, cols)):
         return None
-    # Mul_1 = Mul(dxhat, xhat), Mul_2 = Mul(xhat, m2), Mul_4 = Mul(dy, xhat)
-    mul2 = [n for n in readers if n.inputs[0] is xhat]
-    others = [n for n in readers if n.inputs[1] is xhat]
-    if len(mul2) != 1 or len(others) != 2:
+    if dy.dtype not in (FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) or (grads[0] is None and grads[1] is None):
         return None
-    mul2 = mul2[0]
-    dxhat_mul = next((n for n in others if producer(n.inputs[0], "Mul") is not None
-                      and n.inputs[0].producer().inputs[1] is fwd.inputs[1]), None)  # type: ignore[union-attr]
-    if dxhat_mul is None:
+    if any(g is not None and g.dtype != FLOAT for g in grads):
         return None
-    mul4 = next(n for n in others if n is not dxhat_mul)
-    dxhat = dxhat_mul.inputs[0]
-    scale_mul = dxhat.producer()
-    assert scale_mul is not None
-    dy, scale = scale_mul.inputs
-    if mul4.inputs[0] is not dy or dy is None or dy.dtype != ir.DataType.FLOAT:
-        return None
-    dx_nodes = _match_layernorm_dx(dxhat, dxhat_mul, mul2, inv_std, rank, outputs)
-    dscale_nodes = _match_layernorm_dscale(mul4, rank, outputs)
-    if dx_nodes is None or dscale_nodes is None:
-        return None
-    if scale is None or scale.shape is None or len(scale.shape) != 1 or scale.dtype != ir.DataType.FLOAT:
-        return None
-    if scale_mul.outputs[0] in outputs:
-        return None
-    chain = [xh_node, scale_mul, dxhat_mul, mul2, mul4, *dx_nodes, *dscale_nodes]
-    return [dy, x, scale, mean, inv_std], chain, dx_nodes[-1].outputs[0], dscale_nodes[-1].outputs[0]
+    return dy, x, scale, mean, inv_std, grads
 
 
-def _match_layernorm_dx(dxhat: ir.Value, dxhat_mul: ir.Node, mul2: ir.Node, inv_std: ir.Value, rank: int,
-                        outputs: set[ir.Value]) -> list[ir.Node] | None:
-    """``m1 = ReduceMean(dxhat)``, ``m2 = ReduceMean(dxhat * xhat)`` over the last axis, and
-    ``dx = Mul(inv_std, Sub(Sub(dxhat, m1), Mul(xhat, m2)))``: those nodes, ``dx``'s last."""
-    # m1 = ReduceMean(dxhat, [-1]); Sub(dxhat, m1); m2 = ReduceMean(Mul_1, [-1])
-    dxhat_readers = uses(dxhat, outputs)
-    if dxhat_readers is None or len(dxhat_readers) != 3:
-        return None
-    rmean1 = next((n for n in dxhat_readers if n.op_type == "ReduceMean"), None)
-    sub0 = next((n for n in dxhat_readers if n.op_type == "Sub" and n.inputs[0] is dxhat), None)
-    if rmean1 is None or sub0 is None or sub0.inputs[1] is not rmean1.outputs[0]:
-        return None
-    t = dxhat_mul.outputs[0]
-    t_readers = uses(t, outputs)
-    if t_readers is None or len(t_readers) != 1 or t_readers[0].op_type != "ReduceMean":
-        return None
-    rmean2 = t_readers[0]
-    last = [rank - 1]
-    for reduce in (rmean1, rmean2):
-        axes = consts(reduce.inputs[1]) if len(reduce.inputs) > 1 else None
-        keep = reduce.attributes.get("keepdims")
-        if axes is None or [a % rank for a in axes] != last or (keep is not None and keep.as_int() != 1):
-            return None
-        if uses(reduce.outputs[0], outputs) is None or len(reduce.outputs[0].uses()) != 1:
-            return None
-    if mul2.inputs[1] is not rmean2.outputs[0]:
-        return None
-    # Sub_1 = Sub(Sub, Mul_2); dx = Mul(inv_std, Sub_1)
-    sub1 = [u.node for u in sub0.outputs[0].uses()]
-    if len(sub1) != 1 or sub1[0].op_type != "Sub" or sub1[0].inputs[1] is not mul2.outputs[0] or sub0.outputs[0] in outputs:
-        return None
-    sub1 = sub1[0]
-    if len(mul2.outputs[0].uses()) != 1 or mul2.outputs[0] in outputs:
-        return None
-    dx_mul = [u.node for u in sub1.outputs[0].uses()]
-    if len(dx_mul) != 1 or dx_mul[0].op_type != "Mul" or dx_mul[0].inputs[0] is not inv_std or sub1.outputs[0] in outputs:
-        return None
-    return [rmean1, rmean2, sub0, sub1, dx_mul[0]]
-
-
-def _match_layernorm_dscale(mul4: ir.Node, rank: int, outputs: set[ir.Value]) -> list[ir.Node] | None:
-    """``dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0)``: the ReduceSum."""
-    # dscale = ReduceSum(Mul(dy, xhat), leading axes, keepdims=0), shaped like scale
-    m4_readers = uses(mul4.outputs[0], outputs)
-    if m4_readers is None or len(m4_readers) != 1 or m4_readers[0].op_type != "ReduceSum":
-        return None
-    return [m4_readers[0]] if _sums_leading_axes(m4_readers[0], rank) else None
-
-
-def _sums_leading_axes(node: ir.Node, rank: int) -> bool:
-    """``node`` is ``ReduceSum(v, all axes but the last, keepdims=0)``."""
-    if node.op_type != "ReduceSum" or node.domain not in ("", "ai.onnx"):
-        return False
-    axes = consts(node.inputs[1]) if len(node.inputs) > 1 else None
-    keep = node.attributes.get("keepdims")
-    return axes is not None and sorted(a % rank for a in axes) == list(range(rank - 1)) and keep is not None and keep.as_int() == 0
-
-
-def _bias_grad(dy: ir.Value, chain: list[ir.Node], rank: int, outputs: set[ir.Value]) -> tuple | None:
-    """``dbias = ReduceSum(dy, leading axes, keepdims=0)`` when the chain and it are dy's only
-    readers: ``(reduce, dy to read, cast to drop or None)``; a float16/bfloat16 ``dy`` cast to
-    float32 just for these readers is read as it is (the kernel converts on load)."""
-    members = {id(n) for n in chain}
-    others = list({id(u.node): u.node for u in dy.uses() if id(u.node) not in members}.values())
-    if len(others) != 1 or not _sums_leading_axes(others[0], rank) or dy in outputs or others[0].inputs[0] is not dy:
-        return None
-    reduce = others[0]
-    cast = producer(dy, "Cast")
-    low = cast.inputs[0] if cast is not None else None
-    if low is not None and low.dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
-        return reduce, low, cast
-    return reduce, dy, None
+def _is_row(value: ir.Value, cols: object) -> bool:
+    """``value`` is float32 of static shape ``[D]``, D the last axis of x (when known)."""
+    shape = value.shape
+    return (value.dtype == FLOAT and shape is not None and len(shape) == 1 and isinstance(shape[0], int)
+            and (not isinstance(cols, int) or shape[0] == cols))
 
 
 def fuse_layernorm_grad(model: ir.Model) -> int:
-    """Fuse every matching float32 LayerNormalization backward (over the last axis) in
-    ``model``'s main graph, in place; how many became ``LayerNormGrad`` nodes (or
-    ``LayerNormGradBias``, which also makes the bias gradient ``ReduceSum(dy)`` and reads a
-    float16/bfloat16 ``dy`` before its cast)."""
+    """Fuse the backward of every float32 ``LayerNormalization`` over the last axis in
+    ``model``'s main graph that records one, in place; how many became ``LayerNormGrad`` nodes
+    (``LayerNormGradBias`` where the bias gradient is wanted too)."""
     graph = model.graph
-    outputs = set(graph.outputs)
-    forward: dict[ir.Value, ir.Node] = {}
-    for node in graph:
-        if node.op_type == "LayerNormalization" and node.domain in ("", "ai.onnx") and len(node.outputs) >= 3 \
-                and node.inputs[0] is not None:
-            forward.setdefault(node.inputs[0], node)
+    names = NameScope(graph)
     fused = 0
-    for node in [n for n in graph if n.op_type == "LayerNormalization" and n.domain in ("", "ai.onnx")]:
-        if node.graph is None or forward.get(node.inputs[0]) is node:
+    for node, block in gradient_blocks(graph).items():
+        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
             continue
-        found = _match_layernorm_grad(node, forward, outputs)
+        found = _layernorm_operands(block)
         if found is None:
             continue
-        inputs, chain, dx, dscale = found
-        mean = inputs[3]
+        dy, x, scale, mean, inv_std, grads = found
         if not mean.name:  # an unnamed output is an absent one to ORT
-            mean.name = f"{chain[0].name}/mean"
+            mean.name = names.fresh(f"{node.name}/mean")
         if mean.dtype is None:
-            mean.type, mean.shape = ir.TensorType(ir.DataType.FLOAT), inputs[4].shape
-        bias = _bias_grad(inputs[0], chain, len(inputs[1].shape), outputs)
-        olds: tuple[ir.Value, ...] = (dx, dscale)
-        if bias is not None:
-            reduce, inputs[0], cast = bias
-            chain += [reduce] + ([cast] if cast is not None else [])
-            olds = (dx, dscale, reduce.outputs[0])
-        op = "LayerNormGradBias" if bias is not None else "LayerNormGrad"
-        new = ir.Node(DOMAIN, op, inputs, num_outputs=len(olds) + 1, name=f"{node.name}/{op}",
-                      metadata_props=dict(node.metadata_props))
-        # The last output is the kernel's workspace (the column sums' partials): nothing reads it.
-        new.outputs[-1].name = f"{node.name}/{op}/workspace"
-        new.outputs[-1].type = ir.TensorType(ir.DataType.FLOAT)
-        # Before the chain's first node: every input is computed by then (dy is read by the
-        # chain's Mul(dy, scale)), and every reader of dx and dscale comes later.
-        members = set(map(id, chain))
-        replace(graph, chain, new, olds, before=next(n for n in graph if id(n) in members))
-        fused += 1
+            mean.type, mean.shape = ir.TensorType(FLOAT), inv_std.shape
+        first = next(g for g in grads if g is not None)
+        meta = dict(first.producer().metadata_props) if first.producer() is not None else {}
+        bias = grads[2] is not None
+        op = "LayerNormGradBias" if bias else "LayerNormGrad"
+        before: list[ir.Node] = []
+        widened = producer(dy, "Cast")
+        if bias and widened is not None and widened.inputs[0] is not None \
+                and widened.inputs[0].dtype in (ir.DataType.FLOAT16, ir.DataType.BFLOAT16):
+            dy = widened.inputs[0]  # the kernel widens it on load, exactly as the Cast does
+        if not bias:  # LayerNormGrad reads float32 only
+            dy, cast = cast_to(dy, FLOAT, names.fresh(f"{node.name}/{op}/dy"), meta)
+            before += [cast] if cast is not None else []
+        new = ir.Node(DOMAIN, op, [dy, x, scale, mean, inv_std], num_outputs=4 if bias else 3,
+                      name=names.fresh(f"{node.name}/{op}"), metadata_props=meta)
+        for out, shape in zip(new.outputs, (x.shape, scale.shape, scale.shape, None)):
+            out.type, out.shape = ir.TensorType(FLOAT), shape
+        new.outputs[-1].name = f"{new.name}/workspace"
+        if swap_backward(graph, new, grads if bias else grads[:2], before):
+            fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused

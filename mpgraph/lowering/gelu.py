@@ -1,124 +1,78 @@
-"""Fuse the erf GELU and its backward into ``ErfGelu`` / ``ErfGeluGrad`` (a session lowering).
+"""Fuse the backward of an erf ``Gelu`` into ``ErfGeluGrad`` (a session lowering).
 
-The torch exporters write GELU as five elementwise ops, and mpgraph's autodiff rule
-(``autodiff.rules.elementwise.erf_gelu_grad``) differentiates it with six more::
+Training graphs carry GELU as the standard op ``Gelu`` (``CanonicalizeOpsPass`` rewrites the
+exporters' erf formulas into it before differentiating). Its gradient rule
+(``autodiff.rules.elementwise.gelu``) recomputes the forward's intermediates and differentiates::
 
-    s = Div(x, div); cdf = Mul(half, Add(Erf(s), one)); y = Mul(x, cdf)
-    dx = Mul(dy, Add(cdf, Mul(Div(s, Exp(Mul(s, s))), k)))
+    s = Div(x, sqrt2); cdf = Mul(half, Add(one, Erf(s)))
+    dx = Mul(dy, Add(cdf, Mul(Div(s, Exp(Mul(s, s))), k)))       k = 1/sqrt(pi)
 
-On ORT CUDA that is eleven kernels per GELU over the MLP's widest activation (the bench GPT:
-[8, 512, 4096] per layer). The fused forward reads x and writes y; the fused backward reads dy
-and x and writes dx, recomputing s and cdf (so neither is kept between them). Each step rounds
-to x's type as the separate ops' outputs do (constants, operand order and all), so on CUDA the
-results equal the ops they replace, up to how ORT's kernels round (checked by
-``benchmarks/kernels_check.py``). Operand order is free only where IEEE arithmetic commutes
-(the Adds and Muls); ``Div(x, div)`` must be as written.
+ten kernels on ORT CUDA over the MLP's widest activation (the bench GPT: [8, 512, 4096] per
+layer). ``ErfGeluGrad(dy, x, sqrt2, one, half, k)`` reads dy and x once and writes dx. The rule
+finds that backward by value (``Gelu``'s gradient block: ``dy`` flowing into its output, ``dx``
+its contribution to x's gradient), never by the nodes the gradient rule emitted, and moves dx's
+readers onto the fused output. The kernel rounds each step to x's type as the rule's ops do,
+with the same constants and the same terms (only the order of commuting operands differs), so
+it equals them up to how ORT's kernels round erf and exp (``benchmarks/kernels_check.py``):
+``same math``.
+
+The forward ``Gelu`` stays: it is one ORT kernel on either provider (``ErfGelu``, the fused
+forward of the five-op formula, would replace it with other arithmetic and no fewer kernels).
+Left as they are: ``Gelu(approximate="tanh")`` (the kernel computes the erf form), a Gelu whose
+``dy``, ``x`` and ``dx`` are not all of one float type (float32 on CPU; float32, float16 or
+bfloat16 on CUDA), and a Gelu without a recorded backward.
 """
 
 from __future__ import annotations
 
+import math
+
 import onnx_ir as ir
 
-from mpgraph.lowering.match import DOMAIN, constant, producer, readers, replace, single_reader
+from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph.lowering.match import DOMAIN, scalar_constant, swap_backward
 
 __all__ = ["fuse_gelu"]
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+#: ``ErfGeluGrad``'s scalars: ``s = x / sqrt2``, ``cdf = half * (erf(s) + one)``, ``k``.
+_CONSTANTS = (("sqrt2", math.sqrt(2.0)), ("one", 1.0), ("half", 0.5), ("k", 1.0 / math.sqrt(math.pi)))
 
 
-def _scalar(value: ir.Value | None, dtype: ir.DataType) -> bool:
-    array = constant(value)
-    return array is not None and array.size == 1 and value.dtype == dtype  # type: ignore[union-attr]
-
-
-def _split(node: ir.Node, value: ir.Value, dtype: ir.DataType) -> tuple[ir.Value, ir.Value] | None:
-    """For a commutative binary ``node`` with a scalar constant operand: ``(other, constant)``."""
-    a, b = node.inputs
-    if a is None or b is None:
+def _operands(block: GradientBlock) -> tuple[ir.Value, ir.Value, ir.Value] | None:
+    """``(dy, x, dx)`` of an erf Gelu's block, all of one kernel type; else ``None``."""
+    node = block.node
+    if node.attributes.get_string("approximate", "none") != "none" or len(node.inputs) != 1:
         return None
-    if _scalar(b, dtype) and a is value:
-        return a, b
-    if _scalar(a, dtype) and b is value:
-        return b, a
-    return None
-
-
-
-
-def _match_forward(y_mul: ir.Node, outputs: set[ir.Value]) -> tuple | None:
-    """``y = Mul(x, cdf)``: ``(x, [div, one, half], s, cdf, nodes)``."""
-    for slot in (0, 1):
-        x, cdf = y_mul.inputs[slot], y_mul.inputs[1 - slot]
-        if x is None or cdf is None or x.dtype not in _TYPES:
-            continue
-        half_mul = producer(cdf, "Mul")
-        a = next((v for v in (half_mul.inputs if half_mul else ()) if not _scalar(v, x.dtype)), None)
-        split = _split(half_mul, a, x.dtype) if half_mul is not None and a is not None else None
-        add = producer(a, "Add") if split is not None else None
-        e = next((v for v in (add.inputs if add else ()) if not _scalar(v, x.dtype)), None)
-        add_split = _split(add, e, x.dtype) if add is not None and e is not None else None
-        erf = producer(e, "Erf") if add_split is not None else None
-        div = producer(erf.inputs[0], "Div") if erf is not None else None
-        if div is None or div.inputs[0] is not x or not _scalar(div.inputs[1], x.dtype):
-            continue
-        s = div.outputs[0]
-        if single_reader(e, outputs, "Add") is None or single_reader(a, outputs, "Mul") is None:  # type: ignore[arg-type]
-            continue
-        consts = [div.inputs[1], add_split[1], split[1]]  # type: ignore[index]
-        return x, consts, s, cdf, [div, erf, add, half_mul, y_mul]
-    return None
-
-
-def _match_backward(s: ir.Value, cdf: ir.Value, x: ir.Value, outputs: set[ir.Value]) -> tuple | None:
-    """The rule's ``dx`` from ``s`` and ``cdf``: ``(dy, k, nodes)``; the last node makes dx."""
-    found = readers(s, outputs)
-    if found is None or len(found) != 3:
+    x = node.inputs[0]
+    dy = block.dys[0] if block.dys else None
+    dx = block.dxs[0] if block.dxs else None
+    if x is None or dy is None or dx is None or x.dtype not in _TYPES or dy.dtype != x.dtype or dx.dtype != x.dtype:
         return None
-    square = next((n for n in found if n.op_type == "Mul" and n.inputs[0] is s and n.inputs[1] is s), None)
-    ratio = next((n for n in found if n.op_type == "Div" and n.inputs[0] is s), None)
-    exp = single_reader(square.outputs[0], outputs, "Exp") if square is not None else None
-    if exp is None or ratio is None or ratio.inputs[1] is not exp.outputs[0] or single_reader(exp.outputs[0], outputs, "Div") is None:
-        return None
-    k_mul = single_reader(ratio.outputs[0], outputs, "Mul")
-    split = _split(k_mul, ratio.outputs[0], x.dtype) if k_mul is not None else None
-    add = single_reader(k_mul.outputs[0], outputs, "Add") if split is not None else None  # type: ignore[union-attr]
-    if add is None or {id(v) for v in add.inputs} != {id(cdf), id(k_mul.outputs[0])}:  # type: ignore[union-attr]
-        return None
-    dy_mul = single_reader(add.outputs[0], outputs, "Mul")
-    if dy_mul is None:
-        return None
-    dy = dy_mul.inputs[1] if dy_mul.inputs[0] is add.outputs[0] else dy_mul.inputs[0]
-    if dy is None or dy.dtype != x.dtype or dy is add.outputs[0]:
-        return None
-    return dy, split[1], [square, exp, ratio, k_mul, add, dy_mul]  # type: ignore[index]
+    return dy, x, dx
 
 
 def fuse_gelu(model: ir.Model) -> int:
-    """Fuse every erf GELU (and its backward, where the graph has it) in ``model``'s main graph,
-    in place; how many fused nodes were made."""
+    """Fuse the backward of every erf ``Gelu`` in ``model``'s main graph that records one, in
+    place; how many ``ErfGeluGrad`` nodes were made."""
     graph = model.graph
-    outputs = set(graph.outputs)
     fused = 0
-    for y_mul in [n for n in graph if n.op_type == "Mul" and n.domain in ("", "ai.onnx")]:
-        if y_mul.graph is None:
+    for node, block in gradient_blocks(graph).items():
+        if node.op_type != "Gelu" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
             continue
-        forward = _match_forward(y_mul, outputs)
-        if forward is None:
+        found = _operands(block)
+        if found is None:
             continue
-        x, consts, s, cdf, forward_nodes = forward
-        backward = _match_backward(s, cdf, x, outputs)
-        if backward is None and (len(s.uses()) != 1 or len(cdf.uses()) != 1):
-            continue  # s or cdf is read elsewhere: keep the ops
-        meta = dict(y_mul.metadata_props)
-        if backward is not None:
-            dy, k, backward_nodes = backward
-            grad = ir.Node(DOMAIN, "ErfGeluGrad", [dy, x, *consts, k], name=f"{y_mul.name}/ErfGeluGrad",
-                           metadata_props=dict(backward_nodes[-1].metadata_props))
-            replace(graph, backward_nodes, grad, (backward_nodes[-1].outputs[0],), before=backward_nodes[-1])
+        dy, x, dx = found
+        dtype = x.dtype
+        assert dtype is not None
+        consts = [scalar_constant(graph, f"ai.mpgraph/gelu/{key}_{dtype.name.lower()}", value, dtype)
+                  for key, value in _CONSTANTS]
+        meta = dict(dx.producer().metadata_props) if dx.producer() is not None else {}  # type: ignore[union-attr]
+        grad = ir.Node(DOMAIN, "ErfGeluGrad", [dy, x, *consts], name=f"{node.name}/ErfGeluGrad", metadata_props=meta)
+        grad.outputs[0].dtype, grad.outputs[0].shape = dtype, x.shape
+        if swap_backward(graph, grad, [dx]):
             fused += 1
-        node = ir.Node(DOMAIN, "ErfGelu", [x, *consts], name=f"{y_mul.name}/ErfGelu", metadata_props=meta)
-        replace(graph, forward_nodes, node, (y_mul.outputs[0],), before=y_mul)
-        fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused

@@ -4,6 +4,12 @@ Every rule under ``mpgraph/lowering/`` finds its pattern with these helpers and 
 node in with ``replace`` (or ``hand_over``), so the questions "is this value read only by the
 chain?" and "which op made this value?" have one answer. They speak onnx-ir only.
 
+A rule that fuses a canonical op's backward does not match the nodes its gradient rule emitted:
+it reads the op's gradient block (``mpgraph._ir.links.gradient_blocks``: the gradient flowing
+into each output, the node's contribution to each input's gradient) and calls
+``swap_backward`` with a fused node computing those contributions; the rule's nodes, read by
+nothing then, go.
+
 Example:
     >>> import onnx_ir as ir
     >>> x = ir.Value(name="x", type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([1]))
@@ -14,14 +20,18 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
+from mpgraph._ir.links import ancestors
+from mpgraph._ir.names import NameScope
+
 __all__ = [
-    "DOMAIN", "constant", "consts", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
-    "one_reader", "only_reader", "perm", "producer", "readers", "replace", "same_shape", "single_reader", "uses",
+    "DOMAIN", "cast_to", "constant", "consts", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
+    "one_reader", "only_reader", "perm", "producer", "readers", "remove_dead", "replace", "same_shape",
+    "scalar_constant", "single_reader", "swap_backward", "uses",
 ]
 
 #: The custom-op domain of mpgraph's kernel library.
@@ -163,3 +173,93 @@ def single_reader(value: ir.Value, outputs: set[ir.Value], op_type: str | None =
     if op_type is not None and (found[0].op_type != op_type or found[0].domain not in ("", "ai.onnx")):
         return None
     return found[0]
+
+
+def scalar_constant(graph: ir.Graph, name: str, value: float, dtype: ir.DataType) -> ir.Value:
+    """The 0-d initializer ``name`` holding ``value`` as ``dtype`` (made once, then reused)."""
+    found = graph.initializers.get(name)
+    if found is not None:
+        return found
+    return initializer(graph, name, np.array(value, dtype=dtype.numpy()))
+
+
+def cast_to(value: ir.Value, dtype: ir.DataType, name: str, meta: dict[str, str]) -> tuple[ir.Value, ir.Node | None]:
+    """``value`` as ``dtype``: itself, or the output of a new ``Cast`` (returned, not placed)."""
+    if value.dtype == dtype:
+        return value, None
+    cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", dtype.value)], name=name, metadata_props=dict(meta))
+    cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = name, dtype, value.shape
+    return cast.outputs[0], cast
+
+
+def swap_backward(graph: ir.Graph, fused: ir.Node, olds: Sequence[ir.Value | None],
+                  before: Sequence[ir.Node] = ()) -> bool:
+    """Put ``fused`` (not yet in ``graph``; ``before``: nodes it reads that are not placed yet,
+    such as a ``cast_to``) after the last node making one of its inputs, give each of ``olds``
+    (a gradient block's ``dxs``, ``None`` where there is none) to ``fused``'s output of the same
+    position (name, readers, graph-output slot; through a ``Cast`` where their dtypes differ),
+    and remove the nodes that made the olds, now read by nothing.
+
+    ``fused``'s outputs must carry their dtypes; those not taking an old value's place get
+    fresh names. Returns ``False``, with ``graph`` unchanged, where an old value is read before
+    every input of ``fused`` exists (the graph order allows no single place for it), or is made
+    by a node of ``fused``'s op already (the names moved to it: a graph lowered twice).
+    """
+    if any(_made_by(old, fused) for old in olds if old is not None):
+        return False
+    order = {node: i for i, node in enumerate(graph)}
+    pending = set(before)
+    sources = [v.producer() for n in (*before, fused) for v in n.inputs if v is not None]
+    anchor = max((p for p in sources if p is not None and p not in pending and p is not fused),
+                 key=lambda p: order.get(p, -1), default=None)
+    if anchor is None or anchor not in order:
+        return False
+    present = [(j, old) for j, old in enumerate(olds) if old is not None]
+    if any(order.get(use.node, -1) <= order[anchor] for _, old in present for use in old.uses()):
+        return False
+    names = NameScope(graph)
+    meta = dict(fused.metadata_props)
+    added = [*before, fused]
+    news: list[ir.Value] = []
+    for j, old in present:
+        out = fused.outputs[j]
+        new, cast = cast_to(out, old.dtype, names.fresh(f"{fused.name}/output_{j}_cast"), meta) \
+            if old.dtype is not None else (out, None)
+        added += [cast] if cast is not None else []
+        news.append(new)
+    for j, out in enumerate(fused.outputs):
+        if not out.name:
+            out.name = names.fresh(f"{fused.name}/output_{j}")
+    graph.insert_after(anchor, added)
+    olds_present = [old for _, old in present]
+    dead = ancestors(olds_present)
+    for old, new in zip(olds_present, news):
+        shape = old.shape if old.shape is not None else new.shape
+        hand_over([old], [new])
+        new.shape = shape
+    remove_dead(graph, dead)
+    return True
+
+
+def _made_by(value: ir.Value, fused: ir.Node) -> bool:
+    """``value`` is an output of a node of ``fused``'s op (or a ``Cast`` of one)."""
+    node = value.producer()
+    if node is not None and node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.inputs[0] is not None:
+        node = node.inputs[0].producer()
+    return node is not None and node.op_type == fused.op_type and node.domain == fused.domain
+
+
+def remove_dead(graph: ir.Graph, candidates: set[ir.Node]) -> int:
+    """Remove those of ``candidates`` nothing reads any more (readers first), and the
+    initializers only they read; how many nodes."""
+    removed = 0
+    for node in reversed(list(graph)):
+        if node in candidates and not any(v.uses() or v.is_graph_output() for v in node.outputs):
+            inputs = [v for v in node.inputs if v is not None]
+            graph.remove(node, safe=True)
+            removed += 1
+            for value in inputs:
+                if value.is_initializer() and not value.is_graph_input() and not value.uses() \
+                        and value.name in graph.initializers:
+                    del graph.initializers[value.name]
+    return removed

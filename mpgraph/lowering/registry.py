@@ -119,9 +119,10 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("multi_adamw", "default", BOTH, BIT, lambda m, t: batch_adamw(m),
                  "AdamWUpdate nodes sharing their scalars as one MultiAdamWUpdate (multi.py, csrc/multi.cu)"),
     LoweringRule("layernorm_grad", "all", BOTH, SAME, lambda m, t: fuse_layernorm_grad(m),
-                 "a float32 LayerNormalization backward as LayerNormGrad(Bias) (fuse.py, csrc/layernorm.cu)"),
+                 "a float32 LayerNormalization's backward, found by its gradient block, as LayerNormGrad(Bias) "
+                 "(fuse.py, csrc/layernorm.cu)"),
     LoweringRule("gelu", "all", BOTH, SAME, lambda m, t: fuse_gelu(m),
-                 "an erf GELU and its backward as ErfGelu/ErfGeluGrad (gelu.py, csrc/gelu.cu)"),
+                 "an erf Gelu's backward, found by its gradient block, as ErfGeluGrad (gelu.py, csrc/gelu.cu)"),
     LoweringRule("unscale", "all", BOTH, BIT, lambda m, t: fuse_unscale(m),
                  "loss scaling's unscale and finite check as one UnscaleGradients (multi.py)"),
     LoweringRule("multi_cast", "all", BOTH, BIT, lambda m, t: batch_casts(m),
@@ -129,7 +130,8 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fold_transposes", "all", BOTH, SAME, lambda m, t: fold_transposes(m, t.provider),
                  "transposes read by a matmul folded into FusedMatMul/Gemm flags (transpose.py)"),
     LoweringRule("softmax_grad", "all", BOTH, SAME, lambda m, t: fuse_softmax_grad(m),
-                 "an attention softmax's backward as SoftmaxGradDot (softmax.py, csrc/softmax.cu)"),
+                 "an attention Softmax's backward, found by its and O = P V's gradient blocks, as SoftmaxGradDot "
+                 "(softmax.py, csrc/softmax.cu)"),
     LoweringRule("relu_grad", "default", BOTH, BIT, lambda m, t: fuse_relu_grad(m),
                  "a Relu's backward as ReluGrad (grads.py, csrc/grads.cu)"),
     LoweringRule("sce_grad", "default", CUDA, SAME, lambda m, t: fuse_sce_grad(m),

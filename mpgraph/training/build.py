@@ -59,7 +59,7 @@ def build_training_graph(
     validate: bool = True,
     target: str | None = None,
     pad_gemms: bool | None = None,
-    canonicalize: bool = False,
+    canonicalize: bool | None = None,
 ) -> ir.Model:
     """Build the training step graph of a forward model.
 
@@ -92,10 +92,12 @@ def build_training_graph(
             slice them off its output (``PadGemmColumnsPass``: a 50257-token vocabulary's
             GEMMs then run on aligned tensor-core kernels). ``None``: when ``target`` is
             ``cuda``. Same math; the parameters keep their shapes.
-        canonicalize: Rewrite written-out attention, GELU, LayerNorm and RMSNorm into the
-            standard ops ``Attention``, ``Gelu``, ``LayerNormalization`` and
-            ``RMSNormalization`` before differentiating (``CanonicalizeOpsPass``; the opset
-            is raised to 23 where they need it). Same math.
+        canonicalize: Rewrite exporters' written-out forms into standard ONNX ops before
+            differentiating (``CanonicalizeOpsPass``), so gradient rules and fused kernels
+            see one form: ``None`` (default) GELU (erf and tanh), LayerNorm and RMSNorm into
+            ``Gelu``, ``LayerNormalization`` and ``RMSNormalization``; ``True`` also
+            attention into ``Attention``; ``False`` nothing. The opset is raised to what the
+            new ops need (``Gelu`` 20, ``RMSNormalization`` and ``Attention`` 23). Same math.
 
     Returns:
         The training step model, with the lowest ir_version its opsets allow (8 up to
@@ -113,11 +115,11 @@ def build_training_graph(
     forward = load_forward(model)
     m = forward.model
     NormalizeForwardPass(forward.inputs_mark_params, params)(m)
-    if canonicalize:
+    if canonicalize is not False:
         # Imported here: it imports onnxscript's rewriter (0.13 s), which nothing else needs.
         from mpgraph.training.canonicalize_ops import CanonicalizeOpsPass
 
-        CanonicalizeOpsPass()(m)
+        CanonicalizeOpsPass(attention=canonicalize is True)(m)
     forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None

@@ -175,6 +175,10 @@ _RULE_SETS: tuple[tuple[str, pattern.RewriteRuleSet, bool], ...] = (
 class CanonicalizeOpsPass(ir.passes.InPlacePass):
     """Rewrite attention, GELU, LayerNorm and RMSNorm written out into the standard ONNX ops.
 
+    With ``attention=False`` rules 4 and 5 do not run (and a Softmax left is not logged):
+    ``build_training_graph`` canonicalises activations and norms by default, attention only
+    when asked (its fused CUDA kernel is not measured yet).
+
     Rules, in order:
 
     1. No-op nodes between the ops of a pattern go: ``Identity`` (torch's clone and dropout
@@ -222,8 +226,9 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         False
     """
 
-    def __init__(self) -> None:
+    def __init__(self, attention: bool = True) -> None:
         super().__init__()
+        self.attention = attention
         self.counts: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
@@ -237,6 +242,8 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         if ceiling >= 23 and opset < 23:
             graph.opset_imports[""] = 23  # the rewriter builds nodes against the graph's opset
         for op_type, rules, adds in _RULE_SETS:
+            if op_type == "Attention" and not self.attention:
+                continue
             if CANONICAL_OPS[op_type] > ceiling:
                 logger.info("%s forms are left as they are: the graph cannot be raised to opset %d",
                             op_type, CANONICAL_OPS[op_type])
@@ -245,7 +252,8 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
             modified = modified or found > 0
             if adds:
                 self.counts[op_type] += found
-        modified = drop_known_masks(graph) > 0 or modified
+        if self.attention:
+            modified = drop_known_masks(graph) > 0 or modified
         needed = max([opset] + [CANONICAL_OPS[t] for t, n in self.counts.items() if n])
         graph.opset_imports[""] = needed
         modified = modified or needed != opset or any(self.counts.values())
@@ -253,7 +261,7 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
             model.ir_version = max(model.ir_version, min_ir_version(graph.opset_imports))
             _drop_dead_nodes(graph)
             _name_new(graph)
-        _log_leftovers(graph)
+        _log_leftovers(graph, self.attention)
         logger.info("canonical ops written: %s", {k: v for k, v in self.counts.items() if v})
         return ir.passes.PassResult(model, modified)
 
@@ -344,13 +352,13 @@ def _name_new(graph: ir.Graph) -> None:
                 out.name = names.fresh(f"{node.name}/output_{k}")
 
 
-def _log_leftovers(graph: ir.Graph) -> None:
+def _log_leftovers(graph: ir.Graph, attention: bool) -> None:
     """Rule 7: the forms that look like attention, GELU or a norm and were not rewritten."""
     left: dict[str, list[str]] = {}
     for node in graph:
         if node.domain not in ("", "ai.onnx"):
             continue
-        if node.op_type == "Softmax":
+        if node.op_type == "Softmax" and attention:
             left.setdefault("attention (Softmax)", []).append(node.name or "?")
         elif node.op_type == "Erf":
             left.setdefault("erf GELU (Erf)", []).append(node.name or "?")

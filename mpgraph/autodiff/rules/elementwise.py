@@ -7,11 +7,7 @@ import math
 import onnx_ir as ir
 
 from mpgraph.autodiff.driver import GradContext
-from mpgraph.autodiff.fuse_patterns import (
-    masked_softmax_input,
-    match_erf_gelu,
-    match_erf_gelu_product,
-)
+from mpgraph.autodiff.fuse_patterns import masked_softmax_input
 from mpgraph.autodiff.registry import register
 
 __all__: list[str] = []
@@ -37,11 +33,6 @@ def sub(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
 
 @register("Mul", broadcast=True)
 def mul(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
-    gelu = match_erf_gelu(node) or match_erf_gelu_product(node)
-    if gelu is not None and ctx.needs(gelu.x_slot):
-        # The whole erf GELU in 6 nodes instead of 10 (see fuse_patterns); its interior gets none.
-        dx = erf_gelu_grad(ctx, dy, gelu.scaled, gelu.cdf, gelu.tail)
-        return (dx, None) if gelu.x_slot == 0 else (None, dx)
     a, b = ctx.input(0), ctx.input(1)
     return (
         ctx.op("Mul", dy, b) if ctx.needs(0) else None,
@@ -174,42 +165,40 @@ def softplus(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     return (ctx.op("Mul", dy, ctx.op("Sigmoid", ctx.input(0))),)
 
 
-def erf_gelu_grad(ctx: Ctx, dy: V, scaled: V, cdf: V, tail: float = 1.0 / math.sqrt(math.pi)) -> V:
-    """``dy * (cdf + x * pdf(x))`` from ``scaled = x/sqrt(2)`` and ``cdf = 0.5*(1 + erf(scaled))``
-    (``tail`` 1/sqrt(pi); with ``cdf = 1 + erf(scaled)`` and ``tail`` 2/sqrt(pi) it is the
-    derivative of ``x * (1 + erf(scaled))``, the torchscript GELU's inner product).
+def erf_gelu_grad(ctx: Ctx, dy: V, x: V) -> V:
+    """``dy * (cdf + x * pdf(x))`` for the erf GELU ``x * cdf``, ``cdf = 0.5 * (1 + erf(s))``,
+    ``s = x / sqrt(2)``.
 
-    ``x * pdf(x) = scaled * exp(-scaled^2) / sqrt(pi)``, written as ``scaled / exp(scaled^2)``:
-    one node fewer than ``Exp(Neg(...))``, and an overflowing Exp gives the right limit 0.
-    (``Pow(1/e, scaled^2)`` would be one node fewer again, but ORT CPU's Pow is 5.6x slower
-    than Neg+Exp: 54 vs 9.7 ms on 4M floats, one thread.) The square is ``Mul(scaled,
-    scaled)``: these nodes follow a low GELU into its dtype (``AssignPrecisionPass`` phase 5),
-    and ORT CUDA's ``Pow`` with a bfloat16 base runs ``powf`` per element, 150 us per call on
-    the H200 GPT's [8, 512, 4096] (1.2 ms a step for 8 layers; a Mul is about 20 us).
+    ``x * pdf(x) = s * exp(-s^2) / sqrt(pi)``, written as ``s / exp(s^2)``: one node fewer than
+    ``Exp(Neg(...))``, and an overflowing Exp gives the right limit 0. (``Pow(1/e, s^2)`` would
+    be one node fewer again, but ORT CPU's Pow is 5.6x slower than Neg+Exp: 54 vs 9.7 ms on 4M
+    floats, one thread.) The square is ``Mul(s, s)``: these nodes follow a low GELU into its
+    dtype (``AssignPrecisionPass`` phase 5), and ORT CUDA's ``Pow`` with a bfloat16 base runs
+    ``powf`` per element, 150 us per call on the H200 GPT's [8, 512, 4096] (1.2 ms a step for
+    8 layers; a Mul is about 20 us). ``s`` is ``Div(x, sqrt 2)``, the torch exporters' form:
+    the lowering's ``ErfGeluGrad`` computes these very terms (``mpgraph.lowering.gelu``).
     """
-    square = ctx.op("Mul", scaled, scaled)
-    ratio = ctx.op("Div", scaled, ctx.op("Exp", square))
-    slope = ctx.op("Add", cdf, ctx.op("Mul", ratio, ctx.scalar(tail, ratio)))
+    scaled = ctx.op("Div", x, ctx.scalar(math.sqrt(2.0), x))
+    cdf = ctx.op("Mul", ctx.scalar(0.5, x), ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", scaled)))
+    ratio = ctx.op("Div", scaled, ctx.op("Exp", ctx.op("Mul", scaled, scaled)))
+    slope = ctx.op("Add", cdf, ctx.op("Mul", ratio, ctx.scalar(1.0 / math.sqrt(math.pi), ratio)))
     return ctx.op("Mul", dy, slope)
 
 
 @register("Gelu", opsets=(20, None))
 def gelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x = ctx.input(0)
+    if ctx.attr("approximate", "none") != "tanh":
+        return (erf_gelu_grad(ctx, dy, x),)
     half = ctx.scalar(0.5, x)
-    if ctx.attr("approximate", "none") == "tanh":
-        c, k = math.sqrt(2.0 / math.pi), 0.044715
-        x2 = ctx.op("Mul", x, x)
-        inner = ctx.op("Mul", x, ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(c * k, x))))
-        t = ctx.op("Tanh", inner)
-        dinner = ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(3 * c * k, x)))
-        sech2 = ctx.op("Sub", ctx.scalar(1.0, x), ctx.op("Mul", t, t))
-        left = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), t))
-        grad = ctx.op("Add", left, ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Mul", sech2, dinner)))
-    else:
-        scaled = ctx.op("Mul", x, ctx.scalar(math.sqrt(0.5), x))
-        cdf = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), ctx.op("Erf", scaled)))
-        return (erf_gelu_grad(ctx, dy, scaled, cdf),)
+    c, k = math.sqrt(2.0 / math.pi), 0.044715
+    x2 = ctx.op("Mul", x, x)
+    inner = ctx.op("Mul", x, ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(c * k, x))))
+    t = ctx.op("Tanh", inner)
+    dinner = ctx.op("Add", ctx.scalar(c, x), ctx.op("Mul", x2, ctx.scalar(3 * c * k, x)))
+    sech2 = ctx.op("Sub", ctx.scalar(1.0, x), ctx.op("Mul", t, t))
+    left = ctx.op("Mul", half, ctx.op("Add", ctx.scalar(1.0, x), t))
+    grad = ctx.op("Add", left, ctx.op("Mul", ctx.op("Mul", half, x), ctx.op("Mul", sech2, dinner)))
     return (ctx.op("Mul", dy, grad),)
 
 
