@@ -117,7 +117,10 @@ def cudnn_flags() -> tuple[tuple[str, ...], str]:
                                         ("cuDNN headers", headers), ("libcudnn.so.9", lib)) if found is None]
     if missing:
         return (), "no " + ", no ".join(missing)
-    return ("-DMPG_WITH_CUDNN", f"-I{frontend}", f"-I{headers}", f"-L{lib}", "-l:libcudnn.so.9",
+    # cuDNN 9 splits its graph API (the cudnnBackend* and execution-plan calls) into
+    # libcudnn_graph; libcudnn is the front door.
+    links = [f"-l:{name}" for name in ("libcudnn.so.9", "libcudnn_graph.so.9") if (lib / name).is_file()]
+    return ("-DMPG_WITH_CUDNN", f"-I{frontend}", f"-I{headers}", f"-L{lib}", *links,
             "-Xlinker", f"-rpath={lib}"), ""
 
 

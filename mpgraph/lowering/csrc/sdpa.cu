@@ -10,9 +10,14 @@
 // The first run of a shape must happen outside CUDA graph capture (ORT runs a session once
 // before it captures); replays then only execute.
 #ifdef MPG_WITH_CUDNN
+// cudnn-frontend reaches cuDNN's graph API through dlsym at run time: it knows calls newer than
+// the installed cuDNN (9.19 under torch's CUDA 13 wheels lacks cudnnGetExecutionPlanWorkspaceSize)
+// and checks the loaded version before it makes them, where a linked call would fail to load.
+#define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING
 #include <cuda_runtime.h>
 #include <cudnn.h>
 #include <cudnn_frontend.h>
+#include <dlfcn.h>
 
 #include <cstring>
 #include <memory>
@@ -22,6 +27,10 @@
 #include <vector>
 
 #include "sdpa.h"
+
+namespace cudnn_frontend {
+void* cudnn_dlhandle = nullptr;  // the library cudnn-frontend's dlsym calls read
+}  // namespace cudnn_frontend
 
 namespace fe = cudnn_frontend;
 
@@ -106,6 +115,11 @@ std::shared_ptr<fe::graph::Graph> make_graph(const SdpaShape& s, bool backward) 
 
 // The handle of the current device, bound to ``stream`` (callers hold g_mutex).
 int handle_for(cudaStream_t stream, cudnnHandle_t* handle, int* device) {
+  if (fe::cudnn_dlhandle == nullptr) {
+    // Already loaded (this library links it; ORT's CUDA provider loads it too): this finds it.
+    fe::cudnn_dlhandle = dlopen("libcudnn.so.9", RTLD_NOW | RTLD_GLOBAL);
+    if (fe::cudnn_dlhandle == nullptr) return fail(std::string("SDPA: cannot load libcudnn.so.9: ") + dlerror());
+  }
   if (cudaGetDevice(device) != cudaSuccess) return fail("SDPA: cudaGetDevice failed");
   auto found = g_handles.find(*device);
   if (found == g_handles.end()) {
