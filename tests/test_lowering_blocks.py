@@ -210,3 +210,58 @@ def test_a_layernorm_over_two_axes_keeps_its_backward():
     grads = build_training_graph(ir.from_proto(make_model(nodes, [vi("x", [2, 3, 4])], [vi("loss", [])], inits)),
                                  optimizer=None, params=["s", "b"], trainable_inputs=["x"])
     assert fuse_layernorm_grad(grads) == 0
+
+
+def test_swap_backward_casts_moves_names_and_removes_what_is_dead():
+    """``match.swap_backward`` on a hand-made block: the fused float32 output reaches a float16
+    contribution's readers through a Cast, which takes the old value's name and graph-output
+    slot; the old chain and the constant only it read go; a reader that comes before the fused
+    node's inputs exist refuses the swap and leaves the graph as it was."""
+    from mpgraph.lowering.match import swap_backward
+
+    f32, f16 = ir.DataType.FLOAT, ir.DataType.FLOAT16
+    x = ir.Value(name="x", type=ir.TensorType(f32), shape=ir.Shape([4]))
+    dy = ir.Value(name="dy", type=ir.TensorType(f32), shape=ir.Shape([4]))
+    two = ir.Value(name="two", type=ir.TensorType(f32), shape=ir.Shape([]), const_value=ir.tensor(np.float32(2.0)))
+    mul = ir.node("Mul", [dy, two], name="rule/mul")
+    old = ir.node("Cast", [mul.outputs[0]], attributes={"to": f16.value}, name="rule/cast")
+    old.outputs[0].name, old.outputs[0].dtype = "dx", f16
+    reader = ir.node("Neg", [old.outputs[0]], name="reader")
+    reader.outputs[0].name = "out"
+    graph = ir.Graph([x, dy], [old.outputs[0], reader.outputs[0]], nodes=[mul, old, reader], initializers=[two],
+                     opset_imports={"": 20})
+    fused = ir.node("Relu", [dy], name="fused")
+    fused.outputs[0].dtype = f32
+    assert swap_backward(graph, fused, [old.outputs[0]])
+    assert [n.op_type for n in graph] == ["Relu", "Cast", "Neg"] and "two" not in graph.initializers
+    cast = graph.outputs[0].producer()
+    assert graph.outputs[0].name == "dx" and cast.op_type == "Cast" and cast.inputs[0] is fused.outputs[0]
+    assert reader.inputs[0] is graph.outputs[0] and graph.outputs[0].dtype == f16
+    # A reader of the old value before the fused node's input exists: no place for it.
+    v = ir.node("Neg", [x], name="v")
+    v.outputs[0].dtype = f32
+    early = ir.node("Abs", [reader.outputs[0]], name="early")
+    graph.append(early)
+    graph.append(v)  # made after the old value's reader ``early``
+    names = [n.name for n in graph]
+    late = ir.node("Relu", [v.outputs[0]], name="late")
+    late.outputs[0].dtype = f32
+    assert not swap_backward(graph, late, [reader.outputs[0]]) and [n.name for n in graph] == names
+
+
+def test_train_graph_cli_canonical_ops_flag(tmp_path):
+    """``train-graph``: GELU is canonical by default, ``--no-canonical-ops`` keeps the exporter's
+    ops, ``--canonical-ops`` also rewrites the attention."""
+    import onnx
+
+    from tests.helpers import mpgraph_cli
+
+    ops = {}
+    for flag in (None, "--no-canonical-ops", "--canonical-ops"):
+        out = tmp_path / f"{flag}.onnx"
+        args = ["train-graph", str(GPT), "-o", str(out)] + ([flag] if flag else [])
+        assert mpgraph_cli(*args).returncode == 0
+        ops[flag] = Counter(n.op_type for n in onnx.load(out).graph.node)
+    assert ops[None]["Gelu"] == 2 and ops[None]["Attention"] == 0
+    assert ops["--no-canonical-ops"]["Gelu"] == 0 and ops["--no-canonical-ops"]["Erf"] > 0
+    assert ops["--canonical-ops"]["Gelu"] == 2 and ops["--canonical-ops"]["Attention"] == 2

@@ -210,12 +210,13 @@ def swap_backward(graph: ir.Graph, fused: ir.Node, olds: Sequence[ir.Value | Non
     order = {node: i for i, node in enumerate(graph)}
     pending = set(before)
     sources = [v.producer() for n in (*before, fused) for v in n.inputs if v is not None]
-    anchor = max((p for p in sources if p is not None and p not in pending and p is not fused),
-                 key=lambda p: order.get(p, -1), default=None)
-    if anchor is None or anchor not in order:
-        return False
+    made = [p for p in sources if p is not None and p not in pending and p is not fused]
+    if any(p not in order for p in made):
+        return False  # an input made in a subgraph or outside this graph
+    anchor = max(made, key=order.__getitem__, default=None)  # None: graph inputs and constants only
+    last = order[anchor] if anchor is not None else -1
     present = [(j, old) for j, old in enumerate(olds) if old is not None]
-    if any(order.get(use.node, -1) <= order[anchor] for _, old in present for use in old.uses()):
+    if any(order.get(use.node, -1) <= last for _, old in present for use in old.uses()):
         return False
     names = NameScope(graph)
     meta = dict(fused.metadata_props)
@@ -230,7 +231,10 @@ def swap_backward(graph: ir.Graph, fused: ir.Node, olds: Sequence[ir.Value | Non
     for j, out in enumerate(fused.outputs):
         if not out.name:
             out.name = names.fresh(f"{fused.name}/output_{j}")
-    graph.insert_after(anchor, added)
+    if anchor is not None:
+        graph.insert_after(anchor, added)
+    else:
+        graph.insert_before(graph.node(0), added)
     olds_present = [old for _, old in present]
     dead = ancestors(olds_present)
     for old, new in zip(olds_present, news):
