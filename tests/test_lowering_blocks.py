@@ -144,6 +144,16 @@ def test_bf16_step_lowers_for_cuda_in_bf16():
     assert types == dict.fromkeys(("ErfGeluGrad", "LayerNormGradBias", "SoftmaxGradDot"), ir.DataType.BFLOAT16)
 
 
+def test_an_emulated_low_precision_block_keeps_its_roundings():
+    """``convert --emulate``: float32 ops that round to bfloat16 between them. Fusing the GELU's
+    or the softmax's backward into a float32 kernel would drop those roundings, so both keep
+    their ops; the float32 LayerNorms fuse as in the native step."""
+    step = convert(build_training_graph(GPT, optimizer="adamw"), "bf16", emulate=True, validate=False, calibrate=None)
+    plan = plan_session(step, "cpu", PlanOptions(scope="all"))
+    applied = dict(plan.applied)
+    assert (applied["gelu"], applied["softmax_grad"], applied["layernorm_grad"]) == (0, 0, 5)
+
+
 # -- written-out forms, canonicalised before differentiating --------------------------------
 
 

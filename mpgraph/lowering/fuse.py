@@ -32,6 +32,7 @@ from mpgraph._ir.names import NameScope
 from mpgraph.lowering.match import (
     DOMAIN,
     cast_to,
+    emulated,
     initializer,
     is_scalar,
     link,
@@ -198,7 +199,7 @@ def _layernorm_operands(block: GradientBlock) -> tuple | None:
         return None
     if dy.dtype not in (FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16) or (grads[0] is None and grads[1] is None):
         return None
-    if any(g is not None and g.dtype != FLOAT for g in grads):
+    if any(g is not None and g.dtype != FLOAT for g in grads) or emulated(node.outputs[0], *grads):
         return None
     return dy, x, scale, mean, inv_std, grads
 

@@ -20,7 +20,8 @@ The forward ``Gelu`` stays: it is one ORT kernel on either provider (``ErfGelu``
 forward of the five-op formula, would replace it with other arithmetic and no fewer kernels).
 Left as they are: ``Gelu(approximate="tanh")`` (the kernel computes the erf form), a Gelu whose
 ``dy``, ``x`` and ``dx`` are not all of one float type (float32 on CPU; float32, float16 or
-bfloat16 on CUDA), and a Gelu without a recorded backward.
+bfloat16 on CUDA), an emulated low-precision one (``match.emulated``: its rounding Casts would
+go), and a Gelu without a recorded backward.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import math
 import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, gradient_blocks
-from mpgraph.lowering.match import DOMAIN, scalar_constant, swap_backward
+from mpgraph.lowering.match import DOMAIN, emulated, scalar_constant, swap_backward
 
 __all__ = ["fuse_gelu"]
 
@@ -48,6 +49,8 @@ def _operands(block: GradientBlock) -> tuple[ir.Value, ir.Value, ir.Value] | Non
     dy = block.dys[0] if block.dys else None
     dx = block.dxs[0] if block.dxs else None
     if x is None or dy is None or dx is None or x.dtype not in _TYPES or dy.dtype != x.dtype or dx.dtype != x.dtype:
+        return None
+    if emulated(node.outputs[0], dx):
         return None
     return dy, x, dx
 

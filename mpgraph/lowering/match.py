@@ -26,10 +26,11 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.links import ancestors
+from mpgraph._ir.meta import NODE_PRECISION, Precision
 from mpgraph._ir.names import NameScope
 
 __all__ = [
-    "DOMAIN", "cast_to", "constant", "consts", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
+    "DOMAIN", "cast_to", "constant", "consts", "emulated", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
     "one_reader", "only_reader", "perm", "producer", "readers", "remove_dead", "replace", "same_shape",
     "scalar_constant", "single_reader", "swap_backward", "uses",
 ]
@@ -181,6 +182,24 @@ def scalar_constant(graph: ir.Graph, name: str, value: float, dtype: ir.DataType
     if found is not None:
         return found
     return initializer(graph, name, np.array(value, dtype=dtype.numpy()))
+
+
+_PRECISION_OF = {ir.DataType.FLOAT: Precision.FLOAT32, ir.DataType.FLOAT16: Precision.FLOAT16,
+                 ir.DataType.BFLOAT16: Precision.BFLOAT16}
+
+
+def emulated(*values: ir.Value | None) -> bool:
+    """Whether a node making one of ``values`` emulates another precision than the value's
+    dtype (``convert --emulate``: float32 ops whose recorded ``NODE_PRECISION`` is bfloat16 or
+    float16, with rounding Casts between them). A fused kernel in the values' dtype would drop
+    those roundings, so a backward fusion leaves such a block alone."""
+    for value in values:
+        node = value.producer() if value is not None else None
+        recorded = node.metadata_props.get(NODE_PRECISION) if node is not None else None
+        if recorded not in (None, Precision.NONE) and value.dtype in _PRECISION_OF \
+                and recorded != _PRECISION_OF[value.dtype]:  # type: ignore[union-attr]
+            return True
+    return False
 
 
 def cast_to(value: ir.Value, dtype: ir.DataType, name: str, meta: dict[str, str]) -> tuple[ir.Value, ir.Node | None]:

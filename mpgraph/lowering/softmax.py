@@ -17,7 +17,8 @@ float32 and rounds it and each step to T as the ops do; only the order of delta'
 
 Left as they are: a Softmax read by anything else in the forward (its backward is then the
 general ``y * (dy - sum(dy * y))``), over another axis, with dP, P, dO, O and dS not all of
-one type (float32 on CPU; float32, float16 or bfloat16 on CUDA), or whose blocks are missing.
+one type (float32 on CPU; float32, float16 or bfloat16 on CUDA), an emulated low-precision one
+(``match.emulated``), or whose blocks are missing.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, gradient_blocks
 from mpgraph._ir.meta import NODE_ROLE, Role
-from mpgraph.lowering.match import DOMAIN, swap_backward
+from mpgraph.lowering.match import DOMAIN, emulated, swap_backward
 
 __all__ = ["fuse_softmax_grad"]
 
@@ -74,6 +75,8 @@ def _operands(block: GradientBlock, blocks: dict[ir.Node, GradientBlock]) -> tup
     dp, p, do, o, ds = block.dys[0], block.node.outputs[0], pv_block.dys[0], pv.outputs[0], block.dxs[0]
     values = (dp, p, do, o, ds)
     if any(v is None for v in values) or p.dtype not in _TYPES or any(v.dtype != p.dtype for v in values):  # type: ignore[union-attr]
+        return None
+    if emulated(p, ds):
         return None
     return [dp, p, do, o], ds
 
