@@ -154,6 +154,21 @@ def test_an_emulated_low_precision_block_keeps_its_roundings():
     assert (applied["gelu"], applied["softmax_grad"], applied["layernorm_grad"]) == (0, 0, 5)
 
 
+def test_a_gelu_backward_partly_in_another_precision_keeps_its_ops():
+    """``ErfGeluGrad`` rounds every step to x's type: where a policy computes one node of the
+    rule's backward in float32 (its recorded decision), that GELU is left alone."""
+    from mpgraph._ir.links import gradient_blocks
+    from mpgraph._ir.meta import NODE_PRECISION
+    from mpgraph.lowering.match import interior
+
+    step = convert(build_training_graph(GPT, optimizer=None), "bf16", emulate=False, validate=False, calibrate=None)
+    gelu, block = next((n, b) for n, b in gradient_blocks(step.graph).items() if n.op_type == "Gelu")
+    inner = interior(block.dxs, [*block.dys, *gelu.inputs, *gelu.outputs])
+    assert {n.op_type for n in inner} >= {"Erf", "Exp", "Div", "Mul", "Add"}
+    next(n for n in inner if n.op_type == "Exp").metadata_props[NODE_PRECISION] = "float32"
+    assert fuse_gelu(_copy(step)) == 1
+
+
 # -- written-out forms, canonicalised before differentiating --------------------------------
 
 

@@ -20,8 +20,9 @@ The forward ``Gelu`` stays: it is one ORT kernel on either provider (``ErfGelu``
 forward of the five-op formula, would replace it with other arithmetic and no fewer kernels).
 Left as they are: ``Gelu(approximate="tanh")`` (the kernel computes the erf form), a Gelu whose
 ``dy``, ``x`` and ``dx`` are not all of one float type (float32 on CPU; float32, float16 or
-bfloat16 on CUDA), an emulated low-precision one (``match.emulated``: its rounding Casts would
-go), and a Gelu without a recorded backward.
+bfloat16 on CUDA) or whose backward a policy computes partly in another precision (the nodes
+between them, ``match.interior``, each record theirs), an emulated low-precision one
+(``match.emulated``: its rounding Casts would go), and a Gelu without a recorded backward.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ import math
 import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, gradient_blocks
-from mpgraph.lowering.match import DOMAIN, emulated, scalar_constant, swap_backward
+from mpgraph._ir.meta import NODE_PRECISION, Precision
+from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, swap_backward
 
 __all__ = ["fuse_gelu"]
 
@@ -50,9 +52,17 @@ def _operands(block: GradientBlock) -> tuple[ir.Value, ir.Value, ir.Value] | Non
     dx = block.dxs[0] if block.dxs else None
     if x is None or dy is None or dx is None or x.dtype not in _TYPES or dy.dtype != x.dtype or dx.dtype != x.dtype:
         return None
-    if emulated(node.outputs[0], dx):
+    if emulated(node.outputs[0], dx) or not _computed_in(interior([dx], [dy, x, *node.outputs]), x.dtype):
         return None
     return dy, x, dx
+
+
+def _computed_in(nodes: set[ir.Node], dtype: ir.DataType) -> bool:
+    """Every float node of the backward computes in ``dtype`` (or records no precision), as
+    the kernel does: a policy that kept one of them float32 rounds differently."""
+    want = {ir.DataType.FLOAT: Precision.FLOAT32, ir.DataType.FLOAT16: Precision.FLOAT16,
+            ir.DataType.BFLOAT16: Precision.BFLOAT16}[dtype]
+    return all(n.metadata_props.get(NODE_PRECISION, want) in (want, Precision.NONE) for n in nodes)
 
 
 def fuse_gelu(model: ir.Model) -> int:

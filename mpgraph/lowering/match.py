@@ -30,7 +30,8 @@ from mpgraph._ir.meta import NODE_PRECISION, Precision
 from mpgraph._ir.names import NameScope
 
 __all__ = [
-    "DOMAIN", "cast_to", "constant", "consts", "emulated", "fuse_muls", "hand_over", "initializer", "is_scalar", "link",
+    "DOMAIN", "cast_to", "constant", "consts", "emulated", "fuse_muls", "hand_over", "initializer", "interior", "is_scalar",
+    "link",
     "one_reader", "only_reader", "perm", "producer", "readers", "remove_dead", "replace", "same_shape",
     "scalar_constant", "single_reader", "swap_backward", "uses",
 ]
@@ -200,6 +201,13 @@ def emulated(*values: ir.Value | None) -> bool:
                 and recorded != _PRECISION_OF[value.dtype]:  # type: ignore[union-attr]
             return True
     return False
+
+
+def interior(olds: Sequence[ir.Value | None], sources: Sequence[ir.Value | None]) -> set[ir.Node]:
+    """The nodes that compute ``olds`` (a block's contributions) from ``sources`` (its ``dys``
+    and the forward node's values): what a fused backward replaces. A rule reads their recorded
+    decisions (precision), never their op types."""
+    return ancestors(v for v in olds if v is not None) - ancestors(v for v in sources if v is not None)
 
 
 def cast_to(value: ir.Value, dtype: ir.DataType, name: str, meta: dict[str, str]) -> tuple[ir.Value, ir.Node | None]:
