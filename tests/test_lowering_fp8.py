@@ -31,6 +31,7 @@ from mpgraph.training import build_training_graph
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2
+BF16, FLOAT = ir.DataType.BFLOAT16, ir.DataType.FLOAT
 
 
 def _gpt_step(emulate: bool, policy: str = "fp8") -> ir.Model:
@@ -86,7 +87,17 @@ def test_gemm_float8_nodes_follow_the_schema_onnxruntime_lists(native) -> None:
     for node in _gemms(lowered):
         assert set(node.attributes) <= set(schema.attributes)
         attrs = {k: a.value for k, a in node.attributes.items()}
-        assert attrs["transA"] == 0 and attrs["transB"] == 1 and attrs["dtype"] == ir.DataType.BFLOAT16.value
+        assert attrs["transA"] == 0 and attrs["transB"] == 1
+        # E4M3 x E4M3 into the product's bf16; a mixed pair into float32 (cuBLASLt on the H200
+        # refuses it into bf16), then one Cast back to bf16.
+        y = node.outputs[0]
+        want = BF16 if node.inputs[0].dtype == node.inputs[1].dtype == E4M3 else FLOAT
+        assert attrs["dtype"] == want.value and y.dtype == want, node.name
+        assert f"tensor({want.name.lower()})" in allowed[schema.outputs[0].typeStr]
+        if want == FLOAT:
+            (cast, _), = y.uses()
+            assert cast.op_type == "Cast" and cast.attributes["to"].as_int() == BF16.value, node.name
+            assert cast.outputs[0].dtype == BF16 and cast.outputs[0].shape == y.shape, node.name
         assert len(node.inputs) == 5 and node.inputs[2] is None
         for value, param in zip(node.inputs, params):
             if value is not None:
@@ -104,6 +115,25 @@ def test_gemm_float8_nodes_follow_the_schema_onnxruntime_lists(native) -> None:
     # Forward E4M3 x E4M3; input gradients E5M2 x E4M3 (dY W^T); weight gradients E4M3 x E5M2.
     assert formats == {("FLOAT8E4M3FN", "FLOAT8E4M3FN", "forward"): 9, ("FLOAT8E5M2", "FLOAT8E4M3FN", "backward"): 9,
                        ("FLOAT8E4M3FN", "FLOAT8E5M2", "backward"): 9}
+
+
+def test_every_value_keeps_its_type(native) -> None:
+    """The float32 outputs of the mixed-pair GemmFloat8 are cast back: every value of the step
+    that is still there (the products' outputs included, by name) has its type, and every
+    reader of a GemmFloat8's result gets the product's bf16."""
+    step, lowered = native
+    before = {v.name: v.type for n in step.graph for v in n.outputs if v.name}
+    after = {v.name: v.type for n in lowered.graph for v in n.outputs if v.name}
+    products = [n.outputs[0].name for n in step.graph if md.NODE_FP8 in n.metadata_props]
+    assert set(products) <= after.keys()
+    assert {k: t for k, t in after.items() if k in before} == {k: before[k] for k in after if k in before}
+    casts = [n for n in lowered.graph if n.op_type == "Cast" and n.inputs[0].producer() is not None
+             and n.inputs[0].producer().op_type == "GemmFloat8"]
+    assert len(casts) == 18 and all(n.outputs[0].dtype == BF16 for n in casts)
+    again = ir.from_proto(ir.to_proto(step))
+    lower_fp8_gemms(again)  # the same names each time (byte pins, plan caches)
+    assert [(n.name, *(v.name for v in n.outputs)) for n in again.graph] == \
+        [(n.name, *(v.name for v in n.outputs)) for n in lowered.graph]
 
 
 def test_input_gradients_read_the_quantised_values_without_a_copy(native) -> None:

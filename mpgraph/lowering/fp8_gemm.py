@@ -5,6 +5,8 @@ saturate=1)``, dequantised ``Cast(q, float) * (1 / s)`` (then cast to the low dt
 plain MatMul/Gemm. On ONNX Runtime's CUDA provider the product can read ``q`` itself:
 ``GemmFloat8(A=q_a, B=q_b, scaleA=1/s_a, scaleB=1/s_b)`` is cuBLASLt's fp8 GEMM, computing
 ``alpha * (scaleA * A) @ (scaleB * B)^T`` into bf16, fp16 or float32. The dequantise nodes die.
+A product of two E4M3 operands writes its own output dtype; a mixed E4M3/E5M2 product (the
+gradient GEMMs) writes float32, cast after to a bf16/fp16 product's dtype (rule 5).
 
 What ``GemmFloat8`` takes, read from ONNX Runtime's sources (1.31.1 ships the CUDA kernel of
 ``onnxruntime/contrib_ops/cuda/math/gemm_float8.cu``; its strings are in the wheel's
@@ -24,10 +26,10 @@ What ``GemmFloat8`` takes, read from ONNX Runtime's sources (1.31.1 ships the CU
   (bf16: ``CUBLAS_COMPUTE_32F_FAST_16BF``; float32: ``..._FAST_TF32``) and fp8 runs with
   ``CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1``;
 - 2-D ``A`` and ``B`` only (``GetTypeAndShape`` enforces rank 2);
-- cuBLASLt fp8: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3, never E5M2 x E5M2; every leading
-  dimension a multiple of 16 bytes: with ``A'`` ``[M, K]``, ``B'`` ``[N, K]`` and ``Y``
-  ``[M, N]`` row-major, K and N multiples of 16 (``torch._scaled_mm`` checks the same on the
-  same cuBLASLt call);
+- cuBLASLt fp8: E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3 (the mixed ones not into bf16 as ORT
+  calls them, rule 5), never E5M2 x E5M2; every leading dimension a multiple of 16 bytes:
+  with ``A'`` ``[M, K]``, ``B'`` ``[N, K]`` and ``Y`` ``[M, N]`` row-major, K and N multiples
+  of 16 (``torch._scaled_mm`` checks the same on the same cuBLASLt call);
 - each call synchronises the stream, creates a cuBLASLt handle and ``cudaMalloc``s a 32 MiB
   workspace (freed after): it cannot be captured in a CUDA graph, and it costs host time.
 
@@ -50,6 +52,17 @@ Rules (each product with ``mpgraph.fp8`` metadata, ``_ir/meta.NODE_FP8``):
        e.g. ``batch * 2048``; M is free, as in ``torch._scaled_mm``'s checks); a Gemm with a bias
        ``C`` (GemmFloat8 adds a bias only of the output dtype, untested here); an output dtype
        GemmFloat8 lacks.
+    5. The output dtype (``gemm_dtype``): the product's own for E4M3 x E4M3 into bf16 or
+       fp16; float32 for a mixed pair (E5M2 x E4M3, E4M3 x E5M2) and for a float32 product,
+       followed by ``Cast(to=<the product's dtype>)`` where that is bf16/fp16, so every value
+       keeps its type. Measured on the H200 with onnxruntime-gpu 1.31.1
+       (``benchmarks/results/gemm_float8_probe_2026-12-02.txt``): E4M3 x E4M3 into bf16 runs;
+       both mixed pairs into bf16 fail with ``CUBLAS_STATUS_NOT_SUPPORTED`` (gemm_float8.cu; ORT
+       asks cuBLASLt for ``CUBLAS_COMPUTE_32F_FAST_16BF``, which has no mixed-format fp8 GEMM)
+       and run into float32 and float16. float32 rather than float16: cuBLASLt accumulates in
+       float32, so a float32 output and the Cast round once, as a direct bf16 output would;
+       float16 would round twice (fp16, then bf16) and clip at fp16's range. E4M3 x E4M3
+       into fp16 (an fp8 section on a float16 policy) was not measured.
 """
 
 from __future__ import annotations
@@ -66,7 +79,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph.lowering.match import hand_over
 
-__all__ = ["lower_fp8_gemms"]
+__all__ = ["gemm_dtype", "lower_fp8_gemms"]
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +88,9 @@ MS_DOMAIN = "com.microsoft"
 ALIGN = 16
 _FP8 = (ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2)
 _OUT = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.FLOAT)
+#: The output dtype GemmFloat8 is written with for a mixed E4M3/E5M2 pair: cuBLASLt (H200, onnxruntime-gpu
+#: 1.31.1) refuses such a pair into bf16 (rule 5).
+_MIXED_OUT = ir.DataType.FLOAT
 #: Ops whose output has its input's shape (the other input, if any, a scalar or broadcast).
 _SAME_SHAPE = frozenset({"Cast", "Identity", "Mul", "Div"})
 
@@ -94,6 +110,13 @@ class _Operand:
     def fmt(self) -> ir.DataType:
         assert self.bits.dtype is not None
         return self.bits.dtype
+
+
+def gemm_dtype(fmt_a: ir.DataType, fmt_b: ir.DataType, out: ir.DataType) -> ir.DataType:
+    """The ``dtype`` GemmFloat8 is written with for fp8 operands ``fmt_a x fmt_b`` of a
+    product whose output is ``out`` (rule 5): ``out`` for a same-format pair, float32 for a
+    mixed one (then cast to ``out``)."""
+    return out if fmt_a == fmt_b else _MIXED_OUT
 
 
 def _onnx(node: ir.Node | None, op: str) -> bool:
@@ -246,14 +269,19 @@ class _Lowerer:
         a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
         b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, rows=n, props=props)
         alpha = _float(node, "alpha", 1.0)
+        dtype = gemm_dtype(a.fmt, b.fmt, out.dtype)  # type: ignore[arg-type]
         gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
                        attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
-                                   ir.AttrInt64("dtype", out.dtype.value)],  # type: ignore[union-attr]
+                                   ir.AttrInt64("dtype", dtype.value)],
                        metadata_props=dict(node.metadata_props))
         self.graph.insert_before(node, gemm)
         y = gemm.outputs[0]
-        y.dtype = out.dtype
+        y.dtype = dtype
         y.shape = ir.Shape([_leading(out), n]) if flatten else out.shape
+        if dtype != out.dtype:  # rule 5: back to the product's dtype
+            shape = y.shape
+            y = self._add(node, "Cast", [y], props, to=out.dtype)
+            y.dtype, y.shape = out.dtype, shape
         if flatten:
             y = self._add(node, "Reshape", [y, self._out_shape(node, a, n, props)], props)
         hand_over((out,), (y,))
