@@ -136,6 +136,18 @@ def test_every_value_keeps_its_type(native) -> None:
         [(n.name, *(v.name for v in n.outputs)) for n in lowered.graph]
 
 
+def test_onnxruntime_resolves_the_types_and_lacks_only_the_cuda_kernel(native) -> None:
+    """ORT type-checks the whole lowered step with its own GemmFloat8 schema (dtype against
+    the declared output types) before it looks for kernels; on the CPU it then stops at the
+    first GemmFloat8, for want of a kernel, not at a type error."""
+    _, lowered = native
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.log_severity_level = 3
+    with pytest.raises(Exception, match=r"NOT_IMPLEMENTED : Could not find an implementation for GemmFloat8"):
+        ort.InferenceSession(ir.to_proto(lowered).SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
 def test_input_gradients_read_the_quantised_values_without_a_copy(native) -> None:
     """``Gemm(dY, W, transB=1)`` is GemmFloat8's own layout: it reads the pass's fp8 values;
     the forward's weight and both weight-gradient operands are cut again, transposed."""
