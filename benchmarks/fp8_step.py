@@ -7,9 +7,13 @@ a learnable next-token task (a fixed random Markov chain, four likely successors
 in alternating rounds; it prints ms/step (median over the rounds after the first), the mean
 loss of the last 10 steps for both, their ratios, and how many fp8 products ran natively.
 
-First it probes ``GemmFloat8`` itself on 64x64 problems, in the configurations the lowering
-writes (E4M3 x E4M3, E5M2 x E4M3, E4M3 x E5M2, into bf16), against numpy; a configuration
-ORT's build refuses stops the run before any model is built.
+First it probes ``GemmFloat8`` itself on 64x64 problems, in exactly the configurations the
+lowering writes for these bf16 products (``fp8_gemm.gemm_dtype``: E4M3 x E4M3 into bf16,
+E5M2 x E4M3 and E4M3 x E5M2 into float32, which the graph casts to bf16; cuBLASLt refused the
+mixed pairs into bf16, ``benchmarks/results/gemm_float8_probe_2026-12-02.txt``), against
+numpy; a configuration ORT's build refuses stops the run before any model is built. Every
+model handed to ONNX Runtime has ir_version <= ``MAX_IR_VERSION`` (13; 1.31.1 refuses the 14
+``onnx.helper.make_model`` writes): the probes are written with 10.
 
 Models (``--models``):
 - ``gemm``: d 2048, 2 layers, 16 heads, T 2048, batch 4, vocab 8192 (the issue's d 4096 x 4
@@ -44,6 +48,10 @@ SIZES = {  # vocab, seq, d, heads, layers, batch
     "gemm": (8192, 2048, 2048, 16, 2, 4),
     "gpt2s": (50257, 1024, 768, 12, 12, 8),
 }
+#: The probes' ir_version (onnx's helper writes 14, which onnxruntime-gpu 1.31.1 refuses).
+PROBE_IR_VERSION = 10
+#: The dtype of the products the fp8 steps here quantise (the ``fp8`` preset extends ``bf16``).
+PRODUCT_DTYPE = "BFLOAT16"
 #: Models whose two trainers run one after the other (GPT-2 small's bf16 step held 59 GiB on
 #: the H200 in real_models.py: two would not fit): loss tracking, timings not side by side.
 SEQUENTIAL = {"gpt2s"}
@@ -58,37 +66,58 @@ def cuda_available() -> bool:
 # -- the GemmFloat8 probe -------------------------------------------------------------------
 
 
-def probe_gemm_float8() -> list[tuple[str, str]]:
-    """Run GemmFloat8 (transA=0, transB=1, scales, bf16 out) per format pair; (pair, verdict)."""
+def probe_configurations() -> list[tuple[str, str, str]]:
+    """(A format, B format, GemmFloat8 dtype) as the fp8_gemm lowering writes them for
+    products of ``PRODUCT_DTYPE`` (E5M2 x E5M2 stays emulated; ONNX type names)."""
+    import onnx_ir as ir
+
+    from mpgraph.lowering.fp8_gemm import gemm_dtype
+
+    out = ir.DataType[PRODUCT_DTYPE]
+    pairs = (("FLOAT8E4M3FN", "FLOAT8E4M3FN"), ("FLOAT8E5M2", "FLOAT8E4M3FN"), ("FLOAT8E4M3FN", "FLOAT8E5M2"))
+    return [(fa, fb, gemm_dtype(ir.DataType[fa], ir.DataType[fb], out).name) for fa, fb in pairs]
+
+
+def probe_model(fa: str, fb: str, dtype: str) -> bytes:
+    """``Y = float(GemmFloat8(Cast(A, fa), Cast(B, fb), scaleA=0.5, scaleB=2, dtype))``, 64x64,
+    transA=0, transB=1, ir_version ``PROBE_IR_VERSION``, serialised."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node("Cast", ["A"], ["qa"], to=getattr(TensorProto, fa), saturate=1),
+             helper.make_node("Cast", ["B"], ["qb"], to=getattr(TensorProto, fb), saturate=1),
+             helper.make_node("GemmFloat8", ["qa", "qb", "", "sa", "sb"], ["Yg"], domain="com.microsoft",
+                              transA=0, transB=1, alpha=1.0, dtype=getattr(TensorProto, dtype)),
+             helper.make_node("Cast", ["Yg"], ["Y"], to=TensorProto.FLOAT)]
+    inits = [helper.make_tensor("sa", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("sb", TensorProto.FLOAT, [], [2.0])]
+    graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64, 64]) for n in "AB"],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [64, 64])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = PROBE_IR_VERSION
+    return model.SerializeToString()
+
+
+def probe_gemm_float8(providers: tuple[str, ...] = ("CUDAExecutionProvider",)) -> list[tuple[str, str]]:
+    """Run GemmFloat8 in each of ``probe_configurations``, one session each, against numpy;
+    (configuration, verdict)."""
     import ml_dtypes
     import onnxruntime as ort
-    from onnx import TensorProto, helper
 
     rng = np.random.default_rng(0)
     a = rng.standard_normal((64, 64)).astype(np.float32)
     b = rng.standard_normal((64, 64)).astype(np.float32)
     results = []
-    for fa, fb in (("FLOAT8E4M3FN", "FLOAT8E4M3FN"), ("FLOAT8E5M2", "FLOAT8E4M3FN"), ("FLOAT8E4M3FN", "FLOAT8E5M2")):
-        nodes = [helper.make_node("Cast", ["A"], ["qa"], to=getattr(TensorProto, fa), saturate=1),
-                 helper.make_node("Cast", ["B"], ["qb"], to=getattr(TensorProto, fb), saturate=1),
-                 helper.make_node("GemmFloat8", ["qa", "qb", "", "sa", "sb"], ["Yb"], domain="com.microsoft",
-                                  transA=0, transB=1, alpha=1.0, dtype=TensorProto.BFLOAT16),
-                 helper.make_node("Cast", ["Yb"], ["Y"], to=TensorProto.FLOAT)]
-        inits = [helper.make_tensor("sa", TensorProto.FLOAT, [], [0.5]), helper.make_tensor("sb", TensorProto.FLOAT, [], [2.0])]
-        graph = helper.make_graph(nodes, "probe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, [64, 64]) for n in "AB"],
-                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [64, 64])], inits)
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19), helper.make_opsetid("com.microsoft", 1)])
+    for fa, fb, dtype in probe_configurations():
+        label = f"{fa} x {fb} -> {'float32' if dtype == 'FLOAT' else dtype.lower()}"
         np_a = a.astype(getattr(ml_dtypes, fa.lower().replace("float8", "float8_"))).astype(np.float32)
         np_b = b.astype(getattr(ml_dtypes, fb.lower().replace("float8", "float8_"))).astype(np.float32)
         want = (np_a * 0.5) @ (np_b * 2.0).T
         try:
-            session = ort.InferenceSession(model.SerializeToString(),
-                                           providers=["CUDAExecutionProvider"])
+            session = ort.InferenceSession(probe_model(fa, fb, dtype), providers=list(providers))
             got = session.run(None, {"A": a, "B": b})[0]
             err = float(np.abs(got - want).max() / np.abs(want).max())
-            results.append((f"{fa} x {fb} -> bf16", f"ok, max error {err:.1e} of max |Y|" if err < 2e-2 else f"WRONG ({err:.2e})"))
+            results.append((label, f"ok, max error {err:.1e} of max |Y|" if err < 2e-2 else f"WRONG ({err:.2e})"))
         except Exception as e:  # noqa: BLE001 - ORT raises its own types
-            results.append((f"{fa} x {fb} -> bf16", f"FAILED: {str(e).splitlines()[0][:200]}"))
+            results.append((label, f"FAILED: {str(e).splitlines()[0][:200]}"))
     return results
 
 
@@ -117,7 +146,7 @@ def step_graphs(name: str) -> dict[str, object]:
     import mpgraph
     from models.zoo import GPT
     from mpgraph.export import export_module
-    from mpgraph.training import build_training_graph
+    from mpgraph.training import MAX_IR_VERSION, build_training_graph
 
     vocab, seq, d, heads, layers, _ = SIZES[name]
     torch.manual_seed(0)
@@ -128,7 +157,10 @@ def step_graphs(name: str) -> dict[str, object]:
     out = {}
     for policy in ("bf16", "fp8"):
         fresh = ir.from_proto(ir.to_proto(step))
-        out[policy] = mpgraph.convert(fresh, policy, emulate=False, validate=False, calibrate=None)
+        graph = mpgraph.convert(fresh, policy, emulate=False, validate=False, calibrate=None)
+        if graph.ir_version > MAX_IR_VERSION:  # onnxruntime-gpu 1.31 loads ir_version <= 13
+            graph.ir_version = MAX_IR_VERSION
+        out[policy] = graph
     return out
 
 
@@ -198,7 +230,7 @@ def main() -> None:
     if unknown:
         p.error(f"unknown model {unknown[0]!r}; choose from {', '.join(SIZES)}")
     probe = probe_gemm_float8()
-    print("GemmFloat8 probe (64x64, transA=0, transB=1, scales 0.5 and 2):")
+    print(f"GemmFloat8 probe (64x64, transA=0, transB=1, scales 0.5 and 2, ir_version {PROBE_IR_VERSION}):")
     for pair, verdict in probe:
         print(f"  {pair:40s} {verdict}")
     if any(not v.startswith("ok") for _, v in probe):
