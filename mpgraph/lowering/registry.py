@@ -34,6 +34,7 @@ from enum import Enum
 import onnx_ir as ir
 
 from mpgraph.lowering.attention import fuse_attention
+from mpgraph.lowering.attention_expand import expand_attention
 from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
@@ -112,6 +113,9 @@ RULES: tuple[LoweringRule, ...] = (
                  "an Attention (no mask, cache or softcap) and its backward as SdpaForward/SdpaBackward: "
                  "the scores stay in the kernel (attention.py; CUDA: cuDNN via csrc/sdpa.cu, float16/bfloat16, "
                  "head dim a multiple of 8 up to 128; CPU: a float32 reference loop)"),
+    LoweringRule("attention_expand", "native", CUDA, SAME, lambda m, t: expand_attention(m) if t.provider == "cuda" else 0,
+                 "an Attention sdpa left (float32, a mask, softcap, other head dims, no cuDNN) as its function body's "
+                 "standard ops in the node's dtype, which ORT CUDA runs (attention_expand.py)"),
     LoweringRule("adamw", "default", BOTH, BIT, lambda m, t: fuse_adamw(m),
                  "a tensor's AdamW/Adam update (14 ops) as one AdamWUpdate (fuse.py, csrc/adamw.cu)"),
     LoweringRule("adam_scalars", "default", BOTH, BIT, lambda m, t: fuse_adam_scalars(m),
