@@ -41,6 +41,7 @@ __all__ = [
     "default_target",
     "kernel_cell",
     "kernel_gaps",
+    "lost_kernels",
     "probed_opsets",
     "resolve_target",
     "tables",
@@ -119,6 +120,27 @@ def kernel_gaps(
         for op in sorted(set(op_types))
         if kernel_cell(target, op, dtype, opset) == "no"
     }
+
+
+def lost_kernels(provider: str, op_types: Iterable[str], opset: int, new_opset: int) -> dict[str, list[str]]:
+    """Op type -> the dtypes in which ``provider`` runs it at ``opset`` and has no kernel at ``new_opset``.
+
+    Ops the provider's table does not list, and providers without a table, lose nothing.
+
+    Example:
+        >>> lost_kernels("cuda", ["Dropout", "MaxPool", "Relu", "MatMul"], 18, 23)
+        {'Dropout': ['float', 'float16', 'bfloat16'], 'MaxPool': ['float', 'float16']}
+        >>> lost_kernels("cuda", ["Dropout"], 18, 20), lost_kernels("cpu", ["Dropout"], 18, 23)
+        ({}, {})
+    """
+    if provider not in tables():
+        return {}
+    lost: dict[str, list[str]] = {}
+    for op in sorted(set(op_types)):
+        for dtype in ("float", "float16", "bfloat16"):
+            if kernel_cell(provider, op, dtype, opset) in ("ok", "fp32") and kernel_cell(provider, op, dtype, new_opset) == "no":
+                lost.setdefault(op, []).append(dtype)
+    return lost
 
 
 def with_target(policy: Policy, target: str, model: ir.Model, *, emulate: bool = False) -> Policy:

@@ -352,6 +352,43 @@ def test_opset_is_not_raised_over_a_changed_op(caplog: pytest.LogCaptureFixture)
     assert "GroupNormalization changed meaning" in caplog.text and "Attention forms are left" in caplog.text
 
 
+def _rms_norm_model(dropout: bool) -> onnx.ModelProto:
+    """``scale * x / sqrt(mean(x^2) + eps)`` written out, a train-mode Dropout after it if asked."""
+    n = h.make_node
+    nodes = [n("Pow", ["x", "two"], ["sq"]), n("ReduceMean", ["sq", "axes"], ["ms"], keepdims=1),
+             n("Add", ["ms", "eps"], ["var"]), n("Sqrt", ["var"], ["root"]), n("Reciprocal", ["root"], ["inv"]),
+             n("Mul", ["x", "inv"], ["xn"]), n("Mul", ["xn", "scale"], ["y"])]
+    if dropout:
+        nodes.append(n("Dropout", ["y", "ratio", "train"], ["yd"], name="drop"))
+    nodes += [n("MatMul", ["yd" if dropout else "y", "w"], ["z"]), n("Mul", ["z", "z"], ["zz"]),
+              n("ReduceMean", ["zz"], ["loss"], keepdims=0)]
+    inits = [init("two", np.float32(2.0)), init("axes", np.array([-1], np.int64)), init("eps", np.float32(1e-6)),
+             init("scale", np.linspace(0.5, 1.5, 8, dtype=np.float32)), init("w", np.ones((8, 3), np.float32)),
+             init("ratio", np.float32(0.1)), init("train", np.array(True))]
+    return make_model(nodes, [vi("x", [2, 4, 8])], [vi("loss", [])], inits)
+
+
+def test_default_keeps_a_norm_whose_opset_costs_dropout_its_cuda_kernel(caplog: pytest.LogCaptureFixture) -> None:
+    """RMSNormalization needs opset 23, where ORT 1.31.1 CUDA has no Dropout kernel: by default
+    (target unknown or cuda) the norm stays written out at opset 18 and one line says why."""
+    for target in (None, "cuda"):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mpgraph.training.canonicalize_ops"):
+            step = build_training_graph(_rms_norm_model(dropout=True), target=target)
+        ops = [node.op_type for node in step.graph]
+        assert "RMSNormalization" not in ops and "Dropout" in ops and step.opset_imports[""] == 18
+        kept = [r.getMessage() for r in caplog.records if "kept written out" in r.getMessage()]
+        assert len(kept) == 1 and "1 RMSNormalization form(s)" in kept[0] and "runs Dropout" in kept[0], kept
+        assert "a norm (ReduceMean) left as written" not in caplog.text
+
+
+@pytest.mark.parametrize("dropout, options", [(False, {}), (True, {"target": "cpu"}), (True, {"canonicalize": True})])
+def test_norm_is_rewritten_where_no_kernel_is_lost(dropout: bool, options: dict) -> None:
+    """Without a Dropout, on the CPU (ORT CPU runs Dropout at 23) or when asked, it is rewritten."""
+    step = build_training_graph(_rms_norm_model(dropout), **options)
+    assert "RMSNormalization" in [node.op_type for node in step.graph] and step.opset_imports[""] == 23
+
+
 def test_cli_flag(tmp_path) -> None:
     """``train-graph --canonical-ops`` writes the standard ops into the step graph."""
     module = HandWritten()

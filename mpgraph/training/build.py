@@ -97,7 +97,10 @@ def build_training_graph(
             see one form: ``None`` (default) GELU (erf and tanh), LayerNorm and RMSNorm into
             ``Gelu``, ``LayerNormalization`` and ``RMSNormalization``; ``True`` also
             attention into ``Attention``; ``False`` nothing. The opset is raised to what the
-            new ops need (``Gelu`` 20, ``RMSNormalization`` and ``Attention`` 23). Same math.
+            new ops need (``Gelu`` 20, ``RMSNormalization`` and ``Attention`` 23); by default
+            not where that leaves an op of the model without the ORT kernel it has now on
+            ``target`` (CUDA unless ``cpu``: Dropout, Elu, MaxPool, Selu at opset 22 and up),
+            those forms are then kept written out (logged). Same math.
 
     Returns:
         The training step model, with the lowest ir_version its opsets allow (8 up to
@@ -119,7 +122,10 @@ def build_training_graph(
         # Imported here: it imports onnxscript's rewriter (0.13 s), which nothing else needs.
         from mpgraph.training.canonicalize_ops import CanonicalizeOpsPass
 
-        CanonicalizeOpsPass(attention=canonicalize is True)(m)
+        # The default keeps a norm written out where its opset would cost an op its kernel
+        # where the step runs (CUDA unless told cpu); asked for, the rewrite happens anyway.
+        provider = None if canonicalize else "cpu" if target == "cpu" else "cuda"
+        CanonicalizeOpsPass(attention=canonicalize is True, provider=provider)(m)
     forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None

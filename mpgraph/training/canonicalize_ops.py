@@ -20,6 +20,7 @@ from onnxscript.rewriter import pattern
 
 from mpgraph._ir.names import NameScope
 from mpgraph.io import min_ir_version
+from mpgraph.targets import lost_kernels, tables
 from mpgraph.training.canonical_attention import (
     ATTENTION_RULES,
     const_scalar,
@@ -206,6 +207,11 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
     6. The opset is raised to what the new ops need (23 for Attention and RMSNormalization, 20
        for Gelu) and the IR version with it, unless the graph holds an op whose meaning changed
        on the way (``_CHANGED_BY_23``): then the rules whose op needs it are skipped, and logged.
+       With ``provider``, a rule whose op needs an opset at which an op of the graph has no
+       kernel on that ORT provider that it has now (``targets.lost_kernels``: on ORT 1.31.1
+       CUDA, Dropout, Elu, MaxPool and Selu at opset 22 and up) is skipped too: its forms stay
+       written out, and one line says how many and why (they are then not logged as
+       unrecognised).
     7. Softmax, Erf, Tanh-of-cube and ReduceMean nodes left over are logged as not recognised.
 
     ``counts`` holds, after a call, how many of each standard op the rules wrote.
@@ -226,27 +232,38 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         False
     """
 
-    def __init__(self, attention: bool = True) -> None:
+    def __init__(self, attention: bool = True, provider: str | None = None) -> None:
+        """``provider``: the ORT provider (``cuda``, ``cpu``) whose kernels an opset raise
+        must not take from the graph's ops (rule 6); ``None``: no check."""
         super().__init__()
         self.attention = attention
+        self.provider = provider
         self.counts: dict[str, int] = {}
+        #: After a call: how many forms of each standard op were kept written out (rule 6).
+        self.kept: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> ir.passes.PassResult:
         graph = model.graph
         opset = graph.opset_imports.get("", graph.opset_imports.get("ai.onnx", 1))
         ceiling = _opset_ceiling(graph, opset)
-        self.counts = dict.fromkeys(CANONICAL_OPS, 0)
+        self.counts, self.kept = dict.fromkeys(CANONICAL_OPS, 0), {}
         modified = _drop_noop_nodes(graph) > 0
         modified = _fold_cast_like(graph) > 0 or modified
         modified = _constants_second(graph) > 0 or modified
-        if ceiling >= 23 and opset < 23:
-            graph.opset_imports[""] = 23  # the rewriter builds nodes against the graph's opset
+        lost = _lost_kernels(graph, opset, ceiling, self.provider)
+        wanted = [t for t, _, _ in _RULE_SETS if (self.attention or t != "Attention") and CANONICAL_OPS[t] <= ceiling
+                  and CANONICAL_OPS[t] not in lost]
+        # the rewriter builds nodes against the graph's opset
+        graph.opset_imports[""] = max([opset] + [CANONICAL_OPS[t] for t in wanted])
         for op_type, rules, adds in _RULE_SETS:
             if op_type == "Attention" and not self.attention:
                 continue
             if CANONICAL_OPS[op_type] > ceiling:
                 logger.info("%s forms are left as they are: the graph cannot be raised to opset %d",
                             op_type, CANONICAL_OPS[op_type])
+                continue
+            if CANONICAL_OPS[op_type] in lost:
+                self._keep(model, op_type, rules, opset, lost[CANONICAL_OPS[op_type]])
                 continue
             found = rules.apply_to_model(model)
             modified = modified or found > 0
@@ -261,9 +278,24 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
             model.ir_version = max(model.ir_version, min_ir_version(graph.opset_imports))
             _drop_dead_nodes(graph)
             _name_new(graph)
-        _log_leftovers(graph, self.attention)
+        _log_leftovers(graph, self.attention, self.kept)
         logger.info("canonical ops written: %s", {k: v for k, v in self.counts.items() if v})
         return ir.passes.PassResult(model, modified)
+
+    def _keep(self, model: ir.Model, op_type: str, rules: pattern.RewriteRuleSet, opset: int,
+              lost: dict[str, list[str]]) -> None:
+        """Rule 6: count the forms ``rules`` would rewrite (nothing changes) and say why they stay."""
+        graph = model.graph
+        kept = sum(1 for node in list(graph) if any(rule.try_rewrite(model, graph, node) for rule in rules.rules))
+        self.kept[op_type] = kept
+        if kept:
+            table = tables()[self.provider]
+            ops = "; ".join(f"{op} ({', '.join(dtypes)})" for op, dtypes in lost.items())
+            logger.warning(
+                "canonical ops: %d %s form(s) kept written out: they need opset %d, and ORT %s %s (%s) runs "
+                "%s at opset %d but not at %d; canonicalize=True (train-graph --canonical-ops) rewrites them anyway",
+                kept, op_type, CANONICAL_OPS[op_type], self.provider, table["onnxruntime"], table["probe"], ops,
+                opset, CANONICAL_OPS[op_type])
 
 
 def _opset_ceiling(graph: ir.Graph, opset: int) -> int:
@@ -275,6 +307,17 @@ def _opset_ceiling(graph: ir.Graph, opset: int) -> int:
                        opset, ", ".join(changed))
         return opset
     return max(opset, 23)
+
+
+def _lost_kernels(graph: ir.Graph, opset: int, ceiling: int, provider: str | None) -> dict[int, dict[str, list[str]]]:
+    """Rule 6: for each opset a standard op needs (above the graph's, up to ``ceiling``), the
+    ops of the graph that would lose a kernel on ``provider`` there (only opsets where some do)."""
+    if provider is None:
+        return {}
+    ops = {n.op_type for n in graph if n.domain in ("", "ai.onnx")}
+    lost = {needed: lost_kernels(provider, ops, opset, needed) for needed in set(CANONICAL_OPS.values())
+            if opset < needed <= ceiling}
+    return {needed: found for needed, found in lost.items() if found}
 
 
 def _drop_noop_nodes(graph: ir.Graph) -> int:
@@ -352,8 +395,9 @@ def _name_new(graph: ir.Graph) -> None:
                 out.name = names.fresh(f"{node.name}/output_{k}")
 
 
-def _log_leftovers(graph: ir.Graph, attention: bool) -> None:
-    """Rule 7: the forms that look like attention, GELU or a norm and were not rewritten."""
+def _log_leftovers(graph: ir.Graph, attention: bool, kept: dict[str, int]) -> None:
+    """Rule 7: the forms that look like attention, GELU or a norm and were not rewritten (less
+    those rule 6 kept on purpose: an RMSNorm form has one ReduceMean)."""
     left: dict[str, list[str]] = {}
     for node in graph:
         if node.domain not in ("", "ai.onnx"):
@@ -367,7 +411,12 @@ def _log_leftovers(graph: ir.Graph, attention: bool) -> None:
         elif (node.op_type == "ReduceMean" and node.attributes.get_int("keepdims", 1) and len(node.inputs) > 1
               and node.inputs[0] is not None and last_axis(node.inputs[1], node.inputs[0])):
             left.setdefault("a norm (ReduceMean)", []).append(node.name or "?")
+    norms = left.get("a norm (ReduceMean)", [])
+    if norms and kept.get("RMSNormalization"):
+        del norms[:kept["RMSNormalization"]]
     for form, nodes in left.items():
+        if not nodes:
+            continue
         logger.warning("canonical ops: %d %s left as written, not recognised (first: node '%s')", len(nodes), form, nodes[0])
 
 
