@@ -214,3 +214,19 @@ def test_cuda_rules_fuse_or_expand_every_attention(policy: str, sdpa: bool, fuse
         softmax = [n for n in step.graph if n.op_type == "Softmax" and n.metadata_props.get("mpgraph.role") == "forward"]
         assert len(softmax) == 1 and softmax[0].outputs[0].dtype == (BF16 if policy == "bf16" else F32)
         assert softmax[0].metadata_props["mpgraph.precision"] == ("bfloat16" if policy == "bf16" else "float32")
+
+
+def test_a_cuda_plan_without_the_kernel_library_still_expands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the library cannot be built, a CUDA plan still runs the rules onto ORT's own ops
+    (scope ``native``): the Attention is expanded, not left to ORT's kernel on the CPU provider."""
+    from mpgraph.lowering import KernelBuildError, PlanOptions, plan, plan_session
+
+    def no_library(provider: str):
+        raise KernelBuildError("no nvcc here")
+
+    monkeypatch.setattr(plan, "library", no_library)
+    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    session = plan_session(step, "cuda", PlanOptions())
+    assert (session.scope, session.custom_ops, session.kernels_reason) == ("native", None, "no nvcc here")
+    assert dict(session.applied)["attention_expand"] == 1
+    assert "Attention" not in _ops(ir.from_proto(onnx.load_from_string(session.graph)))

@@ -132,8 +132,9 @@ def _kernels(provider: str, options: PlanOptions) -> tuple[str | None, str | Non
         if options.kernels:
             raise
         logger.warning("mpgraph kernels off: %s", e)
-        # ORT's own blocked convolutions need no library (CPU only).
-        return None, ("native" if provider != "cuda" else None), str(e)
+        # The rules onto ORT's own ops need no library (CPU: the blocked convolutions; CUDA: an
+        # Attention as standard ops, so no node is left to the CPU provider).
+        return None, "native", str(e)
 
 
 def _apply(model: ir.Model, target: Target, deterministic: bool) -> list[tuple[str, int]]:
