@@ -217,14 +217,6 @@ def test_written_out_layernorm_and_gelu_fuse_after_canonicalisation():
     _agree(grads, lowered, 2e-6)
 
 
-def test_tanh_gelu_keeps_its_backward():
-    """``ErfGeluGrad`` computes the erf form: a tanh ``Gelu`` is left to its rule's ops."""
-    grads = build_training_graph(_written_out_block("tanh"), optimizer=None, params=["w", "b", "gamma", "beta", "v"])
-    gelu = next(n for n in grads.graph if n.op_type == "Gelu")
-    assert gelu.attributes.get_string("approximate") == "tanh"
-    assert fuse_gelu(_copy(grads)) == 0
-
-
 def test_a_layernorm_over_two_axes_keeps_its_backward():
     """The kernel normalises the last axis only."""
     rng = np.random.default_rng(0)

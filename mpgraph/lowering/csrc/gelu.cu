@@ -1,5 +1,6 @@
-// The CUDA side of ErfGelu and ErfGeluGrad (see kernels.cc): the erf GELU's forward (5 ONNX
-// ops) and backward (6 ops) in one pass each. Every step rounds to the element type T as the
+// The CUDA side of ErfGelu, ErfGeluGrad and TanhGeluGrad (see kernels.cc): the erf GELU's
+// forward (5 ONNX ops) and backward (10 ops), and the tanh GELU's backward (16 ops), in one
+// pass each. Every step rounds to the element type T as the
 // separate ops' outputs do (each ORT elementwise kernel computes in float and stores T), so the
 // results equal the ops they replace; the backward recomputes the forward's intermediates from
 // x instead of reading them back.
@@ -57,6 +58,32 @@ __global__ void gelu_grad_kernel(const T* __restrict__ dy, const T* __restrict__
   }
 }
 
+// TanhGeluGrad's five T-typed scalars: c = sqrt(2/pi), ck = c * 0.044715, ck3 = 3 * ck, one, half.
+template <typename T> struct TanhConstPtrs {
+  const T* p[5];
+};
+
+// The tanh GELU's backward as autodiff.rules.elementwise.gelu writes it, op by op, each rounded
+// to T: x2 = x * x; t = tanh(x * (c + x2 * ck)); dinner = c + x2 * ck3;
+// dx = dy * (half * (one + t) + (half * x) * ((one - t * t) * dinner)).
+template <typename T>
+__global__ void tanh_gelu_grad_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, size_t n,
+                                      TanhConstPtrs<T> cp) {
+  const float c = to_f(*cp.p[0]), ck = to_f(*cp.p[1]), ck3 = to_f(*cp.p[2]), one = to_f(*cp.p[3]),
+              half = to_f(*cp.p[4]);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    const float xi = to_f(x[i]);
+    const float x2 = r<T>(__fmul_rn(xi, xi));
+    const float inner = r<T>(__fmul_rn(xi, r<T>(__fadd_rn(c, r<T>(__fmul_rn(x2, ck))))));
+    const float t = r<T>(tanhf(inner));
+    const float dinner = r<T>(__fadd_rn(c, r<T>(__fmul_rn(x2, ck3))));
+    const float sech2 = r<T>(__fsub_rn(one, r<T>(__fmul_rn(t, t))));
+    const float left = r<T>(__fmul_rn(half, r<T>(__fadd_rn(one, t))));
+    const float right = r<T>(__fmul_rn(r<T>(__fmul_rn(half, xi)), r<T>(__fmul_rn(sech2, dinner))));
+    dx[i] = from_f<T>(__fmul_rn(to_f(dy[i]), r<T>(__fadd_rn(left, right))));
+  }
+}
+
 unsigned blocks_for(size_t n) {
   size_t b = (n + 255) / 256;
   if (b > 8192) b = 8192;
@@ -75,6 +102,15 @@ int launch(const void* dy, const void* x, void* out, size_t n, const void* const
   return (int)cudaGetLastError();
 }
 
+template <typename T>
+int launch_tanh(const void* dy, const void* x, void* dx, size_t n, const void* const* consts, cudaStream_t stream) {
+  TanhConstPtrs<T> c;
+  for (int i = 0; i < 5; ++i) c.p[i] = static_cast<const T*>(consts[i]);
+  tanh_gelu_grad_kernel<T><<<blocks_for(n), 256, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                              static_cast<T*>(dx), n, c);
+  return (int)cudaGetLastError();
+}
+
 }  // namespace
 
 // ``dy`` null: the forward (out = y); else the backward (out = dx). ``consts``: device pointers
@@ -85,4 +121,14 @@ extern "C" int mpg_gelu_cuda(int type, const void* dy, const void* x, void* out,
   if (type == kTypeBFloat16) return launch<__nv_bfloat16>(dy, x, out, n, consts, s);
   if (type == kTypeFloat16) return launch<__half>(dy, x, out, n, consts, s);
   return launch<float>(dy, x, out, n, consts, s);
+}
+
+// TanhGeluGrad: dx from dy and x. ``consts``: device pointers to the T-typed scalars c, ck, ck3,
+// one and half.
+extern "C" int mpg_tanh_gelu_grad_cuda(int type, const void* dy, const void* x, void* dx, size_t n,
+                                       const void* const* consts, void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (type == kTypeBFloat16) return launch_tanh<__nv_bfloat16>(dy, x, dx, n, consts, s);
+  if (type == kTypeFloat16) return launch_tanh<__half>(dy, x, dx, n, consts, s);
+  return launch_tanh<float>(dy, x, dx, n, consts, s);
 }

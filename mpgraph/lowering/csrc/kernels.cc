@@ -550,6 +550,56 @@ OrtStatus* gelu_compute(void* kernel, OrtKernelContext* ctx, bool grad) {
 OrtStatus* gelu_forward_compute(void* k, OrtKernelContext* c) { return gelu_compute(k, c, false); }
 OrtStatus* gelu_grad_compute(void* k, OrtKernelContext* c) { return gelu_compute(k, c, true); }
 
+// -- TanhGeluGrad (CUDA in gelu.cu) ----------------------------------------------------------
+//
+// TanhGeluGrad(dy, x, c, ck, ck3, one, half) -> dx: the backward of Gelu(approximate="tanh") as
+// mpgraph's autodiff rule writes it, op by op: x2 = x * x; t = tanh(x * (c + x2 * ck));
+// dx = dy * (half * (one + t) + (half * x) * ((one - t * t) * (c + x2 * ck3))), with
+// c = sqrt(2/pi), ck = c * 0.044715 and ck3 = 3 * ck. Float32, float16 or bfloat16 (the scalars
+// are of x's type; each step rounds to it). CPU: float32.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_tanh_gelu_grad_cuda(int type, const void* dy, const void* x, void* dx, size_t n,
+                                       const void* const* consts, void* stream);
+#endif
+
+void tanh_gelu_grad_cpu(const float* dy, const float* x, float* dx, size_t n, const float* const* k) {
+  const float c = *k[0], ck = *k[1], ck3 = *k[2], one = *k[3], half = *k[4];
+  for (size_t i = 0; i < n; ++i) {
+    const float x2 = x[i] * x[i];
+    const float t = std::tanh(x[i] * (c + x2 * ck));
+    const float dinner = c + x2 * ck3;
+    dx[i] = dy[i] * (half * (one + t) + (half * x[i]) * ((one - t * t) * dinner));
+  }
+}
+
+OrtStatus* tanh_gelu_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor t[7];
+  for (size_t i = 0; i < 7; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  for (size_t i = 1; i < 7; ++i)
+    if (t[i].type != t[0].type) return status("TanhGeluGrad: inputs differ in type");
+  const Tensor& x = t[1];
+  if (t[0].count != x.count) return status("TanhGeluGrad: dy and x differ in size");
+  for (size_t i = 2; i < 7; ++i)
+    if (t[i].count != 1) return status("TanhGeluGrad: input " + std::to_string(i) + " is not a scalar");
+  Tensor out;
+  if (OrtStatus* st = output(ctx, 0, x.dims, &out)) return st;
+  if (x.count == 0) return nullptr;
+  const void* consts[5] = {t[2].data, t[3].data, t[4].data, t[5].data, t[6].data};
+  if (!cuda) {
+    if (x.type != MPG_FLOAT) return status("TanhGeluGrad: the CPU kernel is float32 only");
+    const float* const* c = reinterpret_cast<const float* const*>(consts);
+    return parallel_chunks(ctx, x.count, [&](size_t a, size_t b) {
+      tanh_gelu_grad_cpu(t[0].data + a, x.data + a, out.data + a, b - a, c);
+    });
+  }
+  return on_gpu(ctx, "TanhGeluGrad", [&](void* stream) {
+    return MPG_CUDA(mpg_tanh_gelu_grad_cuda(x.type, t[0].data, x.data, out.data, x.count, consts, stream));
+  });
+}
+
 // -- SoftmaxGradDot (CUDA in softmax.cu) ---------------------------------------------------
 //
 // SoftmaxGradDot(dP, P, dO, O) -> dS: the backward of P = Softmax(S) over the last axis, for an
@@ -1076,6 +1126,9 @@ const OpSpec kSpecs[] = {
     {"ErfGeluGrad", MPG_FLOAT, 0, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
     {"ErfGeluGrad", MPG_FLOAT16, kCudaOnly, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
     {"ErfGeluGrad", MPG_BFLOAT16, kCudaOnly, 6, 1, {}, {}, false, 1, 0, 1, gelu_grad_compute},
+    {"TanhGeluGrad", MPG_FLOAT, 0, 7, 1, {}, {}, false, 1, 0, 1, tanh_gelu_grad_compute},
+    {"TanhGeluGrad", MPG_FLOAT16, kCudaOnly, 7, 1, {}, {}, false, 1, 0, 1, tanh_gelu_grad_compute},
+    {"TanhGeluGrad", MPG_BFLOAT16, kCudaOnly, 7, 1, {}, {}, false, 1, 0, 1, tanh_gelu_grad_compute},
     {"SoftmaxGradDot", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
