@@ -20,7 +20,9 @@ import pytest
 from onnx import TensorProto, helper
 
 import mpgraph
+from mpgraph.lowering.match import emulated
 from mpgraph.lowering.registry import RULES, Target
+from mpgraph.targets import check_runnable
 from mpgraph.training import build_training_graph
 from tests.test_lowering_attention import _assert_in_order, _block
 
@@ -198,19 +200,24 @@ def _cuda_rules(model: ir.Model, sdpa: bool) -> dict[str, int]:
     return {r.name: r.apply(model, target) for r in RULES if r.runs(target.provider, target.scope)}
 
 
-@pytest.mark.parametrize(("policy", "sdpa", "fused", "expanded"), [
-    ("bf16", True, 1, 0), ("bf16", False, 0, 1), ("fp32", True, 0, 1)])
-def test_cuda_rules_fuse_or_expand_every_attention(policy: str, sdpa: bool, fused: int, expanded: int) -> None:
+@pytest.mark.parametrize(("policy", "sdpa", "mask", "fused", "expanded"), [
+    ("bf16", True, False, 1, 0), ("bf16", False, False, 0, 1), ("fp32", True, False, 0, 1), ("bf16", True, True, 0, 1)])
+def test_cuda_rules_fuse_or_expand_every_attention(policy: str, sdpa: bool, mask: bool, fused: int, expanded: int) -> None:
     """A canonicalised step's Attention (head dim 8) is fused with cuDNN attention in bf16 and
-    expanded otherwise (no cuDNN, or float32): no Attention is left for ORT CUDA to miss."""
-    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    expanded otherwise (no cuDNN, float32, a mask): no Attention is left for ORT CUDA to miss.
+    Each op of the expansion records the precision it computes in (none looks emulated, and
+    the CUDA kernel table has each)."""
+    step = build_training_graph(_block((2, 1), mask=mask), optimizer="adamw", canonicalize=True)
     step = mpgraph.convert(step, policy, target="cuda")
     applied = _cuda_rules(step, sdpa)
     assert (applied["sdpa"], applied["attention_expand"]) == (fused, expanded)
     ops = _ops(step)
     assert "Attention" not in ops and ops["SdpaForward"] == fused
     _assert_in_order(step)
+    check_runnable(step, "cuda")
     if expanded:
+        made = [n for n in step.graph if n.name.startswith("attn/")]
+        assert len(made) >= 6 and not any(emulated(*n.outputs) for n in made)
         softmax = [n for n in step.graph if n.op_type == "Softmax" and n.metadata_props.get("mpgraph.role") == "forward"]
         assert len(softmax) == 1 and softmax[0].outputs[0].dtype == (BF16 if policy == "bf16" else F32)
         assert softmax[0].metadata_props["mpgraph.precision"] == ("bfloat16" if policy == "bf16" else "float32")

@@ -59,6 +59,8 @@ logger = logging.getLogger(__name__)
 #: gradient links stay off them: no single op of the expansion has the node's gradients.
 _LINKS = (md.NODE_GRAD_INPUTS, md.NODE_GRAD_OUTPUTS)
 _LOW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
+_PRECISION = {ir.DataType.FLOAT: md.Precision.FLOAT32, ir.DataType.FLOAT16: md.Precision.FLOAT16,
+              ir.DataType.BFLOAT16: md.Precision.BFLOAT16}
 
 
 @dataclass(frozen=True)
@@ -125,12 +127,28 @@ class _Expansion:
     def op(self, op_type: str, *inputs: ir.Value | None, dtype: ir.DataType, shape: list | None,
            compute: bool = True, **attrs: object) -> ir.Value:
         node = self.rw.node(op_type, *inputs, name=op_type, **attrs)
-        if compute:
-            node.metadata_props.update(self.meta)
         out = node.outputs[0]
         out.dtype = dtype
         out.shape = ir.Shape(shape) if shape is not None else None
+        if compute:
+            node.metadata_props.update(self._meta(node))
         return out
+
+    def _meta(self, node: ir.Node) -> dict[str, str]:
+        """The Attention's metadata, with the precision this op computes in where the
+        Attention records one (a Cast: none) and, where that differs, the reason."""
+        recorded = self.meta.get(md.NODE_PRECISION)
+        if recorded is None:
+            return self.meta
+        floats = [v.dtype for v in (*node.outputs, *node.inputs) if v is not None and v.dtype in _PRECISION]
+        own = md.Precision.NONE if node.op_type == "Cast" else _PRECISION[floats[0]] if floats else recorded
+        if own == recorded:
+            return self.meta
+        meta = {k: v for k, v in self.meta.items() if k != md.NODE_PHASE}
+        meta[md.NODE_PRECISION] = own
+        meta[md.NODE_REASON] = (f"Attention '{self.form.node.name}' written out by attention_expand: this op computes "
+                                f"in {own} (the function body's float32 bias and row guard, softmax_precision, a Cast)")
+        return meta
 
     def ints(self, name: str, values: list[int]) -> ir.Value:
         return self.rw.constant(name, np.array(values, np.int64))
