@@ -42,6 +42,7 @@ from mpgraph.lowering.gelu import fuse_gelu
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
+from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.scalars import fuse_adam_scalars
 from mpgraph.lowering.softmax import fuse_softmax_grad
@@ -108,6 +109,9 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
                  "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
+    LoweringRule("pad_concat", "native", CUDA, BIT, lambda m, t: pads_as_concat(m),
+                 "a constant Pad of a type ORT CUDA has no Pad kernel for (the int64 labels of a causal "
+                 "LM's loss) as Concat with constant blocks, so no node is left on CPU (pad_concat.py)"),
     LoweringRule("sdpa", "all", BOTH, SAME,
                  lambda m, t: fuse_attention(m, t.provider) if t.provider == "cpu" or t.sdpa else 0,
                  "an Attention (no mask, cache or softcap) and its backward as SdpaForward/SdpaBackward: "

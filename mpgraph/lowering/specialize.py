@@ -11,6 +11,8 @@ fixed, those chains are constants:
 2. Shape inference runs again, so every intermediate value has a static shape.
 3. ``Shape``, ``Size`` and the integer arithmetic on them are constant-folded (onnxscript's
    folder), and nodes left without consumers are removed.
+4. Steps 2 and 3 repeat while a round folds something (a folded constant can give the values
+   after it static shapes only in the next round's inference).
 
 Values that depend on data (parameters, batches, state) are never folded: they are graph
 inputs, and an initializer that is also a graph input is an overridable default, not a constant.
@@ -59,8 +61,6 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
     Raises:
         MpgraphError: A name is not a graph input, or a shape contradicts a static dim.
     """
-    import onnxscript.optimizer  # an optional speed path: imported only when used
-
     m = as_model(model, copy=True)
     inputs = {v.name: v for v in m.graph.inputs}
     for name, shape in shapes.items():
@@ -73,6 +73,29 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
             if len(declared) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(declared, dims)):
                 raise MpgraphError(f"input '{name}' is declared {declared}; cannot fix it to {dims}")
         value.shape = ir.Shape(dims)
+    before = shape_ops(m), len(m.graph)
+    for _ in range(_MAX_ROUNDS):
+        counts = shape_ops(m), len(m.graph)
+        _infer_and_fold(m)
+        if (shape_ops(m), len(m.graph)) == counts:
+            break
+    logger.info("specialised to %s: Shape/Size %d -> %d, nodes %d -> %d",
+                dict(shapes), before[0], shape_ops(m), before[1], len(m.graph))
+    return m
+
+
+#: Rounds of inference and folding at most. A round's folding makes constants that inference
+#: did not see (a gradient Split's sizes, folded from Shape arithmetic), so the values after them
+#: get static shapes, and their own Shape reads fold, only in the next round (the Llama-style
+#: rotary backward: 8 Shape nodes left after one round, none after two).
+_MAX_ROUNDS = 4
+
+
+def _infer_and_fold(m: ir.Model) -> None:
+    """One round: shapes inferred anew for every value without a static one, then constant
+    folding and dead-node removal."""
+    import onnxscript.optimizer  # an optional speed path: imported only when used
+
     # Intermediate shapes inferred for the symbolic batch would otherwise win over the new ones.
     for node in m.graph:
         for out in node.outputs:
@@ -84,9 +107,5 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
         ir.passes.common.ShapeInferencePass(check_type=False, strict_mode=False, data_prop=False)(m)
     except Exception as e:  # noqa: BLE001 - inference failures are many types
         logger.warning("shape inference after fixing shapes failed (%s); folding what is known", e)
-    before = shape_ops(m), len(m.graph)
     onnxscript.optimizer.fold_constants(m)
     ir.passes.common.RemoveUnusedNodesPass()(m)
-    logger.info("specialised to %s: Shape/Size %d -> %d, nodes %d -> %d",
-                dict(shapes), before[0], shape_ops(m), before[1], len(m.graph))
-    return m

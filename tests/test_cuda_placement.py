@@ -1,0 +1,175 @@
+"""The CUDA-graph session of a causal LM has no node that ORT 1.31's CUDA provider puts on CPU.
+
+ORT refuses to capture a session as a CUDA graph when one node is not on the CUDA provider
+("all compute graph nodes have not been partitioned to the CUDAExecutionProvider"). The real
+GPT-2 (TorchScript) and Llama-style (dynamo) bf16 steps had such nodes on the H200: the int64
+Pad of the shifted labels in HF's ``ForCausalLMLoss`` (ORT CUDA's Pad is float/double/half
+only), and, in Llama, the ``Shape`` arithmetic of the rotary ``Slice`` backwards (the pads of
+its gradient ``Pad``), which one round of specialisation left unfolded.
+
+``off_cuda`` is what ORT 1.31 CUDA places on CPU, by its registrations: ``Shape``/``Size``
+(their outputs are host memory; ORT puts the arithmetic reading them on CPU), a ``Pad`` outside
+``CUDA_PAD_TYPES``, a float op the probed kernel table marks ``no``, an integer or bool op
+outside ``_CUDA_INT_OPS``, and an input ORT CUDA reads from host memory (a Reshape's shape...)
+that is not a constant.
+
+Cost: about 3 CPU-s here plus the corpus exports of GPT-2 (TorchScript) and Llama (dynamo),
+about 9 CPU-s, shared with the other corpus tests of a run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto as TP
+from onnx import helper as h
+from onnx import numpy_helper as nh
+
+import mpgraph
+from mpgraph.io import as_model
+from mpgraph.lowering.match import constant
+from mpgraph.lowering.pad_concat import CUDA_PAD_TYPES, pads_as_concat
+from mpgraph.lowering.registry import RULES, Target
+from mpgraph.lowering.specialize import shape_ops, specialize_shapes
+from mpgraph.runtime.program import Program
+from mpgraph.targets import kernel_cell
+from mpgraph.training import build_training_graph
+
+_FLOATS = {ir.DataType.FLOAT: "float", ir.DataType.FLOAT16: "float16", ir.DataType.BFLOAT16: "bfloat16"}
+#: Ops ORT 1.31 CUDA registers for int64 and bool tensors among those a step graph has
+#: (``core/providers/cuda``: the elementwise math and comparisons, Cast, Where, and the data
+#: movement ops over every fixed-size type).
+_CUDA_INT_OPS = frozenset({"Add", "Sub", "Mul", "Equal", "Less", "Greater", "Not", "And", "Or", "Cast", "Where",
+                           "Reshape", "Unsqueeze", "Squeeze", "Slice", "Concat", "Gather", "Flatten", "Expand",
+                           "Identity", "Transpose", "ConstantOfShape"})
+#: Inputs ORT CUDA reads from host memory (``InputMemoryType(OrtMemTypeCPUInput, i)``).
+_HOST_INPUTS = {"Reshape": (1,), "Pad": (1, 2, 3), "Slice": (1, 2, 3, 4), "Split": (1,), "ReduceSum": (1,),
+                "ReduceMean": (1,), "ReduceMax": (1,), "Unsqueeze": (1,), "Squeeze": (1,), "Expand": (1,),
+                "Tile": (1,), "ConstantOfShape": (0,)}
+
+
+def _is_constant(value: ir.Value) -> bool:
+    producer = value.producer()
+    return constant(value) is not None or (producer is not None and producer.op_type == "Constant")
+
+
+def off_cuda(model: ir.Model) -> list[str]:
+    """``op dtype (node)`` of every node ORT 1.31 CUDA would leave to the CPU provider."""
+    opset = model.opset_imports.get("", 0)
+    off = []
+    for node in model.graph:
+        if node.domain not in ("", "ai.onnx") or node.op_type == "Constant":
+            continue
+        x = node.inputs[0] if node.inputs else None
+        dtype = x.dtype if x is not None else None
+        why = None
+        if node.op_type in ("Shape", "Size"):
+            why = "shape op"
+        elif node.op_type == "Pad" and dtype not in CUDA_PAD_TYPES:
+            why = "no Pad kernel"
+        elif dtype in _FLOATS:
+            why = "no kernel" if kernel_cell("cuda", node.op_type, _FLOATS[dtype], opset) == "no" else None
+        elif dtype is not None and node.op_type not in _CUDA_INT_OPS:
+            why = "no integer kernel"
+        host = [i for i in _HOST_INPUTS.get(node.op_type, ())
+                if i < len(node.inputs) and node.inputs[i] is not None and not _is_constant(node.inputs[i])]
+        if why is None and host:
+            why = f"computed host input {host}"
+        if why is not None:
+            off.append(f"{node.op_type} {dtype} ({node.name}: {why})")
+    return off
+
+
+def _graph_session(case: str, exporter: str) -> ir.Model:
+    """The bf16 step of a corpus model as the trainer's CUDA-graph session gets it: converted for
+    cuda, specialised to the batch, then the CUDA rules (the fused attention included)."""
+    from tests.corpus import cache
+
+    step = build_training_graph(cache.exported(case, exporter).model, optimizer="adamw", target="cuda",
+                                canonicalize=True)
+    program = Program(mpgraph.convert(step, "bf16", target="cuda", calibrate=None, validate=False))
+    shapes = {s.name: tuple(d if isinstance(d, int) else 2 for d in s.shape) for s in program.data_inputs}
+    model = specialize_shapes(as_model(program.session_graph), shapes)
+    target = Target("cuda", "default", sdpa=True)
+    for rule in RULES:
+        if rule.runs("cuda", "default"):
+            rule.apply(model, target)
+    return model
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("case", "exporter"), [("gpt2", "torchscript"), ("llama", "dynamo")])
+def test_causal_lm_graph_session_is_all_cuda(case, exporter):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    model = _graph_session(case, exporter)
+    assert any(n.op_type == "SdpaForward" for n in model.graph)  # the session the H200 ran
+    assert off_cuda(model) == []
+
+
+def _run(model: ir.Model, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    proto = ir.to_proto(model)
+    return ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _pad_model(dtype: int, shape: list, pads: list[int], value: np.ndarray | None, axes: list[int] | None = None):
+    inputs = ["x", "pads", "value" if value is not None else "", "axes" if axes is not None else ""]
+    inits = [nh.from_array(np.array(pads, np.int64), "pads")]
+    if value is not None:
+        inits.append(nh.from_array(value, "value"))
+    if axes is not None:
+        inits.append(nh.from_array(np.array(axes, np.int64), "axes"))
+    node = h.make_node("Pad", [i for i in inputs if i] if axes is None else inputs, ["y"], name="pad")
+    graph = h.make_graph([node], "g", [h.make_tensor_value_info("x", dtype, shape)],
+                         [h.make_tensor_value_info("y", dtype, None)], inits)
+    return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)], ir_version=10))
+
+
+@pytest.mark.parametrize(("dtype", "pads", "value", "axes"), [
+    (TP.INT64, [0, 0, 0, 1], np.array(-100, np.int64), None),  # HF's shifted labels
+    (TP.INT64, [1, 0, 2, 3], np.array(7, np.int64), None),
+    (TP.INT32, [0, 2], None, [1]),
+    (TP.BOOL, [1, 1, 0, 0], np.array(True), None),
+])
+def test_pad_as_concat_gives_the_same_tensor(dtype, pads, value, axes):
+    model = _pad_model(dtype, [3, 4], pads, value, axes)
+    x = np.arange(12).reshape(3, 4).astype(onnx.helper.tensor_dtype_to_np_dtype(dtype))
+    expected = _run(model, {"x": x})[0]
+    assert pads_as_concat(model) == 1
+    assert [n.op_type for n in model.graph] == ["Concat"] * len([p for p in np.reshape(pads, (2, -1)).T if any(p)])
+    got = _run(model, {"x": x})[0]
+    assert got.dtype == expected.dtype and np.array_equal(got, expected)
+    assert model.graph.outputs[0].name == "y" and off_cuda(model) == []
+
+
+def test_pad_as_concat_leaves_cuda_pads_and_unknown_shapes():
+    floats = _pad_model(TP.FLOAT, [3, 4], [0, 0, 0, 1], np.array(0.5, np.float32))
+    symbolic = _pad_model(TP.INT64, ["n", 4], [0, 0, 0, 1], np.array(-100, np.int64))
+    crop = _pad_model(TP.INT64, [3, 4], [0, 0, 0, -1], None)
+    assert [pads_as_concat(m) for m in (floats, symbolic, crop)] == [0, 0, 0]
+    assert off_cuda(floats) == [] and off_cuda(symbolic) != []
+
+
+def test_specialising_folds_the_shape_read_behind_a_folded_split():
+    """The rotary backward's pattern: a Split whose sizes are Shape arithmetic, and a Shape of its
+    output. The first round folds the sizes; only a second round's inference gives the Split's
+    outputs static shapes, so that their Shape folds."""
+    nodes = [h.make_node("Shape", ["x"], ["s"]), h.make_node("Gather", ["s", "one"], ["w"], axis=0),
+             h.make_node("Sub", ["w", "two"], ["rest"]), h.make_node("Concat", ["two", "rest"], ["sizes"], axis=0),
+             h.make_node("Split", ["x", "sizes"], ["a", "b"], axis=1),
+             h.make_node("Shape", ["a"], ["sa"]), h.make_node("Expand", ["c1", "sa"], ["ones"]),
+             h.make_node("Add", ["a", "ones"], ["y"])]
+    inits = [nh.from_array(np.array(1, np.int64), "one"), nh.from_array(np.array([2], np.int64), "two"),
+             nh.from_array(np.array([1.0], np.float32), "c1")]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.FLOAT, ["n", 5])],
+                         [h.make_tensor_value_info("y", TP.FLOAT, None)], inits)
+    model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10))
+    fixed = specialize_shapes(model, {"x": (3, 5)})
+    assert shape_ops(fixed) == 0 and off_cuda(fixed) == []
+    x = np.arange(15, dtype=np.float32).reshape(3, 5)
+    np.testing.assert_array_equal(_run(fixed, {"x": x})[0], x[:, :2] + 1)
