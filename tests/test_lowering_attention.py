@@ -281,3 +281,22 @@ def test_cuda_rewrite_casts_dy_and_the_gradients_to_the_recorded_types() -> None
     assert handed.dtype == ir.DataType.FLOAT and handed.producer().op_type == "Cast"
     assert handed.producer().inputs[0] is backward.outputs[0] and handed.uses()
     _assert_in_order(step)
+
+
+def test_a_new_dy_cast_goes_after_dy() -> None:
+    """Where dY arrives in float32 and no Cast of it to Y's type exists, the new Cast (and the
+    fused backward) go after dY's producer, not after the forward (the order once broken here)."""
+    from mpgraph._ir import meta as md
+
+    step = _bf16_step((2, 1))
+    attn = next(n for n in step.graph if n.op_type == "Attention")
+    dy = gradient_blocks(step.graph)[attn].dys[0]
+    up = ir.node("Cast", [dy], {"to": ir.DataType.FLOAT}, name="dy32")
+    up.outputs[0].name, up.outputs[0].dtype = "dy32", ir.DataType.FLOAT
+    step.graph.insert_after(dy.producer(), [up])
+    attn.metadata_props[md.NODE_GRAD_OUTPUTS] = '["dy32"]'
+    assert RULE.apply(step, Target("cuda", "default", sdpa=True)) == 1
+    backward = next(n for n in step.graph if n.op_type == "SdpaBackward")
+    cast = backward.inputs[4].producer()
+    assert cast.op_type == "Cast" and cast.inputs[0] is up.outputs[0] and cast is not up
+    _assert_in_order(step)

@@ -18,7 +18,7 @@ The backward is found by value, never by the nodes the gradient rule emits: auto
 on the forward node the gradient flowing into ``Y`` and the node's contribution to each input's
 gradient (``_ir.links.gradient_blocks``); the readers of each contribution move onto the fused
 output (which takes its name, so other blocks that name it still resolve) and the rule's nodes,
-read by nothing now, are removed.
+read by nothing now, are removed (``match.swap_backward``, as for the other backward fusions).
 
 Skipped (left as ONNX ops): a mask, a KV cache (inputs 3-6), an extra output that is read, a
 softcap, ``qk_matmul_output_mode``, a ``softmax_precision`` other than float32, head dims not
@@ -43,9 +43,10 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph._ir.links import GradientBlock, ancestors, gradient_blocks
+from mpgraph._ir.links import GradientBlock, gradient_blocks
 from mpgraph._ir.names import NameScope
-from mpgraph.lowering.match import DOMAIN, hand_over
+from mpgraph._ir.rewrite import Rewrite
+from mpgraph.lowering.match import DOMAIN, cast_to, hand_over, remove_dead, swap_backward
 
 __all__ = ["fuse_attention"]
 
@@ -125,19 +126,18 @@ def _fusable(node: ir.Node, provider: str) -> _Attention | None:
                       int(_attr(node, "is_causal", 0)), _scale(node, dims[0]))  # type: ignore[arg-type]
 
 
-def _attributes(a: _Attention) -> list[ir.Attr]:
-    return [ir.AttrFloat32("scale", a.scale), ir.AttrInt64("is_causal", a.causal),
-            ir.AttrInt64("q_num_heads", a.q_heads), ir.AttrInt64("kv_num_heads", a.kv_heads)]
+def _attributes(a: _Attention) -> dict[str, float | int]:
+    return {"scale": a.scale, "is_causal": a.causal, "q_num_heads": a.q_heads, "kv_num_heads": a.kv_heads}
 
 
-def _forward(graph: ir.Graph, a: _Attention, base: str, names: NameScope) -> ir.Node:
+def _forward(graph: ir.Graph, a: _Attention, rw: Rewrite) -> ir.Node:
     """Put ``SdpaForward`` in the Attention node's place (it takes over ``Y``)."""
     node = a.node
     q = node.inputs[0]
-    fused = ir.Node(DOMAIN, "SdpaForward", node.inputs[:3], _attributes(a), num_outputs=2,
-                    name=names.fresh(f"{base}/SdpaForward"), metadata_props=dict(node.metadata_props))
+    fused = rw.node("SdpaForward", *node.inputs[:3], name="SdpaForward", domain=DOMAIN, num_outputs=2, like=node,
+                    **_attributes(a))
     stats = fused.outputs[1]
-    stats.name, stats.dtype = names.fresh(f"{base}/stats"), ir.DataType.FLOAT
+    stats.dtype = ir.DataType.FLOAT
     if q is not None and q.shape is not None:
         seq = q.shape[2] if len(q.shape) == 4 else q.shape[1]
         heads = q.shape[1] if len(q.shape) == 4 else a.q_heads
@@ -157,63 +157,19 @@ def _complete(block: GradientBlock) -> bool:
         and len({id(dx) for dx in present}) == len(present)
 
 
-def _cast(graph: ir.Graph, value: ir.Value, to: ir.DataType, name: str, meta: dict) -> tuple[ir.Value, ir.Node | None]:
-    """``value`` as ``to``: itself, an existing ``Cast`` of it, or a new one (returned, not yet
-    placed)."""
-    if value.dtype == to:
-        return value, None
-    for use in value.uses():
-        node = use.node
-        if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.graph is graph \
-                and node.attributes["to"].as_int() == to.value:
-            return node.outputs[0], None
-    cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", to.value)], name=name, metadata_props=dict(meta))
-    cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = name, to, value.shape
-    return cast.outputs[0], cast
-
-
-def _backward(graph: ir.Graph, a: _Attention, fused: ir.Node, block: GradientBlock, base: str,
-              names: NameScope) -> ir.Node | None:
-    """Put ``SdpaBackward`` after ``dY`` and give each recorded input gradient's readers (and
-    name) its output; ``None`` (nothing changed) where the graph order does not allow it."""
+def _backward(graph: ir.Graph, a: _Attention, fused: ir.Node, block: GradientBlock, rw: Rewrite) -> bool:
+    """Put ``SdpaBackward`` after ``dY`` (through the Cast of it to Y's type the graph has, or a
+    new one) in place of the block's ``dQ``, ``dK``, ``dV`` (``match.swap_backward``); ``False``
+    (nothing changed) where the graph order does not allow it."""
     y = fused.outputs[0]
-    present = [(j, dx) for j, dx in enumerate(block.dxs[:3]) if dx is not None]
-    meta = dict(present[0][1].producer().metadata_props) if present[0][1].producer() is not None else {}  # type: ignore[union-attr]
-    dy, dy_cast = _cast(graph, block.dys[0], y.dtype, names.fresh(f"{base}/dY_cast"), meta)  # type: ignore[arg-type]
-    order = {node: i for i, node in enumerate(graph)}
-    made = [n for n in (fused, dy.producer()) if n is not None and n in order]
-    anchor = max(made, key=order.__getitem__)
-    readers = [u.node for _, dx in present for u in dx.uses()]
-    if any(order.get(r, -1) <= order[anchor] for r in readers):
-        return None  # a reader of a gradient comes before dY: leave the rule's ops
-    node = ir.Node(DOMAIN, "SdpaBackward", [*fused.inputs, y, dy, fused.outputs[1]], _attributes(a), num_outputs=3,
-                   name=names.fresh(f"{base}/SdpaBackward"), metadata_props=meta)
-    added = [*([dy_cast] if dy_cast is not None else []), node]
+    first = next(dx for dx in block.dxs[:3] if dx is not None).producer()
+    meta = dict(first.metadata_props) if first is not None else {}
+    dy, dy_cast = cast_to(block.dys[0], y.dtype, rw.names.fresh(f"{rw.scope}/dY_cast"), meta, reuse_in=graph)  # type: ignore[arg-type]
+    node = rw.node("SdpaBackward", *fused.inputs, y, dy, fused.outputs[1], name="SdpaBackward", domain=DOMAIN,
+                   num_outputs=3, like=first, **_attributes(a))
     for j, out in enumerate(node.outputs):
-        out.name, out.dtype = names.fresh(f"{base}/SdpaBackward/d{'QKV'[j]}"), y.dtype
-        out.shape = fused.inputs[j].shape  # type: ignore[union-attr]
-    olds, news = [], []
-    for j, dx in present:
-        new, cast = _cast(graph, node.outputs[j], dx.dtype, names.fresh(f"{base}/d{'QKV'[j]}_cast"), meta)  # type: ignore[arg-type]
-        added += [cast] if cast is not None else []
-        olds.append(dx)
-        news.append(new)
-    graph.insert_after(anchor, added)
-    for old, new in zip(olds, news):
-        shape = old.shape if old.shape is not None else new.shape
-        hand_over([old], [new])
-        new.shape = shape
-    return node
-
-
-def _remove_dead(graph: ir.Graph, candidates: set[ir.Node]) -> int:
-    """Remove those of ``candidates`` nothing reads any more, readers first; how many."""
-    removed = 0
-    for node in reversed(list(graph)):
-        if node in candidates and not any(v.uses() or v.is_graph_output() for v in node.outputs):
-            graph.remove(node, safe=True)
-            removed += 1
-    return removed
+        out.dtype, out.shape = y.dtype, fused.inputs[j].shape  # type: ignore[union-attr]
+    return swap_backward(graph, node, block.dxs[:3], [dy_cast] if dy_cast is not None else [])
 
 
 def fuse_attention(model: ir.Model, provider: str) -> int:
@@ -228,16 +184,13 @@ def fuse_attention(model: ir.Model, provider: str) -> int:
     names = NameScope(graph)
     backwards = 0
     for index, a in enumerate(found):
-        base = a.node.name or f"Attention_{index}"
+        rw = Rewrite(graph, a.node.name or f"Attention_{index}", names=names)
         # read again each time: a fused block's gradients were handed to new values
         block = gradient_blocks(graph).get(a.node)
-        dead = {a.node}
-        fused = _forward(graph, a, base, names)
-        if block is not None and _complete(block):
-            dead |= ancestors(dx for dx in block.dxs[:3] if dx is not None)
-            if _backward(graph, a, fused, block, base, names) is not None:
-                backwards += 1
-        _remove_dead(graph, dead)
+        fused = _forward(graph, a, rw)
+        if block is not None and _complete(block) and _backward(graph, a, fused, block, rw):
+            backwards += 1
+        remove_dead(graph, {a.node})
     model.opset_imports.setdefault(DOMAIN, 1)
     logger.info("sdpa: %d Attention nodes fused (%d with their backward)", len(found), backwards)
     return len(found)

@@ -210,10 +210,17 @@ def interior(olds: Sequence[ir.Value | None], sources: Sequence[ir.Value | None]
     return ancestors(v for v in olds if v is not None) - ancestors(v for v in sources if v is not None)
 
 
-def cast_to(value: ir.Value, dtype: ir.DataType, name: str, meta: dict[str, str]) -> tuple[ir.Value, ir.Node | None]:
-    """``value`` as ``dtype``: itself, or the output of a new ``Cast`` (returned, not placed)."""
+def cast_to(value: ir.Value, dtype: ir.DataType, name: str, meta: dict[str, str], *,
+            reuse_in: ir.Graph | None = None) -> tuple[ir.Value, ir.Node | None]:
+    """``value`` as ``dtype``: itself, or the output of a new ``Cast`` (returned, not placed);
+    with ``reuse_in``, a ``Cast`` of ``value`` to ``dtype`` already in that graph first."""
     if value.dtype == dtype:
         return value, None
+    for use in value.uses() if reuse_in is not None else ():
+        node = use.node
+        if node.op_type == "Cast" and node.domain in ("", "ai.onnx") and node.graph is reuse_in \
+                and node.attributes["to"].as_int() == dtype.value:
+            return node.outputs[0], None
     cast = ir.Node("", "Cast", [value], [ir.AttrInt64("to", dtype.value)], name=name, metadata_props=dict(meta))
     cast.outputs[0].name, cast.outputs[0].dtype, cast.outputs[0].shape = name, dtype, value.shape
     return cast.outputs[0], cast
