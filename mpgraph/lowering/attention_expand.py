@@ -29,9 +29,14 @@ Everything else computes in the node's dtype, the body's order of operations: a 
 Attention gets bfloat16 scores and a bfloat16-in, bfloat16-out Softmax, which ORT CUDA computes
 in float32 inside. That is what the bf16/fp16 policies decide for the exporter's own written-out
 attention (``AssignPrecisionPass`` phase 7, a Softmax between low ops takes low I/O), and what
-the gradient rule's recomputed probabilities in the same step run in; float32 scores would
-write the ``[B, H, Sq, Skv]`` tensor three more times in twice the bytes. The products sum in
-the kernels' order, so the result is ``same math`` against ORT's own Attention kernel.
+the gradient rule's recomputed probabilities in the same step run in. Float32 scores would add
+two Casts of the ``[B, H, Sq, Skv]`` tensor and double the bytes the Add and the Softmax move
+(arithmetic, not measured), for the same values where the bias is 0 or ``-inf`` (causal,
+boolean masks: the MatMul rounds the scores to bfloat16 either way, and those adds are exact);
+a float mask's sum and a softcap's Tanh round to bfloat16 once more here. The guard is left out without a mask
+(causal alone leaves every query its first key: the body's Where picks P everywhere). The
+values are the body's ops in its order; ORT's own Attention kernel and the MatMuls sum in their
+own orders, so against the node it replaces the rule is ``same math``.
 
 The node's backward block is not touched: the gradient rule recomputes the probabilities with
 standard ops already. Left alone, logged: a KV cache (inputs 4-6), an extra output that is read,
