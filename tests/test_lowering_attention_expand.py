@@ -201,7 +201,8 @@ def _cuda_rules(model: ir.Model, sdpa: bool) -> dict[str, int]:
 
 
 @pytest.mark.parametrize(("policy", "sdpa", "mask", "fused", "expanded"), [
-    ("bf16", True, False, 1, 0), ("bf16", False, False, 0, 1), ("fp32", True, False, 0, 1), ("bf16", True, True, 0, 1)])
+    ("bf16", True, False, 1, 0), ("bf16", False, False, 0, 1), ("fp32", True, False, 0, 1), ("bf16", True, True, 0, 1),
+    ("fp16", False, True, 0, 1)])
 def test_cuda_rules_fuse_or_expand_every_attention(policy: str, sdpa: bool, mask: bool, fused: int, expanded: int) -> None:
     """A canonicalised step's Attention (head dim 8) is fused with cuDNN attention in bf16 and
     expanded otherwise (no cuDNN, float32, a mask): no Attention is left for ORT CUDA to miss.
@@ -219,8 +220,9 @@ def test_cuda_rules_fuse_or_expand_every_attention(policy: str, sdpa: bool, mask
         made = [n for n in step.graph if n.name.startswith("attn/")]
         assert len(made) >= 6 and not any(emulated(*n.outputs) for n in made)
         softmax = [n for n in step.graph if n.op_type == "Softmax" and n.metadata_props.get("mpgraph.role") == "forward"]
-        assert len(softmax) == 1 and softmax[0].outputs[0].dtype == (BF16 if policy == "bf16" else F32)
-        assert softmax[0].metadata_props["mpgraph.precision"] == ("bfloat16" if policy == "bf16" else "float32")
+        low = {"bf16": BF16, "fp16": ir.DataType.FLOAT16, "fp32": F32}[policy]
+        assert len(softmax) == 1 and softmax[0].outputs[0].dtype == low
+        assert softmax[0].metadata_props["mpgraph.precision"] == {"bf16": "bfloat16", "fp16": "float16"}.get(policy, "float32")
 
 
 def test_a_cuda_plan_without_the_kernel_library_still_expands(monkeypatch: pytest.MonkeyPatch) -> None:
