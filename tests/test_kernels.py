@@ -302,10 +302,11 @@ def test_every_lowering_is_a_registered_documented_rule():
     order = {(p, s): [r.name for r in RULES if r.runs(p, s)] for p in ("cpu", "cuda") for s in kernels.SCOPES}
     library = ["sdpa", "adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "unscale", "multi_cast",
                "fold_transposes", "softmax_grad", "relu_grad"]
-    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", *library, "sce_grad",
-                                                                "fold_scales"]
+    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "attention_expand",
+                                                                *library[1:], "sce_grad", "fold_scales"]
     assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
-    # fp8_gemm (ORT's own GemmFloat8) and pad_concat (ORT's Concat) are the CUDA rules of scope
-    # native: no kernel library.
-    assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == ["fp8_gemm", "pad_concat"]
+    # fp8_gemm (ORT's own GemmFloat8), pad_concat (ORT's Concat) and attention_expand (Attention's
+    # function body as standard ops) are the CUDA rules of scope native: no kernel library.
+    native = ["fp8_gemm", "pad_concat", "attention_expand"]
+    assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == native
