@@ -190,6 +190,8 @@ def gelu(ctx: Ctx, node: ir.Node, dy: V) -> tuple:
     x = ctx.input(0)
     if ctx.attr("approximate", "none") != "tanh":
         return (erf_gelu_grad(ctx, dy, x),)
+    # The lowering's TanhGeluGrad (mpgraph.lowering.gelu, csrc/gelu.cu) computes these very
+    # ops and scalars, rounded step by step: change them together.
     half = ctx.scalar(0.5, x)
     c, k = math.sqrt(2.0 / math.pi), 0.044715
     x2 = ctx.op("Mul", x, x)
