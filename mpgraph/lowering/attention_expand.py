@@ -94,6 +94,8 @@ def _form(node: ir.Node) -> _Form | str:
     q, k, v = node.inputs[:3]
     if any(t is None or t.shape is None or t.dtype is None for t in (q, k, v)):
         return "Q, K or V has no known shape or dtype"
+    if len({q.dtype, k.dtype, v.dtype}) != 1:  # type: ignore[union-attr]
+        return "V's dtype is not Q's (the op allows two)"
     rank = len(q.shape)  # type: ignore[union-attr,arg-type]
     if rank not in (3, 4) or len(k.shape) != rank or len(v.shape) != rank:  # type: ignore[union-attr,arg-type]
         return "Q, K and V are not all 3-D or all 4-D"
