@@ -2,9 +2,9 @@
 
 For transformers' GPT-2, BERT and ViT (random init from small configs, tests/corpus/models.py),
 exported with both torch exporters: what the whole lowering (``kernels.lower``, as the CUDA
-Trainer runs it, here with the CPU provider's float32 kernels) makes of the gradient graph (fused
-nodes by op, transposes and scales folded) and how many AdamW slots it fuses in the step graph,
-and how far the lowered gradient graph's gradients are from the plain one's. Gradients
+Trainer runs it, here with the CPU provider's float32 kernels) makes of the gradient graph (the
+non-ONNX ops it writes, by op; transposes and scales folded) and how many AdamW slots it fuses in
+the step graph, and how far the lowered gradient graph's gradients are from the plain one's. Gradients
 that are zero in exact arithmetic (an attention key's bias: softmax ignores a shift; 1e-13 of
 rounding noise here) have no scale of their own: they are reported apart, against the model's
 largest gradient.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import Counter
 
 import numpy as np
 import onnx_ir as ir
@@ -29,7 +30,15 @@ from mpgraph.lowering.transpose import fold_scales, fold_transposes  # noqa: E40
 from mpgraph.training import build_training_graph  # noqa: E402
 from tests.corpus import check, models  # noqa: E402
 
-FUSED = ("LayerNormGrad", "LayerNormGradBias", "ErfGelu", "ErfGeluGrad", "SoftmaxGradDot", "FusedMatMul")
+#: The ops the lowering writes are counted by what it writes (every op outside the ONNX
+#: domain that the lowered graph has more of): mpgraph's kernels (LayerNormGrad, ErfGeluGrad,
+#: SoftmaxGradDot, ...) and ORT's contrib ops (FusedMatMul). The forward GELU is not among
+#: them: it is the canonical ONNX ``Gelu`` (CanonicalizeOpsPass), which ORT runs.
+ONNX_DOMAINS = ("", "ai.onnx")
+
+
+def custom_ops(model: ir.Model) -> Counter:
+    return Counter(n.op_type for n in model.graph if n.domain not in ONNX_DOMAINS)
 
 
 def run(model: ir.Model, library: str | None, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -52,7 +61,8 @@ def main() -> None:
             norms = sum(1 for n in grads.graph if n.op_type == "LayerNormalization" and len(n.outputs) == 3)
             lowered = ir.from_proto(ir.to_proto(grads))
             kernels.lower(lowered, "cpu")
-            made = {op: sum(1 for n in lowered.graph if n.op_type == op) for op in FUSED}
+            made = custom_ops(lowered) - custom_ops(grads)
+            gelus = sum(1 for n in grads.graph if n.op_type == "Gelu" and n.domain in ONNX_DOMAINS)
             alone = ir.from_proto(ir.to_proto(grads))
             folded = fold_transposes(alone, "cpu")
             scales = fold_scales(alone, "cpu")
@@ -72,9 +82,10 @@ def main() -> None:
                     zero = max(zero, diff / top)
                 else:
                     scaled = max(scaled, diff / own)
-            ops = ", ".join(f"{op} {count}" for op, count in made.items() if count and not op.startswith("LayerNorm"))
+            ops = ", ".join(f"{op} {count}" for op, count in sorted(made.items()) if not op.startswith("LayerNorm"))
             print(f"{name:5s} {exporter:11s} LayerNorm backwards fused {fused_norms}/{norms} ({made['LayerNormGradBias']} with "
-                  f"dbias), {ops or 'no other fused op'}, transposes folded {folded}, power-of-two scales folded {scales}; AdamW slots "
+                  f"dbias), {ops or 'no other fused op'} (forward Gelu, ORT's: {gelus}), transposes folded {folded}, "
+                  f"power-of-two scales folded {scales}; AdamW slots "
                   f"fused {fused_slots}/{slots}; worst |fused - plain| / max|plain| {scaled:.2g}; zero gradients "
                   f"{zero:.2g} of the largest gradient")
 
