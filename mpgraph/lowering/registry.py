@@ -130,7 +130,8 @@ RULES: tuple[LoweringRule, ...] = (
                  "a float32 LayerNormalization's backward, found by its gradient block, as LayerNormGrad(Bias) "
                  "(fuse.py, csrc/layernorm.cu)"),
     LoweringRule("gelu", "all", BOTH, SAME, lambda m, t: fuse_gelu(m),
-                 "an erf Gelu's backward, found by its gradient block, as ErfGeluGrad (gelu.py, csrc/gelu.cu)"),
+                 "a Gelu's backward, found by its gradient block, as ErfGeluGrad or TanhGeluGrad "
+                 "(gelu.py, csrc/gelu.cu)"),
     LoweringRule("unscale", "all", BOTH, BIT, lambda m, t: fuse_unscale(m),
                  "loss scaling's unscale and finite check as one UnscaleGradients (multi.py)"),
     LoweringRule("multi_cast", "all", BOTH, BIT, lambda m, t: batch_casts(m),
