@@ -42,20 +42,21 @@ def _session(graph: bytes, custom_ops: str | None):
 
 
 def _gelu_step(approximate: str):
-    """``loss = sum(float(Gelu(x) * dy))``, x and dy bfloat16 and x trainable: ``grad/x`` is the
-    Gelu's dx for that dy (the loss's ones times dy, exact), computed by its gradient rule's
-    bfloat16 ops."""
+    """``loss = sum(float(Gelu(bf16(x)) * bf16(dy)))`` with x trainable: the Gelu's dx for that
+    dy (the loss's ones times dy, exact) computed in bfloat16 by its gradient rule's ops, read
+    back as ``grad/x`` in float32 (ORT's Python API takes and gives no bfloat16 arrays)."""
     import onnx_ir as ir
 
     from mpgraph.training import build_training_graph
 
-    bf16 = TensorProto.BFLOAT16
-    nodes = [helper.make_node("Gelu", ["x"], ["y"], approximate=approximate),
-             helper.make_node("Mul", ["y", "dy"], ["z"]), helper.make_node("Cast", ["z"], ["z32"], to=TensorProto.FLOAT),
+    bf16, f32 = TensorProto.BFLOAT16, TensorProto.FLOAT
+    nodes = [helper.make_node("Cast", ["x"], ["xb"], to=bf16), helper.make_node("Cast", ["dy"], ["dyb"], to=bf16),
+             helper.make_node("Gelu", ["xb"], ["y"], approximate=approximate),
+             helper.make_node("Mul", ["y", "dyb"], ["z"]), helper.make_node("Cast", ["z"], ["z32"], to=f32),
              helper.make_node("ReduceSum", ["z32"], ["loss"], keepdims=0)]
-    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", bf16, [N]),
-                                              helper.make_tensor_value_info("dy", bf16, [N])],
-                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])])
+    graph = helper.make_graph(nodes, "gelu", [helper.make_tensor_value_info("x", f32, [N]),
+                                              helper.make_tensor_value_info("dy", f32, [N])],
+                              [helper.make_tensor_value_info("loss", f32, [])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     model.ir_version = 9
     return build_training_graph(ir.from_proto(model), optimizer=None, params=[], trainable_inputs=["x"],
@@ -63,10 +64,10 @@ def _gelu_step(approximate: str):
 
 
 def _bf16(a: np.ndarray) -> np.ndarray:
-    """float32 -> bfloat16 (round to nearest even), as the numpy dtype ORT reads and writes."""
+    """float32 values rounded to bfloat16 (nearest even), as float32: the graph's Casts keep them."""
     import ml_dtypes
 
-    return a.astype(ml_dtypes.bfloat16)
+    return a.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 def _bound(x: np.ndarray, dy: np.ndarray, approximate: str) -> np.ndarray:
@@ -97,8 +98,9 @@ def test_fused_gelu_backward_matches_the_unfused_bf16_ops(library: str, approxim
     x32 = np.concatenate([np.linspace(-10, 10, N // 2, dtype=np.float32),
                           3 * rng.standard_normal(N // 2).astype(np.float32)])
     feeds = {"x": _bf16(x32), "dy": _bf16(rng.standard_normal(N).astype(np.float32))}
-    got = _session(fused.graph, fused.custom_ops).run(["grad/x"], feeds)[0].astype(np.float32)
-    want = _session(plain.graph, None).run(["grad/x"], feeds)[0].astype(np.float32)
+    got = _session(fused.graph, fused.custom_ops).run(["grad/x"], feeds)[0]
+    want = _session(plain.graph, None).run(["grad/x"], feeds)[0]
+    assert np.array_equal(_bf16(want), want)  # bfloat16 values: the rule's ops did run in bfloat16
     x, dy = feeds["x"].astype(np.float64), feeds["dy"].astype(np.float64)
     diff = np.abs(got.astype(np.float64) - want)
     same = float(np.mean(got == want))
