@@ -3,9 +3,10 @@
 ORT refuses to capture a session as a CUDA graph when one node is not on the CUDA provider
 ("all compute graph nodes have not been partitioned to the CUDAExecutionProvider"). The real
 GPT-2 (TorchScript) and Llama-style (dynamo) bf16 steps had such nodes on the H200: the int64
-Pad of the shifted labels in HF's ``ForCausalLMLoss`` (ORT CUDA's Pad is float/double/half
-only), and, in Llama, the ``Shape`` arithmetic of the rotary ``Slice`` backwards (the pads of
-its gradient ``Pad``), which one round of specialisation left unfolded.
+Pad of the shifted labels in HF's ``ForCausalLMLoss`` (ORT CUDA's Pad is bool/float/double/half
+only), and the ``Shape`` arithmetic that one round of specialisation left unfolded: the pads
+of the gradient ``Pad`` of Llama's rotary ``Slice`` nodes and of GPT-2's padded lm_head
+(``PadGemmColumnsPass``, 50257 -> 50304 columns).
 
 ``off_cuda`` is what ORT 1.31 CUDA places on CPU, by its registrations: ``Shape``/``Size``
 (their outputs are host memory; ORT puts the arithmetic reading them on CPU), a ``Pad`` outside
@@ -70,8 +71,8 @@ def off_cuda(model: ir.Model) -> list[str]:
         why = None
         if node.op_type in ("Shape", "Size"):
             why = "shape op"
-        elif node.op_type == "Pad" and dtype not in CUDA_PAD_TYPES:
-            why = "no Pad kernel"
+        elif node.op_type == "Pad":
+            why = None if dtype in CUDA_PAD_TYPES else "no Pad kernel"
         elif dtype in _FLOATS:
             why = "no kernel" if kernel_cell("cuda", node.op_type, _FLOATS[dtype], opset) == "no" else None
         elif dtype is not None and node.op_type not in _CUDA_INT_OPS:
@@ -154,7 +155,7 @@ def _pad_model(dtype: int, shape: list, pads: list[int], value: np.ndarray | Non
     (TP.INT64, [0, 0, 0, 1], np.array(-100, np.int64), None),  # HF's shifted labels
     (TP.INT64, [1, 0, 2, 3], np.array(7, np.int64), None),
     (TP.INT32, [0, 2], None, [1]),
-    (TP.BOOL, [1, 1, 0, 0], np.array(True), None),
+    (TP.UINT8, [1, 1, 0, 0], np.array(3, np.uint8), None),
 ])
 def test_pad_as_concat_gives_the_same_tensor(dtype, pads, value, axes):
     model = _pad_model(dtype, [3, 4], pads, value, axes)
@@ -169,10 +170,11 @@ def test_pad_as_concat_gives_the_same_tensor(dtype, pads, value, axes):
 
 def test_pad_as_concat_leaves_cuda_pads_and_unknown_shapes():
     floats = _pad_model(TP.FLOAT, [3, 4], [0, 0, 0, 1], np.array(0.5, np.float32))
+    bools = _pad_model(TP.BOOL, [3, 4], [1, 1, 0, 0], np.array(True))
     symbolic = _pad_model(TP.INT64, ["n", 4], [0, 0, 0, 1], np.array(-100, np.int64))
     crop = _pad_model(TP.INT64, [3, 4], [0, 0, 0, -1], None)
-    assert [pads_as_concat(m) for m in (floats, symbolic, crop)] == [0, 0, 0]
-    assert off_cuda(floats) == [] and off_cuda(symbolic) != []
+    assert [pads_as_concat(m) for m in (floats, bools, symbolic, crop)] == [0, 0, 0, 0]
+    assert off_cuda(floats) == off_cuda(bools) == [] and off_cuda(symbolic) != []
 
 
 def test_specialising_folds_the_shape_read_behind_a_folded_split():

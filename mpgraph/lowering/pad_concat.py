@@ -1,7 +1,8 @@
 """A constant ``Pad`` of a type ORT CUDA has no Pad kernel for, as ``Concat`` with constant blocks.
 
-ONNX Runtime 1.31's CUDA provider registers ``Pad`` for float32, float64 and float16 only
-(``core/providers/cuda/tensor/pad.cc``; bfloat16 probed ``no`` in ``mpgraph/kernel_table.py``).
+ONNX Runtime's CUDA provider registers ``Pad`` (opset 18+, so an opset-23 Pad too) for bool,
+float32, float64 and float16 only (its ``docs/OperatorKernels.md``, ``core/providers/cuda/tensor/
+pad.cc``; bfloat16 probed ``no`` on 1.31.1 in ``mpgraph/kernel_table.py``).
 Any other Pad runs on the CPU provider, and one CPU node is enough for ORT to refuse the session
 as a CUDA graph ("all compute graph nodes have not been partitioned to the
 CUDAExecutionProvider"). A causal LM's loss has one: HF's ``ForCausalLMLoss`` pads the int64
@@ -26,7 +27,7 @@ from mpgraph.lowering.match import constant, hand_over
 __all__ = ["CUDA_PAD_TYPES", "pads_as_concat"]
 
 #: The element types ORT 1.31 CUDA has a ``Pad`` kernel for.
-CUDA_PAD_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16})
+CUDA_PAD_TYPES = frozenset({ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16, ir.DataType.BOOL})
 
 
 def _static_shape(value: ir.Value | None) -> list[int] | None:
