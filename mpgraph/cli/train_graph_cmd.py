@@ -29,7 +29,7 @@ def train_graph_command(
     overwrite_input: Annotated[bool, typer.Option("--overwrite-input", help="Allow -o to name the input file.")] = False,
     flat_optimizer: Annotated[bool, typer.Option("--flat-optimizer", help="Update all float32 parameters as one flat buffer (a constant optimizer node count; slower on ORT CUDA for large models today, see docs/performance.md).")] = False,
     target: Annotated[str, typer.Option("--target", help="cpu or cuda: where the step will run; picks the conv weight-gradient forms that measured fastest there (same math).")] = "cpu",
-    canonical_ops: Annotated[bool | None, typer.Option("--canonical-ops/--no-canonical-ops", help="By default written-out GELU (erf, tanh), LayerNorm and RMSNorm become the standard ONNX ops Gelu, LayerNormalization, RMSNormalization before differentiating (opset raised to 20 or 23 as they need); --canonical-ops also rewrites attention into Attention; --no-canonical-ops rewrites nothing.")] = None,
+    canonical_ops: Annotated[bool | None, typer.Option("--canonical-ops/--no-canonical-ops", help="By default written-out GELU (erf, tanh), LayerNorm and RMSNorm become the standard ONNX ops Gelu, LayerNormalization, RMSNormalization before differentiating (opset raised to 20 or 23 as they need), and with --target cuda attention becomes Attention (cuDNN's fused attention on CUDA); --canonical-ops rewrites attention for any target; --no-canonical-ops rewrites nothing.")] = None,
 ) -> None:
     """Build the training step of MODEL: forward, backward and optimizer in one ONNX graph."""
     from mpgraph.cli.checks import check_output_path, finite

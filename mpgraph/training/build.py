@@ -95,8 +95,9 @@ def build_training_graph(
         canonicalize: Rewrite exporters' written-out forms into standard ONNX ops before
             differentiating (``CanonicalizeOpsPass``), so gradient rules and fused kernels
             see one form: ``None`` (default) GELU (erf and tanh), LayerNorm and RMSNorm into
-            ``Gelu``, ``LayerNormalization`` and ``RMSNormalization``; ``True`` also
-            attention into ``Attention``; ``False`` nothing. The opset is raised to what the
+            ``Gelu``, ``LayerNormalization`` and ``RMSNormalization``, and with ``target="cuda"``
+            attention into ``Attention`` (fused on CUDA by the ``sdpa`` lowering rule);
+            ``True`` attention for any target; ``False`` nothing. The opset is raised to what the
             new ops need (``Gelu`` 20, ``RMSNormalization`` and ``Attention`` 23); by default
             not where that leaves an op of the model without the ORT kernel it has now on
             ``target`` (CUDA unless ``cpu``: Dropout, Elu, MaxPool, Selu at opset 22 and up),
@@ -125,7 +126,11 @@ def build_training_graph(
         # The default keeps a norm written out where its opset would cost an op its kernel
         # where the step runs (CUDA unless told cpu); asked for, the rewrite happens anyway.
         provider = None if canonicalize else "cpu" if target == "cpu" else "cuda"
-        CanonicalizeOpsPass(attention=canonicalize is True, provider=provider)(m)
+        # Attention by default on CUDA: the lowering runs it as cuDNN's fused attention (``sdpa``)
+        # or, where that cannot, as its ONNX function body (``attention_expand``); elsewhere
+        # ORT's own Attention kernels would run it.
+        attention = canonicalize is True or (canonicalize is None and target == "cuda")
+        CanonicalizeOpsPass(attention=attention, provider=provider)(m)
     forward_outputs = [name_of(v) for v in m.graph.outputs]
     loss_value = AttachLossPass(loss)(m).loss
     assert loss_value is not None

@@ -32,6 +32,8 @@ from mpgraph.training.canonical_attention import (
 __all__ = ["CANONICAL_OPS", "CanonicalizeOpsPass"]
 
 logger = logging.getLogger(__name__)
+#: The metadata key onnxscript's rewriter writes on each node its rules make.
+_RULE_NAME_KEY = "pkg.onnxscript.rewriter.rule_name"
 
 #: The standard op each rule family writes, and the opset that op needs.
 CANONICAL_OPS = {"Attention": 23, "RMSNormalization": 23, "Gelu": 20, "LayerNormalization": 17}
@@ -278,6 +280,8 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
             model.ir_version = max(model.ir_version, min_ir_version(graph.opset_imports))
             _drop_dead_nodes(graph)
             _name_new(graph)
+            for node in graph:  # onnxscript's rewriter tags the nodes it makes with the rule's name
+                node.metadata_props.pop(_RULE_NAME_KEY, None)
         _log_leftovers(graph, self.attention, self.kept)
         logger.info("canonical ops written: %s", {k: v for k, v in self.counts.items() if v})
         return ir.passes.PassResult(model, modified)
