@@ -38,6 +38,7 @@ from onnx import helper as h
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from ort_timing import time_session  # noqa: E402
 from step_timing import run_header  # noqa: E402
 
 B, H, S, D = 8, 12, 1024, 64
@@ -151,24 +152,7 @@ def time_ort(model: bytes, feeds: dict[str, np.ndarray], rounds: int, iters: int
     if custom_ops:
         options.register_custom_ops_library(custom_ops)
     session = ort.InferenceSession(model, options, providers=["CUDAExecutionProvider"])
-    binding = session.io_binding()
-    keep = []
-    for name in [i.name for i in session.get_inputs()]:
-        keep.append(ort.OrtValue.ortvalue_from_numpy(feeds[name], "cuda", 0))
-        binding.bind_ortvalue_input(name, keep[-1])
-    for out in session.get_outputs():
-        binding.bind_output(out.name, "cuda", 0)
-    for _ in range(3):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(iters):
-            session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        times.append((time.perf_counter() - start) * 1e3 / iters)
-    outs = dict(zip([o.name for o in session.get_outputs()], binding.copy_outputs_to_cpu(), strict=True))
-    return statistics.median(times), outs
+    return time_session(session, feeds, "cuda", rounds, iters)
 
 
 def time_torch(backend: object, tensors: dict[str, torch.Tensor], backward: bool, rounds: int,

@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import numpy as np
 import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper as h
+from ort_timing import time_session
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -60,24 +59,8 @@ def timed(graph: bytes, custom_ops: str | None, provider: str, feeds: dict[str, 
         options.register_custom_ops_library(custom_ops)
     ep = "CUDAExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
     session = ort.InferenceSession(graph, options, providers=[ep])
-    device = "cuda" if provider == "cuda" else "cpu"
-    binding = session.io_binding()
-    keep = [ort.OrtValue.ortvalue_from_numpy(feeds[i.name], device, 0) for i in session.get_inputs()]
-    for i, value in zip(session.get_inputs(), keep, strict=True):
-        binding.bind_ortvalue_input(i.name, value)
-    for out in session.get_outputs():
-        binding.bind_output(out.name, device, 0)
-    for _ in range(3):
-        session.run_with_iobinding(binding)
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for _ in range(iters):
-            session.run_with_iobinding(binding)
-        binding.synchronize_outputs()
-        times.append((time.perf_counter() - start) * 1e3 / iters)
-    outs = dict(zip([o.name for o in session.get_outputs()], binding.copy_outputs_to_cpu(), strict=True))
-    return statistics.median(times), outs["grad/x"]
+    ms, outs = time_session(session, feeds, "cuda" if provider == "cuda" else "cpu", rounds, iters)
+    return ms, outs["grad/x"]
 
 
 def main(argv: list[str] | None = None) -> None:

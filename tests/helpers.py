@@ -184,3 +184,35 @@ def shared_range_checks() -> Iterator[None]:
         yield
     finally:
         converting.measure_ranges = measure
+
+
+def step_feeds(model: onnx.ModelProto, x: np.ndarray | None = None, seed: int = 2) -> dict[str, np.ndarray]:
+    """Every graph input of a step graph that is no initializer, from a fixed seed: ``x`` as
+    given (standard normal when ``None``), other floats small and positive (parameters,
+    moments, the learning rate), integers ones (the step count)."""
+    rng = np.random.default_rng(seed)
+    inits = {i.name for i in model.graph.initializer}
+    feeds = {}
+    for value in model.graph.input:
+        if value.name in inits:
+            continue
+        t = value.type.tensor_type
+        shape = [d.dim_value for d in t.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+        if value.name == "x":
+            feeds["x"] = x if x is not None else rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind == "f":
+            feeds[value.name] = (0.01 + 0.1 * np.abs(rng.standard_normal(shape))).astype(dtype)
+        else:
+            feeds[value.name] = np.ones(shape, dtype=dtype)
+    return feeds
+
+
+def assert_outputs_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float) -> None:
+    """Every non-empty float output of ``want`` within ``tol`` of ``got``, relative to its
+    largest magnitude."""
+    for name, value in want.items():
+        if value.dtype.kind != "f" or not value.size:
+            continue
+        err = float(np.abs(got[name] - value).max() / max(np.abs(value).max(), 1e-6))
+        assert err < tol, (name, err)

@@ -16,6 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tests.helpers import assert_outputs_close, step_feeds
+
 ort = pytest.importorskip("onnxruntime")
 
 pytestmark = pytest.mark.gpu
@@ -121,32 +123,7 @@ def test_lowered_bf16_mlp_step_matches_the_unfused_step(library: str) -> None:
     results = []
     for plan in (fused, plain):
         session = _session(plan.graph, plan.custom_ops)
-        feeds = _feeds(onnx.load_from_string(plan.graph))
+        feeds = step_feeds(onnx.load_from_string(plan.graph))
         results.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)))
-    for name, value in results[1].items():
-        if value.dtype.kind != "f" or not value.size:
-            continue
-        got = results[0][name]
-        err = float(np.abs(got - value).max() / max(np.abs(value).max(), 1e-6))
-        assert err < 5e-2, (name, err)
+    assert_outputs_close(results[0], results[1], 5e-2)
 
-
-def _feeds(model: onnx.ModelProto) -> dict[str, np.ndarray]:
-    """Every graph input from a fixed seed: floats small and positive (parameters, moments,
-    the learning rate), x standard normal, integers ones (the step count)."""
-    rng = np.random.default_rng(2)
-    inits = {i.name for i in model.graph.initializer}
-    feeds = {}
-    for value in model.graph.input:
-        if value.name in inits:
-            continue
-        t = value.type.tensor_type
-        shape = [d.dim_value for d in t.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if value.name == "x":
-            feeds["x"] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind == "f":
-            feeds[value.name] = (0.01 + 0.1 * np.abs(rng.standard_normal(shape))).astype(dtype)
-        else:
-            feeds[value.name] = np.ones(shape, dtype=dtype)
-    return feeds

@@ -16,6 +16,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tests.helpers import assert_outputs_close, step_feeds
+
 ort = pytest.importorskip("onnxruntime")
 torch = pytest.importorskip("torch")
 
@@ -122,34 +124,9 @@ def test_lowered_bf16_step_matches_the_unfused_step(library: str) -> None:
             options.register_custom_ops_library(plan.custom_ops)
         session = ort.InferenceSession(plan.graph, options, providers=["CUDAExecutionProvider"])
         model = onnx.load_from_string(plan.graph)
-        feeds = _feeds(model, x)
+        feeds = step_feeds(model, x)
         results.append(dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True)))
     ops = {n.op_type for n in onnx.load_from_string(fused.graph).graph.node}
     assert {"SdpaForward", "SdpaBackward"} <= ops
-    for name, value in results[1].items():
-        if value.dtype.kind != "f" or not value.size:
-            continue
-        got = results[0][name]
-        err = float(np.abs(got - value).max() / max(np.abs(value).max(), 1e-6))
-        assert err < 5e-2, (name, err)
+    assert_outputs_close(results[0], results[1], 5e-2)
 
-
-def _feeds(model: onnx.ModelProto, x: np.ndarray) -> dict[str, np.ndarray]:
-    """x, a learning rate, and every other float input (parameters, moments) from a fixed seed."""
-    rng = np.random.default_rng(2)
-    inits = {i.name for i in model.graph.initializer}
-    feeds = {}
-    for value in model.graph.input:
-        if value.name in inits:
-            continue
-        if value.name == "x":
-            feeds["x"] = x
-            continue
-        t = value.type.tensor_type
-        shape = [d.dim_value for d in t.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
-        if dtype.kind == "f":
-            feeds[value.name] = (0.01 + 0.1 * np.abs(rng.standard_normal(shape))).astype(dtype)
-        else:
-            feeds[value.name] = np.ones(shape, dtype=dtype)
-    return feeds
