@@ -237,3 +237,20 @@ def test_a_cuda_plan_without_the_kernel_library_still_expands(monkeypatch: pytes
     assert (session.scope, session.custom_ops, session.kernels_reason) == ("native", None, "no nvcc here")
     assert dict(session.applied)["attention_expand"] == 1
     assert "Attention" not in _ops(ir.from_proto(onnx.load_from_string(session.graph)))
+
+
+def test_cuda_evaluation_plan_writes_attention_out() -> None:
+    """An evaluation session on CUDA gets the forward part with its Attention written out (ORT
+    CUDA lacks many Attention configurations and ORT CPU has no bfloat16 one); the CPU plan
+    keeps ORT's own Attention. Both compute the same logits on ORT CPU (float32 step)."""
+    from mpgraph.lowering.plan import PlanOptions, plan_session
+
+    step = build_training_graph(_block((4, 2)), optimizer=None, canonicalize=True)
+    target = next(n.outputs[0].name for n in step.graph if n.op_type == "Attention")
+    plans = {p: plan_session(step, p, PlanOptions(forward_of=target)) for p in ("cuda", "cpu")}
+    ops = {p: Counter(n.op_type for n in onnx.load_from_string(plan.graph).graph.node) for p, plan in plans.items()}
+    assert ops["cuda"]["Attention"] == 0 and ops["cpu"]["Attention"] == 1
+    assert dict(plans["cuda"].applied) == {"attention_expand": 1}
+    x = np.random.default_rng(3).standard_normal((2, 6, 16)).astype(np.float32)
+    got, want = (_run(onnx.load_from_string(plans[p].graph), {"x": x})[0] for p in ("cuda", "cpu"))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

@@ -13,7 +13,8 @@ The runtime calls nothing else of this package. A plan is made in three steps:
    deterministic CUDA session, the deterministic rules.
 
 An evaluation session's plan (``PlanOptions.forward_of``) is the forward part of the graph
-instead (``forward.forward_part``): the runtime cuts no graph either.
+instead (``forward.forward_part``; on CUDA its ``Attention`` nodes written out first): the
+runtime cuts no graph either.
 
 Each session graph is lowered exactly once: a CUDA trainer has two (the graph for any batch
 shape and the one specialised to its batch for CUDA graph capture), each planned once.
@@ -165,8 +166,7 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
         MpgraphError: ``shapes`` names no graph input or contradicts a static dim.
     """
     if options.forward_of is not None:
-        graph = ir.to_proto(forward_part(step_graph, options.forward_of)).SerializeToString()
-        return SessionPlan(graph, provider, None, None, "")
+        return _forward_plan(step_graph, provider, options.forward_of)
     custom_ops, scope, reason = _kernels(provider, options)
     deterministic = options.deterministic and provider == "cuda"
     model: ir.Model | None = None
@@ -184,3 +184,18 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     else:
         graph = ir.to_proto(as_model(step_graph)).SerializeToString()
     return SessionPlan(graph, provider, custom_ops, scope, reason, tuple(applied))
+
+
+def _forward_plan(step_graph: ModelLike, provider: str, target: str) -> SessionPlan:
+    """The evaluation session's plan: the forward part computing ``target``. On CUDA an
+    ``Attention`` is first written out as its function body (``attention_expand``, no library),
+    on the step graph, whose values still carry their types: ORT's CUDA provider lacks many of
+    Attention's configurations, and its CPU provider has no bfloat16 Attention to fall back to."""
+    applied: tuple[tuple[str, int], ...] = ()
+    if provider == "cuda":
+        model = as_model(step_graph, copy=True)
+        rule = next(r for r in RULES if r.name == "attention_expand")
+        applied = ((rule.name, rule.apply(model, Target(provider, "native"))),)
+        step_graph = model
+    graph = ir.to_proto(forward_part(step_graph, target)).SerializeToString()
+    return SessionPlan(graph, provider, None, None, "", applied)
