@@ -68,11 +68,6 @@ class _Attention:
     scale: float
 
 
-def _attr(node: ir.Node, name: str, default: float | int | None = None) -> float | int | None:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 def _static(dim: object) -> int | None:
     return dim if isinstance(dim, int) else None
 
@@ -86,7 +81,7 @@ def _head_dims(node: ir.Node) -> tuple[int, int] | None:
     qd, vd = _static(q.shape[-1]), _static(v.shape[-1])  # type: ignore[union-attr,index]
     if rank == 4:
         return (qd, vd) if qd and vd else None
-    hq, hkv = _attr(node, "q_num_heads"), _attr(node, "kv_num_heads")
+    hq, hkv = node.attributes.get_int("q_num_heads"), node.attributes.get_int("kv_num_heads")
     if rank != 3 or not qd or not vd or not hq or not hkv or qd % hq or vd % hkv:  # type: ignore[operator]
         return None
     return qd // hq, vd // hkv  # type: ignore[operator]
@@ -95,7 +90,7 @@ def _head_dims(node: ir.Node) -> tuple[int, int] | None:
 def _scale(node: ir.Node, head_dim: int) -> float:
     """The gradient rule's scale (``autodiff.rules.attention._scale``): the square of
     ``float32(sqrt(scale))``, rounded to float32 once."""
-    scale = _attr(node, "scale")
+    scale = node.attributes.get_float("scale")
     if scale is None:
         scale = 1.0 / math.sqrt(head_dim)
     root = float(np.float32(math.sqrt(np.float32(scale))))
@@ -108,8 +103,9 @@ def _fusable(node: ir.Node, provider: str) -> _Attention | None:
         return None
     if any(v.uses() or v.is_graph_output() for v in node.outputs[1:]):
         return None
-    precision = _attr(node, "softmax_precision")
-    if _attr(node, "softcap", 0.0) or _attr(node, "qk_matmul_output_mode", 0) or precision not in (None, ir.DataType.FLOAT):
+    attrs = node.attributes
+    precision = attrs.get_int("softmax_precision")
+    if attrs.get_float("softcap", 0.0) or attrs.get_int("qk_matmul_output_mode", 0) or precision not in (None, ir.DataType.FLOAT):
         return None
     dims = _head_dims(node)
     if dims is None:
@@ -121,9 +117,9 @@ def _fusable(node: ir.Node, provider: str) -> _Attention | None:
     if provider == "cuda" and any(d % low or d > high for d in dims):
         return None
     three_d = len(node.inputs[0].shape) == 3  # type: ignore[union-attr,arg-type]
-    return _Attention(node, int(_attr(node, "q_num_heads", 0)) if three_d else 0,  # type: ignore[arg-type]
-                      int(_attr(node, "kv_num_heads", 0)) if three_d else 0,  # type: ignore[arg-type]
-                      int(_attr(node, "is_causal", 0)), _scale(node, dims[0]))  # type: ignore[arg-type]
+    return _Attention(node, attrs.get_int("q_num_heads", 0) if three_d else 0,  # type: ignore[arg-type]
+                      attrs.get_int("kv_num_heads", 0) if three_d else 0,  # type: ignore[arg-type]
+                      attrs.get_int("is_causal", 0), _scale(node, dims[0]))  # type: ignore[arg-type]
 
 
 def _attributes(a: _Attention) -> dict[str, float | int]:

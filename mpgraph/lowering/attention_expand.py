@@ -80,11 +80,6 @@ class _Form:
     dtype: ir.DataType
 
 
-def _attr(node: ir.Node, name: str, default: float | int | None = None) -> float | int | None:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 def _form(node: ir.Node) -> _Form | str:
     """The node's form, or why it is left alone."""
     if len(node.inputs) < 3 or any(v is not None for v in node.inputs[4:]):
@@ -100,7 +95,7 @@ def _form(node: ir.Node) -> _Form | str:
     if rank not in (3, 4) or len(k.shape) != rank or len(v.shape) != rank:  # type: ignore[union-attr,arg-type]
         return "Q, K and V are not all 3-D or all 4-D"
     if rank == 3:
-        hq, hkv = _attr(node, "q_num_heads"), _attr(node, "kv_num_heads")
+        hq, hkv = node.attributes.get_int("q_num_heads"), node.attributes.get_int("kv_num_heads")
     else:
         hq, hkv = q.shape[1], k.shape[1]  # type: ignore[union-attr,index]
     last = q.shape[-1]  # type: ignore[union-attr,index]
@@ -118,7 +113,7 @@ def _form(node: ir.Node) -> _Form | str:
 def _root(node: ir.Node, head_dim: int) -> np.float32:
     """The body's ``ScaleFactorSqrt``: ``sqrt(scale)`` in float32, ``scale`` the attribute or
     ``1 / sqrt(head_size)`` computed in float32."""
-    scale = _attr(node, "scale")
+    scale = node.attributes.get_float("scale")
     value = np.float32(1) / np.sqrt(np.float32(head_dim)) if scale is None else np.float32(scale)
     return np.sqrt(np.float32(value))
 
@@ -212,7 +207,7 @@ def _bias(x: _Expansion, q4: ir.Value, k4: ir.Value) -> tuple[ir.Value | None, i
     node) for the row guard."""
     node, dtype = x.form.node, x.form.dtype
     mask = node.inputs[3] if len(node.inputs) > 3 else None
-    causal = bool(_attr(node, "is_causal", 0))
+    causal = bool(node.attributes.get_int("is_causal", 0))
     if mask is None:
         return (_causal(x, q4, k4, dtype) if causal else None), None
     wide = ir.DataType.FLOAT if dtype in _LOW else dtype
@@ -235,7 +230,7 @@ def _probabilities(x: _Expansion, s: ir.Value, bias: ir.Value | None, bias32: ir
     dtype), a fully masked row 0."""
     shape = list(s.shape)  # type: ignore[arg-type]
     logits = s if bias is None else x.op("Add", s, bias, dtype=s.dtype, shape=shape)  # type: ignore[arg-type]
-    precision = _attr(x.form.node, "softmax_precision")
+    precision = x.form.node.attributes.get_int("softmax_precision")
     wide = ir.DataType(precision) if precision is not None and ir.DataType(precision) != s.dtype else None
     if wide is not None:
         logits = x.op("Cast", logits, dtype=wide, shape=shape, to=wide.value)
@@ -270,7 +265,7 @@ def _expand(graph: ir.Graph, form: _Form, names: NameScope) -> None:
 
     kt = x.transpose(ks, [0, 1, 3, 2])
     s = ungroup(x.op("MatMul", group(qs, form.head_dim), kt, dtype=dtype, shape=[b, hkv, rows, skv]), skv)
-    softcap = float(_attr(node, "softcap", 0.0) or 0.0)  # type: ignore[arg-type]
+    softcap = node.attributes.get_float("softcap", 0.0)
     if softcap > 0:
         cap, scores = x.scalar("softcap", np.float32(softcap), dtype), [b, hq, sq, skv]
         tanh = x.op("Tanh", x.op("Div", s, cap, dtype=dtype, shape=scores), dtype=dtype, shape=scores)

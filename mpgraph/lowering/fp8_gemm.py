@@ -234,7 +234,7 @@ class _Lowerer:
         if out.dtype not in _OUT:
             return "output dtype"
         gemm = node.op_type == "Gemm"
-        ta, tb = (_int(node, "transA"), _int(node, "transB")) if gemm else (0, 0)
+        ta, tb = (node.attributes.get_int("transA", 0), node.attributes.get_int("transB", 0)) if gemm else (0, 0)
         if a.value.shape is None or b.value.shape is None:
             return "unknown rank"
         rank_a, rank_b = len(a.value.shape), len(b.value.shape)
@@ -268,7 +268,7 @@ class _Lowerer:
         rows = _dim(a.value, -1) if ta else _leading(a.value)
         a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
         b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, rows=n, props=props)
-        alpha = _float(node, "alpha", 1.0)
+        alpha = node.attributes.get_float("alpha", 1.0)
         dtype = gemm_dtype(a.fmt, b.fmt, out.dtype)  # type: ignore[arg-type]
         gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
                        attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
@@ -345,16 +345,6 @@ class _Lowerer:
                     self.graph.remove(n, safe=True)
                     pending.remove(n)
                     changed = True
-
-
-def _int(node: ir.Node, name: str) -> int:
-    attr = node.attributes.get(name)
-    return attr.as_int() if attr is not None else 0
-
-
-def _float(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    return attr.as_float() if attr is not None else default
 
 
 def _leading(value: ir.Value) -> int | ir.SymbolicDim | None:
