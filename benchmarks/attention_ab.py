@@ -134,13 +134,12 @@ def fused(backward: bool) -> bytes:
 
 def _library() -> str | None:
     """mpgraph's CUDA kernel library when it was built with cuDNN's SDPA, else None."""
-    import ctypes
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from mpgraph.lowering.plan import library
+    from mpgraph.lowering.plan import has_sdpa, library
 
     path = str(library("cuda"))
-    return path if getattr(ctypes.CDLL(path), "MpgraphKernelsHaveSdpa", lambda: 0)() else None
+    return path if has_sdpa(path) else None
 
 
 def time_ort(model: bytes, feeds: dict[str, np.ndarray], rounds: int, iters: int,

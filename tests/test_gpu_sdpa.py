@@ -8,7 +8,6 @@ skipped without CUDA, onnxruntime-gpu, or a kernel library built with cuDNN.
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import numpy as np
@@ -30,10 +29,11 @@ HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers() and torch.cu
 def library() -> str:
     if not HAS_CUDA:
         pytest.skip("needs CUDAExecutionProvider and torch CUDA")
+    from mpgraph.lowering.plan import has_sdpa
     from mpgraph.lowering.plan import library as build
 
     path = str(build("cuda"))
-    if not getattr(ctypes.CDLL(path), "MpgraphKernelsHaveSdpa", lambda: 0)():
+    if not has_sdpa(path):
         pytest.skip("the kernel library was built without cuDNN's SDPA")
     return path
 

@@ -44,7 +44,7 @@ from mpgraph.lowering.forward import forward_part
 from mpgraph.lowering.registry import RULES, SCOPES, Target
 from mpgraph.lowering.specialize import specialize_shapes
 
-__all__ = ["PlanOptions", "SessionPlan", "library", "lower", "plan_session"]
+__all__ = ["PlanOptions", "SessionPlan", "has_sdpa", "library", "lower", "plan_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def library(provider: str) -> Path:
 
 
 @functools.cache
-def _has_sdpa(path: str | None) -> bool:
+def has_sdpa(path: str | None) -> bool:
     """Whether the library at ``path`` has the CUDA fused attention (an older one, without the
     ``MpgraphKernelsHaveSdpa`` symbol, has not)."""
     if path is None:
@@ -175,7 +175,7 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     applied: list[tuple[str, int]] = []
     if scope is not None or deterministic:
         model = model or as_model(step_graph, copy=True)
-        target = Target(provider, scope or "", options.nchwc_block, sdpa=_has_sdpa(custom_ops))
+        target = Target(provider, scope or "", options.nchwc_block, sdpa=has_sdpa(custom_ops))
         applied = _apply(model, target, deterministic)
     if model is not None:
         graph = ir.to_proto(model).SerializeToString()

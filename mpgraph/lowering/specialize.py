@@ -73,14 +73,15 @@ def specialize_shapes(model: ir.Model, shapes: Mapping[str, Sequence[int]]) -> i
             if len(declared) != len(dims) or any(isinstance(d, int) and d != s for d, s in zip(declared, dims)):
                 raise MpgraphError(f"input '{name}' is declared {declared}; cannot fix it to {dims}")
         value.shape = ir.Shape(dims)
-    before = shape_ops(m), len(m.graph)
+    before = counts = shape_ops(m), len(m.graph)
     for _ in range(_MAX_ROUNDS):
-        counts = shape_ops(m), len(m.graph)
         _infer_and_fold(m)
-        if (shape_ops(m), len(m.graph)) == counts:
+        after = shape_ops(m), len(m.graph)
+        if after == counts:
             break
+        counts = after
     logger.info("specialised to %s: Shape/Size %d -> %d, nodes %d -> %d",
-                dict(shapes), before[0], shape_ops(m), before[1], len(m.graph))
+                dict(shapes), before[0], after[0], before[1], after[1])
     return m
 
 
