@@ -9,7 +9,10 @@ from __future__ import annotations
 import enum
 import sys
 
+import onnx_ir as ir
+
 __all__ = [
+    "PRECISION_OF_DTYPE",
     "Role",
     "Precision",
     "NODE_PRECISION",
@@ -162,6 +165,14 @@ class Precision(StrEnum):
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
     NONE = "none"
+
+
+#: ``Precision`` of each float dtype a node computes in (a policy's low dtype, or float32).
+PRECISION_OF_DTYPE = {
+    ir.DataType.FLOAT: Precision.FLOAT32,
+    ir.DataType.FLOAT16: Precision.FLOAT16,
+    ir.DataType.BFLOAT16: Precision.BFLOAT16,
+}
 
 
 ROLES = tuple(Role)

@@ -64,8 +64,6 @@ logger = logging.getLogger(__name__)
 #: gradient links stay off them: no single op of the expansion has the node's gradients.
 _LINKS = (md.NODE_GRAD_INPUTS, md.NODE_GRAD_OUTPUTS)
 _LOW = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16)
-_PRECISION = {ir.DataType.FLOAT: md.Precision.FLOAT32, ir.DataType.FLOAT16: md.Precision.FLOAT16,
-              ir.DataType.BFLOAT16: md.Precision.BFLOAT16}
 
 
 @dataclass(frozen=True)
@@ -142,8 +140,8 @@ class _Expansion:
         recorded = self.meta.get(md.NODE_PRECISION)
         if recorded is None:
             return self.meta
-        floats = [v.dtype for v in (*node.outputs, *node.inputs) if v is not None and v.dtype in _PRECISION]
-        own = md.Precision.NONE if node.op_type == "Cast" else _PRECISION[floats[0]] if floats else recorded
+        floats = [v.dtype for v in (*node.outputs, *node.inputs) if v is not None and v.dtype in md.PRECISION_OF_DTYPE]
+        own = md.Precision.NONE if node.op_type == "Cast" else md.PRECISION_OF_DTYPE[floats[0]] if floats else recorded
         if own == recorded:
             return self.meta
         meta = {k: v for k, v in self.meta.items() if k != md.NODE_PHASE}

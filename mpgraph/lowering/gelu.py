@@ -42,7 +42,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, gradient_blocks
-from mpgraph._ir.meta import NODE_PRECISION, Precision
+from mpgraph._ir.meta import NODE_PRECISION, PRECISION_OF_DTYPE, Precision
 from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, swap_backward
 
 __all__ = ["fuse_gelu"]
@@ -77,8 +77,7 @@ def _operands(block: GradientBlock) -> tuple[ir.Value, ir.Value, ir.Value] | Non
 def _computed_in(nodes: set[ir.Node], dtype: ir.DataType) -> bool:
     """Every float node of the backward computes in ``dtype`` (or records no precision), as
     the kernel does: a policy that kept one of them float32 rounds differently."""
-    want = {ir.DataType.FLOAT: Precision.FLOAT32, ir.DataType.FLOAT16: Precision.FLOAT16,
-            ir.DataType.BFLOAT16: Precision.BFLOAT16}[dtype]
+    want = PRECISION_OF_DTYPE[dtype]
     return all(n.metadata_props.get(NODE_PRECISION, want) in (want, Precision.NONE) for n in nodes)
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir.links import ancestors
-from mpgraph._ir.meta import NODE_PRECISION, Precision
+from mpgraph._ir.meta import NODE_PRECISION, PRECISION_OF_DTYPE, Precision
 from mpgraph._ir.names import NameScope
 
 __all__ = [
@@ -185,10 +185,6 @@ def scalar_constant(graph: ir.Graph, name: str, value: float, dtype: ir.DataType
     return initializer(graph, name, np.array(value, dtype=dtype.numpy()))
 
 
-_PRECISION_OF = {ir.DataType.FLOAT: Precision.FLOAT32, ir.DataType.FLOAT16: Precision.FLOAT16,
-                 ir.DataType.BFLOAT16: Precision.BFLOAT16}
-
-
 def emulated(*values: ir.Value | None) -> bool:
     """Whether a node making one of ``values`` emulates another precision than the value's
     dtype (``convert --emulate``: float32 ops whose recorded ``NODE_PRECISION`` is bfloat16 or
@@ -197,8 +193,8 @@ def emulated(*values: ir.Value | None) -> bool:
     for value in values:
         node = value.producer() if value is not None else None
         recorded = node.metadata_props.get(NODE_PRECISION) if node is not None else None
-        if recorded not in (None, Precision.NONE) and value.dtype in _PRECISION_OF \
-                and recorded != _PRECISION_OF[value.dtype]:  # type: ignore[union-attr]
+        if recorded not in (None, Precision.NONE) and value.dtype in PRECISION_OF_DTYPE \
+                and recorded != PRECISION_OF_DTYPE[value.dtype]:  # type: ignore[union-attr]
             return True
     return False
 

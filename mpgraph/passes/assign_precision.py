@@ -17,13 +17,12 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.links import forward_twins
-from mpgraph._ir.meta import Category, Phase, Precision, Role
+from mpgraph._ir.meta import PRECISION_OF_DTYPE, Category, Phase, Precision, Role
 from mpgraph.dtypes import is_float
 from mpgraph.errors import MpgraphError
 from mpgraph.optypes import NodeTyping, node_typing
 from mpgraph.passes.precision_facts import (
     DEFAULT_DOMAINS,
-    PRECISION_OF_DTYPE,
     PrecisionFacts,
     constant_tensor,
 )

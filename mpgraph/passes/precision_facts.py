@@ -15,7 +15,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph._ir.meta import Category, Phase, Precision, Role
+from mpgraph._ir.meta import PRECISION_OF_DTYPE, Category, Phase, Precision, Role
 from mpgraph.dtypes import finite_max, is_float, smallest_subnormal
 from mpgraph.optypes import CONTROL_FLOW_OPS, SHAPE_SLOTS, NodeTyping, opset_version
 from mpgraph.passes.calibrate_range import ABSMAX_META
@@ -24,7 +24,6 @@ from mpgraph.policy.schema import Policy
 __all__ = [
     "CALIBRATION_MARGIN",
     "DEFAULT_DOMAINS",
-    "PRECISION_OF_DTYPE",
     "PrecisionFacts",
     "constant_range",
     "constant_tensor",
@@ -33,12 +32,6 @@ __all__ = [
 #: Activations must stay below the low dtype's max / this factor on calibration data.
 CALIBRATION_MARGIN = 2.0
 
-#: ``Precision`` of each policy dtype (the identity policy's ``FLOAT`` is ``float32``).
-PRECISION_OF_DTYPE = {
-    ir.DataType.FLOAT: Precision.FLOAT32,
-    ir.DataType.FLOAT16: Precision.FLOAT16,
-    ir.DataType.BFLOAT16: Precision.BFLOAT16,
-}
 DEFAULT_DOMAINS = ("", "ai.onnx")
 
 
