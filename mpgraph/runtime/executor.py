@@ -30,9 +30,9 @@ import numpy as np
 import onnxruntime as ort
 
 from mpgraph.errors import MpgraphError, UsageError
-from mpgraph.io import as_model
-from mpgraph.lowering import PlanOptions, SessionPlan
+from mpgraph.lowering import SessionPlan
 from mpgraph.runtime import providers
+from mpgraph.runtime.forward import Forward
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.pipeline import StepEvents
 from mpgraph.runtime.program import LR, Program
@@ -118,7 +118,7 @@ class Executor:
         self._keep: list[ort.OrtValue] = []
         self.lr: float | None = None  # the lr the steps read (``None``: none bound yet)
         self._lr_buf: ort.OrtValue | None = None
-        self._eval: tuple[ort.InferenceSession, str, list[str]] | None = None
+        self._forward = Forward(self.program, self.provider)
         self.set_state(self.program.initial)
 
     @staticmethod
@@ -354,32 +354,7 @@ class Executor:
         """Node name -> execution provider ORT assigned it (empty if this ORT cannot say)."""
         return providers.node_providers(self.session)
 
-    def _eval_session(self) -> tuple[ort.InferenceSession, str, list[str]]:
-        if self._eval is None:
-            plan = self.program.plan(self.provider, PlanOptions(forward_of=providers.logits_name(self.program.model)))
-            session = providers.eval_session(plan.graph, self.session.get_providers())
-            forward = as_model(plan.graph)  # read for its names
-            self._eval = (session, forward.graph.outputs[0].name or "", [v.name or "" for v in forward.graph.inputs])
-        return self._eval
-
     def predict(self, arrays: Mapping[str, np.ndarray], state: Mapping[str, ort.OrtValue],
                 batch_size: int = 512) -> np.ndarray:
         """Logits of the forward model on ``arrays``, its parameters bound to ``state``."""
-        session, out_name, inputs = self._eval_session()
-        n = len(next(iter(arrays.values())))
-        parts = []
-        for start in range(0, n, batch_size):
-            binding = session.io_binding()
-            keep = []
-            for name in inputs:
-                if name in self.program.state_names:
-                    binding.bind_ortvalue_input(name, state[name])
-                else:
-                    if name not in arrays:
-                        raise MpgraphError(f"evaluation data has no array for input '{name}'")
-                    keep.append(ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(arrays[name][start:start + batch_size])))
-                    binding.bind_ortvalue_input(name, keep[-1])
-            binding.bind_output(out_name, "cpu")
-            session.run_with_iobinding(binding)
-            parts.append(binding.get_outputs()[0].numpy())
-        return np.concatenate(parts) if parts else np.zeros((0,), np.float32)
+        return self._forward.predict(self.session, arrays, state, batch_size)

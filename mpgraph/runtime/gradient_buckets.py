@@ -33,7 +33,9 @@ class Bucket:
     array: np.ndarray
     slots: tuple[tuple[str, int, tuple[int, ...]], ...]
 
-    def views(self, array: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    def views(self, array: Any = None) -> dict[str, Any]:
+        """Each slot's view of ``array`` (a numpy array or torch tensor of the bucket's size;
+        ``None``: the layout's own array)."""
         base = self.array if array is None else array
         return {name: base[start:start + int(np.prod(shape, dtype=np.int64))].reshape(shape)
                 for name, start, shape in self.slots}

@@ -20,9 +20,19 @@ whole state (a rank keeps its share), ``bind_lr``/``forget_lr``, ``predict``. Wh
 one-device executor does not need: ``gather_state`` (the whole state, collective) for
 checkpoints written by rank 0.
 
-Only the CPU provider (gloo) runs today. The device path (NCCL reducing buckets that live on
-the GPU in place) needs the buckets allocated by torch on the device and bound to ORT through
-DLPack (``bucket_tensors`` is the seam); it is not written.
+**Where the buffers live.** Every buffer the two sessions read or write (the state sets, the
+buckets, the micro-batch scratch, the receive buffers of the ordered reduction) is a torch
+tensor on the rank's device, bound to ORT through DLPack (``OrtValue.from_dlpack``: the same
+memory, no copy): on the CPU provider host tensors (gloo), on ``cuda`` tensors on
+``cuda:<LOCAL_RANK>`` (NCCL; ``RunOptions.device_id`` without torchrun), so NCCL reduces in
+place what ORT's CUDA kernels wrote and no gradient goes through the host. The CPU and CUDA
+paths are one code path that differs only in the device. Ordering on CUDA: an ORT run ends
+synchronized (ORT's default), and torch's stream is drained before every ORT run, since ORT
+computes on a stream of its own.
+
+Not on CUDA yet: optimizer sharding (its gathers and broadcasts are host code; refused with a
+``UsageError``), CUDA graphs and pipelining (each step is two sessions with collectives
+between them), overlap of the reduction with the backward (one ORT run makes every gradient).
 """
 
 from __future__ import annotations
@@ -38,11 +48,14 @@ import onnxruntime as ort
 
 from mpgraph._ir import meta as md
 from mpgraph.errors import MpgraphError, UsageError
+from mpgraph.io import as_model
 from mpgraph.runtime import providers
 from mpgraph.runtime.executor import Executor
+from mpgraph.runtime.forward import Forward
 from mpgraph.runtime.gradient_buckets import make_buckets, pairwise_sum, reduce_buckets
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.program import LR, Program
+from mpgraph.runtime.rank_device import check_backend, place_rank, torch_modules
 from mpgraph.runtime.replay import Launched
 from mpgraph.training.shard_flat_slot import FlatSlot, flat_slots, slice_range
 from mpgraph.training.split_step_graph import deal_groups, optimizer_groups, shard_apply_part
@@ -100,37 +113,34 @@ def shard_batch(feeds: Mapping[str, np.ndarray], index: int, count: int) -> dict
     return out
 
 
-def torch_modules() -> tuple[Any, Any]:
-    """``torch`` and ``torch.distributed``, imported when an executor is made (an optional
-    extra); ``UsageError`` without torch."""
-    try:
-        import torch
-        import torch.distributed
-    except ImportError as e:
-        raise UsageError(f"data-parallel training needs torch ({e}); install mpgraph[torch]") from e
-    return torch, torch.distributed
-
-
-class DataParallelExecutor(Executor):
+class DataParallelExecutor:
     """One rank's sessions, buckets and state for a ``Program`` (see the module).
 
-    It replaces ``Executor``'s constructor (two part sessions, no ring of device sets, no
-    replay or pipelining) and the methods that touch sessions and state; ``read``, ``wait``
-    and ``predict`` (the forward plan, bound to ``state_set``) are the base class's.
+    It provides the executor interface of ``runtime.executor`` (what ``TrainingLoop`` drives)
+    without being an ``Executor``: that one's constructor builds a session of the whole step
+    and a ring of state sets this executor has no use for. What the two share is used, not
+    inherited: ``read`` and ``wait`` are ``Executor``'s static methods, ``predict`` is
+    ``runtime.forward.Forward`` on this rank's state.
 
     Args:
         program: The step graph's program (the same on every rank).
-        options: How the sessions run (``provider`` must be ``cpu`` for now; ``threads``,
-            ``kernels`` reach the plans and sessions).
+        options: How the sessions run: ``provider`` ``cpu`` (gloo) or ``cuda`` (NCCL, each
+            rank on ``cuda:<LOCAL_RANK>``); ``threads``, ``kernels``, ``tf32`` reach the plans
+            and sessions.
         parallel: Buckets, reduction, micro-batches, optimizer sharding.
         group: The process group (``None``: the default one if initialized, else world size 1).
+
+    Raises:
+        MpgraphError: ``cuda`` without a CUDA torch, a visible GPU for this rank, ORT's CUDA
+            provider or an NCCL group; ``cpu`` in an NCCL group.
+        UsageError: ``shard_optimizer`` on ``cuda``; a provider other than ``cpu``/``cuda``.
     """
+
+    read = staticmethod(Executor.read)
+    wait = staticmethod(Executor.wait)
 
     def __init__(self, program: Program, options: RunOptions, parallel: DataParallelOptions | None = None,
                  group: torch.distributed.ProcessGroup | None = None) -> None:
-        if options.provider != "cpu":
-            raise UsageError(f"data-parallel training runs on the cpu provider only (gloo), not '{options.provider}': "
-                             "device buckets reduced by NCCL are not written yet")
         self.program, self.options = program, options
         self.parallel = parallel or DataParallelOptions()
         self._torch, self._dist = torch_modules()
@@ -138,7 +148,7 @@ class DataParallelExecutor(Executor):
         grouped = self._dist.is_available() and self._dist.is_initialized()
         self.rank = self._dist.get_rank(group) if grouped else 0
         self.world = self._dist.get_world_size(group) if grouped else 1
-        self._one_device_fields()
+        self._one_device_fields(grouped)
         self.split = program.split
         self.params = tuple(p for p, _ in self.split.gradients)
         shard = self.parallel.shard_optimizer
@@ -152,31 +162,58 @@ class DataParallelExecutor(Executor):
         apply_part = shard_apply_part(self.split, held, self.slots, self.rank, self.world) if shard else self.split.apply
         plan_options = program.plan_options(options)
         #: The session plans of the two parts (``lowering.plan_session``'s, via ``Program.plan_part``).
-        self.plans: dict[str, SessionPlan] = {"gradient": program.plan_part(self.split.gradient, "cpu", plan_options),
-                                              "apply": program.plan_part(apply_part, "cpu", plan_options)}
+        self.plans: dict[str, SessionPlan] = {"gradient": program.plan_part(self.split.gradient, self.provider, plan_options),
+                                              "apply": program.plan_part(apply_part, self.provider, plan_options)}
         self.plan = self.plans["gradient"]
         self.session = self._part_session(self.plans["gradient"])
         self._apply_session = self._part_session(self.plans["apply"])
+        self._forward = Forward(program, self.provider)
         self.kernels_reason = self.plan.kernels_reason
         self.kernels_fused = sum(p.kernels_fused for p in self.plans.values())
         self._init_bucket_buffers()
         self.set_state(program.initial)
 
-    def _one_device_fields(self) -> None:
+    def _one_device_fields(self, grouped: bool) -> None:
         """What the loop and the ``Trainer`` face read of an executor, as this one has it."""
-        self.provider, self.device, self.device_id = "cpu", "cpu", 0
+        provider = self.provider = self.options.provider
+        self.device, self.device_id = place_rank(provider, self.options.device_id, self.rank, self.world)
+        backend = self._dist.get_backend(self.group) if grouped else None
+        check_backend(provider, backend)
+        if provider == "cuda":
+            self._torch.cuda.set_device(self.device_id)
+            if self.parallel.shard_optimizer:
+                raise UsageError("shard_optimizer runs on the cpu provider only for now: its gathers and broadcasts "
+                                 "of the updated parameters are host code; train on cuda without it")
+        self.torch_device = self._torch.device(self.device if provider != "cuda" else f"cuda:{self.device_id}")
         self.pipeline, self.pipeline_reason, self.ring = False, "data-parallel steps run one at a time", 2
-        self.tf32, self.provider_options = False, {}
-        self.cuda_graph, self.cuda_graph_reason, self.replay = False, "CUDA graphs need the cuda provider", None
+        self.tf32, self.provider_options = providers.provider_options(
+            self.program.model.metadata_props, provider, device_id=self.device_id, tf32=self.options.tf32,
+            extra=self.options.provider_options)
+        self.cuda_graph, self.replay = False, None
+        self.cuda_graph_reason = ("a data-parallel step is two sessions with collectives between them"
+                                  if provider == "cuda" else "CUDA graphs need the cuda provider")
         self.deterministic_rewrites = 0
         self.lr: float | None = None
         self._lr_array: np.ndarray | None = None
-        self._eval = None
         self._bindings_of: dict[tuple[object, ...], tuple[ort.IOBinding, list[ort.OrtValue]]] = {}
 
     def _part_session(self, plan: SessionPlan) -> ort.InferenceSession:
-        return providers.new_session(plan.graph, "cpu", {}, threads=self.parallel.threads or self.options.threads,
-                                     custom_ops=plan.custom_ops, mem_pattern=self.options.mem_pattern)
+        session = providers.new_session(plan.graph, self.provider, self.provider_options,
+                                        threads=self.parallel.threads or self.options.threads,
+                                        custom_ops=plan.custom_ops, mem_pattern=self.options.mem_pattern)
+        if self.provider == "cuda":
+            providers.check_cuda_session(session, as_model(plan.graph), allow_cpu_fallback=self.options.allow_cpu_fallback)
+        return session
+
+    def _sync(self) -> None:
+        """Wait for the work torch queued on this rank's GPU (collectives, sums, copies): ORT
+        runs on a stream of its own and would not wait for it. Nothing to wait for on CPU."""
+        if self.provider == "cuda":
+            self._torch.cuda.current_stream(self.torch_device).synchronize()
+
+    def _zeros(self, size: int) -> Any:
+        """A flat float32 tensor of zeros on this rank's device."""
+        return self._torch.zeros(size, dtype=self._torch.float32, device=self.torch_device)
 
     def _init_bucket_buffers(self) -> None:
         shapes = {g: self.program.initial[p].shape for p, g in self.split.gradients}
@@ -184,13 +221,13 @@ class DataParallelExecutor(Executor):
         count = self.parallel.micro_batches
         # Slices in flight in the pairwise sum: one per level of the stack, and the one running.
         sets = int(np.ceil(np.log2(count))) + 2 if count > 1 else 0
-        self._scratch = [[np.empty_like(b.array) for b in self.buckets] for _ in range(sets)]
-        #: The buckets as torch tensors over the same memory (``torch.from_numpy``, no copy):
-        #: ORT writes the gradients into their views through DLPack and the collectives reduce
-        #: them in place. On a GPU (not written) they would be device tensors that own the
-        #: memory, bound the same way, so that NCCL reduces what ORT wrote.
-        self.bucket_tensors = [self._torch.from_numpy(b.array) for b in self.buckets]
-        self._received = ([self._torch.empty(len(b.array)) for b in self.buckets]
+        self._scratch = [[self._zeros(len(b.array)) for b in self.buckets] for _ in range(sets)]
+        #: The buckets: torch tensors on this rank's device (on CPU over the layout's arrays,
+        #: ``torch.from_numpy``). ORT writes the gradients into their views through DLPack and
+        #: the collectives reduce them in place: on a GPU, NCCL reduces what ORT wrote.
+        self.bucket_tensors = [self._torch.from_numpy(b.array) if self.provider == "cpu" else self._zeros(len(b.array))
+                               for b in self.buckets]
+        self._received = ([self._zeros(len(b.array)) for b in self.buckets]
                           if self.world > 1 and self.parallel.reduction == "ordered" else [])
 
     def bucket_views(self) -> dict[str, Any]:
@@ -200,42 +237,52 @@ class DataParallelExecutor(Executor):
     def gradient_outputs(self) -> dict[str, ort.OrtValue]:
         """The gradient part's outputs as the last step's binding wrote them (without
         micro-batches: the bucket views for gradients and loss, the same memory)."""
-        binding, _ = self._bindings_of[("gradient", 1 - self.slot, id(self.buckets[0].array))]
+        binding, _ = self._bindings_of[("gradient", 1 - self.slot, id(self.bucket_tensors[0]))]
         return dict(zip([o.name for o in self.session.get_outputs()], binding.get_outputs(), strict=True))
 
     # -- the state ------------------------------------------------------------------------
 
     @property
-    def _state(self) -> dict[str, np.ndarray]:
-        return self.sets_np[self.slot]
+    def _state(self) -> dict[str, Any]:
+        """This rank's state tensors of the current set."""
+        return self.sets[self.slot]
+
+    def _state_np(self) -> dict[str, np.ndarray]:
+        """The current set as numpy arrays over the same memory (CPU only: the sharding code)."""
+        return {n: t.numpy() for n, t in self._state.items()}
 
     def set_state(self, values: Mapping[str, np.ndarray]) -> None:
         """Take a whole state (every state input): this rank keeps its share, into the current
         set in place (the bindings keep their addresses) or, the first time, new sets."""
-        shares = {n: self._share(n, np.asarray(values[n])) for n, _ in self.split.state_pairs if self._holds(n)}
-        current = self.sets_np[self.slot] if hasattr(self, "sets_np") else None
+        torch = self._torch
+        shares = {n: torch.from_numpy(np.array(self._share(n, np.asarray(values[n])), copy=True, order="C"))
+                  for n, _ in self.split.state_pairs if self._holds(n)}
+        current = self.sets[self.slot] if hasattr(self, "sets") else None
         if current is not None and all(current[n].shape == a.shape for n, a in shares.items()):
-            for name, array in shares.items():
-                current[name][...] = array
+            for name, tensor in shares.items():
+                current[name].copy_(tensor)
+            self._sync()
             return
-        self.sets_np = [{n: np.array(a, copy=True, order="C") for n, a in shares.items()},
-                        {n: np.empty_like(a) for n, a in shares.items()}]
+        self.sets = [{n: t.to(self.torch_device) for n, t in shares.items()},
+                     {n: torch.empty_like(t, device=self.torch_device) for n, t in shares.items()}]
+        self._sync()
         self.slot = 0
         self._bindings_of = {}
 
     def state_set(self, slot: int | None = None) -> dict[str, ort.OrtValue]:
         """This rank's state buffers of set ``slot`` (``None``: the next step's), as OrtValues
-        over the same memory."""
-        return {n: ort.OrtValue.ortvalue_from_numpy(a) for n, a in self.sets_np[self.slot if slot is None else slot].items()}
+        over the same memory (DLPack)."""
+        return {n: _ort_value(t) for n, t in self.sets[self.slot if slot is None else slot].items()}
 
     @property
     def held(self) -> dict[str, np.ndarray]:
-        """This rank's state arrays of the current set (not copies)."""
-        return self._state
+        """This rank's state arrays of the current set (on CPU the buffers themselves, on CUDA
+        host copies)."""
+        return {n: t.numpy() if self.provider == "cpu" else t.cpu().numpy() for n, t in self._state.items()}
 
     def scale_in(self, slot: int) -> float | None:
         name = self.program.scale_name
-        return float(self.sets_np[slot][name].reshape(-1)[0]) if name is not None else None
+        return float(self.sets[slot][name].reshape(-1)[0]) if name is not None else None
 
     def rewind(self, steps: int) -> None:
         self.slot = (self.slot + steps) % 2
@@ -256,6 +303,11 @@ class DataParallelExecutor(Executor):
 
     def node_providers(self) -> dict[str, str]:
         return {**providers.node_providers(self.session), **providers.node_providers(self._apply_session)}
+
+    def predict(self, arrays: Mapping[str, np.ndarray], state: Mapping[str, ort.OrtValue],
+                batch_size: int = 512) -> np.ndarray:
+        """``Executor.predict``: the forward plan on ``arrays``, its parameters bound to ``state``."""
+        return self._forward.predict(self.session, arrays, state, batch_size)
 
     # -- steps ----------------------------------------------------------------------------
 
@@ -278,17 +330,17 @@ class DataParallelExecutor(Executor):
             self._unpack(slot, self._all_gather_flat(outputs[slot.output].numpy(), slot.size))
         if self.parallel.shard_optimizer and self.world > 1:
             self._broadcast_params()
-        return float(self.buckets[-1].views()[self.split.loss]), skipped
+        return float(self.buckets[-1].views(self.bucket_tensors[-1])[self.split.loss]), skipped
 
     def _gradients(self, feeds: Mapping[str, np.ndarray]) -> dict[str, ort.OrtValue]:
         """The gradient part over the micro-batches, summed pairwise into the buckets."""
         count = self.parallel.micro_batches
         if count == 1:
-            return self._run_gradient(feeds, [b.array for b in self.buckets])
+            return self._run_gradient(feeds, self.bucket_tensors)
         pool = list(self._scratch)
         passthrough: dict[str, ort.OrtValue] = {}
 
-        def slices() -> Iterator[list[np.ndarray]]:
+        def slices() -> Iterator[list[Any]]:
             nonlocal passthrough
             for k in range(count):
                 arrays = pool.pop()
@@ -296,21 +348,21 @@ class DataParallelExecutor(Executor):
                 yield arrays
 
         total = pairwise_sum(slices(), pool.append)
-        for bucket, array in zip(self.buckets, total, strict=True):
-            np.copyto(bucket.array, array)
+        for bucket, tensor in zip(self.bucket_tensors, total, strict=True):
+            bucket.copy_(tensor)
         pool.append(total)
         return passthrough
 
-    def _run_gradient(self, feeds: Mapping[str, np.ndarray], arrays: list[np.ndarray]) -> dict[str, ort.OrtValue]:
-        """The gradient part on one slice, its gradients and loss written into ``arrays``
+    def _run_gradient(self, feeds: Mapping[str, np.ndarray], tensors: list[Any]) -> dict[str, ort.OrtValue]:
+        """The gradient part on one slice, its gradients and loss written into ``tensors``
         (one per bucket); returns the passthrough values. Only the batch is bound anew."""
-        key = ("gradient", self.slot, id(arrays[0]))
+        key = ("gradient", self.slot, id(tensors[0]))
         if key not in self._bindings_of:
-            views = {n: v for b, a in zip(self.buckets, arrays, strict=True)
-                     for n, v in b.views(self._torch.from_numpy(a)).items()}
+            views = {n: v for b, t in zip(self.buckets, tensors, strict=True) for n, v in b.views(t).items()}
             self._bindings_of[key] = self._binding(self.session, {}, views)
         binding, _ = self._bindings_of[key]
         keep = _bind_inputs(binding, feeds)
+        self._sync()  # a slice's scratch may still be summed by torch
         self.session.run_with_iobinding(binding)
         del keep
         if not self.split.passthrough:
@@ -321,9 +373,9 @@ class DataParallelExecutor(Executor):
     def _binding(self, session: ort.InferenceSession, extra: Mapping[str, Any],
                  outputs: Mapping[str, Any]) -> tuple[ort.IOBinding, list[ort.OrtValue]]:
         """A binding that reads the current state set (and ``extra``) and writes each output
-        named in ``outputs`` into its array, the others to new CPU buffers, in session order
-        (so ``get_outputs`` lines up). Made once per state set and buffer set: the arrays are
-        only ever written in place."""
+        named in ``outputs`` into its tensor, ``found_inf`` to the host and the others to new
+        buffers on the device, in session order (so ``get_outputs`` lines up). Made once per
+        state set and buffer set: the tensors are only ever written in place."""
         wanted = _input_names(session)
         binding = session.io_binding()
         keep = _bind_inputs(binding, {n: a for n, a in {**self._state, **extra}.items() if n in wanted})
@@ -331,8 +383,10 @@ class DataParallelExecutor(Executor):
             if name in outputs:
                 keep.append(_ort_value(outputs[name]))
                 binding.bind_ortvalue_output(name, keep[-1])
-            else:  # found_inf, passthrough values, a packed slot's slice of the new parameter
+            elif name == md.FOUND_INF:
                 binding.bind_output(name, "cpu")
+            else:  # passthrough values, a packed slot's slice of the new parameter
+                binding.bind_output(name, self.device, self.device_id)
         return binding, keep
 
     def _reduce(self) -> None:
@@ -340,10 +394,11 @@ class DataParallelExecutor(Executor):
         if self.world > 1:
             reduce_buckets(self.bucket_tensors, self._received, self._dist, self.group,
                            self.parallel.reduction == "ordered")
-        slices = np.float32(self.world * self.parallel.micro_batches)
+        slices = self.world * self.parallel.micro_batches
         if slices != 1:
-            for b in self.buckets:
-                np.divide(b.array, slices, out=b.array)
+            for tensor in self.bucket_tensors:
+                tensor.div_(float(slices))  # float32 / float32, correctly rounded as numpy's
+        self._sync()
 
     def _apply(self, passthrough: Mapping[str, ort.OrtValue]) -> tuple[bool, dict[str, ort.OrtValue]]:
         """The apply part on the reduced buckets, into the other state set; returns whether the
@@ -352,7 +407,7 @@ class DataParallelExecutor(Executor):
         key = ("apply", self.slot)
         if key not in self._bindings_of:
             views = self.bucket_views()
-            spare = self.sets_np[1 - self.slot]
+            spare = self.sets[1 - self.slot]
             self._bindings_of[key] = self._binding(session, views, {self._outputs[n]: a for n, a in spare.items()})
         binding, _ = self._bindings_of[key]
         wanted = _input_names(session)
@@ -407,29 +462,29 @@ class DataParallelExecutor(Executor):
 
     def _unpack(self, slot: FlatSlot, flat: np.ndarray) -> None:
         """The new flat parameter of a packed slot into its parameters' state buffers."""
-        start = 0
+        start, state = 0, self._state_np()
         for name, size in slot.members:
-            self._state[name][...] = flat[start:start + size].reshape(self._state[name].shape)
+            state[name][...] = flat[start:start + size].reshape(state[name].shape)
             start += size
 
     def _broadcast_params(self) -> None:
         """Each owner's updated parameters, one flat broadcast per owner."""
-        torch, dist = self._torch, self._dist
+        torch, dist, state = self._torch, self._dist, self._state_np()
         for owner in range(self.world):
             names = [p for p in self.params if self.owners.get(p) == owner]
             if not names:
                 continue
             if owner == self.rank:
-                flat = np.concatenate([self._state[p].ravel() for p in names])
+                flat = np.concatenate([state[p].ravel() for p in names])
             else:
-                flat = np.empty(sum(self._state[p].size for p in names), np.float32)
+                flat = np.empty(sum(state[p].size for p in names), np.float32)
             source = owner if self.group is None else dist.get_global_rank(self.group, owner)
             dist.broadcast(torch.from_numpy(flat), src=source, group=self.group)
             if owner != self.rank:
                 start = 0
                 for p in names:
-                    size = self._state[p].size
-                    self._state[p][...] = flat[start:start + size].reshape(self._state[p].shape)
+                    size = state[p].size
+                    state[p][...] = flat[start:start + size].reshape(state[p].shape)
                     start += size
 
     def broadcast_object_list(self, objects: list[Any]) -> None:
@@ -442,7 +497,7 @@ class DataParallelExecutor(Executor):
         """The whole state in ``state_pairs`` order (collective: sharded moments are gathered)
         on rank 0, or on every rank with ``everyone``; ``None`` elsewhere."""
         dist = self._dist
-        held = {n: a.copy() for n, a in self._state.items()}
+        held = {n: a.copy() for n, a in self.held.items()}
         if self.parallel.shard_optimizer and self.world > 1:
             mine = {n: a for n, a in held.items()
                     if n not in self.params and (self.owners.get(n) == self.rank or n in self._slot_of)}
@@ -466,7 +521,8 @@ def _input_names(session: ort.InferenceSession) -> set[str]:
 
 
 def _ort_value(value: Any) -> ort.OrtValue:
-    """An OrtValue over ``value``'s memory: a numpy array, or a torch tensor through DLPack."""
+    """An OrtValue over ``value``'s memory: a numpy array, or a torch tensor (host or GPU)
+    through DLPack."""
     if isinstance(value, np.ndarray):
         return ort.OrtValue.ortvalue_from_numpy(value)
     return ort.OrtValue.from_dlpack(value)

@@ -216,9 +216,9 @@ def logits_name(model: ir.Model) -> str:
     return logits
 
 
-def eval_session(graph: bytes, providers: list[str]) -> ort.InferenceSession:
+def eval_session(graph: bytes, providers: list[Any]) -> ort.InferenceSession:
     """An inference session of a forward plan's graph (``PlanOptions.forward_of``) on the
-    trainer's providers."""
+    trainer's providers (names, or (name, options) pairs: a device id)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     return ort.InferenceSession(graph, options, providers=providers)
