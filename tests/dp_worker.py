@@ -16,7 +16,9 @@ import onnx
 import onnx_ir as ir
 import torch.distributed as dist
 
+from mpgraph.runtime import parallel_executor
 from mpgraph.runtime.data_parallel import DataParallelOptions, DataParallelRunner, shard_batch
+from mpgraph.runtime.gradient_buckets import reduce_buckets
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.parallel_trainer import DataParallelTrainer
 
@@ -30,6 +32,16 @@ def run_scenario(folder: str, scenario: dict, rank: int, world: int) -> None:
     if scenario.get("loop"):
         run_loop(folder, scenario, step, options, batches)
         return
+    if scenario.get("skip_reduction"):  # the mutant the tests must catch: no collective at all
+        parallel_executor.reduce_buckets = lambda *args, **kwargs: None
+    try:
+        run_runner(folder, scenario, step, options, batches, rank, world)
+    finally:
+        parallel_executor.reduce_buckets = reduce_buckets
+
+
+def run_runner(folder: str, scenario: dict, step: ir.Model, options: DataParallelOptions, batches: list,
+               rank: int, world: int) -> None:
     runner = DataParallelRunner(step, options=options)
     losses, skipped = [], []
     for i, batch in enumerate(batches, 1):

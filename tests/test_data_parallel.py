@@ -84,11 +84,14 @@ SCENARIOS = {
     "gpt_zero": ("gpt:unpacked", {"shard_optimizer": True}, 2, None),
     "mlp_all_reduce": ("tiny_mlp", {"reduction": "all_reduce"}, 3, None),
     "mlp_zero_loop": ("tiny_mlp", {"shard_optimizer": True, "bucket_bytes": 4096}, 3, None),
+    "mlp_unreduced": ("tiny_mlp", {"bucket_bytes": 4096}, 3, None),
 }
+#: Scenarios whose ranks skip the reduction (``reduce_buckets`` a no-op): what the tests must catch.
+UNREDUCED = {"mlp_unreduced"}
 #: Scenarios run through the training loop (``DataParallelTrainer.fit``), not the runner.
 LOOP = {"mlp_zero_loop"}
 GLOBAL_BATCH_OF = {"gpt": 12}  # 2 slices a rank on 2 and 3 ranks
-ONLY_ON = {"mlp_all_reduce": 2}
+ONLY_ON = {"mlp_all_reduce": 2, "mlp_unreduced": 2}
 
 
 def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
@@ -102,7 +105,7 @@ def _run_world(folder, world: int) -> dict[str, list[dict[str, np.ndarray]]]:
         np.savez(folder / f"{name}.batches.npz", **{f"{i}:{k}": v for i, b in enumerate(batches) for k, v in b.items()})
         scenarios.append({"name": name, "model": f"{name}.onnx", "batches": f"{name}.batches.npz", "steps": steps,
                           "options": options, "checkpoint_after": 2 if name in ("mlp", "mlp_zero", "mlp_zero_loop") else None,
-                          "loop": name in LOOP})
+                          "loop": name in LOOP, "skip_reduction": name in UNREDUCED})
     (folder / "scenarios.json").write_text(json.dumps(scenarios))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     procs = [subprocess.Popen([sys.executable, "-m", "tests.dp_worker", str(folder), str(r), str(world)], cwd=ROOT,
@@ -198,6 +201,21 @@ def test_sharded_optimizer_state_trains_like_one_unsharded_process(world, name):
     for rank, h in enumerate(held):
         assert estimate[rank].optimizer_state == 4 * sum(n for k, n in h.items() if k not in params)
         assert estimate[rank].master_weights == sum(state[k].nbytes for k in params)
+
+
+def test_ranks_that_skip_the_reduction_fail_the_comparison(world):
+    """The mutant: the same 2 ranks with ``reduce_buckets`` a no-op. Each rank then trains on
+    its own half of the batch, so the ranks drift apart and neither equals one process on the
+    whole batch: the comparison the tests above make fails, as it must."""
+    size, _, results = world
+    if size != 2:
+        pytest.skip("run on 2 ranks only")
+    ranks = results["mlp_unreduced"]
+    assert any(not np.array_equal(ranks[0][k], ranks[1][k]) for k in ranks[0] if not k.startswith("__"))
+    with pytest.raises(AssertionError):
+        _assert_ranks_equal_one_process(results, "mlp_unreduced", 2)
+    reduced = results["mlp"][0]  # the same batches with the reduction: equal to one process
+    assert any(not np.allclose(ranks[0][k], reduced[k], rtol=1e-4, atol=1e-4) for k in reduced if not k.startswith("__"))
 
 
 def test_audit_memory_reports_bytes_per_rank(tmp_path):
@@ -391,3 +409,33 @@ def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_pat
     monkeypatch.undo()  # the real launcher: an uneven batch is refused before any process starts
     uneven = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--batch", "7")
     assert uneven.returncode == 2 and "--batch 7 must be divisible by --nproc 2" in uneven.stderr
+
+
+def test_cuda_ranks_are_refused_with_the_fix_where_they_cannot_run(monkeypatch):
+    """NCCL asked where torch sees no GPU (this machine), ORT without its CUDA provider, more
+    ranks on a node than visible GPUs, a provider data-parallel runs do not know, and a process
+    group whose backend cannot reduce the provider's buffers: one clear error each."""
+    import torch
+
+    from mpgraph.errors import MpgraphError
+    from mpgraph.runtime import rank_device
+
+    with pytest.raises(UsageError, match="'cpu' \\(gloo\\) or 'cuda' \\(NCCL\\), not 'rocm'"):
+        rank_device.place_rank("rocm", 0, 0, 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(MpgraphError, match="needs a GPU, and torch .* sees none"):
+        DataParallelRunner(_step("tiny_mlp"), run_options=RunOptions(provider="cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(rank_device.ort, "get_available_providers", lambda: ["CPUExecutionProvider"])
+    with pytest.raises(MpgraphError, match="has no CUDAExecutionProvider: install onnxruntime-gpu"):
+        rank_device.place_rank("cuda", 0, 0, 1)
+    monkeypatch.setattr(rank_device.ort, "get_available_providers", lambda: ["CUDAExecutionProvider"])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    with pytest.raises(MpgraphError, match="rank 2 of 3 would run on cuda:2, but 2 GPU\\(s\\) are visible: "
+                                           "start at most 2 process\\(es\\) per node"):
+        rank_device.place_rank("cuda", 0, 2, 3)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert rank_device.place_rank("cuda", 0, 1, 2) == ("cuda", 1)
+    with pytest.raises(MpgraphError, match="backend 'gloo' cannot reduce: init_process_group\\('nccl'\\)"):
+        rank_device.check_backend("cuda", "gloo")
