@@ -255,3 +255,35 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes() -> None:
         np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-5, atol=1e-6, err_msg=name)
     plain = {k: v for k, v in feeds.items() if k != "fp8/scales"}
     assert not np.array_equal(before["loss"], _run_step(_gpt_step(emulate=True, policy="bf16"), plain)["loss"])
+
+
+def test_every_declared_dim_of_the_gemm_operands_is_the_size_that_runs() -> None:
+    """A weight gradient reduces over the tokens, a symbolic count (batch x 16 here) of which
+    the rule knows only a static factor: enough for the alignment check, but the cut operands
+    must not declare that factor as their size. ORT plans buffers from declared static shapes
+    (on CUDA a wrong one failed: "Shape mismatch attempting to re-use buffer. {6144,2048} !=
+    {6144,8192}"). Every GemmFloat8 operand, run at batch 4, has the static dims it declares."""
+    step = _gpt_step(emulate=True)
+    lowered = ir.from_proto(ir.to_proto(step))
+    lower_fp8_gemms(lowered)
+    operands = {v.name: v for n in _gemms(lowered) for v in n.inputs[:2]}
+    declared = {name: list(v.shape) for name, v in operands.items()}
+    _reference_expansion(lowered)
+    for name, v in operands.items():  # numpy has no float8: each read back widened
+        widen = ir.node("Cast", [v], attributes={"to": ir.DataType.FLOAT})
+        lowered.graph.append(widen)
+        widen.outputs[0].name = name + "/widened"
+        lowered.graph.outputs.append(widen.outputs[0])
+    rng = np.random.default_rng(0)
+    feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
+    got = _run_step(lowered, feeds)
+    symbolic = 0
+    for name, dims in declared.items():
+        shape = got[name + "/widened"].shape
+        assert len(shape) == len(dims), name
+        for want, size in zip(dims, shape):
+            if isinstance(want, int):
+                assert want == size, (name, dims, shape)
+            else:
+                symbolic += 1
+    assert symbolic > 0  # the weight gradients' token axes stay undeclared

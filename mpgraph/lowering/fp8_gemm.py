@@ -248,19 +248,24 @@ class _Lowerer:
         self._rewrite(node, a, b, ta, tb, dims)
         return None
 
-    def _dims(self, a: _Operand, b: _Operand, ta: int, tb: int) -> tuple[int, int] | None:
+    def _dims(self, a: _Operand, b: _Operand, ta: int, tb: int) -> tuple[int, int | None] | None:
         """The problem's (N, K), both known multiples of 16 (rule 4), else ``None``. M is
-        free: it is no leading dimension of ``A'`` ``[M, K]``, ``B'`` or ``Y`` ``[M, N]``."""
+        free: it is no leading dimension of ``A'`` ``[M, K]``, ``B'`` or ``Y`` ``[M, N]``.
+        K is ``None`` when only a static factor of it is known (a symbolic token count):
+        aligned, but no size to declare."""
         k = _dim(a.value, 0 if ta else -1) or _dim(b.value, -1 if tb else 0)
-        if k is None and ta:  # the reduction runs over a token count: a static factor will do
-            k = _rows_factor(a.value)
         n = _dim(b.value, 0 if tb else -1)
-        if k is None or n is None or k % ALIGN or n % ALIGN:
+        if n is None or n % ALIGN:
+            return None
+        if k is None and ta:  # the reduction runs over a token count: a static factor will do
+            factor = _rows_factor(a.value)
+            return (n, None) if factor % ALIGN == 0 else None
+        if k is None or k % ALIGN:
             return None
         return n, k
 
     def _rewrite(self, node: ir.Node, a: _Operand, b: _Operand, ta: int, tb: int,
-                 dims: tuple[int, int]) -> None:
+                 dims: tuple[int, int | None]) -> None:
         n, k = dims
         out = node.outputs[0]
         props = {key: v for key, v in node.metadata_props.items() if key == md.NODE_ROLE}
@@ -288,16 +293,19 @@ class _Lowerer:
         self.dead.extend([node, *a.chain, *b.chain, a.bits.producer(), b.bits.producer()])  # type: ignore[list-item]
         self.count += 1
 
-    def _layout(self, node: ir.Node, op: _Operand, *, flatten: bool, transpose: bool, k: int,
+    def _layout(self, node: ir.Node, op: _Operand, *, flatten: bool, transpose: bool, k: int | None,
                 rows: int | None, props: dict[str, str]) -> ir.Value:
-        """Rule 2: ``op``'s fp8 value as ``[rows, K]`` (``flatten``) and/or transposed."""
+        """Rule 2: ``op``'s fp8 value as ``[rows, K]`` (``flatten``) and/or transposed. ``k``
+        ``None``: only a static factor of K is known, and the cut declares the K axis its
+        input has (a symbolic token count), never the factor."""
         if not flatten and not transpose:
             return op.bits
         key = (id(op.scaled), flatten, transpose)
         if key not in self.cut:
             x = op.scaled
             shape = list(x.shape)  # type: ignore[arg-type]
-            if flatten:
+            if flatten:  # a MatMul's 3-D activation: K is its last axis, known
+                assert k is not None
                 x = self._add(node, "Reshape", [x, self._const(node, np.array([-1, k], np.int64))], props)
                 shape = [_leading(op.scaled), k]
                 x.dtype, x.shape = op.scaled.dtype, ir.Shape(shape)
@@ -306,7 +314,8 @@ class _Lowerer:
                 shape = shape[::-1]
                 x.dtype, x.shape = op.scaled.dtype, ir.Shape(shape)
             bits = self._add(node, "Cast", [x], props, to=op.fmt, saturate=1)
-            bits.dtype, bits.shape = op.fmt, ir.Shape([rows if rows is not None else shape[0], k])
+            bits.dtype, bits.shape = op.fmt, ir.Shape([rows if rows is not None else shape[0],
+                                                       k if k is not None else shape[1]])
             self.cut[key] = bits
         return self.cut[key]
 
