@@ -708,6 +708,10 @@ class Bench:
                 self.kernels[id(run)] = kernel_breakdown(run, steps=2)
             except Exception as e:  # noqa: BLE001
                 self.kernels[id(run)] = {"error": error_line(e)}
+                continue
+            log(f"{run.label}: the kernels that take the most time per step")
+            for k in self.kernels[id(run)]["top"][:12]:
+                log(f"    {k['ms']:6.2f} ms {k['per_step']:5.0f}x  {k['kernel']}")
 
 
 def _notes(run: Run, policy: str, exporter: str, built: Mapping[str, Any]) -> list[str]:

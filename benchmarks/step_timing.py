@@ -140,8 +140,13 @@ KERNEL_CLASSES = [
 ]
 
 
+#: How many kernel names ``kernel_breakdown`` lists, by time per step.
+TOP_KERNELS = 25
+
+
 def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
-    """Kernels per step by class, from CUPTI (torch.profiler sees every kernel in the process)."""
+    """Kernels per step by class, and the ``TOP_KERNELS`` names that take the most time, from
+    CUPTI (torch.profiler sees every kernel in the process)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -149,21 +154,25 @@ def kernel_breakdown(run: Run, steps: int = 3) -> dict[str, Any]:
             run.losses.append(run.step(len(run.losses)))
         torch.cuda.synchronize()
     classes: dict[str, list[float]] = {}
+    names: dict[str, list[float]] = {}
     total_n, total_us = 0, 0.0
     for event in prof.events():
         if event.device_type != torch.autograd.DeviceType.CUDA:
             continue
         cls = next((c for c, rx in KERNEL_CLASSES if rx.search(event.name)), "other")
         us = event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-        classes.setdefault(cls, [0, 0.0])
-        classes[cls][0] += 1
-        classes[cls][1] += us
+        for table, key in ((classes, cls), (names, f"{cls}: {event.name[:120]}")):
+            table.setdefault(key, [0, 0.0])
+            table[key][0] += 1
+            table[key][1] += us
         total_n += 1
         total_us += us
+    top = sorted(names.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
     return {
         "kernels_per_step": total_n / steps,
         "gpu_ms_per_step": total_us / steps / 1e3,
         "by_class": {c: {"kernels": n / steps, "ms": us / steps / 1e3} for c, (n, us) in sorted(classes.items())},
+        "top": [{"kernel": k, "per_step": n / steps, "ms": us / steps / 1e3} for k, (n, us) in top],
     }
 
 
