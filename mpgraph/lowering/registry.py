@@ -44,8 +44,10 @@ from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
+from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.scalars import fuse_adam_scalars
 from mpgraph.lowering.softmax import fuse_softmax_grad
+from mpgraph.lowering.swiglu import fuse_swiglu_grad
 from mpgraph.lowering.transpose import fold_scales, fold_transposes
 
 __all__ = ["Exactness", "LoweringRule", "RULES", "SCOPES", "Target"]
@@ -132,6 +134,12 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("gelu", "all", BOTH, SAME, lambda m, t: fuse_gelu(m),
                  "a Gelu's backward, found by its gradient block, as ErfGeluGrad or TanhGeluGrad "
                  "(gelu.py, csrc/gelu.cu)"),
+    LoweringRule("rmsnorm_grad", "all", BOTH, SAME, lambda m, t: fuse_rmsnorm_grad(m),
+                 "a float32 RMSNormalization's backward, found by its gradient block, as RmsNormGrad "
+                 "(rmsnorm.py, csrc/rmsnorm.cu)"),
+    LoweringRule("swiglu_grad", "all", BOTH, SAME, lambda m, t: fuse_swiglu_grad(m),
+                 "the backward of (a * Sigmoid(a)) * b (Llama's SwiGLU), found by its three gradient blocks, "
+                 "as SwiGluGrad (swiglu.py, csrc/swiglu.cu)"),
     LoweringRule("unscale", "all", BOTH, BIT, lambda m, t: fuse_unscale(m),
                  "loss scaling's unscale and finite check as one UnscaleGradients (multi.py)"),
     LoweringRule("multi_cast", "all", BOTH, BIT, lambda m, t: batch_casts(m),

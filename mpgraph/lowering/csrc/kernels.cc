@@ -650,6 +650,123 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
   });
 }
 
+// -- RmsNormGrad / SwiGluGrad (CUDA in rmsnorm.cu, swiglu.cu) -------------------------------
+//
+// RmsNormGrad(dy, x, scale, eps) -> (dx, dscale, workspace): the backward of RMSNormalization over
+//     the last axis as its gradient rule writes it, with r = 1 / sqrt(mean(x^2) + eps) per row,
+//     xhat = x * r, dxhat = dy * scale: dx = r * (dxhat - xhat * mean(dxhat * xhat)),
+//     dscale = sum over rows of dy * xhat. eps is a float32 scalar; the workspace (float32,
+//     nothing reads it) holds r and the CUDA column partials. Float32 (the CUDA code is
+//     templated on the element type; only float32 is registered, what the policies make).
+// SwiGluGrad(dy, a, b, s) -> (da, db): the backward of y = (a * s) * b, s = Sigmoid(a), as the
+//     Mul and Sigmoid rules write it, each step rounded to T: h = a * s, db = dy * h,
+//     dh = dy * b, da = dh * s + (dh * a) * (s * (1 - s)), the last sum in float32.
+//     Float32, float16 or bfloat16 (CPU: float32).
+
+#ifdef MPG_WITH_CUDA
+extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols);
+extern "C" int mpg_rmsnorm_grad_cuda(int type, const void* dy, const void* x, const void* scale, const float* eps, void* dx,
+                                     void* dscale, float* work, size_t rows, size_t cols, void* stream);
+extern "C" int mpg_swiglu_grad_cuda(int type, const void* dy, const void* a, const void* b, const void* s, void* da,
+                                    void* db, size_t n, void* stream);
+#endif
+
+// Rows [r0, r1): dx and r, and this block's dscale sums into part (cols floats).
+void rmsnorm_grad_rows(const float* dy, const float* x, const float* scale, float eps, float* dx, float* rstd,
+                       float* part, size_t r0, size_t r1, size_t cols) {
+  for (size_t row = r0; row < r1; ++row) {
+    const float* xr = x + row * cols;
+    const float* dyr = dy + row * cols;
+    float sq = 0.0f;
+    for (size_t j = 0; j < cols; ++j) sq += xr[j] * xr[j];
+    const float rs = 1.0f / std::sqrt(sq / static_cast<float>(cols) + eps);
+    float acc = 0.0f;
+    for (size_t j = 0; j < cols; ++j) {
+      const float xhat = xr[j] * rs;
+      acc += (dyr[j] * scale[j]) * xhat;
+      part[j] += dyr[j] * xhat;
+    }
+    const float m = acc / static_cast<float>(cols);
+    float* dxr = dx + row * cols;
+    for (size_t j = 0; j < cols; ++j) dxr[j] = rs * ((dyr[j] * scale[j]) - (xr[j] * rs) * m);
+    rstd[row] = rs;
+  }
+}
+
+OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor t[4];
+  for (size_t i = 0; i < 4; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  const Tensor &dy = t[0], &x = t[1], &scale = t[2];
+  if (x.dims.empty() || t[3].count != 1) return status("RmsNormGrad: x is a scalar or eps is not one");
+  const size_t cols = static_cast<size_t>(x.dims.back()), rows = cols ? x.count / cols : 0;
+  if (dy.count != x.count || scale.count != cols) return status("RmsNormGrad: dy, x and scale disagree in size");
+#ifdef MPG_WITH_CUDA
+  const size_t work = cuda ? mpg_rmsnorm_grad_workspace(rows, cols) : rows;
+#else
+  const size_t work = rows;
+#endif
+  Tensor dx, dscale, ws;
+  if (OrtStatus* st = output(ctx, 0, x.dims, &dx)) return st;
+  if (OrtStatus* st = output(ctx, 1, scale.dims, &dscale)) return st;
+  if (OrtStatus* st = output(ctx, 2, {static_cast<int64_t>(work)}, &ws)) return st;
+  if (cols == 0) return nullptr;
+  if (!cuda) {
+    const float eps = *t[3].data;
+    const size_t per = std::max<size_t>(1, kCpuChunk / cols), blocks = (rows + per - 1) / per;
+    std::vector<float> parts(blocks * cols, 0.0f);
+    OrtStatus* st = parallel_for(ctx, blocks, [&](size_t b) {
+      rmsnorm_grad_rows(dy.data, x.data, scale.data, eps, dx.data, ws.data, parts.data() + b * cols, b * per,
+                        std::min(rows, (b + 1) * per), cols);
+    });
+    if (st) return st;
+    for (size_t j = 0; j < cols; ++j) {
+      float sum = 0.0f;
+      for (size_t b = 0; b < blocks; ++b) sum += parts[b * cols + j];
+      dscale.data[j] = sum;
+    }
+    return nullptr;
+  }
+  return on_gpu(ctx, "RmsNormGrad", [&](void* stream) {  // eps stays on the device: the kernel reads it
+    return MPG_CUDA(mpg_rmsnorm_grad_cuda(x.type, dy.data, x.data, scale.data, t[3].data, dx.data, dscale.data,
+                                          ws.data, rows, cols, stream));
+  });
+}
+
+void swiglu_grad_cpu(const float* dy, const float* a, const float* b, const float* s, float* da, float* db, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const float h = a[i] * s[i];
+    db[i] = dy[i] * h;
+    const float dh = dy[i] * b[i];
+    const float ds = dh * a[i];
+    da[i] = dh * s[i] + ds * (s[i] * (1.0f - s[i]));
+  }
+}
+
+OrtStatus* swiglu_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor t[4];
+  for (size_t i = 0; i < 4; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  for (size_t i = 1; i < 4; ++i)
+    if (t[i].type != t[0].type || t[i].count != t[0].count) return status("SwiGluGrad: dy, a, b and s differ");
+  Tensor da, db;
+  if (OrtStatus* st = output(ctx, 0, t[1].dims, &da)) return st;
+  if (OrtStatus* st = output(ctx, 1, t[2].dims, &db)) return st;
+  const size_t n = t[0].count;
+  if (n == 0) return nullptr;
+  if (!cuda) {
+    if (t[0].type != MPG_FLOAT) return status("SwiGluGrad: the CPU kernel is float32 only");
+    return parallel_chunks(ctx, n, [&](size_t lo, size_t hi) {
+      swiglu_grad_cpu(t[0].data + lo, t[1].data + lo, t[2].data + lo, t[3].data + lo, da.data + lo, db.data + lo, hi - lo);
+    });
+  }
+  return on_gpu(ctx, "SwiGluGrad", [&](void* stream) {
+    return MPG_CUDA(mpg_swiglu_grad_cuda(t[0].type, t[0].data, t[1].data, t[2].data, t[3].data, da.data, db.data, n, stream));
+  });
+}
+
 // -- ReluGrad / SoftmaxCrossEntropyGrad (CUDA in grads.cu) -----------------------------------
 //
 // ReluGrad(dy, x) -> dx = dy * (x > 0 ? 1 : 0): the Relu rule's Mul(dy, Cast(Greater(x, 0))),
@@ -1132,6 +1249,10 @@ const OpSpec kSpecs[] = {
     {"SoftmaxGradDot", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
+    {"RmsNormGrad", MPG_FLOAT, 0, 4, 3, {}, {}, false, 1, 0, 1, rmsnorm_grad_compute},
+    {"SwiGluGrad", MPG_FLOAT, 0, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
+    {"SwiGluGrad", MPG_FLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
+    {"SwiGluGrad", MPG_BFLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"ReluGrad", MPG_FLOAT, 0, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
     {"ReluGrad", MPG_FLOAT16, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},
     {"ReluGrad", MPG_BFLOAT16, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, relu_grad_compute},

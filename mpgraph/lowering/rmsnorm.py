@@ -1,0 +1,98 @@
+"""Fuse the backward of an ``RMSNormalization`` into ``RmsNormGrad`` (a session lowering).
+
+Training graphs carry RMSNorm as the standard op ``RMSNormalization`` (opset 23; the dynamo
+exporter writes it, ``CanonicalizeOpsPass`` rewrites the torchscript exporter's
+``x * 1/sqrt(mean(x^2) + eps) * scale`` into it before differentiating). A low-precision policy
+keeps it float32 (deny list: a sum of squares). Its gradient rule (``autodiff.rules.norm.rms_norm``)
+recomputes ``r`` and differentiates::
+
+    r = Reciprocal(Sqrt(Add(ReduceMean(Mul(x, x)), eps)));  xhat = Mul(x, r);  dxhat = Mul(dy, scale)
+    dx = Mul(r, Sub(dxhat, Mul(xhat, ReduceMean(Mul(dxhat, xhat)))))
+    dscale = ReduceSum(Mul(dy, xhat)) over the leading axes
+
+thirteen kernels on ORT CUDA over the residual stream (a Llama-style 125M: ``[8, 1024, 768]``
+float32, 25 norms a step). ``RmsNormGrad(dy, x, scale, eps) -> (dx, dscale, workspace)`` is a
+row kernel (r, the row mean and dx; three reads of a row that stays in cache) and a two-stage
+column sum for dscale in a fixed order. The rule finds the backward by value (the node's
+gradient block: ``dy`` into its output, ``dx`` and ``dscale`` its contributions), never by the
+nodes the rule emitted. The kernel computes the rule's terms, summed in another order (``same
+math``).
+
+The forward stays ORT's: ``RMSNormalization`` has a CUDA kernel from opset 23 (float, float16,
+bfloat16; ORT's LayerNorm kernel in its simplified form), one kernel already.
+
+Left as they are: an RMSNormalization not over the last axis alone, with another type than
+float32 for dy, x, scale or a contribution (the CPU loop is float32; the CUDA code is templated
+but only float32 is registered), a 1-D x, a scale that is not ``[D]``, a backward a policy
+computes partly in another precision (``match.interior``) or that is emulated
+(``match.emulated``), and one without a recorded backward.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+
+from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph._ir.meta import NODE_PRECISION, Precision
+from mpgraph._ir.names import NameScope
+from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, swap_backward
+
+__all__ = ["fuse_rmsnorm_grad"]
+
+FLOAT = ir.DataType.FLOAT
+
+
+def _operands(block: GradientBlock) -> tuple | None:
+    """``(dy, x, scale, [dx, dscale])`` of a fusable RMSNormalization block; else ``None``."""
+    node = block.node
+    if len(node.inputs) != 2 or not block.dys or block.dys[0] is None:
+        return None
+    x, scale, dy = node.inputs[0], node.inputs[1], block.dys[0]
+    if x is None or scale is None or x.shape is None or len(x.shape) < 2:
+        return None
+    rank, cols = len(x.shape), x.shape[-1]
+    if node.attributes.get_int("axis", -1) % rank != rank - 1:
+        return None
+    shape = scale.shape
+    if shape is None or len(shape) != 1 or not isinstance(shape[0], int) or (isinstance(cols, int) and shape[0] != cols):
+        return None
+    grads = [*block.dxs[:2], *[None] * (2 - len(block.dxs[:2]))]
+    if all(g is None for g in grads) or any(v.dtype != FLOAT for v in (x, scale, dy, *grads) if v is not None):
+        return None
+    if emulated(node.outputs[0], *grads):
+        return None
+    sources = [dy, x, scale, *node.outputs]
+    if any(n.metadata_props.get(NODE_PRECISION, Precision.FLOAT32) not in (Precision.FLOAT32, Precision.NONE)
+           for n in interior(grads, sources)):
+        return None
+    return dy, x, scale, grads
+
+
+def fuse_rmsnorm_grad(model: ir.Model) -> int:
+    """Fuse the backward of every float32 ``RMSNormalization`` over the last axis in ``model``'s
+    main graph that records one, in place; how many ``RmsNormGrad`` nodes were made."""
+    graph = model.graph
+    names = NameScope(graph)
+    fused = 0
+    for node, block in gradient_blocks(graph).items():
+        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
+            continue
+        found = _operands(block)
+        if found is None:
+            continue
+        dy, x, scale, grads = found
+        eps = node.attributes.get_float("epsilon", 1e-5)
+        eps_value = scalar_constant(graph, f"ai.mpgraph/rmsnorm/eps_{float(np.float32(eps)):.8g}", np.float32(eps), FLOAT)
+        first = next(g for g in grads if g is not None)
+        meta = dict(first.producer().metadata_props) if first.producer() is not None else {}
+        new = ir.Node(DOMAIN, "RmsNormGrad", [dy, x, scale, eps_value], num_outputs=3,
+                      name=names.fresh(f"{node.name}/RmsNormGrad"), metadata_props=meta)
+        for out, shape in zip(new.outputs, (x.shape, scale.shape, None)):
+            out.type, out.shape = ir.TensorType(FLOAT), shape
+        new.outputs[2].name = f"{new.name}/workspace"
+        if swap_backward(graph, new, grads):
+            fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
