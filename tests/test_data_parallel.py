@@ -401,6 +401,9 @@ def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_pat
     assert ran.returncode == 0, ran.stdout + ran.stderr
     assert launched == [(2, ["m.onnx", "--data", "d.npz", "--steps", "5", "--batch", "8", "--seed", "0",
                              "--checkpoint-every", "0", "--checkpoint", str(tmp_path / "c.npz"), "--shard-optimizer"])]
+    assert mpgraph_cli("train", "m.onnx", "--nproc", "2", "--provider", "cuda").returncode == 0
+    assert launched[-1][1][-2:] == ["--provider", "cuda"]
+    launched.pop()
     alone = mpgraph_cli("train", "m.onnx", "--shard-optimizer")
     assert alone.returncode == 2 and "--shard-optimizer: only with --nproc" in alone.stderr
     refused = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--metrics", str(tmp_path / "m.csv"))
@@ -409,6 +412,19 @@ def test_mpgraph_train_nproc_launches_the_data_parallel_run(monkeypatch, tmp_pat
     monkeypatch.undo()  # the real launcher: an uneven batch is refused before any process starts
     uneven = mpgraph_cli("train", "m.onnx", "--nproc", "2", "--batch", "7")
     assert uneven.returncode == 2 and "--batch 7 must be divisible by --nproc 2" in uneven.stderr
+
+
+def test_a_cuda_rank_without_a_gpu_stops_with_one_error_line(capsys, monkeypatch):
+    """A rank of ``mpgraph train --nproc N --provider cuda`` on this machine (no GPU) says so in
+    one line, before any process group is formed (torch's NCCL init would fail less clearly)."""
+    import torch
+
+    import mpgraph.cli.train_nproc as train_nproc
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("RANK", "1")
+    assert train_nproc.main(["m.onnx", "--data", "digits", "--provider", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith("error: rank 1: data-parallel training on cuda (NCCL) needs a GPU")
 
 
 def test_cuda_ranks_are_refused_with_the_fix_where_they_cannot_run(monkeypatch):

@@ -230,9 +230,8 @@ def train(
 
         raise typer.Exit(train_with_nproc(nproc, step, data=data, steps=steps, lr=lr, batch=batch, seed=seed, threads=threads,
                                           checkpoint=checkpoint, checkpoint_every=checkpoint_every, resume=resume,
-                                          shard_optimizer=shard_optimizer, on_nonfinite=on_nonfinite,
-                                          unsupported={"--provider cuda": provider != "cpu", "--metrics": metrics is not None,
-                                                       "--plot": plot is not None}))
+                                          shard_optimizer=shard_optimizer, on_nonfinite=on_nonfinite, provider=provider,
+                                          unsupported={"--metrics": metrics is not None, "--plot": plot is not None}))
     from mpgraph.cli.console import console, err_console
     from mpgraph.errors import CheckpointError, TrainingError
     from mpgraph.runtime.trainer import FinalCheckpointError, run_training

@@ -6,8 +6,12 @@ set up (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` in its environment) and trains
 ``runtime.data_parallel.train_data_parallel``. Rank 0 prints the loss lines and writes the
 checkpoint; an error is one ``error:`` line from the rank that met it, exit code 2.
 
+With ``--provider cuda`` the ranks form an NCCL group and rank r trains on ``cuda:<LOCAL_RANK>``
+(``runtime.parallel_executor``); a machine that cannot (no GPU, fewer GPUs than ranks, no
+onnxruntime-gpu) gets one ``error:`` line before any group is formed.
+
 ``mpgraph train --nproc N`` calls ``train_with_nproc``, which refuses the one-process run's
-flags a data-parallel run does not take yet (``--provider cuda``, ``--metrics``, ``--plot``);
+flags a data-parallel run does not take yet (``--metrics``, ``--plot``);
 ``python -m mpgraph.cli.train_nproc --nproc N STEP ...`` launches the same run.
 """
 
@@ -37,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=1)
     p.add_argument("--reduction", default="ordered", choices=["ordered", "all_reduce"])
     p.add_argument("--threads", type=int, default=None, help="ORT intra-op threads per rank")
+    p.add_argument("--provider", default="cpu", choices=["cpu", "cuda"], help="cpu (gloo) or cuda (NCCL, a GPU a rank)")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--on-nonfinite", default="stop", choices=["stop", "skip", "ignore"],
                    help="NaN/inf in a batch or the loss (the one-process loop's rules)")
@@ -82,7 +87,7 @@ def launch(nproc: int, args: list[str]) -> int:
 def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: int, lr: float | None, batch: int | None,
                      seed: int | None, threads: int | None, checkpoint: os.PathLike[str] | None, checkpoint_every: int,
                      resume: os.PathLike[str] | None, unsupported: dict[str, bool], shard_optimizer: bool = False,
-                     on_nonfinite: str = "stop") -> int:
+                     on_nonfinite: str = "stop", provider: str = "cpu") -> int:
     """``mpgraph train --nproc N``: the flags a data-parallel run takes, as a torchrun launch.
 
     Raises:
@@ -95,15 +100,17 @@ def train_with_nproc(nproc: int, step: os.PathLike[str], *, data: str, steps: in
         raise UsageError("--shard-optimizer: only with --nproc N (N processes share the optimizer state)")
     given = [flag for flag, on in unsupported.items() if on]
     if given:
-        raise UsageError(f"{', '.join(given)}: not with --nproc yet (a data-parallel run on the CPU takes --data, "
+        raise UsageError(f"{', '.join(given)}: not with --nproc yet (a data-parallel run takes --data, "
                          f"--steps, --lr, --batch, --seed, --threads, --checkpoint, --checkpoint-every, --resume, --shard-optimizer, "
-                         f"--on-nonfinite)")
+                         f"--on-nonfinite, --provider)")
     args = [os.fspath(step), "--data", data, "--steps", str(steps), "--batch", str(64 if batch is None else batch),
             "--seed", str(seed or 0), "--checkpoint-every", str(checkpoint_every)]
     for flag, value in (("--lr", lr), ("--threads", threads), ("--checkpoint", checkpoint), ("--resume", resume),
                         ("--on-nonfinite", None if on_nonfinite == "stop" else on_nonfinite)):
         if value is not None:
             args += [flag, os.fspath(value) if isinstance(value, os.PathLike) else str(value)]
+    if provider != "cpu":
+        args += ["--provider", provider]
     return launch(nproc, args + (["--shard-optimizer"] if shard_optimizer else []))
 
 
@@ -118,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     from mpgraph.errors import MpgraphError
     from mpgraph.io import load_model
     from mpgraph.runtime.data_parallel import DataParallelOptions, backend_for, train_data_parallel
+    from mpgraph.runtime.options import RunOptions
+    from mpgraph.runtime.rank_device import place_rank
 
-    dist.init_process_group(backend_for("cpu"))
+    try:  # before the group: NCCL where no GPU can run it fails inside torch, less clearly
+        place_rank(args.provider, 0, int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1)))
+    except MpgraphError as e:
+        print(f"error: rank {os.environ.get('RANK', 0)}: {e}", file=sys.stderr, flush=True)
+        return 2
+    dist.init_process_group(backend_for(args.provider))
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         options = DataParallelOptions(shard_optimizer=args.shard_optimizer, micro_batches=args.micro_batches,
@@ -132,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
 
         train_data_parallel(load_model(args.step), args.data, steps=args.steps, batch_size=args.batch, seed=args.seed,
                             lr=args.lr, checkpoint=args.checkpoint, checkpoint_every=args.checkpoint_every,
-                            resume=args.resume, options=options, report=report, on_nonfinite=args.on_nonfinite)
+                            resume=args.resume, options=options, report=report, on_nonfinite=args.on_nonfinite,
+                            run_options=RunOptions(provider=args.provider, threads=args.threads))
     except MpgraphError as e:
         print(f"error: rank {rank}: {e}", file=sys.stderr, flush=True)
         return 2

@@ -41,8 +41,9 @@ Every rank holds the whole model and runs the same step on its share of the glob
    read it back (the state is whole), sharded or not.
 
 Not overlapped with the backward: the gradient part is one ORT run, so the buckets are
-reduced after it (all issued before the first wait). On CUDA the buckets would be device
-arrays handed to NCCL through DLPack; only the CPU path is written and tested here.
+reduced after it (all issued before the first wait). On CUDA the buckets are torch tensors on
+the rank's GPU that ORT writes through DLPack and NCCL reduces in place
+(``runtime.parallel_executor``); that path has not run on a GPU yet.
 
 The executor is ``runtime.parallel_executor.DataParallelExecutor``: an ``Executor`` whose two
 sessions (gradient part, apply part) come from ``Program.plan_part``, that is from
@@ -187,7 +188,7 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
                         lr: float | None = None, checkpoint: str | None = None, checkpoint_every: int = 0,
                         resume: str | None = None, options: DataParallelOptions | None = None,
                         report: Callable[[int, StepResult], None] | None = None,
-                        on_nonfinite: str = "stop") -> DataParallelTrainer:
+                        on_nonfinite: str = "stop", run_options: RunOptions | None = None) -> DataParallelTrainer:
     """Train on every rank of the process group (the Python twin of ``mpgraph train --nproc``).
 
     The one-process training loop (``DataParallelTrainer.fit``): every rank draws the same
@@ -204,9 +205,11 @@ def train_data_parallel(step: ir.Model, data: str, *, steps: int, batch_size: in
         report: Called on every rank with the step number and its result.
         on_nonfinite: ``fit``'s: a NaN/inf in a batch or an unskipped non-finite loss stops
             (``TrainingError``; the state is the last good step's), is skipped, or is ignored.
+        run_options: How the sessions run (``provider="cuda"``: NCCL ranks, one GPU each;
+            ``None``: the CPU with ``options.threads``).
     """
     options = options or DataParallelOptions()
-    trainer = DataParallelTrainer(step, RunOptions(threads=options.threads), options)
+    trainer = DataParallelTrainer(step, run_options or RunOptions(threads=options.threads), options)
     slices = trainer.world * options.micro_batches
     if batch_size % slices:
         raise UsageError(f"batch {batch_size} must be divisible by {trainer.world} ranks x "
