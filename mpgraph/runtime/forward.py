@@ -4,8 +4,8 @@
 graph cut at its logits) in an inference session of its own, its parameters bound to the
 executor's state buffers (no copies). Both executors (``Executor`` on one device,
 ``DataParallelExecutor`` on one rank) hold one and build its session on first use, on the
-providers of their training session, device id included (a rank's forward session runs on
-the rank's GPU, where its state lives).
+providers of their training session and its device id (a rank's forward session runs on the
+rank's GPU, where its state lives).
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ class Forward:
         its logits output and its input names."""
         if self._session is None:
             plan = self.program.plan(self.provider, PlanOptions(forward_of=providers.logits_name(self.program.model)))
+            # Only the device id is passed on: the forward session keeps ORT's defaults otherwise,
+            # as it did when it got provider names alone (and so ran on GPU 0 on every rank).
             options = like.get_provider_options()
-            session = providers.eval_session(plan.graph, [(p, options.get(p, {})) for p in like.get_providers()])
+            chosen = [(p, {k: v for k, v in options.get(p, {}).items() if k == "device_id"}) for p in like.get_providers()]
+            session = providers.eval_session(plan.graph, chosen)
             forward = as_model(plan.graph)  # read for its names
             self._session = (session, forward.graph.outputs[0].name or "", [v.name or "" for v in forward.graph.inputs])
         return self._session
