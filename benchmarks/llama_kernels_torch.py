@@ -1,0 +1,136 @@
+"""The RmsNormGrad and SwiGluGrad CUDA kernels alone, against torch running the ops they replace.
+
+Needs only torch with CUDA and nvcc (no onnxruntime-gpu): compiles ``csrc/rmsnorm.cu`` and
+``csrc/swiglu.cu`` into a scratch library, calls their C entry points on torch tensors, and
+compares them with the gradient rules' ops run one by one by torch (each op a kernel rounding
+to its dtype, as ORT's do): SwiGluGrad in bfloat16 and float16 elementwise (expected: the same
+bits), RmsNormGrad in float32 against float64. Then the time of one fused call against the op
+sequence (CUDA events, median), at a Llama-style 125M's sizes.
+
+    python3 benchmarks/llama_kernels_torch.py                 # a CUDA machine with nvcc
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import statistics
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).resolve().parents[1] / "mpgraph" / "lowering" / "csrc"
+TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
+
+
+def build(arch: str) -> ctypes.CDLL:
+    out = Path(tempfile.mkdtemp()) / "libllama_kernels.so"
+    cmd = ["nvcc", "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", f"-gencode=arch=compute_{arch},code=sm_{arch}",
+           str(CSRC / "rmsnorm.cu"), str(CSRC / "swiglu.cu"), "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    lib = ctypes.CDLL(str(out))
+    lib.mpg_rmsnorm_grad_workspace.restype = ctypes.c_size_t
+    lib.mpg_rmsnorm_grad_workspace.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    return lib
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def stream() -> ctypes.c_void_p:
+    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+
+
+def swiglu_ops(dy, a, b, s):
+    """The Mul and Sigmoid rules' ops and the driver's float32 sum, one torch kernel each."""
+    h = a * s
+    db = dy * h
+    dh = dy * b
+    c1 = dh * s
+    ds = dh * a
+    c2 = ds * (s * (1 - s))
+    return (c1.float() + c2.float()).to(a.dtype), db
+
+
+def swiglu_fused(lib, dy, a, b, s):
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    err = lib.mpg_swiglu_grad_cuda(TYPES[a.dtype], ptr(dy), ptr(a), ptr(b), ptr(s), ptr(da), ptr(db),
+                                   ctypes.c_size_t(a.numel()), stream())
+    assert err == 0, err
+    return da, db
+
+
+def rmsnorm_ops(dy, x, scale, eps):
+    """The RMSNormalization rule's 13 ops, float32."""
+    r = torch.reciprocal(torch.sqrt((x * x).mean(-1, keepdim=True) + eps))
+    xhat = x * r
+    dxhat = dy * scale
+    dx = r * (dxhat - xhat * (dxhat * xhat).mean(-1, keepdim=True))
+    return dx, (dy * xhat).sum(dim=tuple(range(x.dim() - 1)))
+
+
+def rmsnorm_fused(lib, dy, x, scale, eps_t):
+    cols = x.shape[-1]
+    rows = x.numel() // cols
+    dx, dscale = torch.empty_like(x), torch.empty_like(scale)
+    work = torch.empty(lib.mpg_rmsnorm_grad_workspace(rows, cols), dtype=torch.float32, device=x.device)
+    err = lib.mpg_rmsnorm_grad_cuda(TYPES[x.dtype], ptr(dy), ptr(x), ptr(scale), ptr(eps_t), ptr(dx), ptr(dscale),
+                                    ptr(work), ctypes.c_size_t(rows), ctypes.c_size_t(cols), stream())
+    assert err == 0, err
+    return dx, dscale
+
+
+def ms(fn, *args, iters: int = 50, rounds: int = 5) -> float:
+    """Median ms of ``fn(*args)`` over ``rounds`` rounds of ``iters`` calls (CUDA events)."""
+    for _ in range(3):
+        fn(*args)
+    times = []
+    for _ in range(rounds):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn(*args)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / iters)
+    return statistics.median(times)
+
+
+def main() -> None:
+    major, minor = torch.cuda.get_device_capability()
+    lib = build(os.environ.get("MPGRAPH_CUDA_ARCHS", f"{major}{minor}").split(",")[0])
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        shape = (8, 1024, 2048)
+        a = (3 * torch.randn(shape, device="cuda", generator=gen)).to(dtype)
+        a.view(-1)[: 4096] = torch.linspace(-30, 30, 4096, device="cuda").to(dtype)  # saturated tails too
+        b, dy = (torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(2))
+        s = torch.sigmoid(a)
+        want, got = swiglu_ops(dy, a, b, s), swiglu_fused(lib, dy, a, b, s)
+        same = [float((g == w).float().mean()) for g, w in zip(got, want)]
+        t_ops, t_fused = ms(swiglu_ops, dy, a, b, s), ms(swiglu_fused, lib, dy, a, b, s)
+        print(f"SwiGluGrad {str(dtype)[6:]} {list(shape)}: da equal in {same[0]:.6%}, db in {same[1]:.6%} of elements; "
+              f"fused {t_fused:.3f} ms, ops {t_ops:.3f} ms ({t_ops / t_fused:.1f}x)")
+    for rows, cols in ((8 * 1024, 768), (1000, 100), (3, 4096)):
+        x = torch.randn(rows, cols, device="cuda", generator=gen)
+        dy = torch.randn(rows, cols, device="cuda", generator=gen)
+        scale = 1 + 0.1 * torch.randn(cols, device="cuda", generator=gen)
+        eps = 1e-6
+        eps_t = torch.tensor(eps, dtype=torch.float32, device="cuda")
+        got = rmsnorm_fused(lib, dy, x, scale, eps_t)
+        ref = rmsnorm_ops(dy.double(), x.double(), scale.double(), eps)
+        ops = rmsnorm_ops(dy, x, scale, eps)
+        err = [float((g.double() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)]
+        err_ops = [float((o.double() - r).abs().max() / r.abs().max()) for o, r in zip(ops, ref)]
+        t_ops, t_fused = ms(rmsnorm_ops, dy, x, scale, eps), ms(rmsnorm_fused, lib, dy, x, scale, eps_t)
+        print(f"RmsNormGrad float32 [{rows}, {cols}]: |fused - float64| / max dx {err[0]:.2g}, dscale {err[1]:.2g} "
+              f"(the ops: {err_ops[0]:.2g}, {err_ops[1]:.2g}); fused {t_fused:.3f} ms, ops {t_ops:.3f} ms "
+              f"({t_ops / t_fused:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
