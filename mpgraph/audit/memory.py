@@ -24,15 +24,21 @@ questions a user asks before renting a GPU:
    sessions that capture CUDA graphs), ORT records that first step and from the second step
    on allocates one block that holds every intermediate at a planned offset; the arena keeps
    the first step's regions as well, so the intermediates are held twice (``_pattern_block``
-   packs the buffers as ORT's planner does).
+   packs the buffers as ORT's planner does). The arena's growth is its
+   ``arena_extend_strategy``: ``kSameAsRequested`` (what the Trainer's CUDA sessions use) or
+   ORT's default ``kNextPowerOfTwo``, whose last regions are mostly empty (``ort_alloc``).
+4. **In-place state.** With ``inplace=True`` each state output that may overwrite its input
+   (``mpgraph._ir.inplace``: an elementwise update, every other reader of the old value an
+   ancestor of it; state values of one element are left in two sets) shares its input's buffer,
+   as a Trainer with ``inplace_state`` binds it: no second buffer for it.
 
 The estimated peak is the persistent bytes (every graph input and initializer: parameters,
 state, data, constants), plus the output buffers (a trainer binds the updated state to a
-second set of buffers), plus a third state set for a pipelined CUDA trainer (``state_sets=3``;
-the Trainer pipelines states of at most ``PIPELINE_MAX_STATE_MIB`` by default), plus the first
-step's arena, plus the pattern block. It is the graph's
-own memory, with ORT's arena growing by what is requested (``kSameAsRequested``; the default
-power-of-two growth can hold up to twice the requests). Not modelled: the fixed overhead of a
+second set of buffers, less the state updated in place), plus a third state set for a pipelined
+CUDA trainer (``state_sets=3``; the Trainer pipelines states of at most ``PIPELINE_MAX_STATE_MIB``
+by default), plus the first step's arena, plus the pattern block (a session that captures CUDA
+graphs has none: ``peak_without_pattern_bytes``). It is the graph's own memory. Not modelled:
+the fixed overhead of a
 CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
 ``benchmarks/memory_check.py``), kernel scratch buffers, the graph optimizations of ORT other
 than folding transposes into matmuls and composing transposes, and the buffers ORT's planner
@@ -54,19 +60,17 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
+from mpgraph._ir.inplace import inplace_pairs
+from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, SAME_AS_REQUESTED
+from mpgraph.audit.ort_alloc import Buffer as _Buffer
+from mpgraph.audit.ort_alloc import arena_bytes as _arena_bytes
+from mpgraph.audit.ort_alloc import pattern_block as _pattern_block
 from mpgraph.errors import MpgraphError, first_line
 
-__all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT"]
+__all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT", "ARENA_UNIT"]
 
 #: Roles of the per-parameter table, in print order.
 ROLES = ("low_weights", "master_weights", "gradients", "optimizer_state")
-#: ORT's allocation alignment (``kAllocAlignment``): the memory pattern rounds every buffer up to it.
-PATTERN_ALIGNMENT = 64
-#: ORT's BFC arena rounds every request up to this many bytes (``kMinAllocationSize``).
-ARENA_UNIT = 256
-#: The arena splits a free chunk when it is twice the request or more, or would leave this many
-#: bytes unused (``max_dead_bytes_per_chunk``, 128 MiB by default).
-ARENA_MAX_DEAD = 128 << 20
 #: Ops whose output shares its input's buffer in ORT (no new allocation).
 VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
@@ -86,7 +90,8 @@ class MemoryReport:
             step counter).
         data_bytes: Graph inputs that are not state (the batch).
         constant_bytes: Initializers that are not graph inputs.
-        output_bytes: Graph outputs (the updated state's second buffers, the loss).
+        output_bytes: Graph outputs (the updated state's second buffers, the loss), less the
+            state outputs updated in place.
         extra_state_set_bytes: State sets past the second (a pipelined trainer's third): each
             as large as the state inputs.
         saved_for_backward_bytes: Forward buffers read by a backward node.
@@ -105,6 +110,10 @@ class MemoryReport:
         fp8_bytes: fp8 products (``QuantizeFp8Pass``): ``values``, the fp8 operands (1 byte an
             element, each counted once; part of the transient figures) and ``state``, the scales
             and amax histories (part of ``other_state_bytes``); empty without fp8.
+        inplace_bytes: State outputs that share their input's buffer (``inplace=True``): not
+            in ``output_bytes`` nor in ``extra_state_set_bytes``.
+        inplace_refused: State inputs that could not share (``inplace=True``), with the reason.
+        arena_strategy: The arena growth modelled (``ort_alloc.ARENA_STRATEGIES``).
     """
 
     policy: str | None
@@ -128,6 +137,9 @@ class MemoryReport:
     unknown_shapes: int
     nodes: int
     fp8_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    inplace_bytes: int = 0
+    inplace_refused: dict[str, str] = dataclasses.field(default_factory=dict)
+    arena_strategy: str = SAME_AS_REQUESTED
 
     @property
     def peak_without_pattern_bytes(self) -> int:
@@ -336,7 +348,7 @@ def _check_request(model: ir.Model, batch: int, state_sets: int) -> StepContract
 
 
 def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None,
-                    state_sets: int = 2) -> MemoryReport:
+                    state_sets: int = 2, inplace: bool = False, arena: str = SAME_AS_REQUESTED) -> MemoryReport:
     """Estimate a training step's memory by role and by liveness.
 
     Args:
@@ -345,6 +357,10 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         dims: Symbolic dimension name -> value (e.g. ``{"seq": 512}``).
         state_sets: Buffer sets the trainer holds the state in: 2 (the inputs and the
             outputs), 3 for a pipelined CUDA trainer (``Trainer.pipeline``).
+        inplace: State outputs share their input's buffer where that is safe, as a Trainer
+            with ``inplace_state`` binds them (``Trainer.inplace``).
+        arena: ORT's ``arena_extend_strategy`` (``kSameAsRequested``, the Trainer's on CUDA,
+            or ``kNextPowerOfTwo``, ORT's default).
 
     Raises:
         MpgraphError: Not a training step graph, or shapes cannot be inferred.
@@ -361,13 +377,8 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
 
     n_params = sum((int(np.prod(v.shape.numpy(), dtype=np.int64)) if v.shape.rank() else 1) for v in model.graph.inputs
                    if v.name in params and v.shape is not None and v.shape.is_static())
-    low_copies = 0
-    for node in model.graph:
-        if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None and node.inputs[0].name in params:
-            if node.metadata_props.get(md.NODE_INSERTED) != "round":
-                low_copies += size(node.outputs[0].name or "")
     roles = {
-        "low_weights": low_copies,
+        "low_weights": _low_copies(model, params, size),
         "master_weights": sum(size(p) for p in params),
         "gradients": sum(size(g) for _, g in gradients),
         "optimizer_state": sum(size(s) for s in state_inputs if s not in params and _per_parameter(model, s)),
@@ -377,12 +388,13 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     data = sum(size(v.name or "") for v in model.graph.inputs if v.name not in state_inputs)
     constants = sum(size(n) for n in model.graph.initializers if n not in input_names)
     outputs = {v.name for v in model.graph.outputs}
-    output_bytes = sum(size(n or "") for n in outputs)
+    shared, shared_outputs, refused = _inplace(model, contract, inplace)
+    output_bytes = sum(size(n or "") for n in outputs if n not in shared_outputs)
 
     buffers, saved, saved_n, unknown = _walk(nodes := ort_order(model), sizes, outputs)
-    (peak, peak_node), block, arena = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers)
+    (peak, peak_node), block, arena = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers, arena)
     persistent = roles["master_weights"] + roles["optimizer_state"] + other_state + data + constants
-    extra_sets = (state_sets - 2) * sum(size(s) for s in state_inputs)
+    extra_sets = (state_sets - 2) * sum(size(s) for s in state_inputs if s not in shared)
     return MemoryReport(
         policy=props.get(md.MODEL_POLICY),
         dtype=props.get(md.MODEL_DTYPE),
@@ -405,7 +417,25 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         unknown_shapes=unknown,
         nodes=len(model.graph),
         fp8_bytes=_fp8_bytes(model, size),
+        inplace_bytes=sum(size(b) for b in shared_outputs),
+        inplace_refused=refused,
+        arena_strategy=arena,
     )
+
+
+def _low_copies(model: ir.Model, params: set[str], size: Callable[[str], int]) -> int:
+    """Bytes of the low-precision copies of parameters (a policy's ``Cast`` of one, not a rounding)."""
+    return sum(size(node.outputs[0].name or "") for node in model.graph
+               if node.op_type == "Cast" and node.inputs and node.inputs[0] is not None and node.inputs[0].name in params
+               and node.metadata_props.get(md.NODE_INSERTED) != "round")
+
+
+def _inplace(model: ir.Model, contract: StepContract, inplace: bool) -> tuple[set[str], set[str], dict[str, str]]:
+    """The state inputs and outputs that share a buffer (``inplace``), and why the others do not."""
+    if not inplace:
+        return set(), set(), {}
+    shared, refused = inplace_pairs(model.graph, contract.state_pairs)
+    return set(shared), {b for a, b in contract.state_pairs if a in set(shared)}, refused
 
 
 def _fp8_bytes(model: ir.Model, size: Callable[[str], int]) -> dict[str, int]:
@@ -446,16 +476,6 @@ def ort_order(model: ir.Model) -> list[ir.Node]:
         stack.extend((p, False) for p in sorted(producers.values(), key=lambda p: index[id(p)])
                      if id(p) not in visited)
     return order
-
-
-@dataclasses.dataclass(frozen=True)
-class _Buffer:
-    """An intermediate buffer: made by node ``start``, last read by node ``end`` (walk positions)."""
-
-    name: str
-    start: int
-    end: int
-    nbytes: int
 
 
 def _walk(
@@ -517,77 +537,3 @@ def _peak(buffers: list[_Buffer], nodes: list[ir.Node]) -> tuple[int, str]:
             peak, peak_node = live, f"{node.op_type} '{node.name}'"
         live -= free.get(i, 0)
     return peak, peak_node
-
-
-def _pattern_block(buffers: list[_Buffer], align: int = PATTERN_ALIGNMENT) -> int:
-    """Size of ORT's memory-pattern block for these buffers.
-
-    ORT's ``MemPatternPlanner`` replays the first step's allocations: each buffer takes the
-    smallest gap between live blocks that fits it (rounded up to ``align`` bytes), or goes after
-    the live block with the highest offset; the block is the highest end ever reached. Gaps
-    left by freed buffers make it larger than the live peak.
-    """
-    events = sorted([(b.start, 0, k) for k, b in enumerate(buffers)] + [(b.end, 1, k) for k, b in enumerate(buffers)])
-    blocks: list[tuple[int, int, int]] = []  # (offset, size, buffer) sorted by offset
-    size = 0
-    for _, kind, k in events:
-        if kind == 1:
-            blocks = [blk for blk in blocks if blk[2] != k]
-            continue
-        need = -(-buffers[k].nbytes // align) * align
-        best, best_offset, waste, current = len(blocks), (blocks[-1][0] + blocks[-1][1]) if blocks else 0, None, 0
-        for j, (offset, nbytes, _) in enumerate(blocks):
-            gap = offset - current
-            if gap >= need and (waste is None or gap - need < waste):
-                best, best_offset, waste = j, current, gap - need
-            current = offset + nbytes
-        size = max(size, best_offset + need)
-        blocks.insert(best, (best_offset, need, k))
-    return size
-def _arena_bytes(buffers: list[_Buffer]) -> int:
-    """Bytes ORT's BFC arena holds after the first step, growing by what is requested.
-
-    Each buffer takes the smallest free chunk that fits (rounded up to ``ARENA_UNIT``), split
-    when the chunk is twice the request or more (or would leave ``ARENA_MAX_DEAD`` unused).
-    When none fits, the arena grows by a region of exactly the request (``kSameAsRequested``).
-    A freed chunk merges with its free neighbours in its region, but regions never merge, so
-    the arena ends above the transient peak.
-    """
-    events = sorted([(b.start, 0, k) for k, b in enumerate(buffers)] + [(b.end, 1, k) for k, b in enumerate(buffers)])
-    regions: list[list[list[int]]] = []  # per region, its chunks [offset, size, buffer or -1] by offset
-    where: dict[int, tuple[int, list[int]]] = {}
-    total = 0
-    for _, kind, k in events:
-        if kind == 1:
-            if k in where:
-                _free_chunk(regions, *where.pop(k))
-            continue
-        need = -(-buffers[k].nbytes // ARENA_UNIT) * ARENA_UNIT
-        if need == 0:
-            continue
-        fits = [(c[1], r, c[0], id(c), c) for r, chunks in enumerate(regions) for c in chunks if c[2] < 0 and c[1] >= need]
-        if not fits:
-            regions.append([[0, need, -1]])
-            total += need
-            fits = [(need, len(regions) - 1, 0, 0, regions[-1][0])]
-        _, r, _, _, chunk = min(fits, key=lambda f: f[:3])
-        if chunk[1] >= 2 * need or chunk[1] - need >= ARENA_MAX_DEAD:
-            chunks = regions[r]
-            chunks.insert(next(i for i, c in enumerate(chunks) if c is chunk) + 1, [chunk[0] + need, chunk[1] - need, -1])
-            chunk[1] = need
-        chunk[2] = k
-        where[k] = (r, chunk)
-    return total
-
-
-def _free_chunk(regions: list[list[list[int]]], region: int, chunk: list[int]) -> None:
-    """Free ``chunk`` and merge it with the free chunks next to it in its region."""
-    chunks = regions[region]
-    chunk[2] = -1
-    i = next(i for i, c in enumerate(chunks) if c is chunk)
-    if i + 1 < len(chunks) and chunks[i + 1][2] < 0:
-        chunk[1] += chunks.pop(i + 1)[1]
-    if i > 0 and chunks[i - 1][2] < 0:
-        chunks[i - 1][1] += chunks.pop(i)[1]
-
-

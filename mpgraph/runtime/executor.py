@@ -14,6 +14,8 @@ The interface the loop uses, and which another executor (data parallel) provides
 - ``read(launched)``: wait for that step alone and return its loss and ``found_inf``;
 - ``wait(launched_steps)``, ``rewind(n)``: drop steps (their state sets are intact);
 - ``state_set(slot)``, ``set_state(values)``, ``scale_in(slot)``: the state buffers;
+- ``inplace``: the state inputs whose updated values are written into their own buffers
+  (every set holds the same buffer for them), so ``rewind`` cannot restore them;
 - ``bind_lr(lr)``, ``lr``, ``forget_lr()``: the learning rate the steps read;
 - ``predict(arrays, state, batch_size)``: the forward part on the same buffers.
 """
@@ -29,7 +31,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from mpgraph._ir.inplace import inplace_pairs
 from mpgraph.errors import MpgraphError, UsageError
+from mpgraph.io import as_model
 from mpgraph.lowering import SessionPlan
 from mpgraph.runtime import providers
 from mpgraph.runtime.forward import Forward
@@ -55,6 +59,30 @@ def _pipeline_default(provider: str, pipeline: bool | None, state_mib: float) ->
     return pipeline, ""
 
 
+def _inplace_default(provider: str, inplace: bool | None, pipeline: bool | None,
+                     state_mib: float) -> tuple[bool, str]:
+    """Whether to update the state in place (``inplace_state``), and why not when not asked
+    for: ``None`` is on for CUDA with one state set over ``PIPELINE_MAX_STATE_MIB`` unless
+    pipelining is asked for (its undo needs the older sets).
+
+    Raises:
+        UsageError: ``inplace_state=True`` with ``pipeline=True``.
+    """
+    if inplace and pipeline:
+        raise UsageError("inplace_state=True and pipeline=True exclude each other: a pipelined step is undone "
+                         "from the state set before it, which an in-place update overwrites")
+    if inplace is not None:
+        return inplace, "" if inplace else "inplace_state=False"
+    if provider != "cuda":
+        return False, "in-place state updates are a CUDA default (inplace_state=True asks for them)"
+    if pipeline:
+        return False, "pipeline=True keeps a state set per step in flight"
+    if state_mib <= PIPELINE_MAX_STATE_MIB:
+        return False, (f"the state is {state_mib:.0f} MiB (at most {PIPELINE_MAX_STATE_MIB}): its second set is "
+                       "cheap and lets fit undo a non-finite step")
+    return True, ""
+
+
 class Executor:
     """Runs a ``Program`` on one device as ``options`` say (see the module for the interface).
 
@@ -69,7 +97,10 @@ class Executor:
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = options.device_id if provider == "cuda" else 0
         state_mib = sum(a.nbytes for a in program.initial.values()) / 2**20
+        want_inplace, self.inplace_reason = _inplace_default(provider, options.inplace_state, options.pipeline, state_mib)
         pipeline, size_reason = _pipeline_default(provider, options.pipeline, state_mib)
+        if want_inplace and pipeline is None:
+            pipeline, size_reason = False, "the state is updated in place (inplace_state): a pipelined step could not be undone"
         self._events, reason = self._pipeline_events(provider, options.device_id, pipeline, options.cuda_graph)
         self.pipeline_reason = size_reason or reason
         #: Steps are launched before the previous one's result is read (see ``Trainer``).
@@ -91,6 +122,8 @@ class Executor:
         if self.plan.custom_ops is None:  # the specialised graph's plan must not try the build again
             self._plan_options = dataclasses.replace(
                 self._plan_options, kernels=False if self.plan.scope is None else None, scope=self.plan.scope)
+        #: State inputs updated in place: their outputs are bound to the inputs' own buffers.
+        self.inplace: frozenset[str] = frozenset(self._inplace_safe(self.plan, want_inplace))
         self._init_replay(options)
         if provider == "cuda":
             providers.check_cuda_session(self.session, program.model, allow_cpu_fallback=options.allow_cpu_fallback)
@@ -140,6 +173,22 @@ class Executor:
 
     # -- sessions and buffers -------------------------------------------------------------
 
+    def _inplace_safe(self, plan: SessionPlan, wanted: bool | frozenset[str]) -> list[str]:
+        """The state inputs (of ``wanted``: all, or these) whose update may overwrite them in
+        ``plan``'s graph (``mpgraph._ir.inplace``); a log line names the others and why."""
+        if not wanted:
+            return []
+        safe, refused = inplace_pairs(as_model(plan.graph).graph, self.program.pairs)
+        if wanted is not True:
+            safe, refused = [n for n in safe if n in wanted], {n: r for n, r in refused.items() if n in wanted}
+        if refused:
+            first = "; ".join(f"'{n}': {r}" for n, r in list(refused.items())[:3])
+            logger.log(logging.WARNING if self.options.inplace_state else logging.INFO,
+                       "inplace_state: %d of %d state values keep two buffers (the update might not be the last to "
+                       "read them), e.g. %s", len(refused), len(refused) + len(safe), first)
+            self.inplace_reason = f"{len(refused)} state values not provably safe, e.g. {first}"
+        return safe
+
     def _new_session(self, graph: bool, shapes: Mapping[str, tuple[int, ...]] | None = None) -> ort.InferenceSession:
         """An ORT session of the program's plan (specialised to ``shapes`` when given);
         ``graph`` turns on CUDA graph capture."""
@@ -181,12 +230,26 @@ class Executor:
         self.sets: list[dict[str, ort.OrtValue]] = [{} for _ in range(self.ring)]
         for name, array in arrays.items():
             self.sets[0][name] = self._device_value(array)
-            for spare in self.sets[1:]:
-                spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+            for spare in self.sets[1:]:  # an in-place value has one buffer, in every set
+                spare[name] = self.sets[0][name] if name in self.inplace else ort.OrtValue.ortvalue_from_shape_and_type(
                     list(array.shape), array.dtype, self.device, self.device_id)
         self.slot = 0
         self._bindings = self._ring_bindings(self.session, self._loss_out, self._found_out, self._lr_buf)
         self.replay = None  # new addresses: capture again at the next step
+
+    def _unshare(self, names: frozenset[str]) -> None:
+        """Give the state values ``names`` a buffer per set again (their update may not
+        overwrite them in a new session's graph); the set in use keeps the values."""
+        if not names:
+            return
+        for s, spare in enumerate(self.sets):
+            if s != self.slot:
+                for name in names:
+                    value = spare[name]
+                    spare[name] = ort.OrtValue.ortvalue_from_shape_and_type(
+                        value.shape(), providers.ORT_TYPES[value.data_type()], self.device, self.device_id)
+        self.inplace -= names
+        self._bindings = self._ring_bindings(self.session, self._loss_out, self._found_out, self._lr_buf)
 
     def state_set(self, slot: int | None = None) -> dict[str, ort.OrtValue]:
         """State set ``slot`` (``None``: the one the next step reads)."""
@@ -270,6 +333,8 @@ class Executor:
         except MpgraphError as e:
             self._graph_off(str(e))
             return
+        if self.inplace:
+            self._unshare(self.inplace - frozenset(self._inplace_safe(self.plan, self.inplace)))
         outputs = {o.name: o for o in session.get_outputs()}
         ring = range(len(self.sets))
         found_name = self.program.found_inf_name

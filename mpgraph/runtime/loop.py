@@ -167,6 +167,11 @@ class TrainingLoop(DataStream):
             if not self._undoes(result, mode):
                 report(result)
                 continue
+            if self.executor.inplace:
+                raise TrainingError(
+                    f"non-finite training at step {self.steps - len(self._inflight)}: the loss is {result.loss}, and the "
+                    "state was updated in place (inplace_state), so it holds that step's update and cannot be "
+                    "undone; pass inplace_state=False to keep the state before each step (a second copy of it)")
             after, self._inflight = self._inflight, []
             self.executor.wait(after)  # they read the bad step's state: they go too
             self._advance(-1 - len(after))
@@ -179,7 +184,7 @@ class TrainingLoop(DataStream):
         while self._inflight:
             result = self._finish(self._inflight[0])
             self._inflight.pop(0)
-            if self._undoes(result, mode):
+            if self._undoes(result, mode) and not self.executor.inplace:  # in place: nothing to go back to
                 self.executor.wait(self._inflight)
                 self._advance(-1 - len(self._inflight))
                 self._inflight = []
@@ -222,6 +227,9 @@ class TrainingLoop(DataStream):
                result is read, so ``callback`` sees step k while step k+1 runs. Rules 2-4 hold
                as without pipelining: a bad step is undone with the step launched after it,
                which then runs again, and a checkpoint written from the callback holds step k.
+            7. A trainer that updates the state in place (``inplace_state``) has no state to
+               go back to: a non-finite loss it did not skip raises ``TrainingError`` whatever
+               ``on_nonfinite`` says (the state then holds that step's update).
 
         Args:
             data: A ``Dataset`` (its train split) or arrays by input name: batched in a seeded

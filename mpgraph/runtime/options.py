@@ -36,6 +36,7 @@ class RunOptions:
     mem_pattern: bool | None = None
     pipeline: bool | None = None
     deterministic: bool = False
+    inplace_state: bool | None = None
 
     def replace(self, **changes: Any) -> RunOptions:
         """A copy with ``changes`` (``dataclasses.replace``)."""

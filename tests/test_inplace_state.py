@@ -1,0 +1,155 @@
+"""In-place state updates (``Trainer(inplace_state=...)``, ``mpgraph._ir.inplace``): one buffer
+per state value where the update provably is the last reader of the old value; the same bits
+as two buffer sets; refused, with a log line, where another reader may run after the update;
+what ``estimate_memory`` then counts."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+import mpgraph
+from mpgraph._ir.inplace import inplace_pairs
+from mpgraph.audit.memory import estimate_memory
+from mpgraph.audit.ort_alloc import ARENA_INITIAL_CHUNK, POWER_OF_TWO, Buffer, arena_bytes
+from mpgraph.errors import TrainingError, UsageError
+from mpgraph.runtime.trainer import Trainer
+
+TINY = "models/onnx/tiny_mlp.loss.onnx"  # 4-64-64-2, AdamW state: 6 parameters, flat m and v, step
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def step() -> ir.Model:
+    return mpgraph.build_training_graph(TINY, optimizer="adamw", lr=0.05)
+
+
+@pytest.fixture(scope="module")
+def batches() -> list[dict[str, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    return [{"x": rng.standard_normal((16, 4)).astype(np.float32), "label": rng.integers(0, 2, 16)}
+            for _ in range(STEPS)]
+
+
+def with_late_reader(step: ir.Model, state: str) -> ir.Model:
+    """``step`` plus an output ``ReduceSum(state)`` that no update needs: ORT may run it after
+    the update, so ``state`` must keep two buffers."""
+    model = ir.from_proto(ir.to_proto(step))
+    value = next(v for v in model.graph.inputs if v.name == state)
+    node = ir.node("ReduceSum", [value], name="late_reader")
+    node.outputs[0].name = "late_sum"
+    model.graph.append(node)
+    model.graph.outputs.append(node.outputs[0])
+    return model
+
+
+def train(step: ir.Model, batches: list[dict[str, np.ndarray]], **options: object) -> tuple[Trainer, list[float]]:
+    trainer = Trainer(step, provider="cpu", threads=1, **options)
+    return trainer, [trainer.step(b).loss for b in batches]
+
+
+def shared(trainer: Trainer) -> set[str]:
+    """State values whose two sets are one device buffer."""
+    sets = trainer.executor.sets
+    return {n for n, _ in trainer.pairs if sets[0][n].data_ptr() == sets[1][n].data_ptr()}
+
+
+@pytest.mark.parametrize("kernels", [False, True], ids=["onnx-adamw", "fused-adamw"])
+def test_in_place_trains_the_same_bits_as_two_sets(step, batches, kernels):
+    """Both the ONNX AdamW (``p' = Sub(Mul(p, d), u)``) and mpgraph's fused ``AdamWUpdate``
+    (reads p, m, v of an element, then writes them) update in place; 4 steps, every state
+    value and loss equal bit for bit. The scalar step counter keeps two buffers."""
+    two, two_losses = train(step, batches, kernels=kernels, inplace_state=False)
+    one, one_losses = train(step, batches, kernels=kernels, inplace_state=True)
+    state_names = {n for n, _ in one.pairs}
+    assert one.inplace == shared(one) == state_names - {"optim/step"} and one.inplace_reason == ""
+    assert shared(two) == set() and two.inplace == frozenset()
+    assert one_losses == two_losses
+    for name, value in two.state.items():
+        assert np.array_equal(one.state[name], value), name
+
+
+def test_a_reader_after_the_update_keeps_two_buffers_and_says_why(step, batches, caplog):
+    graph = with_late_reader(step, "fc1.weight")
+    with caplog.at_level(logging.WARNING, logger="mpgraph.runtime.executor"):
+        one, one_losses = train(graph, batches, inplace_state=True)
+    assert "fc1.weight" not in one.inplace and "fc1.weight" not in shared(one)
+    assert {"fc2.weight", "optim/flat/m"} <= one.inplace == shared(one)
+    assert "1 of 8 state values keep two buffers" in caplog.text and "'late_reader' (ReduceSum)" in caplog.text
+    assert "late_reader" in one.inplace_reason
+    two, two_losses = train(graph, batches, inplace_state=False)
+    assert one_losses == two_losses
+    assert all(np.array_equal(one.state[n], v) for n, v in two.state.items())
+
+
+def adamw_graph(late_reader: bool) -> ir.Graph:
+    """``AdamWUpdate(p, g0 + Identity(p), m, v, ...)``, with a ``Neg`` of the view as a second
+    output when ``late_reader``: the Identity is the update's ancestor, the Neg is not."""
+    f = ir.TensorType(ir.DataType.FLOAT)
+    p, g0, m, v = (ir.Value(name=n, type=f, shape=ir.Shape([8])) for n in ("p", "g0", "m", "v"))
+    scalars = [ir.Value(name=f"s{k}", type=f, shape=ir.Shape([])) for k in range(7)]
+    view = ir.node("Identity", [p], name="view")
+    grad = ir.node("Add", [g0, view.outputs[0]], name="grad")
+    adamw = ir.node("AdamWUpdate", [p, grad.outputs[0], m, v, *scalars], domain="ai.mpgraph", num_outputs=3,
+                    name="adamw")
+    for out, name in zip(adamw.outputs, ("p_new", "m_new", "v_new")):
+        out.name = name
+    late = [ir.node("Neg", [view.outputs[0]], name="late")] if late_reader else []
+    return ir.Graph([p, g0, m, v, *scalars], [*adamw.outputs, *(n.outputs[0] for n in late)],
+                    nodes=[view, grad, adamw, *late])
+
+
+def test_inplace_pairs_follow_slots_views_and_ancestry():
+    """The fused AdamW writes p into p' and m into m': a pair (m, p') is not elementwise; a
+    view of the state read after the update is a late reader as well."""
+    pairs = [("p", "p_new"), ("m", "m_new"), ("v", "v_new")]
+    assert inplace_pairs(adamw_graph(False), pairs) == (["p", "m", "v"], {})
+    assert "not elementwise" in inplace_pairs(adamw_graph(False), [("m", "p_new")])[1]["m"]
+    assert inplace_pairs(adamw_graph(True), pairs) == (["m", "v"], {
+        "p": "node 'late' (Neg) reads it and may run after its update 'adamw' (AdamWUpdate)"})
+
+
+def test_fit_cannot_undo_an_in_place_step(step, batches):
+    """A NaN weight makes the first loss NaN: two sets go back to the state before it (and
+    raise as ``on_nonfinite='stop'`` says); in place there is nothing to go back to."""
+    nan_state = {n: a.copy() for n, a in Trainer(step, provider="cpu", threads=1).state.items()}
+    nan_state["fc1.weight"][0, 0] = np.nan
+    with pytest.raises(TrainingError, match="the state is that of step 0"):
+        Trainer(step, provider="cpu", threads=1, state=nan_state, inplace_state=False).fit(batches, steps=2)
+    with pytest.raises(TrainingError, match=r"step 1: .*updated in place"):
+        Trainer(step, provider="cpu", threads=1, state=nan_state, inplace_state=True).fit(batches, steps=2)
+
+
+def test_defaults_and_conflicts(step):
+    trainer = Trainer(step, provider="cpu", threads=1)
+    assert trainer.inplace == frozenset() and "CUDA default" in trainer.inplace_reason
+    with pytest.raises(UsageError, match="exclude each other"):
+        Trainer(step, provider="cpu", threads=1, inplace_state=True, pipeline=True)
+
+
+def test_estimate_counts_one_buffer_per_in_place_value(step):
+    """In place, the output set holds only what stays in two sets: the step counter and the
+    loss; every other state output is ``inplace_bytes``, which a third set does not copy."""
+    bf16 = mpgraph.convert(step, "bf16")
+    two, one = estimate_memory(bf16, batch=64), estimate_memory(bf16, batch=64, inplace=True)
+    state = one.role_bytes["master_weights"] + one.role_bytes["optimizer_state"]
+    assert one.inplace_bytes == state == 4 * 3 * one.parameters and one.inplace_refused == {}
+    assert two.output_bytes - one.output_bytes == state
+    assert two.estimated_peak_bytes - one.estimated_peak_bytes == state
+    assert estimate_memory(bf16, batch=64, inplace=True, state_sets=3).extra_state_set_bytes == one.other_state_bytes
+    late = estimate_memory(with_late_reader(bf16, "fc1.weight"), batch=64, inplace=True)
+    assert list(late.inplace_refused) == ["fc1.weight"] and "late_reader" in late.inplace_refused["fc1.weight"]
+    assert late.inplace_bytes == state - 4 * 4 * 64
+
+
+def test_power_of_two_arena_grows_in_doubling_regions():
+    """ORT's default growth: a 1 MiB region first, then 2 MiB, then 4 MiB (each extension
+    doubles the next one's size): 7 MiB for requests of 0.75 + 0.75 + 3 MiB, which
+    ``kSameAsRequested`` takes as they are."""
+    kib = 1024
+    buffers = [Buffer("a", 0, 2, 768 * kib), Buffer("b", 1, 2, 768 * kib), Buffer("c", 1, 2, 3 * 1024 * kib)]
+    assert arena_bytes(buffers) == (768 + 768 + 3 * 1024) * kib
+    assert arena_bytes(buffers, POWER_OF_TWO) == ARENA_INITIAL_CHUNK * (1 + 2 + 4)
