@@ -35,6 +35,7 @@ import onnx_ir as ir
 
 from mpgraph.lowering.attention import fuse_attention
 from mpgraph.lowering.attention_expand import expand_attention
+from mpgraph.lowering.cross_entropy import fuse_cross_entropy
 from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
@@ -149,6 +150,11 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("softmax_grad", "all", BOTH, SAME, lambda m, t: fuse_softmax_grad(m),
                  "an attention Softmax's backward, found by its and O = P V's gradient blocks, as SoftmaxGradDot "
                  "(softmax.py, csrc/softmax.cu)"),
+    LoweringRule("cross_entropy", "all", BOTH, SAME, lambda m, t: fuse_cross_entropy(m, t.provider),
+                 "a SoftmaxCrossEntropyLoss over a low-precision (padded) GEMM's logits and its backward as "
+                 "SoftmaxCrossEntropyRows/SoftmaxCrossEntropyRowsGrad: the logits read once each, no float32 copy, "
+                 "dlogits in their dtype with zero padding columns; before sce_grad (cross_entropy.py, "
+                 "csrc/cross_entropy.cu; CPU: float32 reference loops)"),
     LoweringRule("relu_grad", "default", BOTH, BIT, lambda m, t: fuse_relu_grad(m),
                  "a Relu's backward as ReluGrad (grads.py, csrc/grads.cu)"),
     LoweringRule("sce_grad", "default", CUDA, SAME, lambda m, t: fuse_sce_grad(m),

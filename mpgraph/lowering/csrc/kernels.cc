@@ -158,6 +158,8 @@ struct Kernel {
   bool has_scale = false;  // false: 1/sqrt(head_dim)
   float scale = 0.0f;
   int64_t causal = 0, q_heads = 0, kv_heads = 0;
+  // SoftmaxCrossEntropyRows(Grad)'s attributes.
+  int64_t ce_valid_cols = 0, ce_ignore_index = 0, ce_has_ignore = 0, ce_reduction = 0;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -839,6 +841,142 @@ OrtStatus* sce_grad_compute(void* kernel, OrtKernelContext* ctx) {
   });
 }
 
+// -- SoftmaxCrossEntropyRows / SoftmaxCrossEntropyRowsGrad (CUDA in cross_entropy.cu) --------
+//
+// SoftmaxCrossEntropyRows(logits, labels) -> (loss, stats, count): SoftmaxCrossEntropyLoss over
+//     the rows of logits [..., cols] (T: float32; CUDA also float16, bfloat16) whose first
+//     ``valid_cols`` columns are the classes (0: all; the rest is a padded GEMM's zero columns),
+//     labels int64 [rows]. Attributes: valid_cols, ignore_index (absent: none ignored),
+//     reduction 0 mean, 1 sum, 2 none. stats float32 [rows, 2] = (max, log(sum exp(x - max)))
+//     per row, count float32 [] = the rows whose label is not ignore_index; loss float32 as the
+//     ONNX op's (mean over the kept rows, sum, or [rows]), -((x[label] - max) - logsum) per row.
+// SoftmaxCrossEntropyRowsGrad(logits, labels, stats, count, dloss) -> dlogits (T, logits' shape):
+//     (exp((x - max) - logsum) - OneHot(Where(kept, label, 0))) * scale in the valid columns,
+//     zero in the padding; scale = dloss / count (mean), dloss (sum) or dloss[row] (none), times
+//     Cast(kept) with an ignore_index: the SoftmaxCrossEntropyLoss gradient rule's operations,
+//     in float32, rounded to T once. A negative label counts from the end (OneHot's rule); one
+//     out of range makes a NaN loss and no hot entry.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_ce_rows_cuda(int type, const void* logits, const int64_t* labels, float* loss, float* stats,
+                                float* count, size_t rows, size_t cols, size_t valid, int64_t ignore, bool has_ignore,
+                                int reduction, void* stream);
+extern "C" int mpg_ce_rows_grad_cuda(int type, const void* logits, const int64_t* labels, const float* stats,
+                                     const float* count, const float* dloss, void* dx, size_t rows, size_t cols,
+                                     size_t valid, int64_t ignore, bool has_ignore, int reduction, void* stream);
+#endif
+
+enum { kCeMean = 0, kCeSum = 1, kCeNone = 2, kCeInt64 = 7 /* ONNX's INT64 */ };
+
+// rows, cols and valid columns of a SoftmaxCrossEntropyRows(Grad)'s logits, checked.
+OrtStatus* ce_shape(const Kernel* k, const char* name, const Tensor& logits, const Tensor& labels, size_t* rows,
+                    size_t* cols, size_t* valid) {
+  if (logits.dims.empty() || labels.type != kCeInt64) return status(std::string(name) + ": logits is a scalar or labels are not int64");
+  *cols = static_cast<size_t>(logits.dims.back());
+  *rows = *cols ? logits.count / *cols : 0;
+  *valid = k->ce_valid_cols > 0 ? static_cast<size_t>(k->ce_valid_cols) : *cols;
+  if (*valid > *cols || labels.count != *rows || k->ce_reduction < kCeMean || k->ce_reduction > kCeNone)
+    return status(std::string(name) + ": valid_cols exceeds the columns, labels disagree with the rows, or reduction is not 0-2");
+  return nullptr;
+}
+
+OrtStatus* ce_rows_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = static_cast<Kernel*>(kernel);
+  Tensor logits, labels, loss, stats, count;
+  if (OrtStatus* st = input(ctx, 0, &logits)) return st;
+  if (OrtStatus* st = input(ctx, 1, &labels)) return st;
+  size_t rows = 0, cols = 0, valid = 0;
+  if (OrtStatus* st = ce_shape(k, "SoftmaxCrossEntropyRows", logits, labels, &rows, &cols, &valid)) return st;
+  const std::vector<int64_t> loss_dims = k->ce_reduction == kCeNone ? std::vector<int64_t>{static_cast<int64_t>(rows)}
+                                                                     : std::vector<int64_t>{};
+  if (OrtStatus* st = output(ctx, 0, loss_dims, &loss)) return st;
+  if (OrtStatus* st = output(ctx, 1, {static_cast<int64_t>(rows), 2}, &stats)) return st;
+  if (OrtStatus* st = output(ctx, 2, {}, &count)) return st;
+  if (rows == 0) return nullptr;
+  const int64_t* idx = reinterpret_cast<const int64_t*>(labels.data);
+  const int64_t ignore = k->ce_ignore_index;
+  const bool has_ignore = k->ce_has_ignore != 0;
+  if (!k->cuda) {
+    if (logits.type != MPG_FLOAT) return status("SoftmaxCrossEntropyRows: the CPU kernel is float32 only");
+    const size_t per = std::max<size_t>(1, kCpuChunk / std::max<size_t>(cols, 1));
+    OrtStatus* st = parallel_for(ctx, (rows + per - 1) / per, [&](size_t b) {
+      for (size_t r = b * per; r < std::min(rows, (b + 1) * per); ++r) {
+        const float* x = logits.data + r * cols;
+        float m = -INFINITY, s = 0.0f;
+        for (size_t j = 0; j < valid; ++j) m = std::max(m, x[j]);
+        if (m != -INFINITY)
+          for (size_t j = 0; j < valid; ++j) s += std::exp(x[j] - m);
+        stats.data[2 * r] = m;
+        stats.data[2 * r + 1] = std::log(s);
+      }
+    });
+    if (st) return st;
+    float sum = 0.0f, kept = 0.0f;
+    for (size_t r = 0; r < rows; ++r) {
+      float term = 0.0f;
+      if (!has_ignore || idx[r] != ignore) {
+        const int64_t c = idx[r] < 0 ? idx[r] + static_cast<int64_t>(valid) : idx[r];
+        term = c >= 0 && c < static_cast<int64_t>(valid)
+                   ? -((logits.data[r * cols + c] - stats.data[2 * r]) - stats.data[2 * r + 1]) : NAN;
+        sum += term;
+        kept += 1.0f;
+      }
+      if (k->ce_reduction == kCeNone) loss.data[r] = term;
+    }
+    *count.data = kept;
+    if (k->ce_reduction == kCeMean) *loss.data = sum / kept;
+    if (k->ce_reduction == kCeSum) *loss.data = sum;
+    return nullptr;
+  }
+  return on_gpu(ctx, "SoftmaxCrossEntropyRows", [&](void* stream) {
+    return MPG_CUDA(mpg_ce_rows_cuda(logits.type, logits.data, idx, loss.data, stats.data, count.data, rows, cols, valid,
+                                     ignore, has_ignore, static_cast<int>(k->ce_reduction), stream));
+  });
+}
+
+OrtStatus* ce_rows_grad_compute(void* kernel, OrtKernelContext* ctx) {
+  const Kernel* k = static_cast<Kernel*>(kernel);
+  Tensor logits, labels, stats, count, dloss, dx;
+  if (OrtStatus* st = input(ctx, 0, &logits)) return st;
+  if (OrtStatus* st = input(ctx, 1, &labels)) return st;
+  if (OrtStatus* st = input(ctx, 2, &stats)) return st;
+  if (OrtStatus* st = input(ctx, 3, &count)) return st;
+  if (OrtStatus* st = input(ctx, 4, &dloss)) return st;
+  size_t rows = 0, cols = 0, valid = 0;
+  if (OrtStatus* st = ce_shape(k, "SoftmaxCrossEntropyRowsGrad", logits, labels, &rows, &cols, &valid)) return st;
+  if (stats.count != 2 * rows || count.count != 1 || dloss.count != (k->ce_reduction == kCeNone ? rows : 1))
+    return status("SoftmaxCrossEntropyRowsGrad: stats, count or dloss disagree with the rows and the reduction");
+  if (OrtStatus* st = output(ctx, 0, logits.dims, &dx)) return st;
+  if (rows == 0) return nullptr;
+  const int64_t* idx = reinterpret_cast<const int64_t*>(labels.data);
+  const int64_t ignore = k->ce_ignore_index;
+  const bool has_ignore = k->ce_has_ignore != 0;
+  const int reduction = static_cast<int>(k->ce_reduction);
+  if (!k->cuda) {
+    if (logits.type != MPG_FLOAT) return status("SoftmaxCrossEntropyRowsGrad: the CPU kernel is float32 only");
+    const size_t per = std::max<size_t>(1, kCpuChunk / std::max<size_t>(cols, 1));
+    return parallel_for(ctx, (rows + per - 1) / per, [&](size_t b) {
+      for (size_t r = b * per; r < std::min(rows, (b + 1) * per); ++r) {
+        const bool kept = !has_ignore || idx[r] != ignore;
+        int64_t hot = kept ? idx[r] : 0;
+        if (hot < 0) hot += static_cast<int64_t>(valid);
+        float scale = reduction == kCeMean ? *dloss.data / *count.data : dloss.data[reduction == kCeNone ? r : 0];
+        if (has_ignore) scale = scale * (kept ? 1.0f : 0.0f);
+        const float m = stats.data[2 * r], logsum = stats.data[2 * r + 1];
+        const float* x = logits.data + r * cols;
+        float* d = dx.data + r * cols;
+        for (size_t j = 0; j < cols; ++j)
+          d[j] = j < valid ? (std::exp((x[j] - m) - logsum) - (hot == static_cast<int64_t>(j) ? 1.0f : 0.0f)) * scale
+                           : 0.0f;
+      }
+    });
+  }
+  return on_gpu(ctx, "SoftmaxCrossEntropyRowsGrad", [&](void* stream) {
+    return MPG_CUDA(mpg_ce_rows_grad_cuda(logits.type, logits.data, idx, stats.data, count.data, dloss.data, dx.data,
+                                          rows, cols, valid, ignore, has_ignore, reduction, stream));
+  });
+}
+
 // -- AdamScalars (CUDA in grads.cu) ---------------------------------------------------------
 //
 // AdamScalars(t, lr, beta1, beta2, one) -> (step_size, bc2_sqrt): Adam's bias-corrected
@@ -1262,6 +1400,13 @@ const OpSpec kSpecs[] = {
     // Stats (SdpaForward's output 1, SdpaBackward's input 5) is float32 whatever elem says.
     {"SdpaForward", MPG_FLOAT, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
     {"SdpaBackward", MPG_FLOAT, kCpuOnly, 6, 3, {}, {}, false, 1, 0, 1, sdpa_backward_compute},
+    // logits T; labels int64; loss, stats, count and dloss float32 (input_type, output_type).
+    {"SoftmaxCrossEntropyRows", MPG_FLOAT, 0, 2, 3, {}, {}, false, 1, 0, 1, ce_rows_compute},
+    {"SoftmaxCrossEntropyRows", MPG_FLOAT16, kCudaOnly, 2, 3, {}, {}, false, 1, 0, 1, ce_rows_compute},
+    {"SoftmaxCrossEntropyRows", MPG_BFLOAT16, kCudaOnly, 2, 3, {}, {}, false, 1, 0, 1, ce_rows_compute},
+    {"SoftmaxCrossEntropyRowsGrad", MPG_FLOAT, 0, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
+    {"SoftmaxCrossEntropyRowsGrad", MPG_FLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
+    {"SoftmaxCrossEntropyRowsGrad", MPG_BFLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
     {"SdpaForward", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -1287,10 +1432,13 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
+  if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
+    return index == 0 ? spec_of(op).elem : index == 1 ? MPG_INT64 : MPG_FLOAT;  // logits, labels, stats/count/dloss
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
 }
 int output_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == sdpa_forward_compute && index == 1) return MPG_FLOAT;  // Stats
+  if (spec_of(op).compute == ce_rows_compute) return MPG_FLOAT;  // loss, stats, count
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).outputs, spec_of(op).out_types);
 }
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
@@ -1327,6 +1475,11 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "is_causal", 0, &made->causal);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "q_num_heads", 0, &made->q_heads);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "kv_num_heads", 0, &made->kv_heads);
+  }
+  if (made->spec->compute == ce_rows_compute || made->spec->compute == ce_rows_grad_compute) {
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "valid_cols", 0, &made->ce_valid_cols);
+    made->ce_has_ignore = attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "ignore_index", 0, &made->ce_ignore_index);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "reduction", 0, &made->ce_reduction);
   }
   *kernel = made;
   return nullptr;
