@@ -47,6 +47,7 @@ from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.scalars import fuse_adam_scalars
+from mpgraph.lowering.sdpa_layout import read_heads_in_place
 from mpgraph.lowering.softmax import fuse_softmax_grad
 from mpgraph.lowering.swiglu import fuse_swiglu_grad
 from mpgraph.lowering.transpose import fold_scales, fold_transposes
@@ -120,6 +121,9 @@ RULES: tuple[LoweringRule, ...] = (
                  "an Attention (no mask, cache or softcap) and its backward as SdpaForward/SdpaBackward: "
                  "the scores stay in the kernel (attention.py; CUDA: cuDNN via csrc/sdpa.cu, float16/bfloat16, "
                  "head dim a multiple of 8 up to 128; CPU: a float32 reference loop)"),
+    LoweringRule("sdpa_layout", "all", BOTH, BIT, lambda m, t: read_heads_in_place(m),
+                 "a fused attention whose tensors are transposed [B, S, H*D] projections reads and writes those "
+                 "directly (3-D layout): no Transpose copies around SdpaForward/SdpaBackward (sdpa_layout.py)"),
     LoweringRule("attention_expand", "native", CUDA, SAME, lambda m, t: expand_attention(m) if t.provider == "cuda" else 0,
                  "an Attention sdpa left (float32, a mask, softcap, other head dims, no cuDNN) as its function body's "
                  "standard ops in the node's dtype, which ORT CUDA runs (attention_expand.py)"),
