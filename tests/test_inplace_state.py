@@ -5,6 +5,7 @@ what ``estimate_memory`` then counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -153,3 +154,24 @@ def test_power_of_two_arena_grows_in_doubling_regions():
     buffers = [Buffer("a", 0, 2, 768 * kib), Buffer("b", 1, 2, 768 * kib), Buffer("c", 1, 2, 3 * 1024 * kib)]
     assert arena_bytes(buffers) == (768 + 768 + 3 * 1024) * kib
     assert arena_bytes(buffers, POWER_OF_TWO) == ARENA_INITIAL_CHUNK * (1 + 2 + 4)
+
+
+def test_recorded_shapes_of_a_specialised_plan_give_the_inferred_numbers(step):
+    """``recorded_shapes=True`` (a session plan, whose fused ops ONNX cannot infer) reads the
+    shapes the specialised graph carries: the same numbers as ONNX shape inference of it."""
+    from mpgraph.io import as_model
+    from mpgraph.lowering import PlanOptions, plan_session
+
+    plan = plan_session(step, "cpu", PlanOptions(kernels=False, shapes={"x": (16, 4), "label": (16,)}))
+    graph = as_model(plan.graph)
+    recorded, inferred = estimate_memory(graph, recorded_shapes=True), estimate_memory(graph, batch=16)
+    assert dataclasses.replace(recorded, batch=16) == inferred and recorded.unknown_shapes == 0
+    assert recorded.arena_strategy == "kSameAsRequested" and recorded.first_step_arena_bytes > 0
+
+
+def test_data_parallel_refuses_in_place(step):
+    from mpgraph.runtime.options import RunOptions
+    from mpgraph.runtime.parallel_trainer import DataParallelTrainer
+
+    with pytest.raises(UsageError, match="one-device Trainer"):
+        DataParallelTrainer(step, RunOptions(threads=1, inplace_state=True))

@@ -270,6 +270,14 @@ def _concrete(proto: onnx.ModelProto, batch: int, dims: Mapping[str, int]) -> di
     return sizes
 
 
+def _recorded(model: ir.Model) -> dict[str, int | None]:
+    """Bytes per value name from the shapes and dtypes the graph records (None: not static)."""
+    values = [*model.graph.inputs, *model.graph.initializers.values(), *(v for n in model.graph for v in n.outputs)]
+    return {v.name: (math.ceil(math.prod(v.shape.numpy()) * v.dtype.itemsize)  # itemsize: 0.5 for 4-bit types
+                     if v.shape is not None and v.dtype is not None and v.shape.is_static() else None)
+            for v in values if v.name}
+
+
 def _per_parameter(model: ir.Model, state: str) -> bool:
     """Optimizer state held per parameter element (moments), not a scalar such as the step."""
     if not state.startswith("optim/"):
@@ -348,7 +356,8 @@ def _check_request(model: ir.Model, batch: int, state_sets: int) -> StepContract
 
 
 def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] | None = None,
-                    state_sets: int = 2, inplace: bool = False, arena: str = SAME_AS_REQUESTED) -> MemoryReport:
+                    state_sets: int = 2, inplace: bool = False, arena: str = SAME_AS_REQUESTED,
+                    recorded_shapes: bool = False) -> MemoryReport:
     """Estimate a training step's memory by role and by liveness.
 
     Args:
@@ -361,13 +370,16 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
             with ``inplace_state`` binds them (``Trainer.inplace``).
         arena: ORT's ``arena_extend_strategy`` (``kSameAsRequested``, the Trainer's on CUDA,
             or ``kNextPowerOfTwo``, ORT's default).
+        recorded_shapes: Take every value's size from the shapes the graph records instead of
+            ONNX shape inference (``batch`` and ``dims`` unused): for a session plan specialised to
+            its batch (``Trainer.executor.plan``), whose fused ops ONNX cannot infer.
 
     Raises:
         MpgraphError: Not a training step graph, or shapes cannot be inferred.
     """
     props = model.metadata_props
     contract = _check_request(model, batch, state_sets)
-    sizes = _concrete(ir.to_proto(model), batch, dims or {})
+    sizes = _recorded(model) if recorded_shapes else _concrete(ir.to_proto(model), batch, dims or {})
     gradients = list(contract.gradients or ())
     params = {p for p, _ in gradients}
     state_inputs = set(contract.state_inputs)
@@ -392,7 +404,7 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     output_bytes = sum(size(n or "") for n in outputs if n not in shared_outputs)
 
     buffers, saved, saved_n, unknown = _walk(nodes := ort_order(model), sizes, outputs)
-    (peak, peak_node), block, arena = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers, arena)
+    (peak, peak_node), block, grown = _peak(buffers, nodes), _pattern_block(buffers), _arena_bytes(buffers, arena)
     persistent = roles["master_weights"] + roles["optimizer_state"] + other_state + data + constants
     extra_sets = (state_sets - 2) * sum(size(s) for s in state_inputs if s not in shared)
     return MemoryReport(
@@ -411,9 +423,9 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         saved_for_backward_values=saved_n,
         transient_peak_bytes=peak,
         transient_peak_node=peak_node,
-        first_step_arena_bytes=arena,
+        first_step_arena_bytes=grown,
         pattern_block_bytes=block,
-        estimated_peak_bytes=persistent + output_bytes + extra_sets + arena + block,
+        estimated_peak_bytes=persistent + output_bytes + extra_sets + grown + block,
         unknown_shapes=unknown,
         nodes=len(model.graph),
         fp8_bytes=_fp8_bytes(model, size),

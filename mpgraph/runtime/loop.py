@@ -167,7 +167,7 @@ class TrainingLoop(DataStream):
             if not self._undoes(result, mode):
                 report(result)
                 continue
-            if self.executor.inplace:
+            if self._in_place:
                 raise TrainingError(
                     f"non-finite training at step {self.steps - len(self._inflight)}: the loss is {result.loss}, and the "
                     "state was updated in place (inplace_state), so it holds that step's update and cannot be "
@@ -184,10 +184,16 @@ class TrainingLoop(DataStream):
         while self._inflight:
             result = self._finish(self._inflight[0])
             self._inflight.pop(0)
-            if self._undoes(result, mode) and not self.executor.inplace:  # in place: nothing to go back to
+            if self._undoes(result, mode) and not self._in_place:  # in place: nothing to go back to
                 self.executor.wait(self._inflight)
                 self._advance(-1 - len(self._inflight))
                 self._inflight = []
+
+    @property
+    def _in_place(self) -> bool:
+        """Some state is updated in place (``Executor.inplace``; a data-parallel executor has
+        none), so a step cannot be undone."""
+        return bool(getattr(self.executor, "inplace", ()))
 
     @staticmethod
     def _undoes(result: StepResult, mode: str) -> bool:

@@ -186,10 +186,6 @@ class DataParallelExecutor:
                                  "of the updated parameters are host code; train on cuda without it")
         self.torch_device = self._torch.device(self.device if provider != "cuda" else f"cuda:{self.device_id}")
         self.pipeline, self.pipeline_reason, self.ring = False, "data-parallel steps run one at a time", 2
-        if self.options.inplace_state:
-            raise UsageError("inplace_state=True needs a one-device Trainer: data-parallel steps keep two state sets")
-        self.inplace: frozenset[str] = frozenset()
-        self.inplace_reason = "data-parallel steps keep two state sets"
         self.tf32, self.provider_options = providers.provider_options(
             self.program.model.metadata_props, provider, device_id=self.device_id, tf32=self.options.tf32,
             extra=self.options.provider_options)

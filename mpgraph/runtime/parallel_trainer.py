@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import onnxruntime as ort
 
-from mpgraph.errors import CheckpointError
+from mpgraph.errors import CheckpointError, UsageError
 from mpgraph.io import ModelLike, as_model
 from mpgraph.runtime.loop import TrainingLoop
 from mpgraph.runtime.options import RunOptions
@@ -61,6 +61,8 @@ class DataParallelTrainer(TrainingLoop):
                  parallel: DataParallelOptions | None = None, group: torch.distributed.ProcessGroup | None = None,
                  state: Mapping[str, np.ndarray] | None = None) -> None:
         self.options = options or RunOptions()
+        if self.options.inplace_state:
+            raise UsageError("inplace_state=True needs a one-device Trainer: data-parallel steps keep two state sets")
         self.program = Program(as_model(model), state)
         self.executor = DataParallelExecutor(self.program, self.options, parallel, group)
         self._start_loop()

@@ -1,0 +1,192 @@
+"""Device memory of a CUDA ``Trainer`` as it runs by default (CUDA graphs), by phase, with the state
+in two buffer sets and updated in place, next to ``estimate_memory`` of the session it captured.
+
+For one step graph (``--graph``, or ``--model gpt2`` built as ``real_models.py`` builds it: HF
+GPT-2 small, TorchScript export, bf16, CUDA target, batch 8, T 1024), each configuration runs in
+a fresh process (ORT keeps its arenas per process):
+
+- ``two-sets``: ``inplace_state=False`` (the state's inputs and outputs in two buffer sets);
+- ``inplace``: ``inplace_state=True`` (one buffer per state value where provably safe);
+- ``inplace-same``: in place, and ORT's arena growing by what is requested
+  (``arena_extend_strategy=kSameAsRequested``; ORT's default is ``kNextPowerOfTwo``).
+
+It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
+before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
+arena grew in each phase (its INFO log, ``memory_check.parse_arena_log``), so arena and
+non-arena memory (CUDA libraries' handles and workspaces, the fused attention's workspace) are
+told apart; and the estimate for the same session (``estimate_memory`` on the capturing session's
+plan, ``recorded_shapes=True``, with the configuration's in-place and arena settings): persistent +
+outputs + first-step arena (that session has no memory pattern).
+
+Run on the GPU machine from the repository root::
+
+    python3 benchmarks/trainer_memory.py --model gpt2 --out results/trainer_memory_gpt2
+    python3 benchmarks/trainer_memory.py --graph STEP.onnx --configs two-sets,inplace
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from memory_check import MARK, parse_arena_log  # noqa: E402
+
+CONFIGS = {
+    "two-sets": {"inplace_state": False},
+    "inplace": {"inplace_state": True},
+    "inplace-same": {"inplace_state": True, "provider_options": {"arena_extend_strategy": "kSameAsRequested"}},
+}
+GIB = 2**30
+
+
+def feeds_for(program, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random data for every data input: class labels and token ids within their bounds."""
+    rng = np.random.default_rng(seed)
+    labels = program.label_bounds()
+    feeds = {}
+    for spec in program.data_inputs:
+        shape = tuple(d if isinstance(d, int) else batch for d in (spec.shape or (batch,)))
+        if np.issubdtype(spec.dtype, np.integer):
+            high = labels[spec.name][0] if spec.name in labels else (program.vocab(spec.name) or 2)
+            feeds[spec.name] = rng.integers(0, high, shape).astype(spec.dtype)
+        else:
+            feeds[spec.name] = rng.standard_normal(shape).astype(spec.dtype)
+    return feeds
+
+
+def _used(before: int) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return total - free - before
+
+
+def _estimate(trainer, config: dict) -> dict[str, int]:
+    from mpgraph.audit.memory import estimate_memory
+    from mpgraph.audit.ort_alloc import POWER_OF_TWO
+    from mpgraph.io import as_model
+
+    arena = (config.get("provider_options") or {}).get("arena_extend_strategy", POWER_OF_TWO)
+    report = estimate_memory(as_model(trainer.executor.plan.graph), recorded_shapes=True,
+                             inplace=bool(trainer.inplace), arena=arena)
+    return {"persistent": report.persistent_bytes, "outputs": report.output_bytes,
+            "arena": report.first_step_arena_bytes, "transient": report.transient_peak_bytes,
+            "inplace": report.inplace_bytes, "total": report.peak_without_pattern_bytes}
+
+
+def child(args: argparse.Namespace) -> None:
+    """One configuration in this fresh process; one JSON line on stdout."""
+    with open(args.log, "w") as log:  # ORT logs to stderr: all of it goes to the log
+        os.dup2(log.fileno(), 2)
+    import onnxruntime as ort
+    import torch
+
+    from mpgraph.runtime.trainer import Trainer
+
+    ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
+    torch.cuda.init()
+    before = _used(0)
+    config = CONFIGS[args.config]
+    os.write(2, f"{MARK} model:init\n".encode())
+    trainer = Trainer(args.graph, "cuda", **config)
+    out = {"init": _used(before), "inplace_values": len(trainer.inplace), "pairs": len(trainer.pairs),
+           "inplace_reason": trainer.inplace_reason, "pipeline": trainer.pipeline}
+    feeds = feeds_for(trainer.program, args.batch)
+    for i in range(1, args.steps + 1):
+        os.write(2, f"{MARK} model:step{min(i, 3)}\n".encode())
+        out[f"loss{i}"] = trainer.step(feeds).loss
+        out[f"step{i}"] = _used(before)
+    out["cuda_graph"], out["estimate"] = trainer.cuda_graph, _estimate(trainer, config)
+    del trainer
+    gc.collect()
+    print(json.dumps(out), flush=True)
+
+
+def run_config(config: str, graph: str, args: argparse.Namespace, logs: Path) -> dict:
+    log = logs / f"{config}.log"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--graph", graph,
+           "--batch", str(args.batch), "--steps", str(args.steps), "--log", str(log)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, check=False)
+    if done.returncode != 0 or not done.stdout.strip():
+        text = log.read_text(errors="replace") if log.exists() else done.stderr
+        return {"error": f"exit {done.returncode}: {(text.strip().splitlines() or [''])[-1][:400]} (log: {log})"}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    arena = parse_arena_log(log.read_text(errors="replace"))
+    result["arena_grew"] = {phase: sum(a["extended"] for name, a in arenas.items() if name.startswith("Cuda"))
+                            for phase, arenas in arena.items()}
+    return result
+
+
+def build_gpt2(workdir: str) -> str:
+    import real_models as rm
+
+    job = rm.PrepJob(model="gpt2", exporter="torchscript", small=False, seed=0, policies=("bf16",), emulate=False,
+                     target="cuda", workdir=workdir)
+    built = rm.prepare(job)
+    if "bf16" not in built["graphs"]:
+        raise SystemExit(f"could not build GPT-2's bf16 step graph: {built['errors']}")
+    return built["graphs"]["bf16"]
+
+
+def report(config: str, r: dict) -> str:
+    if "error" in r:
+        return f"{config:13s} {r['error']}"
+    steps = [k for k in r if k.startswith("step")]
+    est, grew = r["estimate"], r["arena_grew"]
+    g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
+    return (f"{config:13s} init {g(r['init'])}  after steps {' '.join(g(r[s]) for s in steps)} GiB  "
+            f"(arena grew: init {g(grew.get('model:init', 0))}, step 1 {g(grew.get('model:step1', 0))}, "
+            f"later {g(grew.get('model:step2', 0) + grew.get('model:step3', 0))});  estimate {g(est['total'])} = "
+            f"persistent {g(est['persistent'])} + outputs {g(est['outputs'])} + arena {g(est['arena'])} "
+            f"(transient peak {g(est['transient'])});  in place {r['inplace_values']}/{r['pairs']} values "
+            f"({g(est['inplace'])} GiB) {r['inplace_reason']};  cuda_graph {r['cuda_graph']};  "
+            f"loss {r.get('loss1', float('nan')):.4f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--graph", help="A step graph (default: build GPT-2's with --model gpt2).")
+    parser.add_argument("--model", default="gpt2", choices=("gpt2",))
+    parser.add_argument("--configs", default=",".join(CONFIGS))
+    parser.add_argument("--batch", type=int, default=8, help="For symbolic batch dims (GPT-2's are static: 8).")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", help="Folder for trainer_memory.json and the ORT logs.")
+    parser.add_argument("--child-timeout", type=int, default=900)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--config", help=argparse.SUPPRESS)
+    parser.add_argument("--log", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args)
+        return
+    with tempfile.TemporaryDirectory(prefix="trainer_memory.") as tmp:
+        out = Path(args.out or tmp)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        graph = args.graph or build_gpt2(tmp)
+        print(f"# {graph}: device memory over the process's before ORT (GiB)", flush=True)
+        rows = {}
+        for config in args.configs.split(","):
+            rows[config] = run_config(config, graph, args, out / "logs")
+            print(report(config, rows[config]), flush=True)
+        print(f"({time.perf_counter() - start:.0f} s)")
+        if args.out:
+            (out / "trainer_memory.json").write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
