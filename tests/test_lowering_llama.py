@@ -118,6 +118,47 @@ def _sigmoid(shape: tuple[int, ...]) -> ir.Model:
     return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)], ir_version=10))
 
 
+def _norm_read_twice(n: int, d: int) -> ir.Model:
+    """``n = RMSNormalization(x, gamma)`` read by two branches through a bfloat16 round trip
+    (``Cast`` to bfloat16 and back, which ORT CPU runs), so n's gradient is the float32 ``Sum``
+    of two ``Cast``s from bfloat16: the shape of a bf16 step's norm backward, on ORT CPU."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph.training import build_training_graph
+
+    k = h.make_node
+    nodes = [k("RMSNormalization", ["x", "gamma"], ["n"], axis=-1, epsilon=1e-6)]
+    for i in (1, 2):
+        nodes += [k("Cast", ["n"], [f"nb{i}"], to=T.BFLOAT16), k("Cast", [f"nb{i}"], [f"n{i}"], to=T.FLOAT),
+                  k("Mul", [f"n{i}", f"w{i}"], [f"y{i}"])]
+    nodes += [k("Add", ["y1", "y2"], ["y"]), k("ReduceSum", ["y"], ["loss"], keepdims=0)]
+    inputs = [h.make_tensor_value_info("x", T.FLOAT, [n, d]), h.make_tensor_value_info("gamma", T.FLOAT, [d]),
+              h.make_tensor_value_info("w1", T.FLOAT, [n, d]), h.make_tensor_value_info("w2", T.FLOAT, [n, d])]
+    graph = h.make_graph(nodes, "norm2", inputs, [h.make_tensor_value_info("loss", T.FLOAT, [])])
+    model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)], ir_version=10))
+    return build_training_graph(model, optimizer=None, params=[], trainable_inputs=["x", "gamma"])
+
+
+def test_norm_reads_the_bfloat16_parts_of_its_dy():
+    """RmsNormGrad takes the two bfloat16 values (widening on load, as their Casts did), the
+    Casts and the Sum go, and x's and gamma's gradients match the unlowered step on ORT CPU."""
+    step = _norm_read_twice(64, 48)
+    before = _ops(step)
+    lowered = _copy(step)
+    assert fuse_rmsnorm_grad(lowered) == 1
+    norm = next(n for n in lowered.graph if n.op_type == "RmsNormGrad")
+    assert [v.dtype for v in norm.inputs[3:]] == [ir.DataType.BFLOAT16] * 2
+    assert before["Sum"] - _ops(lowered)["Sum"] == 1 and before["Cast"] - _ops(lowered)["Cast"] == 2
+    rng = np.random.default_rng(3)
+    feeds = {"x": rng.standard_normal((64, 48)).astype(np.float32),
+             "gamma": (1 + 0.1 * rng.standard_normal(48)).astype(np.float32),
+             "w1": rng.standard_normal((64, 48)).astype(np.float32), "w2": rng.standard_normal((64, 48)).astype(np.float32)}
+    want, got = run_named(step, feeds), _run(lowered, feeds)
+    for name in ("grad/x", "grad/gamma"):
+        np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2e-6 * np.abs(want[name]).max(), err_msg=name)
+
+
 def test_what_is_left_alone(step):
     """A SwiGLU whose Sigmoid output another forward node reads (its gradient has a third
     term); a backward node a policy recorded in another precision; an RMSNorm over another
@@ -142,8 +183,9 @@ def test_what_is_left_alone(step):
 
 def test_bf16_step_plans_a_bfloat16_swiglu_and_a_float32_norm_for_cuda():
     """The bf16 policy keeps the norm float32 and runs the SwiGLU in bfloat16; for CUDA the
-    fused node replaces a's float32 sum and the Casts around it, and takes dy, a, b
-    and s in bfloat16."""
+    fused SwiGLU node replaces a's float32 sum and the Casts around it, and takes dy, a, b and
+    s in bfloat16; the norm's reads the gate and up projections' bfloat16 input gradients
+    that the graph cast and summed into its dy."""
     low = ab.block_step(SHAPE, low=True)
     assert _ops(low)["Sum"] >= 1
     plan = plan_session(low, "cuda", PlanOptions(scope="all"))
@@ -158,8 +200,8 @@ def test_bf16_step_plans_a_bfloat16_swiglu_and_a_float32_norm_for_cuda():
     assert _ops(plain)["Cast"] - _ops(lowered)["Cast"] == 3  # to float32 twice, and back
     assert {u.node.op_type for u in swiglu.outputs[0].uses()} <= {"MatMul", "FusedMatMul", "Gemm", "Reshape",
                                                                   "Flatten", "Transpose"}
-    norm = next(n for n in lowered.graph if n.op_type == "RmsNormGrad")
-    assert [v.dtype for v in norm.inputs] == [ir.DataType.FLOAT] * 4
+    norm = next(n for n in lowered.graph if n.op_type == "RmsNormGrad")  # x, scale, eps; dy from gate and up
+    assert [v.dtype for v in norm.inputs] == [ir.DataType.FLOAT] * 3 + [ir.DataType.BFLOAT16] * 2
 
 
 @pytest.mark.slow

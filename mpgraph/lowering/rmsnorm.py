@@ -11,19 +11,26 @@ recomputes ``r`` and differentiates::
     dscale = ReduceSum(Mul(dy, xhat)) over the leading axes
 
 thirteen kernels on ORT CUDA over the residual stream (a Llama-style 125M: ``[8, 1024, 768]``
-float32, 25 norms a step). ``RmsNormGrad(dy, x, scale, eps) -> (dx, dscale, workspace)`` is a
-row kernel (r, the row mean and dx; three reads of a row that stays in cache) and a two-stage
-column sum for dscale in a fixed order. The rule finds the backward by value (the node's
-gradient block: ``dy`` into its output, ``dx`` and ``dscale`` its contributions), never by the
-nodes the rule emitted. The kernel computes the rule's terms, summed in another order (``same
-math``).
+float32, 25 norms a step). Before them, the driver's sum of the norm output's gradients: under
+a bf16 policy the q, k and v (or gate and up) projections' bfloat16 input gradients, each cast
+to float32, then a float32 ``Sum``: four more kernels, or three.
+``RmsNormGrad(x, scale, eps, dy...) -> (dx, dscale, workspace)`` reads those parts as they are
+(widening a float16 or bfloat16 part on load is what its Cast did, exactly) and adds them in
+the Sum's order, then is a row kernel (r, the row mean and dx; three reads of a row that stays
+in cache) and a two-stage column sum for dscale in a fixed order. The rule finds the backward
+by value (the node's gradient block: ``dy`` into its output, ``dx`` and ``dscale`` its
+contributions), never by the nodes the rule emitted; dy's parts are the inputs of the ``Sum``
+making it (2 to 4 of them), else dy itself (a bfloat16 one too: the final norm's, read by the
+float32 rule through a Cast). The kernel computes the rule's terms, summed in another order
+(``same math``). The Sum and Casts go where nothing else reads them.
 
 The forward stays ORT's: ``RMSNormalization`` has a CUDA kernel from opset 23 (float, float16,
 bfloat16; ORT's LayerNorm kernel in its simplified form), one kernel already.
 
 Left as they are: an RMSNormalization not over the last axis alone, with another type than
-float32 for dy, x, scale or a contribution (the CPU loop is float32; the CUDA code is templated
-but only float32 is registered), a 1-D x, a scale that is not ``[D]``, a backward a policy
+float32 for x, scale or a contribution (the policies keep norms float32; the CUDA code is
+templated on x's type but only float32 is registered), a dy that is not float32, float16 or
+bfloat16, a 1-D x, a scale that is not ``[D]``, a backward a policy
 computes partly in another precision (``match.interior``) or that is emulated
 (``match.emulated``), and one without a recorded backward.
 """
@@ -41,6 +48,9 @@ from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, 
 __all__ = ["fuse_rmsnorm_grad"]
 
 FLOAT = ir.DataType.FLOAT
+_LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+#: The most parts of dy the kernel adds (Llama's q, k and v projections: three).
+MAX_PARTS = 4
 
 
 def _operands(block: GradientBlock) -> tuple | None:
@@ -58,7 +68,9 @@ def _operands(block: GradientBlock) -> tuple | None:
     if shape is None or len(shape) != 1 or not isinstance(shape[0], int) or (isinstance(cols, int) and shape[0] != cols):
         return None
     grads = [*block.dxs[:2], *[None] * (2 - len(block.dxs[:2]))]
-    if all(g is None for g in grads) or any(v.dtype != FLOAT for v in (x, scale, dy, *grads) if v is not None):
+    if all(g is None for g in grads) or any(v.dtype != FLOAT for v in (x, scale, *grads) if v is not None):
+        return None
+    if dy.dtype not in (FLOAT, *_LOW):
         return None
     if emulated(node.outputs[0], *grads):
         return None
@@ -67,6 +79,36 @@ def _operands(block: GradientBlock) -> tuple | None:
            for n in interior(grads, sources)):
         return None
     return dy, x, scale, grads
+
+
+def _parts(dy: ir.Value, x: ir.Value) -> list[ir.Value]:
+    """The values the graph sums into ``dy`` (a ``Sum``'s 2 to 4 inputs of x's shape, as far as
+    it is known), each read before its widening Cast to float32; else ``[dy]``."""
+    node = dy.producer()
+    if node is None or node.op_type != "Sum" or node.domain not in ("", "ai.onnx") or not 2 <= len(node.inputs) <= MAX_PARTS:
+        return [dy]
+    parts = list(node.inputs)
+    if any(p is None or p.dtype not in (FLOAT, *_LOW) or not _same_shape(p, x) for p in parts):
+        return [dy]
+    return [_unwidened(p) for p in parts]  # type: ignore[arg-type]
+
+
+def _same_shape(value: ir.Value, x: ir.Value) -> bool:
+    """``value`` has x's shape wherever both know a dim (the kernel checks the sizes again)."""
+    if value.shape is None or x.shape is None:
+        return value.shape is None
+    return len(value.shape) == len(x.shape) and all(
+        not isinstance(a, int) or not isinstance(b, int) or a == b for a, b in zip(value.shape, x.shape))
+
+
+def _unwidened(value: ir.Value) -> ir.Value:
+    """The float16 or bfloat16 value a Cast to float32 made ``value`` from (the kernel widens it
+    on load, exactly as the Cast); else ``value``."""
+    node = value.producer()
+    if node is None or node.op_type != "Cast" or node.domain not in ("", "ai.onnx") or value.dtype != FLOAT:
+        return value
+    source = node.inputs[0]
+    return source if source is not None and source.dtype in _LOW else value
 
 
 def fuse_rmsnorm_grad(model: ir.Model) -> int:
@@ -86,7 +128,7 @@ def fuse_rmsnorm_grad(model: ir.Model) -> int:
         eps_value = scalar_constant(graph, f"ai.mpgraph/rmsnorm/eps_{float(np.float32(eps)):.8g}", np.float32(eps), FLOAT)
         first = next(g for g in grads if g is not None)
         meta = dict(first.producer().metadata_props) if first.producer() is not None else {}
-        new = ir.Node(DOMAIN, "RmsNormGrad", [dy, x, scale, eps_value], num_outputs=3,
+        new = ir.Node(DOMAIN, "RmsNormGrad", [x, scale, eps_value, *_parts(dy, x)], num_outputs=3,
                       name=names.fresh(f"{node.name}/RmsNormGrad"), metadata_props=meta)
         for out, shape in zip(new.outputs, (x.shape, scale.shape, None)):
             out.type, out.shape = ir.TensorType(FLOAT), shape

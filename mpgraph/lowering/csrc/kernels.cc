@@ -654,12 +654,14 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 
 // -- RmsNormGrad / SwiGluGrad (CUDA in rmsnorm.cu, swiglu.cu) -------------------------------
 //
-// RmsNormGrad(dy, x, scale, eps) -> (dx, dscale, workspace): the backward of RMSNormalization over
-//     the last axis as its gradient rule writes it, with r = 1 / sqrt(mean(x^2) + eps) per row,
-//     xhat = x * r, dxhat = dy * scale: dx = r * (dxhat - xhat * mean(dxhat * xhat)),
-//     dscale = sum over rows of dy * xhat. eps is a float32 scalar; the workspace (float32,
-//     nothing reads it) holds r and the CUDA column partials. Float32 (the CUDA code is
-//     templated on the element type; only float32 is registered, what the policies make).
+// RmsNormGrad(x, scale, eps, dy...) -> (dx, dscale, workspace): the backward of RMSNormalization
+//     over the last axis as its gradient rule writes it, with r = 1 / sqrt(mean(x^2) + eps) per
+//     row, xhat = x * r, dxhat = dy * scale: dx = r * (dxhat - xhat * mean(dxhat * xhat)),
+//     dscale = sum over rows of dy * xhat. x, scale, eps (a scalar), dx, dscale and the workspace
+//     (nothing reads it: r and the CUDA column partials) are float32 (the CUDA code is templated
+//     on x's type; float32 is what the policies make). dy is 1 to 4 parts of x's size, float32,
+//     float16 or bfloat16 each, added in order after widening: the Sum (and the Casts to float32
+//     before it) that made the rule's dy.
 // SwiGluGrad(dy, a, b, s) -> (da, db): the backward of y = (a * s) * b, s = Sigmoid(a), as the
 //     Mul and Sigmoid rules write it, each step rounded to T: h = a * s, db = dy * h,
 //     dh = dy * b, da = dh * s + (dh * a) * (s * (1 - s)), the last sum in float32.
@@ -667,18 +669,27 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 
 #ifdef MPG_WITH_CUDA
 extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols);
-extern "C" int mpg_rmsnorm_grad_cuda(int type, const void* dy, const void* x, const void* scale, const float* eps, void* dx,
-                                     void* dscale, float* work, size_t rows, size_t cols, void* stream);
+extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy, const int* dy_types, const void* x,
+                                     const void* scale, const float* eps, void* dx, void* dscale, float* work, size_t rows,
+                                     size_t cols, void* stream);
 extern "C" int mpg_swiglu_grad_cuda(int type, const void* dy, const void* a, const void* b, const void* s, void* da,
                                     void* db, size_t n, void* stream);
 #endif
 
-// Rows [r0, r1): dx and r, and this block's dscale sums into part (cols floats).
-void rmsnorm_grad_rows(const float* dy, const float* x, const float* scale, float eps, float* dx, float* rstd,
-                       float* part, size_t r0, size_t r1, size_t cols) {
+constexpr size_t kMaxDyParts = 4;
+
+// Rows [r0, r1): dx and r, and this block's dscale sums into part (cols floats); dy is the
+// parts' sum, widened and added in order.
+void rmsnorm_grad_rows(const Tensor* dy, size_t parts, const float* x, const float* scale, float eps, float* dx,
+                       float* rstd, float* part, size_t r0, size_t r1, size_t cols) {
+  std::vector<float> dyr(cols);
   for (size_t row = r0; row < r1; ++row) {
+    for (size_t j = 0; j < cols; ++j) {
+      float v = load_cpu(dy[0].data, dy[0].type, row * cols + j);
+      for (size_t k = 1; k < parts; ++k) v += load_cpu(dy[k].data, dy[k].type, row * cols + j);
+      dyr[j] = v;
+    }
     const float* xr = x + row * cols;
-    const float* dyr = dy + row * cols;
     float sq = 0.0f;
     for (size_t j = 0; j < cols; ++j) sq += xr[j] * xr[j];
     const float rs = 1.0f / std::sqrt(sq / static_cast<float>(cols) + eps);
@@ -697,13 +708,25 @@ void rmsnorm_grad_rows(const float* dy, const float* x, const float* scale, floa
 
 OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   const bool cuda = static_cast<Kernel*>(kernel)->cuda;
-  Tensor t[4];
-  for (size_t i = 0; i < 4; ++i)
+  size_t count = 0;
+  if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count))
+    return st;
+  const size_t parts = count - 3;
+  if (count < 4 || parts > kMaxDyParts) return status("RmsNormGrad: takes x, scale, eps and 1 to 4 parts of dy");
+  Tensor t[3 + kMaxDyParts];
+  for (size_t i = 0; i < count; ++i)
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
-  const Tensor &dy = t[0], &x = t[1], &scale = t[2];
-  if (x.dims.empty() || t[3].count != 1) return status("RmsNormGrad: x is a scalar or eps is not one");
+  const Tensor &x = t[0], &scale = t[1];
+  if (x.dims.empty() || t[2].count != 1) return status("RmsNormGrad: x is a scalar or eps is not one");
   const size_t cols = static_cast<size_t>(x.dims.back()), rows = cols ? x.count / cols : 0;
-  if (dy.count != x.count || scale.count != cols) return status("RmsNormGrad: dy, x and scale disagree in size");
+  if (scale.count != cols) return status("RmsNormGrad: scale is not one row of x");
+  const void* dy[kMaxDyParts];
+  int dy_types[kMaxDyParts];
+  for (size_t k = 0; k < parts; ++k) {
+    if (t[3 + k].count != x.count) return status("RmsNormGrad: a part of dy differs from x in size");
+    dy[k] = t[3 + k].data;
+    dy_types[k] = t[3 + k].type;
+  }
 #ifdef MPG_WITH_CUDA
   const size_t work = cuda ? mpg_rmsnorm_grad_workspace(rows, cols) : rows;
 #else
@@ -715,24 +738,24 @@ OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   if (OrtStatus* st = output(ctx, 2, {static_cast<int64_t>(work)}, &ws)) return st;
   if (cols == 0) return nullptr;
   if (!cuda) {
-    const float eps = *t[3].data;
+    const float eps = *t[2].data;
     const size_t per = std::max<size_t>(1, kCpuChunk / cols), blocks = (rows + per - 1) / per;
-    std::vector<float> parts(blocks * cols, 0.0f);
+    std::vector<float> sums(blocks * cols, 0.0f);
     OrtStatus* st = parallel_for(ctx, blocks, [&](size_t b) {
-      rmsnorm_grad_rows(dy.data, x.data, scale.data, eps, dx.data, ws.data, parts.data() + b * cols, b * per,
+      rmsnorm_grad_rows(t + 3, parts, x.data, scale.data, eps, dx.data, ws.data, sums.data() + b * cols, b * per,
                         std::min(rows, (b + 1) * per), cols);
     });
     if (st) return st;
     for (size_t j = 0; j < cols; ++j) {
       float sum = 0.0f;
-      for (size_t b = 0; b < blocks; ++b) sum += parts[b * cols + j];
+      for (size_t b = 0; b < blocks; ++b) sum += sums[b * cols + j];
       dscale.data[j] = sum;
     }
     return nullptr;
   }
   return on_gpu(ctx, "RmsNormGrad", [&](void* stream) {  // eps stays on the device: the kernel reads it
-    return MPG_CUDA(mpg_rmsnorm_grad_cuda(x.type, dy.data, x.data, scale.data, t[3].data, dx.data, dscale.data,
-                                          ws.data, rows, cols, stream));
+    return MPG_CUDA(mpg_rmsnorm_grad_cuda(x.type, static_cast<int>(parts), dy, dy_types, x.data, scale.data, t[2].data,
+                                          dx.data, dscale.data, ws.data, rows, cols, stream));
   });
 }
 
@@ -1387,7 +1410,8 @@ const OpSpec kSpecs[] = {
     {"SoftmaxGradDot", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     {"SoftmaxGradDot", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
-    {"RmsNormGrad", MPG_FLOAT, 0, 4, 3, {}, {}, false, 1, 0, 1, rmsnorm_grad_compute},
+    // x, scale, eps float32; dy... variadic, float32, float16 or bfloat16 each; the last output variadic of one.
+    {"RmsNormGrad", 0, 0, 4, 3, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, true, 1, 0, 1, rmsnorm_grad_compute},
     {"SwiGluGrad", MPG_FLOAT, 0, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_FLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_BFLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},

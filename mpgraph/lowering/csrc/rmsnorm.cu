@@ -4,7 +4,9 @@
 // second and third hit the cache) and stores r; dscale = sum over rows of dy * (x * r) is a
 // column pass in two stages through the op's workspace output (partials of 32-row chunks, then
 // their sum in order): fixed orders, no atomics, the same bits on every run. Statistics are
-// float32 whatever T is; each element step is rounded to T as the gradient rule's ops do.
+// float32 whatever T is; each element step is rounded to T as the gradient rule's ops do. dy
+// arrives as the parts the graph summed into it (float32, float16 or bfloat16 each: the Casts to
+// float32 before that Sum happen on load, exactly), added in their order as ORT's Sum does.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -15,7 +17,26 @@
 
 namespace {
 
+struct DyParts {
+  const void* p[4];
+  int type[4];
+  int n;
+};
+
 constexpr int kRowThreads = 256;
+
+__device__ __forceinline__ float load_one(const void* p, int type, size_t i) {
+  if (type == kTypeBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+  if (type == kTypeFloat16) return __half2float(static_cast<const __half*>(p)[i]);
+  return static_cast<const float*>(p)[i];
+}
+
+// dy[i]: its parts widened to float32 and added left to right (p0 + p1 + p2 ...).
+__device__ __forceinline__ float load_dy(const DyParts& d, size_t i) {
+  float v = load_one(d.p[0], d.type[0], i);
+  for (int k = 1; k < d.n; ++k) v = __fadd_rn(v, load_one(d.p[k], d.type[k], i));
+  return v;
+}
 constexpr int kColTile = 32, kRowLanes = 8, kChunkRows = 32;
 
 __device__ __forceinline__ float warp_sum(float v) {
@@ -36,13 +57,13 @@ __device__ float block_sum(float v, float* part) {
 }
 
 template <typename T>
-__global__ void rmsnorm_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const T* __restrict__ scale,
+__global__ void rmsnorm_dx_kernel(const DyParts dy, const T* __restrict__ x, const T* __restrict__ scale,
                                   const float* __restrict__ epsilon, T* __restrict__ dx, float* __restrict__ rstd,
                                   size_t cols) {
   __shared__ float part[kRowThreads / 32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * cols;
-  const T* dyr = dy + row * cols;
+  const size_t base = row * cols;
   float sq = 0.0f;
   for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
     const float v = to_f(xr[j]);
@@ -53,14 +74,14 @@ __global__ void rmsnorm_dx_kernel(const T* __restrict__ dy, const T* __restrict_
   float acc = 0.0f;
   for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
     const float xhat = r<T>(to_f(xr[j]) * rs);
-    const float dxhat = r<T>(to_f(dyr[j]) * to_f(scale[j]));
+    const float dxhat = r<T>(load_dy(dy, base + j) * to_f(scale[j]));
     acc += r<T>(dxhat * xhat);
   }
   const float m = r<T>(block_sum(acc, part) / (float)cols);
   T* dxr = dx + row * cols;
   for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
     const float xhat = r<T>(to_f(xr[j]) * rs);
-    const float dxhat = r<T>(to_f(dyr[j]) * to_f(scale[j]));
+    const float dxhat = r<T>(load_dy(dy, base + j) * to_f(scale[j]));
     dxr[j] = from_f<T>(rs * r<T>(dxhat - r<T>(xhat * m)));
   }
   if (threadIdx.x == 0) rstd[row] = rs;
@@ -68,7 +89,7 @@ __global__ void rmsnorm_dx_kernel(const T* __restrict__ dy, const T* __restrict_
 
 // Block (x, y) sums dy * (x * r) over columns [32x, 32x + 32) and rows [y * 32, y * 32 + 32).
 template <typename T>
-__global__ void rmsnorm_dscale_partial(const T* __restrict__ dy, const T* __restrict__ x, const float* __restrict__ rstd,
+__global__ void rmsnorm_dscale_partial(const DyParts dy, const T* __restrict__ x, const float* __restrict__ rstd,
                                        float* __restrict__ partial, size_t rows, size_t cols) {
   const size_t col = (size_t)blockIdx.x * kColTile + threadIdx.x;
   const size_t begin = (size_t)blockIdx.y * kChunkRows;
@@ -77,7 +98,7 @@ __global__ void rmsnorm_dscale_partial(const T* __restrict__ dy, const T* __rest
   if (col < cols)
     for (size_t row = begin + threadIdx.y; row < end; row += kRowLanes) {
       const float xhat = r<T>(to_f(x[row * cols + col]) * rstd[row]);
-      acc += r<T>(to_f(dy[row * cols + col]) * xhat);
+      acc += r<T>(load_dy(dy, row * cols + col) * xhat);
     }
   __shared__ float part[kRowLanes][kColTile + 1];
   part[threadIdx.y][threadIdx.x] = acc;
@@ -100,7 +121,7 @@ __global__ void rmsnorm_dscale_total(const float* __restrict__ partial, T* __res
 }
 
 template <typename T>
-int launch(const T* dy, const T* x, const T* scale, const float* eps, T* dx, T* dscale, float* work, size_t rows, size_t cols,
+int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, T* dx, T* dscale, float* work, size_t rows, size_t cols,
            cudaStream_t s) {
   const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
   float* rstd = work;
@@ -120,20 +141,29 @@ extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols) {
   return rows + (rows + kChunkRows - 1) / kChunkRows * cols;
 }
 
-// dy, x, scale, dx and dscale of one element type (float32, float16 or bfloat16); eps: a float32 on the device.
-extern "C" int mpg_rmsnorm_grad_cuda(int type, const void* dy, const void* x, const void* scale, const float* eps, void* dx,
-                                     void* dscale, float* work, size_t rows, size_t cols, void* stream) {
+// x, scale, dx and dscale of one element type (float32, float16 or bfloat16); dy: 1 to 4 parts of
+// x's size, each float32, float16 or bfloat16 (types: ONNX element types); eps: a float32 on the device.
+extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy, const int* dy_types, const void* x,
+                                     const void* scale, const float* eps, void* dx, void* dscale, float* work, size_t rows,
+                                     size_t cols, void* stream) {
+  if (parts < 1 || parts > 4) return (int)cudaErrorInvalidValue;
+  DyParts d{};
+  d.n = parts;
+  for (int k = 0; k < parts; ++k) {
+    d.p[k] = dy[k];
+    d.type[k] = dy_types[k];
+  }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   if (type == kTypeBFloat16) {
     using T = __nv_bfloat16;
-    return launch(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(scale), eps,
+    return launch(d, static_cast<const T*>(x), static_cast<const T*>(scale), eps,
                   static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
   }
   if (type == kTypeFloat16) {
     using T = __half;
-    return launch(static_cast<const T*>(dy), static_cast<const T*>(x), static_cast<const T*>(scale), eps,
+    return launch(d, static_cast<const T*>(x), static_cast<const T*>(scale), eps,
                   static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
   }
-  return launch(static_cast<const float*>(dy), static_cast<const float*>(x), static_cast<const float*>(scale), eps,
+  return launch(d, static_cast<const float*>(x), static_cast<const float*>(scale), eps,
                 static_cast<float*>(dx), static_cast<float*>(dscale), work, rows, cols, s);
 }
