@@ -11,9 +11,11 @@ from __future__ import annotations
 from collections import Counter
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from mpgraph.lowering import DOMAIN, library
 from mpgraph.lowering.attention import fuse_attention
@@ -49,14 +51,15 @@ def _run(model: ir.Model, feeds: dict) -> dict[str, np.ndarray]:
 
 
 def _near_attention(model: ir.Model) -> Counter:
-    """Transposes that read or feed a fused attention op, through at most one Reshape."""
+    """Transposes that read or feed a fused attention op, through at most one Reshape or
+    RotaryEmbedding."""
     found: Counter = Counter()
     for node in model.graph:
         if node.op_type != "Transpose":
             continue
         ends = [node.inputs[0].producer()] + [u for v in node.outputs for u, _ in v.uses()]
         for end in list(ends):
-            if end is not None and end.op_type == "Reshape":
+            if end is not None and end.op_type in ("Reshape", "RotaryEmbedding"):
                 ends += [end.inputs[0].producer()] + [u for v in end.outputs for u, _ in v.uses()]
         if any(e is not None and e.domain == DOMAIN and e.op_type.startswith("Sdpa") for e in ends):
             found[node.name] += 1
@@ -100,3 +103,51 @@ def test_a_forward_whose_output_is_read_in_4d_is_left_alone(fused: ir.Model) -> 
     model.graph.outputs.append(forwards[0].outputs[0])
     assert read_heads_in_place(model) == 1
     assert len(forwards[0].inputs[0].shape) == 4 and forwards[0].graph is not None
+
+
+def _rotary_block(hq: int = 4, hkv: int = 2, b: int = 2, t: int = 8, head: int = 8) -> onnx.ModelProto:
+    """x -> Q, K, V projections, each reshaped to heads and transposed, Q and K rotated (ONNX
+    ``RotaryEmbedding`` on 4-D, as Llama's canonicalised export), causal GQA ``Attention``,
+    transposed and reshaped back, an output projection, a mean-square loss."""
+    d = hq * head
+    n = helper.make_node
+    nodes = []
+    for name, heads in (("q", hq), ("k", hkv), ("v", hkv)):
+        nodes += [n("MatMul", ["x", f"w{name}"], [f"{name}3"]), n("Reshape", [f"{name}3", f"shape_{heads}"], [f"{name}s"]),
+                  n("Transpose", [f"{name}s"], [f"{name}4"], perm=[0, 2, 1, 3])]
+    nodes += [n("RotaryEmbedding", [f"{name}4", "cos", "sin"], [f"{name}r"], num_heads=heads)
+              for name, heads in (("q", hq), ("k", hkv))]
+    nodes += [n("Attention", ["qr", "kr", "v4"], ["a"], is_causal=1), n("Transpose", ["a"], ["a_t"], perm=[0, 2, 1, 3]),
+              n("Reshape", ["a_t", "shape_flat"], ["a3"]), n("MatMul", ["a3", "wo"], ["o"]),
+              n("Mul", ["o", "o"], ["sq"]), n("ReduceMean", ["sq"], ["loss"], keepdims=0)]
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array((rng.standard_normal((d, cols)) / 4).astype(np.float32), name)
+             for name, cols in (("wq", d), ("wk", hkv * head), ("wv", hkv * head), ("wo", d))]
+    inits += [numpy_helper.from_array(np.array([b, t, h, head], dtype=np.int64), f"shape_{h}") for h in {hq, hkv}]
+    inits.append(numpy_helper.from_array(np.array([b, t, d], dtype=np.int64), "shape_flat"))
+    angle = np.arange(t)[:, None] / 10000 ** (np.arange(head // 2) / (head // 2))
+    for name, f in (("cos", np.cos), ("sin", np.sin)):
+        inits.append(numpy_helper.from_array(np.broadcast_to(f(angle), (b, t, head // 2)).astype(np.float32).copy(), name))
+    graph = helper.make_graph(nodes, "block", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [b, t, d])],
+                              [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+
+
+def test_rotary_moves_to_3d_and_the_bits_stay() -> None:
+    """Llama's form: Q and K rotated between their transposes and the fused attention (and
+    their gradients rotated back after it). Each rotary runs on the 3-D tensors instead, no
+    transpose is left around the attention, and the step computes the same bits."""
+    step = build_training_graph(_rotary_block(), optimizer="adamw", lr=1e-2)
+    step = specialize_shapes(step, {"x": [2, 8, 32]})
+    assert fuse_attention(step, "cpu") == 1
+    lowered = _copy(step)
+    assert len(_near_attention(step)) == 8 and read_heads_in_place(lowered) == 1
+    assert not _near_attention(lowered)
+    rotary = [n for n in lowered.graph if n.op_type == "RotaryEmbedding"]
+    assert len(rotary) == 4 and all(len(n.inputs[0].shape) == 3 for n in rotary)  # q, k and their backward
+    assert sorted(n.attributes["num_heads"].as_int() for n in rotary) == [2, 2, 4, 4]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)}
+    want, got = _run(step, feeds), _run(lowered, feeds)
+    assert want.keys() == got.keys()
+    for name, w in want.items():
+        np.testing.assert_array_equal(got[name], w, err_msg=name)

@@ -23,6 +23,7 @@ bit-identical.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import onnx_ir as ir
 
@@ -50,8 +51,28 @@ def _heads_of(flat: ir.Value, split: ir.Value) -> bool:
     return f[:2] == s[:2] and f[2] == s[2] * s[3]
 
 
-def _source(value: ir.Value | None, chain: set[ir.Node]) -> ir.Value | None:
-    """The ``[B, S, H * D]`` tensor ``value`` ``[B, H, S, D]`` was transposed from, or ``None``."""
+@dataclass
+class _End:
+    """One 4-D tensor of the pair as a ``[B, S, H * D]`` one: ``flat``, through a
+    ``RotaryEmbedding`` (``rotary``, 4-D) between it and the attention op, or not."""
+
+    flat: ir.Value
+    rotary: ir.Node | None = None
+
+
+def _rotary(node: ir.Node | None) -> bool:
+    return node is not None and node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx") \
+        and len(node.inputs) >= 3 and all(v is not None for v in node.inputs[1:3])
+
+
+def _source(value: ir.Value | None, chain: set[ir.Node], pair: set[ir.Node]) -> _End | None:
+    """``value`` ``[B, H, S, D]`` as the ``[B, S, H * D]`` tensor it was transposed from, maybe
+    then rotated (a ``RotaryEmbedding`` read by the pair only), or ``None``."""
+    rotary = value.producer() if value is not None else None
+    if _rotary(rotary) and all(node in pair for node, _ in value.uses()) and not value.is_graph_output():  # type: ignore[union-attr]
+        value = rotary.inputs[0]  # type: ignore[union-attr]
+    else:
+        rotary = None
     swap = producer(value, "Transpose")
     reshape = producer(swap.inputs[0], "Reshape") if swap is not None else None
     if reshape is None or perm(swap) != _SWAP or reshape.inputs[0] is None:
@@ -59,29 +80,43 @@ def _source(value: ir.Value | None, chain: set[ir.Node]) -> ir.Value | None:
     flat = reshape.inputs[0]
     if not _heads_of(flat, reshape.outputs[0]):
         return None
-    chain.update((swap, reshape))  # type: ignore[arg-type]
-    return flat
+    chain.update(n for n in (swap, reshape, rotary) if n is not None)
+    return _End(flat, rotary)
 
 
-def _sink(value: ir.Value, chain: set[ir.Node], also: ir.Node | None = None) -> ir.Value | None:
-    """The ``[B, S, H * D]`` tensor that ``value`` ``[B, H, S, D]`` is transposed and reshaped
-    into, when that is all that reads it (besides ``also``), or ``None``."""
-    if value.is_graph_output():
-        return None
-    readers = [node for node, _ in value.uses() if node is not also]
-    if len(readers) != 1:
-        return None
-    swap = readers[0]
-    if swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx") or perm(swap) != _SWAP:
+def _sink(value: ir.Value, chain: set[ir.Node], also: ir.Node | None = None) -> _End | None:
+    """The ``[B, S, H * D]`` tensor that ``value`` ``[B, H, S, D]`` is (maybe rotated, then)
+    transposed and reshaped into, when that is all that reads it (besides ``also``), or ``None``."""
+    def only(v: ir.Value, skip: ir.Node | None = None) -> ir.Node | None:
+        readers = [node for node, _ in v.uses() if node is not skip]
+        return readers[0] if len(readers) == 1 and not v.is_graph_output() else None
+
+    swap = only(value, also)
+    rotary = swap if _rotary(swap) and swap.inputs[0] is value else None  # type: ignore[union-attr]
+    if rotary is not None:
+        swap = only(rotary.outputs[0])
+    if swap is None or swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx") or perm(swap) != _SWAP:
         return None
     moved = swap.outputs[0]
-    if moved.is_graph_output() or len(moved.uses()) != 1:
+    reshape = only(moved)
+    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx") \
+            or not _heads_of(reshape.outputs[0], moved):
         return None
-    reshape = next(iter(moved.uses()))[0]
-    if reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx") or not _heads_of(reshape.outputs[0], moved):
-        return None
-    chain.update((swap, reshape))
-    return reshape.outputs[0]
+    chain.update(n for n in (swap, reshape, rotary) if n is not None)
+    return _End(reshape.outputs[0], rotary)
+
+
+def _rotate(rw: Rewrite, end: _End, value: ir.Value, heads: int) -> ir.Value:
+    """``value`` (3-D) through ``end``'s rotary in its 3-D form, placed where that rotary is
+    (after its cos/sin inputs and after ``value``'s producer)."""
+    if end.rotary is None:
+        return value
+    attrs = {name: attr for name, attr in end.rotary.attributes.items() if name != "num_heads"}
+    node = rw.node("RotaryEmbedding", value, *end.rotary.inputs[1:], name="bshd", like=end.rotary, **attrs,
+                   num_heads=heads)
+    rw.graph.insert_before(end.rotary, node)
+    node.outputs[0].shape, node.outputs[0].type = value.shape, value.type
+    return node.outputs[0]
 
 
 def _backward_of(forward: ir.Node) -> ir.Node | None:
@@ -100,34 +135,40 @@ def _rewrite(graph: ir.Graph, forward: ir.Node, names: NameScope) -> bool:
     q, k, v = forward.inputs[:3]
     if forward.attributes.get_int("q_num_heads", 0) or any(_dims(t, 4) is None for t in (q, k, v)):
         return False  # already 3-D, or not 4-D
-    chain: set[ir.Node] = set()
-    flats = [_source(t, chain) for t in (q, k, v)]
+    heads = _dims(q, 4)[1], _dims(k, 4)[1]  # type: ignore[index]
+    if not all(isinstance(h, int) for h in heads):
+        return False
     backward = _backward_of(forward)
+    pair = {forward} | ({backward} if backward is not None else set())
+    chain: set[ir.Node] = set()
+    sources = [_source(t, chain, pair) for t in (q, k, v)]
     y = _sink(forward.outputs[0], chain, also=backward)
-    if any(f is None for f in flats) or y is None:
+    if any(e is None for e in sources) or y is None or y.rotary is not None:
         return False
     if backward is not None:
         if list(backward.inputs[:4]) != [q, k, v, forward.outputs[0]] or backward.inputs[5] is not forward.outputs[1]:
             return False
-        dy = _source(backward.inputs[4], chain)
+        dy = _source(backward.inputs[4], chain, pair)
         grads = [_sink(g, chain) for g in backward.outputs]
-        if dy is None or any(g is None for g in grads):
+        if dy is None or dy.rotary is not None or any(g is None for g in grads):
             return False
-    heads = _dims(q, 4)[1], _dims(k, 4)[1]  # type: ignore[index]
-    if not all(isinstance(h, int) for h in heads):
-        return False
+    per_input = (heads[0], heads[1], heads[1])
     rw = Rewrite(graph, forward.name or "SdpaForward", names=names)
+    flats = [_rotate(rw, e, e.flat, h) for e, h in zip(sources, per_input)]  # type: ignore[union-attr]
     fused = rw.node("SdpaForward", *flats, name="bshd", domain=DOMAIN, num_outputs=2, like=forward,
                     **_attributes(forward, *heads))
     graph.insert_before(forward, fused)
-    hand_over([y, forward.outputs[1]], fused.outputs)
+    hand_over([y.flat, forward.outputs[1]], fused.outputs)
     if backward is not None:
         rw_b = Rewrite(graph, backward.name or "SdpaBackward", names=names)
-        node = rw_b.node("SdpaBackward", *flats, fused.outputs[0], dy, fused.outputs[1], name="bshd", domain=DOMAIN,
-                         num_outputs=3, like=backward, **_attributes(backward, *heads))
+        node = rw_b.node("SdpaBackward", *flats, fused.outputs[0], dy.flat, fused.outputs[1], name="bshd",  # type: ignore[union-attr]
+                         domain=DOMAIN, num_outputs=3, like=backward, **_attributes(backward, *heads))
         graph.insert_before(backward, node)
-        hand_over(grads, node.outputs)  # type: ignore[arg-type]
-    remove_dead(graph, chain | {forward} | ({backward} if backward is not None else set()))
+        for out, flat in zip(node.outputs, flats):  # dQ, dK, dV as Q, K, V (a rotary after reads them)
+            out.shape, out.type = flat.shape, flat.type
+        outs = [_rotate(rw_b, end, out, h) for end, out, h in zip(grads, node.outputs, per_input)]  # type: ignore[arg-type]
+        hand_over([e.flat for e in grads], outs)  # type: ignore[union-attr]
+    remove_dead(graph, chain | pair)
     return True
 
 
