@@ -14,7 +14,9 @@ layout as it is (ONNX ``Attention``'s 3-D form, ``q_num_heads``/``kv_num_heads``
     dq = R(T(dq4)); dk = ...; dv = ...
 
 with ``T`` the ``Transpose(perm=[0, 2, 1, 3])`` and ``R`` a ``Reshape`` between ``[B, S, H * D]``
-and ``[B, S, H, D]``. The pair is rewritten together or not at all (a forward without a
+and ``[B, S, H, D]``. A ``RotaryEmbedding`` between a transpose and the attention (Llama's Q
+and K, and their gradients after it) runs on the 3-D tensor instead, in its ``num_heads`` form.
+The pair is rewritten together or not at all (a forward without a
 backward, in an evaluation graph, alone): every one of its 4-D tensors must come from, or go
 only to, such a chain. The kernels compute the same sums in the same order on either layout:
 bit-identical.
