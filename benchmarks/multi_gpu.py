@@ -155,6 +155,24 @@ class MpgraphSide:
         return self.runner.step({self.data: share["tokens"], self.label_name: share["labels"]}).loss
 
 
+class TrainerSide:
+    """The one-process ``Trainer`` on the same step graph (world size 1 only): what the
+    data-parallel executor's two sessions cost against one session (and, on CUDA, against
+    one captured CUDA graph)."""
+
+    def __init__(self, cfg: Config, graph: str, cuda_graph: bool | None) -> None:
+        from mpgraph.runtime.trainer import Trainer
+
+        self.trainer = (Trainer(graph, "cpu", threads=1) if cfg.cpu
+                        else Trainer(graph, "cuda", cuda_graph=cuda_graph, pipeline=False))
+        names = [s.name for s in self.trainer.data_inputs]
+        self.data = next(n for n in names if n not in ("label", "labels"))
+        self.label_name = next(n for n in names if n != self.data)
+
+    def step(self, share: dict[str, np.ndarray]) -> float:
+        return self.trainer.step({self.data: share["tokens"], self.label_name: share["labels"]}).loss
+
+
 class TorchSide:
     """torch DDP (+ AMP bf16 on CUDA) on this rank; ``step`` takes this rank's share."""
 
@@ -246,9 +264,14 @@ def run_world(rank: int, world: int, cfg: Config, device: torch.device) -> dict[
         mp_side = MpgraphSide(cfg, cfg.graph, 1)
         th_side = TorchSide(cfg, _copy(module), device, 1)
     shares = [_share(b, rank, world) for b in global_batches(cfg, vocab, seq, 4, cfg.batch * world)]
-    times: dict[str, list[float]] = {"mpgraph": [], "torch": []}
+    sides: dict[str, Any] = {"mpgraph": mp_side, "torch": th_side}
+    if world == 1:  # the one-process Trainer beside them: what the split step costs
+        sides["trainer"] = TrainerSide(cfg, cfg.graph, False)
+        if not cfg.cpu:
+            sides["trainer_graph"] = TrainerSide(cfg, cfg.graph, None)
+    times: dict[str, list[float]] = {name: [] for name in sides}
     for r in range(cfg.rounds + 1):
-        for name, side in (("mpgraph", mp_side), ("torch", th_side)):
+        for name, side in sides.items():
             ms = _time_round(cfg, side, shares)
             if r:
                 times[name].append(ms)
@@ -290,7 +313,7 @@ def report(cfg: Config, results: dict[int, dict[str, Any]]) -> str:
     lines = [f"model {cfg.model}{' (tiny, --cpu)' if cfg.cpu else ''}, per-GPU batch {cfg.batch}, "
              f"{'float32 on CPU (gloo)' if cfg.cpu else 'bf16 (NCCL)'}, reduction {cfg.reduction}, "
              f"device {one['device']}, {cfg.rounds} rounds x {cfg.steps} steps",
-             f"{'stack':<22}{'GPUs':>5}{'global batch':>14}{'ms/step':>10}{'samples/s':>11}{'scaling':>9}"
+             f"{'stack':<40}{'GPUs':>5}{'global batch':>14}{'ms/step':>10}{'samples/s':>11}{'scaling':>9}"
              f"{'vs DDP':>8}{f'loss@{k}':>12}{f'1-GPU loss@{k}':>15}{'max |dloss|':>13}"]
     for stack, label in (("mpgraph", "mpgraph data-parallel"), ("torch", "torch DDP + AMP bf16" if not cfg.cpu
                                                                       else "torch DDP fp32")):
@@ -300,10 +323,21 @@ def report(cfg: Config, results: dict[int, dict[str, Any]]) -> str:
             scaling = f"{one['ms'][stack] / ms:>8.1%}" if world != worlds[0] else f"{'-':>8}"
             ratio = ms / got["ms"]["torch"]
             losses, ref = got[f"{stack}_losses"], one[f"{stack}_losses"]
-            diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True)) if world != worlds[0] else float("nan")
-            lines.append(f"{label:<22}{world:>5}{cfg.batch * world:>14}{ms:>10.2f}{cfg.batch * world * 1e3 / ms:>11.1f}"
-                         f" {scaling}{ratio:>8.2f}{losses[-1]:>12.5f}{ref[-1]:>15.5f}{diff:>13.2e}")
-    lines.append("scaling: per-sample throughput on N GPUs over N x one GPU's (t1/tN). loss@k: mean loss of "
+            if world != worlds[0]:
+                diff = max(abs(a - b) for a, b in zip(losses, ref, strict=True))
+                check = f"{losses[-1]:>12.5f}{ref[-1]:>15.5f}{diff:>13.2e}"
+            else:
+                check = f"{losses[-1]:>12.5f}{'(this row)':>15}{'-':>13}"
+            lines.append(f"{label:<40}{world:>5}{cfg.batch * world:>14}{ms:>10.2f}{cfg.batch * world * 1e3 / ms:>11.1f}"
+                         f" {scaling}{ratio:>8.2f}{check}")
+    for name, label in (("trainer", "mpgraph Trainer, 1 process" + ("" if cfg.cpu else ", no CUDA graph")),
+                        ("trainer_graph", "mpgraph Trainer, 1 process, CUDA graph")):
+        if name in one["ms"]:
+            ms = one["ms"][name]
+            lines.append(f"{label:<40}{worlds[0]:>5}{cfg.batch:>14}{ms:>10.2f}{cfg.batch * 1e3 / ms:>11.1f}"
+                         f" {'-':>8}{ms / one['ms']['torch']:>8.2f}")
+    lines.append("scaling: per-sample throughput on N GPUs over N x one GPU's (t1/tN). Trainer rows: the "
+                 "one-process trainer on the same step graph and batches (no data-parallel split). loss@k: mean loss of "
                  f"step {k} on the check's global batch of {cfg.batch * cfg.gpus}; 1-GPU: the same batches as "
                  f"{cfg.gpus} micro-batches on one GPU.")
     return "\n".join(lines)
