@@ -5,10 +5,13 @@ For one step graph (``--graph``, or ``--model gpt2`` built as ``real_models.py``
 GPT-2 small, TorchScript export, bf16, CUDA target, batch 8, T 1024), each configuration runs in
 a fresh process (ORT keeps its arenas per process):
 
-- ``two-sets``: ``inplace_state=False`` (the state's inputs and outputs in two buffer sets);
-- ``inplace``: ``inplace_state=True`` (one buffer per state value where provably safe);
-- ``inplace-same``: in place, and ORT's arena growing by what is requested
-  (``arena_extend_strategy=kSameAsRequested``; ORT's default is ``kNextPowerOfTwo``).
+- ``before``: the Trainer as it ran before in-place updates: two buffer sets
+  (``inplace_state=False``) and ORT's arena growing to the next power of two
+  (``arena_extend_strategy=kNextPowerOfTwo``, ORT's default);
+- ``two-sets``: two sets, the Trainer's arena growth now (``kSameAsRequested``);
+- ``inplace-pow2``: in place, ``kNextPowerOfTwo``;
+- ``after``: the Trainer's defaults now (in place on CUDA for a state over 512 MiB,
+  ``kSameAsRequested``).
 
 It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
 before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
@@ -21,7 +24,7 @@ outputs + first-step arena (that session has no memory pattern).
 Run on the GPU machine from the repository root::
 
     python3 benchmarks/trainer_memory.py --model gpt2 --out results/trainer_memory_gpt2
-    python3 benchmarks/trainer_memory.py --graph STEP.onnx --configs two-sets,inplace
+    python3 benchmarks/trainer_memory.py --graph STEP.onnx --configs before,after
 """
 
 from __future__ import annotations
@@ -44,10 +47,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from memory_check import MARK, parse_arena_log  # noqa: E402
 
+POW2 = {"arena_extend_strategy": "kNextPowerOfTwo"}
 CONFIGS = {
+    "before": {"inplace_state": False, "provider_options": POW2},
     "two-sets": {"inplace_state": False},
-    "inplace": {"inplace_state": True},
-    "inplace-same": {"inplace_state": True, "provider_options": {"arena_extend_strategy": "kSameAsRequested"}},
+    "inplace-pow2": {"inplace_state": True, "provider_options": POW2},
+    "after": {},
 }
 GIB = 2**30
 
@@ -77,10 +82,9 @@ def _used(before: int) -> int:
 
 def _estimate(trainer, config: dict) -> dict[str, int]:
     from mpgraph.audit.memory import estimate_memory
-    from mpgraph.audit.ort_alloc import POWER_OF_TWO
     from mpgraph.io import as_model
 
-    arena = (config.get("provider_options") or {}).get("arena_extend_strategy", POWER_OF_TWO)
+    arena = trainer.provider_options["arena_extend_strategy"]
     report = estimate_memory(as_model(trainer.executor.plan.graph), recorded_shapes=True,
                              inplace=bool(trainer.inplace), arena=arena)
     return {"persistent": report.persistent_bytes, "outputs": report.output_bytes,

@@ -32,6 +32,7 @@ def test_in_place_cuda_steps_equal_two_sets(policy):
         sets = trainer.executor.sets
         shared = {n for n, _ in trainer.pairs if sets[0][n].data_ptr() == sets[1][n].data_ptr()}
         assert trainer.cuda_graph, trainer.cuda_graph_reason
+        assert trainer.provider_options["arena_extend_strategy"] == "kSameAsRequested"
         assert shared == set(trainer.inplace) and (len(shared) == len(trainer.pairs) - 1 if inplace else not shared)
         runs[inplace] = (losses, trainer.state)
     assert runs[True][0] == runs[False][0]

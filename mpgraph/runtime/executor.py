@@ -48,6 +48,12 @@ logger = logging.getLogger(__name__)
 
 #: ``pipeline=None`` pipelines only when one state set is at most this size (MiB).
 PIPELINE_MAX_STATE_MIB = 512
+#: How the CUDA sessions' arena grows (``provider_options`` may say otherwise): by what is
+#: requested, not ORT's default next power of two. A captured step allocates only in its first
+#: runs, so the extra ``cudaMalloc`` calls cost nothing later; GPT-2 small's bf16 step (its
+#: capturing plan at b6bc08f) needs 4.65 GiB of arena so against 5.00 (``estimate_memory``,
+#: ``benchmarks/plan_memory.py``).
+ARENA_EXTEND_STRATEGY = "kSameAsRequested"
 
 
 def _pipeline_default(provider: str, pipeline: bool | None, state_mib: float) -> tuple[bool | None, str]:
@@ -108,6 +114,7 @@ class Executor:
         # Three state sets when pipelined: a bad step and the one launched after it can both go.
         self.ring = 3 if self.pipeline else 2
         extra = {**(self._events.provider_options() if self._events else {}),
+                 **({"arena_extend_strategy": ARENA_EXTEND_STRATEGY} if provider == "cuda" else {}),
                  **({"cudnn_conv_algo_search": "DEFAULT"} if options.deterministic and provider == "cuda" else {}),
                  **(options.provider_options or {})}
         self.tf32, self.provider_options = providers.provider_options(

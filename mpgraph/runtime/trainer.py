@@ -85,7 +85,8 @@ class Trainer(TrainingLoop):
         state: Initial state values overriding the graph's initializers.
         provider_options: Extra options for the execution provider (ORT's names and string
             values, e.g. ``{"cudnn_conv_algo_search": "HEURISTIC"}``); they win over the ones
-            the trainer derives.
+            the trainer derives. On CUDA it derives ``arena_extend_strategy=kSameAsRequested``
+            (``executor.ARENA_EXTEND_STRATEGY``: ORT's default power-of-two growth held more).
         tf32: Let float32 matmuls run as TF32 on CUDA. ``None`` reads the graph's policy
             (``mpgraph.tf32``, set by the ``tf32`` preset); absent means strict float32
             (``use_tf32=0``), because ORT's CUDA provider would otherwise use TF32 silently.
