@@ -175,3 +175,37 @@ def test_data_parallel_refuses_in_place(step):
 
     with pytest.raises(UsageError, match="one-device Trainer"):
         DataParallelTrainer(step, RunOptions(threads=1, inplace_state=True))
+
+
+def test_cli_audit_memory_inplace(tmp_path):
+    """``audit --memory --inplace``: the in-place bytes in the JSON and a row in the table."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from mpgraph.cli.main import app
+
+    two = CliRunner().invoke(app, ["audit", TINY, "--memory", "--json"])
+    one = CliRunner().invoke(app, ["audit", TINY, "--memory", "--inplace", "--json"])
+    assert two.exit_code == 0 and one.exit_code == 0, one.output
+    saved = json.loads(one.output)["inplace_bytes"]
+    assert saved > 0 and json.loads(two.output)["output_bytes"] - json.loads(one.output)["output_bytes"] == saved
+    table = CliRunner().invoke(app, ["audit", TINY, "--memory", "--inplace"])
+    assert table.exit_code == 0 and "state updated in place" in table.output
+    assert CliRunner().invoke(app, ["audit", TINY, "--inplace"]).exit_code != 0  # only with --memory
+
+
+def test_cli_train_inplace_state(tmp_path):
+    """``mpgraph train --inplace-state``: the summary line says how many values were in place."""
+    from mpgraph.io import save_model
+    from tests.helpers import mpgraph_cli
+
+    path = tmp_path / "tiny.step.onnx"
+    save_model(mpgraph.build_training_graph(TINY, optimizer="adamw"), str(path))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+    np.savez(tmp_path / "data.npz", x=x, label=(x[:, 0] > 0).astype(np.int64))
+    result = mpgraph_cli("train", str(path), "--data", str(tmp_path / "data.npz"), "--steps", "2", "--batch", "16", "-q",
+                         "--threads", "1", "--inplace-state")
+    assert result.returncode == 0, result.stderr
+    assert "state in place (8 of 9 values)" in result.stdout

@@ -26,6 +26,7 @@ def audit_command(
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
     mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
     pipelined: Annotated[bool, typer.Option("--pipelined", help="With --memory: for a pipelined CUDA trainer, which holds a third state set (mpgraph train's default on CUDA for states up to 512 MiB).")] = False,
+    inplace: Annotated[bool, typer.Option("--inplace", help="With --memory: the state updated in place (mpgraph train --inplace-state, its default on CUDA for states over 512 MiB): one buffer per state value where provably safe.")] = False,
     nproc: Annotated[int | None, typer.Option("--nproc", help="With --memory: also the bytes per rank of a data-parallel run on this many processes.")] = None,
     shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With --memory --nproc: the optimizer state sharded over the ranks (ZeRO-1).")] = False,
 ) -> None:
@@ -38,10 +39,11 @@ def audit_command(
         from mpgraph.cli.memory_cmd import memory_report
 
         return memory_report(model, batch=1 if batch is None else batch, optimizer=optimizer, policy=mem_policy,
-                             as_json=as_json, pipelined=pipelined, nproc=nproc, shard_optimizer=shard_optimizer)
+                             as_json=as_json, pipelined=pipelined, nproc=nproc, shard_optimizer=shard_optimizer,
+                             inplace=inplace)
     # These shape the memory estimate only: silently ignored, they read as if they had applied.
     given = [flag for flag, value in (("--batch", batch), ("--optimizer", optimizer), ("--policy", mem_policy),
-                                      ("--pipelined", pipelined or None), ("--nproc", nproc),
+                                      ("--pipelined", pipelined or None), ("--inplace", inplace or None), ("--nproc", nproc),
                                       ("--shard-optimizer", shard_optimizer or None)) if value is not None]
     if given:
         raise UsageError(f"{', '.join(given)}: only with --memory (the memory estimate); add --memory, or leave "

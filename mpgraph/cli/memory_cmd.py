@@ -52,7 +52,8 @@ def _mib(n: int) -> str:
 
 
 def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str | None, as_json: bool,
-                  pipelined: bool = False, nproc: int | None = None, shard_optimizer: bool = False) -> None:
+                  pipelined: bool = False, nproc: int | None = None, shard_optimizer: bool = False,
+                  inplace: bool = False) -> None:
     """Print ``estimate_memory`` for ``model`` (table or JSON); ``pipelined``: for a pipelined
     CUDA trainer (three state sets); ``nproc``: also the bytes per rank (``_rank_report``)."""
     from mpgraph.audit.memory import ROLES, estimate_memory
@@ -65,7 +66,7 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
     if nproc is not None and nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {nproc}")
     step = step_graph_for(model, optimizer, policy)
-    report = estimate_memory(step, batch=batch, state_sets=3 if pipelined else 2)
+    report = estimate_memory(step, batch=batch, state_sets=3 if pipelined else 2, inplace=inplace)
     if as_json:
         text = report.to_json() if nproc is None else _with_ranks(report.to_json(), step, nproc, shard_optimizer)
         sys.stdout.write(text + "\n")
@@ -90,6 +91,8 @@ def memory_report(model: Path, *, batch: int, optimizer: str | None, policy: str
            ("fp8 scale state", report.fp8_bytes["state"], "scales and amax histories, in other state")]
           if report.fp8_bytes else []),
         ("output buffers", report.output_bytes, "updated state bound to a second set of buffers"),
+        *([("state updated in place", report.inplace_bytes,
+            f"no second buffer (--inplace); {len(report.inplace_refused)} values keep one")] if inplace else []),
         *([("third state set", report.extra_state_set_bytes, "a pipelined CUDA trainer's (--pipelined)")]
           if pipelined else []),
         ("first step's arena", report.first_step_arena_bytes, "step 1's buffers in ORT's arena (kSameAsRequested), with its gaps"),

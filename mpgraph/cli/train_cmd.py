@@ -182,6 +182,8 @@ def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: f
     if trainer.provider == "cuda":
         parts.append("cuda graph" if trainer.cuda_graph else f"no cuda graph ({trainer.cuda_graph_reason})")
         parts.append("pipelined" if trainer.pipeline else f"not pipelined ({trainer.pipeline_reason})")
+    if trainer.inplace:
+        parts.append(f"state in place ({len(trainer.inplace)} of {len(trainer.pairs)} values)")
     if trainer.kernels_fused:
         # On CPU without a compiler only ORT's own ops (the NCHWc convolutions) run: say why.
         why = f"; no kernel library: {trainer.kernels_reason}" if trainer.kernels_reason else ""
@@ -218,6 +220,7 @@ def train(
     cuda_graph: Annotated[bool, typer.Option("--cuda-graph/--no-cuda-graph", help="cuda: capture the step as CUDA graphs and replay them (on by default; off with the reason when ORT cannot).")] = True,
     kernels: Annotated[bool | None, typer.Option("--kernels/--no-kernels", help="Run all of mpgraph's fused kernels (mpgraph.lowering; built with nvcc / a C++ compiler on first use); --no-kernels: none. Default: all on cuda where they build; on cpu the ones that pay there (ORT's NCHWc convolutions, AdamW, the Relu backward).")] = None,
     pipeline: Annotated[bool, typer.Option("--pipeline/--no-pipeline", help="cuda: launch step k+1 before reading step k's loss, so the host never waits for the GPU every step (on by default with CUDA graphs; the same results; --no-pipeline saves a third copy of the state).")] = True,
+    inplace_state: Annotated[bool | None, typer.Option("--inplace-state/--two-state-sets", help="Write the updated state (parameters, optimizer moments) into its own buffers where provably safe: one copy of the state instead of two, but a non-finite step cannot be undone. Default: on for cuda when the state is over 512 MiB.")] = None,
     deterministic: Annotated[bool, typer.Option("--deterministic", help="cuda: the same bits every run (ORT's deterministic compute, cuDNN's default convolution algorithm, the embedding gradient as a one-hot Gemm, bias-gradient sums as MatMuls; the bench GPT's bf16 step 1.07x slower). Needs strict fp32 matmuls.")] = False,
     provider_option: Annotated[list[str] | None, typer.Option("--provider-option", help="KEY=VALUE passed to the execution provider (repeatable), e.g. cudnn_conv_algo_search=HEURISTIC.")] = None,
     on_nonfinite: Annotated[str, typer.Option("--on-nonfinite", help="NaN/inf in a batch or the loss: stop (checkpoint the last good step, exit 2), skip (leave the state as it was and go on) or ignore.")] = "stop",
@@ -241,7 +244,8 @@ def train(
 
     options = RunOptions(provider=provider, threads=threads, allow_cpu_fallback=allow_cpu_fallback, tf32=tf32,
                          provider_options=_provider_options(provider_option), cuda_graph=None if cuda_graph else False,
-                         kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic)
+                         kernels=kernels, pipeline=None if pipeline else False, deterministic=deterministic,
+                         inplace_state=inplace_state)
     trainer = _open_trainer(step, options)
     if resume is not None:
         trainer.load_checkpoint(resume)
