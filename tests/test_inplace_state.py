@@ -209,3 +209,15 @@ def test_cli_train_inplace_state(tmp_path):
                          "--threads", "1", "--inplace-state")
     assert result.returncode == 0, result.stderr
     assert "state in place (8 of 9 values)" in result.stdout
+
+
+def test_inplace_pairs_do_not_need_a_sorted_graph():
+    """The ancestry is built over a topological order of its own: the same answer with the
+    nodes listed backwards."""
+    graph = adamw_graph(True)
+    nodes = list(graph)
+    for node in nodes:
+        graph.remove(node)
+    graph.extend(reversed(nodes))
+    assert inplace_pairs(graph, [("p", "p_new"), ("m", "m_new")]) == (["m"], {
+        "p": "node 'late' (Neg) reads it and may run after its update 'adamw' (AdamWUpdate)"})

@@ -89,18 +89,34 @@ def _aliases(value: ir.Value) -> list[ir.Value]:
 
 
 class _Ancestry:
-    """Ancestor sets of the main graph's nodes, as bit masks over its (topological) order."""
+    """Ancestor sets of the main graph's nodes, as bit masks over a topological order (the
+    graph's own list need not be one)."""
 
     def __init__(self, graph: ir.Graph) -> None:
-        self.index = {id(n): i for i, n in enumerate(graph)}
+        nodes = {id(n) for n in graph}
+        order: list[ir.Node] = []
+        done: set[int] = set()
+        for root in graph:
+            stack = [(root, False)]
+            while stack:
+                node, leave = stack.pop()
+                if leave:
+                    order.append(node)
+                elif id(node) not in done:
+                    done.add(id(node))
+                    stack.append((node, True))
+                    stack.extend((p, False) for p in self._producers(node, nodes) if id(p) not in done)
+        self.index = {id(n): i for i, n in enumerate(order)}
         self.mask: dict[int, int] = {}
-        for node in graph:
+        for node in order:
             mask = 0
-            for v in node.inputs:
-                p = v.producer() if v is not None else None
-                if p is not None and id(p) in self.index:
-                    mask |= self.mask[id(p)] | (1 << self.index[id(p)])
+            for p in self._producers(node, nodes):
+                mask |= self.mask[id(p)] | (1 << self.index[id(p)])
             self.mask[id(node)] = mask
+
+    @staticmethod
+    def _producers(node: ir.Node, nodes: set[int]) -> list[ir.Node]:
+        return [p for v in node.inputs if v is not None and (p := v.producer()) is not None and id(p) in nodes]
 
     def precedes(self, node: ir.Node, later: ir.Node) -> bool:
         """``node`` is an ancestor of ``later`` (ORT must run it first)."""
