@@ -72,16 +72,18 @@ def rmsnorm_ops(dy, x, scale, eps):
     return dx, (dy * xhat).sum(dim=tuple(range(x.dim() - 1)))
 
 
-def rmsnorm_fused(lib, parts, x, scale, eps_t):
-    """RmsNormGrad with dy given as the parts the graph sums into it."""
+def rmsnorm_fused(lib, parts, x, scale, eps_t, addend=None):
+    """RmsNormGrad with dy given as the parts the graph sums into it (RmsNormGradAdd with an addend)."""
     cols = x.shape[-1]
     rows = x.numel() // cols
     dx, dscale = torch.empty_like(x), torch.empty_like(scale)
     work = torch.empty(lib.mpg_rmsnorm_grad_workspace(rows, cols), dtype=torch.float32, device=x.device)
     ptrs = (ctypes.c_void_p * len(parts))(*[p.data_ptr() for p in parts])
     types = (ctypes.c_int * len(parts))(*[TYPES[p.dtype] for p in parts])
-    err = lib.mpg_rmsnorm_grad_cuda(TYPES[x.dtype], len(parts), ptrs, types, ptr(x), ptr(scale), ptr(eps_t), ptr(dx),
-                                    ptr(dscale), ptr(work), ctypes.c_size_t(rows), ctypes.c_size_t(cols), stream())
+    add = ptr(addend) if addend is not None else ctypes.c_void_p(0)
+    err = lib.mpg_rmsnorm_grad_cuda(TYPES[x.dtype], len(parts), ptrs, types, ptr(x), ptr(scale), ptr(eps_t), add,
+                                    ptr(dx), ptr(dscale), ptr(work), ctypes.c_size_t(rows), ctypes.c_size_t(cols),
+                                    stream())
     assert err == 0, err
     return dx, dscale
 
@@ -119,7 +121,8 @@ def main() -> None:
         print(f"SwiGluGrad {str(dtype)[6:]} {list(shape)}: da equal in {same[0]:.6%}, db in {same[1]:.6%} of elements; "
               f"fused {t_fused:.3f} ms, ops {t_ops:.3f} ms ({t_ops / t_fused:.1f}x)")
     # dy as one float32 tensor, and as Llama's q, k, v projections' bfloat16 input gradients
-    # (the graph casts each to float32 and sums them: both are part of what the ops time).
+    # (the graph casts each to float32 and sums them: both are part of what the ops time); with
+    # 3 parts, dx is also added to the residual's gradient (RmsNormGradAdd; the ops' Sum).
     for rows, cols, parts in ((8 * 1024, 768, 1), (8 * 1024, 768, 3), (1000, 100, 2), (3, 4096, 1)):
         x = torch.randn(rows, cols, device="cuda", generator=gen)
         low = parts > 1
@@ -128,20 +131,25 @@ def main() -> None:
         scale = 1 + 0.1 * torch.randn(cols, device="cuda", generator=gen)
         eps = 1e-6
         eps_t = torch.tensor(eps, dtype=torch.float32, device="cuda")
+        res = torch.randn(rows, cols, device="cuda", generator=gen) if parts == 3 else None
 
-        def ops(dys=dys, x=x, scale=scale, eps=eps):
+        def ops(dys=dys, x=x, scale=scale, eps=eps, res=res):
             dy = dys[0].float()
             for part in dys[1:]:
                 dy = dy + part.float()
-            return rmsnorm_ops(dy, x, scale, eps)
+            dx, dscale = rmsnorm_ops(dy, x, scale, eps)
+            return (dx if res is None else res + dx), dscale
 
-        got = rmsnorm_fused(lib, dys, x, scale, eps_t)
+        got = rmsnorm_fused(lib, dys, x, scale, eps_t, res)
         dy64 = sum(p.double() for p in dys)
         ref = rmsnorm_ops(dy64, x.double(), scale.double(), eps)
+        if res is not None:
+            ref = (ref[0] + res.double(), ref[1])
         err = [float((g.double() - r).abs().max() / r.abs().max()) for g, r in zip(got, ref)]
         err_ops = [float((o.double() - r).abs().max() / r.abs().max()) for o, r in zip(ops(), ref)]
-        t_ops, t_fused = ms(ops), ms(rmsnorm_fused, lib, dys, x, scale, eps_t)
+        t_ops, t_fused = ms(ops), ms(rmsnorm_fused, lib, dys, x, scale, eps_t, res)
         kind = f"{parts} bfloat16 parts" if low else "float32"
+        kind += ", + residual" if res is not None else ""
         print(f"RmsNormGrad [{rows}, {cols}], dy {kind}: |fused - float64| / max dx {err[0]:.2g}, dscale {err[1]:.2g} "
               f"(the ops: {err_ops[0]:.2g}, {err_ops[1]:.2g}); fused {t_fused:.3f} ms, ops {t_ops:.3f} ms "
               f"({t_ops / t_fused:.1f}x)")

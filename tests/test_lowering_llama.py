@@ -45,7 +45,8 @@ def _both(model: ir.Model) -> tuple[int, int]:
 
 
 def test_both_backwards_fuse_and_match_the_unlowered_step(step):
-    """One RmsNormGrad and one SwiGluGrad; the rules' ops go (no ReduceMean, Sqrt,
+    """One RmsNormGradAdd (the norm's backward, its dy's Sum and the residual Sum after it) and
+    one SwiGluGrad; the rules' ops go (no ReduceMean, Sqrt,
     Reciprocal, Sub left); the forward stays; the gate and up weight gradients are the same bits, x's and
     gamma's within float32 rounding; lowering again changes nothing."""
     before = _ops(step)
@@ -53,7 +54,8 @@ def test_both_backwards_fuse_and_match_the_unlowered_step(step):
     lowered = _copy(step)
     assert _both(lowered) == (1, 1)
     after = _ops(lowered)
-    assert after["RmsNormGrad"] == after["SwiGluGrad"] == 1
+    assert after["RmsNormGradAdd"] == after["SwiGluGrad"] == 1  # dx + the residual's gradient: one Sum fewer
+    assert before["Sum"] - after["Sum"] == 3  # n's two parts, a's two contributions, the residual
     assert after["ReduceMean"] == after["Sqrt"] == after["Reciprocal"] == after["Sub"] == 0
     assert after["RMSNormalization"] == after["Sigmoid"] == 1 and after["Mul"] == before["Mul"] - 13  # 7 of the norm rule, 6 of the SwiGLU
     feeds = ab.block_feeds(SHAPE)
@@ -200,8 +202,8 @@ def test_bf16_step_plans_a_bfloat16_swiglu_and_a_float32_norm_for_cuda():
     assert _ops(plain)["Cast"] - _ops(lowered)["Cast"] == 3  # to float32 twice, and back
     assert {u.node.op_type for u in swiglu.outputs[0].uses()} <= {"MatMul", "FusedMatMul", "Gemm", "Reshape",
                                                                   "Flatten", "Transpose"}
-    norm = next(n for n in lowered.graph if n.op_type == "RmsNormGrad")  # x, scale, eps; dy from gate and up
-    assert [v.dtype for v in norm.inputs] == [ir.DataType.FLOAT] * 3 + [ir.DataType.BFLOAT16] * 2
+    norm = next(n for n in lowered.graph if n.op_type == "RmsNormGradAdd")  # x, scale, eps, the residual's gradient;
+    assert [v.dtype for v in norm.inputs] == [ir.DataType.FLOAT] * 4 + [ir.DataType.BFLOAT16] * 2  # dy: gate, up
 
 
 @pytest.mark.slow

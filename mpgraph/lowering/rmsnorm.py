@@ -22,7 +22,10 @@ by value (the node's gradient block: ``dy`` into its output, ``dx`` and ``dscale
 contributions), never by the nodes the rule emitted; dy's parts are the inputs of the ``Sum``
 making it (2 to 4 of them), else dy itself (a bfloat16 one too: the final norm's, read by the
 float32 rule through a Cast). The kernel computes the rule's terms, summed in another order
-(``same math``). The Sum and Casts go where nothing else reads them.
+(``same math``). The Sum and Casts go where nothing else reads them. Where dx's one reader is a
+two-input ``Sum`` (or ``Add``) with a float32 value of x's shape, the residual stream's
+gradient, ``RmsNormGradAdd(x, scale, eps, addend, dy...)`` writes that sum instead (the same
+bits: two terms add the same in either order), and the Sum goes.
 
 The forward stays ORT's: ``RMSNormalization`` has a CUDA kernel from opset 23 (float, float16,
 bfloat16; ORT's LayerNorm kernel in its simplified form), one kernel already.
@@ -111,6 +114,25 @@ def _unwidened(value: ir.Value) -> ir.Value:
     return source if source is not None and source.dtype in _LOW else value
 
 
+def _residual_sum(dx: ir.Value | None, x: ir.Value) -> tuple[ir.Value, ir.Value] | None:
+    """``(addend, total)`` when dx's one reader is ``total = Sum(dx, addend)`` or ``Add`` (either
+    order), ``addend`` float32 of x's shape as far as it is known; else ``None``."""
+    if dx is None or dx.is_graph_output():
+        return None
+    readers = {u.node for u in dx.uses()}
+    if len(readers) != 1:
+        return None
+    (node,) = readers
+    if node.op_type not in ("Sum", "Add") or node.domain not in ("", "ai.onnx") or len(node.inputs) != 2:
+        return None
+    others = [v for v in node.inputs if v is not dx]
+    if len(others) != 1 or others[0] is None or others[0].dtype != FLOAT or not _same_shape(others[0], x):
+        return None
+    if not _same_shape(node.outputs[0], x):
+        return None  # a broadcasting Add
+    return others[0], node.outputs[0]
+
+
 def fuse_rmsnorm_grad(model: ir.Model) -> int:
     """Fuse the backward of every float32 ``RMSNormalization`` over the last axis in ``model``'s
     main graph that records one, in place; how many ``RmsNormGrad`` nodes were made."""
@@ -128,13 +150,24 @@ def fuse_rmsnorm_grad(model: ir.Model) -> int:
         eps_value = scalar_constant(graph, f"ai.mpgraph/rmsnorm/eps_{float(np.float32(eps)):.8g}", np.float32(eps), FLOAT)
         first = next(g for g in grads if g is not None)
         meta = dict(first.producer().metadata_props) if first.producer() is not None else {}
-        new = ir.Node(DOMAIN, "RmsNormGrad", [x, scale, eps_value, *_parts(dy, x)], num_outputs=3,
-                      name=names.fresh(f"{node.name}/RmsNormGrad"), metadata_props=meta)
-        for out, shape in zip(new.outputs, (x.shape, scale.shape, None)):
-            out.type, out.shape = ir.TensorType(FLOAT), shape
-        new.outputs[2].name = f"{new.name}/workspace"
-        if swap_backward(graph, new, grads):
+        parts = _parts(dy, x)
+        residual = _residual_sum(grads[0], x)
+        if residual is not None and _swap(graph, names, node, "RmsNormGradAdd", [x, scale, eps_value, residual[0], *parts],
+                                          [residual[1], grads[1]], meta):
+            fused += 1
+        elif _swap(graph, names, node, "RmsNormGrad", [x, scale, eps_value, *parts], grads, meta):
             fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused
+
+
+def _swap(graph: ir.Graph, names: NameScope, node: ir.Node, op: str, inputs: list[ir.Value],
+          olds: list[ir.Value | None], meta: dict[str, str]) -> bool:
+    """Put an ``op`` node computing ``olds`` (dx or dx + addend, dscale) in their place."""
+    x, scale = inputs[0], inputs[1]
+    new = ir.Node(DOMAIN, op, inputs, num_outputs=3, name=names.fresh(f"{node.name}/{op}"), metadata_props=meta)
+    for out, shape in zip(new.outputs, (x.shape, scale.shape, None)):
+        out.type, out.shape = ir.TensorType(FLOAT), shape
+    new.outputs[2].name = f"{new.name}/workspace"
+    return swap_backward(graph, new, olds)

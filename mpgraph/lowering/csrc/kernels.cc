@@ -662,6 +662,9 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 //     on x's type; float32 is what the policies make). dy is 1 to 4 parts of x's size, float32,
 //     float16 or bfloat16 each, added in order after widening: the Sum (and the Casts to float32
 //     before it) that made the rule's dy.
+// RmsNormGradAdd(x, scale, eps, addend, dy...) -> (dx + addend, dscale, workspace): the same, dx
+//     added to a float32 addend of x's size (the residual stream's gradient, which the graph's
+//     two-input Sum added to dx: the same bits, a + b being b + a).
 // SwiGluGrad(dy, a, b, s) -> (da, db): the backward of y = (a * s) * b, s = Sigmoid(a), as the
 //     Mul and Sigmoid rules write it, each step rounded to T: h = a * s, db = dy * h,
 //     dh = dy * b, da = dh * s + (dh * a) * (s * (1 - s)), the last sum in float32.
@@ -670,8 +673,8 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 #ifdef MPG_WITH_CUDA
 extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols);
 extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy, const int* dy_types, const void* x,
-                                     const void* scale, const float* eps, void* dx, void* dscale, float* work, size_t rows,
-                                     size_t cols, void* stream);
+                                     const void* scale, const float* eps, const void* addend, void* dx, void* dscale,
+                                     float* work, size_t rows, size_t cols, void* stream);
 extern "C" int mpg_swiglu_grad_cuda(int type, const void* dy, const void* a, const void* b, const void* s, void* da,
                                     void* db, size_t n, void* stream);
 #endif
@@ -680,8 +683,8 @@ constexpr size_t kMaxDyParts = 4;
 
 // Rows [r0, r1): dx and r, and this block's dscale sums into part (cols floats); dy is the
 // parts' sum, widened and added in order.
-void rmsnorm_grad_rows(const Tensor* dy, size_t parts, const float* x, const float* scale, float eps, float* dx,
-                       float* rstd, float* part, size_t r0, size_t r1, size_t cols) {
+void rmsnorm_grad_rows(const Tensor* dy, size_t parts, const float* x, const float* scale, float eps, const float* addend,
+                       float* dx, float* rstd, float* part, size_t r0, size_t r1, size_t cols) {
   std::vector<float> dyr(cols);
   for (size_t row = r0; row < r1; ++row) {
     for (size_t j = 0; j < cols; ++j) {
@@ -702,18 +705,21 @@ void rmsnorm_grad_rows(const Tensor* dy, size_t parts, const float* x, const flo
     const float m = acc / static_cast<float>(cols);
     float* dxr = dx + row * cols;
     for (size_t j = 0; j < cols; ++j) dxr[j] = rs * ((dyr[j] * scale[j]) - (xr[j] * rs) * m);
+    if (addend)
+      for (size_t j = 0; j < cols; ++j) dxr[j] += addend[row * cols + j];
     rstd[row] = rs;
   }
 }
 
-OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
+OrtStatus* rmsnorm_grad_impl(void* kernel, OrtKernelContext* ctx, bool add) {
   const bool cuda = static_cast<Kernel*>(kernel)->cuda;
   size_t count = 0;
   if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count))
     return st;
-  const size_t parts = count - 3;
-  if (count < 4 || parts > kMaxDyParts) return status("RmsNormGrad: takes x, scale, eps and 1 to 4 parts of dy");
-  Tensor t[3 + kMaxDyParts];
+  const size_t first = add ? 4 : 3;  // the first part of dy
+  if (count <= first || count - first > kMaxDyParts) return status("RmsNormGrad: takes 1 to 4 parts of dy");
+  const size_t parts = count - first;
+  Tensor t[4 + kMaxDyParts];
   for (size_t i = 0; i < count; ++i)
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
   const Tensor &x = t[0], &scale = t[1];
@@ -723,10 +729,12 @@ OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   const void* dy[kMaxDyParts];
   int dy_types[kMaxDyParts];
   for (size_t k = 0; k < parts; ++k) {
-    if (t[3 + k].count != x.count) return status("RmsNormGrad: a part of dy differs from x in size");
-    dy[k] = t[3 + k].data;
-    dy_types[k] = t[3 + k].type;
+    if (t[first + k].count != x.count) return status("RmsNormGrad: a part of dy differs from x in size");
+    dy[k] = t[first + k].data;
+    dy_types[k] = t[first + k].type;
   }
+  const float* addend = add ? t[3].data : nullptr;
+  if (add && t[3].count != x.count) return status("RmsNormGradAdd: the addend differs from x in size");
 #ifdef MPG_WITH_CUDA
   const size_t work = cuda ? mpg_rmsnorm_grad_workspace(rows, cols) : rows;
 #else
@@ -742,8 +750,8 @@ OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
     const size_t per = std::max<size_t>(1, kCpuChunk / cols), blocks = (rows + per - 1) / per;
     std::vector<float> sums(blocks * cols, 0.0f);
     OrtStatus* st = parallel_for(ctx, blocks, [&](size_t b) {
-      rmsnorm_grad_rows(t + 3, parts, x.data, scale.data, eps, dx.data, ws.data, sums.data() + b * cols, b * per,
-                        std::min(rows, (b + 1) * per), cols);
+      rmsnorm_grad_rows(t + first, parts, x.data, scale.data, eps, addend, dx.data, ws.data, sums.data() + b * cols,
+                        b * per, std::min(rows, (b + 1) * per), cols);
     });
     if (st) return st;
     for (size_t j = 0; j < cols; ++j) {
@@ -755,9 +763,12 @@ OrtStatus* rmsnorm_grad_compute(void* kernel, OrtKernelContext* ctx) {
   }
   return on_gpu(ctx, "RmsNormGrad", [&](void* stream) {  // eps stays on the device: the kernel reads it
     return MPG_CUDA(mpg_rmsnorm_grad_cuda(x.type, static_cast<int>(parts), dy, dy_types, x.data, scale.data, t[2].data,
-                                          dx.data, dscale.data, ws.data, rows, cols, stream));
+                                          addend, dx.data, dscale.data, ws.data, rows, cols, stream));
   });
 }
+
+OrtStatus* rmsnorm_grad_compute(void* k, OrtKernelContext* c) { return rmsnorm_grad_impl(k, c, false); }
+OrtStatus* rmsnorm_grad_add_compute(void* k, OrtKernelContext* c) { return rmsnorm_grad_impl(k, c, true); }
 
 void swiglu_grad_cpu(const float* dy, const float* a, const float* b, const float* s, float* da, float* db, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -1412,6 +1423,7 @@ const OpSpec kSpecs[] = {
     {"SoftmaxGradDot", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, softmax_grad_dot_compute},
     // x, scale, eps float32; dy... variadic, float32, float16 or bfloat16 each; the last output variadic of one.
     {"RmsNormGrad", 0, 0, 4, 3, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, true, 1, 0, 1, rmsnorm_grad_compute},
+    {"RmsNormGradAdd", 0, 0, 5, 3, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, true, 1, 0, 1, rmsnorm_grad_add_compute},
     {"SwiGluGrad", MPG_FLOAT, 0, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_FLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_BFLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},

@@ -58,8 +58,8 @@ __device__ float block_sum(float v, float* part) {
 
 template <typename T>
 __global__ void rmsnorm_dx_kernel(const DyParts dy, const T* __restrict__ x, const T* __restrict__ scale,
-                                  const float* __restrict__ epsilon, T* __restrict__ dx, float* __restrict__ rstd,
-                                  size_t cols) {
+                                  const float* __restrict__ epsilon, const T* __restrict__ addend, T* __restrict__ dx,
+                                  float* __restrict__ rstd, size_t cols) {
   __shared__ float part[kRowThreads / 32];
   const size_t row = blockIdx.x;
   const T* xr = x + row * cols;
@@ -82,7 +82,8 @@ __global__ void rmsnorm_dx_kernel(const DyParts dy, const T* __restrict__ x, con
   for (size_t j = threadIdx.x; j < cols; j += blockDim.x) {
     const float xhat = r<T>(to_f(xr[j]) * rs);
     const float dxhat = r<T>(load_dy(dy, base + j) * to_f(scale[j]));
-    dxr[j] = from_f<T>(rs * r<T>(dxhat - r<T>(xhat * m)));
+    const float v = rs * r<T>(dxhat - r<T>(xhat * m));
+    dxr[j] = from_f<T>(addend ? __fadd_rn(r<T>(v), to_f(addend[base + j])) : v);
   }
   if (threadIdx.x == 0) rstd[row] = rs;
 }
@@ -121,12 +122,12 @@ __global__ void rmsnorm_dscale_total(const float* __restrict__ partial, T* __res
 }
 
 template <typename T>
-int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, T* dx, T* dscale, float* work, size_t rows, size_t cols,
+int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, const T* addend, T* dx, T* dscale, float* work, size_t rows, size_t cols,
            cudaStream_t s) {
   const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
   float* rstd = work;
   float* partial = work + rows;
-  rmsnorm_dx_kernel<T><<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, eps, dx, rstd, cols);
+  rmsnorm_dx_kernel<T><<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, eps, addend, dx, rstd, cols);
   const size_t chunks = (rows + kChunkRows - 1) / kChunkRows;
   const dim3 grid((unsigned)((cols + kColTile - 1) / kColTile), (unsigned)chunks), block(kColTile, kRowLanes);
   rmsnorm_dscale_partial<T><<<grid, block, 0, s>>>(dy, x, rstd, partial, rows, cols);
@@ -142,10 +143,11 @@ extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols) {
 }
 
 // x, scale, dx and dscale of one element type (float32, float16 or bfloat16); dy: 1 to 4 parts of
-// x's size, each float32, float16 or bfloat16 (types: ONNX element types); eps: a float32 on the device.
+// x's size, each float32, float16 or bfloat16 (types: ONNX element types); eps: a float32 on the
+// device; addend (x's type and size, or null): added to dx, as the Sum that read dx did.
 extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy, const int* dy_types, const void* x,
-                                     const void* scale, const float* eps, void* dx, void* dscale, float* work, size_t rows,
-                                     size_t cols, void* stream) {
+                                     const void* scale, const float* eps, const void* addend, void* dx, void* dscale,
+                                     float* work, size_t rows, size_t cols, void* stream) {
   if (parts < 1 || parts > 4) return (int)cudaErrorInvalidValue;
   DyParts d{};
   d.n = parts;
@@ -157,13 +159,13 @@ extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy,
   if (type == kTypeBFloat16) {
     using T = __nv_bfloat16;
     return launch(d, static_cast<const T*>(x), static_cast<const T*>(scale), eps,
-                  static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
+                  static_cast<const T*>(addend), static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
   }
   if (type == kTypeFloat16) {
     using T = __half;
     return launch(d, static_cast<const T*>(x), static_cast<const T*>(scale), eps,
-                  static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
+                  static_cast<const T*>(addend), static_cast<T*>(dx), static_cast<T*>(dscale), work, rows, cols, s);
   }
   return launch(d, static_cast<const float*>(x), static_cast<const float*>(scale), eps,
-                static_cast<float*>(dx), static_cast<float*>(dscale), work, rows, cols, s);
+                static_cast<const float*>(addend), static_cast<float*>(dx), static_cast<float*>(dscale), work, rows, cols, s);
 }
