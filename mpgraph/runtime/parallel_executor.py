@@ -145,7 +145,7 @@ class DataParallelExecutor:
         self.parallel = parallel or DataParallelOptions()
         self._torch, self._dist = torch_modules()
         self.group = group
-        grouped = self._dist.is_available() and self._dist.is_initialized()
+        grouped = self.grouped = self._dist.is_available() and self._dist.is_initialized()
         self.rank = self._dist.get_rank(group) if grouped else 0
         self.world = self._dist.get_world_size(group) if grouped else 1
         self._one_device_fields(grouped)
@@ -228,7 +228,7 @@ class DataParallelExecutor:
         self.bucket_tensors = [self._torch.from_numpy(b.array) if self.provider == "cpu" else self._zeros(len(b.array))
                                for b in self.buckets]
         self._received = ([self._zeros(len(b.array)) for b in self.buckets]
-                          if self.world > 1 and self.parallel.reduction == "ordered" else [])
+                          if self.grouped and self.parallel.reduction == "ordered" else [])
 
     def bucket_views(self) -> dict[str, Any]:
         """Each gradient's (and the loss's) view of the bucket tensors, by value name."""
@@ -391,7 +391,9 @@ class DataParallelExecutor:
 
     def _reduce(self) -> None:
         """The buckets reduced across ranks, then the mean over slices."""
-        if self.world > 1:
+        # In a group of one rank too: the sum of one term changes no bit, and the collectives run
+        # (a one-GPU NCCL run exercises the path the N-GPU run takes).
+        if self.grouped:
             reduce_buckets(self.bucket_tensors, self._received, self._dist, self.group,
                            self.parallel.reduction == "ordered")
         slices = self.world * self.parallel.micro_batches
