@@ -6,7 +6,9 @@ library has the fused attention: the step graph specialised to the batch's shape
 ``cuda`` rules of the ``default`` scope with ``sdpa`` (no library is built or loaded here). Sizes
 come from the shapes the plan records (``recorded_shapes=True``). A capturing session has no
 memory pattern, so the Trainer's part is persistent + outputs + first-step arena; the pattern
-block is printed for reference. Then what is live at the transient peak, by the role of the node
+block is printed for reference. On CUDA the state sets come from onnxruntime's Python CUDA
+allocator, whose arena grows by powers of two: ``cuda`` is that arena
+(``cuda_state_arena_bytes``) + the first-step arena. Then what is live at the transient peak, by the role of the node
 that made it (the loss head apart).
 
     python3 benchmarks/plan_memory.py STEP.onnx --shapes '{"input_ids": [8, 1024], "labels": [8, 1024]}'
@@ -73,12 +75,14 @@ def main() -> None:
     model = capturing_plan(args.graph, json.loads(args.shapes), not args.no_sdpa)
     g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
     print(f"{'state':9s} {'arena':16s} {'inputs':>6s} {'outputs':>7s} {'arena':>6s} {'trainer':>7s} "
-          f"{'(pattern':>8s} {'live peak':>9s} {'kept fwd':>8s})  GiB; trainer = inputs + outputs + arena")
+          f"{'state on cuda':>13s} {'cuda':>6s} {'(pattern':>8s} {'live peak':>9s} {'kept fwd':>8s})  GiB; "
+          "trainer = inputs + outputs + arena; cuda = state on cuda + arena")
     for inplace in (False, True):
         for arena in ARENA_STRATEGIES:
             r = memory.estimate_memory(model, recorded_shapes=True, inplace=inplace, arena=arena)
             print(f"{'in place' if inplace else 'two sets':9s} {arena:16s} {g(r.persistent_bytes)} {g(r.output_bytes)} "
-                  f" {g(r.first_step_arena_bytes)} {g(r.peak_without_pattern_bytes)}  {g(r.pattern_block_bytes)}  "
+                  f" {g(r.first_step_arena_bytes)} {g(r.peak_without_pattern_bytes)}        {g(r.cuda_state_arena_bytes)} "
+                  f"{g(r.cuda_state_arena_bytes + r.first_step_arena_bytes)}  {g(r.pattern_block_bytes)}  "
                   f"{g(r.transient_peak_bytes)}   {g(r.saved_for_backward_bytes)}"
                   + (f"  refused: {len(r.inplace_refused)}" if inplace else ""))
     peak, where, parts = live_at_peak(model)

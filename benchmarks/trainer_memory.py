@@ -89,7 +89,8 @@ def _estimate(trainer, config: dict) -> dict[str, int]:
                              inplace=bool(trainer.inplace), arena=arena)
     return {"persistent": report.persistent_bytes, "outputs": report.output_bytes,
             "arena": report.first_step_arena_bytes, "transient": report.transient_peak_bytes,
-            "inplace": report.inplace_bytes, "total": report.peak_without_pattern_bytes}
+            "inplace": report.inplace_bytes, "total": report.peak_without_pattern_bytes,
+            "cuda_state_arena": report.cuda_state_arena_bytes}
 
 
 def child(args: argparse.Namespace) -> None:
@@ -155,7 +156,8 @@ def report(config: str, r: dict) -> str:
     return (f"{config:13s} init {g(r['init'])}  after steps {' '.join(g(r[s]) for s in steps)} GiB  "
             f"(arena grew: init {g(grew.get('model:init', 0))}, step 1 {g(grew.get('model:step1', 0))}, "
             f"later {g(grew.get('model:step2', 0) + grew.get('model:step3', 0))});  estimate {g(est['total'])} = "
-            f"persistent {g(est['persistent'])} + outputs {g(est['outputs'])} + arena {g(est['arena'])} "
+            f"persistent {g(est['persistent'])} + outputs {g(est['outputs'])} + arena {g(est['arena'])}; the state "
+            f"sets in onnxruntime's Python CUDA arena {g(est['cuda_state_arena'])} "
             f"(transient peak {g(est['transient'])});  in place {r['inplace_values']}/{r['pairs']} values "
             f"({g(est['inplace'])} GiB) {r['inplace_reason']};  cuda_graph {r['cuda_graph']};  "
             f"loss {r.get('loss1', float('nan')):.4f}")

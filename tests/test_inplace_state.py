@@ -221,3 +221,15 @@ def test_inplace_pairs_do_not_need_a_sorted_graph():
     graph.extend(reversed(nodes))
     assert inplace_pairs(graph, [("p", "p_new"), ("m", "m_new")]) == (["m"], {
         "p": "node 'late' (Neg) reads it and may run after its update 'adamw' (AdamWUpdate)"})
+
+
+def test_state_sets_on_cuda_grow_by_powers_of_two():
+    """Three 600 MiB state buffers from a power-of-two arena: the first request doubles the
+    1 MiB region size up to 1 GiB, where it stays (``max_power_of_two_extend_bytes``); no
+    1 GiB region holds two of them: 3 GiB for 1.76. One set of the second value (in place)
+    is one region less."""
+    from mpgraph.audit.memory import state_arena_bytes
+
+    mib = 1 << 20
+    assert state_arena_bytes([600 * mib, 600 * mib], [2, 1]) == 3 * 1024 * mib
+    assert state_arena_bytes([600 * mib, 600 * mib], [1, 1]) == 2 * 1024 * mib

@@ -61,13 +61,14 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
 from mpgraph._ir.inplace import inplace_pairs
-from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, SAME_AS_REQUESTED
+from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, POWER_OF_TWO, SAME_AS_REQUESTED
 from mpgraph.audit.ort_alloc import Buffer as _Buffer
 from mpgraph.audit.ort_alloc import arena_bytes as _arena_bytes
 from mpgraph.audit.ort_alloc import pattern_block as _pattern_block
 from mpgraph.errors import MpgraphError, first_line
 
-__all__ = ["MemoryReport", "estimate_memory", "ort_order", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT", "ARENA_UNIT"]
+__all__ = ["MemoryReport", "estimate_memory", "ort_order", "state_arena_bytes", "ROLES", "VIEW_OPS", "PATTERN_ALIGNMENT",
+           "ARENA_UNIT"]
 
 #: Roles of the per-parameter table, in print order.
 ROLES = ("low_weights", "master_weights", "gradients", "optimizer_state")
@@ -114,6 +115,10 @@ class MemoryReport:
             in ``output_bytes`` nor in ``extra_state_set_bytes``.
         inplace_refused: State inputs that could not share (``inplace=True``), with the reason.
         arena_strategy: The arena growth modelled (``ort_alloc.ARENA_STRATEGIES``).
+        cuda_state_arena_bytes: What the state sets take on CUDA: a Trainer allocates them as
+            ``OrtValue``s from onnxruntime's Python CUDA allocator, a BFC arena that always grows
+            by powers of two (its own setting, not the session's), one value at a time in the
+            step contract's order, every set of a value together (``state_arena_bytes``).
     """
 
     policy: str | None
@@ -140,6 +145,7 @@ class MemoryReport:
     inplace_bytes: int = 0
     inplace_refused: dict[str, str] = dataclasses.field(default_factory=dict)
     arena_strategy: str = SAME_AS_REQUESTED
+    cuda_state_arena_bytes: int = 0
 
     @property
     def peak_without_pattern_bytes(self) -> int:
@@ -432,7 +438,24 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
         inplace_bytes=sum(size(b) for b in shared_outputs),
         inplace_refused=refused,
         arena_strategy=arena,
+        cuda_state_arena_bytes=state_arena_bytes(
+            [size(a) for a, _ in contract.state_pairs], [1 if a in shared else state_sets for a, _ in contract.state_pairs]),
     )
+
+
+def state_arena_bytes(sizes: list[int], sets: list[int]) -> int:
+    """Bytes of the power-of-two arena that holds ``sets[i]`` buffers of ``sizes[i]`` bytes,
+    allocated in order and never freed (a CUDA Trainer's state sets).
+
+    >>> state_arena_bytes([768 << 10], [2])  # two 768 KiB buffers: a 1 MiB region, then 2 MiB
+    3145728
+    """
+    buffers, k = [], 0
+    for nbytes, count in zip(sizes, sets):
+        for _ in range(count):
+            buffers.append(_Buffer(str(k), k, len(sizes) * max(sets, default=1) + 1, nbytes))
+            k += 1
+    return _arena_bytes(buffers, POWER_OF_TWO)
 
 
 def _low_copies(model: ir.Model, params: set[str], size: Callable[[str], int]) -> int:
