@@ -233,3 +233,17 @@ def test_state_sets_on_cuda_grow_by_powers_of_two():
     mib = 1 << 20
     assert state_arena_bytes([600 * mib, 600 * mib], [2, 1]) == 3 * 1024 * mib
     assert state_arena_bytes([600 * mib, 600 * mib], [1, 1]) == 2 * 1024 * mib
+
+
+def test_unsharing_mid_run_keeps_the_values_and_the_bits(step, batches):
+    """What the executor does when a new session's plan (the capturing one, on CUDA) refuses a
+    value: it gets a buffer per set again, holding the same values, and training goes on as
+    with two sets from the start."""
+    two, two_losses = train(step, batches, inplace_state=False)
+    one = Trainer(step, provider="cpu", threads=1, inplace_state=True)
+    losses = [one.step(b).loss for b in batches[:1]]  # an odd number of steps on either side
+    one.executor._unshare(frozenset({"fc1.weight", "optim/flat/m"}))
+    assert {"fc1.weight", "optim/flat/m"}.isdisjoint(shared(one) | one.inplace) and "fc2.weight" in shared(one)
+    losses += [one.step(b).loss for b in batches[1:]]
+    assert losses == two_losses
+    assert all(np.array_equal(one.state[n], v) for n, v in two.state.items())
