@@ -1,7 +1,7 @@
-"""Llama's RMSNorm and SwiGLU backwards, fused and not: what ``rmsnorm_grad`` and ``swiglu_grad`` save.
+"""Llama's RMSNorm and SwiGLU, fused and not: what ``rmsnorm_grad``, ``swiglu_grad`` and ``swiglu`` save.
 
 Side by side in one process, each session planned for the provider's default lowering, once with
-every rule and once without these two (everything else the same), inputs and outputs on the
+every rule and once without these three (everything else the same), inputs and outputs on the
 device (IOBinding), median of ``--rounds`` rounds of ``--iters`` runs; the outputs of both
 compared.
 
@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from mpgraph.lowering import plan as plan_module  # noqa: E402
 from mpgraph.lowering.plan import PlanOptions, plan_session  # noqa: E402
 
-RULES = ("rmsnorm_grad", "swiglu_grad")
+RULES = ("rmsnorm_grad", "swiglu_grad", "swiglu")
 LAYERS = 12  # the Llama-style 125M
 
 

@@ -1,4 +1,4 @@
-"""The RmsNormGrad and SwiGluGrad CUDA kernels alone, against torch running the ops they replace.
+"""The RmsNormGrad, SwiGluGrad and SwiGlu CUDA kernels alone, against torch running the ops they replace.
 
 Needs only torch with CUDA and nvcc (no onnxruntime-gpu): compiles ``csrc/rmsnorm.cu`` and
 ``csrc/swiglu.cu`` into a scratch library, calls their C entry points on torch tensors, and
@@ -53,6 +53,25 @@ def swiglu_ops(dy, a, b, s):
     ds = dh * a
     c2 = ds * (s * (1 - s))
     return (c1.float() + c2.float()).to(a.dtype), db
+
+
+def swiglu_forward_ops(a, b):
+    """ORT's CUDA Sigmoid formula op by op in a's dtype (a > 0 ? 1 / (1 + exp(-|a|)) : 1 - that),
+    then the two Muls."""
+    q = 1 / (1 + torch.exp(-a.abs()))
+    s = torch.where(a > 0, q, 1 - q)
+    return (a * s) * b, s
+
+
+def swiglu_forward_fused(lib, a, b):
+    y, s = torch.empty_like(a), torch.empty_like(a)
+    err = lib.mpg_swiglu_cuda(TYPES[a.dtype], ptr(a), ptr(b), ptr(y), ptr(s), ctypes.c_size_t(a.numel()), stream())
+    assert err == 0, err
+    return y, s
+
+
+def swiglu_torch_forward(a, b):
+    return torch.nn.functional.silu(a) * b  # torch eager's own: two kernels
 
 
 def swiglu_fused(lib, dy, a, b, s):
@@ -120,6 +139,14 @@ def main() -> None:
         t_ops, t_fused = ms(swiglu_ops, dy, a, b, s), ms(swiglu_fused, lib, dy, a, b, s)
         print(f"SwiGluGrad {str(dtype)[6:]} {list(shape)}: da equal in {same[0]:.6%}, db in {same[1]:.6%} of elements; "
               f"fused {t_fused:.3f} ms, ops {t_ops:.3f} ms ({t_ops / t_fused:.1f}x)")
+        want, got = swiglu_forward_ops(a, b), swiglu_forward_fused(lib, a, b)
+        same = [float((g == w).float().mean()) for g, w in zip(got, want)]
+        close = float((got[1].float() - torch.sigmoid(a.float())).abs().max())
+        t_ops, t_fused = ms(swiglu_forward_ops, a, b), ms(swiglu_forward_fused, lib, a, b)
+        t_torch = ms(swiglu_torch_forward, a, b)
+        print(f"SwiGlu {str(dtype)[6:]}: y equal to ORT's formula op by op in {same[0]:.6%}, s in {same[1]:.6%}; "
+              f"|s - float32 sigmoid| <= {close:.2g}; fused {t_fused:.3f} ms, those ops {t_ops:.3f} ms, "
+              f"torch silu(a) * b {t_torch:.3f} ms")
     # dy as one float32 tensor, and as Llama's q, k, v projections' bfloat16 input gradients
     # (the graph casts each to float32 and sums them: both are part of what the ops time); with
     # 3 parts, dx is also added to the residual's gradient (RmsNormGradAdd; the ops' Sum).

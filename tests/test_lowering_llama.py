@@ -22,7 +22,7 @@ from mpgraph._ir.links import gradient_blocks
 from mpgraph._ir.meta import NODE_PRECISION, NODE_ROLE, Role
 from mpgraph.lowering import PlanOptions, plan_session
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
-from mpgraph.lowering.swiglu import fuse_swiglu_grad
+from mpgraph.lowering.swiglu import fuse_swiglu, fuse_swiglu_grad
 from tests.helpers import load_benchmark, run_named
 from tests.test_lowering_blocks import _copy, _run
 
@@ -109,6 +109,25 @@ def test_swiglu_kernel_is_the_rules_op_sequence_bit_for_bit():
         np.testing.assert_array_equal(got["grad/ain"], da)
         np.testing.assert_array_equal(got["grad/bin"], db)
     assert not np.array_equal(da, dh * s + (s * (one - s)) * dh * a)  # the other association differs here
+
+
+def test_swiglu_forward_fuses_once_its_backward_reads_no_product(step):
+    """While the backward's ops read ``a * s``, the forward stays three ops; after
+    ``fuse_swiglu_grad`` it is one ``SwiGlu`` whose s the fused backward reads, and the step
+    still matches the unlowered one on ORT CPU (s through the kernel's exp, not MLAS's: within
+    float32 rounding)."""
+    assert fuse_swiglu(_copy(step)) == 0
+    lowered = _copy(step)
+    assert _both(lowered) == (1, 1) and fuse_swiglu(lowered) == 1
+    ops = _ops(lowered)
+    assert ops["SwiGlu"] == 1 and ops["Sigmoid"] == 0 and ops["Mul"] == _ops(step)["Mul"] - 15
+    forward = next(n for n in lowered.graph if n.op_type == "SwiGlu")
+    assert {u.node.op_type for u in forward.outputs[1].uses()} == {"SwiGluGrad"}
+    feeds = ab.block_feeds(SHAPE)
+    want, got = run_named(step, feeds), _run(lowered, feeds)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6 * np.abs(value).max(), err_msg=name)
+    assert fuse_swiglu(lowered) == 0
 
 
 def _sigmoid(shape: tuple[int, ...]) -> ir.Model:

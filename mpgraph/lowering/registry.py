@@ -49,7 +49,7 @@ from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.scalars import fuse_adam_scalars
 from mpgraph.lowering.sdpa_layout import read_heads_in_place
 from mpgraph.lowering.softmax import fuse_softmax_grad
-from mpgraph.lowering.swiglu import fuse_swiglu_grad
+from mpgraph.lowering.swiglu import fuse_swiglu, fuse_swiglu_grad
 from mpgraph.lowering.transpose import fold_scales, fold_transposes
 
 __all__ = ["Exactness", "LoweringRule", "RULES", "SCOPES", "Target"]
@@ -145,6 +145,9 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("swiglu_grad", "all", BOTH, SAME, lambda m, t: fuse_swiglu_grad(m),
                  "the backward of (a * Sigmoid(a)) * b (Llama's SwiGLU), found by its three gradient blocks, "
                  "as SwiGluGrad (swiglu.py, csrc/swiglu.cu)"),
+    LoweringRule("swiglu", "all", BOTH, SAME, lambda m, t: fuse_swiglu(m),
+                 "y = (a * Sigmoid(a)) * b as one SwiGlu(a, b) -> (y, s) where only the product reads a * s "
+                 "(after swiglu_grad; s as ORT's CUDA Sigmoid computes it) (swiglu.py, csrc/swiglu.cu)"),
     LoweringRule("unscale", "all", BOTH, BIT, lambda m, t: fuse_unscale(m),
                  "loss scaling's unscale and finite check as one UnscaleGradients (multi.py)"),
     LoweringRule("multi_cast", "all", BOTH, BIT, lambda m, t: batch_casts(m),

@@ -20,7 +20,13 @@ value before it, and their gradient blocks (``dy`` into the product, ``db`` its 
 to b, the two contributions to a), never by the nodes the gradient rules emitted. The fused
 node takes over a's whole gradient (the gradient block of the node making a records it), or
 the Cast to a's type that is its one reader: that gradient must be made from the two
-contributions alone. The forward stays three ORT kernels (s is read by the backward).
+contributions alone.
+
+``fuse_swiglu`` then makes the forward one ``SwiGlu(a, b) -> (y, s)`` where nothing but the
+product reads ``h = a * s`` (after ``fuse_swiglu_grad``; s stays an output, the backward reads
+it): three kernels and the write and reread of s and h become one pass. s is computed as ORT's
+CUDA Sigmoid writes it (``a > 0 ? 1 / (1 + exp(-|a|)) : 1 - ...``, each step in T); ORT CPU's
+Sigmoid is MLAS's own approximation, so on CPU s may differ in its last bits (``same math``).
 
 Left as they are: a Sigmoid whose input or output has other forward readers, a product that
 broadcasts, values not all of one float type (float32 on CPU; float32, float16 or bfloat16 on
@@ -35,9 +41,9 @@ import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, ancestors, gradient_blocks
 from mpgraph._ir.meta import NODE_PRECISION, NODE_ROLE, PRECISION_OF_DTYPE, Precision, Role
-from mpgraph.lowering.match import DOMAIN, emulated, interior, swap_backward
+from mpgraph.lowering.match import DOMAIN, emulated, interior, replace, swap_backward
 
-__all__ = ["fuse_swiglu_grad"]
+__all__ = ["fuse_swiglu", "fuse_swiglu_grad"]
 
 _TYPES = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
@@ -144,6 +150,56 @@ def fuse_swiglu_grad(model: ir.Model) -> int:
             out.dtype, out.shape = like.dtype, like.shape
         if swap_backward(graph, new, [target, db]):
             fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
+
+
+def _forward(sigmoid: ir.Node) -> tuple[ir.Node, ir.Node, ir.Value] | None:
+    """``(mul_h, mul_y, b)`` when ``sigmoid``'s forward is ``y = (a * s) * b`` with h read by
+    the product alone, all of one float type and shape."""
+    a, s = sigmoid.inputs[0], sigmoid.outputs[0]
+    mul_h = _forward_reader(s, "Mul") if a is not None else None
+    if mul_h is None or sorted(map(id, mul_h.inputs)) != sorted((id(a), id(s))) or a is s:
+        return None
+    h = mul_h.outputs[0]
+    readers = {u.node for u in h.uses()}
+    if h.is_graph_output() or len(readers) != 1:
+        return None
+    (mul_y,) = readers
+    if mul_y.op_type != "Mul" or mul_y.domain not in ("", "ai.onnx") or len(mul_y.inputs) != 2 \
+            or list(mul_y.inputs).count(h) != 1:
+        return None
+    b = mul_y.inputs[1 - list(mul_y.inputs).index(h)]
+    dtype = a.dtype  # type: ignore[union-attr]
+    values = (a, b, s, h, mul_y.outputs[0])
+    if b is None or b is s or dtype not in _TYPES or any(v.dtype != dtype for v in values):  # type: ignore[union-attr]
+        return None
+    if a.shape is None or b.shape is None or list(a.shape) != list(b.shape) or emulated(s, h, mul_y.outputs[0]):  # type: ignore[union-attr]
+        return None
+    want = PRECISION_OF_DTYPE[dtype]
+    if any(n.metadata_props.get(NODE_PRECISION, want) not in (want, Precision.NONE) for n in (sigmoid, mul_h, mul_y)):
+        return None
+    return mul_h, mul_y, b
+
+
+def fuse_swiglu(model: ir.Model) -> int:
+    """Make every ``y = (a * Sigmoid(a)) * b`` in ``model``'s main graph whose ``a * s`` only the
+    product reads one ``SwiGlu(a, b) -> (y, s)``, in place; how many were made."""
+    graph = model.graph
+    fused = 0
+    for sigmoid in [n for n in graph if n.op_type == "Sigmoid" and n.domain in ("", "ai.onnx")]:
+        found = _forward(sigmoid)
+        if found is None:
+            continue
+        mul_h, mul_y, b = found
+        a = sigmoid.inputs[0]
+        node = ir.Node(DOMAIN, "SwiGlu", [a, b], num_outputs=2, name=f"{sigmoid.name}/SwiGlu",
+                       metadata_props=dict(mul_y.metadata_props))
+        # Before the product, which reads b (a Sigmoid may come before b is made); s has no
+        # reader before it but a * s.
+        replace(graph, [mul_y, mul_h, sigmoid], node, (mul_y.outputs[0], sigmoid.outputs[0]), before=mul_y)
+        fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused

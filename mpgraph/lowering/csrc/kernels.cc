@@ -669,8 +669,11 @@ OrtStatus* softmax_grad_dot_compute(void* kernel, OrtKernelContext* ctx) {
 //     Mul and Sigmoid rules write it, each step rounded to T: h = a * s, db = dy * h,
 //     dh = dy * b, da = dh * s + (dh * a) * (s * (1 - s)), the last sum in float32.
 //     Float32, float16 or bfloat16 (CPU: float32).
+// SwiGlu(a, b) -> (y, s): the forward, s = Sigmoid(a) as ORT's CUDA kernel writes it
+//     (a > 0 ? 1 / (1 + exp(-|a|)) : 1 - 1 / (1 + exp(-|a|)), each step in T), y = (a * s) * b.
 
 #ifdef MPG_WITH_CUDA
+extern "C" int mpg_swiglu_cuda(int type, const void* a, const void* b, void* y, void* s, size_t n, void* stream);
 extern "C" size_t mpg_rmsnorm_grad_workspace(size_t rows, size_t cols);
 extern "C" int mpg_rmsnorm_grad_cuda(int type, int parts, const void* const* dy, const int* dy_types, const void* x,
                                      const void* scale, const float* eps, const void* addend, void* dx, void* dscale,
@@ -769,6 +772,35 @@ OrtStatus* rmsnorm_grad_impl(void* kernel, OrtKernelContext* ctx, bool add) {
 
 OrtStatus* rmsnorm_grad_compute(void* k, OrtKernelContext* c) { return rmsnorm_grad_impl(k, c, false); }
 OrtStatus* rmsnorm_grad_add_compute(void* k, OrtKernelContext* c) { return rmsnorm_grad_impl(k, c, true); }
+
+void swiglu_cpu(const float* a, const float* b, float* y, float* s, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    const float q = 1.0f / (1.0f + std::exp(-std::fabs(a[i])));
+    s[i] = a[i] > 0.0f ? q : 1.0f - q;
+    y[i] = (a[i] * s[i]) * b[i];
+  }
+}
+
+OrtStatus* swiglu_compute(void* kernel, OrtKernelContext* ctx) {
+  const bool cuda = static_cast<Kernel*>(kernel)->cuda;
+  Tensor a, b;
+  if (OrtStatus* st = input(ctx, 0, &a)) return st;
+  if (OrtStatus* st = input(ctx, 1, &b)) return st;
+  if (a.type != b.type || a.count != b.count) return status("SwiGlu: a and b differ");
+  Tensor y, s;
+  if (OrtStatus* st = output(ctx, 0, a.dims, &y)) return st;
+  if (OrtStatus* st = output(ctx, 1, a.dims, &s)) return st;
+  if (a.count == 0) return nullptr;
+  if (!cuda) {
+    if (a.type != MPG_FLOAT) return status("SwiGlu: the CPU kernel is float32 only");
+    return parallel_chunks(ctx, a.count, [&](size_t lo, size_t hi) {
+      swiglu_cpu(a.data + lo, b.data + lo, y.data + lo, s.data + lo, hi - lo);
+    });
+  }
+  return on_gpu(ctx, "SwiGlu", [&](void* stream) {
+    return MPG_CUDA(mpg_swiglu_cuda(a.type, a.data, b.data, y.data, s.data, a.count, stream));
+  });
+}
 
 void swiglu_grad_cpu(const float* dy, const float* a, const float* b, const float* s, float* da, float* db, size_t n) {
   for (size_t i = 0; i < n; ++i) {
@@ -1424,6 +1456,9 @@ const OpSpec kSpecs[] = {
     // x, scale, eps float32; dy... variadic, float32, float16 or bfloat16 each; the last output variadic of one.
     {"RmsNormGrad", 0, 0, 4, 3, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, true, 1, 0, 1, rmsnorm_grad_compute},
     {"RmsNormGradAdd", 0, 0, 5, 3, {MPG_FLOAT, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, true, 1, 0, 1, rmsnorm_grad_add_compute},
+    {"SwiGlu", MPG_FLOAT, 0, 2, 2, {}, {}, false, 1, 0, 1, swiglu_compute},
+    {"SwiGlu", MPG_FLOAT16, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, swiglu_compute},
+    {"SwiGlu", MPG_BFLOAT16, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, swiglu_compute},
     {"SwiGluGrad", MPG_FLOAT, 0, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_FLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},
     {"SwiGluGrad", MPG_BFLOAT16, kCudaOnly, 4, 2, {}, {}, false, 1, 0, 1, swiglu_grad_compute},

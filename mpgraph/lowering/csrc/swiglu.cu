@@ -5,6 +5,9 @@
 // ops' outputs do, with the ops' operands in the ops' order and no contraction into fused
 // multiply-adds (__fmul_rn and friends), so each element is what the ops make; a's two
 // contributions are added in float32 and rounded to T once, as Cast(Sum(float32, float32)).
+// SwiGlu is the forward, y = (a * s) * b with s = Sigmoid(a) (also an output: the backward reads
+// it), s computed as ORT's CUDA Sigmoid writes it (a > 0 ? 1 / (1 + exp(-|a|)) : 1 - that, each
+// step in T).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -55,6 +58,39 @@ __global__ void swiglu_grad_vec8(const uint4* __restrict__ dy, const uint4* __re
   }
 }
 
+template <typename T>
+__device__ __forceinline__ void swiglu_one(float a, float b, T* y, T* s) {
+  const float e = r<T>(expf(-fabsf(a)));
+  const float q = r<T>(__fdiv_rn(1.0f, r<T>(__fadd_rn(1.0f, e))));
+  const float sig = a > 0.0f ? q : r<T>(__fsub_rn(1.0f, q));
+  *s = from_f<T>(sig);
+  *y = from_f<T>(__fmul_rn(r<T>(__fmul_rn(a, sig)), b));
+}
+
+template <typename T>
+__global__ void swiglu_kernel(const T* __restrict__ a, const T* __restrict__ b, T* __restrict__ y, T* __restrict__ s,
+                              size_t n) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    swiglu_one<T>(to_f(a[i]), to_f(b[i]), y + i, s + i);
+}
+
+template <typename T>
+__global__ void swiglu_vec8(const uint4* __restrict__ a, const uint4* __restrict__ b, uint4* __restrict__ y,
+                            uint4* __restrict__ s, size_t n8) {
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 va = a[i], vb = b[i];
+    const T* pa = reinterpret_cast<const T*>(&va);
+    const T* pb = reinterpret_cast<const T*>(&vb);
+    uint4 vy, vs;
+    T* py = reinterpret_cast<T*>(&vy);
+    T* ps = reinterpret_cast<T*>(&vs);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) swiglu_one<T>(to_f(pa[k]), to_f(pb[k]), py + k, ps + k);
+    y[i] = vy;
+    s[i] = vs;
+  }
+}
+
 bool aligned16(const void* p) { return (reinterpret_cast<size_t>(p) & 15) == 0; }
 
 unsigned blocks_for(size_t n, int threads) {
@@ -79,7 +115,28 @@ int launch(const void* dy, const void* a, const void* b, const void* s, void* da
   return (int)cudaGetLastError();
 }
 
+template <typename T>
+int launch_forward(const void* a, const void* b, void* y, void* s, size_t n, cudaStream_t st) {
+  constexpr int threads = 256;
+  if (sizeof(T) == 2 && n % 8 == 0 && aligned16(a) && aligned16(b) && aligned16(y) && aligned16(s)) {
+    const size_t n8 = n / 8;
+    swiglu_vec8<T><<<blocks_for(n8, threads), threads, 0, st>>>(static_cast<const uint4*>(a), static_cast<const uint4*>(b),
+                                                                static_cast<uint4*>(y), static_cast<uint4*>(s), n8);
+  } else {
+    swiglu_kernel<T><<<blocks_for(n, threads), threads, 0, st>>>(static_cast<const T*>(a), static_cast<const T*>(b),
+                                                                 static_cast<T*>(y), static_cast<T*>(s), n);
+  }
+  return (int)cudaGetLastError();
+}
+
 }  // namespace
+
+extern "C" int mpg_swiglu_cuda(int type, const void* a, const void* b, void* y, void* s, size_t n, void* stream) {
+  cudaStream_t st = static_cast<cudaStream_t>(stream);
+  if (type == kTypeBFloat16) return launch_forward<__nv_bfloat16>(a, b, y, s, n, st);
+  if (type == kTypeFloat16) return launch_forward<__half>(a, b, y, s, n, st);
+  return launch_forward<float>(a, b, y, s, n, st);
+}
 
 extern "C" int mpg_swiglu_grad_cuda(int type, const void* dy, const void* a, const void* b, const void* s, void* da,
                                     void* db, size_t n, void* stream) {
