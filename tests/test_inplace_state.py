@@ -134,7 +134,7 @@ def test_defaults_and_conflicts(step):
 def test_estimate_counts_one_buffer_per_in_place_value(step):
     """In place, the output set holds only what stays in two sets: the step counter and the
     loss; every other state output is ``inplace_bytes``, which a third set does not copy."""
-    bf16 = mpgraph.convert(step, "bf16")
+    bf16 = mpgraph.convert(ir.from_proto(ir.to_proto(step)), "bf16")  # convert rewrites its argument
     two, one = estimate_memory(bf16, batch=64), estimate_memory(bf16, batch=64, inplace=True)
     state = one.role_bytes["master_weights"] + one.role_bytes["optimizer_state"]
     assert one.inplace_bytes == state == 4 * 3 * one.parameters and one.inplace_refused == {}
