@@ -45,6 +45,7 @@ from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
+from mpgraph.lowering.pointwise import fuse_pointwise
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.scalars import fuse_adam_scalars
 from mpgraph.lowering.sdpa_layout import read_heads_in_place
@@ -176,6 +177,11 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fold_scales", "all", BOTH, BIT, lambda m, t: fold_scales(m, t.provider),
                  "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
                  "exact outside float overflow/underflow)"),
+    LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m),
+                 "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, Abs, two-input Sum; float32 Div, "
+                 "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "
+                 "rounding after each op as the op does; last, so it takes what every other rule left "
+                 "(pointwise.py, csrc/pointwise.cu)"),
     LoweringRule("one_hot_scatter", "deterministic", CUDA, SAME, lambda m, t: one_hot_scatter(m),
                  "the embedding gradient's scatter-add as a one-hot Gemm (deterministic.py)"),
     LoweringRule("ones_matmul_sums", "deterministic", CUDA, SAME, lambda m, t: ones_matmul_sums(m),

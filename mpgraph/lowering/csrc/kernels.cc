@@ -14,12 +14,15 @@
 #include <cstddef>
 #include <cstring>
 #include <functional>
+#include <memory>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "multi.h"
 #include "ort_abi.h"
+#include "pointwise.h"
 #include "sdpa.h"
 
 namespace {
@@ -151,6 +154,14 @@ enum { kAdamInputs = 11, kAdamOutputs = 3, kAdamScalars = 7 };
 
 struct OpSpec;
 
+// Pointwise's program and outputs, parsed from its attributes when the kernel is made.
+struct PointwisePlan {
+  PwProgram program;
+  std::vector<int> out_reg;
+  std::vector<std::vector<int64_t>> out_dims;
+  std::string error;  // a malformed attribute, reported by compute
+};
+
 struct Kernel {
   bool cuda;
   const OpSpec* spec;
@@ -160,6 +171,8 @@ struct Kernel {
   int64_t causal = 0, q_heads = 0, kv_heads = 0;
   // SoftmaxCrossEntropyRows(Grad)'s attributes.
   int64_t ce_valid_cols = 0, ce_ignore_index = 0, ce_has_ignore = 0, ce_reduction = 0;
+  // Pointwise's program.
+  std::shared_ptr<PointwisePlan> pw;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -1411,6 +1424,129 @@ OrtStatus* sdpa_backward_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   });
 }
 
+// -- Pointwise (pointwise.h; CUDA in pointwise.cu) --------------------------------------------
+//
+// Pointwise(x_1, ...) -> (y_1, ...): a group of elementwise ONNX ops run as one register program
+// (mpgraph/lowering/pointwise.py). Attributes: program, "op dst a b t" instructions separated by
+// ";" (op: cvt add sub mul div neg abs sqrt rcp; b -1 for one operand; t the ONNX dtype the op
+// rounds to), and outputs, "reg:d0,d1,..." per output. Inputs and outputs float32, float16 or
+// bfloat16 each; every output has n elements, an input n, one, or the last dim's count.
+
+#ifdef MPG_WITH_CUDA
+extern "C" int mpg_pointwise_cuda(const PwProgram* program, const PwArgs* args, void* stream);
+#endif
+
+struct PwCpuRound {
+  static float bf16(float v) {
+    const uint32_t bits = static_cast<uint32_t>(float_to_bfloat16(v)) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+  }
+  static float f16(float v) { return half_to_float(float_to_float16(v)); }
+  static float sqrt(float v) { return std::sqrt(v); }
+};
+
+std::shared_ptr<PointwisePlan> pointwise_parse(const std::string& program, const std::string& outputs) {
+  auto plan = std::make_shared<PointwisePlan>();
+  static const char* const kNames[] = {"cvt", "add", "sub", "mul", "div", "neg", "abs", "sqrt", "rcp"};
+  std::stringstream code(program);
+  std::string item;
+  while (std::getline(code, item, ';')) {
+    std::istringstream fields(item);
+    std::string op;
+    int dst = -1, a = -1, b = -1, t = 0;
+    fields >> op >> dst >> a >> b >> t;
+    int found = -1;
+    for (int k = 0; k < 9; ++k) found = op == kNames[k] ? k : found;
+    if (!fields || found < 0 || dst < 0 || dst >= kPwMaxRegisters || a < 0 || a >= kPwMaxRegisters ||
+        b >= kPwMaxRegisters || (t != 1 && t != 10 && t != 16) || plan->program.count == kPwMaxProgram) {
+      plan->error = "bad instruction '" + item + "' (or more than 32)";
+      return plan;
+    }
+    plan->program.code[plan->program.count++] = {static_cast<uint8_t>(found), static_cast<uint8_t>(dst),
+                                                 static_cast<uint8_t>(a), static_cast<uint8_t>(b < 0 ? 255 : b),
+                                                 static_cast<uint8_t>(t)};
+  }
+  std::istringstream outs(outputs);
+  while (outs >> item) {
+    const size_t colon = item.find(':');
+    const int reg = colon == std::string::npos ? -1 : std::atoi(item.substr(0, colon).c_str());
+    if (reg < 0 || reg >= kPwMaxRegisters || plan->out_reg.size() == kPwMaxOutputs) {
+      plan->error = "bad output '" + item + "'";
+      return plan;
+    }
+    std::vector<int64_t> dims;
+    std::stringstream ds(item.substr(colon + 1));
+    std::string d;
+    while (std::getline(ds, d, ',')) dims.push_back(std::atoll(d.c_str()));
+    plan->out_reg.push_back(reg);
+    plan->out_dims.push_back(dims);
+  }
+  if (plan->out_reg.empty()) plan->error = "no outputs";
+  return plan;
+}
+
+void pointwise_cpu(const PwProgram& program, const PwArgs& args, size_t a, size_t b) {
+  float r[kPwMaxRegisters] = {};
+  for (size_t i = a; i < b; ++i) {
+    for (int k = 0; k < args.inputs; ++k)
+      r[k] = load_cpu(args.in[k], args.in_type[k], static_cast<size_t>(pw_index(args.in_mode[k], i, args.last)));
+    pw_exec<PwCpuRound>(program, r);
+    for (int k = 0; k < args.outputs; ++k) {
+      const float v = r[args.out_reg[k]];
+      if (args.out_type[k] == MPG_BFLOAT16)
+        static_cast<uint16_t*>(args.out[k])[i] = float_to_bfloat16(v);
+      else if (args.out_type[k] == MPG_FLOAT16)
+        static_cast<uint16_t*>(args.out[k])[i] = float_to_float16(v);
+      else
+        static_cast<float*>(args.out[k])[i] = v;
+    }
+  }
+}
+
+bool pw_float_type(int type) { return type == MPG_FLOAT || type == MPG_FLOAT16 || type == MPG_BFLOAT16; }
+
+OrtStatus* pointwise_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  const PointwisePlan& plan = *kernel.pw;
+  if (!plan.error.empty()) return status("Pointwise: " + plan.error);
+  PwArgs args;
+  args.inputs = static_cast<int>(input_count(ctx));
+  args.outputs = static_cast<int>(plan.out_reg.size());
+  if (args.inputs > kPwMaxInputs) return status("Pointwise: more than 12 inputs");
+  args.n = 1;
+  for (int64_t d : plan.out_dims[0]) args.n *= d;
+  args.last = plan.out_dims[0].empty() ? 1 : std::max<int64_t>(plan.out_dims[0].back(), 1);
+  for (int k = 0; k < args.inputs; ++k) {
+    Tensor t;
+    if (OrtStatus* st = input(ctx, static_cast<size_t>(k), &t)) return st;
+    const int64_t count = static_cast<int64_t>(t.count);
+    args.in_mode[k] = count == args.n ? kPwFull : count == 1 ? kPwScalar : count == args.last ? kPwRow : -1;
+    if (!pw_float_type(t.type) || args.in_mode[k] < 0 || plan.out_reg.size() > kPwMaxOutputs)
+      return status("Pointwise: input " + std::to_string(k) + " is not float32/float16/bfloat16 of the outputs' "
+                    "size, one element or the last dim's");
+    args.in[k] = t.data;
+    args.in_type[k] = t.type;
+  }
+  for (int k = 0; k < args.outputs; ++k) {
+    Tensor o;
+    if (OrtStatus* st = output(ctx, static_cast<size_t>(k), plan.out_dims[k], &o)) return st;
+    if (!pw_float_type(o.type) || static_cast<int64_t>(o.count) != args.n || plan.out_reg[k] >= kPwMaxRegisters)
+      return status("Pointwise: output " + std::to_string(k) + " differs in size or type from the first");
+    args.out[k] = o.data;
+    args.out_type[k] = o.type;
+    args.out_reg[k] = plan.out_reg[k];
+  }
+  if (args.n == 0) return nullptr;
+  if (!kernel.cuda) {
+    return parallel_chunks(ctx, static_cast<size_t>(args.n), [&](size_t a, size_t b) {
+      pointwise_cpu(plan.program, args, a, b);
+    });
+  }
+  return on_gpu(ctx, "Pointwise", [&](void* stream) { return MPG_CUDA(mpg_pointwise_cuda(&plan.program, &args, stream)); });
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -1478,6 +1614,8 @@ const OpSpec kSpecs[] = {
     {"SoftmaxCrossEntropyRowsGrad", MPG_FLOAT, 0, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
     {"SoftmaxCrossEntropyRowsGrad", MPG_FLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
     {"SoftmaxCrossEntropyRowsGrad", MPG_BFLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
+    // inputs and outputs variadic, each float32, float16 or bfloat16 (the outputs' types from the graph).
+    {"Pointwise", 0, 0, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, true, 1, 0, 1, pointwise_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
     {"SdpaForward", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -1523,6 +1661,7 @@ int output_kind(const MpgCustomOp* op, size_t index) {
 int in_min(const MpgCustomOp* op) { return spec_of(op).in_min; }
 int in_homogeneous(const MpgCustomOp* op) { return spec_of(op).in_homogeneous; }
 int out_min(const MpgCustomOp* op) { return spec_of(op).out_min; }
+int out_homogeneous(const MpgCustomOp* op) { return spec_of(op).compute != pointwise_compute; }
 int one(const MpgCustomOp*) { return 1; }
 void* create_kernel_v1(const MpgCustomOp*, const OrtApi*, const OrtKernelInfo*) { return nullptr; }
 void compute_v1(void*, OrtKernelContext*) {}
@@ -1539,6 +1678,22 @@ bool attribute(const OrtApi* api, const OrtKernelInfo* info, MpgOrtSlot slot, co
   }
   return true;
 }
+// A string attribute of the node ("" when it has none).
+std::string string_attribute(const OrtApi* api, const OrtKernelInfo* info, const char* name) {
+  using Get = OrtStatus* (*)(const OrtKernelInfo*, const char*, char*, size_t*);
+  size_t size = 0;
+  if (OrtStatus* st = mpg_slot<Get>(api, kKernelInfoGetAttribute_string)(info, name, nullptr, &size)) {
+    mpg_slot<void (*)(OrtStatus*)>(api, kReleaseStatus)(st);
+    return "";
+  }
+  std::string out(size, '\0');
+  if (OrtStatus* st = mpg_slot<Get>(api, kKernelInfoGetAttribute_string)(info, name, &out[0], &size)) {
+    mpg_slot<void (*)(OrtStatus*)>(api, kReleaseStatus)(st);
+    return "";
+  }
+  out.resize(size > 0 ? size - 1 : 0);
+  return out;
+}
 OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKernelInfo* info, void** kernel) {
   Kernel* made = new Kernel{reinterpret_cast<const Op*>(op)->cuda, reinterpret_cast<const Op*>(op)->spec};
   if (made->spec->compute == sdpa_forward_compute || made->spec->compute == sdpa_backward_compute) {
@@ -1552,6 +1707,8 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     made->ce_has_ignore = attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "ignore_index", 0, &made->ce_ignore_index);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "reduction", 0, &made->ce_reduction);
   }
+  if (made->spec->compute == pointwise_compute) made->pw = pointwise_parse(string_attribute(api, info, "program"),
+                                                                          string_attribute(api, info, "outputs"));
   *kernel = made;
   return nullptr;
 }
@@ -1578,7 +1735,7 @@ Op make_op(const OpSpec* spec, bool cuda) {
   op.base.GetVariadicInputMinArity = in_min;
   op.base.GetVariadicInputHomogeneity = in_homogeneous;
   op.base.GetVariadicOutputMinArity = out_min;
-  op.base.GetVariadicOutputHomogeneity = one;
+  op.base.GetVariadicOutputHomogeneity = out_homogeneous;
   op.base.CreateKernelV2 = create_kernel;
   op.base.KernelComputeV2 = compute;
   op.base.InferOutputShapeFn = nullptr;

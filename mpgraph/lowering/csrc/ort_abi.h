@@ -48,6 +48,7 @@ enum MpgOrtSlot {
   kGetTensorTypeAndShape = 65,
   kKernelInfoGetAttribute_float = 85,
   kKernelInfoGetAttribute_int64 = 86,
+  kKernelInfoGetAttribute_string = 87,
   kKernelContext_GetInputCount = 88,
   kKernelContext_GetOutputCount = 89,
   kKernelContext_GetInput = 90,
