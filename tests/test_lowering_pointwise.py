@@ -23,7 +23,7 @@ from onnx import helper as h
 
 from mpgraph.convert import convert
 from mpgraph.lowering.plan import _apply
-from mpgraph.lowering.pointwise import fuse_pointwise
+from mpgraph.lowering.pointwise import MAX_PROGRAM, fuse_pointwise
 from mpgraph.lowering.registry import Target
 from mpgraph.lowering.specialize import specialize_shapes
 from mpgraph.training import build_training_graph
@@ -169,3 +169,11 @@ def test_the_zoo_gpt_bf16_cuda_plan_fuses_every_residual():
     print(programs)
     assert programs["cvt 0 0 -1 1;add 0 0 2 1;add 2 1 0 1"] == 4  # x + (float(gemm) + bias)
     assert _ops(step)["Add"] < before["Add"] - 8
+
+
+def test_a_chain_longer_than_a_program_is_split():
+    """40 Adds of a scalar: a kernel of MAX_PROGRAM instructions, then one of the other 8."""
+    nodes = [h.make_node("Add", [f"v{i}", "one"], [f"v{i + 1}"]) for i in range(40)]
+    model = _model(nodes, [("v0", SHAPE)], [("v40", T.FLOAT)], [init("one", np.array(1.0009765625, F))])
+    lowered = _check(model, 2)
+    assert [len(n.attributes["program"].as_string().split(";")) for n in lowered.graph] == [MAX_PROGRAM, 40 - MAX_PROGRAM]

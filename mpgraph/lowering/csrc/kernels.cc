@@ -1539,6 +1539,11 @@ OrtStatus* pointwise_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     args.out_reg[k] = plan.out_reg[k];
   }
   if (args.n == 0) return nullptr;
+  args.vector = 1;
+  for (int k = 0; k < args.inputs; ++k)
+    if (args.in_mode[k] == kPwFull && reinterpret_cast<uintptr_t>(args.in[k]) % 16) args.vector = 0;
+  for (int k = 0; k < args.outputs; ++k)
+    if (reinterpret_cast<uintptr_t>(args.out[k]) % 16) args.vector = 0;
   if (!kernel.cuda) {
     return parallel_chunks(ctx, static_cast<size_t>(args.n), [&](size_t a, size_t b) {
       pointwise_cpu(plan.program, args, a, b);

@@ -37,37 +37,45 @@ struct PwArgs {
   int out_type[kPwMaxOutputs];
   int out_reg[kPwMaxOutputs];
   int64_t n = 0, last = 1;
+  int vector = 0;  // every full-size input and output 16-byte aligned: four elements a load
 };
 
-// Runs the program over registers r; Round::bf16 and Round::f16 round a float to that type
-// and back.
+// One instruction's IEEE operation on a and b (b unused by the unary ones), in float32.
+template <typename Round>
+MPG_PW_HD float pw_apply(int op, float a, float b) {
+  switch (op) {  // CUDA: the _rn intrinsics, never contracted into an FMA
+#ifdef __CUDA_ARCH__
+    case kPwAdd: return __fadd_rn(a, b);
+    case kPwSub: return __fsub_rn(a, b);
+    case kPwMul: return __fmul_rn(a, b);
+    case kPwDiv: return __fdiv_rn(a, b);
+    case kPwRcp: return __fdiv_rn(1.0f, a);
+#else
+    case kPwAdd: return a + b;
+    case kPwSub: return a - b;
+    case kPwMul: return a * b;
+    case kPwDiv: return a / b;
+    case kPwRcp: return 1.0f / a;
+#endif
+    case kPwSqrt: return Round::sqrt(a);
+    case kPwNeg: return -a;
+    case kPwAbs: return a < 0.0f ? -a : (a == 0.0f ? 0.0f : a);
+    default: return a;  // kPwCvt
+  }
+}
+
+// v rounded to ONNX dtype t and back (Round::bf16, Round::f16: to nearest even).
+template <typename Round>
+MPG_PW_HD float pw_round(int t, float v) {
+  return t == 16 ? Round::bf16(v) : t == 10 ? Round::f16(v) : v;
+}
+
+// Runs the program over registers r.
 template <typename Round>
 MPG_PW_HD void pw_exec(const PwProgram& p, float* r) {
   for (int k = 0; k < p.count; ++k) {
     const PwInstr in = p.code[k];
-    const float a = r[in.a], b = in.b < kPwMaxRegisters ? r[in.b] : 0.0f;
-    float v;
-    switch (in.op) {  // one IEEE operation each (CUDA: the _rn intrinsics, never contracted into an FMA)
-#ifdef __CUDA_ARCH__
-      case kPwAdd: v = __fadd_rn(a, b); break;
-      case kPwSub: v = __fsub_rn(a, b); break;
-      case kPwMul: v = __fmul_rn(a, b); break;
-      case kPwDiv: v = __fdiv_rn(a, b); break;
-      case kPwSqrt: v = __fsqrt_rn(a); break;
-      case kPwRcp: v = __fdiv_rn(1.0f, a); break;
-#else
-      case kPwAdd: v = a + b; break;
-      case kPwSub: v = a - b; break;
-      case kPwMul: v = a * b; break;
-      case kPwDiv: v = a / b; break;
-      case kPwSqrt: v = Round::sqrt(a); break;
-      case kPwRcp: v = 1.0f / a; break;
-#endif
-      case kPwNeg: v = -a; break;
-      case kPwAbs: v = a < 0.0f ? -a : (a == 0.0f ? 0.0f : a); break;
-      default: v = a; break;  // kPwCvt
-    }
-    r[in.dst] = in.t == 16 ? Round::bf16(v) : in.t == 10 ? Round::f16(v) : v;
+    r[in.dst] = pw_round<Round>(in.t, pw_apply<Round>(in.op, r[in.a], in.b < kPwMaxRegisters ? r[in.b] : 0.0f));
   }
 }
 
