@@ -54,7 +54,7 @@ def _block() -> ir.Model:
         h.make_node("Reshape", ["dx_f32", "flat"], ["dx2"]),
         h.make_node("Sum", ["g2", "dx2", "g2"], ["s"]),          # the residual gradient, float32
         h.make_node("Div", ["s", "three"], ["q"]),
-        h.make_node("Abs", ["q"], ["qa"]),
+        h.make_node("Mul", ["q", "q"], ["qa"]),
         h.make_node("Sqrt", ["qa"], ["qs"]),
         h.make_node("Sub", ["qs", "q"], ["d"]),
         h.make_node("Cast", ["d"], ["d_f16"], to=T.FLOAT16),

@@ -178,7 +178,7 @@ RULES: tuple[LoweringRule, ...] = (
                  "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
                  "exact outside float overflow/underflow)"),
     LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m),
-                 "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, Abs, two-input Sum; float32 Div, "
+                 "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, two-input Sum; float32 Div, "
                  "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "
                  "rounding after each op as the op does; last, so it takes what every other rule left "
                  "(pointwise.py, csrc/pointwise.cu)"),
