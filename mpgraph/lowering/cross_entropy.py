@@ -24,7 +24,8 @@ The match is by value, never by the nodes a rule emitted:
 
 1. a canonical ``SoftmaxCrossEntropyLoss`` (float32 logits ``X`` [rows, C], labels [rows], no
    class weights, reduction mean/sum/none) whose gradient block records ``dloss`` into the loss
-   and ``dX`` (and no gradient into log_prob);
+   and ``dX`` (and no gradient into log_prob); where loss scaling rewired every reader of the
+   seed to ``seed * loss_scale`` after autodiff recorded it, the kernel reads that product;
 2. walking back from ``X`` through at most one each of: a ``Cast`` to float32 (the policy's),
    a ``Reshape`` merging the leading axes of ``[..., C]``, and a ``Slice`` of the first ``C``
    columns of the last axis (the padded GEMM's); each step's own gradient block must carry the
@@ -60,10 +61,12 @@ from mpgraph._ir.links import GradientBlock, gradient_blocks
 from mpgraph._ir.meta import NODE_GRAD_INPUTS, NODE_GRAD_OUTPUTS
 from mpgraph.lowering.match import (
     DOMAIN,
+    constant,
     consts,
     emulated,
     hand_over,
     interior,
+    is_scalar,
     remove_dead,
     swap_backward,
 )
@@ -143,6 +146,27 @@ def _old_gradient(grad: ir.Value, dtype: ir.DataType, outputs: set[ir.Value]) ->
     return casts[0].outputs[0] if len(readers) == 1 and len(casts) == 1 else grad
 
 
+def _incoming(dloss: ir.Value) -> ir.Value:
+    """The loss's incoming gradient as the backward reads it: the recorded ``dloss``, or the
+    product that took its place for all its readers, ``Mul(dloss, s)`` by a constant or graph
+    input scalar ``s`` (``ScaleLossPass``'s ``seed * loss_scale``, which autodiff's record
+    predates)."""
+    readers = {id(u.node): u.node for u in dloss.uses()}
+    if len(readers) != 1 or dloss.is_graph_output():
+        return dloss
+    (node,) = readers.values()
+    if not _onnx(node, "Mul") or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+        return dloss
+    other = node.inputs[1] if node.inputs[0] is dloss else node.inputs[0]
+    out = node.outputs[0]
+    fixed = other is not None and (other.producer() is None or constant(other) is not None)
+    if not fixed or not is_scalar(other) or dloss.shape is None or len(other.shape) > len(dloss.shape):  # type: ignore[union-attr, arg-type]
+        return dloss  # a scalar of no higher rank: the product has dloss's shape
+    if out.dtype not in (None, dloss.dtype) or (out.shape is not None and list(out.shape) != list(dloss.shape)):
+        return dloss
+    return out
+
+
 def _match(sce: ir.Node, blocks: dict[ir.Node, GradientBlock], provider: str, outputs: set[ir.Value]) -> tuple | None:
     block = blocks.get(sce)
     reduction = sce.attributes.get_string("reduction", "mean")
@@ -156,6 +180,7 @@ def _match(sce: ir.Node, blocks: dict[ir.Node, GradientBlock], provider: str, ou
     dx = block.dxs[0] if block.dxs else None
     if dloss is None or dx is None or (len(block.dys) > 1 and block.dys[1] is not None):
         return None
+    dloss = _incoming(dloss)
     walked = _walk(x, dx, x.shape[1], blocks)
     if walked is None:
         return None
