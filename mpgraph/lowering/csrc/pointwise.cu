@@ -61,43 +61,98 @@ __device__ __forceinline__ void pw_store4(void* p, int type, int64_t i0, const f
       make_uint2(h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16));
 }
 
+// The register file: float r[R][4]. Indexed by a run-time register number it would live in
+// local memory; for R <= 8 every access is a chain of selects over constant indices instead, so
+// the file stays in registers (R 16 and 24: local memory, in L1 while small).
+template <int R>
+struct PwFile {
+  float r[R][kLanes];
+  __device__ __forceinline__ float get(int idx, int l) const {
+    if constexpr (R > 8) {
+      return r[idx][l];
+    } else {
+      float v = r[0][l];
+#pragma unroll
+      for (int k = 1; k < R; ++k) v = idx == k ? r[k][l] : v;
+      return v;
+    }
+  }
+  __device__ __forceinline__ void set(int idx, int l, float v) {
+    if constexpr (R > 8) {
+      r[idx][l] = v;
+    } else {
+#pragma unroll
+      for (int k = 0; k < R; ++k) r[k][l] = idx == k ? v : r[k][l];
+    }
+  }
+};
+
+template <int R>
+__device__ __forceinline__ void pw_step(const PwProgram& program, PwFile<R>& f, int lanes) {
+  for (int c = 0; c < program.count; ++c) {
+    const PwInstr in = program.code[c];
+    const bool binary = in.b < kPwMaxRegisters;
+    float v[kLanes];
+#pragma unroll
+    for (int l = 0; l < kLanes; ++l)
+      if (l < lanes) v[l] = pw_round<PwGpuRound>(in.t, pw_apply<PwGpuRound>(in.op, f.get(in.a, l), binary ? f.get(in.b, l) : 0.0f));
+#pragma unroll
+    for (int l = 0; l < kLanes; ++l)
+      if (l < lanes) f.set(in.dst, l, v[l]);
+  }
+}
+
+// R registers: the fewest of 4, 8, 16, 24 the program needs.
+template <int R>
 __global__ void pointwise_kernel(const PwProgram program, const PwArgs args) {
-  float r[kPwMaxRegisters][kLanes];
+  PwFile<R> f;
   const int64_t stride = (int64_t)gridDim.x * blockDim.x;
   const int64_t quads = args.vector ? args.n / kLanes : 0;
   for (int64_t q = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; q < quads; q += stride) {
     const int64_t i0 = q * kLanes;
     for (int k = 0; k < args.inputs; ++k) {
-      if (args.in_mode[k] == kPwFull) {
-        pw_load4(args.in[k], args.in_type[k], i0, r[k]);
-      } else {
-        for (int l = 0; l < kLanes; ++l) r[k][l] = pw_load(args.in[k], args.in_type[k], pw_index(args.in_mode[k], i0 + l, args.last));
-      }
-    }
-    for (int c = 0; c < program.count; ++c) {
-      const PwInstr in = program.code[c];
-      const bool binary = in.b < kPwMaxRegisters;
       float v[kLanes];
-      for (int l = 0; l < kLanes; ++l)
-        v[l] = pw_round<PwGpuRound>(in.t, pw_apply<PwGpuRound>(in.op, r[in.a][l], binary ? r[in.b][l] : 0.0f));
-      for (int l = 0; l < kLanes; ++l) r[in.dst][l] = v[l];
+      if (args.in_mode[k] == kPwFull) {
+        pw_load4(args.in[k], args.in_type[k], i0, v);
+      } else {
+#pragma unroll
+        for (int l = 0; l < kLanes; ++l) v[l] = pw_load(args.in[k], args.in_type[k], pw_index(args.in_mode[k], i0 + l, args.last));
+      }
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) f.set(k, l, v[l]);
     }
-    for (int k = 0; k < args.outputs; ++k) pw_store4(args.out[k], args.out_type[k], i0, r[args.out_reg[k]]);
+    pw_step<R>(program, f, kLanes);
+    for (int k = 0; k < args.outputs; ++k) {
+      float v[kLanes];
+#pragma unroll
+      for (int l = 0; l < kLanes; ++l) v[l] = f.get(args.out_reg[k], l);
+      pw_store4(args.out[k], args.out_type[k], i0, v);
+    }
   }
-  // The rest, one element at a time (the last n % 4; all of them when not aligned).
+  // The rest, one element at a time in lane 0 (the last n % 4; all of them when not aligned).
   for (int64_t i = quads * kLanes + (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < args.n; i += stride) {
-    float s[kPwMaxRegisters];
-    for (int k = 0; k < args.inputs; ++k) s[k] = pw_load(args.in[k], args.in_type[k], pw_index(args.in_mode[k], i, args.last));
-    pw_exec<PwGpuRound>(program, s);
-    for (int k = 0; k < args.outputs; ++k) pw_store(args.out[k], args.out_type[k], i, s[args.out_reg[k]]);
+    for (int k = 0; k < args.inputs; ++k) f.set(k, 0, pw_load(args.in[k], args.in_type[k], pw_index(args.in_mode[k], i, args.last)));
+    pw_step<R>(program, f, 1);
+    for (int k = 0; k < args.outputs; ++k) pw_store(args.out[k], args.out_type[k], i, f.get(args.out_reg[k], 0));
   }
 }
 
 }  // namespace
 
 extern "C" int mpg_pointwise_cuda(const PwProgram* program, const PwArgs* args, void* stream) {
+  int used = args->inputs;
+  for (int c = 0; c < program->count; ++c) used = used > program->code[c].dst + 1 ? used : program->code[c].dst + 1;
   int64_t blocks = (args->n / (args->vector ? kLanes : 1) + 255) / 256;
   if (blocks > 132 * 8) blocks = 132 * 8;  // a few waves of every SM; the loop takes the rest
-  pointwise_kernel<<<(unsigned)(blocks ? blocks : 1), 256, 0, static_cast<cudaStream_t>(stream)>>>(*program, *args);
+  const dim3 grid((unsigned)(blocks ? blocks : 1));
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (used <= 4)
+    pointwise_kernel<4><<<grid, 256, 0, s>>>(*program, *args);
+  else if (used <= 8)
+    pointwise_kernel<8><<<grid, 256, 0, s>>>(*program, *args);
+  else if (used <= 16)
+    pointwise_kernel<16><<<grid, 256, 0, s>>>(*program, *args);
+  else
+    pointwise_kernel<kPwMaxRegisters><<<grid, 256, 0, s>>>(*program, *args);
   return (int)cudaGetLastError();
 }
