@@ -38,6 +38,16 @@ than 2p + 2 bits, so the double rounding is innocuous). Low-precision ``Div``/``
 ``Sum`` of more than two inputs (ORT's CUDA and CPU kernels round those differently) and every
 transcendental op (ORT's Exp, Tanh and Erf are not libm's) are left alone.
 
+Measured (CPU-only, the byte counting of a census of every node's inputs and outputs) on the
+full bf16 CUDA plans at batch 8, T 1024, shapes specialised, every other CUDA rule applied
+first: HF GPT-2 small (torchscript export) 49 Pointwise kernels replace 125 nodes (24 residual
+``Add(x, Cast(.))``, 23 ``Sum(g, dx) -> Reshape -> Cast(bf16)`` of the backward's residual
+gradient, 2 others), 49.90 -> 47.38 GB a step (0.63 GB of it Reshape views, free in ORT);
+Llama-style 125M (dynamo export) 25 kernels replace 50 nodes, 40.59 -> 39.38 GB. Left alone,
+since no elementwise op is on both sides: the Casts to bf16 right after a LayerNorm or
+RMSNorm (GPT-2 0.91 GB, Llama 0.94 + 0.87 GB) and the weight gradients' Casts to float32 before
+the multi-tensor AdamW (0.51 GB, 0.60 GB): those belong in the norm and AdamW kernels.
+
 Example:
     >>> import onnx_ir as ir
     >>> f32, bf16 = ir.DataType.FLOAT, ir.DataType.BFLOAT16
