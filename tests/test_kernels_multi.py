@@ -408,6 +408,8 @@ def test_the_captured_sessions_graph_is_lowered_alike():
     for model in (step, fixed):
         kernels.lower(model, "cuda")
         made.append(Counter(n.op_type for n in model.graph if n.domain in ("ai.mpgraph", "com.microsoft")))
+    # Pointwise needs static shapes: the specialised graph has more of them (8 against 1).
+    assert made[1].pop("Pointwise") > made[0].pop("Pointwise")
     assert made[0] == made[1] and made[0]["SoftmaxGradDot"] == 2, made
 
 

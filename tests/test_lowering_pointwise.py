@@ -177,3 +177,12 @@ def test_a_chain_longer_than_a_program_is_split():
     model = _model(nodes, [("v0", SHAPE)], [("v40", T.FLOAT)], [init("one", np.array(1.0009765625, F))])
     lowered = _check(model, 2)
     assert [len(n.attributes["program"].as_string().split(";")) for n in lowered.graph] == [MAX_PROGRAM, 40 - MAX_PROGRAM]
+
+
+def test_on_cpu_an_op_computing_in_float16_is_left_out():
+    """ORT CPU runs a float16 Mul in float32 behind Casts it inserts and drops: the CPU rule
+    (``low=False``) keeps it out, the CUDA one takes it."""
+    nodes = [h.make_node("Cast", ["x"], ["x16"], to=T.FLOAT16), h.make_node("Mul", ["x16", "x16"], ["m16"]),
+             h.make_node("Cast", ["m16"], ["m"], to=T.FLOAT)]
+    model = _model(nodes, [("x", SHAPE)], [("m", T.FLOAT)])
+    assert fuse_pointwise(_copy(model), low=False) == 0 and fuse_pointwise(_copy(model)) == 1

@@ -177,11 +177,11 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fold_scales", "all", BOTH, BIT, lambda m, t: fold_scales(m, t.provider),
                  "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
                  "exact outside float overflow/underflow)"),
-    LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m),
+    LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m, low=t.provider == "cuda"),
                  "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, two-input Sum; float32 Div, "
                  "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "
-                 "rounding after each op as the op does; last, so it takes what every other rule left "
-                 "(pointwise.py, csrc/pointwise.cu)"),
+                 "rounding after each op as the op does (CPU: float32 ops and Casts only); last, so it takes what "
+                 "every other rule left (pointwise.py, csrc/pointwise.cu)"),
     LoweringRule("one_hot_scatter", "deterministic", CUDA, SAME, lambda m, t: one_hot_scatter(m),
                  "the embedding gradient's scatter-add as a one-hot Gemm (deterministic.py)"),
     LoweringRule("ones_matmul_sums", "deterministic", CUDA, SAME, lambda m, t: ones_matmul_sums(m),
