@@ -186,3 +186,20 @@ def test_on_cpu_an_op_computing_in_float16_is_left_out():
              h.make_node("Cast", ["m16"], ["m"], to=T.FLOAT)]
     model = _model(nodes, [("x", SHAPE)], [("m", T.FLOAT)])
     assert fuse_pointwise(_copy(model), low=False) == 0 and fuse_pointwise(_copy(model)) == 1
+
+
+def test_a_view_read_outside_stays_and_reads_the_fused_output():
+    """The backward's residual gradient: s = Sum(g, dx) is viewed as [rows, 16] for a weight
+    gradient (ReduceSum here) and cast to bfloat16 through that view: the Reshape stays, over
+    the fused node's s, and the cast is in the kernel."""
+    rows = np.array([24, 16], np.int64)
+    nodes = [h.make_node("Sum", ["g", "dx"], ["s"]), h.make_node("Reshape", ["s", "rows"], ["s2"]),
+             h.make_node("Cast", ["s2"], ["s2_bf16"], to=T.BFLOAT16), h.make_node("Identity", ["s2_bf16"], ["gemm_in"]),
+             h.make_node("Cast", ["gemm_in"], ["back"], to=T.FLOAT),
+             h.make_node("ReduceSum", ["s2", "axis0"], ["dw"], keepdims=0), h.make_node("Mul", ["s", "s"], ["next"])]
+    model = _model(nodes, [("g", SHAPE), ("dx", SHAPE)], [("back", T.FLOAT), ("dw", T.FLOAT), ("next", T.FLOAT)],
+                   [init("rows", rows), init("axis0", np.array([0], np.int64))])
+    lowered = _check(model, 1)
+    (pw,) = [n for n in lowered.graph if n.op_type == "Pointwise"]
+    view = next(n for n in lowered.graph if n.op_type == "Reshape")
+    assert view.inputs[0].producer() is pw and len(pw.outputs) == 3  # s (for the view), s2_bf16, next
