@@ -16,26 +16,29 @@ The rewrite, applied last (after every other rule, so it takes what they left)::
    ``Neg``, a two-input ``Sum`` (any float type), and in float32 only ``Div``,
    ``Sqrt``, ``Reciprocal`` and a ``Sum`` of up to eight inputs, whose output has a static
    shape S and whose inputs each have shape S, or are one element (a scalar), or a vector
-   along S's last axis (a bias: ``[N]`` or ``[1, ..., N]``).
+   along S's last axis (a bias: ``[N]`` or ``[1, ..., N]``); and a ``Reshape`` keeping the
+   element count and the last dim (a view: no instruction, the same register). A group's
+   members share the element count and the last dim.
 2. **Groups.** In graph order a member joins the groups of its producers, merging them, when
    no input from outside their union is computed from it (the group stays convex: no path
    leaves it and comes back); else the first producer's group it may join alone; else it starts
-   a group. Groups of one node are left alone, as are
-   groups beyond the kernel's limits (``MAX_INPUTS`` inputs, ``MAX_OUTPUTS`` outputs,
+   a group. Groups with fewer than two computing members are left alone, as are groups beyond
+   the kernel's limits (``MAX_INPUTS`` inputs, ``MAX_OUTPUTS`` outputs,
    ``MAX_PROGRAM`` instructions, ``MAX_REGISTERS`` registers).
 3. **Outputs.** Each group value read outside the group (or a graph output) is an output of
-   the fused node, in its own dtype.
+   the fused node, in its own dtype; a member Reshape read outside stays in the graph as a
+   view of the fused node's output of its input.
 4. **Program.** The group's nodes in order, one instruction each (a Sum one per addition), as
    a string attribute ``program``: ``op dst a b t`` separated by ``;``, registers 0.. holding
-   the inputs, ``t`` the ONNX dtype the op's output rounds to (1: float32, none). ``outputs``
-   lists the output registers.
+   the inputs, ``t`` the ONNX dtype the op's output rounds to (1: float32, none), registers
+   reused once dead; ``outputs``: ``reg:d0,d1,...`` per output.
 
 Exactness: **bit-identical**. The kernel loads each input as float32 (exact), computes each op
 in float32 and rounds to the op's output dtype after it (round to nearest even), which is what
 ORT's kernels compute: a float32 op is the same IEEE operation, and a bf16/fp16 add, subtract or
 multiply in float32 rounded once equals the correctly rounded low-precision op (float32 has more
 than 2p + 2 bits, so the double rounding is innocuous). Low-precision ``Div``/``Sqrt`` and
-``Sum`` of more than two inputs (ORT's CUDA and CPU kernels round those differently) and every
+``Sum`` of more than two inputs (ORT's CPU and CUDA kernels do not round those alike) and every
 transcendental op (ORT's Exp, Tanh and Erf are not libm's) are left alone. On ORT CPU only
 float32 ops and Casts join (``low=False``): it has no bfloat16 kernels, and runs a float16 op in
 float32 behind Casts it inserts, then removes the Cast pairs, so a float16 Mul there is not
