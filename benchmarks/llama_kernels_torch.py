@@ -8,6 +8,7 @@ bits), RmsNormGrad in float32 against float64. Then the time of one fused call a
 sequence (CUDA events, median), at a Llama-style 125M's sizes.
 
     python3 benchmarks/llama_kernels_torch.py                 # a CUDA machine with nvcc
+    compute-sanitizer python3 benchmarks/llama_kernels_torch.py --small   # the same checks, tiny sizes
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import ctypes
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parents[1] / "mpgraph" / "lowering" / "csrc"
 TYPES = {torch.float32: 1, torch.float16: 10, torch.bfloat16: 16}
+QUICK = {"on": False}  # --small: one timed call (under compute-sanitizer)
 
 
 def build(arch: str) -> ctypes.CDLL:
@@ -109,6 +112,8 @@ def rmsnorm_fused(lib, parts, x, scale, eps_t, addend=None):
 
 def ms(fn, *args, iters: int = 50, rounds: int = 5) -> float:
     """Median ms of ``fn(*args)`` over ``rounds`` rounds of ``iters`` calls (CUDA events)."""
+    if QUICK["on"]:
+        iters, rounds = 1, 1
     for _ in range(3):
         fn(*args)
     times = []
@@ -124,14 +129,16 @@ def ms(fn, *args, iters: int = 50, rounds: int = 5) -> float:
 
 
 def main() -> None:
+    small = QUICK["on"] = "--small" in sys.argv[1:]
     major, minor = torch.cuda.get_device_capability()
     lib = build(os.environ.get("MPGRAPH_CUDA_ARCHS", f"{major}{minor}").split(",")[0])
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        shape = (8, 1024, 2048)
+        shape = (3, 7, 515) if small else (8, 1024, 2048)  # small: the scalar path (n % 8 != 0)
         a = (3 * torch.randn(shape, device="cuda", generator=gen)).to(dtype)
-        a.view(-1)[: 4096] = torch.linspace(-30, 30, 4096, device="cuda").to(dtype)  # saturated tails too
+        ends = min(4096, a.numel())
+        a.view(-1)[:ends] = torch.linspace(-30, 30, ends, device="cuda").to(dtype)  # saturated tails too
         b, dy = (torch.randn(shape, device="cuda", generator=gen).to(dtype) for _ in range(2))
         s = torch.sigmoid(a)
         want, got = swiglu_ops(dy, a, b, s), swiglu_fused(lib, dy, a, b, s)
@@ -150,7 +157,8 @@ def main() -> None:
     # dy as one float32 tensor, and as Llama's q, k, v projections' bfloat16 input gradients
     # (the graph casts each to float32 and sums them: both are part of what the ops time); with
     # 3 parts, dx is also added to the residual's gradient (RmsNormGradAdd; the ops' Sum).
-    for rows, cols, parts in ((8 * 1024, 768, 1), (8 * 1024, 768, 3), (1000, 100, 2), (3, 4096, 1)):
+    sizes = ((8 * 1024, 768, 1), (8 * 1024, 768, 3), (1000, 100, 2), (3, 4096, 1))
+    for rows, cols, parts in ((70, 96, 1), (40, 768, 3), (5, 100, 2)) if small else sizes:
         x = torch.randn(rows, cols, device="cuda", generator=gen)
         low = parts > 1
         dys = [torch.randn(rows, cols, device="cuda", generator=gen).to(torch.bfloat16 if low else torch.float32)
