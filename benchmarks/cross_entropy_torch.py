@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     fused_bytes = 3 * n * size  # read the logits twice, write dlogits
     # Slice v -> v, Cast v -> v float32, loss v -> log_prob v, grad v -> v, Pad v -> n, Cast n -> n
     old_bytes = 3 * v * size + 6 * v * 4 + 2 * n * 4 + n * size
-    print(f"fused: forward {t_fwd:.3f} ms ({n * size / t_fwd / 1e9:.0f} GB/s), backward {t_bwd:.3f} ms "
-          f"({2 * n * size / t_bwd / 1e9:.0f} GB/s); {fused_bytes / 1e9:.2f} GB a step")
+    print(f"fused: forward {t_fwd:.3f} ms ({n * size / t_fwd / 1e6:.0f} GB/s), backward {t_bwd:.3f} ms "
+          f"({2 * n * size / t_bwd / 1e6:.0f} GB/s); {fused_bytes / 1e9:.2f} GB a step")
     print(f"unfused chain (PyTorch ops, the plan's old ops): {t_old:.3f} ms, about {old_bytes / 1e9:.2f} GB; "
           f"fused/unfused {(t_fwd + t_bwd) / t_old:.2f}x")
 
