@@ -327,7 +327,7 @@ class DataParallelExecutor:
         self._reduce()
         skipped, outputs = self._apply(passthrough)
         for slot in self.slots:
-            self._unpack(slot, self._all_gather_flat(outputs[slot.output].numpy(), slot.size))
+            self._unpack(slot, all_gather_flat(self._dist, self.group, outputs[slot.output].numpy(), slot.size))
         if self.parallel.shard_optimizer and self.world > 1:
             self._broadcast_params()
         return float(self.buckets[-1].views(self.bucket_tensors[-1])[self.split.loss]), skipped
@@ -448,20 +448,6 @@ class DataParallelExecutor:
         start, end = slice_range(slot.size, self.rank, self.world)
         return array[start:end]
 
-    def _all_gather_flat(self, part: np.ndarray, size: int) -> np.ndarray:
-        """Every rank's slice of a ``size``-element vector, in rank order (padded to one
-        length for the collective)."""
-        torch, dist = self._torch, self._dist
-        if self.world == 1:
-            return part
-        ranges = [slice_range(size, r, self.world) for r in range(self.world)]
-        width = max(b - a for a, b in ranges)
-        padded = np.zeros(width, np.float32)
-        padded[:part.size] = part
-        gathered = [torch.empty(width) for _ in range(self.world)]
-        dist.all_gather(gathered, torch.from_numpy(padded), group=self.group)
-        return np.concatenate([t.numpy()[:b - a] for t, (a, b) in zip(gathered, ranges, strict=True)])
-
     def _unpack(self, slot: FlatSlot, flat: np.ndarray) -> None:
         """The new flat parameter of a packed slot into its parameters' state buffers."""
         start, state = 0, self._state_np()
@@ -515,6 +501,23 @@ class DataParallelExecutor:
         if not everyone and self.rank != 0:
             return None
         return {a: held[a] for a, _ in self.split.state_pairs}
+
+
+def all_gather_flat(dist: Any, group: Any, part: np.ndarray, size: int) -> np.ndarray:
+    """Every rank's slice (``slice_range``) of a ``size``-element float32 vector, in rank order
+    (padded to one length for the collective; host memory: the sharded optimizer's)."""
+    import torch
+
+    world = dist.get_world_size(group) if dist.is_initialized() else 1
+    if world == 1:
+        return part
+    ranges = [slice_range(size, r, world) for r in range(world)]
+    width = max(b - a for a, b in ranges)
+    padded = np.zeros(width, np.float32)
+    padded[:part.size] = part
+    gathered = [torch.empty(width) for _ in range(world)]
+    dist.all_gather(gathered, torch.from_numpy(padded), group=group)
+    return np.concatenate([t.numpy()[:b - a] for t, (a, b) in zip(gathered, ranges, strict=True)])
 
 
 def _input_names(session: ort.InferenceSession) -> set[str]:
