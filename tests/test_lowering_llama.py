@@ -245,4 +245,7 @@ def test_tiny_hf_llama_lowers_on_both_exporters(exporter, tmp_path):
     want, got = run_named(step, feeds), _run(lowered, feeds)
     for name, value in want.items():
         if value.dtype.kind == "f" and value.size:
-            np.testing.assert_allclose(got[name], value, rtol=0, atol=1e-4 * np.abs(value).max(), err_msg=name)
+            # 2e-4: AdamW's first step is m / sqrt(v) ~ sign(g): where a gradient cancels to about
+            # eps, float32 rounding moves it; the cross_entropy rule's sums in another order moved
+            # one element of layers.1 k_proj by 8.2e-6 = 1.05e-4 of max (both exporters).
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-4 * np.abs(value).max(), err_msg=name)
