@@ -51,7 +51,7 @@ def _run(model: ir.Model, feeds: dict[str, np.ndarray] | None = None, seed: int 
     return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds)))
 
 
-def _train(step: ir.Model, fused: bool, steps: int = 6) -> tuple[list[float], dict[str, np.ndarray], list[bool]]:
+def _train(step: ir.Model, fused: bool | None, steps: int = 6) -> tuple[list[float], dict[str, np.ndarray], list[bool]]:
     trainer = Trainer(step, "cpu", threads=1, kernels=fused)
     rng = np.random.default_rng(0)
     losses, skipped = [], []
@@ -66,8 +66,8 @@ def _train(step: ir.Model, fused: bool, steps: int = 6) -> tuple[list[float], di
     return losses, trainer.state, skipped
 
 
-def _assert_same_training(step: ir.Model, steps: int = 6) -> list[bool]:
-    plain, fused = _train(step, False, steps), _train(step, True, steps)
+def _assert_same_training(step: ir.Model, steps: int = 6, kernels: bool | None = True) -> list[bool]:
+    plain, fused = _train(step, False, steps), _train(step, kernels, steps)
     assert plain[0] == fused[0] or np.array_equal(plain[0], fused[0], equal_nan=True)
     assert plain[2] == fused[2]
     for name, value in plain[1].items():
@@ -89,7 +89,9 @@ def test_adamw_updates_sharing_scalars_become_one_node():
     assert _count(lowered, "AdamWUpdate") == 0 and _count(lowered, "MultiAdamWUpdate") == len(groups)
     node = next(n for n in lowered.graph if n.op_type == "MultiAdamWUpdate")
     assert (len(node.inputs) - 7) % 4 == 0 and len(node.outputs) == 3 * (len(node.inputs) - 7) // 4
-    _assert_same_training(step)
+    # CPU's default kernels (multi_adamw among them): scope all would also fuse the MLP's loss
+    # (cross_entropy, same math: its sums reassociate).
+    _assert_same_training(step, kernels=None)
 
 
 def test_multi_adamw_refuses_mismatched_sizes():
