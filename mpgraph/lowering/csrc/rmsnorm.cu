@@ -122,8 +122,9 @@ __global__ void rmsnorm_dscale_total(const float* __restrict__ partial, T* __res
 }
 
 template <typename T>
-int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, const T* addend, T* dx, T* dscale, float* work, size_t rows, size_t cols,
-           cudaStream_t s) {
+int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, const T* addend, T* dx, T* dscale,
+           float* work, size_t rows, size_t cols, cudaStream_t s) {
+  if (rows == 0) return (int)cudaMemsetAsync(dscale, 0, cols * sizeof(T), s);  // no rows: dscale sums nothing
   const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
   float* rstd = work;
   float* partial = work + rows;
