@@ -18,10 +18,10 @@ Example:
     >>> from mpgraph import lowering
     >>> from mpgraph.training import build_training_graph
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
-    >>> lowering.lower(step)  # the packed slot's AdamW, its float64 scalars, each Relu's backward
-    4
+    >>> lowering.lower(step)  # the packed slot's AdamW, its float64 scalars, each Relu's backward, the loss, a chain
+    6
     >>> sorted({n.op_type for n in step.graph if n.domain == lowering.DOMAIN})
-    ['AdamScalars', 'AdamWUpdate', 'ReluGrad']
+    ['AdamScalars', 'AdamWUpdate', 'Pointwise', 'ReluGrad', 'SoftmaxCrossEntropyRows', 'SoftmaxCrossEntropyRowsGrad']
     >>> options = ort.SessionOptions()
     >>> options.register_custom_ops_library(str(lowering.library("cpu")))  # built once, then cached
 """

@@ -24,7 +24,7 @@ Example:
     >>> step = build_training_graph("models/onnx/tiny_mlp.loss.onnx", optimizer="adamw")
     >>> plan = plan_session(step, "cpu", PlanOptions(kernels=True))
     >>> plan.kernels_fused, [name for name, n in plan.applied if n]
-    (4, ['adamw', 'adam_scalars', 'relu_grad'])
+    (6, ['adamw', 'adam_scalars', 'cross_entropy', 'relu_grad', 'pointwise'])
 """
 
 from __future__ import annotations
