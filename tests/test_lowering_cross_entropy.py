@@ -227,6 +227,14 @@ def test_kernels_ignore_and_zero_the_padding_columns(reduction):
     np.testing.assert_array_equal(got["dx"][[2, 5]], 0)  # ignored rows
 
 
+def test_kernels_on_an_empty_batch():
+    """No rows: count 0 and the mean 0 / 0, NaN (what ORT's op gives when every row is ignored;
+    ORT's CPU op refuses an empty batch in its own Reshape), an empty gradient."""
+    got = _lowered_run(_kernel_graph(8, 5, 0, 0), {"x": np.zeros((0, 8), np.float32), "labels": np.zeros(0, np.int64),
+                                                   "dloss": np.array(1.0, np.float32)})
+    assert np.isnan(got["loss"]) and got["stats"].shape == (0, 2) and got["dx"].shape == (0, 8)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16, T.FLOAT])
 @pytest.mark.parametrize(("cols", "valid"), [(1088, 1030), (1030, 1030), (1031, 1030)])

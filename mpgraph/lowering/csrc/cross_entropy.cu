@@ -201,10 +201,13 @@ int forward(const void* logits, const int64_t* labels, float* loss, float* stats
             size_t valid, int64_t ignore, bool has_ignore, int reduction, cudaStream_t s) {
   const T* x = static_cast<const T*>(logits);
   float2* st = reinterpret_cast<float2*>(stats);
-  if (vectorizable<T>(x, x, cols))
+  if (rows == 0) {
+    // nothing to reduce; the loss kernel still writes count 0 and the loss
+  } else if (vectorizable<T>(x, x, cols)) {
     row_stats_kernel<T, true><<<(unsigned)rows, kThreads, 0, s>>>(x, st, cols, valid);
-  else
+  } else {
     row_stats_kernel<T, false><<<(unsigned)rows, kThreads, 0, s>>>(x, st, cols, valid);
+  }
   loss_kernel<T><<<1, kLossThreads, 0, s>>>(x, labels, st, loss, count, rows, cols, valid, ignore, has_ignore, reduction);
   return (int)cudaGetLastError();
 }

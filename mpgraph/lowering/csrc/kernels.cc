@@ -971,7 +971,8 @@ OrtStatus* ce_rows_compute(void* kernel, OrtKernelContext* ctx) {
   if (OrtStatus* st = output(ctx, 0, loss_dims, &loss)) return st;
   if (OrtStatus* st = output(ctx, 1, {static_cast<int64_t>(rows), 2}, &stats)) return st;
   if (OrtStatus* st = output(ctx, 2, {}, &count)) return st;
-  if (rows == 0) return nullptr;
+  // No rows (an empty batch) still writes count 0 and the loss (mean: 0 / 0, NaN, as ORT's op
+  // gives when every label is ignored).
   const int64_t* idx = reinterpret_cast<const int64_t*>(labels.data);
   const int64_t ignore = k->ce_ignore_index;
   const bool has_ignore = k->ce_has_ignore != 0;
