@@ -22,12 +22,14 @@ B, S, H, D = 2, 64, 4, 64
 
 def _model(three_d: bool) -> bytes:
     n = helper.make_node
+    bf16 = [n("Cast", ["x32"], ["x"], to=TensorProto.BFLOAT16)]  # float32 in and out, bfloat16 inside
     if three_d:
         nodes = [n("RotaryEmbedding", ["x", "cos", "sin"], ["y"], num_heads=H)]
     else:
         nodes = [n("Reshape", ["x", "heads"], ["xs"]), n("Transpose", ["xs"], ["x4"], perm=[0, 2, 1, 3]),
                  n("RotaryEmbedding", ["x4", "cos", "sin"], ["y4"], num_heads=H),
                  n("Transpose", ["y4"], ["ys"], perm=[0, 2, 1, 3]), n("Reshape", ["ys", "flat"], ["y"])]
+    nodes = bf16 + nodes + [n("Cast", ["y"], ["y32"], to=TensorProto.FLOAT)]
     angle = np.arange(S)[:, None] / 10000 ** (np.arange(D // 2) / (D // 2))
     inits = [numpy_helper.from_array(np.array([B, S, H, D], np.int64), "heads"),
              numpy_helper.from_array(np.array([B, S, H * D], np.int64), "flat")]
@@ -35,27 +37,19 @@ def _model(three_d: bool) -> bytes:
         table = helper.make_tensor(name, TensorProto.BFLOAT16, [B, S, D // 2],
                                    np.broadcast_to(f(angle), (B, S, D // 2)).astype(np.float32).ravel().tolist())
         inits.append(table)
-    graph = helper.make_graph(nodes, "rotary", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [B, S, H * D])],
-                              [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, [B, S, H * D])], inits)
+    graph = helper.make_graph(nodes, "rotary", [helper.make_tensor_value_info("x32", TensorProto.FLOAT, [B, S, H * D])],
+                              [helper.make_tensor_value_info("y32", TensorProto.FLOAT, [B, S, H * D])], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
     return model.SerializeToString()
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs onnxruntime-gpu's CUDAExecutionProvider")
 def test_3d_rotary_equals_the_4d_chain_on_cuda() -> None:
-    import torch
-
-    x = torch.randn(B, S, H * D, dtype=torch.bfloat16, device="cuda")
+    x = np.random.default_rng(0).standard_normal((B, S, H * D)).astype(np.float32)
     outs = []
     for three_d in (False, True):
         session = ort.InferenceSession(_model(three_d), providers=["CUDAExecutionProvider"])
         assert session.get_providers()[0] == "CUDAExecutionProvider"
-        binding = session.io_binding()
-        binding.bind_input("x", "cuda", 0, np.uint16, list(x.shape), x.data_ptr())
-        y = torch.empty_like(x)
-        binding.bind_output("y", "cuda", 0, np.uint16, list(y.shape), y.data_ptr())
-        session.run_with_iobinding(binding)
-        torch.cuda.synchronize()
-        outs.append(y.float().cpu().numpy())
+        outs.append(session.run(None, {"x32": x})[0])
     assert np.array_equal(outs[0], outs[1])
-    assert not np.array_equal(outs[1], x.float().cpu().numpy())  # the rotary did rotate
+    assert not np.allclose(outs[1], x, atol=1e-2)  # the rotary did rotate

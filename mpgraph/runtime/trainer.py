@@ -147,9 +147,11 @@ class Trainer(TrainingLoop):
             elementwise, and every other reader of the old value is an ancestor of it, so ORT
             runs it first); the other values keep two buffers, and a log line says why. The
             price: ``fit`` cannot undo a non-finite step (its rule 7), and no pipelining.
-            ``None``: on for ``cuda`` when one state set is over ``PIPELINE_MAX_STATE_MIB``
-            unless ``pipeline=True``; ``inplace`` names the values, ``inplace_reason`` why
-            none or not all are.
+            ``None``: off (two sets). On CUDA with CUDA graphs the first version trained other
+            values than two sets on the H200 (ORT runs a capturing session's step more than
+            once in its first run); the executor now puts the state back and replays once,
+            which has not yet run on a GPU (``tests/test_gpu_inplace.py``). ``inplace`` names
+            the values, ``inplace_reason`` why none or not all are.
 
         options: All of the above as one ``RunOptions`` (``provider`` and keywords given as
             well win over it).
