@@ -79,8 +79,9 @@ def _inplace_default(provider: str, inplace: bool | None, pipeline: bool | None,
     if inplace is not None:
         return inplace, "" if inplace else "inplace_state=False"
     # Off unless asked for: on the H200 (2026-12-02) the first in-place version trained other
-    # values than two sets with CUDA graphs (ORT runs a capturing session's step more than once
-    # in its first run; see ``_launch_replay``), and the correction is not yet run on a GPU.
+    # values than two sets with CUDA graphs (most likely because ORT runs a capturing session's
+    # step more than once in its first run; see ``_launch_replay``); the correction is not yet
+    # run on a GPU.
     del provider, pipeline, state_mib
     return False, "in-place state updates are asked for with inplace_state=True (not yet a default)"
 

@@ -148,8 +148,8 @@ class Trainer(TrainingLoop):
             runs it first); the other values keep two buffers, and a log line says why. The
             price: ``fit`` cannot undo a non-finite step (its rule 7), and no pipelining.
             ``None``: off (two sets). On CUDA with CUDA graphs the first version trained other
-            values than two sets on the H200 (ORT runs a capturing session's step more than
-            once in its first run); the executor now puts the state back and replays once,
+            values than two sets on the H200 (most likely: ORT runs a capturing session's step
+            more than once in its first run; not confirmed); the executor now puts the state back and replays once,
             which has not yet run on a GPU (``tests/test_gpu_inplace.py``). ``inplace`` names
             the values, ``inplace_reason`` why none or not all are.
 
