@@ -1,14 +1,14 @@
 """What the ``cross_entropy`` rule does to a full bf16 step graph's CUDA plan, counted on the CPU.
 
 The graph is specialised to ``--shapes`` and planned with every CUDA rule (``Target("cuda",
-"default", sdpa=True)``, as ``/root/census/census.py`` does) once without ``cross_entropy`` and
+"default", sdpa=True)``, counted as ``step_census.py`` counts) once without ``cross_entropy`` and
 once with it. Printed for each: the bytes every node reads and writes (each input and output of
 each node; constants under 1 KiB left out; Reshapes counted though ORT runs them as views), with
 the time those bytes take at 3 TB/s, the float32 tensors of the logits' size left, and the
 largest nodes; then the op types whose bytes changed.
 
-    python3 benchmarks/cross_entropy_census.py /root/census/gpt2_torchscript_bf16.onnx
-    python3 benchmarks/cross_entropy_census.py /root/census/llama_dynamo_bf16.onnx
+    python3 benchmarks/cross_entropy_census.py DIR/gpt2_torchscript_bf16.onnx   # prepare()'s step graphs
+    python3 benchmarks/cross_entropy_census.py DIR/llama_dynamo_bf16.onnx
 """
 
 from __future__ import annotations
@@ -19,25 +19,16 @@ import json
 import os
 import sys
 
-import numpy as np
 import onnx_ir as ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_census import op_key as _key  # noqa: E402
+from step_census import value_bytes as _bytes  # noqa: E402
 
 from mpgraph.lowering.registry import RULES, Target  # noqa: E402
 from mpgraph.lowering.specialize import specialize_shapes  # noqa: E402
-
-
-def _bytes(value: ir.Value | None) -> int:
-    if value is None or value.shape is None or value.dtype is None or not value.shape.is_static():
-        return 0
-    size = int(np.prod([int(d) for d in value.shape])) * value.dtype.itemsize
-    return 0 if value.const_value is not None and value.producer() is None and size < 1024 else size
-
-
-def _key(node: ir.Node) -> str:
-    key = (node.domain + "::" if node.domain else "") + node.op_type
-    return key + "->" + ir.DataType(node.attributes["to"].value).name if node.op_type == "Cast" else key
 
 
 def main(argv: list[str] | None = None) -> None:

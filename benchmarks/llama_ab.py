@@ -15,7 +15,7 @@ compared.
   specialisation: the kernels' difference, not the runtime's best time).
 
     python3 benchmarks/llama_ab.py                                            # GPU machine, onnxruntime-gpu
-    python3 benchmarks/llama_ab.py --graph /root/census/llama_dynamo_bf16.onnx
+    python3 benchmarks/llama_ab.py --graph DIR/llama_dynamo_bf16.onnx
     python3 benchmarks/llama_ab.py --provider cpu --shape 2,64,64,128         # here, float32
 """
 

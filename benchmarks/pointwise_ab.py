@@ -7,7 +7,7 @@ Div/Mul/Sqrt/Sub chain with a float16 output: 18 ONNX ops, two ``Pointwise`` ker
 Both sessions run the same graph (the lowered one through the kernel library); median of
 ``--rounds`` rounds of ``--iters`` runs with inputs and outputs on the device (IOBinding);
 every output compared bit for bit; the bytes each session's nodes read and write (every
-input and output of every node, as ``/root/census/census.py`` counts them) and the bandwidth
+input and output of every node, as ``step_census.py`` counts them) and the bandwidth
 that makes.
 
     python3 benchmarks/pointwise_ab.py                  # the GPU machine, onnxruntime-gpu

@@ -1,14 +1,14 @@
 """What the ``pointwise`` rule does to a full bf16 step graph's CUDA plan, counted on the CPU.
 
 The graph is specialised to ``--shapes`` and planned with every CUDA rule (``Target("cuda",
-"default", sdpa=True)``, as ``/root/census/census.py`` does) but ``pointwise``; then
+"default", sdpa=True)``, counted as ``step_census.py`` counts) but ``pointwise``; then
 ``pointwise`` runs. Printed: kernels made and nodes replaced, and the bytes every node reads and
 writes (each input and output of each node; constants under 1 KiB left out; Reshapes counted
 though ORT runs them as views) by op before and after, with the time those bytes take at
 3 TB/s; and the programs most often made.
 
-    python3 benchmarks/pointwise_census.py /root/census/gpt2_torchscript_bf16.onnx
-    python3 benchmarks/pointwise_census.py /root/census/llama_dynamo_bf16.onnx \\
+    python3 benchmarks/pointwise_census.py DIR/gpt2_torchscript_bf16.onnx
+    python3 benchmarks/pointwise_census.py DIR/llama_dynamo_bf16.onnx \\
         --shapes '{"input_ids": [8, 1024], "labels": [8, 1024]}'
 """
 
@@ -20,33 +20,16 @@ import json
 import os
 import sys
 
-import numpy as np
 import onnx_ir as ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from step_census import census  # noqa: E402
 
 from mpgraph.lowering.pointwise import fuse_pointwise  # noqa: E402
 from mpgraph.lowering.registry import RULES, Target  # noqa: E402
 from mpgraph.lowering.specialize import specialize_shapes  # noqa: E402
-
-
-def _bytes(value: ir.Value | None) -> int:
-    if value is None or value.shape is None or value.dtype is None or not value.shape.is_static():
-        return 0
-    size = int(np.prod([int(d) for d in value.shape])) * value.dtype.itemsize
-    return 0 if value.const_value is not None and value.producer() is None and size < 1024 else size
-
-
-def census(model: ir.Model) -> dict[str, list[int]]:
-    """Op (a Cast with its target) -> [nodes, bytes read and written]."""
-    by: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
-    for node in model.graph:
-        key = (node.domain + "::" if node.domain else "") + node.op_type
-        if node.op_type == "Cast":
-            key += "->" + ir.DataType(node.attributes["to"].as_int()).name
-        by[key][0] += 1
-        by[key][1] += sum(_bytes(v) for v in [*node.inputs, *node.outputs])
-    return by
 
 
 def main(argv: list[str] | None = None) -> None:
