@@ -27,7 +27,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph._ir.links import GradientBlock
 from mpgraph._ir.names import NameScope
 from mpgraph.lowering.match import (
     DOMAIN,
@@ -36,6 +36,7 @@ from mpgraph.lowering.match import (
     initializer,
     is_scalar,
     link,
+    op_blocks,
     producer,
     replace,
     same_shape,
@@ -218,9 +219,7 @@ def fuse_layernorm_grad(model: ir.Model) -> int:
     graph = model.graph
     names = NameScope(graph)
     fused = 0
-    for node, block in gradient_blocks(graph).items():
-        if node.op_type != "LayerNormalization" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
-            continue
+    for node, block in op_blocks(graph, "LayerNormalization"):
         found = _layernorm_operands(block)
         if found is None:
             continue

@@ -41,9 +41,16 @@ import math
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph._ir.links import GradientBlock
 from mpgraph._ir.meta import NODE_PRECISION, PRECISION_OF_DTYPE, Precision
-from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, swap_backward
+from mpgraph.lowering.match import (
+    DOMAIN,
+    emulated,
+    interior,
+    op_blocks,
+    scalar_constant,
+    swap_backward,
+)
 
 __all__ = ["fuse_gelu"]
 
@@ -86,9 +93,7 @@ def fuse_gelu(model: ir.Model) -> int:
     place; how many ``ErfGeluGrad`` and ``TanhGeluGrad`` nodes were made."""
     graph = model.graph
     fused = 0
-    for node, block in gradient_blocks(graph).items():
-        if node.op_type != "Gelu" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
-            continue
+    for node, block in op_blocks(graph, "Gelu"):
         found = _operands(block)
         if found is None:
             continue

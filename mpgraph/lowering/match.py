@@ -20,12 +20,12 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.links import ancestors
+from mpgraph._ir.links import GradientBlock, ancestors, gradient_blocks
 from mpgraph._ir.meta import NODE_PRECISION, PRECISION_OF_DTYPE, Precision
 from mpgraph._ir.names import NameScope
 
@@ -43,6 +43,14 @@ DOMAIN = "ai.mpgraph"
 def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     node = value.producer() if value is not None else None
     return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+
+def op_blocks(graph: ir.Graph, op_type: str) -> Iterator[tuple[ir.Node, GradientBlock]]:
+    """Each ONNX ``op_type`` node of ``graph`` itself (not a subgraph's) that records a gradient
+    block, with the block, in graph order (read once: a rewrite of one does not move the rest)."""
+    for node, block in gradient_blocks(graph).items():
+        if node.op_type == op_type and node.domain in ("", "ai.onnx") and node.graph is graph:
+            yield node, block
 
 
 def only_reader(value: ir.Value, graph_outputs: set[ir.Value]) -> bool:

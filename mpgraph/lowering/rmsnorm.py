@@ -43,10 +43,17 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph._ir.links import GradientBlock, gradient_blocks
+from mpgraph._ir.links import GradientBlock
 from mpgraph._ir.meta import NODE_PRECISION, Precision
 from mpgraph._ir.names import NameScope
-from mpgraph.lowering.match import DOMAIN, emulated, interior, scalar_constant, swap_backward
+from mpgraph.lowering.match import (
+    DOMAIN,
+    emulated,
+    interior,
+    op_blocks,
+    scalar_constant,
+    swap_backward,
+)
 
 __all__ = ["fuse_rmsnorm_grad"]
 
@@ -139,9 +146,7 @@ def fuse_rmsnorm_grad(model: ir.Model) -> int:
     graph = model.graph
     names = NameScope(graph)
     fused = 0
-    for node, block in gradient_blocks(graph).items():
-        if node.op_type != "RMSNormalization" or node.domain not in ("", "ai.onnx") or node.graph is not graph:
-            continue
+    for node, block in op_blocks(graph, "RMSNormalization"):
         found = _operands(block)
         if found is None:
             continue
