@@ -282,3 +282,16 @@ def test_train_graph_cli_canonical_ops_flag(tmp_path):
     assert ops[None]["Gelu"] == 2 and ops[None]["Attention"] == 0
     assert ops["--no-canonical-ops"]["Gelu"] == 0 and ops["--no-canonical-ops"]["Erf"] > 0
     assert ops["--canonical-ops"]["Gelu"] == 2 and ops["--canonical-ops"]["Attention"] == 2
+
+
+def test_a_specialised_graph_read_back_from_its_proto_lowers_alike():
+    """Shape specialisation writes its folded shapes as ``Constant(value_ints)``; a copy of the
+    graph through its proto keeps them only as that attribute (no ``const_value``), and
+    ``match.constant`` reads it, so ``sce_grad`` (which checks OneHot's depth) still fuses."""
+    from mpgraph.lowering.grads import fuse_sce_grad
+    from mpgraph.lowering.specialize import specialize_shapes
+
+    step = build_training_graph(GPT, optimizer="adamw", target="cuda")
+    step = specialize_shapes(convert(step, "bf16", calibrate=None, validate=False), {"tokens": [2, 16], "label": [2, 16]})
+    copy = ir.from_proto(ir.to_proto(step))
+    assert fuse_sce_grad(step) == fuse_sce_grad(copy) == 1

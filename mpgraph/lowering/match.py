@@ -133,16 +133,26 @@ def fuse_muls(model: ir.Model, match: Callable[[ir.Node, set[ir.Value]], tuple |
     return fused
 
 
+#: ``Constant``'s list and scalar attributes (shape specialisation writes ``value_ints``).
+_CONSTANT_LISTS = {"value_ints": np.int64, "value_floats": np.float32, "value_int": np.int64, "value_float": np.float32}
+
+
 def constant(value: ir.Value | None) -> np.ndarray | None:
-    """``value``'s array when it is an initializer or a ``Constant``'s output."""
+    """``value``'s array when it is an initializer or a ``Constant``'s output (its ``value``
+    tensor or one of its int/float list and scalar forms)."""
     if value is None:
         return None
     if value.const_value is not None:
         return np.asarray(value.const_value.numpy())
     producer = value.producer()
-    if producer is None or producer.op_type != "Constant" or "value" not in producer.attributes:
+    if producer is None or producer.op_type != "Constant" or producer.domain not in ("", "ai.onnx"):
         return None
-    return np.asarray(producer.attributes["value"].as_tensor().numpy())
+    if "value" in producer.attributes:
+        return np.asarray(producer.attributes["value"].as_tensor().numpy())
+    for name, dtype in _CONSTANT_LISTS.items():
+        if name in producer.attributes:
+            return np.asarray(producer.attributes[name].value, dtype=dtype)
+    return None
 
 
 def perm(node: ir.Node | None) -> list[int] | None:
