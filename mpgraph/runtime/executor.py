@@ -364,7 +364,7 @@ class Executor:
         # A graph's first run captures it, and ORT runs the step more than once in that run (its
         # runs before the capture, then the captured graph): state updated in place would take
         # every one of those updates. It is put back and the captured graph run once more.
-        saved = {n: self.sets[slot][n].numpy() for n in sorted(self.inplace)} \
+        saved = {n: np.array(self.sets[slot][n].numpy(), copy=True) for n in sorted(self.inplace)} \
             if self.inplace and replay.runs < len(replay.bindings) else None
         try:
             replay.session.run_with_iobinding(replay.bindings[slot], replay.options[slot][nosync])
