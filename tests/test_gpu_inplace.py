@@ -15,7 +15,7 @@ ort = pytest.importorskip("onnxruntime")
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu")
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(), reason="needs onnxruntime-gpu's CUDAExecutionProvider")
 @pytest.mark.parametrize("policy", [None, "bf16"])
 def test_in_place_cuda_steps_equal_two_sets(policy):
     from mpgraph.runtime.trainer import Trainer
