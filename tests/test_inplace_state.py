@@ -250,38 +250,39 @@ def test_unsharing_mid_run_keeps_the_values_and_the_bits(step, batches):
 
 
 class _CapturingSession:
-    """A CPU session that behaves as ORT's CUDA-graph sessions are taken to: the first run of
-    each graph id runs the step ``repeats`` times (the runs before the capture, then the
-    captured graph), every later run once."""
+    """A CPU session that behaves as ORT's CUDA-graph sessions are taken to: the ``capture``-th
+    run of each graph id runs the step ``repeats`` times (the runs before the capture, then the
+    captured graph), every other run once."""
 
-    def __init__(self, session, repeats: int) -> None:
-        self._session, self._repeats, self._seen = session, repeats, set()
+    def __init__(self, session, repeats: int, capture: int) -> None:
+        self._session, self._repeats, self._capture = session, repeats, capture
+        self._runs: dict[str, int] = {}
 
     def __getattr__(self, name):
         return getattr(self._session, name)
 
     def run_with_iobinding(self, binding, options=None) -> None:
         graph = options.get_run_config_entry("gpu_graph_id") if options is not None else ""
-        times = 1 if graph in self._seen else self._repeats
-        self._seen.add(graph)
-        for _ in range(times):
+        self._runs[graph] = self._runs.get(graph, 0) + 1
+        for _ in range(self._repeats if self._runs[graph] == self._capture else 1):
             self._session.run_with_iobinding(binding, options)
 
 
-@pytest.mark.parametrize("inplace", [False, True])
-def test_a_first_run_that_repeats_the_step_trains_as_two_sets(step, batches, monkeypatch, inplace):
-    """The captured-graph path on ORT CPU, its session standing in for one whose first run per
-    graph runs the step three times: two sets are unaffected (each run writes the same outputs
-    from the same inputs); in place the executor puts the state back after that run and runs the
-    graph once more, so the losses and state equal a plain two-set run's bit for bit (without the
-    put-back, the first loss is already another)."""
+@pytest.mark.parametrize(("inplace", "capture"), [(False, 1), (True, 1), (True, 2)])
+def test_a_capturing_run_that_repeats_the_step_trains_as_two_sets(step, batches, monkeypatch, inplace, capture):
+    """The captured-graph path on ORT CPU, its session standing in for one whose first (or
+    second) run per graph runs the step three times: two sets are unaffected (each run writes
+    the same outputs from the same inputs); in place the executor runs a graph's first launch
+    SYNC_RUNS_PER_GRAPH times, puts the state back and runs the graph once more, so the losses
+    and state equal a plain two-set run's bit for bit (without the put-back, the first loss is
+    already another)."""
     from mpgraph.runtime import executor as ex
 
     want, want_losses = train(step, batches, inplace_state=False)
     real = ex.providers.new_session
 
     def capturing(*args, cuda_graph: bool = False, **kwargs):
-        return _CapturingSession(real(*args, **kwargs), repeats=3) if cuda_graph else real(*args, **kwargs)
+        return _CapturingSession(real(*args, **kwargs), 3, capture) if cuda_graph else real(*args, **kwargs)
 
     monkeypatch.setattr(ex.providers, "new_session", capturing)
     trainer = Trainer(step, provider="cpu", threads=1, inplace_state=inplace)

@@ -40,7 +40,7 @@ from mpgraph.runtime.forward import Forward
 from mpgraph.runtime.options import RunOptions
 from mpgraph.runtime.pipeline import StepEvents
 from mpgraph.runtime.program import LR, Program
-from mpgraph.runtime.replay import Launched, Replay, run_options, signature
+from mpgraph.runtime.replay import SYNC_RUNS_PER_GRAPH, Launched, Replay, run_options, signature
 
 __all__ = ["Executor", "PIPELINE_MAX_STATE_MIB"]
 
@@ -361,9 +361,10 @@ class Executor:
         CUDA graphs are off from now on)."""
         replay.upload(batch, slot)
         nosync = replay.nosync(self.pipeline)
-        # A graph's first run captures it, and ORT runs the step more than once in that run (its
-        # runs before the capture, then the captured graph): state updated in place would take
-        # every one of those updates. It is put back and the captured graph run once more.
+        # ORT captures a graph within its first runs and runs the step more than once while it
+        # does (its runs before the capture, then the captured graph): state updated in place
+        # would take every one of those updates. So a graph's first launch runs it
+        # SYNC_RUNS_PER_GRAPH times, puts the state back and runs the captured graph once more.
         saved = {n: np.array(self.sets[slot][n].numpy(), copy=True) for n in sorted(self.inplace)} \
             if self.inplace and replay.runs < len(replay.bindings) else None
         try:
@@ -377,6 +378,8 @@ class Executor:
             self._graph_off(f"capture failed: {str(e).splitlines()[0][:300]}")
             return None
         if saved is not None:
+            for _ in range(SYNC_RUNS_PER_GRAPH - 1):
+                replay.session.run_with_iobinding(replay.bindings[slot], replay.options[slot][False])
             for name, array in saved.items():
                 self.sets[slot][name].update_inplace(array)
             replay.session.run_with_iobinding(replay.bindings[slot], replay.options[slot][False])

@@ -149,9 +149,10 @@ class Trainer(TrainingLoop):
             price: ``fit`` cannot undo a non-finite step (its rule 7), and no pipelining.
             ``None``: off (two sets). On CUDA with CUDA graphs the first version trained other
             values than two sets on the H200 (most likely: ORT runs a capturing session's step
-            more than once in its first run; not confirmed); the executor now puts the state back and replays once,
-            which has not yet run on a GPU (``tests/test_gpu_inplace.py``). ``inplace`` names
-            the values, ``inplace_reason`` why none or not all are.
+            more than once in its first runs; not confirmed). The executor now runs a graph's
+            first launch twice, puts the state back and runs it once more (checked on ORT CPU
+            with a stand-in session), not yet on a GPU (``tests/test_gpu_inplace.py``).
+            ``inplace`` names the values, ``inplace_reason`` why none or not all are.
 
         options: All of the above as one ``RunOptions`` (``provider`` and keywords given as
             well win over it).
