@@ -31,7 +31,15 @@ import onnx_ir as ir
 
 from mpgraph._ir.names import NameScope
 from mpgraph._ir.rewrite import Rewrite
-from mpgraph.lowering.match import DOMAIN, hand_over, perm, producer, remove_dead
+from mpgraph.lowering.match import (
+    DOMAIN,
+    hand_over,
+    perm,
+    producer,
+    readers,
+    remove_dead,
+    single_reader,
+)
 
 __all__ = ["read_heads_in_place"]
 
@@ -86,23 +94,19 @@ def _source(value: ir.Value | None, chain: set[ir.Node], pair: set[ir.Node]) -> 
     return _End(flat, rotary)
 
 
-def _sink(value: ir.Value, chain: set[ir.Node], also: ir.Node | None = None) -> _End | None:
+def _sink(value: ir.Value, chain: set[ir.Node], outputs: set[ir.Value], also: ir.Node | None = None) -> _End | None:
     """The ``[B, S, H * D]`` tensor that ``value`` ``[B, H, S, D]`` is (maybe rotated, then)
     transposed and reshaped into, when that is all that reads it (besides ``also``), or ``None``."""
-    def only(v: ir.Value, skip: ir.Node | None = None) -> ir.Node | None:
-        readers = [node for node, _ in v.uses() if node is not skip]
-        return readers[0] if len(readers) == 1 and not v.is_graph_output() else None
-
-    swap = only(value, also)
+    first = [node for node in readers(value, outputs) or [] if node is not also]
+    swap = first[0] if len(first) == 1 and value not in outputs else None
     rotary = swap if _rotary(swap) and swap.inputs[0] is value else None  # type: ignore[union-attr]
     if rotary is not None:
-        swap = only(rotary.outputs[0])
+        swap = single_reader(rotary.outputs[0], outputs, "Transpose")
     if swap is None or swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx") or perm(swap) != _SWAP:
         return None
     moved = swap.outputs[0]
-    reshape = only(moved)
-    if reshape is None or reshape.op_type != "Reshape" or reshape.domain not in ("", "ai.onnx") \
-            or not _heads_of(reshape.outputs[0], moved):
+    reshape = single_reader(moved, outputs, "Reshape")
+    if reshape is None or not _heads_of(reshape.outputs[0], moved):
         return None
     chain.update(n for n in (swap, reshape, rotary) if n is not None)
     return _End(reshape.outputs[0], rotary)
@@ -133,7 +137,7 @@ def _attributes(node: ir.Node, q_heads: int, kv_heads: int) -> dict[str, object]
     return {**attrs, "q_num_heads": q_heads, "kv_num_heads": kv_heads}
 
 
-def _rewrite(graph: ir.Graph, forward: ir.Node, names: NameScope) -> bool:
+def _rewrite(graph: ir.Graph, forward: ir.Node, names: NameScope, outputs: set[ir.Value]) -> bool:
     q, k, v = forward.inputs[:3]
     if forward.attributes.get_int("q_num_heads", 0) or any(_dims(t, 4) is None for t in (q, k, v)):
         return False  # already 3-D, or not 4-D
@@ -144,14 +148,14 @@ def _rewrite(graph: ir.Graph, forward: ir.Node, names: NameScope) -> bool:
     pair = {forward} | ({backward} if backward is not None else set())
     chain: set[ir.Node] = set()
     sources = [_source(t, chain, pair) for t in (q, k, v)]
-    y = _sink(forward.outputs[0], chain, also=backward)
+    y = _sink(forward.outputs[0], chain, outputs, also=backward)
     if any(e is None for e in sources) or y is None or y.rotary is not None:
         return False
     if backward is not None:
         if list(backward.inputs[:4]) != [q, k, v, forward.outputs[0]] or backward.inputs[5] is not forward.outputs[1]:
             return False
         dy = _source(backward.inputs[4], chain, pair)
-        grads = [_sink(g, chain) for g in backward.outputs]
+        grads = [_sink(g, chain, outputs) for g in backward.outputs]
         if dy is None or dy.rotary is not None or any(g is None for g in grads):
             return False
     per_input = (heads[0], heads[1], heads[1])
@@ -181,7 +185,8 @@ def read_heads_in_place(model: ir.Model) -> int:
     graph = model.graph
     names = NameScope(graph)
     found = [n for n in graph if n.op_type == "SdpaForward" and n.domain == DOMAIN]
-    count = sum(1 for node in found if _rewrite(graph, node, names))
+    outputs = set(graph.outputs)
+    count = sum(1 for node in found if _rewrite(graph, node, names, outputs))
     if found:
         logger.info("sdpa_layout: %d of %d fused attentions read [B, S, H*D] in place", count, len(found))
     return count
