@@ -65,8 +65,7 @@ def _pipeline_default(provider: str, pipeline: bool | None, state_mib: float) ->
     return pipeline, ""
 
 
-def _inplace_default(provider: str, inplace: bool | None, pipeline: bool | None,
-                     state_mib: float) -> tuple[bool, str]:
+def _inplace_default(inplace: bool | None, pipeline: bool | None) -> tuple[bool, str]:
     """Whether to update the state in place (``inplace_state``), and why not when not asked
     for: ``None`` is off (two state sets).
 
@@ -82,7 +81,6 @@ def _inplace_default(provider: str, inplace: bool | None, pipeline: bool | None,
     # values than two sets with CUDA graphs (most likely because ORT runs a capturing session's
     # step more than once in its first run; see ``_launch_replay``); the correction is not yet
     # run on a GPU.
-    del provider, pipeline, state_mib
     return False, "in-place state updates are asked for with inplace_state=True (not yet a default)"
 
 
@@ -100,7 +98,7 @@ class Executor:
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = options.device_id if provider == "cuda" else 0
         state_mib = sum(a.nbytes for a in program.initial.values()) / 2**20
-        want_inplace, self.inplace_reason = _inplace_default(provider, options.inplace_state, options.pipeline, state_mib)
+        want_inplace, self.inplace_reason = _inplace_default(options.inplace_state, options.pipeline)
         pipeline, size_reason = _pipeline_default(provider, options.pipeline, state_mib)
         if want_inplace and pipeline is None:
             pipeline, size_reason = False, "the state is updated in place (inplace_state): a pipelined step could not be undone"
