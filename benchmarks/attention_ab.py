@@ -38,7 +38,7 @@ from onnx import helper as h
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ort_timing import time_session  # noqa: E402
+from ort_timing import time_graph  # noqa: E402
 from step_timing import run_header  # noqa: E402
 
 B, H, S, D = 8, 12, 1024, 64
@@ -142,18 +142,6 @@ def _library() -> str | None:
     return path if has_sdpa(path) else None
 
 
-def time_ort(model: bytes, feeds: dict[str, np.ndarray], rounds: int, iters: int,
-             custom_ops: str | None = None) -> tuple[float, dict[str, np.ndarray]]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if custom_ops:
-        options.register_custom_ops_library(custom_ops)
-    session = ort.InferenceSession(model, options, providers=["CUDAExecutionProvider"])
-    return time_session(session, feeds, "cuda", rounds, iters)
-
-
 def time_torch(backend: object, tensors: dict[str, torch.Tensor], backward: bool, rounds: int,
                iters: int) -> tuple[float, dict[str, np.ndarray]]:
     from torch.nn.attention import sdpa_kernel
@@ -216,7 +204,7 @@ def main() -> None:
         print("# mpgraph's kernel library has no cuDNN SDPA here: no fused rows")
     for label, model in cases:
         try:
-            ms, outs = time_ort(model, feeds, args.rounds, args.iters, custom_ops if "mpgraph" in label else None)
+            ms, outs = time_graph(model, "cuda", feeds, args.rounds, args.iters, custom_ops if "mpgraph" in label else None)
             rows.append((label, ms, outs))
         except Exception as e:  # noqa: BLE001 - a row that fails says why; the rest still run
             print(f"{label}: ERROR {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")

@@ -25,7 +25,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper as h
-from ort_timing import time_session
+from ort_timing import time_graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -66,14 +66,6 @@ def plan(model: ir.Model, provider: str, fused: bool, shapes: dict[str, tuple[in
     return ir.to_proto(lowered).SerializeToString(), applied
 
 
-def timed(graph: bytes, provider: str, feeds: dict[str, np.ndarray], rounds: int, iters: int):
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(library(provider)))
-    ep = "CUDAExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
-    session = ort.InferenceSession(graph, options, providers=[ep])
-    return time_session(session, feeds, provider, rounds, iters)
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--provider", choices=("cuda", "cpu"), default="cuda")
@@ -94,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for fused in (True, False):
         graph, applied = plan(model, args.provider, fused, shapes)
-        ms, outs = timed(graph, args.provider, feeds, args.rounds, args.iters)
+        ms, outs = time_graph(graph, args.provider, feeds, args.rounds, args.iters, str(library(args.provider)))
         results[fused] = (ms, outs)
         print(f"{'fused  ' if fused else 'unfused'}: {ms:.3f} ms a step; rules {applied}")
     (t_fused, got), (t_plain, want) = results[True], results[False]

@@ -24,7 +24,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto as T
 from onnx import helper as h
-from ort_timing import time_session
+from ort_timing import time_graph
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -54,12 +54,7 @@ def step(approximate: str, shape: list[int], low: bool) -> ir.Model:
 def timed(graph: bytes, custom_ops: str | None, provider: str, feeds: dict[str, np.ndarray], rounds: int,
           iters: int) -> tuple[float, np.ndarray]:
     """Median ms per run and ``grad/x``."""
-    options = ort.SessionOptions()
-    if custom_ops:
-        options.register_custom_ops_library(custom_ops)
-    ep = "CUDAExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
-    session = ort.InferenceSession(graph, options, providers=[ep])
-    ms, outs = time_session(session, feeds, "cuda" if provider == "cuda" else "cpu", rounds, iters)
+    ms, outs = time_graph(graph, provider, feeds, rounds, iters, custom_ops)
     return ms, outs["grad/x"]
 
 

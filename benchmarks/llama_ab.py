@@ -119,16 +119,9 @@ def feeds_for(model: ir.Model, seed: int = 1) -> dict[str, np.ndarray]:
 
 def timed(plan: plan_module.SessionPlan, feeds: dict[str, np.ndarray], rounds: int,
           iters: int) -> tuple[float, dict[str, np.ndarray]]:
-    import onnxruntime as ort
-    from ort_timing import time_session
+    from ort_timing import time_graph
 
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    if plan.custom_ops:
-        options.register_custom_ops_library(plan.custom_ops)
-    ep = "CUDAExecutionProvider" if plan.provider == "cuda" else "CPUExecutionProvider"
-    session = ort.InferenceSession(plan.graph, options, providers=[ep])
-    return time_session(session, feeds, plan.provider, rounds, iters)
+    return time_graph(plan.graph, plan.provider, feeds, rounds, iters, plan.custom_ops)
 
 
 def compare(model: ir.Model, provider: str, feeds: dict[str, np.ndarray], rounds: int,

@@ -31,3 +31,18 @@ def time_session(session: object, feeds: dict[str, np.ndarray], device: str, rou
         times.append((time.perf_counter() - start) * 1e3 / iters)
     outs = dict(zip([o.name for o in session.get_outputs()], binding.copy_outputs_to_cpu(), strict=True))
     return statistics.median(times), outs
+
+
+def time_graph(graph: bytes, provider: str, feeds: dict[str, np.ndarray], rounds: int, iters: int,
+               custom_ops: str | None = None) -> tuple[float, dict[str, np.ndarray]]:
+    """``time_session`` of a new session of ``graph`` on ``provider`` (``cuda`` or ``cpu``),
+    with the kernel library ``custom_ops`` registered when given."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if custom_ops:
+        options.register_custom_ops_library(custom_ops)
+    ep = "CUDAExecutionProvider" if provider == "cuda" else "CPUExecutionProvider"
+    session = ort.InferenceSession(graph, options, providers=[ep])
+    return time_session(session, feeds, "cuda" if provider == "cuda" else "cpu", rounds, iters)

@@ -89,7 +89,7 @@ def moved(model: ir.Model) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     import onnxruntime as ort
-    from ort_timing import time_session
+    from ort_timing import time_graph
 
     from mpgraph.lowering.plan import library
 
@@ -105,11 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# pointwise_ab.py --rows {args.rows}: onnxruntime {ort.__version__}, median of {args.rounds} x {args.iters}")
     results = {}
     for name, model, lib in (("unfused", plain, None), ("fused", fused, str(library("cuda")))):
-        options = ort.SessionOptions()
-        if lib:
-            options.register_custom_ops_library(lib)
-        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CUDAExecutionProvider"])
-        ms, outs = time_session(session, feeds, "cuda", args.rounds, args.iters)
+        ms, outs = time_graph(ir.to_proto(model).SerializeToString(), "cuda", feeds, args.rounds, args.iters, lib)
         nodes = sum(1 for n in model.graph if n.op_type != "Reshape")
         results[name] = (ms, outs)
         print(f"{name:8s} {ms:7.3f} ms, {nodes:2d} kernels, {moved(model) / 1e9:6.3f} GB moved "
