@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
 
@@ -24,26 +23,20 @@ import onnx_ir as ir
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from step_census import SHAPES, lowered  # noqa: E402
 from step_census import op_key as _key  # noqa: E402
 from step_census import value_bytes as _bytes  # noqa: E402
-
-from mpgraph.lowering.registry import RULES, Target  # noqa: E402
-from mpgraph.lowering.specialize import specialize_shapes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model")
-    parser.add_argument("--shapes", default='{"input_ids": [8, 1024], "labels": [8, 1024]}')
+    parser.add_argument("--shapes", default=SHAPES)
     args = parser.parse_args(argv)
-    shapes = {k: tuple(v) for k, v in json.loads(args.shapes).items()}
-    target = Target("cuda", "default", sdpa=True)
     counts = []
     for fused in (False, True):
-        # Loaded twice: a copy through ir.to_proto/from_proto loses value shapes sce_grad's match reads.
-        model = specialize_shapes(ir.load(args.model), shapes)
-        applied = {r.name: r.apply(model, target) for r in RULES
-                   if r.runs("cuda", "default") and (fused or r.name != "cross_entropy")}
+        model, applied_list = lowered(args.model, args.shapes, set() if fused else {"cross_entropy"})
+        applied = dict(applied_list)
         by: dict[str, list[int]] = collections.defaultdict(lambda: [0, 0])
         rows = []
         for node in model.graph:

@@ -16,30 +16,23 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import os
 import sys
-
-import onnx_ir as ir
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from step_census import census  # noqa: E402
+from step_census import SHAPES, census, lowered  # noqa: E402
 
 from mpgraph.lowering.pointwise import fuse_pointwise  # noqa: E402
-from mpgraph.lowering.registry import RULES, Target  # noqa: E402
-from mpgraph.lowering.specialize import specialize_shapes  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("graph")
-    parser.add_argument("--shapes", default='{"input_ids": [8, 1024], "labels": [8, 1024]}')
+    parser.add_argument("--shapes", default=SHAPES)
     args = parser.parse_args(argv)
-    model = specialize_shapes(ir.load(args.graph), json.loads(args.shapes))
-    target = Target("cuda", "default", sdpa=True)
-    applied = [(r.name, r.apply(model, target)) for r in RULES if r.runs("cuda", "default") and r.name != "pointwise"]
+    model, applied = lowered(args.graph, args.shapes, {"pointwise"})
     before, nodes = census(model), model.graph.num_nodes()
     made = fuse_pointwise(model, low=True)
     after = census(model)
