@@ -61,17 +61,6 @@ def _copy(model: ir.Model) -> ir.Model:
     return ir.from_proto(ir.to_proto(model))
 
 
-def _lowered_run(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(lowering.library("cpu")))
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
-
-
 def _assert_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray], tol: float) -> None:
     assert set(got) == set(want)
     for name, value in want.items():
@@ -92,7 +81,7 @@ def test_padded_head_lowered_equals_unlowered_on_cpu(reduction, ignore):
     grad = next(n for n in low.graph if n.op_type == "SoftmaxCrossEntropyRowsGrad")
     assert grad.outputs[0].shape == ir.Shape([B, S, PADDED]) and grad.attributes.get_int("valid_cols") == VOCAB
     feeds = _feeds(ignored=ignore)
-    _assert_close(_lowered_run(low, feeds), run_named(step, feeds), 1e-6)
+    _assert_close(run_named(low, feeds, library=True), run_named(step, feeds), 1e-6)
     assert fuse_cross_entropy(low, "cpu") == 0  # lowered twice: nothing left to match
 
 
@@ -113,7 +102,7 @@ def test_causal_lm_steps_lowered_equal_unlowered_on_cpu(case, exporter):
     rng = np.random.default_rng(0)
     ids = rng.integers(1, 64, (2, 8)).astype(np.int64)
     feeds = {v.name: ids for v in step.graph.inputs if v.const_value is None}
-    _assert_close(_lowered_run(low, feeds), run_named(step, feeds), 2e-6)
+    _assert_close(run_named(low, feeds, library=True), run_named(step, feeds), 2e-6)
 
 
 def _bf16_cuda_plan(policy: str = "bf16") -> ir.Model:
@@ -160,7 +149,7 @@ def test_a_scaled_loss_reaches_the_kernel_scaled():
     low = _copy(step)
     assert fuse_cross_entropy(low, "cpu") == 1
     feeds = _feeds()  # the state (w, AdamW's moments, loss_scale = 1024) keeps its initial values
-    got, want = _lowered_run(low, feeds), run_named(step, feeds)
+    got, want = run_named(low, feeds, library=True), run_named(step, feeds)
     _assert_close({k: v.astype(np.float32) for k, v in got.items()}, {k: v.astype(np.float32) for k, v in want.items()},
                   2e-6)
 
@@ -219,7 +208,7 @@ def test_kernels_ignore_and_zero_the_padding_columns(reduction):
     x[:, valid:] = 200.0
     labels = np.array([0, 18, -100, 5, 7, -100], np.int64)
     dloss = (512 * (1 + rng.random(rows))).astype(np.float32) if reduction == 2 else np.array(512.0, np.float32)
-    got = _lowered_run(_kernel_graph(cols, valid, rows, reduction), {"x": x, "labels": labels, "dloss": dloss})
+    got = run_named(_kernel_graph(cols, valid, rows, reduction), {"x": x, "labels": labels, "dloss": dloss}, library=True)
     loss, d = _reference(x, labels, valid, dloss.astype(np.float64), reduction)
     np.testing.assert_allclose(got["loss"], loss, rtol=2e-6, atol=1e-6)
     assert np.all(got["dx"][:, valid:] == 0)
@@ -230,8 +219,8 @@ def test_kernels_ignore_and_zero_the_padding_columns(reduction):
 def test_kernels_on_an_empty_batch():
     """No rows: count 0 and the mean 0 / 0, NaN (what ORT's op gives when every row is ignored;
     ORT's CPU op refuses an empty batch in its own Reshape), an empty gradient."""
-    got = _lowered_run(_kernel_graph(8, 5, 0, 0), {"x": np.zeros((0, 8), np.float32), "labels": np.zeros(0, np.int64),
-                                                   "dloss": np.array(1.0, np.float32)})
+    got = run_named(_kernel_graph(8, 5, 0, 0), {"x": np.zeros((0, 8), np.float32), "labels": np.zeros(0, np.int64),
+                                                   "dloss": np.array(1.0, np.float32)}, library=True)
     assert np.isnan(got["loss"]) and got["stats"].shape == (0, 2) and got["dx"].shape == (0, 8)
 
 
@@ -260,7 +249,7 @@ def test_cuda_kernels_match_cpu(dtype, cols, valid):
     graph = ir.to_proto(_kernel_graph(cols, valid, rows, 0, dtype)).SerializeToString()
     session = ort.InferenceSession(graph, options, providers=["CUDAExecutionProvider"])
     cuda = dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
-    cpu = _lowered_run(_kernel_graph(cols, valid, rows, 0), feeds)
+    cpu = run_named(_kernel_graph(cols, valid, rows, 0), feeds, library=True)
     np.testing.assert_allclose(cuda["loss"], cpu["loss"], rtol=1e-5)
     np.testing.assert_allclose(cuda["stats"], cpu["stats"], rtol=1e-5, atol=1e-5)
     # One ulp of the type relative to the value is at most 2^-7 (bfloat16), 2^-10 (float16);

@@ -24,7 +24,7 @@ from mpgraph.lowering import PlanOptions, plan_session
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.swiglu import fuse_swiglu, fuse_swiglu_grad
 from tests.helpers import load_benchmark, run_named
-from tests.test_lowering_blocks import _copy, _run
+from tests.test_lowering_blocks import _copy
 
 SHAPE = (2, 8, 32, 48)  # batch, seq, hidden, intermediate
 ab = load_benchmark("llama_ab")
@@ -59,7 +59,7 @@ def test_both_backwards_fuse_and_match_the_unlowered_step(step):
     assert after["ReduceMean"] == after["Sqrt"] == after["Reciprocal"] == after["Sub"] == 0
     assert after["RMSNormalization"] == after["Sigmoid"] == 1 and after["Mul"] == before["Mul"] - 13  # 7 of the norm rule, 6 of the SwiGLU
     feeds = ab.block_feeds(SHAPE)
-    want, got = run_named(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     for name in ("grad/wg", "grad/wu", "grad/wd"):
         np.testing.assert_array_equal(got[name], want[name], err_msg=name)
     for name in ("grad/x", "grad/gamma", "loss"):
@@ -105,7 +105,7 @@ def test_swiglu_kernel_is_the_rules_op_sequence_bit_for_bit():
     da = dh * s + (dh * a) * (s * (one - s))
     db = dy * (a * s)
     for model in (step, lowered):
-        got = _run(model, feeds)
+        got = run_named(model, feeds, library=True)
         np.testing.assert_array_equal(got["grad/ain"], da)
         np.testing.assert_array_equal(got["grad/bin"], db)
     assert not np.array_equal(da, dh * s + (s * (one - s)) * dh * a)  # the other association differs here
@@ -124,7 +124,7 @@ def test_swiglu_forward_fuses_once_its_backward_reads_no_product(step):
     forward = next(n for n in lowered.graph if n.op_type == "SwiGlu")
     assert {u.node.op_type for u in forward.outputs[1].uses()} == {"SwiGluGrad"}
     feeds = ab.block_feeds(SHAPE)
-    want, got = run_named(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     for name, value in want.items():
         np.testing.assert_allclose(got[name], value, rtol=0, atol=2e-6 * np.abs(value).max(), err_msg=name)
     assert fuse_swiglu(lowered) == 0
@@ -175,7 +175,7 @@ def test_norm_reads_the_bfloat16_parts_of_its_dy():
     feeds = {"x": rng.standard_normal((64, 48)).astype(np.float32),
              "gamma": (1 + 0.1 * rng.standard_normal(48)).astype(np.float32),
              "w1": rng.standard_normal((64, 48)).astype(np.float32), "w2": rng.standard_normal((64, 48)).astype(np.float32)}
-    want, got = run_named(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     for name in ("grad/x", "grad/gamma"):
         np.testing.assert_allclose(got[name], want[name], rtol=0, atol=2e-6 * np.abs(want[name]).max(), err_msg=name)
 
@@ -242,7 +242,7 @@ def test_tiny_hf_llama_lowers_on_both_exporters(exporter, tmp_path):
     lowered = ir.from_proto(onnx.load_from_string(plan.graph))
     assert _ops(lowered)["ReduceMean"] == 0
     feeds = ab.feeds_for(step)
-    want, got = run_named(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     for name, value in want.items():
         if value.dtype.kind == "f" and value.size:
             # 2e-4: AdamW's first step is m / sqrt(v) ~ sign(g): where a gradient cancels to about

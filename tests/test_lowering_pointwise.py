@@ -28,7 +28,7 @@ from mpgraph.lowering.registry import Target
 from mpgraph.lowering.specialize import specialize_shapes
 from mpgraph.training import build_training_graph
 from tests.helpers import init, make_model, run_named, vi
-from tests.test_lowering_blocks import GPT, _copy, _feeds, _run
+from tests.test_lowering_blocks import GPT, _copy, _feeds
 
 SHAPE = [4, 6, 16]
 F = np.float32
@@ -59,7 +59,7 @@ def _check(model: ir.Model, kernels: int) -> ir.Model:
     lowered, made = _lowered(model)
     assert made == kernels
     feeds = _feeds_for(model)
-    want, got = run_named(model, feeds), _run(lowered, feeds)
+    want, got = run_named(model, feeds), run_named(lowered, feeds, library=True)
     for name, value in want.items():
         assert _same_bits(got[name], value), name
     return lowered
@@ -138,7 +138,7 @@ def test_dropping_the_rounding_inside_the_program_changes_the_bits():
     program = pw.attributes["program"].as_string()
     pw.attributes["program"] = ir.AttrString("program", program.replace(" 16", " 1"))
     feeds = _feeds_for(model)
-    want, got = run_named(model, feeds), _run(lowered, feeds)
+    want, got = run_named(model, feeds), run_named(lowered, feeds, library=True)
     assert not _same_bits(got["r"], want["r"])
 
 
@@ -150,7 +150,7 @@ def test_the_zoo_gpt_emulated_step_is_the_same_bits(policy):
     lowered, made = _lowered(step)
     assert made >= 30
     feeds = _feeds(step)
-    want, got = run_named(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     assert set(got) == set(want)
     for name, value in want.items():
         assert _same_bits(got[name], value), name

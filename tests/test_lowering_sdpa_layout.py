@@ -13,16 +13,16 @@ from collections import Counter
 import numpy as np
 import onnx
 import onnx_ir as ir
-import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from mpgraph.lowering import DOMAIN, library
+from mpgraph.lowering import DOMAIN
 from mpgraph.lowering.attention import fuse_attention
 from mpgraph.lowering.registry import RULES, Exactness
 from mpgraph.lowering.sdpa_layout import read_heads_in_place
 from mpgraph.lowering.specialize import specialize_shapes
 from mpgraph.training import build_training_graph
+from tests.helpers import run_named
 
 GPT = "models/onnx/gpt.loss.onnx"
 
@@ -39,15 +39,6 @@ def fused() -> ir.Model:
 
 def _copy(model: ir.Model) -> ir.Model:
     return ir.from_proto(ir.to_proto(model))
-
-
-def _run(model: ir.Model, feeds: dict) -> dict[str, np.ndarray]:
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(library("cpu")))
-    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
 
 
 def _near_attention(model: ir.Model) -> Counter:
@@ -89,7 +80,7 @@ def test_the_step_computes_the_same_bits(fused: ir.Model) -> None:
     read_heads_in_place(lowered)
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 64, (3, 16)), "label": rng.integers(0, 64, (3, 16))}
-    want, got = _run(fused, feeds), _run(lowered, feeds)
+    want, got = run_named(fused, feeds, library=True), run_named(lowered, feeds, library=True)
     assert want.keys() == got.keys()
     for name, w in want.items():
         np.testing.assert_array_equal(got[name], w, err_msg=name)
@@ -147,7 +138,7 @@ def test_rotary_moves_to_3d_and_the_bits_stay() -> None:
     assert len(rotary) == 4 and all(len(n.inputs[0].shape) == 3 for n in rotary)  # q, k and their backward
     assert sorted(n.attributes["num_heads"].as_int() for n in rotary) == [2, 2, 4, 4]
     feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)}
-    want, got = _run(step, feeds), _run(lowered, feeds)
+    want, got = run_named(step, feeds, library=True), run_named(lowered, feeds, library=True)
     assert want.keys() == got.keys()
     for name, w in want.items():
         np.testing.assert_array_equal(got[name], w, err_msg=name)
