@@ -66,6 +66,7 @@ from mpgraph.lowering.match import (
     emulated,
     hand_over,
     interior,
+    is_op,
     is_scalar,
     remove_dead,
     swap_backward,
@@ -78,10 +79,6 @@ logger = logging.getLogger(__name__)
 _LOW = (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 #: The kernels' ``reduction`` attribute.
 _REDUCTIONS = {"mean": 0, "sum": 1, "none": 2}
-
-
-def _onnx(node: ir.Node | None, op_type: str) -> bool:
-    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _columns_slice(node: ir.Node, columns: int) -> int | None:
@@ -111,13 +108,13 @@ def _walk(x: ir.Value, dx: ir.Value, columns: int, blocks: dict[ir.Node, Gradien
     value, grad, cols, chain = x, dx, columns, []
     while True:
         node = value.producer()
-        if _onnx(node, "Cast") and "Cast" not in [n.op_type for n in chain]:
+        if is_op(node, "Cast") and "Cast" not in [n.op_type for n in chain]:
             source = node.inputs[0]
             if source is None or source.dtype not in _LOW:
                 return None
-        elif _onnx(node, "Reshape") and "Reshape" not in [n.op_type for n in chain] and _merges_rows(node, columns):
+        elif is_op(node, "Reshape") and "Reshape" not in [n.op_type for n in chain] and _merges_rows(node, columns):
             pass
-        elif _onnx(node, "Slice") and "Slice" not in [n.op_type for n in chain]:
+        elif is_op(node, "Slice") and "Slice" not in [n.op_type for n in chain]:
             wide = _columns_slice(node, columns)
             if wide is None:
                 return None
@@ -142,7 +139,7 @@ def _old_gradient(grad: ir.Value, dtype: ir.DataType, outputs: set[ir.Value]) ->
     if grad.dtype == dtype or grad in outputs:
         return grad
     readers = {id(u.node): u.node for u in grad.uses()}
-    casts = [n for n in readers.values() if _onnx(n, "Cast") and n.attributes.get_int("to", 0) == dtype.value]
+    casts = [n for n in readers.values() if is_op(n, "Cast") and n.attributes.get_int("to", 0) == dtype.value]
     return casts[0].outputs[0] if len(readers) == 1 and len(casts) == 1 else grad
 
 
@@ -155,7 +152,7 @@ def _incoming(dloss: ir.Value) -> ir.Value:
     if len(readers) != 1 or dloss.is_graph_output():
         return dloss
     (node,) = readers.values()
-    if not _onnx(node, "Mul") or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
+    if not is_op(node, "Mul") or len(node.inputs) != 2 or node.inputs[0] is node.inputs[1]:
         return dloss
     other = node.inputs[1] if node.inputs[0] is dloss else node.inputs[0]
     out = node.outputs[0]
@@ -234,7 +231,7 @@ def fuse_cross_entropy(model: ir.Model, provider: str) -> int:
     outputs = set(graph.outputs)
     blocks = gradient_blocks(graph)
     fused = 0
-    for sce in [n for n in graph if _onnx(n, "SoftmaxCrossEntropyLoss")]:
+    for sce in [n for n in graph if is_op(n, "SoftmaxCrossEntropyLoss")]:
         found = _match(sce, blocks, provider, outputs)
         if found is None:
             logger.debug("%s: loss head left as it is", sce.name)

@@ -77,7 +77,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph.lowering.match import hand_over
+from mpgraph.lowering.match import hand_over, is_op
 
 __all__ = ["gemm_dtype", "lower_fp8_gemms"]
 
@@ -119,12 +119,8 @@ def gemm_dtype(fmt_a: ir.DataType, fmt_b: ir.DataType, out: ir.DataType) -> ir.D
     return out if fmt_a == fmt_b else _MIXED_OUT
 
 
-def _onnx(node: ir.Node | None, op: str) -> bool:
-    return node is not None and node.op_type == op and node.domain in ("", "ai.onnx")
-
-
 def _cast_to(node: ir.Node | None) -> ir.DataType | None:
-    if not _onnx(node, "Cast"):
+    if not is_op(node, "Cast"):
         return None
     attr = node.attributes.get("to")  # type: ignore[union-attr]
     return ir.DataType(attr.as_int()) if attr is not None else None
@@ -139,7 +135,7 @@ def _operand(value: ir.Value | None, entries: list[dict[str, str]]) -> _Operand 
     if _cast_to(node) in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):
         chain.append(node)  # type: ignore[arg-type]
         node = node.inputs[0].producer() if node.inputs[0] is not None else None  # type: ignore[union-attr]
-    if not _onnx(node, "Mul"):
+    if not is_op(node, "Mul"):
         return None
     mul = node
     chain.append(mul)  # type: ignore[arg-type]

@@ -40,16 +40,21 @@ __all__ = [
 DOMAIN = "ai.mpgraph"
 
 
+def is_op(node: ir.Node | None, op_type: str) -> bool:
+    """``node`` is an ONNX-domain ``op_type`` node."""
+    return node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx")
+
+
 def producer(value: ir.Value | None, op_type: str) -> ir.Node | None:
     node = value.producer() if value is not None else None
-    return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+    return node if is_op(node, op_type) else None
 
 
 def op_blocks(graph: ir.Graph, op_type: str) -> Iterator[tuple[ir.Node, GradientBlock]]:
     """Each ONNX ``op_type`` node of ``graph`` itself (not a subgraph's) that records a gradient
     block, with the block, in graph order (read once: a rewrite of one does not move the rest)."""
     for node, block in gradient_blocks(graph).items():
-        if node.op_type == op_type and node.domain in ("", "ai.onnx") and node.graph is graph:
+        if is_op(node, op_type) and node.graph is graph:
             yield node, block
 
 
@@ -190,7 +195,7 @@ def single_reader(value: ir.Value, outputs: set[ir.Value], op_type: str | None =
     found = readers(value, outputs)
     if found is None or len(found) != 1:
         return None
-    if op_type is not None and (found[0].op_type != op_type or found[0].domain not in ("", "ai.onnx")):
+    if op_type is not None and not is_op(found[0], op_type):
         return None
     return found[0]
 

@@ -34,6 +34,7 @@ from mpgraph._ir.rewrite import Rewrite
 from mpgraph.lowering.match import (
     DOMAIN,
     hand_over,
+    is_op,
     perm,
     producer,
     readers,
@@ -71,8 +72,7 @@ class _End:
 
 
 def _rotary(node: ir.Node | None) -> bool:
-    return node is not None and node.op_type == "RotaryEmbedding" and node.domain in ("", "ai.onnx") \
-        and len(node.inputs) >= 3 and all(v is not None for v in node.inputs[1:3])
+    return is_op(node, "RotaryEmbedding") and len(node.inputs) >= 3 and all(v is not None for v in node.inputs[1:3])  # type: ignore[union-attr]
 
 
 def _source(value: ir.Value | None, chain: set[ir.Node], pair: set[ir.Node]) -> _End | None:
@@ -102,7 +102,7 @@ def _sink(value: ir.Value, chain: set[ir.Node], outputs: set[ir.Value], also: ir
     rotary = swap if _rotary(swap) and swap.inputs[0] is value else None  # type: ignore[union-attr]
     if rotary is not None:
         swap = single_reader(rotary.outputs[0], outputs, "Transpose")
-    if swap is None or swap.op_type != "Transpose" or swap.domain not in ("", "ai.onnx") or perm(swap) != _SWAP:
+    if not is_op(swap, "Transpose") or perm(swap) != _SWAP:
         return None
     moved = swap.outputs[0]
     reshape = single_reader(moved, outputs, "Reshape")
