@@ -126,7 +126,7 @@ def test_fit_cannot_undo_an_in_place_step(step, batches):
 
 def test_defaults_and_conflicts(step):
     trainer = Trainer(step, provider="cpu", threads=1)
-    assert trainer.inplace == frozenset() and "not yet a default" in trainer.inplace_reason
+    assert trainer.inplace == frozenset() and "a CUDA default" in trainer.inplace_reason
     with pytest.raises(UsageError, match="exclude each other"):
         Trainer(step, provider="cpu", threads=1, inplace_state=True, pipeline=True)
 

@@ -26,7 +26,7 @@ def audit_command(
     optimizer: Annotated[str | None, typer.Option("--optimizer", help="With --memory on a forward model: build its step graph with this optimizer (default adamw).")] = None,
     mem_policy: Annotated[str | None, typer.Option("--policy", help="With --memory on a float32 model: convert with this policy first.")] = None,
     pipelined: Annotated[bool, typer.Option("--pipelined", help="With --memory: for a pipelined CUDA trainer, which holds a third state set (mpgraph train's default on CUDA for states up to 512 MiB).")] = False,
-    inplace: Annotated[bool, typer.Option("--inplace", help="With --memory: the state updated in place (mpgraph train --inplace-state; not yet a default): one buffer per state value where provably safe.")] = False,
+    inplace: Annotated[bool, typer.Option("--inplace", help="With --memory: the state updated in place (the CUDA default for a state over 512 MiB; mpgraph train --inplace-state): one buffer per state value where provably safe.")] = False,
     nproc: Annotated[int | None, typer.Option("--nproc", help="With --memory: also the bytes per rank of a data-parallel run on this many processes.")] = None,
     shard_optimizer: Annotated[bool, typer.Option("--shard-optimizer", help="With --memory --nproc: the optimizer state sharded over the ranks (ZeRO-1).")] = False,
 ) -> None:

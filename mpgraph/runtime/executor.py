@@ -65,9 +65,15 @@ def _pipeline_default(provider: str, pipeline: bool | None, state_mib: float) ->
     return pipeline, ""
 
 
-def _inplace_default(inplace: bool | None, pipeline: bool | None) -> tuple[bool, str]:
+def _inplace_default(provider: str, inplace: bool | None, pipeline: bool | None,
+                     state_mib: float) -> tuple[bool, str]:
     """Whether to update the state in place (``inplace_state``), and why not when not asked
-    for: ``None`` is off (two state sets).
+    for: ``None`` is on for CUDA with one state set over ``PIPELINE_MAX_STATE_MIB`` unless
+    pipelining is asked for (its undo needs the older sets).
+
+    On the H200 (2026-12-03, ``tests/test_gpu_inplace.py``) the in-place steps, CUDA graphs
+    and all, give the same bits as two sets, since a graph's first launch runs twice and the
+    executor puts the state back before the captured replay (``_launch_replay``).
 
     Raises:
         UsageError: ``inplace_state=True`` with ``pipeline=True``.
@@ -77,11 +83,14 @@ def _inplace_default(inplace: bool | None, pipeline: bool | None) -> tuple[bool,
                          "from the state set before it, which an in-place update overwrites")
     if inplace is not None:
         return inplace, "" if inplace else "inplace_state=False"
-    # Off unless asked for: on the H200 (2026-12-02) the first in-place version trained other
-    # values than two sets with CUDA graphs (most likely because ORT runs a capturing session's
-    # step more than once in its first run; see ``_launch_replay``); the correction is not yet
-    # run on a GPU.
-    return False, "in-place state updates are asked for with inplace_state=True (not yet a default)"
+    if provider != "cuda":
+        return False, "in-place state updates are a CUDA default (inplace_state=True asks for them)"
+    if pipeline:
+        return False, "pipeline=True keeps a state set per step in flight"
+    if state_mib <= PIPELINE_MAX_STATE_MIB:
+        return False, (f"the state is {state_mib:.0f} MiB (at most {PIPELINE_MAX_STATE_MIB}): its second set is "
+                       "cheap and lets fit undo a non-finite step")
+    return True, ""
 
 
 class Executor:
@@ -98,7 +107,7 @@ class Executor:
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = options.device_id if provider == "cuda" else 0
         state_mib = sum(a.nbytes for a in program.initial.values()) / 2**20
-        want_inplace, self.inplace_reason = _inplace_default(options.inplace_state, options.pipeline)
+        want_inplace, self.inplace_reason = _inplace_default(provider, options.inplace_state, options.pipeline, state_mib)
         pipeline, size_reason = _pipeline_default(provider, options.pipeline, state_mib)
         if want_inplace and pipeline is None:
             pipeline, size_reason = False, "the state is updated in place (inplace_state): a pipelined step could not be undone"

@@ -147,11 +147,11 @@ class Trainer(TrainingLoop):
             elementwise, and every other reader of the old value is an ancestor of it, so ORT
             runs it first); the other values keep two buffers, and a log line says why. The
             price: ``fit`` cannot undo a non-finite step (its rule 7), and no pipelining.
-            ``None``: off (two sets). On CUDA with CUDA graphs the first version trained other
-            values than two sets on the H200 (most likely: ORT runs a capturing session's step
-            more than once in its first runs; not confirmed). The executor now runs a graph's
-            first launch twice, puts the state back and runs it once more (checked on ORT CPU
-            with a stand-in session), not yet on a GPU (``tests/test_gpu_inplace.py``).
+            ``None``: on for CUDA when one state set is over ``PIPELINE_MAX_STATE_MIB``
+            (then no pipelining), off otherwise. With CUDA graphs a graph's first launch runs
+            the step twice (ORT's capture), so the executor puts the state back and runs the
+            captured graph once more: the same bits as two sets on the H200
+            (``tests/test_gpu_inplace.py``, 2026-12-03).
             ``inplace`` names the values, ``inplace_reason`` why none or not all are.
 
         options: All of the above as one ``RunOptions`` (``provider`` and keywords given as
