@@ -66,23 +66,54 @@ template <typename T> struct TanhConstPtrs {
 // The tanh GELU's backward as autodiff.rules.elementwise.gelu writes it, op by op, each rounded
 // to T: x2 = x * x; t = tanh(x * (c + x2 * ck)); dinner = c + x2 * ck3;
 // dx = dy * (half * (one + t) + (half * x) * ((one - t * t) * dinner)).
+struct TanhConsts {
+  float c, ck, ck3, one, half;
+};
+
+template <typename T> __device__ __forceinline__ TanhConsts load_tanh(const TanhConstPtrs<T>& cp) {
+  return TanhConsts{to_f(*cp.p[0]), to_f(*cp.p[1]), to_f(*cp.p[2]), to_f(*cp.p[3]), to_f(*cp.p[4])};
+}
+
+template <typename T> __device__ __forceinline__ T tanh_gelu_grad_one(float dy, float xi, const TanhConsts& k) {
+  const float x2 = r<T>(__fmul_rn(xi, xi));
+  const float inner = r<T>(__fmul_rn(xi, r<T>(__fadd_rn(k.c, r<T>(__fmul_rn(x2, k.ck))))));
+  const float t = r<T>(tanhf(inner));
+  const float dinner = r<T>(__fadd_rn(k.c, r<T>(__fmul_rn(x2, k.ck3))));
+  const float sech2 = r<T>(__fsub_rn(k.one, r<T>(__fmul_rn(t, t))));
+  const float left = r<T>(__fmul_rn(k.half, r<T>(__fadd_rn(k.one, t))));
+  const float right = r<T>(__fmul_rn(r<T>(__fmul_rn(k.half, xi)), r<T>(__fmul_rn(sech2, dinner))));
+  return from_f<T>(__fmul_rn(dy, r<T>(__fadd_rn(left, right))));
+}
+
 template <typename T>
 __global__ void tanh_gelu_grad_kernel(const T* __restrict__ dy, const T* __restrict__ x, T* __restrict__ dx, size_t n,
                                       TanhConstPtrs<T> cp) {
-  const float c = to_f(*cp.p[0]), ck = to_f(*cp.p[1]), ck3 = to_f(*cp.p[2]), one = to_f(*cp.p[3]),
-              half = to_f(*cp.p[4]);
-  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-    const float xi = to_f(x[i]);
-    const float x2 = r<T>(__fmul_rn(xi, xi));
-    const float inner = r<T>(__fmul_rn(xi, r<T>(__fadd_rn(c, r<T>(__fmul_rn(x2, ck))))));
-    const float t = r<T>(tanhf(inner));
-    const float dinner = r<T>(__fadd_rn(c, r<T>(__fmul_rn(x2, ck3))));
-    const float sech2 = r<T>(__fsub_rn(one, r<T>(__fmul_rn(t, t))));
-    const float left = r<T>(__fmul_rn(half, r<T>(__fadd_rn(one, t))));
-    const float right = r<T>(__fmul_rn(r<T>(__fmul_rn(half, xi)), r<T>(__fmul_rn(sech2, dinner))));
-    dx[i] = from_f<T>(__fmul_rn(to_f(dy[i]), r<T>(__fadd_rn(left, right))));
+  const TanhConsts k = load_tanh<T>(cp);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    dx[i] = tanh_gelu_grad_one<T>(to_f(dy[i]), to_f(x[i]), k);
+}
+
+// Eight 2-byte elements per 16-byte load and store (float16, bfloat16 with n % 8 == 0 and
+// 16-byte aligned tensors, as ORT's allocations are): the same arithmetic per element, so the
+// same bits as the scalar kernel. On the H200 the scalar kernel took 117 us per GPT-2 call
+// ([8, 1024, 3072] bf16, 150 MB moved: 1.3 TB/s).
+template <typename T>
+__global__ void tanh_gelu_grad_vec8(const uint4* __restrict__ dy, const uint4* __restrict__ x, uint4* __restrict__ dx,
+                                    size_t n8, TanhConstPtrs<T> cp) {
+  const TanhConsts k = load_tanh<T>(cp);
+  for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n8; i += (size_t)gridDim.x * blockDim.x) {
+    const uint4 vdy = dy[i], vx = x[i];
+    const T* pdy = reinterpret_cast<const T*>(&vdy);
+    const T* px = reinterpret_cast<const T*>(&vx);
+    uint4 vdx;
+    T* pdx = reinterpret_cast<T*>(&vdx);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) pdx[j] = tanh_gelu_grad_one<T>(to_f(pdy[j]), to_f(px[j]), k);
+    dx[i] = vdx;
   }
 }
+
+bool aligned16(const void* p) { return (reinterpret_cast<size_t>(p) & 15) == 0; }
 
 unsigned blocks_for(size_t n) {
   size_t b = (n + 255) / 256;
@@ -106,8 +137,12 @@ template <typename T>
 int launch_tanh(const void* dy, const void* x, void* dx, size_t n, const void* const* consts, cudaStream_t stream) {
   TanhConstPtrs<T> c;
   for (int i = 0; i < 5; ++i) c.p[i] = static_cast<const T*>(consts[i]);
-  tanh_gelu_grad_kernel<T><<<blocks_for(n), 256, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
-                                                              static_cast<T*>(dx), n, c);
+  if (sizeof(T) == 2 && n % 8 == 0 && aligned16(dy) && aligned16(x) && aligned16(dx))
+    tanh_gelu_grad_vec8<T><<<blocks_for(n / 8), 256, 0, stream>>>(
+        static_cast<const uint4*>(dy), static_cast<const uint4*>(x), static_cast<uint4*>(dx), n / 8, c);
+  else
+    tanh_gelu_grad_kernel<T><<<blocks_for(n), 256, 0, stream>>>(static_cast<const T*>(dy), static_cast<const T*>(x),
+                                                                static_cast<T*>(dx), n, c);
   return (int)cudaGetLastError();
 }
 
