@@ -16,8 +16,10 @@ a bf16 policy the q, k and v (or gate and up) projections' bfloat16 input gradie
 to float32, then a float32 ``Sum``: four more kernels, or three.
 ``RmsNormGrad(x, scale, eps, dy...) -> (dx, dscale, workspace)`` reads those parts as they are
 (widening a float16 or bfloat16 part on load is what its Cast did, exactly) and adds them in
-the Sum's order, then is a row kernel (r, the row mean and dx; three reads of a row that stays
-in cache) and a two-stage column sum for dscale in a fixed order. The rule finds the backward
+the Sum's order. On CUDA a [N, D <= 768] float32 x (D a multiple of 8) takes one pass: a warp
+a row kept in registers makes r, the row mean and dx and adds its rows' dy * xhat into dscale
+partials, summed by a second small kernel in a fixed order (other shapes: a row kernel, then a
+column kernel for the partials). The rule finds the backward
 by value (the node's gradient block: ``dy`` into its output, ``dx`` and ``dscale`` its
 contributions), never by the nodes the rule emitted; dy's parts are the inputs of the ``Sum``
 making it (2 to 4 of them), else dy itself (a bfloat16 one too: the final norm's, read by the

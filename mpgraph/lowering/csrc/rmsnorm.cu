@@ -1,16 +1,26 @@
 // The CUDA side of RmsNormGrad (see kernels.cc): the backward of RMSNormalization over the last
-// axis, recomputing r = 1 / sqrt(mean(x^2) + eps) per row. One block per row makes dx (three
-// passes over the row: the sum of squares, then sum(dxhat * xhat) once r is known, then dx; the
-// second and third hit the cache) and stores r; dscale = sum over rows of dy * (x * r) is a
-// column pass in two stages through the op's workspace output (partials of 32-row chunks, then
-// their sum in order): fixed orders, no atomics, the same bits on every run. Statistics are
-// float32 whatever T is; each element step is rounded to T as the gradient rule's ops do. dy
-// arrives as the parts the graph summed into it (float32, float16 or bfloat16 each: the Casts to
-// float32 before that Sum happen on load, exactly), added in their order as ORT's Sum does.
+// axis, recomputing r = 1 / sqrt(mean(x^2) + eps) per row. dscale = sum over rows of dy * (x * r)
+// is summed in two stages through the op's workspace (a partial row per 32-row chunk, then their
+// sum in order): fixed orders, no atomics, the same bits on every run. Statistics are float32
+// whatever T is; each element step is rounded to T as the gradient rule's ops do. dy arrives as
+// the parts the graph summed into it (float32, float16 or bfloat16 each: the Casts to float32
+// before that Sum happen on load, exactly), added in their order as ORT's Sum does.
+//
+// Float32 x with a row of at most 768 columns, a multiple of 8, 16-byte aligned tensors (a
+// Llama-style 125M: [8192, 768], dy two or three bfloat16 parts, dx added to the float32 residual
+// gradient) takes one pass: a warp per row holds the row in registers (8 columns a lane per
+// 256-column chunk, 16-byte loads), makes r, the row mean and dx, and keeps its columns' dscale
+// sums in registers over its rows; the block's 8 warps (32 rows) sum theirs in order into the
+// chunk's partial row. Each byte is read once: the old path below (three passes over a row by a
+// block, then a column kernel reading x and dy again) moved twice the traffic and measured
+// 82 + 48 us a call on an H200. Other shapes take that path.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <stddef.h>
+#include <stdint.h>
+
+#include <type_traits>
 
 #include "cuda_util.h"
 #include "multi.h"
@@ -111,28 +121,205 @@ __global__ void rmsnorm_dscale_partial(const DyParts dy, const T* __restrict__ x
   }
 }
 
+// The one-pass path: kFusedWarps warps a block, kChunkRows rows a block, kVec columns a lane per
+// 256-column chunk.
+// At most 3 chunks (768 columns): 4 spill registers at 2 blocks an SM (128 registers a thread).
+constexpr int kFusedWarps = 8, kVec = 8, kFusedMaxChunks = 3;
+
+__device__ __forceinline__ float warp_all_sum(float v) {  // every lane gets the same sum
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+// Elements [i, i + 8) of a float32, float16 or bfloat16 tensor widened to float (exactly); any
+// other type is read as float32, as load_one does.
+__device__ __forceinline__ void load8(const void* p, int type, size_t i, float* v) {
+  if (type != kTypeBFloat16 && type != kTypeFloat16) {
+    const float4 a = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    const float4 b = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i + 4);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    return;
+  }
+  const uint4 u = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(p) + i);
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};  // element 2k in the low half of w[k]
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    if (type == kTypeBFloat16) {
+      v[2 * k] = __uint_as_float(w[k] << 16);
+      v[2 * k + 1] = __uint_as_float(w[k] & 0xffff0000u);
+    } else {
+      v[2 * k] = __half2float(__ushort_as_half((unsigned short)(w[k] & 0xffffu)));
+      v[2 * k + 1] = __half2float(__ushort_as_half((unsigned short)(w[k] >> 16)));
+    }
+  }
+}
+
+__device__ __forceinline__ void store8(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+// Block b: rows [32b, 32b + 32), warp w taking rows 32b + w, 32b + w + 8, ...; lane l the columns
+// 8 (32c + l) .. + 8 of chunk c. dx as rmsnorm_dx_kernel<float> makes it (other sum orders), r per
+// row, and the block's dscale sums over its rows (warps added in order) into partial row b.
+template <int kChunks, int kParts>
+__global__ void __launch_bounds__(kFusedWarps * 32, 2)
+rmsnorm_grad_fused(const DyParts dy, const float* __restrict__ x, const float* __restrict__ scale,
+                   const float* __restrict__ epsilon, const float* __restrict__ addend, float* __restrict__ dx,
+                   float* __restrict__ rstd, float* __restrict__ partial, size_t rows, int cols) {
+  extern __shared__ float sums[];  // [kFusedWarps][cols]
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, vecs = cols / kVec;
+  const float eps = *epsilon;
+  float ds[kChunks][kVec];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c)
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) ds[c][k] = 0.0f;
+  for (int i = 0; i < kChunkRows / kFusedWarps; ++i) {
+    const size_t row = (size_t)blockIdx.x * kChunkRows + (size_t)i * kFusedWarps + warp;
+    if (row >= rows) break;  // the same for the whole warp
+    const size_t base = row * (size_t)cols;
+    float xv[kChunks][kVec], g[kChunks][kVec], add[kChunks][kVec];  // add: loaded with the rest, used last
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int v = c * 32 + lane;
+      if (v >= vecs) continue;
+      const size_t at = base + (size_t)v * kVec;
+      load8(x, kTypeFloat, at, xv[c]);
+      if (addend) load8(addend, kTypeFloat, at, add[c]);
+      load8(dy.p[0], dy.type[0], at, g[c]);
+#pragma unroll
+      for (int p = 1; p < kParts; ++p) {
+        float part[kVec];
+        load8(dy.p[p], dy.type[p], at, part);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) g[c][k] = __fadd_rn(g[c][k], part[k]);
+      }
+    }
+    float sq = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c)
+      if (c * 32 + lane < vecs)
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) sq += xv[c][k] * xv[c][k];
+    const float rs = 1.0f / sqrtf(warp_all_sum(sq) / (float)cols + eps);
+    float acc = 0.0f;  // xv becomes xhat, g becomes dxhat once dscale has dy * xhat
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int v = c * 32 + lane;
+      if (v >= vecs) continue;
+      float sc[kVec];
+      load8(scale, kTypeFloat, (size_t)v * kVec, sc);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        xv[c][k] = xv[c][k] * rs;
+        ds[c][k] += g[c][k] * xv[c][k];
+        g[c][k] = g[c][k] * sc[k];
+        acc += g[c][k] * xv[c][k];
+      }
+    }
+    const float m = warp_all_sum(acc) / (float)cols;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int v = c * 32 + lane;
+      if (v >= vecs) continue;
+      const size_t at = base + (size_t)v * kVec;
+      float out[kVec];
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        out[k] = rs * (g[c][k] - xv[c][k] * m);
+        if (addend) out[k] = __fadd_rn(out[k], add[c][k]);
+      }
+      store8(dx + at, out);
+    }
+    if (lane == 0) rstd[row] = rs;
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int v = c * 32 + lane;
+    if (v < vecs) store8(sums + warp * cols + v * kVec, ds[c]);
+  }
+  __syncthreads();
+  for (int col = threadIdx.x; col < cols; col += blockDim.x) {
+    float total = 0.0f;
+    for (int w = 0; w < kFusedWarps; ++w) total += sums[w * cols + col];
+    partial[(size_t)blockIdx.x * cols + col] = total;
+  }
+}
+
+// dscale[col] = the sum of the chunks' partial rows: lane row y adds chunks y, y + 8, ..., then
+// the 8 lane rows are added in order.
 template <typename T>
 __global__ void rmsnorm_dscale_total(const float* __restrict__ partial, T* __restrict__ dscale, size_t chunks,
                                      size_t cols) {
-  const size_t col = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= cols) return;
+  const size_t col = (size_t)blockIdx.x * kColTile + threadIdx.x;
   float sum = 0.0f;
-  for (size_t k = 0; k < chunks; ++k) sum += partial[k * cols + col];
-  dscale[col] = from_f<T>(sum);
+  if (col < cols)
+    for (size_t k = threadIdx.y; k < chunks; k += kRowLanes) sum += partial[k * cols + col];
+  __shared__ float part[kRowLanes][kColTile + 1];
+  part[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float total = 0.0f;
+    for (int k = 0; k < kRowLanes; ++k) total += part[k][threadIdx.x];
+    dscale[col] = from_f<T>(total);
+  }
+}
+
+bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// The one-pass path where it applies (see the top of the file); false where it does not.
+template <int kChunks>
+bool launch_fused_chunks(const DyParts& dy, const float* x, const float* scale, const float* eps, const float* addend,
+                         float* dx, float* rstd, float* partial, size_t rows, size_t cols, cudaStream_t s) {
+  const unsigned blocks = (unsigned)((rows + kChunkRows - 1) / kChunkRows);
+  const size_t shared = (size_t)kFusedWarps * cols * sizeof(float);
+  const int n = (int)cols;
+  switch (dy.n) {
+    case 1: rmsnorm_grad_fused<kChunks, 1><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    case 2: rmsnorm_grad_fused<kChunks, 2><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    case 3: rmsnorm_grad_fused<kChunks, 3><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    default: rmsnorm_grad_fused<kChunks, 4><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n);
+  }
+  return true;
+}
+
+template <typename T>
+bool launch_fused(const DyParts& dy, const T* x, const T* scale, const float* eps, const T* addend, T* dx, float* rstd,
+                  float* partial, size_t rows, size_t cols, cudaStream_t s) {
+  if constexpr (!std::is_same<T, float>::value) {
+    return false;
+  } else {
+#ifdef MPG_RMSNORM_THREE_PASS  // benchmarks/llama_kernels_torch.py builds the old path this way to time both
+    return false;
+#endif
+    if (cols % kVec != 0 || cols > (size_t)kFusedMaxChunks * 32 * kVec) return false;
+    if (!aligned16(x) || !aligned16(scale) || !aligned16(addend) || !aligned16(dx)) return false;
+    for (int k = 0; k < dy.n; ++k)
+      if (!aligned16(dy.p[k])) return false;
+    switch ((cols / kVec + 31) / 32) {
+      case 1: return launch_fused_chunks<1>(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s);
+      case 2: return launch_fused_chunks<2>(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s);
+      default: return launch_fused_chunks<3>(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s);
+    }
+  }
 }
 
 template <typename T>
 int launch(const DyParts& dy, const T* x, const T* scale, const float* eps, const T* addend, T* dx, T* dscale,
            float* work, size_t rows, size_t cols, cudaStream_t s) {
   if (rows == 0) return (int)cudaMemsetAsync(dscale, 0, cols * sizeof(T), s);  // no rows: dscale sums nothing
-  const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
   float* rstd = work;
   float* partial = work + rows;
-  rmsnorm_dx_kernel<T><<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, eps, addend, dx, rstd, cols);
   const size_t chunks = (rows + kChunkRows - 1) / kChunkRows;
-  const dim3 grid((unsigned)((cols + kColTile - 1) / kColTile), (unsigned)chunks), block(kColTile, kRowLanes);
-  rmsnorm_dscale_partial<T><<<grid, block, 0, s>>>(dy, x, rstd, partial, rows, cols);
-  rmsnorm_dscale_total<T><<<(unsigned)((cols + 255) / 256), 256, 0, s>>>(partial, dscale, chunks, cols);
+  if (!launch_fused(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s)) {
+    const int threads = cols >= kRowThreads ? kRowThreads : (int)((cols + 31) / 32 * 32);
+    rmsnorm_dx_kernel<T><<<(unsigned)rows, threads, 0, s>>>(dy, x, scale, eps, addend, dx, rstd, cols);
+    const dim3 grid((unsigned)((cols + kColTile - 1) / kColTile), (unsigned)chunks), block(kColTile, kRowLanes);
+    rmsnorm_dscale_partial<T><<<grid, block, 0, s>>>(dy, x, rstd, partial, rows, cols);
+  }
+  const dim3 block(kColTile, kRowLanes);
+  rmsnorm_dscale_total<T><<<(unsigned)((cols + kColTile - 1) / kColTile), block, 0, s>>>(partial, dscale, chunks, cols);
   return (int)cudaGetLastError();
 }
 
