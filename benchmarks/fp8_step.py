@@ -23,9 +23,19 @@ Models (``--models``):
 - ``gpt2s``: GPT-2-small-sized: d 768, 12 layers, 12 heads, T 1024, vocab 50257, batch 8;
   its bf16 and fp8 trainers run one after the other (memory), so its speedup is indicative.
 
-The fp8 trainer runs without CUDA graphs: ONNX Runtime 1.31.1's GemmFloat8 synchronises the
-stream and allocates its workspace on every call, which capture refuses. bf16 runs as
-``Trainer`` gives it (CUDA graphs on). Nothing is written; the lead commits the log.
+The fp8 trainer runs without CUDA graphs: ONNX Runtime 1.31.1's GemmFloat8 ``cudaMalloc``s and
+``cudaFree``s a 32 MiB workspace on every call (``gemm_float8.cu``; ``cudaFree`` waits for the
+device), which capture refuses. bf16 runs as ``Trainer`` gives it (CUDA graphs on);
+``--bf16-plain`` adds a third side, bf16 without CUDA graphs, which separates what the graphs
+are worth from what fp8 costs. Each side's line says whether it ran as a CUDA graph and why
+not. A trainer without CUDA graphs plans the step graph as it is given (only the capturing
+session is specialised to the batch's shapes), so both step graphs are specialised to the
+batch here first: the plain session then gets the static plan too (no shape arithmetic on the
+CPU provider, the pointwise fusion of static shapes). ``--products`` picks the fp8 section's
+``products``: ``linear`` (the default here: the weight products and their backward, as
+Transformer Engine) or ``all`` (the ``fp8`` preset's: attention's batched products too, which
+GemmFloat8 cannot run, so they stay quantise-dequantise chains on [B, H, T, T] tensors and the
+attention backward is not fused). Nothing is written; the lead commits the log.
 
     source .ortgpu/stage.sh && python3 benchmarks/fp8_step.py --steps 200 --rounds 10
 """
@@ -139,16 +149,28 @@ def markov_batches(vocab: int, seq: int, batch: int, count: int, seed: int = 0) 
     return out
 
 
-def step_graphs(name: str) -> dict[str, object]:
+def fp8_policy(products: str) -> object:
+    """The ``fp8`` preset with its fp8 section's ``products`` set to ``products``."""
+    import dataclasses
+
+    from mpgraph.policy.loader import load_policy
+
+    policy = load_policy("fp8")
+    return dataclasses.replace(policy, fp8=dataclasses.replace(policy.fp8, products=products))
+
+
+def step_graphs(name: str, products: str = "linear") -> dict[str, object]:
+    """The bf16 and fp8 AdamW step graphs of model ``name``, specialised to its batch."""
     import onnx_ir as ir
     import torch
 
     import mpgraph
     from models.zoo import GPT
     from mpgraph.export import export_module
+    from mpgraph.lowering.specialize import specialize_shapes
     from mpgraph.training import MAX_IR_VERSION, build_training_graph
 
-    vocab, seq, d, heads, layers, _ = SIZES[name]
+    vocab, seq, d, heads, layers, batch = SIZES[name]
     torch.manual_seed(0)
     module = GPT(vocab=vocab, seq=seq, d_model=d, heads=heads, layers=layers).train()
     proto = export_module(copy.deepcopy(module), torch.zeros((2, seq), dtype=torch.int64), loss="cross_entropy")
@@ -157,7 +179,9 @@ def step_graphs(name: str) -> dict[str, object]:
     out = {}
     for policy in ("bf16", "fp8"):
         fresh = ir.from_proto(ir.to_proto(step))
-        graph = mpgraph.convert(fresh, policy, emulate=False, validate=False, calibrate=None)
+        graph = mpgraph.convert(fresh, policy if policy == "bf16" else fp8_policy(products), emulate=False,
+                                validate=False, calibrate=None)
+        graph = specialize_shapes(graph, {"tokens": [batch, seq], "label": [batch, seq]})
         if graph.ir_version > MAX_IR_VERSION:  # onnxruntime-gpu 1.31 loads ir_version <= 13
             graph.ir_version = MAX_IR_VERSION
         out[policy] = graph
@@ -166,23 +190,37 @@ def step_graphs(name: str) -> dict[str, object]:
 
 @dataclass
 class Side:
-    policy: str
+    label: str  # "bf16", "fp8" or "bf16 plain" (bf16 without CUDA graphs)
     trainer: object
     round_ms: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    graph: str = ""  # how it ran: "CUDA graph" or "no CUDA graph (<reason>)"
 
 
-def run_model(name: str, steps: int, rounds: int) -> dict[str, object]:
+#: Each side's step graph and ``Trainer(cuda_graph=...)``: fp8's GemmFloat8 cannot be captured.
+SIDES = {"bf16": ("bf16", None), "fp8": ("fp8", False), "bf16 plain": ("bf16", False)}
+
+
+def graph_note(trainer: object) -> str:
+    """Whether ``trainer``'s steps ran as a CUDA graph, and if not, its executor's reason."""
+    if trainer.cuda_graph:  # type: ignore[attr-defined]
+        return "CUDA graph" + ("" if trainer.pipeline else f", not pipelined ({trainer.pipeline_reason})")  # type: ignore[attr-defined]
+    return f"no CUDA graph ({trainer.cuda_graph_reason or 'no reason given'})"  # type: ignore[attr-defined]
+
+
+def run_model(name: str, steps: int, rounds: int, products: str = "linear", plain: bool = False) -> dict[str, object]:
     from mpgraph.runtime.trainer import Trainer
 
     t0 = time.perf_counter()
-    graphs = step_graphs(name)
+    graphs = step_graphs(name, products)
     build_s = time.perf_counter() - t0
     vocab, seq, _, _, _, batch = SIZES[name]
     data = markov_batches(vocab, seq, batch, count=16)
+    labels = ["bf16", "fp8", *(["bf16 plain"] if plain else [])]
 
-    def make(policy: str) -> Side:  # the trainer keeps its own copy: the graph is dropped
-        return Side(policy, Trainer(graphs.pop(policy), "cuda", cuda_graph=False if policy == "fp8" else None))
+    def make(label: str) -> Side:  # each trainer keeps its own copy of the graph
+        policy, cuda_graph = SIDES[label]
+        return Side(label, Trainer(graphs[policy], "cuda", cuda_graph=cuda_graph))
 
     def train(group: list[Side]) -> None:
         per_round, done = max(1, steps // rounds), 0
@@ -194,24 +232,30 @@ def run_model(name: str, steps: int, rounds: int) -> dict[str, object]:
                 side.round_ms.append((time.perf_counter() - start) * 1e3 / n)
             done += n
 
+    def done(side: Side) -> None:
+        side.graph = graph_note(side.trainer)
+        if side.label == "fp8":
+            result["fp8_gemms"] = dict(side.trainer.executor.plan.applied).get("fp8_gemm", 0)  # type: ignore[attr-defined]
+        side.trainer = None
+
     result: dict[str, object] = {"model": name, "build_s": build_s, "interleaved": name not in SEQUENTIAL}
     if name in SEQUENTIAL:  # two trainers at once would not fit: one after the other
         sides = []
-        for policy in ("bf16", "fp8"):
-            sides.append(make(policy))
+        for label in labels:
+            sides.append(make(label))
             train(sides[-1:])
-            if policy == "fp8":
-                result["fp8_gemms"] = dict(sides[-1].trainer.executor.plan.applied).get("fp8_gemm", 0)
-            sides[-1].trainer = None
+            done(sides[-1])
     else:
-        sides = [make("bf16"), make("fp8")]
+        sides = [make(label) for label in labels]
         train(sides)
-        result["fp8_gemms"] = dict(sides[1].trainer.executor.plan.applied).get("fp8_gemm", 0)
+        for side in sides:
+            done(side)
+    graphs.clear()
     for side in sides:
         timed = side.round_ms[1:] or side.round_ms
-        result[side.policy] = {"ms": statistics.median(timed), "loss_last10": float(np.mean(side.losses[-10:])),
-                               "loss_first": side.losses[0], "finite": bool(np.isfinite(side.losses).all())}
-        side.trainer = None
+        result[side.label] = {"ms": statistics.median(timed), "loss_last10": float(np.mean(side.losses[-10:])),
+                              "loss_first": side.losses[0], "finite": bool(np.isfinite(side.losses).all()),
+                              "graph": side.graph}
     return result
 
 
@@ -220,6 +264,9 @@ def main() -> None:
     p.add_argument("--models", default="gemm,gpt2s", help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--steps", type=int, default=200, help="training steps per side and model")
     p.add_argument("--rounds", type=int, default=10, help="the steps in this many alternating rounds (the first is warm-up)")
+    p.add_argument("--products", choices=("linear", "all"), default="linear",
+                   help="the fp8 section's products: linear (weight products and their backward) or all (the preset's)")
+    p.add_argument("--bf16-plain", action="store_true", help="also run bf16 without CUDA graphs (a third side)")
     args = p.parse_args()
     if not cuda_available():
         print("fp8_step: this benchmark needs onnxruntime-gpu with the CUDA provider (on the GPU machine: "
@@ -238,17 +285,33 @@ def main() -> None:
         sys.exit(1)
     rows = []
     for name in models:
-        r = run_model(name, args.steps, args.rounds)
+        r = run_model(name, args.steps, args.rounds, args.products, args.bf16_plain)
         rows.append(r)
-        print(f"{name}: built in {r['build_s']:.0f} s, {r['fp8_gemms']} GemmFloat8 in the fp8 plan", flush=True)
-    print(f"\n{'model':7s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} {'bf16 loss':>10s} {'fp8 loss':>10s} "
-          f"{'loss ratio':>10s}  (loss: mean of the last 10 of {args.steps} steps; ms: median of rounds 2..{args.rounds})")
+        print(f"{name}: built in {r['build_s']:.0f} s, {r['fp8_gemms']} GemmFloat8 in the fp8 plan (products: "
+              f"{args.products})", flush=True)
+        for label in SIDES:
+            if label in r:
+                print(f"  {label:10s} {r[label]['graph']}", flush=True)
+    print(report(rows, args.steps, args.rounds))
+
+
+def report(rows: list[dict[str, object]], steps: int, rounds: int) -> str:
+    """The table: ms/step and loss of each side, fp8's speedup and loss ratio against bf16 (and
+    against bf16 without CUDA graphs where that side ran)."""
+    plain = any("bf16 plain" in r for r in rows)
+    lines = [f"\n{'model':7s} {'bf16 ms':>9s} {'fp8 ms':>9s} {'speedup':>8s} {'bf16 loss':>10s} {'fp8 loss':>10s} "
+             f"{'loss ratio':>10s}" + (f" {'bf16 plain ms':>14s} {'fp8/plain':>9s}" if plain else "")
+             + f"  (loss: mean of the last 10 of {steps} steps; ms: median of rounds 2..{rounds})"]
     for r in rows:
-        b, f = r["bf16"], r["fp8"]
-        print(f"{r['model']:7s} {b['ms']:9.2f} {f['ms']:9.2f} {b['ms'] / f['ms']:7.2f}x {b['loss_last10']:10.4f} "
-              f"{f['loss_last10']:10.4f} {f['loss_last10'] / b['loss_last10']:10.4f}"
-              + ("" if r["interleaved"] else "  (sides one after the other)")
-              + ("" if b["finite"] and f["finite"] else "  NON-FINITE LOSS"))
+        b, f, q = r["bf16"], r["fp8"], r.get("bf16 plain")  # type: ignore[union-attr]
+        line = (f"{r['model']:7s} {b['ms']:9.2f} {f['ms']:9.2f} {b['ms'] / f['ms']:7.2f}x {b['loss_last10']:10.4f} "  # type: ignore[index]
+                f"{f['loss_last10']:10.4f} {f['loss_last10'] / b['loss_last10']:10.4f}")  # type: ignore[index]
+        if plain:
+            line += f" {q['ms']:14.2f} {q['ms'] / f['ms']:8.2f}x" if q else f" {'-':>14s} {'-':>9s}"  # type: ignore[index]
+        finite = all(side["finite"] for side in (b, f, q) if side)  # type: ignore[index]
+        lines.append(line + ("" if r["interleaved"] else "  (sides one after the other)")
+                     + ("" if finite else "  NON-FINITE LOSS"))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
