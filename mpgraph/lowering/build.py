@@ -12,6 +12,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from pathlib import Path
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["KernelBuildError", "build_library", "cache_dir", "cudnn_flags"]
+__all__ = ["KernelBuildError", "build_library", "cache_dir", "cublaslt_flags", "cudnn_flags"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _command(cuda: bool, out: Path) -> list[str]:
         archs = [a.strip() for a in os.environ.get("MPGRAPH_CUDA_ARCHS", ",".join(DEFAULT_ARCHS)).split(",") if a.strip()]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
         gencode.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")
-        return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode, *cudnn_flags()[0],
+        return [nvcc, "-O3", "-std=c++17", "-shared", "-DMPG_WITH_CUDA", *gencode, *cudnn_flags()[0], *cublaslt_flags()[0],
                 "-Xcompiler", "-fPIC,-ffp-contract=off,-fvisibility=hidden",
                 cc, *(str(p) for p in sorted(SOURCES.glob("*.cu"))), "-o", str(out)]
     cxx = _which(os.environ.get("CXX", ""), "g++", "c++", "clang++")
@@ -122,6 +123,37 @@ def cudnn_flags() -> tuple[tuple[str, ...], str]:
     links = [f"-l:{name}" for name in ("libcudnn.so.9", "libcudnn_graph.so.9") if (lib / name).is_file()]
     return ("-DMPG_WITH_CUDNN", f"-I{frontend}", f"-I{headers}", f"-L{lib}", *links,
             "-Xlinker", f"-rpath={lib}"), ""
+
+
+@functools.cache
+def cublaslt_flags() -> tuple[tuple[str, ...], str]:
+    """The nvcc flags that compile ``GemmBias`` (``csrc/gemm_bias.cu``) against cuBLASLt, and
+    ``""``; or no flags and why not (the library is then built without the CUDA ``GemmBias``).
+
+    Looked for, each first in its variable: ``cublasLt.h`` (``$CUBLASLT_INCLUDE``) and
+    ``libcublasLt.so.<nvcc's major>`` (``$CUBLASLT_LIB``), in the CUDA toolkit
+    (``$CUDA_HOME``, ``/usr/local/cuda``), the ``nvidia-cublas`` wheel's folders
+    (``nvidia/cu13/{include,lib}`` for CUDA 13, ``nvidia/cublas/{include,lib}`` before) and the
+    system's. ``MPGRAPH_NO_CUBLASLT=1`` turns it off.
+    """
+    if os.environ.get("MPGRAPH_NO_CUBLASLT") == "1":
+        return (), "MPGRAPH_NO_CUBLASLT=1"
+    def env(name: str) -> list[Path]:
+        return [Path(os.environ[name])] if os.environ.get(name) else []
+
+    nvcc = _nvcc()
+    release = re.search(r"release (\d+)\.", _version(nvcc)) if nvcc else None
+    home = env("CUDA_HOME") + env("CUDA_PATH") + [Path("/usr/local/cuda")]
+    wheels = [d / "nvidia" / sub for d in _site_dirs() for sub in ("cu13", "cublas")]
+    headers = _first(env("CUBLASLT_INCLUDE") + [h / "include" for h in home] + [w / "include" for w in wheels]
+                     + [Path("/usr/include")], "cublasLt.h")
+    name = f"libcublasLt.so.{release.group(1)}" if release else "libcublasLt.so"
+    lib = _first(env("CUBLASLT_LIB") + [h / sub for h in home for sub in ("lib64", "lib")] + [w / "lib" for w in wheels]
+                 + [Path("/usr/lib/x86_64-linux-gnu")], name)
+    missing = [what for what, found in (("cublasLt.h", headers), (name, lib)) if found is None]
+    if missing:
+        return (), "no " + ", no ".join(missing)
+    return ("-DMPG_WITH_CUBLASLT", f"-I{headers}", f"-L{lib}", f"-l:{name}", "-Xlinker", f"-rpath={lib}"), ""
 
 
 def build_library(cuda: bool) -> Path:

@@ -72,6 +72,14 @@ def has_sdpa(path: str | None) -> bool:
     return bool(getattr(ctypes.CDLL(path), "MpgraphKernelsHaveSdpa", lambda: 0)())
 
 
+@functools.cache
+def has_gemm_bias(path: str | None) -> bool:
+    """Whether the library at ``path`` has the CUDA ``GemmBias`` (cuBLASLt's bias epilogue)."""
+    if path is None:
+        return False
+    return bool(getattr(ctypes.CDLL(path), "MpgraphKernelsHaveGemmBias", lambda: 0)())
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """What a session plan is asked for."""
@@ -175,7 +183,8 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     applied: list[tuple[str, int]] = []
     if scope is not None or deterministic:
         model = model or as_model(step_graph, copy=True)
-        target = Target(provider, scope or "", options.nchwc_block, sdpa=has_sdpa(custom_ops))
+        target = Target(provider, scope or "", options.nchwc_block, sdpa=has_sdpa(custom_ops),
+                        gemm_bias=has_gemm_bias(custom_ops))
         applied = _apply(model, target, deterministic)
     if model is not None:
         graph = ir.to_proto(model).SerializeToString()

@@ -40,6 +40,7 @@ from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
+from mpgraph.lowering.gemm_bias import fuse_gemm_bias
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
@@ -83,6 +84,8 @@ class Target:
     nchwc_block: int = 0
     #: The kernel library has the CUDA fused attention (``MpgraphKernelsHaveSdpa``; cuDNN).
     sdpa: bool = False
+    #: The kernel library has the CUDA GemmBias (``MpgraphKernelsHaveGemmBias``; cuBLASLt).
+    gemm_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +180,9 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fold_scales", "all", BOTH, BIT, lambda m, t: fold_scales(m, t.provider),
                  "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
                  "exact outside float overflow/underflow)"),
+    LoweringRule("gemm_bias", "all", BOTH, SAME, lambda m, t: fuse_gemm_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
+                 "a float16/bfloat16 Gemm with a bias row as GemmBias: one cuBLASLt matmul with the bias epilogue, "
+                 "no BroadcastBiasKernel (gemm_bias.py, csrc/gemm_bias.cu; CPU: a float32-accumulating reference loop)"),
     LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m, low=t.provider == "cuda"),
                  "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, two-input Sum; float32 Div, "
                  "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "

@@ -24,6 +24,7 @@
 #include "ort_abi.h"
 #include "pointwise.h"
 #include "sdpa.h"
+#include "gemm_bias.h"
 
 namespace {
 
@@ -173,6 +174,9 @@ struct Kernel {
   int64_t ce_valid_cols = 0, ce_ignore_index = 0, ce_has_ignore = 0, ce_reduction = 0;
   // Pointwise's program.
   std::shared_ptr<PointwisePlan> pw;
+  // GemmBias's attributes.
+  int64_t gemm_trans_a = 0, gemm_trans_b = 0;
+  float gemm_alpha = 1.0f;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -1553,6 +1557,84 @@ OrtStatus* pointwise_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   return on_gpu(ctx, "Pointwise", [&](void* stream) { return MPG_CUDA(mpg_pointwise_cuda(&plan.program, &args, stream)); });
 }
 
+// -- GemmBias (gemm_bias.h; CUDA in gemm_bias.cu through cuBLASLt) ---------------------------
+//
+// GemmBias(A, B, bias) -> Y: Y = alpha * A' B' + bias (2-D A and B, bias [N] or [1, N]; A' and
+// B' as gemm_bias.h says). Attributes transA, transB (0/1) and alpha (absent: 1). Float16 or
+// bfloat16: the products accumulate in float32, the bias is added in float32, and the sum is
+// rounded once. CPU: a reference loop (for the rule's tests, not for speed). CUDA: one cuBLASLt
+// matmul with the bias epilogue, only in a build with cuBLASLt (MPG_WITH_CUBLASLT).
+
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
+#define MPG_GEMM_BIAS_CUDA(...) __VA_ARGS__
+#define MPG_GEMM_BIAS_ERROR() std::string(mpg_gemm_bias_last_error())
+#else
+#define MPG_GEMM_BIAS_CUDA(...) ((void)stream, 0)
+#define MPG_GEMM_BIAS_ERROR() std::string()
+#endif
+
+// Rows [r0, r1) of Y: each row's N sums accumulate over k in order, in float32.
+void gemm_bias_rows(const GemmBiasShape& s, const Tensor& a, const std::vector<float>& b, const Tensor& bias, void* y,
+                    int64_t r0, int64_t r1) {
+  std::vector<float> acc(static_cast<size_t>(s.n));
+  for (int64_t i = r0; i < r1; ++i) {
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int64_t kk = 0; kk < s.k; ++kk) {
+      const float av = load_cpu(a.data, a.type, static_cast<size_t>(s.trans_a ? kk * s.m + i : i * s.k + kk));
+      const float* bk = b.data() + kk * s.n;
+      for (int64_t j = 0; j < s.n; ++j) acc[j] += av * bk[j];
+    }
+    uint16_t* out = static_cast<uint16_t*>(y) + i * s.n;
+    for (int64_t j = 0; j < s.n; ++j) {
+      const float v = acc[j] * s.alpha + load_cpu(bias.data, bias.type, static_cast<size_t>(j));
+      out[j] = s.type == MPG_BFLOAT16 ? float_to_bfloat16(v) : float_to_float16(v);
+    }
+  }
+}
+
+OrtStatus* gemm_bias_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor t[3], y;
+  for (size_t i = 0; i < 3; ++i) {
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+    if (t[i].type != t[0].type || (t[i].type != MPG_FLOAT16 && t[i].type != MPG_BFLOAT16))
+      return status("GemmBias: A, B and bias must all be float16 or all bfloat16");
+  }
+  if (t[0].dims.size() != 2 || t[1].dims.size() != 2) return status("GemmBias: A and B must be 2-D");
+  GemmBiasShape s{};
+  s.trans_a = kernel.gemm_trans_a ? 1 : 0, s.trans_b = kernel.gemm_trans_b ? 1 : 0;
+  s.m = t[0].dims[s.trans_a ? 1 : 0], s.k = t[0].dims[s.trans_a ? 0 : 1];
+  s.n = t[1].dims[s.trans_b ? 0 : 1];
+  s.alpha = kernel.gemm_alpha, s.type = t[0].type;
+  const bool row = (t[2].dims.size() == 1 || (t[2].dims.size() == 2 && t[2].dims[0] == 1)) && t[2].dims.back() == s.n;
+  if (t[1].dims[s.trans_b ? 1 : 0] != s.k || !row)
+    return status("GemmBias: A' is [M, K], B' must be [K, N] and bias [N] or [1, N]");
+  if (OrtStatus* st = output(ctx, 0, {s.m, s.n}, &y)) return st;
+  if (y.count == 0) return nullptr;
+  if (!kernel.cuda) {
+    std::vector<float> b(static_cast<size_t>(s.k * s.n));  // B' as float32 [K, N]
+    for (int64_t kk = 0; kk < s.k; ++kk)
+      for (int64_t j = 0; j < s.n; ++j)
+        b[kk * s.n + j] = load_cpu(t[1].data, t[1].type, static_cast<size_t>(s.trans_b ? j * s.k + kk : kk * s.n + j));
+    const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kCpuChunk) / std::max<int64_t>(s.n * std::max<int64_t>(s.k, 1), 1));
+    return parallel_for(ctx, static_cast<size_t>((s.m + per - 1) / per), [&](size_t task) {
+      const int64_t r0 = static_cast<int64_t>(task) * per;
+      gemm_bias_rows(s, t[0], b, t[2], y.data, r0, std::min(s.m, r0 + per));
+    });
+  }
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, "GemmBias", [&](void* stream) {
+    const int rc = MPG_GEMM_BIAS_CUDA(mpg_gemm_bias_cuda(&s, t[0].data, t[1].data, t[2].data, y.data, stream));
+    if (rc) why = MPG_GEMM_BIAS_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status("GemmBias: " + why);
+  }
+  return st;
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -1622,6 +1704,12 @@ const OpSpec kSpecs[] = {
     {"SoftmaxCrossEntropyRowsGrad", MPG_BFLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, ce_rows_grad_compute},
     // inputs and outputs variadic, each float32, float16 or bfloat16 (the outputs' types from the graph).
     {"Pointwise", 0, 0, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, true, 1, 0, 1, pointwise_compute},
+    {"GemmBias", MPG_FLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    {"GemmBias", MPG_BFLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
+    {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+#endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
     {"SdpaForward", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -1713,6 +1801,11 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     made->ce_has_ignore = attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "ignore_index", 0, &made->ce_ignore_index);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "reduction", 0, &made->ce_reduction);
   }
+  if (made->spec->compute == gemm_bias_compute) {
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "transA", 0, &made->gemm_trans_a);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "transB", 0, &made->gemm_trans_b);
+    attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
+  }
   if (made->spec->compute == pointwise_compute) made->pw = pointwise_parse(string_attribute(api, info, "program"),
                                                                           string_attribute(api, info, "outputs"));
   *kernel = made;
@@ -1774,6 +1867,15 @@ extern "C" {
 // Which providers this build has kernels for (the Python side reads it with ctypes).
 __attribute__((visibility("default"))) int MpgraphKernelsHaveCuda() {
 #ifdef MPG_WITH_CUDA
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// Whether this build has the CUDA GemmBias (cuBLASLt's bias epilogue); the CPU reference is always in.
+__attribute__((visibility("default"))) int MpgraphKernelsHaveGemmBias() {
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
   return 1;
 #else
   return 0;

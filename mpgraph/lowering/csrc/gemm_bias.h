@@ -1,0 +1,24 @@
+// A low-precision GEMM with a bias row in one matmul: the interface between kernels.cc (the
+// GemmBias custom op, its CPU reference loop, argument checks) and gemm_bias.cu (CUDA, one
+// cuBLASLt matmul with the CUBLASLT_EPILOGUE_BIAS epilogue; built only where cublasLt.h and
+// libcublasLt are found, MPG_WITH_CUBLASLT).
+//
+// Y [M, N] = alpha * A' B' + bias, A' = A^T when trans_a ([K, M] stored) else A ([M, K]),
+// B' = B^T when trans_b ([N, K]) else B ([K, N]); bias has N elements. All row-major and
+// contiguous, one element type (float16 or bfloat16); the products accumulate in float32, the
+// bias is added in float32, and the sum is rounded once to the element type.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+struct GemmBiasShape {
+  int64_t m, n, k;
+  int trans_a, trans_b;
+  float alpha;
+  int type;  // ONNX element type: 10 float16 or 16 bfloat16
+};
+
+// 0 on success; otherwise nonzero, with a message from mpg_gemm_bias_last_error().
+extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, const void* b, const void* bias, void* y,
+                                  void* stream);
+extern "C" const char* mpg_gemm_bias_last_error();

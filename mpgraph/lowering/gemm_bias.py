@@ -1,0 +1,90 @@
+"""A float16/bfloat16 ``Gemm`` with a bias row as one cuBLASLt matmul with a bias epilogue (a
+session lowering).
+
+Symptom: ORT's CUDA ``Gemm`` with an input C first broadcasts C into Y
+(``BroadcastBiasKernel``) and then runs the GEMM with beta = 1 (the nvjet ``..._badd_...``
+kernels): on the H200 GPT-2 small's bf16 step (25.8 ms) spends 2.37 ms in those 48 broadcasts,
+one per linear layer (``benchmarks/results/real_models_gpt2_llama_bf16_no_prep_workers_
+2026-12-03T00.log``). torch.compile's addmm uses cuBLASLt's bias epilogue instead.
+
+Rewrite (both GPT-2 exports, torchscript and dynamo, write their linear layers so once
+lowered: a 2-D ``Gemm`` of the flattened activations, the bias a ``CastToBFloat16`` output)::
+
+    Gemm(A, B, C; alpha, beta=1, transA, transB) -> Y      A, B, C, Y all float16 or all bfloat16,
+                                                           C [N] or [1, N] (N = Y's columns)
+    ==>  ai.mpgraph.GemmBias(A, B, C; alpha, transA, transB) -> Y
+
+Same math: both accumulate A'B' in float32, add the bias in float32 and round once to the
+element type; cuBLASLt's kernel sums in another order (and the CPU reference loop in k order).
+The CUDA op exists only in a library built with cuBLASLt (``build.cublaslt_flags``;
+``Target.gemm_bias``); the CPU one is a reference for the tests.
+
+Left alone: float32 Gemms (their TF32 or strict choice is ORT's), beta other than 1, a C that
+is a full [M, N] matrix or a column, and ``MatMul`` + ``Add`` forms (BERT-style 3-D
+projections; none in the GPT-2 plans). The tanh GELU after GPT-2's fc GEMM (ORT's
+``FastGeluKernel``, 1.10 ms of the same step) is not folded into
+``CUBLASLT_EPILOGUE_GELU_AUX_BIAS`` yet: that epilogue applies GELU to the float32 sum before
+rounding, while the backward (``TanhGeluGrad``) would read the rounded pre-activation it stores
+as aux, so it is another rounding than the graph's (an ``approximate`` rule, with its own
+tolerance and A/B), not this one.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from mpgraph.lowering.match import DOMAIN, is_op, replace
+
+__all__ = ["fuse_gemm_bias"]
+
+_LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+
+def _attr(node: ir.Node, name: str, default: float) -> float:
+    attr = node.attributes.get(name)
+    return default if attr is None else attr.value
+
+
+def _dim(value: ir.Value, axis: int) -> int | str | None:
+    if value.shape is None or len(value.shape) != 2:
+        return None
+    dim = value.shape[axis]
+    return dim if isinstance(dim, int) else (dim.value if dim.value is not None else None)
+
+
+def _is_row(bias: ir.Value, n: int | str | None) -> bool:
+    """``bias`` is [N] or [1, N] with N known to equal ``n`` (the product's columns)."""
+    if bias.shape is None or len(bias.shape) not in (1, 2) or n is None:
+        return False
+    dims = list(bias.shape)
+    last = dims[-1] if isinstance(dims[-1], int) else dims[-1].value
+    return last == n and (len(dims) == 1 or dims[0] == 1)
+
+
+def _matches(gemm: ir.Node) -> bool:
+    if not is_op(gemm, "Gemm") or len(gemm.inputs) != 3 or any(v is None for v in gemm.inputs):
+        return False
+    a, b, c = gemm.inputs
+    if a.dtype not in _LOW or {b.dtype, c.dtype, gemm.outputs[0].dtype} != {a.dtype}:  # type: ignore[union-attr]
+        return False
+    if _attr(gemm, "beta", 1.0) != 1.0:
+        return False
+    n = _dim(b, 0 if _attr(gemm, "transB", 0) else 1)  # type: ignore[arg-type]
+    return _is_row(c, n)  # type: ignore[arg-type]
+
+
+def fuse_gemm_bias(model: ir.Model) -> int:
+    """Rewrite every matching ``Gemm`` of ``model``'s main graph as ``GemmBias``, in place; how
+    many were rewritten."""
+    graph = model.graph
+    fused = 0
+    for gemm in [n for n in graph if _matches(n)]:
+        attrs = [ir.AttrInt64("transA", int(_attr(gemm, "transA", 0))), ir.AttrInt64("transB", int(_attr(gemm, "transB", 0))),
+                 ir.AttrFloat32("alpha", float(_attr(gemm, "alpha", 1.0)))]
+        node = ir.Node(DOMAIN, "GemmBias", list(gemm.inputs), attrs, name=f"{gemm.name}/GemmBias",
+                       metadata_props=dict(gemm.metadata_props))
+        replace(graph, [gemm], node, (gemm.outputs[0],), before=gemm)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused

@@ -1,0 +1,166 @@
+"""The ``gemm_bias`` rule: a float16/bfloat16 ``Gemm`` with a bias row as ``GemmBias`` (one
+cuBLASLt matmul with the bias epilogue on CUDA; a float32-accumulating reference loop on CPU).
+
+Which Gemms it takes (low precision, beta 1, C a row [N] or [1, N]; any transA, transB, alpha)
+and which it leaves; that it is idempotent; that on a bf16 step graph it takes the forward
+linear layers and none of the backward Gemms; and the CPU kernel against ORT CPU's own Gemm.
+
+Tolerance, and why not bit-equality: both sides accumulate the products in float32, add the
+bias in float32 and round once to the element type, but in another order (ORT CPU's MLAS
+blocks K; the reference loop sums k in order), so their float32 sums differ by at most
+K * 2^-23 * sum|a b| and the one rounding may then land on the neighbouring value: one ulp of
+the element type at the result, plus that float32 bound where the sum cancels to near zero.
+ORT CPU has no bfloat16 Gemm: the bfloat16 reference is its float32 Gemm of the same
+(bfloat16-exact) values, rounded to bfloat16 by a Cast. The CUDA op against ORT CUDA's Gemm:
+``tests/test_gpu_gemm_bias.py``. About 2 CPU-s.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import ml_dtypes
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from mpgraph import lowering
+from mpgraph.lowering.gemm_bias import fuse_gemm_bias
+from tests.helpers import run_named
+
+M, K, N = 6, 37, 10
+ULP_BITS = {T.FLOAT16: 10, T.BFLOAT16: 7}
+
+
+def _gemm(dtype: int, *, trans_a: int = 0, trans_b: int = 0, alpha: float = 1.0, beta: float = 1.0,
+          bias_shape: tuple[int, ...] = (N,)) -> ir.Model:
+    """``y = float(Gemm(low(a), low(b), low(c)))`` with float32 inputs (ORT's Python API takes no
+    bfloat16); ``dtype`` FLOAT: a plain float32 Gemm."""
+    a_shape, b_shape = ((K, M) if trans_a else (M, K)), ((N, K) if trans_b else (K, N))
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    nodes += [h.make_node("Gemm", ["a_low", "b_low", "c_low"], ["g"], name="linear", transA=trans_a, transB=trans_b,
+                          alpha=alpha, beta=beta), h.make_node("Cast", ["g"], ["y"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "gemm", [h.make_tensor_value_info("a", T.FLOAT, a_shape),
+                                         h.make_tensor_value_info("b", T.FLOAT, b_shape),
+                                         h.make_tensor_value_info("c", T.FLOAT, bias_shape)],
+                         [h.make_tensor_value_info("y", T.FLOAT, [M, N])])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
+
+
+def _feeds(trans_a: int = 0, trans_b: int = 0, bias_shape: tuple[int, ...] = (N,)) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {"a": rng.standard_normal((K, M) if trans_a else (M, K)).astype(np.float32),
+            "b": rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32),
+            "c": rng.standard_normal(bias_shape).astype(np.float32)}
+
+
+def _low(x: np.ndarray, dtype: int) -> np.ndarray:
+    """``x`` rounded to ``dtype`` (to nearest, ties to even) and back to float32."""
+    return x.astype(ml_dtypes.bfloat16 if dtype == T.BFLOAT16 else np.float16).astype(np.float32)
+
+
+def _reference(dtype: int, feeds: dict[str, np.ndarray], **gemm) -> np.ndarray:
+    """ORT CPU's float32 Gemm of the inputs rounded to ``dtype``, its output rounded to ``dtype``.
+    ORT CPU has no bfloat16 Gemm, and on x86 its float16 one is the float32 kernel between Casts
+    whose float32 -> float16 -> float32 pairs its graph transformers drop (the inputs' rounding
+    with them), so it is no float16 reference as it stands."""
+    return _low(run_named(_gemm(T.FLOAT, **gemm), {k: _low(v, dtype) for k, v in feeds.items()})["y"], dtype)
+
+
+def _ops(model: ir.Model) -> Counter:
+    return Counter(n.op_type for n in model.graph)
+
+
+def _assert_within_one_ulp(got: np.ndarray, want: np.ndarray, dtype: int, feeds: dict[str, np.ndarray],
+                           trans_a: int, trans_b: int, alpha: float) -> None:
+    """|got - want| <= one ``dtype`` ulp at ``want`` + float32's summation bound (module docstring)."""
+    a = feeds["a"].T if trans_a else feeds["a"]
+    b = feeds["b"].T if trans_b else feeds["b"]
+    exponent = np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -14)))
+    ulp = 2.0 ** (exponent - ULP_BITS[dtype])
+    sum_bound = K * 2.0 ** -23 * abs(alpha) * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(got - want) <= ulp + sum_bound), np.max(np.abs(got - want) / ulp)
+
+
+@pytest.mark.parametrize("dtype", [T.FLOAT16, T.BFLOAT16])
+def test_rewrites_low_precision_gemm_with_bias_row(dtype):
+    model = _gemm(dtype)
+    assert lowering.lower(model, "cpu", "all") >= 1
+    ops = _ops(model)
+    assert ops["GemmBias"] == 1 and ops["Gemm"] == 0
+    node = next(n for n in model.graph if n.op_type == "GemmBias")
+    assert node.domain == "ai.mpgraph" and node.outputs[0].name == "g" and node.name == "linear/GemmBias"
+    assert fuse_gemm_bias(model) == 0  # idempotent: nothing left to take
+
+
+@pytest.mark.parametrize(("case", "model"), [
+    ("float32", lambda: _gemm(T.FLOAT)),
+    ("beta", lambda: _gemm(T.BFLOAT16, beta=0.5)),
+    ("full C", lambda: _gemm(T.BFLOAT16, bias_shape=(M, N))),
+    ("column C", lambda: _gemm(T.BFLOAT16, bias_shape=(M, 1))),
+])
+def test_leaves_other_gemms(case, model):
+    graph = model()
+    assert fuse_gemm_bias(graph) == 0 and _ops(graph)["Gemm"] == 1, case
+
+
+def test_cuda_needs_a_library_with_cublaslt():
+    """On CUDA the rule runs only where the library has the CUDA op (``Target.gemm_bias``);
+    otherwise the Gemm stays ORT's (a CPU-only GemmBias would pull the node off the GPU)."""
+    from mpgraph.lowering.registry import RULES, Target
+
+    rule = next(r for r in RULES if r.name == "gemm_bias")
+    without, with_ = _gemm(T.BFLOAT16), _gemm(T.BFLOAT16)
+    assert rule.apply(without, Target("cuda", "default")) == 0 and _ops(without)["Gemm"] == 1
+    assert rule.apply(with_, Target("cuda", "default", gemm_bias=True)) == 1
+
+
+@pytest.mark.parametrize("dtype", [T.FLOAT16, T.BFLOAT16])
+@pytest.mark.parametrize(("trans_a", "trans_b", "alpha", "bias_shape"),
+                         [(0, 0, 1.0, (N,)), (1, 0, 1.0, (N,)), (0, 1, 0.5, (1, N)), (1, 1, 2.0, (N,))])
+def test_cpu_kernel_matches_ort_gemm(dtype, trans_a, trans_b, alpha, bias_shape):
+    gemm = {"trans_a": trans_a, "trans_b": trans_b, "alpha": alpha, "bias_shape": bias_shape}
+    feeds = _feeds(trans_a, trans_b, bias_shape)
+    want = _reference(dtype, feeds, **gemm)
+    model = _gemm(dtype, **gemm)
+    assert fuse_gemm_bias(model) == 1
+    got = run_named(model, feeds, library=True)["y"]
+    assert np.array_equal(got, _low(got, dtype))  # the kernel's output is of its type
+    _assert_within_one_ulp(got, want, dtype, feeds, trans_a, trans_b, alpha)
+
+
+def _linear_block() -> ir.Model:
+    """``loss = sum(c * Gemm(gelu_tanh(Gemm(x, w, b)), v, u))``: GPT-2's MLP as its exports write
+    it once mpgraph has lowered the step (2-D Gemms of the flattened activations, bias rows)."""
+    rng = np.random.default_rng(0)
+    n = h.make_node
+    nodes = [n("Gemm", ["x", "w", "b"], ["a"]), n("Gelu", ["a"], ["g"], approximate="tanh"),
+             n("Gemm", ["g", "v", "u"], ["o"]), n("Mul", ["o", "cw"], ["oc"]), n("ReduceSum", ["oc"], ["loss"], keepdims=0)]
+    f = np.float32
+    inits = [onnx.numpy_helper.from_array(rng.standard_normal(shape).astype(f), name)
+             for name, shape in (("w", (6, 16)), ("b", (16,)), ("v", (16, 4)), ("u", (4,)), ("cw", (5, 4)))]
+    graph = h.make_graph(nodes, "mlp", [h.make_tensor_value_info("x", T.FLOAT, [5, 6])],
+                         [h.make_tensor_value_info("loss", T.FLOAT, [])], inits)
+    return ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)]))
+
+
+def test_bf16_step_takes_the_forward_linears_only():
+    """In a bf16 AdamW step the two forward Gemms (bfloat16, bias rows) become GemmBias; the
+    backward's Gemms (no C) and the float32 optimizer stay as they are."""
+    from mpgraph.convert import convert
+    from mpgraph.training import build_training_graph
+
+    grads = build_training_graph(_linear_block(), optimizer="adamw", params=["w", "b", "v", "u"], target="cuda")
+    step = convert(grads, "bf16", validate=False, calibrate=None, target="cuda")
+    gemms = [n for n in step.graph if n.op_type == "Gemm"]
+    forward = [n for n in gemms if len(n.inputs) == 3 and n.inputs[2] is not None]
+    assert len(forward) == 2 and all(n.outputs[0].dtype == ir.DataType.BFLOAT16 for n in forward)
+    names = {n.outputs[0].name for n in forward}
+    assert fuse_gemm_bias(step) == 2
+    ops = _ops(step)
+    assert ops["GemmBias"] == 2 and ops["Gemm"] == len(gemms) - 2
+    assert {n.outputs[0].name for n in step.graph if n.op_type == "GemmBias"} == names
