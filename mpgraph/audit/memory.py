@@ -42,7 +42,7 @@ the fixed overhead of a
 CUDA session (cuBLAS/cuDNN handles and workspaces, kernel code; measured for a tiny model by
 ``benchmarks/memory_check.py``), kernel scratch buffers, the graph optimizations of ORT other
 than folding transposes into matmuls and composing transposes, and the buffers ORT's planner
-reuses in place.
+reuses in place for its own kernels (the kernel library's in-place outputs are: ``buffer_reuse``).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
 from mpgraph._ir.inplace import inplace_pairs
+from mpgraph.audit.buffer_reuse import share_input_buffers
 from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, POWER_OF_TWO, SAME_AS_REQUESTED
 from mpgraph.audit.ort_alloc import Buffer as _Buffer
 from mpgraph.audit.ort_alloc import arena_bytes as _arena_bytes
@@ -518,7 +519,7 @@ def _walk(
 ) -> tuple[list[_Buffer], int, int, int]:
     """Buffers of the intermediates (not outputs) in ``nodes``' order, and the saved-for-backward
     bytes, their count and the intermediates of unknown size."""
-    owner = _buffers(nodes)
+    owner = share_input_buffers(nodes, _buffers(nodes), _reads, outputs)
     start: dict[str, int] = {}
     end: dict[str, int] = {}
     role_of: dict[str, str] = {}

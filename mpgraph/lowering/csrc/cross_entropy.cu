@@ -152,10 +152,12 @@ __global__ void __launch_bounds__(kLossThreads) loss_kernel(const T* __restrict_
 // d = (exp((x - max) - logsum) - onehot(index)) * scale over the valid columns, zero in the
 // padding; scale and index as the SoftmaxCrossEntropyLoss rule makes them: Where(kept, label, 0),
 // dloss / count (mean), dloss (sum) or dloss[row] (none), times Cast(kept) with an ignore_index.
+// dx may be logits (ORT gives dx the logits' buffer, kernels.cc): each thread reads an element,
+// then writes it, and no element is read after it is written, so the two are not __restrict__.
 template <typename T, bool vec>
-__global__ void __launch_bounds__(kThreads) rows_grad_kernel(const T* __restrict__ logits, const int64_t* __restrict__ labels,
+__global__ void __launch_bounds__(kThreads) rows_grad_kernel(const T* logits, const int64_t* __restrict__ labels,
                                                              const float2* __restrict__ stats, const float* __restrict__ count,
-                                                             const float* __restrict__ dloss, T* __restrict__ dx, size_t cols,
+                                                             const float* __restrict__ dloss, T* dx, size_t cols,
                                                              size_t valid, int64_t ignore, bool has_ignore, int reduction) {
   const size_t row = blockIdx.x;
   const int64_t label = labels[row];

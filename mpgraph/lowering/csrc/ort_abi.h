@@ -84,7 +84,17 @@ struct MpgCustomOp {
   OrtStatus* (*InferOutputShapeFn)(const MpgCustomOp* op, void* shape_infer_context);
   int (*GetStartVersion)(const MpgCustomOp* op);
   int (*GetEndVersion)(const MpgCustomOp* op);
+  // Version 18 on (ORT 1.18): which outputs may take an input's buffer when this node is the
+  // input's last reader and the sizes match (ORT's allocation planner decides; arrays the op
+  // allocates and frees), and which alias one (none here).
+  size_t (*GetMayInplace)(int** input_index, int** output_index);
+  void (*ReleaseMayInplace)(int* input_index, int* output_index);
+  size_t (*GetAliasMap)(int** input_index, int** output_index);
+  void (*ReleaseAliasMap)(int* input_index, int* output_index);
 };
+
+// The op version that has the in-place callbacks above; older ORTs get MPG_ORT_API_VERSION.
+enum { MPG_ORT_INPLACE_VERSION = 18 };
 
 }  // extern "C"
 
