@@ -9,9 +9,9 @@
 // Float32 x with a row of at most 768 columns, a multiple of 8, 16-byte aligned tensors (a
 // Llama-style 125M: [8192, 768], dy two or three bfloat16 parts, dx added to the float32 residual
 // gradient) takes one pass: a warp per row holds the row in registers (8 columns a lane per
-// 256-column chunk, 16-byte loads), makes r, the row mean and dx, and keeps its columns' dscale
-// sums in registers over its rows; the block's 8 warps (32 rows) sum theirs in order into the
-// chunk's partial row. Each byte is read once: the old path below (three passes over a row by a
+// 256-column chunk, 16-byte loads, all of a row's issued before any is used), makes r, the row
+// mean and dx, and adds dy * xhat into its own shared row of dscale sums over its rows; the
+// block's 8 warps (32 rows) are then added in order into the chunk's partial row. Each byte is read once: the old path below (three passes over a row by a
 // block, then a column kernel reading x and dy again) moved twice the traffic and measured
 // 82 + 48 us a call on an H200. Other shapes take that path.
 #include <cuda_bf16.h>
@@ -159,10 +159,27 @@ __device__ __forceinline__ void store8(float* p, const float* v) {
   reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 
+// Eight 16-bit elements (one 16-byte load) widened to float (exactly): bfloat16 or float16.
+__device__ __forceinline__ void widen8(uint4 u, bool bf16, float* v) {
+  const unsigned w[4] = {u.x, u.y, u.z, u.w};  // element 2k in the low half of w[k]
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float bl = __uint_as_float(w[k] << 16), bh = __uint_as_float(w[k] & 0xffff0000u);
+    const float hl = __half2float(__ushort_as_half((unsigned short)(w[k] & 0xffffu)));
+    const float hh = __half2float(__ushort_as_half((unsigned short)(w[k] >> 16)));
+    v[2 * k] = bf16 ? bl : hl;
+    v[2 * k + 1] = bf16 ? bh : hh;
+  }
+}
+
 // Block b: rows [32b, 32b + 32), warp w taking rows 32b + w, 32b + w + 8, ...; lane l the columns
 // 8 (32c + l) .. + 8 of chunk c. dx as rmsnorm_dx_kernel<float> makes it (other sum orders), r per
-// row, and the block's dscale sums over its rows (warps added in order) into partial row b.
-template <int kChunks, int kParts>
+// row, and the block's dscale sums over its rows (each warp's in its own shared row, the warps
+// then added in order) into partial row b. A row's loads are all issued before any is used (a
+// load waited for before the next is issued would leave too few bytes in flight to reach the
+// bandwidth): kNarrow (every part of dy bfloat16 or float16) keeps each part's raw 16 bytes
+// until all are in, the other case widens and adds part by part.
+template <int kChunks, int kParts, bool kNarrow>
 __global__ void __launch_bounds__(kFusedWarps * 32, 2)
 rmsnorm_grad_fused(const DyParts dy, const float* __restrict__ x, const float* __restrict__ scale,
                    const float* __restrict__ epsilon, const float* __restrict__ addend, float* __restrict__ dx,
@@ -170,16 +187,17 @@ rmsnorm_grad_fused(const DyParts dy, const float* __restrict__ x, const float* _
   extern __shared__ float sums[];  // [kFusedWarps][cols]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, vecs = cols / kVec;
   const float eps = *epsilon;
-  float ds[kChunks][kVec];
+  float* mine = sums + warp * cols;  // this warp's dscale sums; a lane only touches its columns
+  const float zeros[kVec] = {};
 #pragma unroll
   for (int c = 0; c < kChunks; ++c)
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) ds[c][k] = 0.0f;
+    if (c * 32 + lane < vecs) store8(mine + (c * 32 + lane) * kVec, zeros);
   for (int i = 0; i < kChunkRows / kFusedWarps; ++i) {
     const size_t row = (size_t)blockIdx.x * kChunkRows + (size_t)i * kFusedWarps + warp;
     if (row >= rows) break;  // the same for the whole warp
     const size_t base = row * (size_t)cols;
-    float xv[kChunks][kVec], g[kChunks][kVec], add[kChunks][kVec];  // add: loaded with the rest, used last
+    float xv[kChunks][kVec], g[kChunks][kVec], add[kChunks][kVec];
+    uint4 raw[kChunks][kParts];
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int v = c * 32 + lane;
@@ -187,11 +205,23 @@ rmsnorm_grad_fused(const DyParts dy, const float* __restrict__ x, const float* _
       const size_t at = base + (size_t)v * kVec;
       load8(x, kTypeFloat, at, xv[c]);
       if (addend) load8(addend, kTypeFloat, at, add[c]);
-      load8(dy.p[0], dy.type[0], at, g[c]);
+      if constexpr (kNarrow) {
+#pragma unroll
+        for (int p = 0; p < kParts; ++p) raw[c][p] = *reinterpret_cast<const uint4*>(static_cast<const unsigned short*>(dy.p[p]) + at);
+      }
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int v = c * 32 + lane;
+      if (v >= vecs) continue;
+      const size_t at = base + (size_t)v * kVec;
+      if constexpr (kNarrow) widen8(raw[c][0], dy.type[0] == kTypeBFloat16, g[c]);
+      else load8(dy.p[0], dy.type[0], at, g[c]);
 #pragma unroll
       for (int p = 1; p < kParts; ++p) {
         float part[kVec];
-        load8(dy.p[p], dy.type[p], at, part);
+        if constexpr (kNarrow) widen8(raw[c][p], dy.type[p] == kTypeBFloat16, part);
+        else load8(dy.p[p], dy.type[p], at, part);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) g[c][k] = __fadd_rn(g[c][k], part[k]);
       }
@@ -208,36 +238,32 @@ rmsnorm_grad_fused(const DyParts dy, const float* __restrict__ x, const float* _
     for (int c = 0; c < kChunks; ++c) {
       const int v = c * 32 + lane;
       if (v >= vecs) continue;
-      float sc[kVec];
+      float sc[kVec], ds[kVec];
       load8(scale, kTypeFloat, (size_t)v * kVec, sc);
+      load8(mine, kTypeFloat, (size_t)v * kVec, ds);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         xv[c][k] = xv[c][k] * rs;
-        ds[c][k] += g[c][k] * xv[c][k];
+        ds[k] += g[c][k] * xv[c][k];
         g[c][k] = g[c][k] * sc[k];
         acc += g[c][k] * xv[c][k];
       }
+      store8(mine + v * kVec, ds);
     }
     const float m = warp_all_sum(acc) / (float)cols;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int v = c * 32 + lane;
       if (v >= vecs) continue;
-      const size_t at = base + (size_t)v * kVec;
       float out[kVec];
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         out[k] = rs * (g[c][k] - xv[c][k] * m);
         if (addend) out[k] = __fadd_rn(out[k], add[c][k]);
       }
-      store8(dx + at, out);
+      store8(dx + base + (size_t)v * kVec, out);
     }
     if (lane == 0) rstd[row] = rs;
-  }
-#pragma unroll
-  for (int c = 0; c < kChunks; ++c) {
-    const int v = c * 32 + lane;
-    if (v < vecs) store8(sums + warp * cols + v * kVec, ds[c]);
   }
   __syncthreads();
   for (int col = threadIdx.x; col < cols; col += blockDim.x) {
@@ -269,18 +295,28 @@ __global__ void rmsnorm_dscale_total(const float* __restrict__ partial, T* __res
 bool aligned16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 // The one-pass path where it applies (see the top of the file); false where it does not.
-template <int kChunks>
-bool launch_fused_chunks(const DyParts& dy, const float* x, const float* scale, const float* eps, const float* addend,
+template <int kChunks, bool kNarrow>
+void launch_fused_kernel(const DyParts& dy, const float* x, const float* scale, const float* eps, const float* addend,
                          float* dx, float* rstd, float* partial, size_t rows, size_t cols, cudaStream_t s) {
   const unsigned blocks = (unsigned)((rows + kChunkRows - 1) / kChunkRows);
   const size_t shared = (size_t)kFusedWarps * cols * sizeof(float);
-  const int n = (int)cols;
+  const int n = (int)cols, threads = kFusedWarps * 32;
   switch (dy.n) {
-    case 1: rmsnorm_grad_fused<kChunks, 1><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
-    case 2: rmsnorm_grad_fused<kChunks, 2><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
-    case 3: rmsnorm_grad_fused<kChunks, 3><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
-    default: rmsnorm_grad_fused<kChunks, 4><<<blocks, kFusedWarps * 32, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n);
+    case 1: rmsnorm_grad_fused<kChunks, 1, kNarrow><<<blocks, threads, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    case 2: rmsnorm_grad_fused<kChunks, 2, kNarrow><<<blocks, threads, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    case 3: rmsnorm_grad_fused<kChunks, 3, kNarrow><<<blocks, threads, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n); break;
+    default: rmsnorm_grad_fused<kChunks, 4, kNarrow><<<blocks, threads, shared, s>>>(dy, x, scale, eps, addend, dx, rstd, partial, rows, n);
   }
+}
+
+// The one-pass path where it applies (see the top of the file); false where it does not.
+template <int kChunks>
+bool launch_fused_chunks(const DyParts& dy, const float* x, const float* scale, const float* eps, const float* addend,
+                         float* dx, float* rstd, float* partial, size_t rows, size_t cols, cudaStream_t s) {
+  bool narrow = true;
+  for (int k = 0; k < dy.n; ++k) narrow = narrow && (dy.type[k] == kTypeBFloat16 || dy.type[k] == kTypeFloat16);
+  if (narrow) launch_fused_kernel<kChunks, true>(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s);
+  else launch_fused_kernel<kChunks, false>(dy, x, scale, eps, addend, dx, rstd, partial, rows, cols, s);
   return true;
 }
 
