@@ -2,7 +2,8 @@
 
 A full-size step graph (``real_models.py``'s ``prepare`` writes them) is specialised to
 ``--shapes`` and planned with every rule the CUDA default runs (``Target("cuda", "default",
-sdpa=True)``: the library's fused attention assumed present), less those named in
+sdpa=True, gemm_bias=True)``: the library's fused attention and cuBLASLt GemmBias assumed
+present), less those named in
 ``--without``. Then every node's bytes (each input and output it reads or writes; constants under
 1 KiB left out) are summed by op (a Cast by its target type), with the time they take at
 3 TB/s (about what the H200's elementwise kernels reach). ``Reshape``/``Flatten`` are listed but
@@ -66,7 +67,7 @@ def census(model: ir.Model) -> dict[str, list[int]]:
 def lowered(path: str, shapes: str, without: set[str]) -> tuple[ir.Model, list[tuple[str, int]]]:
     """The graph at ``path``, specialised and lowered with the CUDA default rules but ``without``."""
     model = specialize_shapes(ir.load(path), json.loads(shapes))
-    target = Target("cuda", "default", sdpa=True)
+    target = Target("cuda", "default", sdpa=True, gemm_bias=True)
     applied = [(r.name, r.apply(model, target)) for r in RULES if r.runs("cuda", "default") and r.name not in without]
     return model, applied
 

@@ -7,10 +7,15 @@
 // Row-major Y = A' B' is column-major Y^T = B'^T A'^T, so cuBLASLt's "A" is our B and its "B"
 // our A, each in its own storage with the transposition flag it carries; D is column-major
 // [N, M] with leading dimension N, and the bias runs along D's rows, one value per column of Y.
+//
+// Where the heuristic has no bias-epilogue algorithm for a shape and alignment (unaligned
+// leading dimensions), the op does what ORT's Gemm does: the bias broadcast into Y, then the
+// matmul with beta = 1; slower, the same math.
 #ifdef MPG_WITH_CUBLASLT
 #include <cublasLt.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 #include <string>
@@ -30,7 +35,15 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo;
+  bool broadcast = false;  // no bias-epilogue algorithm: broadcast the bias, then beta = 1
 };
+
+// Y[i, j] = bias[j]: 16-bit elements copied as they are (Y and bias share their type).
+__global__ void broadcast_rows(const uint16_t* __restrict__ bias, uint16_t* __restrict__ y, int64_t n, int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = bias[i % n];
+}
 
 // (device, type, m, n, k, trans_a, trans_b, alignment of A, B, bias and Y)
 using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int, int, int, int, int, int>;
@@ -60,17 +73,23 @@ int alignment(const void* p) {
     if (st_ != CUBLAS_STATUS_SUCCESS) return fail(#call, static_cast<int>(st_)); \
   } while (0)
 
-int make_plan(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const int* aligns, Plan* plan) {
+// The descriptors of ``s``, with the bias epilogue unless ``broadcast``, and the heuristic's
+// first algorithm for them (``*found``: whether there is one).
+int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const int* aligns, bool broadcast,
+             Plan* plan, bool* found_one) {
   const cudaDataType_t type = s.type == 16 ? CUDA_R_16BF : CUDA_R_16F;
   const cublasOperation_t op_a = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our B
   const cublasOperation_t op_b = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // and its B our A
-  const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+  const cublasLtEpilogue_t epilogue = broadcast ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BIAS;
+  plan->broadcast = broadcast;
   MPG_LT(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof(type)));
-  MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  if (!broadcast) {
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof(type)));
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
   // Stored shapes, column-major: our B [K, N] is N x K (ld N), [N, K] is K x N (ld K);
   // our A [M, K] is K x M (ld K), [K, M] is M x K (ld M); Y [M, N] is N x M (ld N).
   const uint64_t n = static_cast<uint64_t>(s.n), m = static_cast<uint64_t>(s.m), k = static_cast<uint64_t>(s.k);
@@ -94,10 +113,22 @@ int make_plan(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias,
   if (st == CUBLAS_STATUS_SUCCESS)
     st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &found, &returned);
   cublasLtMatmulPreferenceDestroy(pref);
-  if (st != CUBLAS_STATUS_SUCCESS) return fail("cublasLtMatmulAlgoGetHeuristic", static_cast<int>(st));
-  if (returned == 0) return fail("cuBLASLt has no bias-epilogue algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
-  plan->algo = found.algo;
+  *found_one = st == CUBLAS_STATUS_SUCCESS && returned > 0;
+  if (*found_one) plan->algo = found.algo;
   return 0;
+}
+
+void destroy(Plan* plan);
+
+// The bias-epilogue plan, or the broadcast one where cuBLASLt has no algorithm for the first.
+int make_plan(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const int* aligns, Plan* plan) {
+  bool found = false;
+  if (int rc = describe(handle, s, bias, aligns, false, plan, &found)) return rc;
+  if (found) return 0;
+  destroy(plan);
+  *plan = Plan();
+  if (int rc = describe(handle, s, bias, aligns, true, plan, &found)) return rc;
+  return found ? 0 : fail("cuBLASLt has no algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
 }
 
 void destroy(Plan* plan) {
@@ -139,8 +170,15 @@ extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, con
     it = g_plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
-  MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
-  const float alpha = s.alpha, beta = 0.0f;
+  if (plan.broadcast) {
+    const int64_t total = s.m * s.n;
+    const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
+    broadcast_rows<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), s.n, total);
+    if (cudaError_t err = cudaGetLastError()) return fail("broadcast_rows launch", static_cast<int>(err));
+  } else {
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  const float alpha = s.alpha, beta = plan.broadcast ? 1.0f : 0.0f;
   MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, y, plan.d, y, plan.d, &plan.algo,
                         workspace, kWorkspaceBytes, stream));
   return 0;

@@ -1,0 +1,117 @@
+"""``GemmBias`` on CUDA (``csrc/gemm_bias.cu``: one cuBLASLt matmul with the bias epilogue)
+against ORT CUDA's own ``Gemm`` (bias broadcast into Y, then the GEMM with beta = 1).
+
+float16 and bfloat16, every transA/transB, alpha, a [1, N] bias, GPT-2 small's four linear
+shapes at 1024 rows and odd sizes (leading dimensions no multiple of 8: where cuBLASLt has no
+bias-epilogue algorithm the op broadcasts the bias itself first). Both sides accumulate in
+float32, add the bias in float32 and round once, in other orders: within one ulp of the element
+type at the result plus float32's summation bound (``tests/test_lowering_gemm_bias.py`` says
+why). Then a lowered bf16 step whose linear layers are GemmBias against the same step unlowered.
+Marked ``gpu``: skipped without CUDA or onnxruntime-gpu, or with a library built without
+cuBLASLt (``build.cublaslt_flags`` says why).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto as T
+
+from tests.test_lowering_gemm_bias import ULP_BITS, _linear_block, _low
+
+ort = pytest.importorskip("onnxruntime")
+
+pytestmark = pytest.mark.gpu
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    if not HAS_CUDA:
+        pytest.skip("needs onnxruntime-gpu's CUDAExecutionProvider")
+    from mpgraph.lowering.build import cublaslt_flags
+    from mpgraph.lowering.plan import has_gemm_bias
+    from mpgraph.lowering.plan import library as build
+
+    path = str(build("cuda"))
+    if not has_gemm_bias(path):
+        pytest.skip(f"the library has no CUDA GemmBias: {cublaslt_flags()[1]}")
+    return path
+
+
+def _run(model: ir.Model, feeds: dict[str, np.ndarray], custom_ops: str | None) -> dict[str, np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if custom_ops:
+        options.register_custom_ops_library(custom_ops)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CUDAExecutionProvider"])
+    return dict(zip([o.name for o in session.get_outputs()], session.run(None, feeds), strict=True))
+
+
+def _graph(dtype: int, m: int, k: int, n: int, trans_a: int, trans_b: int, alpha: float,
+           bias_shape: tuple[int, ...]) -> ir.Model:
+    import onnx
+    from onnx import helper as h
+
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    nodes += [h.make_node("Gemm", ["a_low", "b_low", "c_low"], ["g"], transA=trans_a, transB=trans_b, alpha=alpha),
+              h.make_node("Cast", ["g"], ["y"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "gemm", [h.make_tensor_value_info("a", T.FLOAT, (k, m) if trans_a else (m, k)),
+                                         h.make_tensor_value_info("b", T.FLOAT, (n, k) if trans_b else (k, n)),
+                                         h.make_tensor_value_info("c", T.FLOAT, bias_shape)],
+                         [h.make_tensor_value_info("y", T.FLOAT, [m, n])])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
+
+
+SHAPES = [(1024, 768, 2304), (1024, 768, 768), (1024, 768, 3072), (1024, 3072, 768), (37, 21, 50), (1, 8, 16)]
+
+
+@pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16])
+@pytest.mark.parametrize(("m", "k", "n"), SHAPES)
+@pytest.mark.parametrize(("trans_a", "trans_b", "alpha", "bias_shape"),
+                         [(0, 0, 1.0, "n"), (1, 0, 0.5, "n"), (0, 1, 1.0, "1n"), (1, 1, 2.0, "n")])
+def test_cuda_gemm_bias_matches_ort_cuda_gemm(library, dtype, m, k, n, trans_a, trans_b, alpha, bias_shape):
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias
+
+    shape_c = (n,) if bias_shape == "n" else (1, n)
+    rng = np.random.default_rng(m + k + n)
+    feeds = {"a": rng.standard_normal((k, m) if trans_a else (m, k)).astype(np.float32),
+             "b": (rng.standard_normal((n, k) if trans_b else (k, n)) / np.sqrt(k)).astype(np.float32),
+             "c": rng.standard_normal(shape_c).astype(np.float32)}
+    plain = _graph(dtype, m, k, n, trans_a, trans_b, alpha, shape_c)
+    want = _run(plain, feeds, None)["y"]
+    fused = _graph(dtype, m, k, n, trans_a, trans_b, alpha, shape_c)
+    assert fuse_gemm_bias(fused) == 1
+    got = _run(fused, feeds, library)["y"]
+    a = _low(feeds["a"], dtype)
+    b = _low(feeds["b"], dtype)
+    a, b = (a.T if trans_a else a), (b.T if trans_b else b)
+    exponent = np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -14)))
+    bound = 2.0 ** (exponent - ULP_BITS[dtype]) + k * 2.0 ** -23 * abs(alpha) * (np.abs(a) @ np.abs(b))
+    assert np.array_equal(got, _low(got, dtype))
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+def test_bf16_step_with_gemm_bias_matches_unlowered(library):
+    """A bf16 AdamW step of a GELU MLP in Gemm form: with its two forward Gemms as GemmBias,
+    loss and updated parameters as the unlowered step's, within bfloat16 rounding of the
+    forward (one ulp of each Gemm's output moves the rest)."""
+    from mpgraph.convert import convert
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias
+    from mpgraph.training import build_training_graph
+    from tests.helpers import step_feeds
+
+    grads = build_training_graph(_linear_block(), optimizer="adamw", params=["w", "b", "v", "u"], target="cuda")
+    step = convert(grads, "bf16", validate=False, calibrate=None, target="cuda")
+    feeds = step_feeds(ir.to_proto(step))
+    want = _run(step, feeds, None)
+    fused = ir.from_proto(ir.to_proto(step))
+    assert fuse_gemm_bias(fused) == 2
+    got = _run(fused, feeds, library)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        scale = max(float(np.max(np.abs(value))), 1e-6) if value.size else 1.0
+        np.testing.assert_allclose(got[name], value, rtol=0, atol=2.0 ** -6 * scale, err_msg=name)
