@@ -164,7 +164,8 @@ def test_the_zoo_gpt_bf16_cuda_plan_fuses_every_residual():
     step = specialize_shapes(step, {"tokens": [2, 16], "label": [2, 16]})  # as for CUDA graph capture
     before = _ops(step)
     applied = _apply(step, Target("cuda", "all"), False)
-    assert applied[-1][0] == "pointwise" and applied[-1][1] == 8
+    rewrites = [(name, n) for name, n in applied if name != "free_early"]  # free_early only reorders
+    assert rewrites[-1] == ("pointwise", 8)
     programs = Counter(n.attributes["program"].as_string() for n in step.graph if n.op_type == "Pointwise")
     print(programs)
     assert programs["cvt 0 0 -1 1;add 0 0 2 1;add 2 1 0 1"] == 4  # x + (float(gemm) + bias)

@@ -12,7 +12,7 @@ Example: ``d = SoftmaxCrossEntropyRowsGrad(logits, ...)`` with no reader of ``lo
 writes ``d`` over ``logits``: GPT-2 small's padded bfloat16 logits at batch 8 are 786 MiB, and
 the step's transient peak is at that node, so the peak drops by as much.
 
-``MAY_INPLACE`` mirrors what the library declares (``tests/test_buffer_reuse.py`` checks it
+``MAY_INPLACE`` mirrors what the library declares (``tests/test_free_memory.py`` checks it
 against a built library); ORT's own kernels' in-place pairs (``Relu``, ``Add``...) are not
 modelled, so the estimate stays an upper bound there.
 """

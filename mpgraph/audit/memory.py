@@ -61,6 +61,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
 from mpgraph._ir.inplace import inplace_pairs
+from mpgraph._ir.ort_order import VIEW_OPS, ort_order
 from mpgraph.audit.buffer_reuse import share_input_buffers
 from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, POWER_OF_TWO, SAME_AS_REQUESTED
 from mpgraph.audit.ort_alloc import Buffer as _Buffer
@@ -73,8 +74,6 @@ __all__ = ["MemoryReport", "estimate_memory", "ort_order", "state_arena_bytes", 
 
 #: Roles of the per-parameter table, in print order.
 ROLES = ("low_weights", "master_weights", "gradients", "optimizer_state")
-#: Ops whose output shares its input's buffer in ORT (no new allocation).
-VIEW_OPS = frozenset({"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -482,36 +481,6 @@ def _fp8_bytes(model: ir.Model, size: Callable[[str], int]) -> dict[str, int]:
     values = {v.name for node in model.graph for v in node.outputs
               if v.name and v.dtype is not None and v.dtype.itemsize == 1 and v.dtype.is_floating_point()}
     return {"values": sum(size(n) for n in values), "state": sum(size(n) for n in state)}
-
-
-def ort_order(model: ir.Model) -> list[ir.Node]:
-    """The nodes in the order ORT's default execution plan runs them.
-
-    ORT numbers nodes as the file lists them and sorts topologically by a reverse depth-first
-    walk: from the nodes no node consumes (the last one first), a node is emitted after its
-    producers, visiting the producer with the highest number first (``GraphViewer`` with
-    ``ExecutionOrder::DEFAULT``). ORT's graph optimizations then fuse some nodes, which this
-    order does not follow.
-    """
-    nodes = list(model.graph)
-    index = {id(n): i for i, n in enumerate(nodes)}
-    consumed = {id(v.producer()) for n in nodes for v in n.inputs if v is not None and v.producer() is not None}
-    stack: list[tuple[ir.Node, bool]] = [(n, False) for n in nodes if id(n) not in consumed]
-    visited: set[int] = set()
-    order: list[ir.Node] = []
-    while stack:
-        node, leave = stack.pop()
-        if leave:
-            order.append(node)
-            continue
-        if id(node) in visited:
-            continue
-        visited.add(id(node))
-        stack.append((node, True))
-        producers = {id(p): p for v in node.inputs if v is not None and (p := v.producer()) is not None}
-        stack.extend((p, False) for p in sorted(producers.values(), key=lambda p: index[id(p)])
-                     if id(p) not in visited)
-    return order
 
 
 def _walk(

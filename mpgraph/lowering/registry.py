@@ -38,6 +38,7 @@ from mpgraph.lowering.attention_expand import expand_attention
 from mpgraph.lowering.cross_entropy import fuse_cross_entropy
 from mpgraph.lowering.deterministic import one_hot_scatter, ones_matmul_sums
 from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
+from mpgraph.lowering.free_early import free_early
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
 from mpgraph.lowering.gemm_bias import fuse_gemm_bias
@@ -192,4 +193,8 @@ RULES: tuple[LoweringRule, ...] = (
                  "the embedding gradient's scatter-add as a one-hot Gemm (deterministic.py)"),
     LoweringRule("ones_matmul_sums", "deterministic", CUDA, SAME, lambda m, t: ones_matmul_sums(m),
                  "bias-gradient sums over leading axes as MatMuls with ones (deterministic.py)"),
+    LoweringRule("free_early", "native", CUDA, BIT, lambda m, t: free_early(m),
+                 "the nodes listed so that ORT's order runs each node that frees at least what it allocates "
+                 "(a weight gradient's GEMM) as soon as it can; the count is nodes moved; last, so it orders what "
+                 "every other rule made (free_early.py)"),
 )

@@ -1,0 +1,119 @@
+"""Freeing memory early in a lowered plan: the loss head's gradient written over the logits
+(``audit.buffer_reuse``, the library's ``MayInplace``) and weight gradients listed as soon as
+they can run (``lowering.free_early``)."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+from onnx import TensorProto as T
+from onnx import helper as h
+
+from mpgraph.audit import memory
+from mpgraph.audit.buffer_reuse import MAY_INPLACE, share_input_buffers
+from mpgraph.lowering.build import build_library
+from mpgraph.lowering.free_early import free_early
+from tests.helpers import make_model, run, vi
+
+ROWS, COLS = 4, 8
+
+
+def _head(read_after: bool):
+    """logits = x + x; (loss, stats, count) = Rows(logits, y); d = RowsGrad(logits, ...);
+    ``read_after``: a node reads the logits and the gradient (so runs after it)."""
+    nodes = [h.make_node("Add", ["x", "x"], ["logits"]),
+             h.make_node("SoftmaxCrossEntropyRows", ["logits", "y"], ["loss", "stats", "count"], domain="ai.mpgraph"),
+             h.make_node("SoftmaxCrossEntropyRowsGrad", ["logits", "y", "stats", "count", "dloss"], ["d"],
+                         domain="ai.mpgraph"),
+             h.make_node("Mul", ["d", "d"], ["out"])]
+    outputs = [vi("out", [ROWS, COLS]), vi("loss", [])]
+    if read_after:
+        nodes.append(h.make_node("Mul", ["logits", "d"], ["late"]))
+        outputs.append(vi("late", [ROWS, COLS]))
+    model = make_model(nodes, [vi("x", [ROWS, COLS]), vi("y", [ROWS], T.INT64), vi("dloss", [])], outputs)
+    model.opset_import.append(h.make_opsetid("ai.mpgraph", 1))
+    model.graph.value_info.extend([vi(n, [ROWS, COLS]) for n in ("logits", "d")] + [vi("stats", [ROWS, 2]), vi("count", [])])
+    return ir.from_proto(model)
+
+
+def _owners(model: ir.Model) -> dict[str, str]:
+    nodes = memory.ort_order(model)
+    return share_input_buffers(nodes, memory._buffers(nodes), memory._reads, {v.name for v in model.graph.outputs})
+
+
+def test_gradient_takes_the_logits_buffer_when_they_die_there():
+    assert _owners(_head(read_after=False))["d"] == "logits"
+
+
+def test_gradient_keeps_its_own_buffer_when_the_logits_are_read_later():
+    assert _owners(_head(read_after=True))["d"] == "d"
+
+
+def test_library_declares_what_the_estimate_mirrors():
+    """The built library's ``GetMayInplace`` pairs are ``MAY_INPLACE``'s (and no other op has any)."""
+    lib = ctypes.CDLL(str(build_library(cuda=False)))
+    pairs = (ctypes.c_int * 8)()
+    for name in ("SoftmaxCrossEntropyRowsGrad", "SoftmaxCrossEntropyRows", "AdamWUpdate", "Pointwise"):
+        n = lib.MpgraphKernelsMayInplace(name.encode(), pairs, 4)
+        assert tuple((pairs[2 * k], pairs[2 * k + 1]) for k in range(n)) == MAY_INPLACE.get(("ai.mpgraph", name), ())
+
+
+def _weight_gradient_graph():
+    """A chain a -> b -> c of [64, 64] values and a small 'dW' = ReduceSum(a * b) that only the
+    last node reads: ORT's own order runs it last, with a and b live until then."""
+    big = [64, 64]
+    nodes = [h.make_node("Relu", ["x"], ["a"]), h.make_node("Neg", ["a"], ["b"]),
+             h.make_node("Mul", ["a", "b"], ["ab"]), h.make_node("ReduceSum", ["ab"], ["dw"], keepdims=0),
+             h.make_node("Exp", ["b"], ["c"]), h.make_node("Sigmoid", ["c"], ["e"]),
+             h.make_node("Tanh", ["e"], ["f"]), h.make_node("Add", ["f", "dw"], ["out"])]
+    model = make_model(nodes, [vi("x", big)], [vi("out", big)])
+    model.graph.value_info.extend([vi(n, big) for n in "abcef"] + [vi("ab", big), vi("dw", [])])
+    return model
+
+
+def _peak(model: ir.Model) -> int:
+    nodes = memory.ort_order(model)
+    buffers, *_ = memory._walk(nodes, memory._recorded(model), {v.name for v in model.graph.outputs})
+    return memory._peak(buffers, nodes)[0]
+
+
+def test_free_early_runs_the_weight_gradient_before_the_rest_of_the_chain():
+    proto = _weight_gradient_graph()
+    model = ir.from_proto(proto)
+    before = [n.op_type for n in memory.ort_order(model)]
+    peak = _peak(model)
+    assert before.index("ReduceSum") > before.index("Tanh")  # ORT's own order: dW last
+    assert free_early(model) > 0
+    after = [n.op_type for n in memory.ort_order(model)]
+    assert after.index("ReduceSum") < after.index("Exp")
+    assert _peak(model) < peak
+    x = np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32)
+    np.testing.assert_array_equal(run(ir.to_proto(model), {"x": x})[0], run(proto, {"x": x})[0])
+
+
+def _ort_ran(proto, tmp_path) -> list[str]:
+    """The op types in the order ORT CPU ran them (its profile), default graph optimizations."""
+    options = ort.SessionOptions()
+    options.enable_profiling, options.profile_file_prefix, options.log_severity_level = True, str(tmp_path / "p"), 3
+    session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session.run(None, {"x": np.ones((64, 64), np.float32)})
+    with open(session.end_profiling()) as f:
+        events = json.load(f)
+    return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
+
+
+def test_ort_runs_the_order_free_early_lists(tmp_path):
+    """ORT itself (CPU; the order is the provider-independent GraphViewer's) runs the modelled
+    order: the weight gradient last as the graph comes, right after its inputs once listed anew."""
+    proto = _weight_gradient_graph()
+    for k, node in enumerate(proto.graph.node):
+        node.name = f"n{k}"
+    model = ir.from_proto(proto)
+    assert _ort_ran(proto, tmp_path) == [n.op_type for n in memory.ort_order(model)]
+    free_early(model)
+    ran = _ort_ran(ir.to_proto(model), tmp_path)
+    assert ran == [n.op_type for n in memory.ort_order(model)] and ran.index("ReduceSum") < ran.index("Exp")
