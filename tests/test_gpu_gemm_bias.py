@@ -115,3 +115,42 @@ def test_bf16_step_with_gemm_bias_matches_unlowered(library):
     for name, value in want.items():
         scale = max(float(np.max(np.abs(value))), 1e-6) if value.size else 1.0
         np.testing.assert_allclose(got[name], value, rtol=0, atol=2.0 ** -6 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16])
+@pytest.mark.parametrize(("fused", "trans_b", "alpha"), [(False, 0, 1.0), (True, 1, 0.5)])
+def test_cuda_matmul_bias_matches_float64_rounded_once(library, dtype, fused, trans_b, alpha):
+    """``matmul_bias`` on a [8, 128, 768] x [768, 3072] linear layer (ViT-B's fc1 at 8 x 128
+    tokens): GemmBias rounds the sum once, so its reference is the float64 sum of the rounded
+    inputs rounded once (the graph's MatMul + Add round twice)."""
+    import onnx
+    from onnx import helper as h
+
+    from mpgraph.lowering.gemm_bias import fuse_matmul_bias
+
+    lead, k, n = (8, 128), 768, 3072
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    nodes.append(h.make_node("FusedMatMul", ["a_low", "b_low"], ["p"], domain="com.microsoft", transB=trans_b, alpha=alpha)
+                 if fused else h.make_node("MatMul", ["a_low", "b_low"], ["p"]))
+    nodes += [h.make_node("Add", ["p", "c_low"], ["s"]), h.make_node("Cast", ["s"], ["y"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "linear", [h.make_tensor_value_info("a", T.FLOAT, [*lead, k]),
+                                           h.make_tensor_value_info("b", T.FLOAT, (n, k) if trans_b else (k, n)),
+                                           h.make_tensor_value_info("c", T.FLOAT, [n])],
+                         [h.make_tensor_value_info("y", T.FLOAT, [*lead, n])],
+                         value_info=[h.make_tensor_value_info("p", dtype, [*lead, n])])
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(
+        h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])))
+    assert fuse_matmul_bias(model) == 1
+    rng = np.random.default_rng(5)
+    feeds = {"a": rng.standard_normal((*lead, k)).astype(np.float32),
+             "b": (rng.standard_normal((n, k) if trans_b else (k, n)) / np.sqrt(k)).astype(np.float32),
+             "c": rng.standard_normal(n).astype(np.float32)}
+    got = _run(model, feeds, library)["y"]
+    a = _low(feeds["a"], dtype).astype(np.float64).reshape(-1, k)
+    b = _low(feeds["b"], dtype).astype(np.float64)
+    exact = alpha * (a @ (b.T if trans_b else b)) + _low(feeds["c"], dtype)
+    want = _low(exact.astype(np.float32), dtype).reshape(got.shape)
+    exponent = np.floor(np.log2(np.maximum(np.abs(want), 2.0 ** -14)))
+    bound = 2.0 ** (exponent - ULP_BITS[dtype]) + (k * 2.0 ** -23 * abs(alpha) * (np.abs(a) @ np.abs(b.T if trans_b else b))
+                                                    ).reshape(got.shape)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))

@@ -164,3 +164,68 @@ def test_bf16_step_takes_the_forward_linears_only():
     ops = _ops(step)
     assert ops["GemmBias"] == 2 and ops["Gemm"] == len(gemms) - 2
     assert {n.outputs[0].name for n in step.graph if n.op_type == "GemmBias"} == names
+
+
+# -- matmul_bias: MatMul/FusedMatMul + Add of a bias row -----------------------------------------
+
+LEAD = (2, 3)  # A's leading dims: M = 6 rows
+
+
+def _matmul_add(dtype: int, *, fused: bool = False, trans_b: int = 0, alpha: float = 1.0, bias_first: bool = False,
+                bias_shape: tuple[int, ...] = (N,), second_reader: bool = False) -> ir.Model:
+    """``y = float(Add(MatMul(low(a), low(b)), low(c)))`` with a [2, 3, K] (BERT's and ViT's
+    linear layers); ``fused``: com.microsoft ``FusedMatMul`` (its ``transB`` and ``alpha``)."""
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    if fused:
+        nodes.append(h.make_node("FusedMatMul", ["a_low", "b_low"], ["p"], name="linear", domain="com.microsoft",
+                                 transA=0, transB=trans_b, alpha=alpha))
+    else:
+        nodes.append(h.make_node("MatMul", ["a_low", "b_low"], ["p"], name="linear"))
+    nodes.append(h.make_node("Add", ["c_low", "p"] if bias_first else ["p", "c_low"], ["s"]))
+    nodes.append(h.make_node("Cast", ["s"], ["y"], to=T.FLOAT))
+    outputs = [h.make_tensor_value_info("y", T.FLOAT, [*LEAD, N])]
+    if second_reader:
+        nodes.append(h.make_node("Cast", ["p"], ["p32"], to=T.FLOAT))
+        outputs.append(h.make_tensor_value_info("p32", T.FLOAT, [*LEAD, N]))
+    graph = h.make_graph(nodes, "linear", [h.make_tensor_value_info("a", T.FLOAT, [*LEAD, K]),
+                                           h.make_tensor_value_info("b", T.FLOAT, (N, K) if trans_b else (K, N)),
+                                           h.make_tensor_value_info("c", T.FLOAT, bias_shape)], outputs,
+                         value_info=[h.make_tensor_value_info("p", dtype, [*LEAD, N])])  # FusedMatMul's: no inference
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto))
+
+
+@pytest.mark.parametrize("dtype", [T.FLOAT16, T.BFLOAT16])
+@pytest.mark.parametrize(("fused", "trans_b", "alpha", "bias_first"), [(False, 0, 1.0, False), (False, 0, 1.0, True),
+                                                                      (True, 1, 0.5, False)])
+def test_matmul_add_becomes_one_gemm_bias_rounded_once(dtype, fused, trans_b, alpha, bias_first):
+    from mpgraph.lowering.gemm_bias import fuse_matmul_bias
+
+    model = _matmul_add(dtype, fused=fused, trans_b=trans_b, alpha=alpha, bias_first=bias_first)
+    assert fuse_matmul_bias(model) == 1
+    ops = _ops(model)
+    assert ops["GemmBias"] == 1 and ops["MatMul"] + ops["FusedMatMul"] + ops["Add"] == 0
+    node = next(n for n in model.graph if n.op_type == "GemmBias")
+    assert node.outputs[0].name == "s" and list(node.outputs[0].shape) == [*LEAD, N]
+    assert fuse_matmul_bias(model) == 0
+    rng = np.random.default_rng(4)
+    feeds = {"a": rng.standard_normal((*LEAD, K)).astype(np.float32),
+             "b": rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32),
+             "c": rng.standard_normal(N).astype(np.float32)}
+    got = run_named(model, feeds, library=True)["y"].reshape(M, N)
+    flat = {"a": feeds["a"].reshape(M, K), "b": feeds["b"], "c": feeds["c"]}
+    want = _reference(dtype, flat, trans_b=trans_b, alpha=alpha)
+    _assert_within_one_ulp(got, want, dtype, flat, 0, trans_b, alpha)
+
+
+@pytest.mark.parametrize(("case", "model"), [
+    ("float32", lambda: _matmul_add(T.FLOAT)),
+    ("product read twice", lambda: _matmul_add(T.BFLOAT16, second_reader=True)),
+    ("full-shape addend", lambda: _matmul_add(T.BFLOAT16, bias_shape=(*LEAD, N))),
+    ("column addend", lambda: _matmul_add(T.BFLOAT16, bias_shape=(*LEAD, 1))),
+])
+def test_matmul_bias_leaves_other_adds(case, model):
+    from mpgraph.lowering.gemm_bias import fuse_matmul_bias
+
+    graph = model()
+    assert fuse_matmul_bias(graph) == 0 and _ops(graph)["Add"] == 1, case

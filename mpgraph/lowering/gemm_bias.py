@@ -16,12 +16,22 @@ lowered: a 2-D ``Gemm`` of the flattened activations, the bias a ``CastToBFloat1
 
 Same math: both accumulate A'B' in float32, add the bias in float32 and round once to the
 element type; cuBLASLt's kernel sums in another order (and the CPU reference loop in k order).
+
+``fuse_matmul_bias`` (rule ``matmul_bias``) takes the other form, BERT's and ViT's linear
+layers (in a 2-layer ViT dynamo bf16 plan 8: q, k, v and fc1 of each layer; the attention
+output and fc2 products reach their bias through the residual's sum, left to ``pointwise``)::
+
+    Add(MatMul(A [..., K], B [K, N]) or FusedMatMul(A, B; alpha, transB), bias [N])
+    ==>  ai.mpgraph.GemmBias(A, B, bias; alpha, transB) -> [..., N]
+
+where the product is read by the Add alone. Approximate, not the same math: the graph rounds
+the product to the element type and then the sum, GemmBias only the sum (one rounding less,
+so it differs from the graph by at most about one ulp of the output).
 The CUDA op exists only in a library built with cuBLASLt (``build.cublaslt_flags``;
 ``Target.gemm_bias``); the CPU one is a reference for the tests.
 
 Left alone: float32 Gemms (their TF32 or strict choice is ORT's), beta other than 1, a C that
-is a full [M, N] matrix or a column, and ``MatMul`` + ``Add`` forms (BERT-style 3-D
-projections; none in the GPT-2 plans). The tanh GELU after GPT-2's fc GEMM (ORT's
+is a full [M, N] matrix or a column. The tanh GELU after GPT-2's fc GEMM (ORT's
 ``FastGeluKernel``, 1.10 ms of the same step) is not folded into
 ``CUBLASLT_EPILOGUE_GELU_AUX_BIAS`` yet: that epilogue applies GELU to the float32 sum before
 rounding, while the backward (``TanhGeluGrad``) would read the rounded pre-activation it stores
@@ -33,9 +43,9 @@ from __future__ import annotations
 
 import onnx_ir as ir
 
-from mpgraph.lowering.match import DOMAIN, is_op, replace
+from mpgraph.lowering.match import DOMAIN, is_op, replace, single_reader
 
-__all__ = ["fuse_gemm_bias"]
+__all__ = ["fuse_gemm_bias", "fuse_matmul_bias"]
 
 _LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
@@ -52,13 +62,14 @@ def _dim(value: ir.Value, axis: int) -> int | str | None:
     return dim if isinstance(dim, int) else (dim.value if dim.value is not None else None)
 
 
-def _is_row(bias: ir.Value, n: int | str | None) -> bool:
-    """``bias`` is [N] or [1, N] with N known to equal ``n`` (the product's columns)."""
-    if bias.shape is None or len(bias.shape) not in (1, 2) or n is None:
+def _is_row(bias: ir.Value, n: int | str | None, rank: int = 2) -> bool:
+    """``bias`` is [N] or [1, ..., 1, N] of at most ``rank`` dims, with N known to equal ``n``
+    (the product's columns)."""
+    if bias.shape is None or not 1 <= len(bias.shape) <= rank or n is None:
         return False
     dims = list(bias.shape)
     last = dims[-1] if isinstance(dims[-1], int) else dims[-1].value
-    return last == n and (len(dims) == 1 or dims[0] == 1)
+    return last == n and all(d == 1 for d in dims[:-1])
 
 
 def _matches(gemm: ir.Node) -> bool:
@@ -84,6 +95,49 @@ def fuse_gemm_bias(model: ir.Model) -> int:
         node = ir.Node(DOMAIN, "GemmBias", list(gemm.inputs), attrs, name=f"{gemm.name}/GemmBias",
                        metadata_props=dict(gemm.metadata_props))
         replace(graph, [gemm], node, (gemm.outputs[0],), before=gemm)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused
+
+
+def _product(add: ir.Node, outputs: set[ir.Value]) -> tuple[ir.Node, ir.Value] | None:
+    """The ``MatMul``/``FusedMatMul`` whose product ``add`` alone reads and whose columns
+    ``add``'s other input is a bias row of, with that bias."""
+    for slot in (0, 1):
+        y, bias = add.inputs[slot], add.inputs[1 - slot]
+        node = y.producer() if y is not None else None
+        fused = node is not None and node.op_type == "FusedMatMul" and node.domain == "com.microsoft"
+        if node is None or bias is None or not (is_op(node, "MatMul") or fused) or single_reader(y, outputs) is not add:
+            continue
+        a, b = node.inputs[0], node.inputs[1]
+        if a is None or b is None or a.shape is None or len(a.shape) < 2 or b.shape is None or len(b.shape) != 2:
+            continue
+        if fused and any(_attr(node, key, 0) for key in ("transA", "transBatchA", "transBatchB")):
+            continue
+        if a.dtype not in _LOW or {b.dtype, y.dtype, bias.dtype, add.outputs[0].dtype} != {a.dtype}:
+            continue
+        if _is_row(bias, _dim(b, 0 if _attr(node, "transB", 0) else 1), len(a.shape)):
+            return node, bias
+    return None
+
+
+def fuse_matmul_bias(model: ir.Model) -> int:
+    """Rewrite every float16/bfloat16 ``Add`` of a bias row to a matmul's product, in
+    ``model``'s main graph, as one ``GemmBias``, in place; how many were rewritten."""
+    graph = model.graph
+    outputs = set(graph.outputs)
+    fused = 0
+    for add in [n for n in graph if is_op(n, "Add")]:
+        found = _product(add, outputs) if add.graph is not None else None
+        if found is None:
+            continue
+        matmul, bias = found
+        attrs = [ir.AttrInt64("transA", 0), ir.AttrInt64("transB", int(_attr(matmul, "transB", 0))),
+                 ir.AttrFloat32("alpha", float(_attr(matmul, "alpha", 1.0)))]
+        node = ir.Node(DOMAIN, "GemmBias", [matmul.inputs[0], matmul.inputs[1], bias], attrs,
+                       name=f"{matmul.name}/GemmBias", metadata_props=dict(matmul.metadata_props))
+        replace(graph, [add, matmul], node, (add.outputs[0],), before=add)
         fused += 1
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)

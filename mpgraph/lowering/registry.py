@@ -41,7 +41,7 @@ from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.free_early import free_early
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
-from mpgraph.lowering.gemm_bias import fuse_gemm_bias
+from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_matmul_bias
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
@@ -116,8 +116,9 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 #: The rules in the order they apply (later matchers see earlier rewrites: ``multi_adamw``
 #: batches the nodes ``adamw`` made; ``permute`` moves the transposes ``nchwc`` wrote).
 RULES: tuple[LoweringRule, ...] = (
-    LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
-                 "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
+    LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m, library=t.gemm_bias),
+                 "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8, or GemmFp8 where the "
+                 "library has cuBLASLt (fp8_gemm.py)"),
     LoweringRule("pad_concat", "native", CUDA, BIT, lambda m, t: pads_as_concat(m),
                  "a constant Pad of a type ORT CUDA has no Pad kernel for (the int64 labels of a causal "
                  "LM's loss) as Concat with constant blocks, so no node is left on CPU (pad_concat.py)"),
@@ -184,6 +185,10 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("gemm_bias", "all", BOTH, SAME, lambda m, t: fuse_gemm_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
                  "a float16/bfloat16 Gemm with a bias row as GemmBias: one cuBLASLt matmul with the bias epilogue, "
                  "no BroadcastBiasKernel (gemm_bias.py, csrc/gemm_bias.cu; CPU: a float32-accumulating reference loop)"),
+    LoweringRule("matmul_bias", "all", BOTH, Exactness.APPROXIMATE,
+                 lambda m, t: fuse_matmul_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
+                 "a float16/bfloat16 MatMul/FusedMatMul and the Add of a bias row read by nothing else as GemmBias "
+                 "(BERT's and ViT's linear layers): one rounding instead of two (gemm_bias.py)"),
     LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m, low=t.provider == "cuda"),
                  "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, two-input Sum; float32 Div, "
                  "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "

@@ -4,7 +4,8 @@
 // libcublasLt are found, MPG_WITH_CUBLASLT).
 //
 // Y [M, N] = alpha * A' B' + bias, A' = A^T when trans_a ([K, M] stored) else A ([M, K]),
-// B' = B^T when trans_b ([N, K]) else B ([K, N]); bias has N elements. All row-major and
+// B' = B^T when trans_b ([N, K]) else B ([K, N]); bias has N elements (an A of more dims, [..., K],
+// without trans_a, is its M = product-of-leading-dims rows as they lie). All row-major and
 // contiguous, one element type (float16 or bfloat16); the products accumulate in float32, the
 // bias is added in float32, and the sum is rounded once to the element type.
 #pragma once
