@@ -72,12 +72,30 @@ def feeds_for(program, batch: int, seed: int = 0) -> dict[str, np.ndarray]:
     return feeds
 
 
-def _used(before: int) -> int:
+def used_since(before: int) -> int:
+    """Bytes of device memory in use (``cudaMemGetInfo``, every process's) over ``before``."""
     import torch
 
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return total - free - before
+
+
+def child_setup(log: str, cuda: bool = True) -> int:
+    """A measuring child's start: its stderr (ORT's log) goes to ``log``, ORT logs at INFO (its
+    arenas log every extension, see ``run_child``), and on CUDA torch makes the CUDA context
+    first, so every child counts it alike. Returns the device memory in use then (0 on CPU)."""
+    with open(log, "w") as f:
+        os.dup2(f.fileno(), 2)
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(1)
+    if not cuda:
+        return 0
+    import torch
+
+    torch.cuda.init()
+    return used_since(0)
 
 
 def _estimate(trainer, config: dict) -> dict[str, int]:
@@ -95,26 +113,19 @@ def _estimate(trainer, config: dict) -> dict[str, int]:
 
 def child(args: argparse.Namespace) -> None:
     """One configuration in this fresh process; one JSON line on stdout."""
-    with open(args.log, "w") as log:  # ORT logs to stderr: all of it goes to the log
-        os.dup2(log.fileno(), 2)
-    import onnxruntime as ort
-    import torch
-
+    before = child_setup(args.log)
     from mpgraph.runtime.trainer import Trainer
 
-    ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
-    torch.cuda.init()
-    before = _used(0)
     config = CONFIGS[args.config]
     os.write(2, f"{MARK} model:init\n".encode())
     trainer = Trainer(args.graph, "cuda", **config)
-    out = {"init": _used(before), "inplace_values": len(trainer.inplace), "pairs": len(trainer.pairs),
+    out = {"init": used_since(before), "inplace_values": len(trainer.inplace), "pairs": len(trainer.pairs),
            "inplace_reason": trainer.inplace_reason, "pipeline": trainer.pipeline}
     feeds = feeds_for(trainer.program, args.batch)
     for i in range(1, args.steps + 1):
         os.write(2, f"{MARK} model:step{min(i, 3)}\n".encode())
         out[f"loss{i}"] = trainer.step(feeds).loss
-        out[f"step{i}"] = _used(before)
+        out[f"step{i}"] = used_since(before)
     out["cuda_graph"], out["estimate"] = trainer.cuda_graph, _estimate(trainer, config)
     del trainer
     gc.collect()
@@ -125,7 +136,17 @@ def run_config(config: str, graph: str, args: argparse.Namespace, logs: Path) ->
     log = logs / f"{config}.log"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--config", config, "--graph", graph,
            "--batch", str(args.batch), "--steps", str(args.steps), "--log", str(log)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout, check=False)
+    return run_child(cmd, log, args.child_timeout)
+
+
+def run_child(cmd: list[str], log: Path, timeout: float) -> dict:
+    """Run a measuring child (``child_setup``: its stderr in ``log``; its result the last JSON line
+    on its stdout): that result with ``arena_grew``, the bytes ORT's CUDA arenas grew by per
+    phase (the child's ``MARK`` lines), or ``{"error": ...}`` with the log's last line."""
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"no result within {timeout:.0f} s (log: {log})"}
     if done.returncode != 0 or not done.stdout.strip():
         text = log.read_text(errors="replace") if log.exists() else done.stderr
         return {"error": f"exit {done.returncode}: {(text.strip().splitlines() or [''])[-1][:400]} (log: {log})"}
