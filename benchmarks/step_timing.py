@@ -8,9 +8,13 @@ time their configurations the same way, so their numbers can be read side by sid
   round by round (a slow drift of the machine lands on all of them alike); round 0 is a warm-up
   (compilation, CUDA-graph capture, arena growth) and is left out of the median;
 - every step reads its loss back to the host (what a training loop that logs the loss does);
-- device memory is what ``cudaMemGetInfo`` says the process took while the configuration was
-  created plus what its first round added: it counts ORT's arenas and torch's cache alike, which
-  neither framework's own counter does for the other;
+- device memory in the process that times them (``memory_mib``) is what ``cudaMemGetInfo`` says
+  the process took while the configuration was created plus what its first round added: it
+  counts ORT's arenas and torch's cache alike, which neither framework's own counter does for the
+  other, but it depends on the order (the first ORT configuration of a process pays ORT's one-time
+  CUDA handles and workspaces; memory an earlier one freed is not always returned). The
+  order-independent number is ``peak_over_steps`` run in a fresh child process per configuration
+  (``real_models.py``);
 - kernels per step come from torch's profiler (CUPTI sees every kernel in the process, ORT's too).
 """
 
@@ -48,6 +52,8 @@ class Run:
     note: str = ""
     error: str = ""
     trainer: Any = None  # mpgraph.Trainer for the mpgraph rows
+    # ``peak_over_steps`` of this configuration in a fresh child process (or {"error": ...}).
+    peak: dict[str, Any] | None = None
     # Steps i .. i+n-1 at once, their losses (the pipelined rows: Trainer.step_many).
     steps: Callable[[int, int], list[float]] | None = None
 
@@ -61,6 +67,47 @@ def error_line(e: BaseException) -> str:
 def device_used_mib() -> float:
     free, total = torch.cuda.mem_get_info()
     return (total - free) / 2**20
+
+
+def host_rss_mib(peak: bool = False) -> float:
+    """This process's resident memory (``VmRSS``), or its high-water mark (``VmHWM``), in MiB."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) / 1024 for line in f if line.startswith(key))
+
+
+def reset_host_peak() -> None:
+    """Start ``host_rss_mib(peak=True)`` afresh from the current resident memory (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_over_steps(make: Callable[[], Run], steps: int, used: Callable[[], float],
+                    mark: Callable[[str], None] = lambda phase: None) -> dict[str, Any]:
+    """Make a configuration and step it ``steps`` times, reading ``used()`` (MiB over the
+    baseline the caller took) once it exists and after every step; a pipelined row takes its
+    first ``steps - 1`` steps in one call, as it runs in its rounds, then one more. ``mark(phase)``
+    before each phase (``init``, ``step1``...). ORT's arenas and torch's cache keep what they
+    took, so the largest reading is the peak.
+    """
+    mark("init")
+    run = make()
+    if run.error:
+        raise RuntimeError(run.error)
+    after = [used()]
+    losses: list[float] = []
+    if run.steps is not None:
+        for n in (steps - 1, 1) if steps > 1 else (steps,):
+            mark(f"step{len(losses) + 1}")
+            losses += run.steps(len(losses), n)
+            after.append(used())
+    else:
+        for i in range(steps):
+            mark(f"step{i + 1}")
+            losses.append(run.step(i))
+            after.append(used())
+    return {"created_mib": after[0], "after_steps_mib": after[1:], "peak_mib": max(after), "steps": steps,
+            "losses": losses}
 
 
 def create_run(label: str, make: Callable[[], Run], cuda: bool) -> Run:
