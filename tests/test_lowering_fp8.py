@@ -73,7 +73,8 @@ def test_every_linear_product_becomes_a_gemm_float8_and_attention_stays(native, 
     assert len(left) == 12 and all(len(n.inputs[1].shape) == 4 for n in left)
     with caplog.at_level(logging.INFO, logger="mpgraph.lowering.fp8_gemm"):
         lower_fp8_gemms(ir.from_proto(ir.to_proto(step)))
-    assert "27 of 39 fp8 products on GemmFloat8; left emulated: {'batched B': 12}" in caplog.text
+    assert "27 of 39 fp8 products native (0 on the library's GemmFp8, the others on GemmFloat8); left emulated: " \
+        "{'batched B': 12}" in caplog.text
     # The dequantise chains of the rewritten products are gone; those of attention remain.
     widen = [n for n in lowered.graph if n.op_type == "Cast" and n.inputs[0].dtype in (E4M3, E5M2)]
     assert len(widen) == len({id(v) for n in left for v in n.inputs[:2]})
@@ -287,3 +288,103 @@ def test_every_declared_dim_of_the_gemm_operands_is_the_size_that_runs() -> None
             else:
                 symbolic += 1
     assert symbolic > 0  # the weight gradients' token axes stay undeclared
+
+
+# --- rule 6: the kernel library's GemmFp8 (capturable; CPU reference here) --------------------
+
+
+def _gemm_fp8_graph(fa: ir.DataType, fb: ir.DataType, m: int, n: int, k: int, alpha: float) -> bytes:
+    """``Y = float(GemmFp8(Cast(A, fa), Cast(B, fb), sa, sb; alpha))`` with ``Yb`` its bf16 output."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    nodes = [h.make_node("Cast", ["A"], ["qa"], to=fa.value, saturate=1), h.make_node("Cast", ["B"], ["qb"], to=fb.value, saturate=1),
+             h.make_node("GemmFp8", ["qa", "qb", "sa", "sb"], ["Yb"], domain="ai.mpgraph", alpha=alpha),
+             h.make_node("Cast", ["Yb"], ["Y"], to=T.FLOAT)]
+    inputs = [h.make_tensor_value_info("A", T.FLOAT, [m, k]), h.make_tensor_value_info("B", T.FLOAT, [n, k]),
+              h.make_tensor_value_info("sa", T.FLOAT, []), h.make_tensor_value_info("sb", T.FLOAT, [])]
+    graph = h.make_graph(nodes, "gemm_fp8", inputs, [h.make_tensor_value_info("Y", T.FLOAT, [m, n])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    return onnx.shape_inference.infer_shapes(model, strict_mode=True).SerializeToString()
+
+
+def gemm_fp8_reference(a: np.ndarray, b: np.ndarray, fa: ir.DataType, fb: ir.DataType, sa: float, sb: float,
+                       alpha: float) -> np.ndarray:
+    """GemmFp8 in numpy: the operands rounded to their formats with saturation (ml_dtypes),
+    ``A B^T`` in float64, times ``alpha * sa * sb``, rounded once to bf16 (as float32)."""
+    import ml_dtypes
+
+    def quantise(x: np.ndarray, fmt: ir.DataType) -> np.ndarray:
+        t = ml_dtypes.float8_e4m3fn if fmt == E4M3 else ml_dtypes.float8_e5m2
+        top = float(ml_dtypes.finfo(t).max)
+        return np.clip(x, -top, top).astype(t).astype(np.float64)
+
+    y = (quantise(a, fa) @ quantise(b, fb).T) * (np.float32(alpha) * np.float32(sa) * np.float32(sb))
+    return y.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.mark.parametrize(("fa", "fb"), [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
+def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
+    """Every pair the lowering writes, with values that saturate (1000 > 448), flush or land
+    in the subnormals: the CPU op equals numpy on the ml_dtypes-rounded operands (the sums here
+    are exact in float32: few terms of few bits)."""
+    from mpgraph import lowering as kernels
+
+    rng = np.random.default_rng(1)
+    m, n, k = 5, 6, 32
+    a = np.round(rng.standard_normal((m, k)) * 8).astype(np.float32)
+    b = np.round(rng.standard_normal((n, k)) * 4).astype(np.float32) / 4
+    a[0, :4], b[1, :3] = [1000.0, -3e-3, 1e-9, 0.0], [2.0**-8, -2.0**-15, 70000.0]
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5), options, providers=["CPUExecutionProvider"])
+    feeds = {"A": a, "B": b, "sa": np.array(0.25, np.float32), "sb": np.array(2.0, np.float32)}
+    got = session.run(None, feeds)[0]
+    np.testing.assert_array_equal(got, gemm_fp8_reference(a, b, fa, fb, 0.25, 2.0, 0.5))
+
+
+def _cut(value: ir.Value) -> tuple[str, ...]:
+    """The ops the lowering wrote to make ``value`` (a cut operand) and the pass's value they
+    start from (the lowering numbers its nodes, so names alone differ between lowerings)."""
+    path: list[str] = []
+    while value.producer() is not None and "/fp8_gemm/" in (value.producer().name or ""):
+        path.append(value.producer().op_type)
+        value = value.producer().inputs[0]
+    return (*path, value.name)
+
+
+def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(native, monkeypatch) -> None:
+    """Rule 6: the same 27 products, each GemmFp8 reading GemmFloat8's A', B' and scales, writing
+    the product's bf16 itself (no float32 output and Cast for the mixed pairs); its readers are
+    the ones the product had. ``MPGRAPH_FP8_GEMM=ort`` keeps GemmFloat8."""
+    step, lowered = native
+    with_library = ir.from_proto(ir.to_proto(step))
+    assert lower_fp8_gemms(with_library, library=True) == 27
+    fp8 = {n.name.rsplit("/", 1)[0]: n for n in with_library.graph if n.op_type == "GemmFp8"}
+    ort_gemms = {n.name.rsplit("/", 1)[0]: n for n in _gemms(lowered)}
+    assert len(fp8) == 27 and fp8.keys() == ort_gemms.keys() and not _gemms(with_library)
+    assert with_library.opset_imports.get("ai.mpgraph") == 1 and "com.microsoft" not in with_library.opset_imports
+    for name, node in fp8.items():
+        theirs = ort_gemms[name]
+        assert node.domain == "ai.mpgraph" and len(node.inputs) == 4
+        assert [_cut(v) for v in node.inputs] == [_cut(v) for v in theirs.inputs if v is not None], name
+        assert node.attributes["alpha"].as_float() == theirs.attributes["alpha"].as_float()
+        assert node.outputs[0].dtype == BF16, name
+    # What each product's result feeds: GemmFloat8's through the Cast of rule 5, GemmFp8's directly.
+    def fed(model: ir.Model, op: str) -> dict[str, list[str]]:
+        out = {}
+        for n in model.graph:
+            if n.op_type == op:
+                (y,) = n.outputs
+                (cast, _), = y.uses() if y.dtype == FLOAT else ((None, None),)
+                y = cast.outputs[0] if cast is not None else y
+                out[n.name.rsplit("/", 1)[0]] = sorted(u.node.name for u in y.uses())
+        return out
+
+    assert fed(with_library, "GemmFp8") == fed(lowered, "GemmFloat8")
+    monkeypatch.setenv("MPGRAPH_FP8_GEMM", "ort")
+    again = ir.from_proto(ir.to_proto(step))
+    assert lower_fp8_gemms(again, library=True) == 27 and len(_gemms(again)) == 27

@@ -1,4 +1,5 @@
-"""Native fp8 GEMMs: a quantised product becomes ``com.microsoft.GemmFloat8`` (CUDA).
+"""Native fp8 GEMMs: a quantised product becomes ``com.microsoft.GemmFloat8`` (CUDA), or the
+kernel library's capturable ``ai.mpgraph.GemmFp8`` where it has cuBLASLt (rule 6).
 
 ``QuantizeFp8Pass`` writes each operand of an fp8 product as ``q = Cast(x * s, fp8,
 saturate=1)``, dequantised ``Cast(q, float) * (1 / s)`` (then cast to the low dtype) before a
@@ -63,6 +64,17 @@ Rules (each product with ``mpgraph.fp8`` metadata, ``_ir/meta.NODE_FP8``):
        float32, so a float32 output and the Cast round once, as a direct bf16 output would;
        float16 would round twice (fp16, then bf16) and clip at fp16's range. E4M3 x E4M3
        into fp16 (an fp8 section on a float16 policy) was not measured.
+    6. With the kernel library's cuBLASLt build (``Target.gemm_bias``: ``GemmBias`` and
+       ``GemmFp8`` come with the same ``MPG_WITH_CUBLASLT``), a product whose output is bf16
+       becomes ``ai.mpgraph.GemmFp8(A', B', scaleA, scaleB; alpha)`` instead: the same layout
+       and scales, written into bf16 for every format pair (cuBLASLt's float32 compute type has
+       the mixed pairs into bf16; ``csrc/gemm_fp8.cu`` goes through a float32 buffer where a
+       shape has no such algorithm), so rule 5's Cast is not needed. The reason is the step, not
+       the GEMM: ``GemmFloat8`` (ORT 1.31) ``cudaMalloc``s and ``cudaFree``s its 32 MiB
+       workspace on every call (``cudaFree`` waits for the device) and cannot be captured, so
+       an fp8 step on it runs without CUDA graphs, one host-synchronised launch after another
+       (GPT-2 small: ~3500 nodes, 147 GEMMs). ``GemmFp8`` keeps its handle, workspace and plans,
+       as ``GemmBias`` does.
 """
 
 from __future__ import annotations
@@ -70,6 +82,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from collections import Counter
 from dataclasses import dataclass
 
@@ -77,7 +90,7 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
-from mpgraph.lowering.match import hand_over, is_op
+from mpgraph.lowering.match import DOMAIN, hand_over, is_op
 
 __all__ = ["gemm_dtype", "lower_fp8_gemms"]
 
@@ -200,8 +213,10 @@ def _rows_factor(value: ir.Value) -> int:
 class _Lowerer:
     """Rewrites one graph's fp8 products; ``skipped`` counts what it left, by reason."""
 
-    def __init__(self, graph: ir.Graph) -> None:
+    def __init__(self, graph: ir.Graph, library: bool = False) -> None:
         self.graph = graph
+        self.library = library  # rule 6: bf16 products on the library's GemmFp8
+        self.library_count = 0
         self.outputs = set(graph.outputs)
         self.skipped: Counter[str] = Counter()
         self.cut: dict[tuple[int, bool, bool], ir.Value] = {}  # (id(scaled), flatten, transpose) -> fp8 value
@@ -270,11 +285,17 @@ class _Lowerer:
         a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
         b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, rows=n, props=props)
         alpha = node.attributes.get_float("alpha", 1.0)
-        dtype = gemm_dtype(a.fmt, b.fmt, out.dtype)  # type: ignore[arg-type]
-        gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
-                       attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
-                                   ir.AttrInt64("dtype", dtype.value)],
-                       metadata_props=dict(node.metadata_props))
+        if self.library and out.dtype == ir.DataType.BFLOAT16:  # rule 6
+            dtype = out.dtype
+            gemm = ir.Node(DOMAIN, "GemmFp8", [a2, b2, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFp8",
+                           attributes=[ir.AttrFloat32("alpha", alpha)], metadata_props=dict(node.metadata_props))
+            self.library_count += 1
+        else:
+            dtype = gemm_dtype(a.fmt, b.fmt, out.dtype)  # type: ignore[arg-type]
+            gemm = ir.Node(MS_DOMAIN, "GemmFloat8", [a2, b2, None, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFloat8",
+                           attributes=[ir.AttrInt64("transA", 0), ir.AttrInt64("transB", 1), ir.AttrFloat32("alpha", alpha),
+                                       ir.AttrInt64("dtype", dtype.value)],
+                           metadata_props=dict(node.metadata_props))
         self.graph.insert_before(node, gemm)
         y = gemm.outputs[0]
         y.dtype = dtype
@@ -360,23 +381,28 @@ def _leading(value: ir.Value) -> int | ir.SymbolicDim | None:
     return math.prod(shape[:-1])  # type: ignore[arg-type]
 
 
-def lower_fp8_gemms(model: ir.Model) -> int:
-    """Rewrite ``model``'s fp8 products onto ``GemmFloat8``, in place; how many were made.
+def lower_fp8_gemms(model: ir.Model, library: bool = False) -> int:
+    """Rewrite ``model``'s fp8 products onto ``GemmFloat8`` (with ``library``: bf16 products on
+    the kernel library's ``GemmFp8``, rule 6), in place; how many were made.
 
     Only products carrying ``mpgraph.fp8`` (``QuantizeFp8Pass``) are looked at; what is left
-    emulated is logged per reason.
+    emulated is logged per reason. ``MPGRAPH_FP8_GEMM=ort`` in the environment keeps every
+    product on ``GemmFloat8`` even with ``library`` (to measure one against the other).
     """
     graph = model.graph
     products = [n for n in graph if md.NODE_FP8 in n.metadata_props and n.op_type in ("MatMul", "Gemm")
                 and n.domain in ("", "ai.onnx")]
     if not products:
         return 0
-    lowerer = _Lowerer(graph)
+    lowerer = _Lowerer(graph, library and os.environ.get("MPGRAPH_FP8_GEMM", "") != "ort")
     for node in products:
         lowerer.lower(node)
     lowerer.sweep()
-    if lowerer.count:
+    if lowerer.count > lowerer.library_count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-    logger.info("fp8_gemm: %d of %d fp8 products on GemmFloat8; left emulated: %s", lowerer.count, len(products),
+    if lowerer.library_count:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    logger.info("fp8_gemm: %d of %d fp8 products native (%d on the library's GemmFp8, the others on GemmFloat8); "
+                "left emulated: %s", lowerer.count, len(products), lowerer.library_count,
                 dict(sorted(lowerer.skipped.items())) or "none")
     return lowerer.count

@@ -116,8 +116,9 @@ BIT, SAME = Exactness.BIT_IDENTICAL, Exactness.SAME_MATH
 #: The rules in the order they apply (later matchers see earlier rewrites: ``multi_adamw``
 #: batches the nodes ``adamw`` made; ``permute`` moves the transposes ``nchwc`` wrote).
 RULES: tuple[LoweringRule, ...] = (
-    LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m),
-                 "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8 (fp8_gemm.py)"),
+    LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m, library=t.gemm_bias),
+                 "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8, or GemmFp8 where the "
+                 "library has cuBLASLt (fp8_gemm.py)"),
     LoweringRule("pad_concat", "native", CUDA, BIT, lambda m, t: pads_as_concat(m),
                  "a constant Pad of a type ORT CUDA has no Pad kernel for (the int64 labels of a causal "
                  "LM's loss) as Concat with constant blocks, so no node is left on CPU (pad_concat.py)"),

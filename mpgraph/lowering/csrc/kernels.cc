@@ -26,6 +26,7 @@
 #include "pointwise.h"
 #include "sdpa.h"
 #include "gemm_bias.h"
+#include "gemm_fp8.h"
 
 namespace {
 
@@ -1646,6 +1647,85 @@ OrtStatus* gemm_bias_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   return st;
 }
 
+// -- GemmFp8 (gemm_fp8.h; CUDA in gemm_fp8.cu through cuBLASLt) -----------------------------
+//
+// GemmFp8(A, B, scaleA, scaleB) -> Y: Y [M, N] = alpha * scaleA * scaleB * A B^T, A [M, K] and
+// B [N, K] float8e4m3fn or float8e5m2 (not both e5m2), the scales float32 scalars, Y bfloat16
+// (fp8_gemm.py writes it for ORT's GemmFloat8 where the library has cuBLASLt). Attribute alpha
+// (absent: 1). CPU: a reference loop (the fp8 values decoded exactly, float32 sums, one
+// rounding); CUDA: one cuBLASLt fp8 matmul, only in a build with cuBLASLt (MPG_WITH_CUBLASLT).
+
+#if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
+#define MPG_GEMM_FP8_CUDA(...) __VA_ARGS__
+#define MPG_GEMM_FP8_ERROR() std::string(mpg_gemm_fp8_last_error())
+#else
+#define MPG_GEMM_FP8_CUDA(...) ((void)stream, 0)
+#define MPG_GEMM_FP8_ERROR() std::string()
+#endif
+
+enum { MPG_FLOAT8E4M3FN = 17, MPG_FLOAT8E5M2 = 19 };
+
+// One fp8 byte as float32 (exact): e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias
+// 15, the top byte of a float16).
+float fp8_to_float(uint8_t v, int type) {
+  const bool e5 = type == MPG_FLOAT8E5M2;
+  const int mbits = e5 ? 2 : 3, bias = e5 ? 15 : 7;
+  const int exp = (v & 0x7f) >> mbits, man = v & ((1 << mbits) - 1);
+  const float sign = (v & 0x80) ? -1.0f : 1.0f;
+  if (e5 && exp == 31) return man ? NAN : sign * INFINITY;
+  if (!e5 && exp == 15 && man == 7) return NAN;
+  if (exp == 0) return sign * std::ldexp(static_cast<float>(man), 1 - bias - mbits);
+  return sign * std::ldexp(static_cast<float>(man + (1 << mbits)), exp - bias - mbits);
+}
+
+OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor t[4], y;
+  for (size_t i = 0; i < 4; ++i)
+    if (OrtStatus* st = input(ctx, i, &t[i])) return st;
+  for (size_t i = 0; i < 2; ++i)
+    if (t[i].type != MPG_FLOAT8E4M3FN && t[i].type != MPG_FLOAT8E5M2) return status("GemmFp8: A and B must be float8e4m3fn or float8e5m2");
+  if (t[0].type == MPG_FLOAT8E5M2 && t[1].type == MPG_FLOAT8E5M2) return status("GemmFp8: A and B cannot both be float8e5m2");
+  if (t[0].dims.size() != 2 || t[1].dims.size() != 2 || t[0].dims[1] != t[1].dims[1])
+    return status("GemmFp8: A must be [M, K] and B [N, K]");
+  if (t[2].type != MPG_FLOAT || t[3].type != MPG_FLOAT || t[2].count != 1 || t[3].count != 1)
+    return status("GemmFp8: scaleA and scaleB must be one float32 each");
+  GemmFp8Shape s{t[0].dims[0], t[1].dims[0], t[0].dims[1], kernel.gemm_alpha, t[0].type, t[1].type};
+  if (OrtStatus* st = output(ctx, 0, {s.m, s.n}, &y)) return st;
+  if (y.count == 0) return nullptr;
+  if (!kernel.cuda) {
+    const uint8_t* a = reinterpret_cast<const uint8_t*>(t[0].data);
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(t[1].data);
+    const float scale = s.alpha * t[2].data[0] * t[3].data[0];
+    std::vector<float> bf(static_cast<size_t>(s.n * s.k));
+    for (size_t i = 0; i < bf.size(); ++i) bf[i] = fp8_to_float(b[i], s.type_b);
+    const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kCpuChunk) / std::max<int64_t>(s.n * std::max<int64_t>(s.k, 1), 1));
+    return parallel_for(ctx, static_cast<size_t>((s.m + per - 1) / per), [&](size_t task) {
+      std::vector<float> row(static_cast<size_t>(s.k));
+      uint16_t* out = static_cast<uint16_t*>(static_cast<void*>(y.data));
+      for (int64_t i = static_cast<int64_t>(task) * per; i < std::min(s.m, static_cast<int64_t>(task + 1) * per); ++i) {
+        for (int64_t kk = 0; kk < s.k; ++kk) row[kk] = fp8_to_float(a[i * s.k + kk], s.type_a);
+        for (int64_t j = 0; j < s.n; ++j) {
+          float acc = 0.0f;
+          for (int64_t kk = 0; kk < s.k; ++kk) acc += row[kk] * bf[j * s.k + kk];
+          out[i * s.n + j] = float_to_bfloat16(acc * scale);
+        }
+      }
+    });
+  }
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, "GemmFp8", [&](void* stream) {
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, y.data, stream));
+    if (rc) why = MPG_GEMM_FP8_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status("GemmFp8: " + why);
+  }
+  return st;
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -1717,9 +1797,12 @@ const OpSpec kSpecs[] = {
     {"Pointwise", 0, 0, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, true, 1, 0, 1, pointwise_compute},
     {"GemmBias", MPG_FLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    // A, B any fp8 type; scaleA, scaleB float32; Y bfloat16 (input_type).
+    {"GemmFp8", MPG_BFLOAT16, kCpuOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    {"GemmFp8", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
 #endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -1746,6 +1829,7 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
+  if (spec_of(op).compute == gemm_fp8_compute) return index < 2 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // A, B fp8; scales
   if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
     return index == 0 ? spec_of(op).elem : index == 1 ? MPG_INT64 : MPG_FLOAT;  // logits, labels, stats/count/dloss
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
@@ -1817,6 +1901,8 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "transB", 0, &made->gemm_trans_b);
     attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
   }
+  if (made->spec->compute == gemm_fp8_compute)
+    attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
   if (made->spec->compute == pointwise_compute) made->pw = pointwise_parse(string_attribute(api, info, "program"),
                                                                           string_attribute(api, info, "outputs"));
   *kernel = made;

@@ -1,0 +1,171 @@
+// GemmFp8 on CUDA: one cuBLASLt fp8 matmul per call (gemm_fp8.h), with the cuBLASLt handle, a
+// 32 MiB workspace per (device, stream) and each shape's descriptors and algorithm kept across
+// calls, so nothing allocates or synchronises once a shape has run (a CUDA graph can capture it).
+// Built only with cuBLASLt (MPG_WITH_CUBLASLT); otherwise this file is empty.
+//
+// Row-major Y [M, N] = A [M, K] B [N, K]^T is column-major Y^T [N, M] = B A^T: cuBLASLt's "A" is
+// our B, stored K x N column-major (ld K) and transposed (CUBLAS_OP_T), its "B" our A, stored
+// K x M (ld K) as it is; D is N x M with leading dimension N. That is the TN layout fp8 needs.
+// Compute type float32 with fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1, what ORT's
+// GemmFloat8 sets); the scales are device pointers (A_SCALE/B_SCALE_POINTER). Where cuBLASLt
+// has no algorithm writing bfloat16 for a pair of formats, the product goes to a float32 scratch
+// buffer (allocated the first time that shape runs) and is rounded to bfloat16 after.
+#ifdef MPG_WITH_CUBLASLT
+#include <cublasLt.h>
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <utility>
+
+#include "gemm_fp8.h"
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+
+struct Plan {
+  cublasLtMatmulDesc_t desc = nullptr;
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+  cublasLtMatmulAlgo_t algo;
+  bool via_float = false;  // D is float32 scratch, rounded to bfloat16 after
+};
+
+// (device, type_a, type_b, m, n, k)
+using PlanKey = std::tuple<int, int, int, int64_t, int64_t, int64_t>;
+
+std::mutex g_mutex;  // guards everything below; a launch is queued with it held
+std::map<int, cublasLtHandle_t> g_handles;
+std::map<std::pair<int, void*>, void*> g_workspaces;
+std::map<std::pair<int, void*>, std::pair<void*, size_t>> g_scratch;  // float32 D buffers
+std::map<PlanKey, Plan> g_plans;
+std::string g_error;
+
+int fail(const std::string& what, int code) {
+  g_error = what + " (status " + std::to_string(code) + ")";
+  return code ? code : -1;
+}
+
+#define MPG_LT(call)                                                             \
+  do {                                                                           \
+    const cublasStatus_t st_ = (call);                                           \
+    if (st_ != CUBLAS_STATUS_SUCCESS) return fail(#call, static_cast<int>(st_)); \
+  } while (0)
+
+cudaDataType_t fp8_type(int onnx) { return onnx == 19 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3; }
+
+void destroy(Plan* plan) {
+  if (plan->a) cublasLtMatrixLayoutDestroy(plan->a);
+  if (plan->b) cublasLtMatrixLayoutDestroy(plan->b);
+  if (plan->d) cublasLtMatrixLayoutDestroy(plan->d);
+  if (plan->desc) cublasLtMatmulDescDestroy(plan->desc);
+  *plan = Plan();
+}
+
+// The descriptors of ``s`` writing D as ``d_type`` and the heuristic's first algorithm
+// (``*found``: whether there is one).
+int describe(cublasLtHandle_t handle, const GemmFp8Shape& s, cudaDataType_t d_type, Plan* plan, bool* found) {
+  const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
+  const int8_t fast = 1;
+  MPG_LT(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  const uint64_t n = static_cast<uint64_t>(s.n), m = static_cast<uint64_t>(s.m), k = static_cast<uint64_t>(s.k);
+  MPG_LT(cublasLtMatrixLayoutCreate(&plan->a, fp8_type(s.type_b), k, n, static_cast<int64_t>(k)));
+  MPG_LT(cublasLtMatrixLayoutCreate(&plan->b, fp8_type(s.type_a), k, m, static_cast<int64_t>(k)));
+  MPG_LT(cublasLtMatrixLayoutCreate(&plan->d, d_type, n, m, static_cast<int64_t>(n)));
+  cublasLtMatmulPreference_t pref = nullptr;
+  MPG_LT(cublasLtMatmulPreferenceCreate(&pref));
+  size_t workspace = kWorkspaceBytes;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                           sizeof(workspace));
+  cublasLtMatmulHeuristicResult_t result;
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS)
+    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &returned);
+  cublasLtMatmulPreferenceDestroy(pref);
+  *found = st == CUBLAS_STATUS_SUCCESS && returned > 0;
+  if (*found) plan->algo = result.algo;
+  return 0;
+}
+
+// bfloat16 D where cuBLASLt has an algorithm for it, else float32 D and a rounding pass.
+int make_plan(cublasLtHandle_t handle, const GemmFp8Shape& s, Plan* plan) {
+  bool found = false;
+  if (int rc = describe(handle, s, CUDA_R_16BF, plan, &found)) return rc;
+  if (found) return 0;
+  destroy(plan);
+  if (int rc = describe(handle, s, CUDA_R_32F, plan, &found)) return rc;
+  plan->via_float = true;
+  return found ? 0 : fail("cuBLASLt has no fp8 algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
+}
+
+__global__ void round_to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    y[i] = __float2bfloat16_rn(x[i]);
+}
+
+}  // namespace
+
+extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
+
+extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
+                                 const float* scale_b, void* y, void* stream_ptr) {
+  const GemmFp8Shape& s = *shape;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device)) return fail("cudaGetDevice", static_cast<int>(err));
+  cublasLtHandle_t& handle = g_handles[device];
+  if (!handle) MPG_LT(cublasLtCreate(&handle));
+  void*& workspace = g_workspaces[{device, stream_ptr}];
+  if (!workspace) {
+    if (cudaError_t err = cudaMalloc(&workspace, kWorkspaceBytes)) {
+      workspace = nullptr;
+      return fail("cudaMalloc of the cuBLASLt workspace", static_cast<int>(err));
+    }
+  }
+  const PlanKey key{device, s.type_a, s.type_b, s.m, s.n, s.k};
+  auto it = g_plans.find(key);
+  if (it == g_plans.end()) {
+    Plan plan;
+    if (int rc = make_plan(handle, s, &plan)) {
+      destroy(&plan);
+      return rc;
+    }
+    it = g_plans.emplace(key, plan).first;
+  }
+  Plan& plan = it->second;
+  void* d = y;
+  const int64_t total = s.m * s.n;
+  if (plan.via_float) {
+    std::pair<void*, size_t>& scratch = g_scratch[{device, stream_ptr}];
+    const size_t bytes = static_cast<size_t>(total) * sizeof(float);
+    if (scratch.second < bytes) {  // the first call of a larger shape: before any capture
+      if (scratch.first) cudaFree(scratch.first);
+      scratch = {nullptr, 0};
+      if (cudaError_t err = cudaMalloc(&scratch.first, bytes)) return fail("cudaMalloc of the float32 scratch", static_cast<int>(err));
+      scratch.second = bytes;
+    }
+    d = scratch.first;
+  }
+  // cuBLASLt's A is our B (its scale scale_b), its B our A.
+  MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof(scale_b)));
+  MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+  const float alpha = s.alpha, beta = 0.0f;
+  MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
+                        workspace, kWorkspaceBytes, stream));
+  if (plan.via_float) {
+    const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
+    round_to_bf16<<<blocks, 256, 0, stream>>>(static_cast<const float*>(d), static_cast<__nv_bfloat16*>(y), total);
+    if (cudaError_t err = cudaGetLastError()) return fail("round_to_bf16 launch", static_cast<int>(err));
+  }
+  return 0;
+}
+#endif  // MPG_WITH_CUBLASLT

@@ -1,0 +1,24 @@
+// An fp8 GEMM with per-tensor scales: the interface between kernels.cc (the GemmFp8 custom op,
+// its CPU reference loop, argument checks) and gemm_fp8.cu (CUDA, one cuBLASLt fp8 matmul;
+// built only where cublasLt.h and libcublasLt are found, MPG_WITH_CUBLASLT).
+//
+// Y [M, N] = alpha * scale_a * scale_b * A B^T: A [M, K] and B [N, K] row-major fp8 (ONNX types
+// 17 float8e4m3fn or 19 float8e5m2, not both 19), scale_a and scale_b one float32 each in device
+// memory (the dequantisation multipliers, 1 / s), Y bfloat16. This is the "TN" layout cuBLASLt's
+// fp8 GEMMs take on Hopper, the one com.microsoft.GemmFloat8 takes (transA=0, transB=1); unlike
+// ORT's GemmFloat8 (1.31), which cudaMallocs and cudaFrees its workspace on every call, the
+// handle, workspace and plans are kept, so a step of these can be captured in a CUDA graph.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+struct GemmFp8Shape {
+  int64_t m, n, k;
+  float alpha;
+  int type_a, type_b;  // ONNX element types: 17 float8e4m3fn, 19 float8e5m2
+};
+
+// 0 on success; otherwise nonzero, with a message from mpg_gemm_fp8_last_error().
+extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
+                                 const float* scale_b, void* y, void* stream);
+extern "C" const char* mpg_gemm_fp8_last_error();

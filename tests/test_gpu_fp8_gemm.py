@@ -1,0 +1,127 @@
+"""``GemmFp8`` on CUDA (``csrc/gemm_fp8.cu``: one cuBLASLt fp8 matmul, handle, workspace and
+plans kept): against numpy, against ORT's own ``GemmFloat8``, inside a captured CUDA graph, and
+an fp8 training step captured whole (what ``GemmFloat8``, which allocates per call, prevents).
+
+The three format pairs the lowering writes, into bf16, on GPT-2 small's linear shapes at 1024
+rows and the bench GPT's at 8192. cuBLASLt's fp8 kernels run with fast accumulation (as ORT's
+GemmFloat8 does), so the sums are not float32's: the bound is 1% of max |Y| against float64
+numpy on the same fp8 values (``benchmarks/fp8_step.py``'s probe of GemmFloat8 measured at most
+0.19%), and at most one bf16 rounding step apart from GemmFloat8's float32 result.
+Marked ``gpu``: skipped without CUDA or onnxruntime-gpu, or with a library built without
+cuBLASLt (``build.cublaslt_flags`` says why).
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto as T
+
+from tests.test_lowering_fp8 import _gemm_fp8_graph, _gpt_step, gemm_fp8_reference
+
+ort = pytest.importorskip("onnxruntime")
+
+pytestmark = pytest.mark.gpu
+
+HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
+E4M3, E5M2 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2
+PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
+
+
+@pytest.fixture(scope="module")
+def library() -> str:
+    if not HAS_CUDA:
+        pytest.skip("needs onnxruntime-gpu's CUDAExecutionProvider")
+    from mpgraph.lowering.build import cublaslt_flags
+    from mpgraph.lowering.plan import has_gemm_bias
+    from mpgraph.lowering.plan import library as build
+
+    path = str(build("cuda"))
+    if not has_gemm_bias(path):
+        pytest.skip(f"the library has no cuBLASLt (GemmBias, GemmFp8): {cublaslt_flags()[1]}")
+    return path
+
+
+def _session(model: bytes, custom_ops: str | None, graph: bool = False) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if custom_ops:
+        options.register_custom_ops_library(custom_ops)
+    provider = ("CUDAExecutionProvider", {"enable_cuda_graph": "1"} if graph else {})
+    return ort.InferenceSession(model, options, providers=[provider])
+
+
+def _feeds(m: int, n: int, k: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(m + n + k)
+    return {"A": rng.standard_normal((m, k)).astype(np.float32) * 4, "B": rng.standard_normal((n, k)).astype(np.float32),
+            "sa": np.array(0.25, np.float32), "sb": np.array(2.0, np.float32)}
+
+
+def _gemm_float8_graph(fa: ir.DataType, fb: ir.DataType, m: int, n: int, k: int) -> bytes:
+    """ORT's GemmFloat8 on the same operands, into what the lowering writes it with
+    (``gemm_dtype``: bf16 for E4M3 x E4M3, float32 for a mixed pair), then float32."""
+    from onnx import helper as h
+
+    from mpgraph.lowering.fp8_gemm import gemm_dtype
+
+    dtype = gemm_dtype(fa, fb, ir.DataType.BFLOAT16).value
+
+    nodes = [h.make_node("Cast", ["A"], ["qa"], to=fa.value, saturate=1), h.make_node("Cast", ["B"], ["qb"], to=fb.value, saturate=1),
+             h.make_node("GemmFloat8", ["qa", "qb", "", "sa", "sb"], ["Yg"], domain="com.microsoft", transA=0, transB=1,
+                         alpha=0.5, dtype=dtype), h.make_node("Cast", ["Yg"], ["Y"], to=T.FLOAT)]
+    inputs = [h.make_tensor_value_info("A", T.FLOAT, [m, k]), h.make_tensor_value_info("B", T.FLOAT, [n, k]),
+              h.make_tensor_value_info("sa", T.FLOAT, []), h.make_tensor_value_info("sb", T.FLOAT, [])]
+    graph = h.make_graph(nodes, "gemm_float8", inputs, [h.make_tensor_value_info("Y", T.FLOAT, [m, n])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize(("fa", "fb"), PAIRS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1024, 2304, 768), (1024, 768, 3072), (8192, 2048, 2048), (48, 32, 16)])
+def test_cuda_gemm_fp8_matches_numpy_and_gemm_float8(library, fa, fb, m, n, k) -> None:
+    feeds = _feeds(m, n, k)
+    got = _session(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5), library).run(None, feeds)[0]
+    want = gemm_fp8_reference(feeds["A"], feeds["B"], fa, fb, 0.25, 2.0, 0.5)
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    theirs = _session(_gemm_float8_graph(fa, fb, m, n, k), None).run(None, feeds)[0]
+    theirs_bf16 = theirs.astype(ml_dtypes.bfloat16).astype(np.float32)
+    step = np.abs(theirs_bf16) * 2.0**-7 + 1e-30  # one bf16 rounding step at that magnitude
+    assert (np.abs(got - theirs_bf16) <= step * 1.01).mean() > 0.99
+
+
+def test_gemm_fp8_runs_inside_a_captured_cuda_graph(library) -> None:
+    """ORT captures the session's run and replays it (enable_cuda_graph, inputs and output
+    bound on the device): the replays give the plain session's result, bit for bit."""
+    m, n, k = 1024, 768, 768
+    model = _gemm_fp8_graph(E5M2, E4M3, m, n, k, alpha=1.0)
+    feeds = _feeds(m, n, k)
+    want = _session(model, library).run(None, feeds)[0]
+    session = _session(model, library, graph=True)
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(array, "cuda", 0))
+    out = ort.OrtValue.ortvalue_from_numpy(np.zeros((m, n), np.float32), "cuda", 0)
+    binding.bind_ortvalue_output("Y", out)
+    for _ in range(3):  # warm-up, capture, replay
+        session.run_with_iobinding(binding)
+        np.testing.assert_array_equal(out.numpy(), want)
+
+
+def test_an_fp8_training_step_is_captured_whole(library) -> None:
+    """The zoo GPT's native fp8 step on CUDA with ``cuda_graph=True`` (an error if it cannot be
+    captured): its fp8 products are GemmFp8, and four steps match the same step run without
+    CUDA graphs."""
+    from mpgraph.runtime.trainer import Trainer
+
+    step = _gpt_step(emulate=False)
+    rng = np.random.default_rng(0)
+    batches = [{"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))} for _ in range(4)]
+    graphed, plain = Trainer(step, "cuda", cuda_graph=True), Trainer(step.clone(), "cuda", cuda_graph=False)
+    losses = [[t.step(b).loss for b in batches] for t in (graphed, plain)]
+    assert graphed.cuda_graph and dict(graphed.executor.plan.applied)["fp8_gemm"] == 27
+    assert b"GemmFp8" in graphed.executor.plan.graph and b"GemmFloat8" not in graphed.executor.plan.graph
+    assert np.isfinite(losses).all()
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
