@@ -23,9 +23,12 @@ Models (``--models``):
 - ``gpt2s``: GPT-2-small-sized: d 768, 12 layers, 12 heads, T 1024, vocab 50257, batch 8;
   its bf16 and fp8 trainers run one after the other (memory), so its speedup is indicative.
 
-The fp8 trainer runs without CUDA graphs: ONNX Runtime 1.31.1's GemmFloat8 ``cudaMalloc``s and
-``cudaFree``s a 32 MiB workspace on every call (``gemm_float8.cu``; ``cudaFree`` waits for the
-device), which capture refuses. bf16 runs as ``Trainer`` gives it (CUDA graphs on);
+Where the kernel library has cuBLASLt (``plan.has_gemm_bias``), the fp8 products run on its
+``GemmFp8`` (``fp8_gemm`` rule 6) and the fp8 trainer captures CUDA graphs like bf16's. Otherwise,
+or with ``MPGRAPH_FP8_GEMM=ort``, they run on ONNX Runtime's ``GemmFloat8``, and the fp8 trainer
+runs without CUDA graphs: 1.31.1's GemmFloat8 ``cudaMalloc``s and ``cudaFree``s a 32 MiB
+workspace on every call (``gemm_float8.cu``; ``cudaFree`` waits for the device), which capture
+refuses. bf16 runs as ``Trainer`` gives it (CUDA graphs on);
 ``--bf16-plain`` adds a third side, bf16 without CUDA graphs, which separates what the graphs
 are worth from what fp8 costs. Each side's line says whether it ran as a CUDA graph and why
 not. A trainer without CUDA graphs plans the step graph as it is given (only the capturing
@@ -197,8 +200,31 @@ class Side:
     graph: str = ""  # how it ran: "CUDA graph" or "no CUDA graph (<reason>)"
 
 
-#: Each side's step graph and ``Trainer(cuda_graph=...)``: fp8's GemmFloat8 cannot be captured.
-SIDES = {"bf16": ("bf16", None), "fp8": ("fp8", False), "bf16 plain": ("bf16", False)}
+#: Each side's step graph and ``Trainer(cuda_graph=...)`` (fp8's: ``fp8_capturable``).
+SIDES = {"bf16": ("bf16", None), "fp8": ("fp8", None), "bf16 plain": ("bf16", False)}
+
+
+def fp8_capturable() -> tuple[bool, str]:
+    """Whether the fp8 products will run on the library's capturable GemmFp8, and which op."""
+    if os.environ.get("MPGRAPH_FP8_GEMM") == "ort":
+        return False, "GemmFloat8 (MPGRAPH_FP8_GEMM=ort)"
+    from mpgraph.lowering.build import KernelBuildError, cublaslt_flags
+    from mpgraph.lowering.plan import has_gemm_bias, library
+
+    try:
+        if has_gemm_bias(str(library("cuda"))):
+            return True, "the library's GemmFp8"
+    except KernelBuildError as e:
+        return False, f"GemmFloat8 (no kernel library: {e})"
+    return False, f"GemmFloat8 (the library has no cuBLASLt: {cublaslt_flags()[1]})"
+
+
+def plan_ops(trainer: object, *ops: str) -> dict[str, int]:
+    """How many nodes of each of ``ops`` the trainer's current session plan has."""
+    import onnx
+
+    graph = onnx.load_from_string(trainer.executor.plan.graph).graph  # type: ignore[attr-defined]
+    return {op: sum(n.op_type == op for n in graph.node) for op in ops}
 
 
 def graph_note(trainer: object) -> str:
@@ -213,13 +239,17 @@ def run_model(name: str, steps: int, rounds: int, products: str = "linear", plai
 
     t0 = time.perf_counter()
     graphs = step_graphs(name, products)
-    build_s = time.perf_counter() - t0
+    result: dict[str, object] = {"model": name, "build_s": time.perf_counter() - t0, "interleaved": name not in SEQUENTIAL}
     vocab, seq, _, _, _, batch = SIZES[name]
     data = markov_batches(vocab, seq, batch, count=16)
     labels = ["bf16", "fp8", *(["bf16 plain"] if plain else [])]
 
+    capturable, result["fp8_gemm_op"] = fp8_capturable()
+
     def make(label: str) -> Side:  # each trainer keeps its own copy of the graph
         policy, cuda_graph = SIDES[label]
+        if label == "fp8" and not capturable:
+            cuda_graph = False
         return Side(label, Trainer(graphs[policy], "cuda", cuda_graph=cuda_graph))
 
     def train(group: list[Side]) -> None:
@@ -235,10 +265,8 @@ def run_model(name: str, steps: int, rounds: int, products: str = "linear", plai
     def done(side: Side) -> None:
         side.graph = graph_note(side.trainer)
         if side.label == "fp8":
-            result["fp8_gemms"] = dict(side.trainer.executor.plan.applied).get("fp8_gemm", 0)  # type: ignore[attr-defined]
+            result["fp8_gemms"] = plan_ops(side.trainer, "GemmFp8", "GemmFloat8")
         side.trainer = None
-
-    result: dict[str, object] = {"model": name, "build_s": build_s, "interleaved": name not in SEQUENTIAL}
     if name in SEQUENTIAL:  # two trainers at once would not fit: one after the other
         sides = []
         for label in labels:
@@ -287,8 +315,8 @@ def main() -> None:
     for name in models:
         r = run_model(name, args.steps, args.rounds, args.products, args.bf16_plain)
         rows.append(r)
-        print(f"{name}: built in {r['build_s']:.0f} s, {r['fp8_gemms']} GemmFloat8 in the fp8 plan (products: "
-              f"{args.products})", flush=True)
+        print(f"{name}: built in {r['build_s']:.0f} s; fp8 products ({args.products}) on {r['fp8_gemm_op']}; "
+              f"fp8 plan: {r['fp8_gemms']}", flush=True)
         for label in SIDES:
             if label in r:
                 print(f"  {label:10s} {r[label]['graph']}", flush=True)

@@ -19,6 +19,13 @@ bench = load_benchmark("fp8_step")
 TINY = (64, 16, 32, 2, 1, 2)  # vocab, seq, d, heads, layers, batch
 
 
+def _two_gemms() -> bytes:
+    from onnx import helper as h
+
+    nodes = [h.make_node("GemmFp8", ["a", "b", "s", "s"], [y], domain="ai.mpgraph") for y in "yz"]
+    return h.make_model(h.make_graph(nodes, "plan", [], [])).SerializeToString()
+
+
 class _StandIn:
     """A trainer that records how it was made; its loss falls by 1% a step."""
 
@@ -32,14 +39,21 @@ class _StandIn:
         self.pipeline, self.pipeline_reason = self.cuda_graph, ""
         self.loss = 2.0 if graph == "bf16 graph" else 2.2
 
-        class _Plan:
-            applied = (("fp8_gemm", 5),)
+        class _Plan:  # a plan graph of two GemmFp8 nodes
+            graph = _two_gemms()
 
         self.executor = type("E", (), {"plan": _Plan()})()
 
     def step(self, batch: dict[str, np.ndarray]) -> object:
         self.loss *= 0.99
         return type("R", (), {"loss": self.loss})()
+
+
+@pytest.fixture(params=[True, False], ids=["GemmFp8", "GemmFloat8"])
+def capturable(request, monkeypatch) -> bool:
+    """Whether the fp8 products run on the library's capturable GemmFp8 (else ORT's GemmFloat8)."""
+    monkeypatch.setattr(bench, "fp8_capturable", lambda: (request.param, "the op"))
+    return request.param
 
 
 @pytest.fixture
@@ -54,15 +68,18 @@ def stand_ins(monkeypatch):
 
 
 @pytest.mark.parametrize("sequential", [False, True])
-def test_each_side_says_whether_it_ran_as_a_cuda_graph(stand_ins, monkeypatch, sequential: bool) -> None:
+def test_each_side_says_whether_it_ran_as_a_cuda_graph(stand_ins, capturable, monkeypatch, sequential: bool) -> None:
     if sequential:
         monkeypatch.setattr(bench, "SEQUENTIAL", {"tiny"})
     r = bench.run_model("tiny", steps=6, rounds=3, plain=True)
-    # bf16 as Trainer gives it, fp8 and the plain bf16 side with capture off.
-    assert stand_ins == [("bf16 graph", None), ("fp8 graph", False), ("bf16 graph", False)]
+    # bf16 as Trainer gives it, the plain bf16 side with capture off, fp8 as its GEMMs allow.
+    fp8_graph = None if capturable else False
+    assert stand_ins == [("bf16 graph", None), ("fp8 graph", fp8_graph), ("bf16 graph", False)]
     assert r["bf16"]["graph"] == "CUDA graph"
-    assert r["fp8"]["graph"] == r["bf16 plain"]["graph"] == "no CUDA graph (cuda_graph=False)"
-    assert r["fp8_gemms"] == 5 and r["interleaved"] is not sequential
+    assert r["bf16 plain"]["graph"] == "no CUDA graph (cuda_graph=False)"
+    assert r["fp8"]["graph"] == ("CUDA graph" if capturable else "no CUDA graph (cuda_graph=False)")
+    assert r["fp8_gemms"] == {"GemmFp8": 2, "GemmFloat8": 0} and r["fp8_gemm_op"] == "the op"
+    assert r["interleaved"] is not sequential
     assert r["fp8"]["loss_last10"] == pytest.approx(2.2 * np.mean(0.99 ** np.arange(1, 7)))
     table = bench.report([r], steps=6, rounds=3)
     assert "bf16 plain ms" in table and "fp8/plain" in table and "NON-FINITE" not in table
