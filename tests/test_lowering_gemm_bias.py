@@ -229,3 +229,13 @@ def test_matmul_bias_leaves_other_adds(case, model):
 
     graph = model()
     assert fuse_matmul_bias(graph) == 0 and _ops(graph)["Add"] == 1, case
+
+
+def test_environment_switch_keeps_orts_ops(monkeypatch):
+    """``MPGRAPH_GEMM_BIAS=ort``: both rules off (an A/B of a whole step)."""
+    from mpgraph.lowering.gemm_bias import fuse_matmul_bias
+
+    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "ort")
+    gemm, matmul = _gemm(T.BFLOAT16), _matmul_add(T.BFLOAT16)
+    assert fuse_gemm_bias(gemm) == 0 and fuse_matmul_bias(matmul) == 0
+    assert _ops(gemm)["Gemm"] == 1 and _ops(matmul)["MatMul"] == 1

@@ -30,6 +30,10 @@ so it differs from the graph by at most about one ulp of the output).
 The CUDA op exists only in a library built with cuBLASLt (``build.cublaslt_flags``;
 ``Target.gemm_bias``); the CPU one is a reference for the tests.
 
+``MPGRAPH_GEMM_BIAS=ort`` in the environment turns both rules off (every Gemm, MatMul and Add
+stays ORT's): the switch for an A/B of a whole training step, as ``MPGRAPH_FP8_GEMM=ort`` is
+for ``fp8_gemm``.
+
 Left alone: float32 Gemms (their TF32 or strict choice is ORT's), beta other than 1, a C that
 is a full [M, N] matrix or a column. The tanh GELU after GPT-2's fc GEMM (ORT's
 ``FastGeluKernel``, 1.10 ms of the same step) is not folded into
@@ -41,6 +45,9 @@ tolerance and A/B), not this one.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import onnx_ir as ir
 
 from mpgraph.lowering.match import DOMAIN, is_op, replace, single_reader
@@ -48,6 +55,15 @@ from mpgraph.lowering.match import DOMAIN, is_op, replace, single_reader
 __all__ = ["fuse_gemm_bias", "fuse_matmul_bias"]
 
 _LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
+
+logger = logging.getLogger(__name__)
+
+
+def _switched_off() -> bool:
+    if os.environ.get("MPGRAPH_GEMM_BIAS", "") != "ort":
+        return False
+    logger.info("gemm_bias/matmul_bias off: MPGRAPH_GEMM_BIAS=ort")
+    return True
 
 
 def _attr(node: ir.Node, name: str, default: float) -> float:
@@ -87,6 +103,8 @@ def _matches(gemm: ir.Node) -> bool:
 def fuse_gemm_bias(model: ir.Model) -> int:
     """Rewrite every matching ``Gemm`` of ``model``'s main graph as ``GemmBias``, in place; how
     many were rewritten."""
+    if _switched_off():
+        return 0
     graph = model.graph
     fused = 0
     for gemm in [n for n in graph if _matches(n)]:
@@ -125,6 +143,8 @@ def _product(add: ir.Node, outputs: set[ir.Value]) -> tuple[ir.Node, ir.Value] |
 def fuse_matmul_bias(model: ir.Model) -> int:
     """Rewrite every float16/bfloat16 ``Add`` of a bias row to a matmul's product, in
     ``model``'s main graph, as one ``GemmBias``, in place; how many were rewritten."""
+    if _switched_off():
+        return 0
     graph = model.graph
     outputs = set(graph.outputs)
     fused = 0
