@@ -306,10 +306,11 @@ def test_every_lowering_is_a_registered_documented_rule():
                "unscale", "multi_cast", "fold_transposes", "softmax_grad", "cross_entropy", "relu_grad"]
     assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "sdpa_layout", "attention_expand",
                                                                 *library[2:], "sce_grad", "fold_scales", "gemm_bias",
-                                                                "matmul_bias", "pointwise"]
+                                                                "matmul_bias", "pointwise", "free_early"]
     assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales", "gemm_bias", "matmul_bias", "pointwise"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
-    # fp8_gemm (ORT's own GemmFloat8), pad_concat (ORT's Concat) and attention_expand (Attention's
-    # function body as standard ops) are the CUDA rules of scope native: no kernel library.
-    native = ["fp8_gemm", "pad_concat", "attention_expand"]
+    # fp8_gemm (ORT's own GemmFloat8), pad_concat (ORT's Concat), attention_expand (Attention's
+    # function body as standard ops) and free_early (a node order) are the CUDA rules of scope
+    # native: no kernel library.
+    native = ["fp8_gemm", "pad_concat", "attention_expand", "free_early"]
     assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == native
