@@ -1,6 +1,7 @@
 """``GemmFp8`` on CUDA (``csrc/gemm_fp8.cu``: one cuBLASLt fp8 matmul, handle, workspace and
 plans kept): against numpy, against ORT's own ``GemmFloat8``, inside a captured CUDA graph, and
-an fp8 training step captured whole (what ``GemmFloat8``, which allocates per call, prevents).
+an fp8 training step captured whole (what ``GemmFloat8``, which allocates per call, prevents);
+and ``Fp8Transpose``, the byte transpose of the transposed operands, against numpy.
 
 The three format pairs the lowering writes, into bf16, on GPT-2 small's linear shapes at 1024
 rows and the bench GPT's at 8192. cuBLASLt's fp8 kernels run with fast accumulation (as ORT's
@@ -125,3 +126,21 @@ def test_an_fp8_training_step_is_captured_whole(library) -> None:
     assert b"GemmFp8" in graphed.executor.plan.graph and b"GemmFloat8" not in graphed.executor.plan.graph
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
+
+
+@pytest.mark.parametrize("shape", [(2048, 768), (4, 1024, 768), (37, 50), (1, 16)])
+def test_cuda_fp8_transpose_moves_the_bits(library, shape) -> None:
+    """Fp8Transpose on CUDA: X's leading dims flattened, transposed, every byte as it was."""
+    from onnx import helper as h
+
+    nodes = [h.make_node("Cast", ["X"], ["q"], to=T.FLOAT8E5M2, saturate=1),
+             h.make_node("Fp8Transpose", ["q"], ["t"], domain="ai.mpgraph"), h.make_node("Cast", ["t"], ["Y"], to=T.FLOAT)]
+    rows = int(np.prod(shape[:-1]))
+    graph = h.make_graph(nodes, "t", [h.make_tensor_value_info("X", T.FLOAT, list(shape))],
+                         [h.make_tensor_value_info("Y", T.FLOAT, [shape[-1], rows])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    got = _session(model.SerializeToString(), library).run(None, {"X": x})[0]
+    want = x.astype(ml_dtypes.float8_e5m2).astype(np.float32).reshape(rows, shape[-1]).T
+    np.testing.assert_array_equal(got, want)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -226,29 +227,40 @@ def _reference_expansion(model: ir.Model) -> int:
     return count
 
 
-def _run_step(model: ir.Model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _run_step(model: ir.Model, feeds: dict[str, np.ndarray], library: bool = False) -> dict[str, np.ndarray]:
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
+    if library:
+        from mpgraph import lowering as kernels
+
+        options.register_custom_ops_library(str(kernels.library("cpu")))
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, feeds)))
 
 
-def test_the_rewritten_step_computes_what_the_emulated_step_computes() -> None:
+@pytest.mark.parametrize("library", [False, True], ids=["float32 cuts", "Fp8Transpose cuts"])
+def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bool) -> None:
     """The emulated fp8 GPT step (float32 products on dequantised operands) against the same
     step rewritten onto GemmFloat8, GemmFloat8 evaluated as its documented math: every output
-    (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding."""
+    (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding. With
+    the library (rule 6; its products are float32, so GemmFloat8 stays), the transposed operands
+    are Fp8Transpose's, run by the library's CPU kernel."""
     step = _gpt_step(emulate=True)
     lowered = ir.from_proto(ir.to_proto(step))
-    assert lower_fp8_gemms(lowered) == 24
+    assert lower_fp8_gemms(lowered, library=library) == 24
+    # Each transposed cut: a float32 Transpose and a Cast, or one Fp8Transpose.
+    ops = Counter(n.op_type for n in lowered.graph)
+    own = sum(n.op_type == "Transpose" for n in step.graph)
+    assert (ops["Fp8Transpose"], ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
     assert _reference_expansion(lowered) == 24
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
     # Scales other than the initial ones, so each product's scaleA/scaleB wiring counts.
     count = step.graph.initializers["fp8/scales"].shape[0]
     feeds["fp8/scales"] = (2.0 ** rng.integers(-3, 4, count)).astype(np.float32)
-    before, after = _run_step(step, feeds), _run_step(lowered, feeds)
+    before, after = _run_step(step, feeds), _run_step(lowered, feeds, library=library)
     assert before.keys() == after.keys()
     for name, want in before.items():
         got = after[name]
@@ -348,7 +360,14 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
 
 def _cut(value: ir.Value) -> tuple[str, ...]:
     """The ops the lowering wrote to make ``value`` (a cut operand) and the pass's value they
-    start from (the lowering numbers its nodes, so names alone differ between lowerings)."""
+    start from (the lowering numbers its nodes, so names alone differ between lowerings); an
+    ``Fp8Transpose`` of the pass's ``Cast(x * s)`` as the ``Cast(Transpose([Reshape](x * s)))``
+    it equals."""
+    cut = value.producer()
+    if cut is not None and cut.op_type == "Fp8Transpose":
+        bits = cut.inputs[0]
+        assert bits.producer().op_type == "Cast" and not bits.name.startswith(cut.name)
+        return ("Cast", "Transpose", *(["Reshape"] if len(bits.shape) > 2 else []), bits.producer().inputs[0].name)
     path: list[str] = []
     while value.producer() is not None and "/fp8_gemm/" in (value.producer().name or ""):
         path.append(value.producer().op_type)
@@ -381,7 +400,8 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
                 (y,) = n.outputs
                 (cast, _), = y.uses() if y.dtype == FLOAT else ((None, None),)
                 y = cast.outputs[0] if cast is not None else y
-                out[n.name.rsplit("/", 1)[0]] = sorted(u.node.name for u in y.uses())
+                out[n.name.rsplit("/", 1)[0]] = sorted(re.sub(r"/fp8_gemm/(\w+)_\d+$", r"/fp8_gemm/\1", u.node.name)
+                                                       for u in y.uses())  # the lowering's own: by kind
         return out
 
     assert fed(with_library, "GemmFp8") == fed(lowered, "GemmFloat8")

@@ -111,9 +111,36 @@ __global__ void round_to_bf16(const float* __restrict__ x, __nv_bfloat16* __rest
     y[i] = __float2bfloat16_rn(x[i]);
 }
 
+// 32 x 32 tiles through shared memory (a padded row against bank conflicts); blocks of 32 x 8
+// threads, each thread four rows of its tile.
+__global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restrict__ y, int64_t rows, int64_t cols) {
+  __shared__ uint8_t tile[32][33];
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32, r0 = static_cast<int64_t>(blockIdx.y) * 32;
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t r = r0 + i, c = c0 + threadIdx.x;
+    if (r < rows && c < cols) tile[i][threadIdx.x] = x[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = threadIdx.y; i < 32; i += 8) {
+    const int64_t c = c0 + i, r = r0 + threadIdx.x;
+    if (c < cols && r < rows) y[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+
 }  // namespace
 
 extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
+
+extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream_ptr) {
+  if (rows <= 0 || cols <= 0) return 0;
+  const int64_t grid_y = (rows + 31) / 32;
+  if (grid_y > 65535) return fail("transpose_bytes: more than 65535 x 32 rows", -1);
+  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(grid_y)), block(32, 8);
+  transpose_bytes<<<grid, block, 0, static_cast<cudaStream_t>(stream_ptr)>>>(static_cast<const uint8_t*>(x),
+                                                                              static_cast<uint8_t*>(y), rows, cols);
+  if (cudaError_t err = cudaGetLastError()) return fail("transpose_bytes launch", static_cast<int>(err));
+  return 0;
+}
 
 extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
                                  const float* scale_b, void* y, void* stream_ptr) {

@@ -22,3 +22,8 @@ struct GemmFp8Shape {
 extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
                                  const float* scale_b, void* y, void* stream);
 extern "C" const char* mpg_gemm_fp8_last_error();
+
+// Y [cols, rows] = X [rows, cols]^T for one-byte elements (fp8 values moved as they are): the
+// transposed operands the TN layout needs, cut from fp8 values the step has already (ORT's CUDA
+// Transpose has no float8 kernel). 0 on success, else nonzero (mpg_gemm_fp8_last_error()).
+extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream);
