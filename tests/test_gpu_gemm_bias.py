@@ -3,7 +3,8 @@ against ORT CUDA's own ``Gemm`` (bias broadcast into Y, then the GEMM with beta 
 
 float16 and bfloat16, every transA/transB, alpha, a [1, N] bias, GPT-2 small's four linear
 shapes at 1024 rows and odd sizes (leading dimensions no multiple of 8: where cuBLASLt has no
-bias-epilogue algorithm the op broadcasts the bias itself first). Both sides accumulate in
+bias-epilogue algorithm the op broadcasts the bias itself first); ``matmul_bias`` on a 3-D
+linear layer; the opt-in ``GemmBiasGelu`` against ORT's Gemm and tanh Gelu. Both sides accumulate in
 float32, add the bias in float32 and round once, in other orders: within one ulp of the element
 type at the result plus float32's summation bound (``tests/test_lowering_gemm_bias.py`` says
 why). Then a lowered bf16 step whose linear layers are GemmBias against the same step unlowered.
@@ -95,21 +96,27 @@ def test_cuda_gemm_bias_matches_ort_cuda_gemm(library, dtype, m, k, n, trans_a, 
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
 
 
-def test_bf16_step_with_gemm_bias_matches_unlowered(library):
-    """A bf16 AdamW step of a GELU MLP in Gemm form: with its two forward Gemms as GemmBias,
-    loss and updated parameters as the unlowered step's, within bfloat16 rounding of the
-    forward (one ulp of each Gemm's output moves the rest)."""
+@pytest.mark.parametrize("gelu", [False, True])
+def test_bf16_step_with_gemm_bias_matches_unlowered(library, monkeypatch, gelu):
+    """A bf16 AdamW step of a GELU MLP in Gemm form: with its two forward Gemms as GemmBias
+    (``gelu``: the first, read by the tanh Gelu, as GemmBiasGelu), loss and updated parameters
+    as the unlowered step's, within bfloat16 rounding of the forward (one ulp of each Gemm's
+    output moves the rest)."""
     from mpgraph.convert import convert
-    from mpgraph.lowering.gemm_bias import fuse_gemm_bias
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_gemm_bias_gelu
     from mpgraph.training import build_training_graph
     from tests.helpers import step_feeds
 
+    if gelu:
+        monkeypatch.setenv("MPGRAPH_GEMM_GELU", "1")
+    else:
+        monkeypatch.delenv("MPGRAPH_GEMM_GELU", raising=False)
     grads = build_training_graph(_linear_block(), optimizer="adamw", params=["w", "b", "v", "u"], target="cuda")
     step = convert(grads, "bf16", validate=False, calibrate=None, target="cuda")
     feeds = step_feeds(ir.to_proto(step))
     want = _run(step, feeds, None)
     fused = ir.from_proto(ir.to_proto(step))
-    assert fuse_gemm_bias(fused) == 2
+    assert fuse_gemm_bias(fused) == 2 and fuse_gemm_bias_gelu(fused) == int(gelu)
     got = _run(fused, feeds, library)
     assert set(got) == set(want)
     for name, value in want.items():
@@ -154,3 +161,41 @@ def test_cuda_matmul_bias_matches_float64_rounded_once(library, dtype, fused, tr
     bound = 2.0 ** (exponent - ULP_BITS[dtype]) + (k * 2.0 ** -23 * abs(alpha) * (np.abs(a) @ np.abs(b.T if trans_b else b))
                                                     ).reshape(got.shape)
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) / bound))
+
+
+@pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16])
+@pytest.mark.parametrize(("m", "k", "n"), [(1024, 768, 3072), (37, 21, 50)])
+def test_cuda_gemm_bias_gelu_matches_ort_gemm_and_gelu(library, monkeypatch, dtype, m, k, n):
+    """GemmBiasGelu (GPT-2 small's fc at 1024 rows: cuBLASLt's GELU_AUX_BIAS; N = 50, no
+    multiple of 8: GemmBias into the aux, then the GELU kernel) against ORT CUDA's Gemm and
+    Gelu(approximate="tanh"). The GELU's input within one ulp (+ float32's summation bound);
+    the GELU within one ulp of it plus GELU' (at most 1.13) times half an ulp of its input: the
+    epilogue applies GELU to the float32 sum, ORT to the rounded one."""
+    import onnx
+    from onnx import helper as h
+
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_gemm_bias_gelu
+
+    monkeypatch.setenv("MPGRAPH_GEMM_GELU", "1")
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    nodes += [h.make_node("Gemm", ["a_low", "b_low", "c_low"], ["p"]), h.make_node("Gelu", ["p"], ["g"], approximate="tanh"),
+              h.make_node("Cast", ["g"], ["g32"], to=T.FLOAT), h.make_node("Cast", ["p"], ["p32"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "fc", [h.make_tensor_value_info("a", T.FLOAT, (m, k)), h.make_tensor_value_info("b", T.FLOAT, (k, n)),
+                                       h.make_tensor_value_info("c", T.FLOAT, (n,))],
+                         [h.make_tensor_value_info("g32", T.FLOAT, [m, n]), h.make_tensor_value_info("p32", T.FLOAT, [m, n])])
+    plain = ir.from_proto(onnx.shape_inference.infer_shapes(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])))
+    fused = ir.from_proto(ir.to_proto(plain))
+    assert fuse_gemm_bias(fused) == 1 and fuse_gemm_bias_gelu(fused) == 1
+    rng = np.random.default_rng(m + n)
+    feeds = {"a": rng.standard_normal((m, k)).astype(np.float32),
+             "b": (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32), "c": rng.standard_normal(n).astype(np.float32)}
+    want, got = _run(plain, feeds, None), _run(fused, feeds, library)
+    a, b = _low(feeds["a"], dtype), _low(feeds["b"], dtype)
+
+    def ulp(v: np.ndarray) -> np.ndarray:
+        return 2.0 ** (np.floor(np.log2(np.maximum(np.abs(v), 2.0 ** -14))) - ULP_BITS[dtype])
+
+    sums = k * 2.0 ** -23 * (np.abs(a) @ np.abs(b))
+    assert np.all(np.abs(got["p32"] - want["p32"]) <= ulp(want["p32"]) + sums)
+    bound = ulp(want["g32"]) + 1.13 * (ulp(want["p32"]) + sums)
+    assert np.all(np.abs(got["g32"] - want["g32"]) <= bound), float(np.max(np.abs(got["g32"] - want["g32"]) / bound))

@@ -306,8 +306,8 @@ def test_every_lowering_is_a_registered_documented_rule():
                "unscale", "multi_cast", "fold_transposes", "softmax_grad", "cross_entropy", "relu_grad"]
     assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "sdpa_layout", "attention_expand",
                                                                 *library[2:], "sce_grad", "fold_scales", "gemm_bias",
-                                                                "matmul_bias", "pointwise", "free_early"]
-    assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales", "gemm_bias", "matmul_bias", "pointwise"]
+                                                                "matmul_bias", "gemm_bias_gelu", "pointwise", "free_early"]
+    assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales", "gemm_bias", "matmul_bias", "gemm_bias_gelu", "pointwise"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
     # fp8_gemm (ORT's own GemmFloat8), pad_concat (ORT's Concat), attention_expand (Attention's
     # function body as standard ops) and free_early (a node order) are the CUDA rules of scope

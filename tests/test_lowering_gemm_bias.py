@@ -239,3 +239,74 @@ def test_environment_switch_keeps_orts_ops(monkeypatch):
     gemm, matmul = _gemm(T.BFLOAT16), _matmul_add(T.BFLOAT16)
     assert fuse_gemm_bias(gemm) == 0 and fuse_matmul_bias(matmul) == 0
     assert _ops(gemm)["Gemm"] == 1 and _ops(matmul)["MatMul"] == 1
+
+
+# -- gemm_bias_gelu: GemmBias -> Reshape -> Gelu(tanh), opt-in -----------------------------------
+
+
+def _fc_gelu(dtype: int) -> ir.Model:
+    """GPT-2's fc layer as lowered: ``G = Gelu(Reshape(Gemm(a, b, c), [2, 3, N]), "tanh")``; the
+    Gelu's input X is an output too (the backward reads it)."""
+    shape = onnx.numpy_helper.from_array(np.array([*LEAD, N], np.int64), "shape")
+    nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
+    nodes += [h.make_node("Gemm", ["a_low", "b_low", "c_low"], ["p"], name="fc"), h.make_node("Reshape", ["p", "shape"], ["x"]),
+              h.make_node("Gelu", ["x"], ["g"], approximate="tanh"),
+              h.make_node("Cast", ["g"], ["g32"], to=T.FLOAT), h.make_node("Cast", ["x"], ["x32"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "fc", [h.make_tensor_value_info("a", T.FLOAT, (M, K)), h.make_tensor_value_info("b", T.FLOAT, (K, N)),
+                                       h.make_tensor_value_info("c", T.FLOAT, (N,))],
+                         [h.make_tensor_value_info("g32", T.FLOAT, [*LEAD, N]), h.make_tensor_value_info("x32", T.FLOAT, [*LEAD, N])],
+                         [shape])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
+
+
+def _gelu_tanh(v: np.ndarray) -> np.ndarray:
+    return 0.5 * v * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (v + 0.044715 * v ** 3)))
+
+
+def test_gemm_bias_gelu_is_opt_in(monkeypatch):
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias_gelu
+
+    monkeypatch.delenv("MPGRAPH_GEMM_GELU", raising=False)
+    model = _fc_gelu(T.BFLOAT16)
+    assert fuse_gemm_bias(model) == 1 and fuse_gemm_bias_gelu(model) == 0 and _ops(model)["Gelu"] == 1
+
+
+@pytest.mark.parametrize("dtype", [T.FLOAT16, T.BFLOAT16])
+def test_gemm_bias_gelu_keeps_the_gelu_input_and_rounds_gelu_once(monkeypatch, dtype):
+    """X (what the GELU's backward reads) is the rounded sum, as GemmBias makes it; G is the
+    tanh GELU of the float32 sum rounded once: within one ulp of the float64 GELU of ORT CPU's
+    float32 Gemm, plus GELU' times float32's summation bound."""
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias_gelu
+
+    monkeypatch.setenv("MPGRAPH_GEMM_GELU", "1")
+    model = _fc_gelu(dtype)
+    assert fuse_gemm_bias(model) == 1 and fuse_gemm_bias_gelu(model) == 1
+    ops = _ops(model)
+    assert ops["GemmBiasGelu"] == 1 and ops["GemmBias"] + ops["Gelu"] == 0 and ops["Reshape"] == 2
+    assert fuse_gemm_bias_gelu(model) == 0
+    feeds = _feeds()
+    got = run_named(model, feeds, library=True)
+    rounded = {k: _low(v, dtype) for k, v in feeds.items()}
+    total = run_named(_gemm(T.FLOAT), rounded)["y"].astype(np.float64)  # ORT CPU's float32 sum
+    want_x, want_g = _low(total.astype(np.float32), dtype), _low(_gelu_tanh(total).astype(np.float32), dtype)
+    assert np.array_equal(got["x32"].reshape(M, N), _low(got["x32"], dtype).reshape(M, N))
+    _assert_within_one_ulp(got["x32"].reshape(M, N), want_x, dtype, rounded, 0, 0, 1.0)
+    _assert_within_one_ulp(got["g32"].reshape(M, N), want_g, dtype, rounded, 0, 0, 1.2)  # |GELU'| <= 1.13
+
+
+def test_bf16_step_gelu_reading_the_gemm_directly(monkeypatch):
+    """Without a Reshape between (the Gemm's output read by the Gelu and by its backward's ops),
+    the GELU's backward reads GemmBiasGelu's aux output."""
+    from mpgraph.convert import convert
+    from mpgraph.lowering.gemm_bias import fuse_gemm_bias_gelu
+    from mpgraph.training import build_training_graph
+
+    monkeypatch.setenv("MPGRAPH_GEMM_GELU", "1")
+    grads = build_training_graph(_linear_block(), optimizer="adamw", params=["w", "b", "v", "u"], target="cuda")
+    step = convert(grads, "bf16", validate=False, calibrate=None, target="cuda")
+    assert fuse_gemm_bias(step) == 2 and fuse_gemm_bias_gelu(step) == 1
+    node = next(n for n in step.graph if n.op_type == "GemmBiasGelu")
+    act, pre = node.outputs
+    assert _ops(step)["Gelu"] == 0 and len(act.uses()) >= 1 and len(pre.uses()) >= 1
+    assert {u.node.op_type for u in act.uses()}.isdisjoint({"Tanh", "TanhGeluGrad"})

@@ -41,7 +41,7 @@ from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.free_early import free_early
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
-from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_matmul_bias
+from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_gemm_bias_gelu, fuse_matmul_bias
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
@@ -189,6 +189,10 @@ RULES: tuple[LoweringRule, ...] = (
                  lambda m, t: fuse_matmul_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
                  "a float16/bfloat16 MatMul/FusedMatMul and the Add of a bias row read by nothing else as GemmBias "
                  "(BERT's and ViT's linear layers): one rounding instead of two (gemm_bias.py)"),
+    LoweringRule("gemm_bias_gelu", "all", BOTH, Exactness.APPROXIMATE,
+                 lambda m, t: fuse_gemm_bias_gelu(m) if t.provider == "cpu" or t.gemm_bias else 0,
+                 "opt-in (MPGRAPH_GEMM_GELU=1): a GemmBias read by a tanh Gelu (through one Reshape) as GemmBiasGelu, "
+                 "cuBLASLt's GELU_AUX_BIAS epilogue, the GELU input kept for the backward (gemm_bias.py)"),
     LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m, low=t.provider == "cuda"),
                  "each convex group of elementwise ops (Cast, Add, Sub, Mul, Neg, two-input Sum; float32 Div, "
                  "Sqrt, Reciprocal, Sum; Reshape views) the rules above left, as one Pointwise register program, "

@@ -10,7 +10,10 @@
 //
 // Where the heuristic has no bias-epilogue algorithm for a shape and alignment (unaligned
 // leading dimensions), the op does what ORT's Gemm does: the bias broadcast into Y, then the
-// matmul with beta = 1; slower, the same math.
+// matmul with beta = 1; slower, the same math. GemmBiasGelu (``pre`` given) uses
+// CUBLASLT_EPILOGUE_GELU_AUX_BIAS (``pre`` is its aux output, leading dimension N, which must be a
+// multiple of 8); without an algorithm for it, the plain GemmBias into ``pre`` and then an
+// elementwise tanh GELU of the rounded ``pre`` (what ORT's Gelu computes).
 #ifdef MPG_WITH_CUBLASLT
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -22,6 +25,7 @@
 #include <tuple>
 #include <utility>
 
+#include "cuda_util.h"
 #include "gemm_bias.h"
 
 namespace {
@@ -30,13 +34,27 @@ namespace {
 // heuristic may pick the same split-K kernels.
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
+// How a plan adds the bias (and the GELU): in the epilogue; in the epilogue with GELU and its
+// aux; or broadcast into D before a matmul with beta = 1.
+enum Mode { kBias, kGeluAux, kBroadcast };
+
 // A matmul's descriptors and the algorithm the heuristic chose for them, kept per shape.
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo;
-  bool broadcast = false;  // no bias-epilogue algorithm: broadcast the bias, then beta = 1
+  Mode mode = kBias;
 };
+
+// y = gelu_tanh(x) elementwise, x as it is stored (the fallback of GemmBiasGelu).
+template <typename T>
+__global__ void gelu_tanh(const T* __restrict__ x, T* __restrict__ y, int64_t total) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float v = to_f(x[i]);
+    y[i] = from_f<T>(0.5f * v * (1.0f + tanhf(0.7978845608028654f * (v + 0.044715f * v * v * v))));
+  }
+}
 
 // Y[i, j] = bias[j]: 16-bit elements copied as they are (Y and bias share their type).
 __global__ void broadcast_rows(const uint16_t* __restrict__ bias, uint16_t* __restrict__ y, int64_t n, int64_t total) {
@@ -45,8 +63,8 @@ __global__ void broadcast_rows(const uint16_t* __restrict__ bias, uint16_t* __re
     y[i] = bias[i % n];
 }
 
-// (device, type, m, n, k, trans_a, trans_b, alignment of A, B, bias and Y)
-using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int, int, int, int, int, int>;
+// (device, type, m, n, k, trans_a, trans_b, alignment of A, B, bias, Y and pre (0: no GELU))
+using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int>;
 
 std::mutex g_mutex;  // guards everything below; a launch is queued with it held
 std::map<int, cublasLtHandle_t> g_handles;
@@ -73,22 +91,28 @@ int alignment(const void* p) {
     if (st_ != CUBLAS_STATUS_SUCCESS) return fail(#call, static_cast<int>(st_)); \
   } while (0)
 
-// The descriptors of ``s``, with the bias epilogue unless ``broadcast``, and the heuristic's
-// first algorithm for them (``*found``: whether there is one).
-int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const int* aligns, bool broadcast,
-             Plan* plan, bool* found_one) {
+// The descriptors of ``s`` for ``mode``, and the heuristic's first algorithm for them
+// (``*found_one``: whether there is one).
+int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const void* pre, const int* aligns,
+             Mode mode, Plan* plan, bool* found_one) {
   const cudaDataType_t type = s.type == 16 ? CUDA_R_16BF : CUDA_R_16F;
   const cublasOperation_t op_a = s.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;  // cuBLASLt's A is our B
   const cublasOperation_t op_b = s.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;  // and its B our A
-  const cublasLtEpilogue_t epilogue = broadcast ? CUBLASLT_EPILOGUE_DEFAULT : CUBLASLT_EPILOGUE_BIAS;
-  plan->broadcast = broadcast;
+  const cublasLtEpilogue_t epilogue = mode == kBroadcast ? CUBLASLT_EPILOGUE_DEFAULT
+                                      : mode == kGeluAux ? CUBLASLT_EPILOGUE_GELU_AUX_BIAS : CUBLASLT_EPILOGUE_BIAS;
+  plan->mode = mode;
   MPG_LT(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
-  if (!broadcast) {
+  if (mode != kBroadcast) {
     MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &type, sizeof(type)));
     MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
+  }
+  if (mode == kGeluAux) {
+    const int64_t ld = s.n;
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre, sizeof(pre)));
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
   }
   // Stored shapes, column-major: our B [K, N] is N x K (ld N), [N, K] is K x N (ld K);
   // our A [M, K] is K x M (ld K), [K, M] is M x K (ld M); Y [M, N] is N x M (ld N).
@@ -120,15 +144,20 @@ int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, 
 
 void destroy(Plan* plan);
 
-// The bias-epilogue plan, or the broadcast one where cuBLASLt has no algorithm for the first.
-int make_plan(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const int* aligns, Plan* plan) {
-  bool found = false;
-  if (int rc = describe(handle, s, bias, aligns, false, plan, &found)) return rc;
-  if (found) return 0;
-  destroy(plan);
-  *plan = Plan();
-  if (int rc = describe(handle, s, bias, aligns, true, plan, &found)) return rc;
-  return found ? 0 : fail("cuBLASLt has no algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
+// The first of the GELU-aux (with ``pre``; its aux LD a multiple of 8), bias-epilogue and
+// broadcast plans that cuBLASLt has an algorithm for.
+int make_plan(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, const void* pre, const int* aligns,
+              Plan* plan) {
+  const Mode modes[3] = {kGeluAux, kBias, kBroadcast};
+  for (Mode mode : modes) {
+    if (mode == kGeluAux && (!pre || s.n % 8)) continue;
+    bool found = false;
+    if (int rc = describe(handle, s, bias, pre, aligns, mode, plan, &found)) return rc;
+    if (found) return 0;
+    destroy(plan);
+    *plan = Plan();
+  }
+  return fail("cuBLASLt has no algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
 }
 
 void destroy(Plan* plan) {
@@ -143,7 +172,7 @@ void destroy(Plan* plan) {
 extern "C" const char* mpg_gemm_bias_last_error() { return g_error.c_str(); }
 
 extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, const void* b, const void* bias, void* y,
-                                  void* stream_ptr) {
+                                  void* pre, void* stream_ptr) {
   const GemmBiasShape& s = *shape;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -159,28 +188,40 @@ extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, con
     }
   }
   const int aligns[4] = {alignment(a), alignment(b), alignment(bias), alignment(y)};
-  const PlanKey key{device, s.type, s.m, s.n, s.k, s.trans_a, s.trans_b, aligns[0], aligns[1], aligns[2], aligns[3]};
+  const int pre_align = pre ? alignment(pre) : 0;
+  const PlanKey key{device, s.type, s.m, s.n, s.k, s.trans_a, s.trans_b, aligns[0], aligns[1], aligns[2], aligns[3], pre_align};
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan plan;
-    if (int rc = make_plan(handle, s, bias, aligns, &plan)) {
+    if (int rc = make_plan(handle, s, bias, pre, aligns, &plan)) {
       destroy(&plan);
       return rc;
     }
     it = g_plans.emplace(key, plan).first;
   }
   Plan& plan = it->second;
-  if (plan.broadcast) {
-    const int64_t total = s.m * s.n;
-    const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
-    broadcast_rows<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(y), s.n, total);
+  // D: Y, or (GemmBiasGelu without the GELU epilogue) pre, which the GELU kernel then reads.
+  void* d = pre && plan.mode != kGeluAux ? pre : y;
+  const int64_t total = s.m * s.n;
+  const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
+  if (plan.mode == kBroadcast) {
+    broadcast_rows<<<blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(bias), static_cast<uint16_t*>(d), s.n, total);
     if (cudaError_t err = cudaGetLastError()) return fail("broadcast_rows launch", static_cast<int>(err));
   } else {
     MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   }
-  const float alpha = s.alpha, beta = plan.broadcast ? 1.0f : 0.0f;
-  MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, y, plan.d, y, plan.d, &plan.algo,
+  if (plan.mode == kGeluAux)
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre, sizeof(pre)));
+  const float alpha = s.alpha, beta = plan.mode == kBroadcast ? 1.0f : 0.0f;
+  MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
                         workspace, kWorkspaceBytes, stream));
+  if (pre && plan.mode != kGeluAux) {
+    if (s.type == 16)
+      gelu_tanh<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(pre), static_cast<__nv_bfloat16*>(y), total);
+    else
+      gelu_tanh<<<blocks, 256, 0, stream>>>(static_cast<const __half*>(pre), static_cast<__half*>(y), total);
+    if (cudaError_t err = cudaGetLastError()) return fail("gelu_tanh launch", static_cast<int>(err));
+  }
   return 0;
 }
 #endif  // MPG_WITH_CUBLASLT

@@ -19,7 +19,11 @@ struct GemmBiasShape {
   int type;  // ONNX element type: 10 float16 or 16 bfloat16
 };
 
+// GemmBiasGelu: with ``pre`` (not null), Y = gelu_tanh(alpha * A' B' + bias), the sum taken in
+// float32 and GELU applied to it before the one rounding, and ``pre`` [M, N] = that sum rounded
+// (what the GELU's backward reads): cuBLASLt's CUBLASLT_EPILOGUE_GELU_AUX_BIAS.
+//
 // 0 on success; otherwise nonzero, with a message from mpg_gemm_bias_last_error().
 extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, const void* b, const void* bias, void* y,
-                                  void* stream);
+                                  void* pre, void* stream);
 extern "C" const char* mpg_gemm_bias_last_error();

@@ -1566,7 +1566,9 @@ OrtStatus* pointwise_compute(void* kernel_ptr, OrtKernelContext* ctx) {
 // product of its leading dims, and Y is [..., N]). Attributes transA, transB (0/1) and alpha
 // (absent: 1). Float16 or
 // bfloat16: the products accumulate in float32, the bias is added in float32, and the sum is
-// rounded once. CPU: a reference loop (for the rule's tests, not for speed). CUDA: one cuBLASLt
+// rounded once.
+// GemmBiasGelu(A, B, bias) -> (Y, Pre): the same sum v; Y = gelu_tanh(v) rounded once, Pre = v
+// rounded (the GELU's input, which its backward reads), both [M, N] (cuBLASLt's GELU_AUX_BIAS). CPU: a reference loop (for the rule's tests, not for speed). CUDA: one cuBLASLt
 // matmul with the bias epilogue, only in a build with cuBLASLt (MPG_WITH_CUBLASLT).
 
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
@@ -1577,9 +1579,12 @@ OrtStatus* pointwise_compute(void* kernel_ptr, OrtKernelContext* ctx) {
 #define MPG_GEMM_BIAS_ERROR() std::string()
 #endif
 
-// Rows [r0, r1) of Y: each row's N sums accumulate over k in order, in float32.
+uint16_t gemm_bias_round(float v, int type) { return type == MPG_BFLOAT16 ? float_to_bfloat16(v) : float_to_float16(v); }
+
+// Rows [r0, r1) of Y (and of pre, when not null: then Y is the tanh GELU of the float32 sum):
+// each row's N sums accumulate over k in order, in float32.
 void gemm_bias_rows(const GemmBiasShape& s, const Tensor& a, const std::vector<float>& b, const Tensor& bias, void* y,
-                    int64_t r0, int64_t r1) {
+                    void* pre, int64_t r0, int64_t r1) {
   std::vector<float> acc(static_cast<size_t>(s.n));
   for (int64_t i = r0; i < r1; ++i) {
     std::fill(acc.begin(), acc.end(), 0.0f);
@@ -1589,16 +1594,22 @@ void gemm_bias_rows(const GemmBiasShape& s, const Tensor& a, const std::vector<f
       for (int64_t j = 0; j < s.n; ++j) acc[j] += av * bk[j];
     }
     uint16_t* out = static_cast<uint16_t*>(y) + i * s.n;
+    uint16_t* pre_out = pre ? static_cast<uint16_t*>(pre) + i * s.n : nullptr;
     for (int64_t j = 0; j < s.n; ++j) {
       const float v = acc[j] * s.alpha + load_cpu(bias.data, bias.type, static_cast<size_t>(j));
-      out[j] = s.type == MPG_BFLOAT16 ? float_to_bfloat16(v) : float_to_float16(v);
+      if (!pre_out) {
+        out[j] = gemm_bias_round(v, s.type);
+        continue;
+      }
+      pre_out[j] = gemm_bias_round(v, s.type);
+      out[j] = gemm_bias_round(0.5f * v * (1.0f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v))), s.type);
     }
   }
 }
 
-OrtStatus* gemm_bias_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+OrtStatus* gemm_bias_run(void* kernel_ptr, OrtKernelContext* ctx, bool gelu) {
   const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
-  Tensor t[3], y;
+  Tensor t[3], y, pre;
   for (size_t i = 0; i < 3; ++i) {
     if (OrtStatus* st = input(ctx, i, &t[i])) return st;
     if (t[i].type != t[0].type || (t[i].type != MPG_FLOAT16 && t[i].type != MPG_BFLOAT16))
@@ -1622,6 +1633,8 @@ OrtStatus* gemm_bias_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     y_dims.back() = s.n;
   }
   if (OrtStatus* st = output(ctx, 0, y_dims, &y)) return st;
+  if (gelu)
+    if (OrtStatus* st = output(ctx, 1, y_dims, &pre)) return st;
   if (y.count == 0) return nullptr;
   if (!kernel.cuda) {
     std::vector<float> b(static_cast<size_t>(s.k * s.n));  // B' as float32 [K, N]
@@ -1631,21 +1644,26 @@ OrtStatus* gemm_bias_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kCpuChunk) / std::max<int64_t>(s.n * std::max<int64_t>(s.k, 1), 1));
     return parallel_for(ctx, static_cast<size_t>((s.m + per - 1) / per), [&](size_t task) {
       const int64_t r0 = static_cast<int64_t>(task) * per;
-      gemm_bias_rows(s, t[0], b, t[2], y.data, r0, std::min(s.m, r0 + per));
+      gemm_bias_rows(s, t[0], b, t[2], y.data, gelu ? pre.data : nullptr, r0, std::min(s.m, r0 + per));
     });
   }
   std::string why;
-  OrtStatus* st = on_gpu(ctx, "GemmBias", [&](void* stream) {
-    const int rc = MPG_GEMM_BIAS_CUDA(mpg_gemm_bias_cuda(&s, t[0].data, t[1].data, t[2].data, y.data, stream));
+  const std::string name = gelu ? "GemmBiasGelu" : "GemmBias";
+  OrtStatus* st = on_gpu(ctx, name, [&](void* stream) {
+    const int rc = MPG_GEMM_BIAS_CUDA(mpg_gemm_bias_cuda(&s, t[0].data, t[1].data, t[2].data, y.data,
+                                                         gelu ? pre.data : nullptr, stream));
     if (rc) why = MPG_GEMM_BIAS_ERROR();
     return rc;
   });
   if (st && !why.empty()) {
     mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("GemmBias: " + why);
+    return status(name + ": " + why);
   }
   return st;
 }
+
+OrtStatus* gemm_bias_compute(void* k, OrtKernelContext* c) { return gemm_bias_run(k, c, false); }
+OrtStatus* gemm_bias_gelu_compute(void* k, OrtKernelContext* c) { return gemm_bias_run(k, c, true); }
 
 // -- GemmFp8 (gemm_fp8.h; CUDA in gemm_fp8.cu through cuBLASLt) -----------------------------
 //
@@ -1830,6 +1848,8 @@ const OpSpec kSpecs[] = {
     {"Pointwise", 0, 0, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, true, 1, 0, 1, pointwise_compute},
     {"GemmBias", MPG_FLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCpuOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    {"GemmBiasGelu", MPG_FLOAT16, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
+    {"GemmBiasGelu", MPG_BFLOAT16, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
     // A, B any fp8 type; scaleA, scaleB float32; Y bfloat16 (input_type).
     {"GemmFp8", MPG_BFLOAT16, kCpuOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
@@ -1837,6 +1857,8 @@ const OpSpec kSpecs[] = {
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
+    {"GemmBiasGelu", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
+    {"GemmBiasGelu", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
     {"GemmFp8", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
@@ -1933,7 +1955,7 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     made->ce_has_ignore = attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "ignore_index", 0, &made->ce_ignore_index);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "reduction", 0, &made->ce_reduction);
   }
-  if (made->spec->compute == gemm_bias_compute) {
+  if (made->spec->compute == gemm_bias_compute || made->spec->compute == gemm_bias_gelu_compute) {
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "transA", 0, &made->gemm_trans_a);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "transB", 0, &made->gemm_trans_b);
     attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
