@@ -1,7 +1,8 @@
 """``GemmFp8`` on CUDA (``csrc/gemm_fp8.cu``: one cuBLASLt fp8 matmul, handle, workspace and
 plans kept): against numpy, against ORT's own ``GemmFloat8``, inside a captured CUDA graph, and
 an fp8 training step captured whole (what ``GemmFloat8``, which allocates per call, prevents);
-and ``Fp8Transpose``, the byte transpose of the transposed operands, against numpy.
+and ``Fp8Transpose`` (the byte transpose of the transposed operands) and ``AbsMax`` (the
+amax of a quantised tensor in one read) against numpy.
 
 The three format pairs the lowering writes, into bf16, on GPT-2 small's linear shapes at 1024
 rows and the bench GPT's at 8192. cuBLASLt's fp8 kernels run with fast accumulation (as ORT's
@@ -144,3 +145,24 @@ def test_cuda_fp8_transpose_moves_the_bits(library, shape) -> None:
     got = _session(model.SerializeToString(), library).run(None, {"X": x})[0]
     want = x.astype(ml_dtypes.float8_e5m2).astype(np.float32).reshape(rows, shape[-1]).T
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [T.FLOAT, T.BFLOAT16, T.FLOAT16])
+@pytest.mark.parametrize("size", [1, 1000, 8192 * 2048 + 7])
+def test_cuda_absmax_is_the_largest_magnitude(library, dtype, size) -> None:
+    """AbsMax on CUDA: max |x| of the values in their own type, the largest placed at random;
+    with a NaN among them, NaN."""
+    from onnx import helper as h
+
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=dtype), h.make_node("AbsMax", ["x"], ["Y"], domain="ai.mpgraph")]
+    graph = h.make_graph(nodes, "a", [h.make_tensor_value_info("X", T.FLOAT, [size])], [h.make_tensor_value_info("Y", T.FLOAT, [])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    session = _session(model.SerializeToString(), library)
+    rng = np.random.default_rng(size)
+    x = rng.standard_normal(size).astype(np.float32)
+    x[rng.integers(size)] = -300.5
+    low = {T.FLOAT: np.float32, T.BFLOAT16: ml_dtypes.bfloat16, T.FLOAT16: np.float16}[dtype]
+    assert session.run(None, {"X": x})[0] == np.abs(x.astype(low).astype(np.float32)).max()
+    x[rng.integers(size)] = np.nan
+    assert np.isnan(session.run(None, {"X": x})[0])

@@ -246,7 +246,7 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     step rewritten onto GemmFloat8, GemmFloat8 evaluated as its documented math: every output
     (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding. With
     the library (rule 6; its products are float32, so GemmFloat8 stays), the transposed operands
-    are Fp8Transpose's, run by the library's CPU kernel."""
+    are Fp8Transpose's and the amaxes AbsMax's, run by the library's CPU kernels."""
     step = _gpt_step(emulate=True)
     lowered = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(lowered, library=library) == 24
@@ -254,6 +254,8 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     ops = Counter(n.op_type for n in lowered.graph)
     own = sum(n.op_type == "Transpose" for n in step.graph)
     assert (ops["Fp8Transpose"], ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
+    # Each quantised tensor's amax: ReduceMax(Abs(x)), or one AbsMax.
+    assert (ops["AbsMax"], ops["Abs"]) == ((39, 0) if library else (0, 39)), ops
     assert _reference_expansion(lowered) == 24
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
@@ -408,3 +410,26 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     monkeypatch.setenv("MPGRAPH_FP8_GEMM", "ort")
     again = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(again, library=True) == 27 and len(_gemms(again)) == 27
+
+
+def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph import lowering as kernels
+
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16), h.make_node("AbsMax", ["x"], ["Y"], domain="ai.mpgraph"),
+             h.make_node("AbsMax", ["X"], ["Z"], domain="ai.mpgraph")]
+    graph = h.make_graph(nodes, "a", [h.make_tensor_value_info("X", T.FLOAT, [None])],
+                         [h.make_tensor_value_info(n, T.FLOAT, []) for n in "YZ"])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = np.array([0.5, -300.7, 2.0, -0.0], np.float32)
+    y, z = session.run(None, {"X": x})
+    assert (y, z) == (300.0, np.float32(300.7))  # bf16 rounds 300.7 to 300
+    assert [float(v) for v in session.run(None, {"X": np.zeros(0, np.float32)})] == [0.0, 0.0]
+    assert all(np.isnan(session.run(None, {"X": np.array([1.0, np.nan, -5.0], np.float32)})))

@@ -13,6 +13,7 @@
 #ifdef MPG_WITH_CUBLASLT
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -127,9 +128,44 @@ __global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restri
   }
 }
 
+// |x| as the bits of a non-negative float32: larger values have larger bits, NaN above inf.
+__device__ __forceinline__ unsigned abs_bits(const void* x, int type, int64_t i) {
+  unsigned bits;
+  if (type == 16) bits = static_cast<unsigned>(static_cast<const uint16_t*>(x)[i]) << 16;
+  else if (type == 10) bits = __float_as_uint(__half2float(static_cast<const __half*>(x)[i]));
+  else bits = __float_as_uint(static_cast<const float*>(x)[i]);
+  return bits & 0x7fffffffu;
+}
+
+__global__ void absmax(const void* __restrict__ x, int type, int64_t n, unsigned* __restrict__ out) {
+  unsigned m = 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    m = max(m, abs_bits(x, type, i));
+  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+  __shared__ unsigned warps[32];
+  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0;
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+    if (threadIdx.x == 0) atomicMax(out, m);
+  }
+}
+
 }  // namespace
 
 extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
+
+extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (cudaError_t err = cudaMemsetAsync(out, 0, sizeof(float), stream)) return fail("absmax memset", static_cast<int>(err));
+  if (n <= 0) return 0;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 1023) / 1024, 1184));  // 8 a Hopper SM
+  absmax<<<blocks, 1024, 0, stream>>>(x, type, n, reinterpret_cast<unsigned*>(out));
+  if (cudaError_t err = cudaGetLastError()) return fail("absmax launch", static_cast<int>(err));
+  return 0;
+}
 
 extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream_ptr) {
   if (rows <= 0 || cols <= 0) return 0;

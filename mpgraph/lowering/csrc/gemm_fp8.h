@@ -27,3 +27,8 @@ extern "C" const char* mpg_gemm_fp8_last_error();
 // transposed operands the TN layout needs, cut from fp8 values the step has already (ORT's CUDA
 // Transpose has no float8 kernel). 0 on success, else nonzero (mpg_gemm_fp8_last_error()).
 extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream);
+
+// *out = max |x[i]| over n elements of ONNX type ``type`` (1 float32, 10 float16, 16 bfloat16), as
+// float32; a NaN wins (its bits are above infinity's), 0 for n = 0. One pass over x: the amax of a
+// quantised tensor, which ReduceMax(Abs(x)) computes in two (Abs writing a float32 copy).
+extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream);

@@ -1777,6 +1777,41 @@ OrtStatus* fp8_transpose_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   return st;
 }
 
+// AbsMax(X) -> amax: max |x| over every element of X (float32, float16 or bfloat16) as a float32
+// scalar, a NaN winning (compared as the bits of |x|), 0 for an empty X: ReduceMax(Abs(X)) in one
+// read of X, the amax of an fp8 tensor (fp8_gemm.py rule 6). CUDA with cuBLASLt builds only, as
+// GemmFp8.
+OrtStatus* absmax_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor x, y;
+  if (OrtStatus* st = input(ctx, 0, &x)) return st;
+  if (x.type != MPG_FLOAT && x.type != MPG_FLOAT16 && x.type != MPG_BFLOAT16)
+    return status("AbsMax: X must be float32, float16 or bfloat16");
+  if (OrtStatus* st = output(ctx, 0, {}, &y)) return st;
+  if (!kernel.cuda) {
+    uint32_t m = 0;
+    for (size_t i = 0; i < x.count; ++i) {
+      const float v = load_cpu(x.data, x.type, i);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      m = std::max(m, bits & 0x7fffffffu);
+    }
+    std::memcpy(y.data, &m, sizeof(m));
+    return nullptr;
+  }
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, "AbsMax", [&](void* stream) {
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_absmax_cuda(x.data, x.type, static_cast<int64_t>(x.count), y.data, stream));
+    if (rc) why = MPG_GEMM_FP8_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status("AbsMax: " + why);
+  }
+  return st;
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -1854,6 +1889,7 @@ const OpSpec kSpecs[] = {
     {"GemmFp8", MPG_BFLOAT16, kCpuOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
+    {"AbsMax", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
@@ -1862,6 +1898,7 @@ const OpSpec kSpecs[] = {
     {"GemmFp8", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
+    {"AbsMax", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
 #endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
