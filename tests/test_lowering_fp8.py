@@ -407,6 +407,13 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
         return out
 
     assert fed(with_library, "GemmFp8") == fed(lowered, "GemmFloat8")
+    # Every amax is an AbsMax, of the bf16 value itself where the pass widened one to float32.
+    amaxes = [n for n in with_library.graph if n.op_type == "AbsMax"]
+    assert len(amaxes) == 39 and not any(n.op_type == "Abs" for n in with_library.graph)
+    read = Counter(n.inputs[0].dtype.name for n in amaxes)
+    assert read["BFLOAT16"] > 0 and read["BFLOAT16"] + read["FLOAT"] == 39, read
+    assert not any(n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Cast"
+                   and n.inputs[0].producer().inputs[0].dtype == BF16 for n in amaxes)
     monkeypatch.setenv("MPGRAPH_FP8_GEMM", "ort")
     again = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(again, library=True) == 27 and len(_gemms(again)) == 27

@@ -401,7 +401,9 @@ def _leading(value: ir.Value) -> int | ir.SymbolicDim | None:
 def _fuse_amaxes(graph: ir.Graph) -> int:
     """Rule 6: each amax the pass wrote, ``ReduceMax(Abs(x), keepdims=0)`` over every axis with
     the ``Abs`` read by nothing else, as the library's ``AbsMax(x)`` (one read of ``x``, no
-    float32 copy of ``|x|``; the same value: a maximum is exact); how many."""
+    float32 copy of ``|x|``; the same value: a maximum is exact), of ``v`` itself where ``x``
+    is ``Cast(v, float)`` of a bf16/fp16 ``v`` (the float32 copy then feeds only the scaling,
+    which the pointwise rule fuses with the Cast); how many."""
     count = 0
     for node in list(graph):
         if not is_op(node, "ReduceMax") or node.metadata_props.get(md.NODE_INSERTED) != "fp8" or len(node.inputs) != 1:
@@ -414,6 +416,10 @@ def _fuse_amaxes(graph: ir.Graph) -> int:
         x = absolute.inputs[0]  # type: ignore[union-attr]
         if x is None or x.dtype not in _OUT:
             continue
+        widen = x.producer()  # |float32(v)| of a bf16/fp16 v is |v|: read v, half the bytes
+        if _cast_to(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
+                and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
+            x = widen.inputs[0]  # type: ignore[union-attr]
         fused = ir.node("AbsMax", [x], domain=DOMAIN, name=f"{node.name}/AbsMax", metadata_props=dict(node.metadata_props))
         graph.insert_before(node, fused)
         hand_over(node.outputs, fused.outputs)
