@@ -1,8 +1,9 @@
 """``GemmFp8`` on CUDA (``csrc/gemm_fp8.cu``: one cuBLASLt fp8 matmul, handle, workspace and
 plans kept): against numpy, against ORT's own ``GemmFloat8``, inside a captured CUDA graph, and
 an fp8 training step captured whole (what ``GemmFloat8``, which allocates per call, prevents);
-and ``Fp8Transpose`` (the byte transpose of the transposed operands) and ``AbsMax`` (the
-amax of a quantised tensor in one read) against numpy.
+and ``Fp8Transpose`` (the byte transpose of the transposed operands), ``AbsMax`` (the amax of
+a quantised tensor in one read) and ``CastToFloat8*`` (scale and quantise in one pass) against
+numpy or the CPU kernels.
 
 The three format pairs the lowering writes, into bf16, on GPT-2 small's linear shapes at 1024
 rows and the bench GPT's at 8192. cuBLASLt's fp8 kernels run with fast accumulation (as ORT's
@@ -112,7 +113,7 @@ def test_gemm_fp8_runs_inside_a_captured_cuda_graph(library) -> None:
         np.testing.assert_array_equal(out.numpy(), want)
 
 
-def test_an_fp8_training_step_is_captured_whole(library) -> None:
+def test_an_fp8_training_step_is_captured_whole(library, monkeypatch) -> None:
     """The zoo GPT's native fp8 step on CUDA with ``cuda_graph=True`` (an error if it cannot be
     captured): its fp8 products are GemmFp8, and four steps match the same step run without
     CUDA graphs."""
@@ -125,8 +126,41 @@ def test_an_fp8_training_step_is_captured_whole(library) -> None:
     losses = [[t.step(b).loss for b in batches] for t in (graphed, plain)]
     assert graphed.cuda_graph and dict(graphed.executor.plan.applied)["fp8_gemm"] == 27
     assert b"GemmFp8" in graphed.executor.plan.graph and b"GemmFloat8" not in graphed.executor.plan.graph
+    for op in (b"Fp8Transpose", b"AbsMax", b"CastToFloat8E4M3FN", b"CastToFloat8E5M2"):
+        assert op in graphed.executor.plan.graph, op
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
+    # Rule 6 off (MPGRAPH_FP8_GEMM=ort: GemmFloat8, float32 cuts, ReduceMax(Abs), Cast): the
+    # same fp8 values and products, other kernels and sums.
+    monkeypatch.setenv("MPGRAPH_FP8_GEMM", "ort")
+    ort_side = Trainer(step.clone(), "cuda", cuda_graph=False)
+    assert b"GemmFloat8" in ort_side.executor.plan.graph and b"GemmFp8" not in ort_side.executor.plan.graph
+    np.testing.assert_allclose(losses[0], [ort_side.step(b).loss for b in batches], rtol=1e-2)
+
+
+@pytest.mark.parametrize("to", [T.FLOAT8E4M3FN, T.FLOAT8E5M2])
+def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to) -> None:
+    """CastToFloat8* on CUDA (cuda_fp8.h, __NV_SATFINITE) against the CPU kernel, which
+    tests/test_lowering_fp8.py checks against ORT's Cast(saturate=1): every bf16 bit pattern as
+    input, at a scale that sends some past the largest finite value."""
+    from onnx import helper as h
+
+    from mpgraph import lowering as kernels
+
+    name = "CastToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastToFloat8E5M2"
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16), h.make_node(name, ["x", "s"], ["q"], domain="ai.mpgraph"),
+             h.make_node("Cast", ["q"], ["Y"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [2**16]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info("Y", T.FLOAT, [2**16])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    feeds = {"X": (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32), "s": np.array(4.0, np.float32)}
+    got = _session(model.SerializeToString(), library).run(None, feeds)[0]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    want = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
 
 
 @pytest.mark.parametrize("shape", [(2048, 768), (4, 1024, 768), (37, 50), (1, 16)])

@@ -246,7 +246,8 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     step rewritten onto GemmFloat8, GemmFloat8 evaluated as its documented math: every output
     (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding. With
     the library (rule 6; its products are float32, so GemmFloat8 stays), the transposed operands
-    are Fp8Transpose's and the amaxes AbsMax's, run by the library's CPU kernels."""
+    are Fp8Transpose's, the amaxes AbsMax's and most quantisations CastToFloat8*'s, run by the
+    library's CPU kernels."""
     step = _gpt_step(emulate=True)
     lowered = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(lowered, library=library) == 24
@@ -256,6 +257,8 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     assert (ops["Fp8Transpose"], ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
     # Each quantised tensor's amax: ReduceMax(Abs(x)), or one AbsMax.
     assert (ops["AbsMax"], ops["Abs"]) == ((39, 0) if library else (0, 39)), ops
+    # Quantisations whose float32 product nothing else reads: one CastToFloat8* each.
+    assert ops["CastToFloat8E4M3FN"] + ops["CastToFloat8E5M2"] == (47 if library else 0), ops
     assert _reference_expansion(lowered) == 24
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
@@ -360,21 +363,22 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
     np.testing.assert_array_equal(got, gemm_fp8_reference(a, b, fa, fb, 0.25, 2.0, 0.5))
 
 
-def _cut(value: ir.Value) -> tuple[str, ...]:
-    """The ops the lowering wrote to make ``value`` (a cut operand) and the pass's value they
-    start from (the lowering numbers its nodes, so names alone differ between lowerings); an
-    ``Fp8Transpose`` of the pass's ``Cast(x * s)`` as the ``Cast(Transpose([Reshape](x * s)))``
-    it equals."""
-    cut = value.producer()
-    if cut is not None and cut.op_type == "Fp8Transpose":
-        bits = cut.inputs[0]
-        assert bits.producer().op_type == "Cast" and not bits.name.startswith(cut.name)
-        return ("Cast", "Transpose", *(["Reshape"] if len(bits.shape) > 2 else []), bits.producer().inputs[0].name)
-    path: list[str] = []
-    while value.producer() is not None and "/fp8_gemm/" in (value.producer().name or ""):
-        path.append(value.producer().op_type)
-        value = value.producer().inputs[0]
-    return (*path, value.name)
+def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
+    """What a product's fp8 operand is, whichever ops made it: (the value quantised, read
+    through a widening of a bf16 value; its scale; transposed or not). A scale input is itself."""
+    transposed, node = False, value.producer()
+    while node is not None:
+        if node.op_type == "Mul" or node.op_type.startswith("CastToFloat8"):
+            x, scale = node.inputs
+            widen = x.producer()
+            if widen is not None and widen.op_type == "Cast" and widen.inputs[0].dtype == BF16:
+                x = widen.inputs[0]
+            return x.name, scale.name, transposed
+        if node.op_type not in ("Fp8Transpose", "Transpose", "Reshape", "Cast"):
+            break
+        transposed ^= node.op_type in ("Fp8Transpose", "Transpose")
+        node = node.inputs[0].producer()
+    return value.name, None, transposed
 
 
 def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(native, monkeypatch) -> None:
@@ -391,7 +395,7 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     for name, node in fp8.items():
         theirs = ort_gemms[name]
         assert node.domain == "ai.mpgraph" and len(node.inputs) == 4
-        assert [_cut(v) for v in node.inputs] == [_cut(v) for v in theirs.inputs if v is not None], name
+        assert [_quantised(v) for v in node.inputs] == [_quantised(v) for v in theirs.inputs if v is not None], name
         assert node.attributes["alpha"].as_float() == theirs.attributes["alpha"].as_float()
         assert node.outputs[0].dtype == BF16, name
     # What each product's result feeds: GemmFloat8's through the Cast of rule 5, GemmFp8's directly.
@@ -440,3 +444,33 @@ def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:
     assert (y, z) == (300.0, np.float32(300.7))  # bf16 rounds 300.7 to 300
     assert [float(v) for v in session.run(None, {"X": np.zeros(0, np.float32)})] == [0.0, 0.0]
     assert all(np.isnan(session.run(None, {"X": np.array([1.0, np.nan, -5.0], np.float32)})))
+
+
+@pytest.mark.parametrize("to", [E4M3, E5M2])
+def test_cast_to_float8_is_onnx_cast_with_saturation_on_every_bf16_value(to) -> None:
+    """CastToFloat8*(x, s) against ORT CPU's Cast(x * s, saturate=1): every bf16 bit pattern
+    (normals, subnormals, zeros, infinities, NaNs) and float32 extremes, at four scales; NaN
+    where Cast gives NaN, else the same value."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph import lowering as kernels
+
+    name = "CastToFloat8E4M3FN" if to == E4M3 else "CastToFloat8E5M2"
+    nodes = [h.make_node(name, ["X", "s"], ["q"], domain="ai.mpgraph"), h.make_node("Mul", ["X", "s"], ["xs"]),
+             h.make_node("Cast", ["xs"], ["r"], to=to.value, saturate=1),
+             h.make_node("Cast", ["q"], ["qf"], to=T.FLOAT), h.make_node("Cast", ["r"], ["rf"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [None]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info(n, T.FLOAT, [None]) for n in ("qf", "rf")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    x = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    x = np.concatenate([x, np.array([3.4e38, 1e-45, 464, 480, 61439.9, 61440, 57344, 2.0**-10 * 3], np.float32)])
+    for scale in (1.0, 2.0**-7, 2.0**10, 0.3):
+        got, want = session.run(None, {"X": x, "s": np.array(scale, np.float32)})
+        assert np.array_equal(np.isnan(got), np.isnan(want)), scale
+        np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)], err_msg=str(scale))

@@ -72,7 +72,11 @@ Rules (each product with ``mpgraph.fp8`` metadata, ``_ir/meta.NODE_FP8``):
        without the float32 transpose and the second Cast: 2 bytes an element moved, not 13;
        the bench GPT: 45 Transposes, 6.8 GB a step), and each amax the pass wrote,
        ``ReduceMax(Abs(x))``, is ``ai.mpgraph.AbsMax(x)``: one read of ``x`` instead of a float32
-       ``|x|`` written and read again (the bench GPT: 27 Abs and 28 ReduceMax, 8.9 GB a step).
+       ``|x|`` written and read again (the bench GPT: 27 Abs and 28 ReduceMax, 8.9 GB a step);
+       each quantisation ``Cast(x * s, fp8)`` whose product nothing else reads is
+       ``ai.mpgraph.CastToFloat8E4M3FN/E5M2(x, s)`` (one read of ``x``, or of the bf16 value
+       ``x`` widens, and a byte written, not a float32 ``x * s`` written and read again); and
+       GemmFp8 reads a 3-D activation's fp8 value as it is (its leading dims are M), no cut.
        GemmFp8 has the same layout
        and scales, written into bf16 for every format pair (cuBLASLt's float32 compute type has
        the mixed pairs into bf16; ``csrc/gemm_fp8.cu`` goes through a float32 buffer where a
@@ -289,10 +293,14 @@ class _Lowerer:
         props = {key: v for key, v in node.metadata_props.items() if key == md.NODE_ROLE}
         flatten = len(a.value.shape) > 2  # type: ignore[arg-type]
         rows = _dim(a.value, -1) if ta else _leading(a.value)
-        a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
+        library = self.library and out.dtype == ir.DataType.BFLOAT16  # rule 6
+        if library and flatten and not ta:  # GemmFp8 reads a [..., K] A as [M, K] itself
+            a2 = a.bits
+        else:
+            a2 = self._layout(node, a, flatten=flatten, transpose=bool(ta), k=k, rows=rows, props=props)
         b2 = self._layout(node, b, flatten=False, transpose=not tb, k=k, rows=n, props=props)
         alpha = node.attributes.get_float("alpha", 1.0)
-        if self.library and out.dtype == ir.DataType.BFLOAT16:  # rule 6
+        if library:
             dtype = out.dtype
             gemm = ir.Node(DOMAIN, "GemmFp8", [a2, b2, a.scale_inv, b.scale_inv], name=f"{node.name}/GemmFp8",
                            attributes=[ir.AttrFloat32("alpha", alpha)], metadata_props=dict(node.metadata_props))
@@ -428,6 +436,43 @@ def _fuse_amaxes(graph: ir.Graph) -> int:
     return count
 
 
+_CAST_OPS = {ir.DataType.FLOAT8E4M3FN: "CastToFloat8E4M3FN", ir.DataType.FLOAT8E5M2: "CastToFloat8E5M2"}
+
+
+def _fuse_scale_casts(graph: ir.Graph) -> int:
+    """Rule 6: each quantisation ``Cast(Mul(x, s), fp8, saturate=1)`` whose product nothing
+    else reads, as the library's ``CastToFloat8E4M3FN/E5M2(x, s)`` (one read of ``x``, a byte
+    written an element; the product rounds to float32 as before), of ``v`` itself where ``x``
+    is ``Cast(v, float)`` of a bf16/fp16 ``v``; how many."""
+    count = 0
+    for node in list(graph):
+        to = _cast_to(node)
+        if to not in _CAST_OPS or node.attributes.get_int("saturate", 1) != 1 or node.inputs[0] is None:
+            continue
+        scaled = node.inputs[0]
+        mul = scaled.producer()
+        if not is_op(mul, "Mul") or len(scaled.uses()) != 1 or scaled in graph.outputs:
+            continue
+        x, scale = mul.inputs  # type: ignore[union-attr]
+        if x is None or scale is None or x.dtype != ir.DataType.FLOAT or scale.dtype != ir.DataType.FLOAT \
+                or scale.shape is None or scale.shape.rank() != 0:
+            continue
+        widen = x.producer()
+        if _cast_to(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
+                and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
+            x = widen.inputs[0]  # type: ignore[union-attr]
+        fused = ir.node(_CAST_OPS[to], [x, scale], domain=DOMAIN, name=f"{node.name}/{_CAST_OPS[to]}",
+                        metadata_props=dict(node.metadata_props))
+        graph.insert_before(node, fused)
+        hand_over(node.outputs, fused.outputs)
+        graph.remove(node, safe=True)
+        for dead in (mul, widen):
+            if dead is not None and dead.graph is not None and all(not v.uses() and v not in graph.outputs for v in dead.outputs):
+                graph.remove(dead, safe=True)
+        count += 1
+    return count
+
+
 def lower_fp8_gemms(model: ir.Model, library: bool = False) -> int:
     """Rewrite ``model``'s fp8 products onto ``GemmFloat8`` (with ``library``: bf16 products on
     the kernel library's ``GemmFp8``, rule 6), in place; how many were made.
@@ -446,11 +491,12 @@ def lower_fp8_gemms(model: ir.Model, library: bool = False) -> int:
         lowerer.lower(node)
     lowerer.sweep()
     amaxes = _fuse_amaxes(graph) if lowerer.library else 0
+    casts = _fuse_scale_casts(graph) if lowerer.library else 0
     if lowerer.count > lowerer.library_count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     if lowerer.library_count or amaxes:
         model.opset_imports.setdefault(DOMAIN, 1)
     logger.info("fp8_gemm: %d of %d fp8 products native (%d on the library's GemmFp8, the others on GemmFloat8); "
-                "left emulated: %s; %d amaxes as AbsMax", lowerer.count, len(products), lowerer.library_count,
-                dict(sorted(lowerer.skipped.items())) or "none", amaxes)
+                "left emulated: %s; %d amaxes as AbsMax, %d quantisations as CastToFloat8*", lowerer.count,
+                len(products), lowerer.library_count, dict(sorted(lowerer.skipped.items())) or "none", amaxes, casts)
     return lowerer.count

@@ -14,6 +14,7 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -153,9 +154,33 @@ __global__ void absmax(const void* __restrict__ x, int type, int64_t n, unsigned
   }
 }
 
+__device__ __forceinline__ float load(const void* x, int type, int64_t i) {
+  if (type == 16) return __uint_as_float(static_cast<unsigned>(static_cast<const uint16_t*>(x)[i]) << 16);
+  if (type == 10) return __half2float(static_cast<const __half*>(x)[i]);
+  return static_cast<const float*>(x)[i];
+}
+
+__global__ void cast_fp8(const void* __restrict__ x, int type, int64_t n, const float* __restrict__ scale,
+                         __nv_fp8_storage_t* __restrict__ q, int to) {
+  const float s = *scale;
+  const __nv_fp8_interpretation_t kind = to == 19 ? __NV_E5M2 : __NV_E4M3;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    q[i] = __nv_cvt_float_to_fp8(__fmul_rn(load(x, type, i), s), __NV_SATFINITE, kind);
+}
+
 }  // namespace
 
 extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
+
+extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, void* stream_ptr) {
+  if (n <= 0) return 0;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
+  cast_fp8<<<blocks, 256, 0, static_cast<cudaStream_t>(stream_ptr)>>>(x, type, n, scale,
+                                                                       static_cast<__nv_fp8_storage_t*>(q), to);
+  if (cudaError_t err = cudaGetLastError()) return fail("cast_fp8 launch", static_cast<int>(err));
+  return 0;
+}
 
 extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream_ptr) {
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);

@@ -32,3 +32,8 @@ extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, in
 // float32; a NaN wins (its bits are above infinity's), 0 for n = 0. One pass over x: the amax of a
 // quantised tensor, which ReduceMax(Abs(x)) computes in two (Abs writing a float32 copy).
 extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream);
+
+// q[i] = fp8(x[i] * *scale) for n elements: x of ONNX type ``type`` (1 float32, 10 float16, 16
+// bfloat16), the product rounded to float32, then to fp8 type ``to`` (17 e4m3fn, 19 e5m2) nearest
+// even with saturation (cuda_fp8.h's __NV_SATFINITE, ONNX's Cast saturate=1).
+extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, void* stream);

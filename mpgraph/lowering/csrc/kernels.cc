@@ -1704,11 +1704,13 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   for (size_t i = 0; i < 2; ++i)
     if (t[i].type != MPG_FLOAT8E4M3FN && t[i].type != MPG_FLOAT8E5M2) return status("GemmFp8: A and B must be float8e4m3fn or float8e5m2");
   if (t[0].type == MPG_FLOAT8E5M2 && t[1].type == MPG_FLOAT8E5M2) return status("GemmFp8: A and B cannot both be float8e5m2");
-  if (t[0].dims.size() != 2 || t[1].dims.size() != 2 || t[0].dims[1] != t[1].dims[1])
-    return status("GemmFp8: A must be [M, K] and B [N, K]");
+  // A [..., K]: its leading dims are M (a 3-D activation read as it is, no reshaped copy).
+  if (t[0].dims.size() < 2 || t[1].dims.size() != 2 || t[0].dims.back() != t[1].dims[1])
+    return status("GemmFp8: A must be [..., K] and B [N, K]");
   if (t[2].type != MPG_FLOAT || t[3].type != MPG_FLOAT || t[2].count != 1 || t[3].count != 1)
     return status("GemmFp8: scaleA and scaleB must be one float32 each");
-  GemmFp8Shape s{t[0].dims[0], t[1].dims[0], t[0].dims[1], kernel.gemm_alpha, t[0].type, t[1].type};
+  const int64_t k = t[1].dims[1], m = k ? static_cast<int64_t>(t[0].count) / k : 0;
+  GemmFp8Shape s{m, t[1].dims[0], k, kernel.gemm_alpha, t[0].type, t[1].type};
   if (OrtStatus* st = output(ctx, 0, {s.m, s.n}, &y)) return st;
   if (y.count == 0) return nullptr;
   if (!kernel.cuda) {
@@ -1773,6 +1775,63 @@ OrtStatus* fp8_transpose_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   if (st && !why.empty()) {
     mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
     return status("Fp8Transpose: " + why);
+  }
+  return st;
+}
+
+// float32 -> fp8 (e4m3fn: 3 mantissa bits, bias 7, max 448; e5m2: 2, 15, 57344) rounded to nearest
+// even with saturation, as ONNX's Cast(saturate=1): beyond the largest finite value (infinities
+// too) the largest finite value, NaN a NaN (0x7f with its sign).
+uint8_t float_to_fp8(float f, int type) {
+  const bool e5 = type == MPG_FLOAT8E5M2;
+  const int mbits = e5 ? 2 : 3, bias = e5 ? 15 : 7;
+  const float top = e5 ? 57344.0f : 448.0f;
+  const uint8_t sign = std::signbit(f) ? 0x80 : 0;
+  if (std::isnan(f)) return sign | 0x7f;
+  const float a = std::fabs(f);
+  if (a >= top) return sign | (e5 ? 0x7b : 0x7e);
+  const float tiny = std::ldexp(1.0f, 1 - bias);  // the smallest normal
+  if (a < tiny)  // subnormal steps of 2^(1 - bias - mbits); 2^mbits of them is the smallest normal's code
+    return sign | static_cast<uint8_t>(std::nearbyint(a / std::ldexp(1.0f, 1 - bias - mbits)));
+  int ex = 0;
+  const float fr = std::frexp(a, &ex);  // a = fr 2^ex, fr in [0.5, 1)
+  int e = ex - 1;
+  int q = static_cast<int>(std::nearbyint((fr * 2.0f - 1.0f) * static_cast<float>(1 << mbits)));
+  if (q == 1 << mbits) q = 0, ++e;
+  return sign | static_cast<uint8_t>(((e + bias) << mbits) | q);
+}
+
+// CastToFloat8E4M3FN(X, scale) -> Q, CastToFloat8E5M2(X, scale) -> Q: Q = Cast(X * scale, fp8,
+// saturate=1) with X float32, float16 or bfloat16 (widened exactly) and scale a float32 scalar;
+// the product rounds to float32 first, as the Mul it replaces did. One read of X and one byte
+// written an element, where the quantisation chain wrote a float32 X * scale and read it again
+// (fp8_gemm.py rule 6). CUDA with cuBLASLt builds only, as GemmFp8.
+OrtStatus* cast_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor x, scale, y;
+  if (OrtStatus* st = input(ctx, 0, &x)) return st;
+  if (OrtStatus* st = input(ctx, 1, &scale)) return st;
+  if (x.type != MPG_FLOAT && x.type != MPG_FLOAT16 && x.type != MPG_BFLOAT16)
+    return status("CastToFloat8: X must be float32, float16 or bfloat16");
+  if (scale.type != MPG_FLOAT || scale.count != 1) return status("CastToFloat8: scale must be one float32");
+  if (OrtStatus* st = output(ctx, 0, x.dims, &y)) return st;
+  if (y.count == 0) return nullptr;
+  const int to = y.type;  // the op's fp8 type
+  if (!kernel.cuda) {
+    const float s = scale.data[0];
+    uint8_t* out = reinterpret_cast<uint8_t*>(y.data);
+    for (size_t i = 0; i < x.count; ++i) out[i] = float_to_fp8(load_cpu(x.data, x.type, i) * s, to);
+    return nullptr;
+  }
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, "CastToFloat8", [&](void* stream) {
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_fp8_cuda(x.data, x.type, static_cast<int64_t>(x.count), scale.data, y.data, to, stream));
+    if (rc) why = MPG_GEMM_FP8_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status("CastToFloat8: " + why);
   }
   return st;
 }
@@ -1890,6 +1949,9 @@ const OpSpec kSpecs[] = {
     {"Fp8Transpose", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
     {"AbsMax", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
+    // X float32/float16/bfloat16, scale float32 (input_type); Q the op's fp8 type (elem).
+    {"CastToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
@@ -1899,6 +1961,8 @@ const OpSpec kSpecs[] = {
     {"Fp8Transpose", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
     {"AbsMax", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
+    {"CastToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
 #endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -1926,6 +1990,7 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
   if (spec_of(op).compute == gemm_fp8_compute) return index < 2 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // A, B fp8; scales
+  if (spec_of(op).compute == cast_fp8_compute) return index == 0 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // X; scale
   if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
     return index == 0 ? spec_of(op).elem : index == 1 ? MPG_INT64 : MPG_FLOAT;  // logits, labels, stats/count/dloss
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
