@@ -1,4 +1,4 @@
-"""The CUDA-graph session of a causal LM has no node that ORT 1.31's CUDA provider puts on CPU.
+"""The CUDA-graph session of a causal LM or BERT has no node that ORT 1.31's CUDA provider puts on CPU.
 
 ORT refuses to capture a session as a CUDA graph when one node is not on the CUDA provider
 ("all compute graph nodes have not been partitioned to the CUDAExecutionProvider"). The real
@@ -6,7 +6,10 @@ GPT-2 (TorchScript) and Llama-style (dynamo) bf16 steps had such nodes on the H2
 Pad of the shifted labels in HF's ``ForCausalLMLoss`` (ORT CUDA's Pad is bool/float/double/half
 only), and the ``Shape`` arithmetic that one round of specialisation left unfolded: the pads
 of the gradient ``Pad`` of Llama's rotary ``Slice`` nodes and of GPT-2's padded lm_head
-(``PadGemmColumnsPass``, 50257 -> 50304 columns).
+(``PadGemmColumnsPass``, 50257 -> 50304 columns). The TorchScript BERT's: its
+``token_type_ids`` buffer gathered at the position ids (``GatherElements`` along the sequence)
+did not fold from 64 positions on (onnx's reference evaluator), leaving the gradient of the
+embeddings' ``Add`` as Shape arithmetic.
 
 ``off_cuda`` is what ORT 1.31 CUDA places on CPU, by its registrations: ``Shape``/``Size``
 (their outputs are host memory; ORT puts the arithmetic reading them on CPU), a ``Pad`` outside
@@ -16,7 +19,7 @@ that is not a constant.
 
 Cost: about 6 CPU-s here (a 1030-token GPT-2 exported for the padded-GEMM case) plus the corpus
 exports of GPT-2 (TorchScript) and Llama (dynamo), about 9 CPU-s, shared with the other corpus
-tests of a run.
+tests of a run; about 1 CPU-s for the 64-token BERT.
 """
 
 from __future__ import annotations
@@ -101,12 +104,36 @@ def _wide_gpt2() -> onnx.ModelProto:
     return check.export(models._hf("gpt2", GPT2LMHeadModel(cfg), input_ids=ids, labels=ids), "torchscript").model
 
 
+def _long_bert() -> onnx.ModelProto:
+    """A 64-token BERT masked LM (as real_models.py's, tiny): its TorchScript export gathers the
+    ``token_type_ids`` buffer at the position ids (``GatherElements`` along 64), which onnx's
+    reference evaluator could not fold from 64 positions on, so the embeddings' ``Add`` gradient
+    was Shape arithmetic (Shape, Equal, And, NonZero, a computed Reshape) on ORT's CPU."""
+    import torch
+    from transformers import BertConfig, BertForMaskedLM
+
+    from tests.corpus import check, models
+
+    cfg = BertConfig(vocab_size=models.VOCAB, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(cfg)
+    model.set_attn_implementation("eager")  # as real_models.py exports it
+    ids = models._tokens(1, (2, 64))
+    labels = torch.where(ids % 7 == 0, ids, -100)
+    return check.export(models._hf("bert", model, input_ids=ids, labels=labels), "torchscript").model
+
+
+_BUILT = {"gpt2_wide": _wide_gpt2, "bert_long": _long_bert}
+
+
 def _graph_session(case: str, exporter: str) -> ir.Model:
     """The bf16 step of a corpus model as the trainer's CUDA-graph session gets it: converted for
     cuda, specialised to the batch, then the CUDA rules (the fused attention included)."""
     from tests.corpus import cache
 
-    proto = _wide_gpt2() if case == "gpt2_wide" else cache.exported(case, exporter).model
+    proto = _BUILT[case]() if case in _BUILT else cache.exported(case, exporter).model
     step = build_training_graph(proto, optimizer="adamw", target="cuda", canonicalize=True)
     program = Program(mpgraph.convert(step, "bf16", target="cuda", calibrate=None, validate=False))
     shapes = {s.name: tuple(d if isinstance(d, int) else 2 for d in s.shape) for s in program.data_inputs}
@@ -120,8 +147,8 @@ def _graph_session(case: str, exporter: str) -> ir.Model:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("case", "exporter"), [("gpt2", "torchscript"), ("llama", "dynamo"),
-                                               ("gpt2_wide", "torchscript")])
-def test_causal_lm_graph_session_is_all_cuda(case, exporter):
+                                               ("gpt2_wide", "torchscript"), ("bert_long", "torchscript")])
+def test_graph_session_is_all_cuda(case, exporter):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     model = _graph_session(case, exporter)
@@ -195,3 +222,26 @@ def test_specialising_folds_the_shape_read_behind_a_folded_split():
     assert shape_ops(fixed) == 0 and off_cuda(fixed) == []
     x = np.arange(15, dtype=np.float32).reshape(3, 5)
     np.testing.assert_array_equal(_run(fixed, {"x": x})[0], x[:, :2] + 1)
+
+
+def test_a_buffer_gathered_along_64_positions_folds():
+    """The TorchScript BERT's ``token_type_ids``: a constant buffer gathered at constant position
+    ids (``GatherElements``). onnx's reference evaluator failed from 64 positions on, so the pass
+    folded nothing; now the gathered value is a Constant equal to ORT's result."""
+    from mpgraph.training.fold_constant_subgraphs import FoldConstantSubgraphsPass
+
+    buffer = np.arange(70, dtype=np.int64).reshape(1, 70) * 3
+    index = np.arange(70, dtype=np.int64)[::-1].reshape(1, 70).copy()
+    index[0, :5] -= 70  # negative indices count from the end
+    nodes = [h.make_node("Constant", [], ["b"], value=nh.from_array(buffer)),
+             h.make_node("Constant", [], ["i"], value=nh.from_array(index)),
+             h.make_node("GatherElements", ["b", "i"], ["g"], axis=1), h.make_node("Add", ["x", "g"], ["y"])]
+    graph = h.make_graph(nodes, "g", [h.make_tensor_value_info("x", TP.INT64, [1, 70])],
+                         [h.make_tensor_value_info("y", TP.INT64, [1, 70])],
+                         value_info=[h.make_tensor_value_info("g", TP.INT64, [1, 70])])
+    model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10))
+    x = np.arange(70, dtype=np.int64).reshape(1, 70)
+    expected = _run(model, {"x": x})[0]
+    assert FoldConstantSubgraphsPass(inputs_mark_params=True)(model).modified
+    assert [n.op_type for n in model.graph].count("GatherElements") == 0
+    np.testing.assert_array_equal(_run(model, {"x": x})[0], expected)

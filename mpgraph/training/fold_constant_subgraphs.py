@@ -3,6 +3,7 @@ onnx's reference evaluator computes them in numpy)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 
@@ -98,11 +99,32 @@ def _evaluate(graph: ir.Graph, nodes: list[ir.Node], values: list[ir.Value]) -> 
                         opset_imports=dict(graph.opset_imports), name="fold")
     try:
         proto = ir.to_proto(ir.Model(view, ir_version=max(8, min_ir_version(graph.opset_imports))))  # type: ignore[arg-type]
-        return [np.asarray(a) for a in ReferenceEvaluator(proto).run([v.name or "" for v in values], {})]
+        evaluator = ReferenceEvaluator(proto, new_ops=[_gather_elements()])
+        return [np.asarray(a) for a in evaluator.run([v.name or "" for v in values], {})]
     except Exception as e:  # noqa: BLE001 - the evaluator raises many types; folding is an optimization
         logger.warning("constant folding skipped: the reference evaluator cannot evaluate the constant subgraphs (%s)",
                        first_line(e))
         return None
+
+
+@functools.cache
+def _gather_elements() -> type:
+    """``GatherElements`` for the reference evaluator, by ``np.take_along_axis``: onnx 1.23's own
+    goes through ``np.choose``, which takes at most 64 arrays, and its fallback is wrong for any
+    index but ``[n, 1]`` ("cannot reshape array of size 1 into shape (1,64)"): the TorchScript
+    BERT's ``token_type_ids`` (a buffer gathered at the position ids, 512 long) did not fold, and
+    its gradient was Shape arithmetic on ORT's CPU provider."""
+    from onnx.reference.op_run import OpRun
+
+    class GatherElements(OpRun):
+        op_domain = ""
+
+        def _run(self, data: np.ndarray, indices: np.ndarray, axis: int = 0) -> tuple[np.ndarray]:
+            axis = axis % data.ndim
+            indices = np.where(indices < 0, indices + data.shape[axis], indices)
+            return (np.take_along_axis(data, indices.astype(np.int64), axis=axis),)
+
+    return GatherElements
 
 
 def _foldable(graph: ir.Graph, params: set[ir.Value]) -> list[ir.Node]:
