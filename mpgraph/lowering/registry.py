@@ -49,6 +49,7 @@ from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.pointwise import fuse_pointwise
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
+from mpgraph.lowering.rotary import fuse_rotary
 from mpgraph.lowering.scalars import fuse_adam_scalars
 from mpgraph.lowering.sdpa_layout import read_heads_in_place
 from mpgraph.lowering.softmax import fuse_softmax_grad
@@ -130,6 +131,9 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("sdpa_layout", "all", BOTH, BIT, lambda m, t: read_heads_in_place(m),
                  "a fused attention whose tensors are transposed [B, S, H*D] projections reads and writes those "
                  "directly (3-D layout): no Transpose copies around SdpaForward/SdpaBackward (sdpa_layout.py)"),
+    LoweringRule("rotary", "all", BOTH, Exactness.APPROXIMATE, lambda m, t: fuse_rotary(m, t.provider),
+                 "an ONNX RotaryEmbedding (forward and its gradient's) as the library's one-pass kernel, MLAS's float "
+                 "arithmetic with one rounding per output (rotary.py, csrc/rotary.cu; CPU: float32, ORT's bits)"),
     LoweringRule("attention_expand", "native", CUDA, SAME, lambda m, t: expand_attention(m) if t.provider == "cuda" else 0,
                  "an Attention sdpa left (float32, a mask, softcap, other head dims, no cuDNN) as its function body's "
                  "standard ops in the node's dtype, which ORT CUDA runs (attention_expand.py)"),

@@ -27,6 +27,7 @@
 #include "sdpa.h"
 #include "gemm_bias.h"
 #include "gemm_fp8.h"
+#include "rotary.h"
 
 namespace {
 
@@ -179,6 +180,8 @@ struct Kernel {
   // GemmBias's attributes.
   int64_t gemm_trans_a = 0, gemm_trans_b = 0;
   float gemm_alpha = 1.0f;
+  // RotaryEmbedding's attributes.
+  int64_t rot_interleaved = 0, rot_dim = 0, rot_heads = 0;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -1871,6 +1874,83 @@ OrtStatus* absmax_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   return st;
 }
 
+// RotaryEmbedding(X, cos_cache, sin_cache[, position_ids]) -> Y: ONNX's RotaryEmbedding (opset 23,
+// the same inputs and attributes) in one pass (rotary.cu; ORT's CUDA kernel takes ~41 us a call
+// at Llama's shapes). Rows are X's contiguous head_size blocks; each rotated pair is MLAS's
+// arithmetic (ORT CPU's AVX2 rope) in float, one rounding per output:
+//   y1 = fma(x1, cos, -(x2 * sin)),  y2 = fma(x1, sin, x2 * cos)
+// CPU: float32 (ORT CPU's bits where MLAS takes its AVX2 path); CUDA: float32, float16, bfloat16.
+bool rotary_shape(const Kernel& k, const Tensor& x, const Tensor& c, const Tensor* pos, RotaryShape* p, int64_t* rows,
+                  std::string* why) {
+  if (x.dims.size() == 4) {
+    p->heads = x.dims[1], p->seq = x.dims[2], p->head = static_cast<int>(x.dims[3]), p->bnsh = 1;
+  } else if (x.dims.size() == 3 && k.rot_heads > 0 && x.dims[2] % k.rot_heads == 0) {
+    p->seq = x.dims[1], p->heads = k.rot_heads, p->head = static_cast<int>(x.dims[2] / k.rot_heads), p->bnsh = 0;
+  } else {
+    *why = "X must be 4-D, or 3-D with num_heads dividing its last dim";
+    return false;
+  }
+  p->rdim = k.rot_dim > 0 ? static_cast<int>(k.rot_dim) : p->head;
+  p->interleaved = k.rot_interleaved != 0;
+  *rows = x.dims[0] * p->seq * p->heads;
+  const int64_t half = p->rdim / 2;
+  if (p->rdim % 2 || p->rdim > p->head) *why = "rotary_embedding_dim must be even and at most head_size";
+  else if (pos && (pos->dims.size() != 2 || pos->dims[0] != x.dims[0] || pos->dims[1] != p->seq))
+    *why = "position_ids must be [batch, sequence]";
+  else if (pos && (c.dims.size() != 2 || c.dims[1] != half)) *why = "with position_ids the caches must be [positions, rotary_dim / 2]";
+  else if (!pos && (c.dims.size() != 3 || c.dims[0] != x.dims[0] || c.dims[1] != p->seq || c.dims[2] != half))
+    *why = "without position_ids the caches must be [batch, sequence, rotary_dim / 2]";
+  return why->empty();
+}
+
+void rotary_cpu_row(const float* x, const float* c, const float* s, float* y, const RotaryShape& p) {
+  const int half = p.rdim / 2;
+  for (int k = 0; k < half; ++k) {
+    const int i1 = p.interleaved ? 2 * k : k, i2 = p.interleaved ? 2 * k + 1 : k + half;
+    const float x1 = x[i1], x2 = x[i2];
+    y[i1] = std::fma(x1, c[k], -(x2 * s[k]));
+    y[i2] = std::fma(x1, s[k], x2 * c[k]);
+  }
+  for (int i = p.rdim; i < p.head; ++i) y[i] = x[i];
+}
+
+OrtStatus* rotary_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor x, c, s, pos, y;
+  for (auto [i, t] : {std::pair<size_t, Tensor*>{0, &x}, {1, &c}, {2, &s}})
+    if (OrtStatus* st = input(ctx, i, t)) return st;
+  size_t count = 0;
+  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count);
+  const OrtValue* pv = nullptr;
+  if (count > 3)
+    if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContext_GetInput)(ctx, 3, &pv)) return st;
+  if (pv)
+    if (OrtStatus* st = describe(pv, &pos)) return st;
+  const Tensor* pp = pv ? &pos : nullptr;
+  if (c.type != x.type || s.type != x.type || s.dims != c.dims) return status("RotaryEmbedding: cos/sin caches must match X's type and each other");
+  RotaryShape p{};
+  int64_t rows = 0;
+  std::string why;
+  if (!rotary_shape(kernel, x, c, pp, &p, &rows, &why)) return status("RotaryEmbedding: " + why);
+  if (OrtStatus* st = output(ctx, 0, x.dims, &y)) return st;
+  if (y.count == 0) return nullptr;
+  const int64_t* ids = pp ? reinterpret_cast<const int64_t*>(pos.data) : nullptr;
+  if (!kernel.cuda) {
+    if (x.type != MPG_FLOAT) return status("RotaryEmbedding: the CPU kernel is float32 only");
+    const int64_t half = p.rdim / 2, positions = pp ? c.dims[0] : 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t bs = p.bnsh ? r / (p.heads * p.seq) * p.seq + r % p.seq : r / p.heads;
+      const int64_t at = ids ? ids[bs] : bs;
+      if (ids && (at < 0 || at >= positions)) return status("RotaryEmbedding: a position id is outside the caches");
+      rotary_cpu_row(x.data + r * p.head, c.data + at * half, s.data + at * half, y.data + r * p.head, p);
+    }
+    return nullptr;
+  }
+  return on_gpu(ctx, "RotaryEmbedding", [&](void* stream) {
+    return MPG_CUDA(mpg_rotary_cuda(x.type, x.data, c.data, s.data, ids, y.data, p, rows, stream));
+  });
+}
+
 // -- the ops' callbacks ----------------------------------------------------------------------
 
 const char* kCpu = "CPUExecutionProvider";
@@ -1878,7 +1958,7 @@ const char* kCuda = "CUDAExecutionProvider";
 
 enum { kCudaOnly = 1, kCpuOnly = 2 };
 
-enum { MPG_REQUIRED = 0, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9, MPG_INT64 = 7 };
+enum { MPG_REQUIRED = 0, MPG_OPTIONAL = 1, MPG_VARIADIC = 2, MPG_ANY_TYPE = 0, MPG_BOOL = 9, MPG_INT64 = 7 };
 
 // What ORT asks of an op: its formal inputs and outputs; a variadic formal is the last one.
 struct OpSpec {
@@ -1949,6 +2029,10 @@ const OpSpec kSpecs[] = {
     {"Fp8Transpose", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
     {"AbsMax", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
+    // X, caches T; position_ids int64, optional (input_type, input_kind).
+    {"RotaryEmbedding", MPG_FLOAT, 0, 4, 1, {}, {}, false, 1, 0, 1, rotary_compute},
+    {"RotaryEmbedding", MPG_FLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, rotary_compute},
+    {"RotaryEmbedding", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, rotary_compute},
     // X float32/float16/bfloat16, scale float32 (input_type); Q the op's fp8 type (elem).
     {"CastToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
@@ -1989,6 +2073,7 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == layernorm_grad_bias && index == 0) return MPG_ANY_TYPE;  // dy: float, float16, bfloat16
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
+  if (spec_of(op).compute == rotary_compute && index == 3) return MPG_INT64;  // position_ids
   if (spec_of(op).compute == gemm_fp8_compute) return index < 2 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // A, B fp8; scales
   if (spec_of(op).compute == cast_fp8_compute) return index == 0 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // X; scale
   if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
@@ -2003,6 +2088,7 @@ int output_type(const MpgCustomOp* op, size_t index) {
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
 size_t op_outputs(const MpgCustomOp* op) { return spec_of(op).outputs; }
 int input_kind(const MpgCustomOp* op, size_t index) {
+  if (spec_of(op).compute == rotary_compute && index == 3) return MPG_OPTIONAL;  // position_ids
   return spec_of(op).variadic && index + 1 == spec_of(op).inputs ? MPG_VARIADIC : MPG_REQUIRED;
 }
 int output_kind(const MpgCustomOp* op, size_t index) {
@@ -2064,6 +2150,11 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
   }
   if (made->spec->compute == gemm_fp8_compute)
     attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
+  if (made->spec->compute == rotary_compute) {
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "interleaved", 0, &made->rot_interleaved);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "rotary_embedding_dim", 0, &made->rot_dim);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "num_heads", 0, &made->rot_heads);
+  }
   if (made->spec->compute == pointwise_compute) made->pw = pointwise_parse(string_attribute(api, info, "program"),
                                                                           string_attribute(api, info, "outputs"));
   *kernel = made;

@@ -1,0 +1,82 @@
+"""Run ONNX ``RotaryEmbedding`` nodes as the library's one-pass kernel (a session lowering).
+
+Llama-style models rotate Q and K in every layer; the gradient rule applies the same op to
+the gradients (``RotaryEmbedding(dy, cos, -sin)``, ``mpgraph/autodiff/rules/attention.py``), and
+``sdpa_layout`` moves all four to the op's 3-D ``num_heads`` form. ORT's CUDA kernel
+(``RotaryEmbeddingBSNH``) runs one thread an element, one block a row of a head, in T: on the
+H200 a Llama-style 125M bf16 step (``[8, 1024, H * 64]``) spends 1.96 ms in its 48 calls, ~41 us
+each, where the traffic (X in, Y out, the caches) is a few us. ``ai.mpgraph.RotaryEmbedding``
+takes the node as it is (the same inputs, ``position_ids`` or none, and attributes:
+``interleaved``, ``rotary_embedding_dim``, ``num_heads``) and runs it as one bandwidth-bound
+pass, 16 bytes a load (``csrc/rotary.cu``)::
+
+    Y = RotaryEmbedding(X, cos, sin[, position_ids])    ->    Y = ai.mpgraph.RotaryEmbedding(...)
+
+Each rotated pair ``(x1, x2)`` is computed as MLAS (ORT CPU's AVX2 kernel) does, in float with
+one rounding per output: ``y1 = fma(x1, cos, -(x2 * sin))``, ``y2 = fma(x1, sin, x2 * cos)``. On
+ORT CPU (float32, the library's reference loop) that is ORT's own result, bit for bit
+(``tests/test_lowering_rotary.py``); ORT CUDA rounds each step of its T arithmetic to T, so in
+bfloat16 its outputs may differ from the kernel's by an ulp or two (``approximate`` in the
+registry's terms: the same terms with fewer roundings, as ``matmul_bias``).
+
+Left as they are: X of another type than the provider's kernel takes (float32 on CPU; float32,
+float16 or bfloat16 on CUDA), caches of another type than X, ``position_ids`` that is not int64,
+X neither 4-D nor 3-D with ``num_heads``, and an odd or too large ``rotary_embedding_dim``.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+
+from mpgraph.lowering.match import DOMAIN, is_op, replace
+
+__all__ = ["fuse_rotary"]
+
+_TYPES = {
+    "cpu": (ir.DataType.FLOAT,),
+    "cuda": (ir.DataType.FLOAT, ir.DataType.FLOAT16, ir.DataType.BFLOAT16),
+}
+_ATTRS = ("interleaved", "rotary_embedding_dim", "num_heads")
+
+
+def _int(node: ir.Node, name: str) -> int:
+    attr = node.attributes.get(name)
+    return attr.as_int() if attr is not None else 0
+
+
+def _takes(node: ir.Node, types: tuple[ir.DataType, ...]) -> bool:
+    """Whether the library's kernel computes ``node`` as ONNX defines it."""
+    inputs = list(node.inputs) + [None] * (4 - len(node.inputs))
+    x, cos, sin, pos = inputs[:4]
+    if x is None or cos is None or sin is None or len(node.inputs) > 4 or x.dtype not in types:
+        return False
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or (pos is not None and pos.dtype != ir.DataType.INT64):
+        return False
+    rank = len(x.shape) if x.shape is not None else None
+    heads, rdim = _int(node, "num_heads"), _int(node, "rotary_embedding_dim")
+    if rank not in (3, 4) or (rank == 3 and heads <= 0) or rdim < 0 or rdim % 2:
+        return False
+    head = x.shape[3] if rank == 4 else (x.shape[2] // heads if isinstance(x.shape[2], int) else None)  # type: ignore[index]
+    return not (isinstance(head, int) and rdim > head)
+
+
+def fuse_rotary(model: ir.Model, provider: str) -> int:
+    """Replace every ONNX ``RotaryEmbedding`` in ``model``'s main graph that the library's kernel
+    takes on ``provider`` by ``ai.mpgraph.RotaryEmbedding``, in place; how many were replaced."""
+    graph = model.graph
+    types = _TYPES.get(provider, ())
+    fused = 0
+    for node in [n for n in graph if is_op(n, "RotaryEmbedding")]:
+        if not _takes(node, types):
+            continue
+        inputs = list(node.inputs)
+        while inputs and inputs[-1] is None:
+            inputs.pop()
+        attrs = [ir.AttrInt64(name, _int(node, name)) for name in _ATTRS if name in node.attributes]
+        new = ir.Node(DOMAIN, "RotaryEmbedding", inputs, attributes=attrs, name=f"{node.name}/fused",
+                      metadata_props=dict(node.metadata_props))
+        replace(graph, [node], new, (node.outputs[0],), before=node)
+        fused += 1
+    if fused:
+        model.opset_imports.setdefault(DOMAIN, 1)
+    return fused

@@ -1,0 +1,131 @@
+"""The ``rotary`` lowering (``mpgraph/lowering/rotary.py``): ONNX ``RotaryEmbedding`` as the
+library's kernel, against ORT's own ``RotaryEmbedding`` on ORT CPU.
+
+Every form the op has: 3-D with ``num_heads`` and 4-D X, interleaved or not, with
+``position_ids`` (2-D caches) or without (3-D caches), the whole head rotated or a partial
+``rotary_embedding_dim``. The library's CPU loop computes each pair as MLAS's AVX2 kernel does
+(float, ``fma``, one rounding an output), so on a CPU where ORT takes that path the outputs are
+ORT's bits. Elsewhere within 2 float32 ulps of max |y|: on a CPU without AVX2 and FMA MLAS's
+scalar fallback rounds ``x1 * cos`` first, and so does ORT 1.32's AVX2 kernel for every pair but
+the first of an interleaved rotation shorter than 16 (measured: ``3d-partial-interleaved``,
+rotary_embedding_dim 12, pairs 1-5 are ``round(x1 * cos) - round(x2 * sin)``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from onnx import TensorProto, helper
+
+from mpgraph.lowering.rotary import fuse_rotary
+from tests.helpers import run_named
+
+B, S, N, H = 2, 5, 3, 16
+
+
+def _cpu_has_fma() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx2" in flags and " fma" in flags
+
+
+def _rotary(*, rank: int, interleaved: int, positions: bool, rdim: int = 0,
+            dtype: int = TensorProto.FLOAT) -> ir.Model:
+    x_shape = [B, S, N * H] if rank == 3 else [B, N, S, H]
+    half = (rdim or H) // 2
+    cache = [S + 3, half] if positions else [B, S, half]
+    inputs = [helper.make_tensor_value_info("x", dtype, x_shape), helper.make_tensor_value_info("cos", dtype, cache),
+              helper.make_tensor_value_info("sin", dtype, cache)]
+    if positions:
+        inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S]))
+    attrs = {"interleaved": interleaved}
+    if rank == 3:
+        attrs["num_heads"] = N
+    if rdim:
+        attrs["rotary_embedding_dim"] = rdim
+    node = helper.make_node("RotaryEmbedding", [i.name for i in inputs], ["y"], name="rope", **attrs)
+    graph = helper.make_graph([node], "rope", inputs, [helper.make_tensor_value_info("y", dtype, x_shape)])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    return ir.from_proto(proto)
+
+
+def _feeds(model: ir.Model, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for value in model.graph.inputs:
+        shape = [int(d) for d in value.shape]
+        if value.name == "pos":
+            feeds["pos"] = rng.integers(0, S + 3, size=shape).astype(np.int64)
+        elif value.name in ("cos", "sin"):
+            angle = rng.uniform(-np.pi, np.pi, size=shape)
+            feeds[value.name] = (np.cos(angle) if value.name == "cos" else np.sin(angle)).astype(np.float32)
+        else:
+            feeds[value.name] = rng.standard_normal(shape).astype(np.float32) * 3
+    return feeds
+
+
+FORMS = [
+    pytest.param(dict(rank=3, interleaved=0, positions=False), id="3d"),
+    pytest.param(dict(rank=3, interleaved=1, positions=False), id="3d-interleaved"),
+    pytest.param(dict(rank=3, interleaved=0, positions=True), id="3d-positions"),
+    pytest.param(dict(rank=4, interleaved=0, positions=True), id="4d-positions"),
+    pytest.param(dict(rank=4, interleaved=1, positions=False), id="4d-interleaved"),
+    pytest.param(dict(rank=3, interleaved=0, positions=True, rdim=8), id="3d-partial"),
+    pytest.param(dict(rank=3, interleaved=1, positions=False, rdim=12), id="3d-partial-interleaved"),
+    pytest.param(dict(rank=4, interleaved=0, positions=False, rdim=8), id="4d-partial"),
+]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_kernel_is_orts_rotary_embedding(form):
+    model = _rotary(**form)
+    feeds = _feeds(model, seed=len(str(form)))
+    want = run_named(model, feeds)["y"]
+    lowered = _rotary(**form)
+    assert fuse_rotary(lowered, "cpu") == 1
+    (node,) = list(lowered.graph)
+    assert (node.domain, node.op_type) == ("ai.mpgraph", "RotaryEmbedding")
+    assert {k: a.as_int() for k, a in node.attributes.items()} == \
+        {k: a.as_int() for k, a in next(iter(model.graph)).attributes.items()}
+    got = run_named(lowered, feeds, library=True)["y"]
+    assert not np.array_equal(got, feeds["x"])  # it rotates
+    if _cpu_has_fma() and not (form["interleaved"] and form.get("rdim", H) % 16):
+        np.testing.assert_array_equal(got, want)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(want).max())
+
+
+def test_what_is_left_alone():
+    """A bfloat16 node on CPU (the CPU loop is float32), caches of another type than X, a 3-D X
+    without ``num_heads``, an odd ``rotary_embedding_dim``; on CUDA the bfloat16 node is taken."""
+    bf16 = _rotary(rank=3, interleaved=0, positions=True, dtype=TensorProto.BFLOAT16)
+    assert fuse_rotary(bf16, "cpu") == 0
+    assert fuse_rotary(bf16, "cuda") == 1
+    mixed = _rotary(rank=3, interleaved=0, positions=True)
+    mixed.graph.inputs[1].dtype = ir.DataType.FLOAT16
+    assert fuse_rotary(mixed, "cuda") == 0
+    no_heads = _rotary(rank=3, interleaved=0, positions=False)
+    del next(iter(no_heads.graph)).attributes["num_heads"]
+    assert fuse_rotary(no_heads, "cuda") == 0
+    odd = _rotary(rank=4, interleaved=0, positions=False, rdim=8)
+    next(iter(odd.graph)).attributes["rotary_embedding_dim"] = ir.AttrInt64("rotary_embedding_dim", 7)
+    assert fuse_rotary(odd, "cuda") == 0
+
+
+def test_wrong_shapes_are_an_error_naming_the_op():
+    """Caches that do not fit X: the kernel refuses with the op's name, never reads past them."""
+    import onnxruntime as ort
+
+    model = _rotary(rank=3, interleaved=0, positions=False)
+    assert fuse_rotary(model, "cpu") == 1
+    feeds = _feeds(_rotary(rank=3, interleaved=0, positions=False), seed=1)
+    feeds["cos"] = feeds["cos"][:, :, :4].copy()
+    feeds["sin"] = feeds["sin"][:, :, :4].copy()
+    for value in model.graph.inputs[1:3]:
+        value.shape = ir.Shape([B, S, 4])
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="RotaryEmbedding: without position_ids"):
+        run_named(model, feeds, library=True)
