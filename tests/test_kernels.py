@@ -302,10 +302,10 @@ def test_every_lowering_is_a_registered_documented_rule():
     assert all(r.scope in (*kernels.SCOPES, "deterministic") and r.providers <= {"cpu", "cuda"} and r.providers
                and isinstance(r.exactness, Exactness) and r.doc for r in RULES)
     order = {(p, s): [r.name for r in RULES if r.runs(p, s)] for p in ("cpu", "cuda") for s in kernels.SCOPES}
-    library = ["sdpa", "sdpa_layout", "adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "rmsnorm_grad", "swiglu_grad", "swiglu",
+    library = ["sdpa", "sdpa_layout", "rotary", "adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "rmsnorm_grad", "swiglu_grad", "swiglu",
                "unscale", "multi_cast", "fold_transposes", "softmax_grad", "cross_entropy", "relu_grad"]
-    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "sdpa_layout", "attention_expand",
-                                                                *library[2:], "sce_grad", "fold_scales", "gemm_bias",
+    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "sdpa_layout", "rotary",
+                                                                "attention_expand", *library[3:], "sce_grad", "fold_scales", "gemm_bias",
                                                                 "matmul_bias", "gemm_bias_gelu", "pointwise", "free_early"]
     assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales", "gemm_bias", "matmul_bias", "gemm_bias_gelu", "pointwise"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
