@@ -114,10 +114,10 @@ __global__ void round_to_bf16(const float* __restrict__ x, __nv_bfloat16* __rest
 }
 
 // 32 x 32 tiles through shared memory (a padded row against bank conflicts); blocks of 32 x 8
-// threads, each thread four rows of its tile.
+// threads, each thread four rows of its tile; tile rows along the grid's x (no 65535 limit).
 __global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restrict__ y, int64_t rows, int64_t cols) {
   __shared__ uint8_t tile[32][33];
-  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * 32, r0 = static_cast<int64_t>(blockIdx.y) * 32;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 32, c0 = static_cast<int64_t>(blockIdx.y) * 32;
   for (int i = threadIdx.y; i < 32; i += 8) {
     const int64_t r = r0 + i, c = c0 + threadIdx.x;
     if (r < rows && c < cols) tile[i][threadIdx.x] = x[r * cols + c];
@@ -194,9 +194,9 @@ extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, v
 
 extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream_ptr) {
   if (rows <= 0 || cols <= 0) return 0;
-  const int64_t grid_y = (rows + 31) / 32;
-  if (grid_y > 65535) return fail("transpose_bytes: more than 65535 x 32 rows", -1);
-  const dim3 grid(static_cast<unsigned>((cols + 31) / 32), static_cast<unsigned>(grid_y)), block(32, 8);
+  const int64_t grid_y = (cols + 31) / 32;  // rows along x (2^31 - 1 tiles), columns along y
+  if (grid_y > 65535) return fail("transpose_bytes: more than 65535 x 32 columns", -1);
+  const dim3 grid(static_cast<unsigned>((rows + 31) / 32), static_cast<unsigned>(grid_y)), block(32, 8);
   transpose_bytes<<<grid, block, 0, static_cast<cudaStream_t>(stream_ptr)>>>(static_cast<const uint8_t*>(x),
                                                                               static_cast<uint8_t*>(y), rows, cols);
   if (cudaError_t err = cudaGetLastError()) return fail("transpose_bytes launch", static_cast<int>(err));
