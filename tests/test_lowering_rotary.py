@@ -164,3 +164,28 @@ def test_step_forward_and_gradient_nodes_both_lowered():
             np.testing.assert_array_equal(got[name], value, err_msg=name)
         else:
             np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
+
+
+def test_llama_block_after_sdpa_layout_keeps_its_bits():
+    """``test_lowering_sdpa_layout``'s Llama-form block (GQA, Q and K rotated, fused attention),
+    after ``sdpa`` and ``sdpa_layout`` as a plan runs them: its four 3-D rotaries (Q, K and their
+    gradients) are taken and every output of the AdamW step keeps its bits on ORT CPU."""
+    from mpgraph.lowering.attention import fuse_attention
+    from mpgraph.lowering.sdpa_layout import read_heads_in_place
+    from mpgraph.lowering.specialize import specialize_shapes
+    from mpgraph.training import build_training_graph
+    from tests.test_lowering_sdpa_layout import _rotary_block
+
+    step = specialize_shapes(build_training_graph(_rotary_block(), optimizer="adamw", lr=1e-2), {"x": [2, 8, 32]})
+    assert fuse_attention(step, "cpu") == 1 and read_heads_in_place(step) == 1
+    lowered = ir.from_proto(ir.to_proto(step))
+    assert fuse_rotary(lowered, "cpu") == 4
+    assert not [n for n in lowered.graph if n.op_type == "RotaryEmbedding" and n.domain == ""]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)}
+    want, got = run_named(step, feeds, library=True), run_named(lowered, feeds, library=True)
+    assert want.keys() == got.keys()
+    for name, value in want.items():
+        if _cpu_has_fma():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+        else:
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
