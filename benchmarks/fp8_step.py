@@ -2,10 +2,11 @@
 
 Each model (the zoo ``GPT``, seeded, exported once so both sides start from the same weights)
 becomes an AdamW step graph converted with ``bf16`` and with ``fp8`` (native: the ``fp8_gemm``
-lowering puts its products on ``com.microsoft.GemmFloat8``). Both train on the same batches of
-a learnable next-token task (a fixed random Markov chain, four likely successors per token),
-in alternating rounds; it prints ms/step (median over the rounds after the first), the mean
-loss of the last 10 steps for both, their ratios, and how many fp8 products ran natively.
+lowering puts its products on the kernel library's ``GemmFp8`` or on ``com.microsoft.GemmFloat8``,
+see below). Both train on the same batches of a learnable next-token task (a fixed random Markov
+chain, four likely successors per token), in alternating rounds; it prints ms/step (median over
+the rounds after the first), the mean loss of the last 10 steps for both, their ratios, which op
+the fp8 products ran on and how many, and whether each side ran as a CUDA graph.
 
 First it probes ``GemmFloat8`` itself on 64x64 problems, in exactly the configurations the
 lowering writes for these bf16 products (``fp8_gemm.gemm_dtype``: E4M3 x E4M3 into bf16,
@@ -41,6 +42,7 @@ GemmFloat8 cannot run, so they stay quantise-dequantise chains on [B, H, T, T] t
 attention backward is not fused). Nothing is written; the lead commits the log.
 
     source .ortgpu/stage.sh && python3 benchmarks/fp8_step.py --steps 200 --rounds 10
+    source .ortgpu/stage.sh && python3 benchmarks/fp8_step.py --models gemm --steps 60 --rounds 6 --bf16-plain
 """
 
 from __future__ import annotations
