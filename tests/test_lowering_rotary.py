@@ -116,6 +116,14 @@ def test_what_is_left_alone():
     assert fuse_rotary(odd, "cuda") == 0
 
 
+def test_switched_off_by_the_environment(monkeypatch):
+    """``MPGRAPH_ROTARY=ort``: every rotary stays ORT's (a whole-step A/B)."""
+    monkeypatch.setenv("MPGRAPH_ROTARY", "ort")
+    assert fuse_rotary(_rotary(rank=3, interleaved=0, positions=False), "cpu") == 0
+    monkeypatch.setenv("MPGRAPH_ROTARY", "")
+    assert fuse_rotary(_rotary(rank=3, interleaved=0, positions=False), "cpu") == 1
+
+
 def test_wrong_shapes_are_an_error_naming_the_op():
     """Caches that do not fit X: the kernel refuses with the op's name, never reads past them."""
     import onnxruntime as ort

@@ -19,6 +19,9 @@ ORT CPU (float32, the library's reference loop) that is ORT's own result, bit fo
 bfloat16 its outputs may differ from the kernel's by an ulp or two (``approximate`` in the
 registry's terms: the same terms with fewer roundings, as ``matmul_bias``).
 
+``MPGRAPH_ROTARY=ort`` in the environment turns the rule off (every rotary stays ORT's): the
+switch for an A/B of a whole training step, as ``MPGRAPH_GEMM_BIAS=ort`` is for ``gemm_bias``.
+
 Left as they are: X of another type than the provider's kernel takes (float32 on CPU; float32,
 float16 or bfloat16 on CUDA), caches of another type than X, ``position_ids`` that is not int64,
 X neither 4-D nor 3-D with ``num_heads``, and an odd or too large ``rotary_embedding_dim``.
@@ -26,11 +29,16 @@ X neither 4-D nor 3-D with ``num_heads``, and an odd or too large ``rotary_embed
 
 from __future__ import annotations
 
+import logging
+import os
+
 import onnx_ir as ir
 
 from mpgraph.lowering.match import DOMAIN, is_op, replace
 
 __all__ = ["fuse_rotary"]
+
+logger = logging.getLogger(__name__)
 
 _TYPES = {
     "cpu": (ir.DataType.FLOAT,),
@@ -63,6 +71,9 @@ def _takes(node: ir.Node, types: tuple[ir.DataType, ...]) -> bool:
 def fuse_rotary(model: ir.Model, provider: str) -> int:
     """Replace every ONNX ``RotaryEmbedding`` in ``model``'s main graph that the library's kernel
     takes on ``provider`` by ``ai.mpgraph.RotaryEmbedding``, in place; how many were replaced."""
+    if os.environ.get("MPGRAPH_ROTARY", "") == "ort":
+        logger.info("rotary off: MPGRAPH_ROTARY=ort")
+        return 0
     graph = model.graph
     types = _TYPES.get(provider, ())
     fused = 0
