@@ -5,9 +5,11 @@ back, run as ORT's ``RotaryEmbedding`` and with the ``rotary`` rule applied: Lla
 (bfloat16 ``[8, 1024, 12 * 64]`` and ``[8, 1024, 4 * 64]``, 3-D caches, no position ids, the
 16-byte path), then every other form in float32, float16 and bfloat16 (4-D, interleaved,
 position ids, partial rotary_embedding_dim, a half rotation of 20 that takes the one-element
-path). The kernel rounds once per output (float, MLAS's fma), so it is within half an ulp of T
-(plus float32 rounding) of the float64 rotation; ORT CUDA rounds each step of its T arithmetic,
-so the two differ by at most 2 ulps of T at max |x|. Marked ``gpu``: skipped without CUDA or
+path in float16 and bfloat16). The kernel rounds once per output (float, MLAS's fma), so it is
+within half an ulp of T (plus float32 rounding) of the float64 rotation; ORT CUDA rounds each
+step of its T arithmetic (x1 * cos, x2 * sin, their sum), so with the kernel's rounding the two
+differ by at most six half-ulps of max |x| (|y| <= sqrt(2) max |x|, so y's half-ulp may be two):
+3 ulps of T at max |x|. Marked ``gpu``: skipped without CUDA or
 onnxruntime-gpu.
 """
 
@@ -133,4 +135,4 @@ def test_kernel_against_ort_cuda_rotary_embedding(library: str, dtype, b, s, n, 
     eps, big = EPS[dtype], np.abs(feeds["x"]).max()
     # One rounding to T: half an ulp of |y|, plus float32's roundings of the terms (|y| <= 2 max|x|).
     np.testing.assert_allclose(got, exact, rtol=eps / 2, atol=4 * 2.0 ** -24 * big)
-    np.testing.assert_allclose(got, want, rtol=0, atol=2 * eps * big)
+    np.testing.assert_allclose(got, want, rtol=0, atol=3 * eps * big)
