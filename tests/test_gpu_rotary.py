@@ -40,14 +40,24 @@ def library() -> str:
 
 
 def _graph(dtype: int, b: int, s: int, n: int, h: int, *, rank: int = 3, interleaved: int = 0, rdim: int = 0,
-           positions: bool = False) -> onnx.ModelProto:
+           positions: bool = False, broadcast: bool = False, negate: bool = False) -> onnx.ModelProto:
+    """``broadcast``: the caches are ``[1, S, half]`` expanded to the batch; ``negate``: sin
+    negated (Llama's planned backward)."""
     f32 = TensorProto.FLOAT
     x_shape = [b, s, n * h] if rank == 3 else [b, n, s, h]
-    cache = [s + 7, (rdim or h) // 2] if positions else [b, s, (rdim or h) // 2]
+    cache = [s + 7, (rdim or h) // 2] if positions else [1 if broadcast else b, s, (rdim or h) // 2]
     inputs = [helper.make_tensor_value_info("x", f32, x_shape), helper.make_tensor_value_info("cos", f32, cache),
               helper.make_tensor_value_info("sin", f32, cache)]
     nodes = [helper.make_node("Cast", [name], [name + "_t"], to=dtype) for name in ("x", "cos", "sin")]
     args = ["x_t", "cos_t", "sin_t"]
+    if broadcast:
+        to = helper.make_tensor("to", TensorProto.INT64, [3], [b, s, (rdim or h) // 2])
+        nodes += [helper.make_node("Constant", [], ["to"], value=to), helper.make_node("Expand", ["cos_t", "to"], ["cos_b"]),
+                  helper.make_node("Expand", ["sin_t", "to"], ["sin_b"])]
+        args = ["x_t", "cos_b", "sin_b"]
+    if negate:
+        nodes.append(helper.make_node("Neg", [args[2]], ["sin_n"]))
+        args[2] = "sin_n"
     if positions:
         inputs.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [b, s]))
         args.append("pos")
@@ -82,12 +92,15 @@ def _feeds(model: onnx.ModelProto, dtype: int, seed: int) -> dict[str, np.ndarra
     return feeds
 
 
-def _exact(feeds: dict[str, np.ndarray], rank: int, n: int, h: int, interleaved: int, rdim: int) -> np.ndarray:
+def _exact(feeds: dict[str, np.ndarray], rank: int, n: int, h: int, interleaved: int, rdim: int,
+           negate: bool = False) -> np.ndarray:
     """The rotation in float64, laid out as X."""
     x = feeds["x"].astype(np.float64)
     b, s = (x.shape[0], x.shape[1]) if rank == 3 else (x.shape[0], x.shape[2])
     x = x.reshape(b, s, n, h) if rank == 3 else x.transpose(0, 2, 1, 3)
     cos, sin = feeds["cos"].astype(np.float64), feeds["sin"].astype(np.float64)
+    if negate:
+        sin = -sin
     if "pos" in feeds:
         cos, sin = cos[feeds["pos"]], sin[feeds["pos"]]
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
@@ -112,12 +125,16 @@ def _run(model: onnx.ModelProto, feeds: dict[str, np.ndarray], custom_ops: str |
 CASES = [
     pytest.param(TensorProto.BFLOAT16, 8, 1024, 12, 64, {}, id="llama-q-bf16"),
     pytest.param(TensorProto.BFLOAT16, 8, 1024, 4, 64, {}, id="llama-k-bf16"),
+    pytest.param(TensorProto.BFLOAT16, 8, 1024, 12, 64, {"broadcast": True, "negate": True}, id="llama-q-grad-bf16"),
     *[pytest.param(dtype, 2, 33, 3, h, form, id=f"{name}-{tag}")
       for dtype, tag in ((TensorProto.FLOAT, "f32"), (TensorProto.FLOAT16, "f16"), (TensorProto.BFLOAT16, "bf16"))
       for name, h, form in (("3d", 64, {}), ("4d-positions", 64, {"rank": 4, "positions": True}),
                             ("interleaved", 64, {"interleaved": 1}), ("partial", 64, {"rdim": 32, "positions": True}),
                             ("partial-interleaved-4d", 64, {"rank": 4, "interleaved": 1, "rdim": 48}),
-                            ("one-element-path", 40, {}))],
+                            ("one-element-path", 40, {}),
+                            ("expand-neg-4d-interleaved", 64, {"rank": 4, "interleaved": 1, "broadcast": True,
+                                                               "negate": True}),
+                            ("expand-neg-one-element-path", 40, {"broadcast": True, "negate": True}))],
 ]
 
 
@@ -131,7 +148,10 @@ def test_kernel_against_ort_cuda_rotary_embedding(library: str, dtype, b, s, n, 
     feeds = _feeds(model, dtype, seed=b * s + h)
     want = _run(model, feeds, None)
     got = _run(ir.to_proto(lowered), feeds, library)
-    exact = _exact(feeds, form.get("rank", 3), n, h, form.get("interleaved", 0), form.get("rdim", 0))
+    exact = _exact(feeds, form.get("rank", 3), n, h, form.get("interleaved", 0), form.get("rdim", 0),
+                   form.get("negate", False))
+    if form.get("broadcast"):  # the Expand and Neg are read through and gone
+        assert not [node for node in lowered.graph if node.op_type in ("Expand", "Neg")]
     eps, big = EPS[dtype], np.abs(feeds["x"]).max()
     # One rounding to T: half an ulp of |y|, plus float32's roundings of the terms (|y| <= 2 max|x|).
     np.testing.assert_allclose(got, exact, rtol=eps / 2, atol=4 * 2.0 ** -24 * big)

@@ -14,6 +14,7 @@ rotary_embedding_dim 12, pairs 1-5 are ``round(x1 * cos) - round(x2 * sin)``).
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
@@ -99,6 +100,54 @@ def test_kernel_is_orts_rotary_embedding(form):
         np.testing.assert_allclose(got, want, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(want).max())
 
 
+def _expanded(*, negate: bool, share: bool = True) -> ir.Model:
+    """Llama's planned backward: caches ``[1, S, half]`` expanded to the batch (ONNX asks
+    ``[B, S, half]`` without position ids), sin negated, a 3-D rotary; with ``share`` the
+    expanded caches are graph outputs too (read elsewhere: they stay)."""
+    f32, half = TensorProto.FLOAT, H // 2
+    inputs = [helper.make_tensor_value_info("x", f32, [B, S, N * H]),
+              helper.make_tensor_value_info("cos", f32, [1, S, half]), helper.make_tensor_value_info("sin", f32, [1, S, half])]
+    shape = helper.make_tensor("shape", TensorProto.INT64, [3], [B, S, half])
+    nodes = [helper.make_node("Constant", [], ["to"], value=shape),
+             helper.make_node("Expand", ["cos", "to"], ["cos_b"]), helper.make_node("Expand", ["sin", "to"], ["sin_b"])]
+    sin = "sin_b"
+    if negate:
+        nodes.append(helper.make_node("Neg", ["sin_b"], ["nsin"]))
+        sin = "nsin"
+    nodes.append(helper.make_node("RotaryEmbedding", ["x", "cos_b", sin], ["y"], num_heads=N))
+    outputs = [helper.make_tensor_value_info("y", f32, [B, S, N * H])]
+    if share:
+        outputs.append(helper.make_tensor_value_info("cos_b", f32, [B, S, half]))
+    graph = helper.make_graph(nodes, "rope", inputs, outputs)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10)
+    return ir.from_proto(onnx.shape_inference.infer_shapes(proto))  # a step graph records them
+
+
+@pytest.mark.parametrize("negate", [False, True])
+@pytest.mark.parametrize("share", [False, True])
+def test_caches_read_before_expand_and_neg(negate, share):
+    """The kernel reads ``[1, S, half]`` caches for every batch row and rotates by -sin itself
+    (``negate_sin``): the rule reads the caches before the graph's Expand and Neg, which go when
+    nothing else reads them, and the outputs keep ORT's bits."""
+    model, lowered = _expanded(negate=negate, share=share), _expanded(negate=negate, share=share)
+    rng = np.random.default_rng(3)
+    angle = rng.uniform(-np.pi, np.pi, size=(1, S, H // 2))
+    feeds = {"x": rng.standard_normal((B, S, N * H)).astype(np.float32) * 3,
+             "cos": np.cos(angle).astype(np.float32), "sin": np.sin(angle).astype(np.float32)}
+    assert fuse_rotary(lowered, "cpu") == 1
+    node = next(n for n in lowered.graph if n.op_type == "RotaryEmbedding")
+    assert [v.name for v in node.inputs] == ["x", "cos", "sin"]
+    assert (node.attributes["negate_sin"].as_int() if "negate_sin" in node.attributes else 0) == int(negate)
+    left = sorted(n.op_type for n in lowered.graph if n.op_type != "RotaryEmbedding")
+    assert left == (["Constant", "Expand"] if share else [])
+    want, got = run_named(model, feeds), run_named(lowered, feeds, library=True)
+    for name, value in want.items():
+        if _cpu_has_fma():
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+        else:
+            np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
+
+
 def test_what_is_left_alone():
     """A bfloat16 node on CPU (the CPU loop is float32), caches of another type than X, a 3-D X
     without ``num_heads``, an odd ``rotary_embedding_dim``; on CUDA the bfloat16 node is taken."""
@@ -144,8 +193,6 @@ def test_step_forward_and_gradient_nodes_both_lowered():
     gradient rule's ``RotaryEmbedding(dy, cos, -sin)`` both become the library's op, and the
     lowered step gives the unlowered step's loss and gradient bit for bit on ORT CPU (AVX2+FMA;
     elsewhere within 2 ulps)."""
-    import onnx
-
     from mpgraph.lowering import PlanOptions, plan_session
     from mpgraph.training import build_training_graph
 
@@ -163,6 +210,7 @@ def test_step_forward_and_gradient_nodes_both_lowered():
     assert dict(plan.applied)["rotary"] == 2
     lowered = ir.from_proto(onnx.load_from_string(plan.graph))
     assert [n.domain for n in lowered.graph if n.op_type == "RotaryEmbedding"] == ["ai.mpgraph"] * 2
+    assert not [n for n in lowered.graph if n.op_type == "Neg"]  # the gradient's -sin: negate_sin
     feeds = _feeds(_rotary(rank=3, interleaved=0, positions=False), seed=7)
     feeds["w"] = np.random.default_rng(8).standard_normal(shape).astype(np.float32)
     want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)

@@ -12,6 +12,13 @@ pass, 16 bytes a load (``csrc/rotary.cu``)::
 
     Y = RotaryEmbedding(X, cos, sin[, position_ids])    ->    Y = ai.mpgraph.RotaryEmbedding(...)
 
+Two of the graph's small kernels around the nodes go too: the kernel reads caches of
+``[1, S, rotary_dim / 2]`` for every batch row (ONNX asks ``[B, S, ...]`` without
+``position_ids``, so ``normalize_forward`` expands them: the rule reads the ``Expand``'s input),
+and its ``negate_sin`` attribute rotates by -sin (the rule reads the gradient's ``Neg(sin)``'s
+input; negation is exact). The Llama-style step's 48 ``Expand`` and 24 ``Neg`` (each a launch
+writing ``[8, 1024, 32]``) are then unread and removed.
+
 Each rotated pair ``(x1, x2)`` is computed as MLAS (ORT CPU's AVX2 kernel) does, in float with
 one rounding per output: ``y1 = fma(x1, cos, -(x2 * sin))``, ``y2 = fma(x1, sin, x2 * cos)``. On
 ORT CPU (float32, the library's reference loop) that is ORT's own result, bit for bit
@@ -34,7 +41,7 @@ import os
 
 import onnx_ir as ir
 
-from mpgraph.lowering.match import DOMAIN, is_op, replace
+from mpgraph.lowering.match import DOMAIN, is_op, remove_dead, replace
 
 __all__ = ["fuse_rotary"]
 
@@ -68,6 +75,47 @@ def _takes(node: ir.Node, types: tuple[ir.DataType, ...]) -> bool:
     return not (isinstance(head, int) and rdim > head)
 
 
+def _unexpanded(cache: ir.Value, x: ir.Value) -> ir.Value:
+    """``cache`` or, where it is ``Expand(c, [B, S, half])`` of a ``[1, S, half]`` c of X's type, c."""
+    node = cache.producer()
+    if not is_op(node, "Expand") or cache.shape is None or len(cache.shape) != 3:  # type: ignore[arg-type]
+        return cache
+    src = node.inputs[0]  # type: ignore[union-attr]
+    dims = list(src.shape) if src is not None and src.shape is not None else None
+    if dims is None or len(dims) != 3 or dims[0] != 1 or dims[1:] != list(cache.shape)[1:] or src.dtype != x.dtype:
+        return cache
+    return src if all(isinstance(d, int) for d in dims) else cache
+
+
+def _sources(node: ir.Node) -> tuple[list[ir.Value | None], bool]:
+    """The node's inputs with sin read before a ``Neg`` and, without ``position_ids``, both caches
+    before an ``Expand`` to the batch; and whether sin was negated."""
+    x, cos, sin, *rest = list(node.inputs)
+    negated = is_op(sin.producer(), "Neg")  # type: ignore[union-attr]
+    if negated:
+        sin = sin.producer().inputs[0]  # type: ignore[union-attr]
+    if not rest or rest[0] is None:
+        c1, s1 = _unexpanded(cos, x), _unexpanded(sin, x)  # type: ignore[arg-type]
+        if c1.shape is not None and s1.shape is not None and list(c1.shape) == list(s1.shape):
+            cos, sin = c1, s1
+    return [x, cos, sin, *rest], negated
+
+
+def _feeders(node: ir.Node) -> set[ir.Node]:
+    """The ``Neg`` and ``Expand`` nodes (and the Expands' shape ``Constant``) the node reads its
+    caches through: removed once nothing reads them."""
+    found: set[ir.Node] = set()
+    todo = [v.producer() for v in node.inputs[1:3] if v is not None]
+    while todo:
+        n = todo.pop()
+        if is_op(n, "Neg") or is_op(n, "Expand"):
+            found.add(n)  # type: ignore[arg-type]
+            todo += [v.producer() for v in n.inputs if v is not None]  # type: ignore[union-attr]
+        elif is_op(n, "Constant"):
+            found.add(n)  # type: ignore[arg-type]
+    return found
+
+
 def fuse_rotary(model: ir.Model, provider: str) -> int:
     """Replace every ONNX ``RotaryEmbedding`` in ``model``'s main graph that the library's kernel
     takes on ``provider`` by ``ai.mpgraph.RotaryEmbedding``, in place; how many were replaced."""
@@ -77,17 +125,23 @@ def fuse_rotary(model: ir.Model, provider: str) -> int:
     graph = model.graph
     types = _TYPES.get(provider, ())
     fused = 0
+    dead: set[ir.Node] = set()
     for node in [n for n in graph if is_op(n, "RotaryEmbedding")]:
         if not _takes(node, types):
             continue
-        inputs = list(node.inputs)
+        inputs, negated = _sources(node)
         while inputs and inputs[-1] is None:
             inputs.pop()
         attrs = [ir.AttrInt64(name, _int(node, name)) for name in _ATTRS if name in node.attributes]
+        if negated:
+            attrs.append(ir.AttrInt64("negate_sin", 1))
+        feeders = _feeders(node)
         new = ir.Node(DOMAIN, "RotaryEmbedding", inputs, attributes=attrs, name=f"{node.name}/fused",
                       metadata_props=dict(node.metadata_props))
         replace(graph, [node], new, (node.outputs[0],), before=node)
+        dead |= feeders
         fused += 1
+    remove_dead(graph, dead)
     if fused:
         model.opset_imports.setdefault(DOMAIN, 1)
     return fused

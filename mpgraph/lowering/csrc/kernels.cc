@@ -181,7 +181,7 @@ struct Kernel {
   int64_t gemm_trans_a = 0, gemm_trans_b = 0;
   float gemm_alpha = 1.0f;
   // RotaryEmbedding's attributes.
-  int64_t rot_interleaved = 0, rot_dim = 0, rot_heads = 0;
+  int64_t rot_interleaved = 0, rot_dim = 0, rot_heads = 0, rot_neg_sin = 0;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -1880,6 +1880,9 @@ OrtStatus* absmax_compute(void* kernel_ptr, OrtKernelContext* ctx) {
 // arithmetic (ORT CPU's AVX2 rope) in float, one rounding per output:
 //   y1 = fma(x1, cos, -(x2 * sin)),  y2 = fma(x1, sin, x2 * cos)
 // CPU: float32 (ORT CPU's bits where MLAS takes its AVX2 path); CUDA: float32, float16, bfloat16.
+// Beyond ONNX's op: caches [1, S, rotary_dim / 2] without position_ids serve every batch row (the
+// rule reads them before the Expand the graph has), and negate_sin = 1 rotates by -sin (the
+// gradient's Neg, exact).
 bool rotary_shape(const Kernel& k, const Tensor& x, const Tensor& c, const Tensor* pos, RotaryShape* p, int64_t* rows,
                   std::string* why) {
   if (x.dims.size() == 4) {
@@ -1898,8 +1901,11 @@ bool rotary_shape(const Kernel& k, const Tensor& x, const Tensor& c, const Tenso
   else if (pos && (pos->dims.size() != 2 || pos->dims[0] != x.dims[0] || pos->dims[1] != p->seq))
     *why = "position_ids must be [batch, sequence]";
   else if (pos && (c.dims.size() != 2 || c.dims[1] != half)) *why = "with position_ids the caches must be [positions, rotary_dim / 2]";
-  else if (!pos && (c.dims.size() != 3 || c.dims[0] != x.dims[0] || c.dims[1] != p->seq || c.dims[2] != half))
-    *why = "without position_ids the caches must be [batch, sequence, rotary_dim / 2]";
+  else if (!pos && (c.dims.size() != 3 || (c.dims[0] != x.dims[0] && c.dims[0] != 1) || c.dims[1] != p->seq ||
+                    c.dims[2] != half))
+    *why = "without position_ids the caches must be [batch or 1, sequence, rotary_dim / 2]";
+  p->cache_b1 = !pos && c.dims.size() == 3 && c.dims[0] == 1;
+  p->neg_sin = k.rot_neg_sin != 0;
   return why->empty();
 }
 
@@ -1907,9 +1913,9 @@ void rotary_cpu_row(const float* x, const float* c, const float* s, float* y, co
   const int half = p.rdim / 2;
   for (int k = 0; k < half; ++k) {
     const int i1 = p.interleaved ? 2 * k : k, i2 = p.interleaved ? 2 * k + 1 : k + half;
-    const float x1 = x[i1], x2 = x[i2];
-    y[i1] = std::fma(x1, c[k], -(x2 * s[k]));
-    y[i2] = std::fma(x1, s[k], x2 * c[k]);
+    const float x1 = x[i1], x2 = x[i2], sk = p.neg_sin ? -s[k] : s[k];
+    y[i1] = std::fma(x1, c[k], -(x2 * sk));
+    y[i2] = std::fma(x1, sk, x2 * c[k]);
   }
   for (int i = p.rdim; i < p.head; ++i) y[i] = x[i];
 }
@@ -1940,7 +1946,7 @@ OrtStatus* rotary_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     const int64_t half = p.rdim / 2, positions = pp ? c.dims[0] : 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t bs = p.bnsh ? r / (p.heads * p.seq) * p.seq + r % p.seq : r / p.heads;
-      const int64_t at = ids ? ids[bs] : bs;
+      const int64_t at = ids ? ids[bs] : p.cache_b1 ? bs % p.seq : bs;
       if (ids && (at < 0 || at >= positions)) return status("RotaryEmbedding: a position id is outside the caches");
       rotary_cpu_row(x.data + r * p.head, c.data + at * half, s.data + at * half, y.data + r * p.head, p);
     }
@@ -2154,6 +2160,7 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "interleaved", 0, &made->rot_interleaved);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "rotary_embedding_dim", 0, &made->rot_dim);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "num_heads", 0, &made->rot_heads);
+    attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "negate_sin", 0, &made->rot_neg_sin);
   }
   if (made->spec->compute == pointwise_compute) made->pw = pointwise_parse(string_attribute(api, info, "program"),
                                                                           string_attribute(api, info, "outputs"));

@@ -30,8 +30,9 @@ __device__ __forceinline__ void rotate(float x1, float x2, float c, float s, flo
   *y2 = __fmaf_rn(x1, s, __fmul_rn(x2, c));
 }
 
-// The cache row of row ``row``: (b * S + s) * half, or position_ids[b * S + s] * half. I is
-// 32-bit where the tensor allows (64-bit division is a long instruction sequence on the GPU).
+// The cache row of row ``row``: (b * S + s) * half, s * half for [1, S, half] caches, or
+// position_ids[b * S + s] * half. I is 32-bit where the tensor allows (64-bit division is a long
+// instruction sequence on the GPU).
 template <typename I>
 __device__ __forceinline__ int64_t cache_row(const RotaryShape& p, I row, const int64_t* pos) {
   I bs;
@@ -41,7 +42,7 @@ __device__ __forceinline__ int64_t cache_row(const RotaryShape& p, I row, const 
   } else {
     bs = row / (I)p.heads;
   }
-  return (pos ? pos[bs] : (int64_t)bs) * (p.rdim / 2);
+  return (pos ? pos[bs] : p.cache_b1 ? (int64_t)(bs % (I)p.seq) : (int64_t)bs) * (p.rdim / 2);
 }
 
 // One element a thread: output element i of its row, as ORT's CUDA kernel indexes it.
@@ -49,6 +50,7 @@ template <typename T, typename I>
 __global__ void rotary_scalar(const T* __restrict__ x, const T* __restrict__ cosc, const T* __restrict__ sinc,
                               const int64_t* __restrict__ pos, T* __restrict__ y, RotaryShape p, I n) {
   const int half = p.rdim / 2;
+  const float sg = p.neg_sin ? -1.0f : 1.0f;  // exact: the Neg the gradient rule wrote
   for (I e = (I)blockIdx.x * blockDim.x + threadIdx.x; e < n; e += (I)gridDim.x * blockDim.x) {
     const I row = e / (I)p.head;
     const int i = (int)(e % p.head);
@@ -65,7 +67,7 @@ __global__ void rotary_scalar(const T* __restrict__ x, const T* __restrict__ cos
       k = i % half, i1 = k, i2 = k + half;
     }
     float y1, y2;
-    rotate(to_f(xr[i1]), to_f(xr[i2]), to_f(cosc[off + k]), to_f(sinc[off + k]), &y1, &y2);
+    rotate(to_f(xr[i1]), to_f(xr[i2]), to_f(cosc[off + k]), sg * to_f(sinc[off + k]), &y1, &y2);
     y[e] = from_f<T>(i == i1 ? y1 : y2);
   }
 }
@@ -79,6 +81,7 @@ __global__ void rotary_vec(const T* __restrict__ x, const T* __restrict__ cosc, 
   const int half = p.rdim / 2;
   const int rot = p.interleaved ? p.rdim / V : half / V;
   const int per_row = rot + (p.head - p.rdim) / V;
+  const float sg = p.neg_sin ? -1.0f : 1.0f;
   const I pieces = rows * (I)per_row;
   for (I t = (I)blockIdx.x * blockDim.x + threadIdx.x; t < pieces; t += (I)gridDim.x * blockDim.x) {
     const I row = t / (I)per_row;
@@ -102,7 +105,7 @@ __global__ void rotary_vec(const T* __restrict__ x, const T* __restrict__ cosc, 
 #pragma unroll
       for (int q = 0; q < V; ++q) {
         float y1, y2;
-        rotate(to_f(a[q]), to_f(b[q]), to_f(c[q]), to_f(s[q]), &y1, &y2);
+        rotate(to_f(a[q]), to_f(b[q]), to_f(c[q]), sg * to_f(s[q]), &y1, &y2);
         ya[q] = from_f<T>(y1);
         yb[q] = from_f<T>(y2);
       }
@@ -120,7 +123,7 @@ __global__ void rotary_vec(const T* __restrict__ x, const T* __restrict__ cosc, 
 #pragma unroll
       for (int q = 0; q < V / 2; ++q) {
         float y1, y2;
-        rotate(to_f(a[2 * q]), to_f(a[2 * q + 1]), to_f(c[q]), to_f(s[q]), &y1, &y2);
+        rotate(to_f(a[2 * q]), to_f(a[2 * q + 1]), to_f(c[q]), sg * to_f(s[q]), &y1, &y2);
         yo[2 * q] = from_f<T>(y1);
         yo[2 * q + 1] = from_f<T>(y2);
       }
