@@ -5,9 +5,11 @@ Side by side in one process: ``--layers`` layers of the four rotary nodes a Llam
 step runs per layer once ``sdpa_layout`` has put them in the 3-D ``num_heads`` form (Q
 ``[B, S, 12 * 64]`` and K ``[B, S, 4 * 64]`` forward with cos/sin, their gradients with cos and
 -sin; 3-D caches ``[B, S, 32]``, no position ids, as ``real_models.py``'s dynamo export plans
-them), each layer reading the previous one's outputs. Run as ORT CUDA's ``RotaryEmbedding``
-(``RotaryEmbeddingBSNH``: 1.96 ms for the step's 48 on the H200) and with the rule applied
-alone. X and the caches are float32 graph inputs cast once per run (numpy has no bfloat16 to
+them), each layer reading the previous one's outputs; as in the plan each Q or K pair reads
+caches ``Expand``-ed from ``[1, S, 32]`` to the batch and the gradient a ``Neg`` of sin (48
+Expand and 24 Neg a step). Run as ORT CUDA's ``RotaryEmbedding`` (``RotaryEmbeddingBSNH``: 1.96
+ms for the step's 48 on the H200) with those Expand and Neg, and with the rule applied alone
+(which reads the caches before them, so they go). X and the caches are float32 graph inputs cast once per run (numpy has no bfloat16 to
 bind), the same in both graphs; the difference of the two times is what the rule saves for
 the step's 48 nodes at the default ``--layers 12``. Median of ``--rounds`` rounds of ``--iters``
 runs, inputs and outputs on the device (IOBinding); the outputs of both compared.
@@ -42,12 +44,13 @@ HEAD = 64
 def chain(args: argparse.Namespace) -> onnx.ModelProto:
     """``--layers`` x (Q, K forward; Q, K backward) rotary nodes in ``--dtype``."""
     dtype, f32, b, s = DTYPES[args.dtype], T.FLOAT, args.batch, args.seq
-    cache = [s, HEAD // 2] if args.positions else [b, s, HEAD // 2]
+    cache = [s, HEAD // 2] if args.positions else [1, s, HEAD // 2]
     inputs = [h.make_tensor_value_info("q", f32, [b, s, args.q_heads * HEAD]),
               h.make_tensor_value_info("k", f32, [b, s, args.kv_heads * HEAD]),
               h.make_tensor_value_info("cos", f32, cache), h.make_tensor_value_info("sin", f32, cache)]
     nodes = [h.make_node("Cast", [n], [n + "0"], to=dtype) for n in ("q", "k", "cos", "sin")]
-    nodes.append(h.make_node("Neg", ["sin0"], ["nsin"]))
+    nodes.append(h.make_node("Constant", [], ["batch_shape"],
+                             value=h.make_tensor("batch_shape", T.INT64, [3], [b, s, HEAD // 2])))
     extra = []
     if args.positions:
         inputs.append(h.make_tensor_value_info("pos", T.INT64, [b, s]))
@@ -57,9 +60,15 @@ def chain(args: argparse.Namespace) -> onnx.ModelProto:
         for name, heads in (("q", args.q_heads), ("k", args.kv_heads)):
             src = q if name == "q" else k
             fwd, bwd = f"{name}{layer}_rot", f"{name}{layer}_grad"
-            nodes.append(h.make_node("RotaryEmbedding", [src, "cos0", "sin0", *extra], [fwd], name=fwd,
+            cos, sin = "cos0", "sin0"
+            if not args.positions:
+                cos, sin = f"{fwd}_cos", f"{fwd}_sin"
+                nodes += [h.make_node("Expand", ["cos0", "batch_shape"], [cos]),
+                          h.make_node("Expand", ["sin0", "batch_shape"], [sin])]
+            nodes.append(h.make_node("Neg", [sin], [f"{fwd}_nsin"]))
+            nodes.append(h.make_node("RotaryEmbedding", [src, cos, sin, *extra], [fwd], name=fwd,
                                      num_heads=heads, interleaved=int(args.interleaved)))
-            nodes.append(h.make_node("RotaryEmbedding", [fwd, "cos0", "nsin", *extra], [bwd], name=bwd,
+            nodes.append(h.make_node("RotaryEmbedding", [fwd, cos, f"{fwd}_nsin", *extra], [bwd], name=bwd,
                                      num_heads=heads, interleaved=int(args.interleaved)))
             q, k = (bwd, k) if name == "q" else (q, bwd)
     nodes += [h.make_node("Cast", [q], ["q_out"], to=f32), h.make_node("Cast", [k], ["k_out"], to=f32)]
@@ -75,7 +84,7 @@ def feeds_for(args: argparse.Namespace) -> dict[str, np.ndarray]:
     b, s = args.batch, args.seq
     angle = np.arange(s)[:, None] / 10000 ** (np.arange(HEAD // 2)[None, :] * 2 / HEAD)
     if not args.positions:
-        angle = np.broadcast_to(angle, (b, s, HEAD // 2))
+        angle = angle[None]
     feeds = {"q": rng.standard_normal((b, s, args.q_heads * HEAD)).astype(np.float32),
              "k": rng.standard_normal((b, s, args.kv_heads * HEAD)).astype(np.float32),
              "cos": np.cos(angle).astype(np.float32), "sin": np.sin(angle).astype(np.float32)}
@@ -102,6 +111,8 @@ def main(argv: list[str] | None = None) -> None:
     fused = ir.from_proto(plain)
     taken = fuse_rotary(fused, args.provider)
     nodes = sum(n.op_type == "RotaryEmbedding" for n in plain.graph.node)
+    small = {op: sum(n.op_type == op for n in plain.graph.node) - sum(n.op_type == op for n in fused.graph)
+             for op in ("Expand", "Neg")}
     lib = str(library(args.provider))
     feeds = feeds_for(args)
     t_plain, out_plain = time_graph(plain.SerializeToString(), args.provider, feeds, args.rounds, args.iters)
@@ -110,7 +121,8 @@ def main(argv: list[str] | None = None) -> None:
     diff = max(float(np.abs(out_fused[k] - out_plain[k]).max()) for k in out_plain)
     print(f"# {args.dtype} B {args.batch} S {args.seq} heads {args.q_heads}/{args.kv_heads} x {HEAD}, "
           f"{args.layers} layers, interleaved {int(args.interleaved)}, position_ids {int(args.positions)}, "
-          f"{args.provider}: the rule took {taken} of {nodes} nodes")
+          f"{args.provider}: the rule took {taken} of {nodes} nodes, and removed {small['Expand']} Expand and "
+          f"{small['Neg']} Neg")
     print(f"ORT RotaryEmbedding  {t_plain:8.3f} ms/run")
     print(f"library (rotary)     {t_fused:8.3f} ms/run  ({t_fused / t_plain:.2f}x; saves {t_plain - t_fused:.3f} ms, "
           f"{(t_plain - t_fused) / max(nodes, 1) * 1e3:.1f} us a node)")
