@@ -156,3 +156,45 @@ def test_kernel_against_ort_cuda_rotary_embedding(library: str, dtype, b, s, n, 
     # One rounding to T: half an ulp of |y|, plus float32's roundings of the terms (|y| <= 2 max|x|).
     np.testing.assert_allclose(got, exact, rtol=eps / 2, atol=4 * 2.0 ** -24 * big)
     np.testing.assert_allclose(got, want, rtol=0, atol=3 * eps * big)
+
+
+def test_llama_block_bf16_step_with_and_without_the_rule(library: str, monkeypatch) -> None:
+    """``test_lowering_sdpa_layout``'s Llama-form block (GQA, Q and K rotated, fused attention):
+    its bf16 AdamW step planned for CUDA with every default rule, and again with
+    ``MPGRAPH_ROTARY=ort`` (ORT's RotaryEmbedding, the graph's Neg). The rule takes the four
+    rotaries (Q, K and their gradients: 3-D after ``sdpa_layout`` where the library has cuDNN's
+attention, 4-D around the expanded attention otherwise; planned here without cuDNN: 4 of 4,
+two with ``negate_sin``); the outputs agree within the
+    bfloat16 roundings the kernel saves (5e-2 of max, as test_gpu_sdpa: AdamW's first update is
+    about lr * sign(g), which a one-ulp change of a near-zero gradient may flip)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_lowering_sdpa_layout import _rotary_block
+
+    from mpgraph import convert
+    from mpgraph.lowering.plan import PlanOptions, plan_session
+    from mpgraph.training import build_training_graph
+    from tests.helpers import assert_outputs_close, step_feeds
+
+    step = convert(build_training_graph(_rotary_block(), optimizer="adamw", lr=1e-2, target="cuda"), "bf16")
+    fused = plan_session(step, "cuda", PlanOptions(kernels=True))
+    monkeypatch.setenv("MPGRAPH_ROTARY", "ort")
+    plain = plan_session(step, "cuda", PlanOptions(kernels=True))
+    assert dict(fused.applied)["rotary"] == 4 and dict(plain.applied)["rotary"] == 0
+    x = np.random.default_rng(1).standard_normal((2, 8, 32)).astype(np.float32)
+    results = []
+    for plan in (fused, plain):
+        model = onnx.load_from_string(plan.graph)
+        results.append(dict(zip([o.name for o in model.graph.output], _run_all(plan, step_feeds(model, x)), strict=True)))
+    assert_outputs_close(results[0], results[1], 5e-2)
+
+
+def _run_all(plan, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    if plan.custom_ops:
+        options.register_custom_ops_library(plan.custom_ops)
+    session = ort.InferenceSession(plan.graph, options, providers=["CUDAExecutionProvider"])
+    return session.run(None, feeds)
