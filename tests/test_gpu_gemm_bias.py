@@ -63,7 +63,7 @@ def _graph(dtype: int, m: int, k: int, n: int, trans_a: int, trans_b: int, alpha
                                          h.make_tensor_value_info("b", T.FLOAT, (n, k) if trans_b else (k, n)),
                                          h.make_tensor_value_info("c", T.FLOAT, bias_shape)],
                          [h.make_tensor_value_info("y", T.FLOAT, [m, n])])
-    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10)
     return ir.from_proto(onnx.shape_inference.infer_shapes(proto, strict_mode=True))
 
 
@@ -146,7 +146,7 @@ def test_cuda_matmul_bias_matches_float64_rounded_once(library, dtype, fused, tr
                          [h.make_tensor_value_info("y", T.FLOAT, [*lead, n])],
                          value_info=[h.make_tensor_value_info("p", dtype, [*lead, n])])
     model = ir.from_proto(onnx.shape_inference.infer_shapes(
-        h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])))
+        h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)], ir_version=10)))
     assert fuse_matmul_bias(model) == 1
     rng = np.random.default_rng(5)
     feeds = {"a": rng.standard_normal((*lead, k)).astype(np.float32),
@@ -183,7 +183,7 @@ def test_cuda_gemm_bias_gelu_matches_ort_gemm_and_gelu(library, monkeypatch, dty
     graph = h.make_graph(nodes, "fc", [h.make_tensor_value_info("a", T.FLOAT, (m, k)), h.make_tensor_value_info("b", T.FLOAT, (k, n)),
                                        h.make_tensor_value_info("c", T.FLOAT, (n,))],
                          [h.make_tensor_value_info("g32", T.FLOAT, [m, n]), h.make_tensor_value_info("p32", T.FLOAT, [m, n])])
-    plain = ir.from_proto(onnx.shape_inference.infer_shapes(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)])))
+    plain = ir.from_proto(onnx.shape_inference.infer_shapes(h.make_model(graph, opset_imports=[h.make_opsetid("", 20)], ir_version=10)))
     fused = ir.from_proto(ir.to_proto(plain))
     assert fuse_gemm_bias(fused) == 1 and fuse_gemm_bias_gelu(fused) == 1
     rng = np.random.default_rng(m + n)

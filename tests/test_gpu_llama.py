@@ -104,7 +104,7 @@ def _rmsnorm_grad_model(shape: tuple[int, ...], parts: list[str], add: bool) -> 
                               [helper.make_tensor_value_info(n, f32, list(shape)) for n in feeds]
                               + [helper.make_tensor_value_info("scale", f32, [shape[-1]])],
                               [helper.make_tensor_value_info(n, f32, None) for n in ("dx", "dscale")], [eps])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(DOMAIN, 1)], ir_version=10)
     return model.SerializeToString()
 
 
