@@ -108,12 +108,17 @@ def test_leaves_other_gemms(case, model):
     assert fuse_gemm_bias(graph) == 0 and _ops(graph)["Gemm"] == 1, case
 
 
-def test_cuda_needs_a_library_with_cublaslt():
-    """On CUDA the rule runs only where the library has the CUDA op (``Target.gemm_bias``);
-    otherwise the Gemm stays ORT's (a CPU-only GemmBias would pull the node off the GPU)."""
+def test_cuda_needs_a_library_with_cublaslt_and_the_opt_in(monkeypatch):
+    """On CUDA the rule runs only where the library has the CUDA op (``Target.gemm_bias``;
+    otherwise the Gemm stays ORT's: a CPU-only GemmBias would pull the node off the GPU) and
+    ``MPGRAPH_GEMM_BIAS=cublaslt`` asks for it (not yet checked on a GPU)."""
     from mpgraph.lowering.registry import RULES, Target
 
     rule = next(r for r in RULES if r.name == "gemm_bias")
+    monkeypatch.delenv("MPGRAPH_GEMM_BIAS", raising=False)
+    unasked = _gemm(T.BFLOAT16)
+    assert rule.apply(unasked, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(unasked)["Gemm"] == 1
+    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "cublaslt")
     without, with_ = _gemm(T.BFLOAT16), _gemm(T.BFLOAT16)
     assert rule.apply(without, Target("cuda", "default")) == 0 and _ops(without)["Gemm"] == 1
     assert rule.apply(with_, Target("cuda", "default", gemm_bias=True)) == 1

@@ -45,7 +45,9 @@ read of P. Opt-in until an H200 run has measured it and checked the loss.
 
 ``MPGRAPH_GEMM_BIAS=ort`` in the environment turns both rules off (every Gemm, MatMul and Add
 stays ORT's): the switch for an A/B of a whole training step, as ``MPGRAPH_FP8_GEMM=ort`` is
-for ``fp8_gemm``.
+for ``fp8_gemm``. On CUDA both rules are opt-in (``MPGRAPH_GEMM_BIAS=cublaslt``,
+``gemm_bias_on_cuda``) until an H200 run has checked the CUDA op: the first one (2026-12-03)
+failed on a test bug before any kernel ran.
 
 Left alone: float32 Gemms (their TF32 or strict choice is ORT's), beta other than 1, a C that
 is a full [M, N] matrix or a column. The tanh GELU after GPT-2's fc GEMM (ORT's
@@ -65,11 +67,17 @@ import onnx_ir as ir
 
 from mpgraph.lowering.match import DOMAIN, hand_over, is_op, readers, replace, single_reader
 
-__all__ = ["fuse_gemm_bias", "fuse_gemm_bias_gelu", "fuse_matmul_bias"]
+__all__ = ["fuse_gemm_bias", "fuse_gemm_bias_gelu", "fuse_matmul_bias", "gemm_bias_on_cuda"]
 
 _LOW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
 logger = logging.getLogger(__name__)
+
+
+def gemm_bias_on_cuda() -> bool:
+    """Whether ``gemm_bias`` and ``matmul_bias`` run on CUDA (given a library with cuBLASLt):
+    only when asked for with ``MPGRAPH_GEMM_BIAS=cublaslt``, until the CUDA op is checked on a GPU."""
+    return os.environ.get("MPGRAPH_GEMM_BIAS", "") == "cublaslt"
 
 
 def _switched_off() -> bool:

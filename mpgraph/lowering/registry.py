@@ -41,7 +41,12 @@ from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.free_early import free_early
 from mpgraph.lowering.fuse import fuse_adamw, fuse_layernorm_grad
 from mpgraph.lowering.gelu import fuse_gelu
-from mpgraph.lowering.gemm_bias import fuse_gemm_bias, fuse_gemm_bias_gelu, fuse_matmul_bias
+from mpgraph.lowering.gemm_bias import (
+    fuse_gemm_bias,
+    fuse_gemm_bias_gelu,
+    fuse_matmul_bias,
+    gemm_bias_on_cuda,
+)
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
 from mpgraph.lowering.nchwc import to_nchwc
@@ -186,11 +191,13 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fold_scales", "all", BOTH, BIT, lambda m, t: fold_scales(m, t.provider),
                  "multiplications by a power of two folded into a matmul's alpha (transpose.py; "
                  "exact outside float overflow/underflow)"),
-    LoweringRule("gemm_bias", "all", BOTH, SAME, lambda m, t: fuse_gemm_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
-                 "a float16/bfloat16 Gemm with a bias row as GemmBias: one cuBLASLt matmul with the bias epilogue, "
+    LoweringRule("gemm_bias", "all", BOTH, SAME,
+                 lambda m, t: fuse_gemm_bias(m) if t.provider == "cpu" or (t.gemm_bias and gemm_bias_on_cuda()) else 0,
+                 "a float16/bfloat16 Gemm with a bias row as GemmBias: one cuBLASLt matmul with the bias epilogue (CUDA: "
+                 "opt-in, MPGRAPH_GEMM_BIAS=cublaslt), "
                  "no BroadcastBiasKernel (gemm_bias.py, csrc/gemm_bias.cu; CPU: a float32-accumulating reference loop)"),
     LoweringRule("matmul_bias", "all", BOTH, Exactness.APPROXIMATE,
-                 lambda m, t: fuse_matmul_bias(m) if t.provider == "cpu" or t.gemm_bias else 0,
+                 lambda m, t: fuse_matmul_bias(m) if t.provider == "cpu" or (t.gemm_bias and gemm_bias_on_cuda()) else 0,
                  "a float16/bfloat16 MatMul/FusedMatMul and the Add of a bias row read by nothing else as GemmBias "
                  "(BERT's and ViT's linear layers): one rounding instead of two (gemm_bias.py)"),
     LoweringRule("gemm_bias_gelu", "all", BOTH, Exactness.APPROXIMATE,
