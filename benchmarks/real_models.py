@@ -882,7 +882,9 @@ def _mpgraph_row(bench: Bench, name: str, exporter: str, policy: str, built: Map
     log(f"{name} {exporter} {policy}: trainer {'made' if not run.error else 'failed'}"
         + (f" ({run.mem_created / 1024:.1f} GiB)" if cuda else ""))
     timed_rounds([run, *torch_runs], args.rounds, args.steps_per_round, cuda=cuda, cpu_threads=None,
-                 on_round=lambda r: log(f"{name} {exporter} {policy}: round {r} done"))
+                 on_round=lambda r: log(f"{name} {exporter} {policy}: round {r} done, ms/step "
+                                        + ", ".join(f"{x.label} {x.round_ms[-1]:.2f}" for x in (run, *torch_runs)
+                                                    if x.round_ms)))
     bench.profile([run, *torch_runs])
     run.note = "; ".join(_notes(run, policy, exporter, built))
     run.trainer, run.step, run.steps = None, (lambda i: float("nan")), None
