@@ -22,7 +22,14 @@ positions, 15%, and ``-100`` elsewhere). Then ``build_training_graph(optimizer="
 - mpgraph ``bf16``, ``tf32`` (ORT's CUDA provider runs float32 GEMMs as TF32 by default: the
   ``tf32`` preset leaves that on; every other row's float32 ops are strict) and ``fp16`` (dynamic
   loss scaling, GradScaler's defaults), for each exporter;
-- torch eager AMP bf16 with HF's default attention, and ``torch.compile`` + AMP bf16.
+- torch eager AMP bf16 with HF's default attention, and ``torch.compile`` + AMP bf16;
+- with ``--compile-modes default,reduce-overhead`` also ``torch compile cudagraphs bf16``:
+  ``torch.compile(module, mode="reduce-overhead")`` (Inductor's CUDA graph trees replay the
+  forward and the backward; the AdamW step stays eager (foreach), as in the default-mode row, so
+  the two rows differ in the mode alone; ``torch.compiler.cudagraph_mark_step_begin()`` before
+  each forward; its note counts Inductor's ``cudagraph_skips``, graphs it ran without CUDA
+  graphs). CUDA only; its ratio is printed after the tables and not judged: issue 30's lines
+  compare against the default-mode row.
 
 All start from the same weights, see the same batches (four, cycled), and use AdamW with the same
 hyperparameters. Timing, memory and kernel counts as ``gpu_step.py`` (``step_timing.py``:
@@ -135,6 +142,10 @@ BATCHES = 4  # distinct batches, cycled
 BF16_PEAK_TFLOPS = 796.0
 
 EAGER, COMPILED, CPU_TWIN = "torch amp bf16", "torch compile bf16", "torch fp32 cpu"
+#: ``--compile-modes``: torch.compile's mode -> its row. Only "default" is judged (``verdicts``);
+#: "reduce-overhead" (Inductor's CUDA graph trees) is printed beside it (``cudagraphs_table``).
+CUDAGRAPHS = "torch compile cudagraphs bf16"
+COMPILE_MODES = {"default": COMPILED, "reduce-overhead": CUDAGRAPHS}
 #: The eager row once more, from the same weights and batches, for ``--check-step`` steps only:
 #: torch's own run-to-run loss spread, measured in the same run (issue 30's dloss line).
 RERUN = " rerun"
@@ -495,24 +506,45 @@ def mpgraph_run(label: str, path: str, case: ModelCase, provider: str, twin: str
 
 
 def torch_run(label: str, case: ModelCase, device: str, twin: str | None, *, amp: torch.dtype | None,
-              compile_: bool = False) -> Run:
+              compile_: bool = False, mode: str = "default") -> Run:
+    """One torch configuration. ``mode="reduce-overhead"`` (with ``compile_``): the forward and
+    backward run as Inductor's CUDA graph trees; the batch's fresh device copies are copied into
+    the graphs' static inputs, the parameters keep their addresses (AdamW updates them in place),
+    and each step begins a new graph generation after the previous step's gradients are freed."""
+    graphs = compile_ and mode == "reduce-overhead"
+    if graphs and device != "cuda":
+        raise ValueError(f"torch.compile mode {mode!r} needs CUDA (CUDA graphs), not {device}")
     module = copy.deepcopy(case.module).to(device).train()
     opt = torch.optim.AdamW(module.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY,
                             foreach=device == "cuda")
-    forward = torch.compile(module) if compile_ else module
+    forward = (torch.compile(module) if mode == "default" else torch.compile(module, mode=mode)) if compile_ else module
     batches = [{k: torch.from_numpy(v) for k, v in b.items()} for b in case.batches]
+    skips = _cudagraph_skips() if graphs else 0
 
     def step(i: int) -> float:
         batch = {k: v.to(device) for k, v in batches[i % len(batches)].items()}
-        opt.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)  # frees the last replay's gradient outputs first
+        if graphs:
+            torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device, dtype=amp or torch.float32, enabled=amp is not None):
             loss = forward(**batch).loss
         loss.backward()
         opt.step()
+        if graphs:  # did Inductor run any of its graphs without CUDA graphs? (a dict read)
+            run.note = f"{note}; optimizer eager; cudagraph skips {_cudagraph_skips() - skips}"
         return float(loss.item())
 
     note = f"HF attention: {module.config._attn_implementation}"
-    return Run(label, step, twin, device=device, note=note)
+    run = Run(label, step, twin, device=device, note=note)
+    return run
+
+
+def _cudagraph_skips() -> int:
+    """Inductor's count of compiled graphs it ran without CUDA graphs (mutated inputs, CPU
+    tensors, dynamic shapes...): a reduce-overhead row with skips is not all graph replays."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["cudagraph_skips"])
 
 
 def rerun_row(case: ModelCase, cuda: bool) -> tuple[str, Callable[[], Run]]:
@@ -522,12 +554,13 @@ def rerun_row(case: ModelCase, cuda: bool) -> tuple[str, Callable[[], Run]]:
                                             amp=torch.bfloat16 if cuda else None)
 
 
-def torch_rows(case: ModelCase, cuda: bool, compile_: bool) -> list[tuple[str, Callable[[], Run]]]:
+def torch_rows(case: ModelCase, cuda: bool, compile_modes: Sequence[str]) -> list[tuple[str, Callable[[], Run]]]:
+    """The model's torch rows: eager AMP, then one torch.compile row per mode (``COMPILE_MODES``)."""
     if cuda:
         rows = [(EAGER, functools.partial(torch_run, EAGER, case, "cuda", None, amp=torch.bfloat16))]
-        if compile_:
-            rows.append((COMPILED, functools.partial(torch_run, COMPILED, case, "cuda", EAGER, amp=torch.bfloat16,
-                                                     compile_=True)))
+        rows += [(COMPILE_MODES[m], functools.partial(torch_run, COMPILE_MODES[m], case, "cuda", EAGER,
+                                                      amp=torch.bfloat16, compile_=True, mode=m))
+                 for m in compile_modes]
         return rows
     # No CPU AMP row: bf16 autocast on a CPU without bf16 units is slower than fp32 (8x on the
     # tiny GPT-2 here) and says nothing about the GPU.
@@ -584,7 +617,8 @@ def derived(rows: list[dict[str, Any]], check: int) -> None:
     for row in rows:
         ms = _value(row, "ms_per_step")
         eager_label = EAGER if row["device"] == "cuda" else CPU_TWIN
-        for key, ref in (("ratio_to_compile", COMPILED), ("ratio_to_eager_amp", eager_label)):
+        for key, ref in (("ratio_to_compile", COMPILED), ("ratio_to_eager_amp", eager_label),
+                         ("ratio_to_compile_cudagraphs", CUDAGRAPHS)):
             other = _value(_find(rows, row["model"], None, ref), "ms_per_step")
             row[key] = ms / other if ms is not None and other and row["config"] != ref else None
         twin = _find(rows, row["model"], None, row["twin"]) if row["twin"] else None
@@ -599,7 +633,8 @@ def _f(value: Any, fmt: str, width: int) -> str:
 
 
 def rows_table(rows: Sequence[Mapping[str, Any]], check: int) -> str:
-    lines = [f"{'model':6s} {'exporter':11s} {'config':26s} {'ms/step':>8s} {'spread':>15s} {'/compile':>8s} "
+    width = max([26] + [len(r["config"]) for r in rows])
+    lines = [f"{'model':6s} {'exporter':11s} {'config':{width}s} {'ms/step':>8s} {'spread':>15s} {'/compile':>8s} "
              f"{'/eager':>7s} {'MFU%':>5s} {'peak GiB':>8s} {'in-proc':>7s} {'loss@' + str(check):>9s} {'dloss':>8s} "
              f"{'kern/step':>9s}  note"]
     gib = lambda mib: mib / 1024 if isinstance(mib, int | float) else None  # noqa: E731
@@ -616,7 +651,7 @@ def rows_table(rows: Sequence[Mapping[str, Any]], check: int) -> str:
         notes.append(f"peak: ERROR {child['error']}" if "error" in child else "")
         notes.append(f"ERROR {r['error']}" if r.get("error") else "")
         note = "; ".join(n for n in notes if n)
-        lines.append(f"{r['model']:6s} {r['exporter'] or '-':11s} {r['config']:26s} {_f(r['ms_per_step'], '.2f', 8)} "
+        lines.append(f"{r['model']:6s} {r['exporter'] or '-':11s} {r['config']:{width}s} {_f(r['ms_per_step'], '.2f', 8)} "
                      f"{spread} {_f(r.get('ratio_to_compile'), '.2f', 8)} {_f(r.get('ratio_to_eager_amp'), '.2f', 7)} "
                      f"{_f(mfu, '.1f', 5)} {_f(gib(r.get('peak_mib')), '.2f', 8)} {_f(gib(r.get('memory_mib')), '.2f', 7)} "
                      f"{_f(r.get(f'loss_at_{check}'), '.5f', 9)} "
@@ -736,7 +771,31 @@ def summary(result: Mapping[str, Any]) -> str:
     if result.get("skipped"):
         parts.append("\nskipped (time budget): " + ", ".join(result["skipped"]))
     parts += ["", verdict_table(verdicts(result))]
+    if "reduce-overhead" in result["args"].get("compile_modes", ()):
+        parts += ["", cudagraphs_table(result["rows"])]
     return "\n".join(parts)
+
+
+def cudagraphs_table(rows: Sequence[Mapping[str, Any]]) -> str:
+    """mpgraph bf16 against torch.compile with and without CUDA graphs (``--compile-modes``), not
+    judged; ``gpu ms`` is the kernels' time per step (CUPTI), where the run profiled it."""
+    lines = [f"not judged: mpgraph bf16 / {CUDAGRAPHS} (torch.compile mode=\"reduce-overhead\"); issue 30's lines "
+             f"compare against {COMPILED}",
+             f"{'model':6s} {'exporter':11s} {'bf16 ms':>8s} {'gpu ms':>7s} {'compile':>8s} {'gpu ms':>7s} "
+             f"{'cgraphs':>8s} {'gpu ms':>7s} {'/compile':>8s} {'/cgraphs':>8s}"]
+    for r in rows:
+        if r["config"] != "mpgraph bf16" or r["device"] != "cuda":
+            continue
+        compiled, graphs = (_find(rows, r["model"], None, c) for c in (COMPILED, CUDAGRAPHS))
+        cells = [_f(_value(x, key), ".2f", w) for x in (r, compiled, graphs)
+                 for key, w in (("ms_per_step", 8), ("gpu_ms_per_step", 7))]
+        lines.append(f"{r['model']:6s} {r['exporter'] or '-':11s} {' '.join(cells)} "
+                     f"{_f(r.get('ratio_to_compile'), '.2f', 8)} {_f(r.get('ratio_to_compile_cudagraphs'), '.2f', 8)}"
+                     + (f"  {CUDAGRAPHS}: ERROR {graphs['error']}" if graphs and graphs.get("error") else "")
+                     + ("" if graphs else f"  no {CUDAGRAPHS} row"))
+    if len(lines) == 2:
+        lines.append(f"(no CUDA mpgraph bf16 row: {CUDAGRAPHS} runs on CUDA only)")
+    return "\n".join(lines)
 
 
 # -- the run ------------------------------------------------------------------------------
@@ -922,7 +981,7 @@ def run_model(bench: Bench, name: str, prep: Preparer) -> None:
         f"batch {next(iter(case.batches[0].values())).shape}")
     mine = fingerprint(case.module)
     bench.settle()
-    torch_runs = [create_run(label, make, cuda) for label, make in torch_rows(case, cuda, not args.no_compile)]
+    torch_runs = [create_run(label, make, cuda) for label, make in torch_rows(case, cuda, args.compile_modes)]
     bench.entries += [(name, None, run) for run in torch_runs]
     # Their warm-up (torch.compile compiles here), torch's run-to-run spread and the torch rows'
     # memory children run while the workers build the step graphs.
@@ -992,8 +1051,8 @@ def memory_child(spec_path: str) -> None:
         case = build_case(spec["model"], spec["small"], spec["seed"])
         if fingerprint(case.module) != spec["fingerprint"]:
             raise SystemExit("the memory child built other weights than the parent")
-        make = dict(torch_rows(case, cuda, compile_=True))[spec["label"]]
-        if spec["label"] == COMPILED:
+        make = dict(torch_rows(case, cuda, tuple(COMPILE_MODES)))[spec["label"]]
+        if spec["label"] in COMPILE_MODES.values():
             import torch._inductor.config as inductor
 
             # In this process: Inductor's worker pool would be other processes on the device.
@@ -1047,6 +1106,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help="tiny configs of the same architectures (dry runs)")
     p.add_argument("--cpu-only", action="store_true", help="ORT CPU and torch CPU rows (checks the script, not speed)")
     p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile rows")
+    p.add_argument("--compile-modes", default="default",
+                   help=f"comma-separated torch.compile modes, a row each, of {', '.join(COMPILE_MODES)} (CUDA only: "
+                        f"{CUDAGRAPHS}, not judged); default: the judged default-mode row only")
     p.add_argument("--no-profile", action="store_true", help="no kernel counts (CUPTI)")
     p.add_argument("--prep-workers", type=int, default=None,
                    help="processes building step graphs ahead of the GPU (default: a quarter of the cores, at most 4; "
@@ -1071,7 +1133,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.models = [m for m in args.models.split(",") if m]
     args.exporters = [e for e in args.exporters.split(",") if e]
     args.policies = [q for q in args.policies.split(",") if q] if args.policies else None
-    for given, valid, what in ((args.models, MODELS, "model"), (args.exporters, EXPORTERS, "exporter")):
+    args.compile_modes = [] if args.no_compile else [m for m in args.compile_modes.split(",") if m]
+    for given, valid, what in ((args.models, MODELS, "model"), (args.exporters, EXPORTERS, "exporter"),
+                               (args.compile_modes, tuple(COMPILE_MODES), "compile mode")):
         bad = [g for g in given if g not in valid]
         if bad:
             p.error(f"unknown {what} {bad[0]!r}; valid choices: {', '.join(valid)}")
@@ -1117,6 +1181,9 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
     if (args.rounds + 1) * args.steps_per_round < args.check_step:
         print(f"# note: {(args.rounds + 1) * args.steps_per_round} steps per mpgraph row, fewer than --check-step "
               f"{args.check_step}: no loss comparison")
+    if "reduce-overhead" in args.compile_modes:
+        print(f"# {CUDAGRAPHS}: torch.compile(mode='reduce-overhead'), optimizer step eager, not judged" if cuda else
+              f"# {CUDAGRAPHS}: skipped, CUDA only (no torch.compile rows on a CPU run)")
     print(f"# {MEMORY_LEGEND}" if args.child_memory != "off" and (cuda or args.child_memory == "on")
           else "# no memory children (--child-memory): the memory line is not judged")
     bench = Bench(args, header, cuda)

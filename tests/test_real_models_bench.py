@@ -129,14 +129,48 @@ def test_missing_failed_and_cpu_rows_are_not_judged():
     assert all(v.held is None for v in real_models.verdicts(_run(cpu, models=("vit",))))
 
 
+def test_the_cudagraphs_row_is_opt_in_shown_and_not_judged():
+    """``--compile-modes default,reduce-overhead`` adds ``torch compile cudagraphs bf16`` on CUDA;
+    the default keeps the single judged compile row, and the verdicts never read the new one."""
+    assert real_models.parse_args(["--out", "x"]).compile_modes == ["default"]
+    assert real_models.parse_args(["--out", "x", "--compile-modes", "default,reduce-overhead"]).compile_modes == [
+        "default", "reduce-overhead"]
+    assert real_models.parse_args(["--out", "x", "--no-compile", "--compile-modes", "reduce-overhead"]).compile_modes == []
+    with pytest.raises(SystemExit):
+        real_models.parse_args(["--out", "x", "--compile-modes", "max-autotune"])
+    assert [label for label, _ in real_models.torch_rows(None, True, ["default"])] == [
+        "torch amp bf16", "torch compile bf16"]
+    assert [label for label, _ in real_models.torch_rows(None, True, ["default", "reduce-overhead"])] == [
+        "torch amp bf16", "torch compile bf16", "torch compile cudagraphs bf16"]
+    with pytest.raises(ValueError, match="needs CUDA"):
+        real_models.torch_run("x", None, "cpu", None, amp=None, compile_=True, mode="reduce-overhead")
+    judged = _by_line(_run(_issue_rows()))
+    rows = _issue_rows() + [_row("gpt2", None, "torch compile cudagraphs bf16", 21.1, 12.0, 3.001)]
+    run = {**_run(rows), "prep": []}
+    assert {k: (v.value, v.held) for k, v in _by_line(run).items()} == {k: (v.value, v.held) for k, v in judged.items()}
+    bf16 = next(r for r in rows if r["config"] == "mpgraph bf16" and r["model"] == "gpt2")
+    assert bf16["ratio_to_compile"] == pytest.approx(84.4 / 27.9)
+    assert bf16["ratio_to_compile_cudagraphs"] == pytest.approx(84.4 / 21.1)
+    assert "not judged: " not in real_models.summary(run)  # not asked for: no extra table
+    run["args"]["compile_modes"] = ["default", "reduce-overhead"]
+    table = real_models.summary(run).split("not judged: ")[1].splitlines()
+    assert table[2].split() == ["gpt2", "torchscript", "84.40", "-", "27.90", "-", "21.10", "-", "3.03", "4.00"]
+    assert table[3].endswith("no torch compile cudagraphs bf16 row") and table[3].startswith("llama")
+
+
 def test_a_small_cpu_run_trains_like_torch(tmp_path):
-    """One model, one exporter, tiny config, on ORT CPU: every row runs and fp32 tracks torch."""
+    """One model, one exporter, tiny config, on ORT CPU: every row runs and fp32 tracks torch; the
+    CUDA-only reduce-overhead row asked for is skipped, and the run says so."""
     result = real_models.main(["--cpu-only", "--small", "--models", "vit", "--exporters", "torchscript",
                                "--rounds", "1", "--steps-per-round", "2", "--check-step", "4",
+                               "--compile-modes", "default,reduce-overhead",
                                "--prep-workers", "0", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "real_models.json").read_text())
     assert saved["env"]["commit"] and saved["env"]["command"]
-    assert (tmp_path / "real_models.log").read_text().startswith("# command: ")
+    text = (tmp_path / "real_models.log").read_text()
+    assert text.startswith("# command: ")
+    assert "# torch compile cudagraphs bf16: skipped, CUDA only" in text
+    assert "(no CUDA mpgraph bf16 row: torch compile cudagraphs bf16 runs on CUDA only)" in text
     rows = {r["config"]: r for r in saved["rows"]}
     assert set(rows) == {"torch fp32 cpu", "torch fp32 cpu rerun", "mpgraph fp32 cpu", "mpgraph bf16 emulated cpu",
                          "mpgraph fp16 emulated cpu"}
