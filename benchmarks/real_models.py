@@ -72,6 +72,8 @@ train-graph or conversion failed shows the one-line error; the run goes on.
     python3 benchmarks/real_models.py --judge DIR/real_models.json           # the tables again
     python3 benchmarks/real_models.py --out DIR --models gpt2 --exporters torchscript \
         --policies bf16,bf16-unpadded                                         # PadGemmColumnsPass A/B
+    python3 benchmarks/real_models.py --out DIR --models vit,gpt2 --exporters dynamo --policies bf16 \
+        --compile-modes default,reduce-overhead                               # + torch.compile with CUDA graphs
 
 ``--cpu-only`` runs mpgraph ``fp32`` and the emulated ``bf16``/``fp16`` step graphs on ORT CPU
 against torch fp32 (no AMP, no torch.compile): it checks the script and the graphs,
