@@ -26,13 +26,10 @@
 #include <utility>
 
 #include "cuda_util.h"
+#include "cublaslt_context.h"
 #include "gemm_bias.h"
 
 namespace {
-
-// cuBLASLt workspace per (device, stream): 32 MiB, what torch gives cuBLASLt on Hopper, so the
-// heuristic may pick the same split-K kernels.
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 // How a plan adds the bias (and the GELU): in the epilogue; in the epilogue with GELU and its
 // aux; or broadcast into D before a matmul with beta = 1.
@@ -67,8 +64,6 @@ __global__ void broadcast_rows(const uint16_t* __restrict__ bias, uint16_t* __re
 using PlanKey = std::tuple<int, int, int64_t, int64_t, int64_t, int, int, int, int, int, int, int>;
 
 std::mutex g_mutex;  // guards everything below; a launch is queued with it held
-std::map<int, cublasLtHandle_t> g_handles;
-std::map<std::pair<int, void*>, void*> g_workspaces;
 std::map<PlanKey, Plan> g_plans;
 std::string g_error;
 
@@ -127,7 +122,7 @@ int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, 
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   const uint32_t operand_align[4] = {static_cast<uint32_t>(aligns[1]), static_cast<uint32_t>(aligns[0]),
                                      static_cast<uint32_t>(aligns[3]), static_cast<uint32_t>(aligns[3])};
-  size_t workspace = kWorkspaceBytes;
+  size_t workspace = kLtWorkspaceBytes;
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                                            sizeof(workspace));
   for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i)
@@ -177,16 +172,10 @@ extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, con
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   std::lock_guard<std::mutex> lock(g_mutex);
   int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device)) return fail("cudaGetDevice", static_cast<int>(err));
-  cublasLtHandle_t& handle = g_handles[device];
-  if (!handle) MPG_LT(cublasLtCreate(&handle));
-  void*& workspace = g_workspaces[{device, stream_ptr}];
-  if (!workspace) {
-    if (cudaError_t err = cudaMalloc(&workspace, kWorkspaceBytes)) {
-      workspace = nullptr;
-      return fail("cudaMalloc of the cuBLASLt workspace", static_cast<int>(err));
-    }
-  }
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::string what;
+  if (int err = mpg_lt_context(stream_ptr, &device, &handle, &workspace, &what)) return fail(what, err);
   const int aligns[4] = {alignment(a), alignment(b), alignment(bias), alignment(y)};
   const int pre_align = pre ? alignment(pre) : 0;
   const PlanKey key{device, s.type, s.m, s.n, s.k, s.trans_a, s.trans_b, aligns[0], aligns[1], aligns[2], aligns[3], pre_align};
@@ -214,7 +203,7 @@ extern "C" int mpg_gemm_bias_cuda(const GemmBiasShape* shape, const void* a, con
     MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &pre, sizeof(pre)));
   const float alpha = s.alpha, beta = plan.mode == kBroadcast ? 1.0f : 0.0f;
   MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
-                        workspace, kWorkspaceBytes, stream));
+                        workspace, kLtWorkspaceBytes, stream));
   if (pre && plan.mode != kGeluAux) {
     if (s.type == 16)
       gelu_tanh<<<blocks, 256, 0, stream>>>(static_cast<const __nv_bfloat16*>(pre), static_cast<__nv_bfloat16*>(y), total);

@@ -24,11 +24,10 @@
 #include <tuple>
 #include <utility>
 
+#include "cublaslt_context.h"
 #include "gemm_fp8.h"
 
 namespace {
-
-constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
@@ -41,8 +40,6 @@ struct Plan {
 using PlanKey = std::tuple<int, int, int, int64_t, int64_t, int64_t>;
 
 std::mutex g_mutex;  // guards everything below; a launch is queued with it held
-std::map<int, cublasLtHandle_t> g_handles;
-std::map<std::pair<int, void*>, void*> g_workspaces;
 std::map<std::pair<int, void*>, std::pair<void*, size_t>> g_scratch;  // float32 D buffers
 std::map<PlanKey, Plan> g_plans;
 std::string g_error;
@@ -83,7 +80,7 @@ int describe(cublasLtHandle_t handle, const GemmFp8Shape& s, cudaDataType_t d_ty
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->d, d_type, n, m, static_cast<int64_t>(n)));
   cublasLtMatmulPreference_t pref = nullptr;
   MPG_LT(cublasLtMatmulPreferenceCreate(&pref));
-  size_t workspace = kWorkspaceBytes;
+  size_t workspace = kLtWorkspaceBytes;
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
                                                            sizeof(workspace));
   cublasLtMatmulHeuristicResult_t result;
@@ -209,16 +206,10 @@ extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   std::lock_guard<std::mutex> lock(g_mutex);
   int device = 0;
-  if (cudaError_t err = cudaGetDevice(&device)) return fail("cudaGetDevice", static_cast<int>(err));
-  cublasLtHandle_t& handle = g_handles[device];
-  if (!handle) MPG_LT(cublasLtCreate(&handle));
-  void*& workspace = g_workspaces[{device, stream_ptr}];
-  if (!workspace) {
-    if (cudaError_t err = cudaMalloc(&workspace, kWorkspaceBytes)) {
-      workspace = nullptr;
-      return fail("cudaMalloc of the cuBLASLt workspace", static_cast<int>(err));
-    }
-  }
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  std::string what;
+  if (int err = mpg_lt_context(stream_ptr, &device, &handle, &workspace, &what)) return fail(what, err);
   const PlanKey key{device, s.type_a, s.type_b, s.m, s.n, s.k};
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
@@ -248,7 +239,7 @@ extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const
   MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a)));
   const float alpha = s.alpha, beta = 0.0f;
   MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
-                        workspace, kWorkspaceBytes, stream));
+                        workspace, kLtWorkspaceBytes, stream));
   if (plan.via_float) {
     const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
     round_to_bf16<<<blocks, 256, 0, stream>>>(static_cast<const float*>(d), static_cast<__nv_bfloat16*>(y), total);
