@@ -221,3 +221,21 @@ def assert_outputs_close(got: dict[str, np.ndarray], want: dict[str, np.ndarray]
             continue
         err = float(np.abs(got[name] - value).max() / max(np.abs(value).max(), 1e-6))
         assert err < tol, (name, err)
+
+
+def cublaslt_cuda_library(missing: str) -> str:
+    """The CUDA kernel library's path for a GPU test of its cuBLASLt ops (GemmBias, GemmFp8):
+    skips without onnxruntime-gpu, or (``missing``, then why) when the library was built without
+    cuBLASLt."""
+    import pytest
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("needs onnxruntime-gpu's CUDAExecutionProvider")
+    from mpgraph.lowering.build import cublaslt_flags
+    from mpgraph.lowering.plan import has_gemm_bias
+    from mpgraph.lowering.plan import library as build
+
+    path = str(build("cuda"))
+    if not has_gemm_bias(path):
+        pytest.skip(f"{missing}: {cublaslt_flags()[1]}")
+    return path

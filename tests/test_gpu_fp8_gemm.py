@@ -22,29 +22,20 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto as T
 
+from tests.helpers import cublaslt_cuda_library
 from tests.test_lowering_fp8 import _gemm_fp8_graph, _gpt_step, gemm_fp8_reference
 
 ort = pytest.importorskip("onnxruntime")
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 E4M3, E5M2 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2
 PAIRS = [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)]
 
 
 @pytest.fixture(scope="module")
 def library() -> str:
-    if not HAS_CUDA:
-        pytest.skip("needs onnxruntime-gpu's CUDAExecutionProvider")
-    from mpgraph.lowering.build import cublaslt_flags
-    from mpgraph.lowering.plan import has_gemm_bias
-    from mpgraph.lowering.plan import library as build
-
-    path = str(build("cuda"))
-    if not has_gemm_bias(path):
-        pytest.skip(f"the library has no cuBLASLt (GemmBias, GemmFp8): {cublaslt_flags()[1]}")
-    return path
+    return cublaslt_cuda_library("the library has no cuBLASLt (GemmBias, GemmFp8)")
 
 
 def _session(model: bytes, custom_ops: str | None, graph: bool = False) -> ort.InferenceSession:

@@ -19,27 +19,18 @@ import onnx_ir as ir
 import pytest
 from onnx import TensorProto as T
 
+from tests.helpers import cublaslt_cuda_library
 from tests.test_lowering_gemm_bias import ULP_BITS, _linear_block, _low
 
 ort = pytest.importorskip("onnxruntime")
 
 pytestmark = pytest.mark.gpu
 
-HAS_CUDA = "CUDAExecutionProvider" in ort.get_available_providers()
 
 
 @pytest.fixture(scope="module")
 def library() -> str:
-    if not HAS_CUDA:
-        pytest.skip("needs onnxruntime-gpu's CUDAExecutionProvider")
-    from mpgraph.lowering.build import cublaslt_flags
-    from mpgraph.lowering.plan import has_gemm_bias
-    from mpgraph.lowering.plan import library as build
-
-    path = str(build("cuda"))
-    if not has_gemm_bias(path):
-        pytest.skip(f"the library has no CUDA GemmBias: {cublaslt_flags()[1]}")
-    return path
+    return cublaslt_cuda_library("the library has no CUDA GemmBias")
 
 
 def _run(model: ir.Model, feeds: dict[str, np.ndarray], custom_ops: str | None) -> dict[str, np.ndarray]:
