@@ -42,4 +42,27 @@ int mpg_lt_context(void* stream, int* device, cublasLtHandle_t* handle, void** w
   *workspace = w;
   return 0;
 }
+
+int mpg_lt_first_algo(cublasLtHandle_t handle, cublasLtMatmulDesc_t desc, cublasLtMatrixLayout_t a,
+                      cublasLtMatrixLayout_t b, cublasLtMatrixLayout_t d, const uint32_t* aligns,
+                      cublasLtMatmulAlgo_t* algo, bool* found) {
+  *found = false;
+  cublasLtMatmulPreference_t pref = nullptr;
+  if (cublasStatus_t st = cublasLtMatmulPreferenceCreate(&pref)) return static_cast<int>(st);
+  const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
+  size_t workspace = kLtWorkspaceBytes;
+  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
+                                                           sizeof(workspace));
+  for (int i = 0; aligns && i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i)
+    st = cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof(uint32_t));
+  cublasLtMatmulHeuristicResult_t result;
+  int returned = 0;
+  if (st == CUBLAS_STATUS_SUCCESS) st = cublasLtMatmulAlgoGetHeuristic(handle, desc, a, b, d, d, pref, 1, &result, &returned);
+  cublasLtMatmulPreferenceDestroy(pref);
+  *found = st == CUBLAS_STATUS_SUCCESS && returned > 0;
+  if (*found) *algo = result.algo;
+  return 0;
+}
 #endif

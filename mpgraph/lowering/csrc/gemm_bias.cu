@@ -115,25 +115,10 @@ int describe(cublasLtHandle_t handle, const GemmBiasShape& s, const void* bias, 
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->a, type, s.trans_b ? k : n, s.trans_b ? n : k, static_cast<int64_t>(s.trans_b ? k : n)));
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->b, type, s.trans_a ? m : k, s.trans_a ? k : m, static_cast<int64_t>(s.trans_a ? m : k)));
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->d, type, n, m, static_cast<int64_t>(n)));
-  cublasLtMatmulPreference_t pref = nullptr;
-  MPG_LT(cublasLtMatmulPreferenceCreate(&pref));
-  const cublasLtMatmulPreferenceAttributes_t align_attrs[4] = {
-      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-      CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   const uint32_t operand_align[4] = {static_cast<uint32_t>(aligns[1]), static_cast<uint32_t>(aligns[0]),
                                      static_cast<uint32_t>(aligns[3]), static_cast<uint32_t>(aligns[3])};
-  size_t workspace = kLtWorkspaceBytes;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                           sizeof(workspace));
-  for (int i = 0; i < 4 && st == CUBLAS_STATUS_SUCCESS; ++i)
-    st = cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &operand_align[i], sizeof(uint32_t));
-  cublasLtMatmulHeuristicResult_t found;
-  int returned = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &found, &returned);
-  cublasLtMatmulPreferenceDestroy(pref);
-  *found_one = st == CUBLAS_STATUS_SUCCESS && returned > 0;
-  if (*found_one) plan->algo = found.algo;
+  if (int st = mpg_lt_first_algo(handle, plan->desc, plan->a, plan->b, plan->d, operand_align, &plan->algo, found_one))
+    return fail("cublasLtMatmulPreferenceCreate(&pref)", st);
   return 0;
 }
 

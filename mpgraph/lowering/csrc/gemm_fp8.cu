@@ -78,18 +78,8 @@ int describe(cublasLtHandle_t handle, const GemmFp8Shape& s, cudaDataType_t d_ty
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->a, fp8_type(s.type_b), k, n, static_cast<int64_t>(k)));
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->b, fp8_type(s.type_a), k, m, static_cast<int64_t>(k)));
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->d, d_type, n, m, static_cast<int64_t>(n)));
-  cublasLtMatmulPreference_t pref = nullptr;
-  MPG_LT(cublasLtMatmulPreferenceCreate(&pref));
-  size_t workspace = kLtWorkspaceBytes;
-  cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace,
-                                                           sizeof(workspace));
-  cublasLtMatmulHeuristicResult_t result;
-  int returned = 0;
-  if (st == CUBLAS_STATUS_SUCCESS)
-    st = cublasLtMatmulAlgoGetHeuristic(handle, plan->desc, plan->a, plan->b, plan->d, plan->d, pref, 1, &result, &returned);
-  cublasLtMatmulPreferenceDestroy(pref);
-  *found = st == CUBLAS_STATUS_SUCCESS && returned > 0;
-  if (*found) plan->algo = result.algo;
+  if (int st = mpg_lt_first_algo(handle, plan->desc, plan->a, plan->b, plan->d, nullptr, &plan->algo, found))
+    return fail("cublasLtMatmulPreferenceCreate(&pref)", st);
   return 0;
 }
 
