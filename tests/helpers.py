@@ -88,12 +88,9 @@ def run(model, feeds):
     return session.run(None, feeds)
 
 
-def run_named(model, feeds, *, library: bool = False) -> dict:
-    """Every output of ``model`` (an ``onnx_ir`` model) by name, from a one-thread ORT CPU session
-    (two test processes share the two cores), with mpgraph's kernel library registered when
-    ``library`` (a lowered graph)."""
-    import onnx_ir
-
+def cpu_session(model: bytes, *, library: bool = False) -> ort.InferenceSession:
+    """A one-thread ORT CPU session (two test processes share the two cores) of a serialized
+    model, with mpgraph's kernel library registered when ``library`` (a lowered graph)."""
     options = ort.SessionOptions()
     options.log_severity_level = 3
     options.intra_op_num_threads = 1
@@ -101,7 +98,14 @@ def run_named(model, feeds, *, library: bool = False) -> dict:
         from mpgraph import lowering as kernels
 
         options.register_custom_ops_library(str(kernels.library("cpu")))
-    session = ort.InferenceSession(onnx_ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+
+
+def run_named(model, feeds, *, library: bool = False) -> dict:
+    """Every output of ``model`` (an ``onnx_ir`` model) by name, from ``cpu_session``."""
+    import onnx_ir
+
+    session = cpu_session(onnx_ir.to_proto(model).SerializeToString(), library=library)
     names = [o.name for o in session.get_outputs()]
     return dict(zip(names, session.run(None, feeds), strict=True))
 

@@ -29,6 +29,7 @@ from mpgraph.lowering.fp8_gemm import lower_fp8_gemms
 from mpgraph.lowering.registry import RULES, Exactness
 from mpgraph.policy import parse_policy
 from mpgraph.training import build_training_graph
+from tests.helpers import cpu_session
 
 ROOT = Path(__file__).resolve().parents[1]
 E4M3, E5M2 = ir.DataType.FLOAT8E4M3FN, ir.DataType.FLOAT8E5M2
@@ -347,17 +348,13 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
     """Every pair the lowering writes, with values that saturate (1000 > 448), flush or land
     in the subnormals: the CPU op equals numpy on the ml_dtypes-rounded operands (the sums here
     are exact in float32: few terms of few bits)."""
-    from mpgraph import lowering as kernels
 
     rng = np.random.default_rng(1)
     m, n, k = 5, 6, 32
     a = np.round(rng.standard_normal((m, k)) * 8).astype(np.float32)
     b = np.round(rng.standard_normal((n, k)) * 4).astype(np.float32) / 4
     a[0, :4], b[1, :3] = [1000.0, -3e-3, 1e-9, 0.0], [2.0**-8, -2.0**-15, 70000.0]
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    session = ort.InferenceSession(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5), library=True)
     feeds = {"A": a, "B": b, "sa": np.array(0.25, np.float32), "sb": np.array(2.0, np.float32)}
     got = session.run(None, feeds)[0]
     np.testing.assert_array_equal(got, gemm_fp8_reference(a, b, fa, fb, 0.25, 2.0, 0.5))
@@ -427,7 +424,6 @@ def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:
     from onnx import TensorProto as T
     from onnx import helper as h
 
-    from mpgraph import lowering as kernels
 
     nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16), h.make_node("AbsMax", ["x"], ["Y"], domain="ai.mpgraph"),
              h.make_node("AbsMax", ["X"], ["Z"], domain="ai.mpgraph")]
@@ -435,10 +431,7 @@ def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:
                          [h.make_tensor_value_info(n, T.FLOAT, []) for n in "YZ"])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(model.SerializeToString(), library=True)
     x = np.array([0.5, -300.7, 2.0, -0.0], np.float32)
     y, z = session.run(None, {"X": x})
     assert (y, z) == (300.0, np.float32(300.7))  # bf16 rounds 300.7 to 300
@@ -454,7 +447,6 @@ def test_cast_to_float8_is_onnx_cast_with_saturation_on_every_bf16_value(to) -> 
     from onnx import TensorProto as T
     from onnx import helper as h
 
-    from mpgraph import lowering as kernels
 
     name = "CastToFloat8E4M3FN" if to == E4M3 else "CastToFloat8E5M2"
     nodes = [h.make_node(name, ["X", "s"], ["q"], domain="ai.mpgraph"), h.make_node("Mul", ["X", "s"], ["xs"]),
@@ -464,10 +456,7 @@ def test_cast_to_float8_is_onnx_cast_with_saturation_on_every_bf16_value(to) -> 
                          [h.make_tensor_value_info(n, T.FLOAT, [None]) for n in ("qf", "rf")])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = cpu_session(model.SerializeToString(), library=True)
     x = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
     x = np.concatenate([x, np.array([3.4e38, 1e-45, 464, 480, 61439.9, 61440, 57344, 2.0**-10 * 3], np.float32)])
     for scale in (1.0, 2.0**-7, 2.0**10, 0.3):
