@@ -34,6 +34,16 @@ def _cpu_has_fma() -> bool:
     return " avx2" in flags and " fma" in flags
 
 
+def _assert_as_ort(got: np.ndarray, want: np.ndarray, *, exact: bool = True, name: str = "") -> None:
+    """``got`` equals ORT CPU's ``want`` bit for bit where its kernel rounds as the CPU loop does
+    (AVX2 with FMA, and ``exact``), else within 2 float32 ulps of max |want|."""
+    if exact and _cpu_has_fma():
+        np.testing.assert_array_equal(got, want, err_msg=name)
+    else:
+        np.testing.assert_allclose(got, want, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(want).max(),
+                                   err_msg=name)
+
+
 def _rotary(*, rank: int, interleaved: int, positions: bool, rdim: int = 0,
             dtype: int = TensorProto.FLOAT) -> ir.Model:
     x_shape = [B, S, N * H] if rank == 3 else [B, N, S, H]
@@ -94,10 +104,7 @@ def test_kernel_is_orts_rotary_embedding(form):
         {k: a.as_int() for k, a in next(iter(model.graph)).attributes.items()}
     got = run_named(lowered, feeds, library=True)["y"]
     assert not np.array_equal(got, feeds["x"])  # it rotates
-    if _cpu_has_fma() and not (form["interleaved"] and form.get("rdim", H) % 16):
-        np.testing.assert_array_equal(got, want)
-    else:
-        np.testing.assert_allclose(got, want, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(want).max())
+    _assert_as_ort(got, want, exact=not (form["interleaved"] and form.get("rdim", H) % 16))
 
 
 def _expanded(*, negate: bool, share: bool = True) -> ir.Model:
@@ -142,10 +149,7 @@ def test_caches_read_before_expand_and_neg(negate, share):
     assert left == (["Constant", "Expand"] if share else [])
     want, got = run_named(model, feeds), run_named(lowered, feeds, library=True)
     for name, value in want.items():
-        if _cpu_has_fma():
-            np.testing.assert_array_equal(got[name], value, err_msg=name)
-        else:
-            np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
+        _assert_as_ort(got[name], value, name=name)
 
 
 def test_what_is_left_alone():
@@ -216,10 +220,7 @@ def test_step_forward_and_gradient_nodes_both_lowered():
     want, got = run_named(step, feeds), run_named(lowered, feeds, library=True)
     assert set(want) == set(got) and "grad/x" in str(sorted(want))
     for name, value in want.items():
-        if _cpu_has_fma():
-            np.testing.assert_array_equal(got[name], value, err_msg=name)
-        else:
-            np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
+        _assert_as_ort(got[name], value, name=name)
 
 
 def test_llama_block_after_sdpa_layout_keeps_its_bits():
@@ -241,7 +242,4 @@ def test_llama_block_after_sdpa_layout_keeps_its_bits():
     want, got = run_named(step, feeds, library=True), run_named(lowered, feeds, library=True)
     assert want.keys() == got.keys()
     for name, value in want.items():
-        if _cpu_has_fma():
-            np.testing.assert_array_equal(got[name], value, err_msg=name)
-        else:
-            np.testing.assert_allclose(got[name], value, rtol=0, atol=2 * np.finfo(np.float32).eps * np.abs(value).max())
+        _assert_as_ort(got[name], value, name=name)
