@@ -87,11 +87,6 @@ def _switched_off() -> bool:
     return True
 
 
-def _attr(node: ir.Node, name: str, default: float) -> float:
-    attr = node.attributes.get(name)
-    return default if attr is None else attr.value
-
-
 def _dim(value: ir.Value, axis: int) -> int | str | None:
     if value.shape is None or len(value.shape) != 2:
         return None
@@ -115,9 +110,9 @@ def _matches(gemm: ir.Node) -> bool:
     a, b, c = gemm.inputs
     if a.dtype not in _LOW or {b.dtype, c.dtype, gemm.outputs[0].dtype} != {a.dtype}:  # type: ignore[union-attr]
         return False
-    if _attr(gemm, "beta", 1.0) != 1.0:
+    if gemm.attributes.get_float("beta", 1.0) != 1.0:
         return False
-    n = _dim(b, 0 if _attr(gemm, "transB", 0) else 1)  # type: ignore[arg-type]
+    n = _dim(b, 0 if gemm.attributes.get_int("transB", 0) else 1)  # type: ignore[arg-type]
     return _is_row(c, n)  # type: ignore[arg-type]
 
 
@@ -129,8 +124,8 @@ def fuse_gemm_bias(model: ir.Model) -> int:
     graph = model.graph
     fused = 0
     for gemm in [n for n in graph if _matches(n)]:
-        attrs = [ir.AttrInt64("transA", int(_attr(gemm, "transA", 0))), ir.AttrInt64("transB", int(_attr(gemm, "transB", 0))),
-                 ir.AttrFloat32("alpha", float(_attr(gemm, "alpha", 1.0)))]
+        attrs = [ir.AttrInt64("transA", gemm.attributes.get_int("transA", 0)), ir.AttrInt64("transB", gemm.attributes.get_int("transB", 0)),
+                 ir.AttrFloat32("alpha", gemm.attributes.get_float("alpha", 1.0))]
         node = ir.Node(DOMAIN, "GemmBias", list(gemm.inputs), attrs, name=f"{gemm.name}/GemmBias",
                        metadata_props=dict(gemm.metadata_props))
         replace(graph, [gemm], node, (gemm.outputs[0],), before=gemm)
@@ -152,11 +147,11 @@ def _product(add: ir.Node, outputs: set[ir.Value]) -> tuple[ir.Node, ir.Value] |
         a, b = node.inputs[0], node.inputs[1]
         if a is None or b is None or a.shape is None or len(a.shape) < 2 or b.shape is None or len(b.shape) != 2:
             continue
-        if fused and any(_attr(node, key, 0) for key in ("transA", "transBatchA", "transBatchB")):
+        if fused and any(node.attributes.get_int(key, 0) for key in ("transA", "transBatchA", "transBatchB")):
             continue
         if a.dtype not in _LOW or {b.dtype, y.dtype, bias.dtype, add.outputs[0].dtype} != {a.dtype}:
             continue
-        if _is_row(bias, _dim(b, 0 if _attr(node, "transB", 0) else 1), len(a.shape)):
+        if _is_row(bias, _dim(b, 0 if node.attributes.get_int("transB", 0) else 1), len(a.shape)):
             return node, bias
     return None
 
@@ -174,8 +169,8 @@ def fuse_matmul_bias(model: ir.Model) -> int:
         if found is None:
             continue
         matmul, bias = found
-        attrs = [ir.AttrInt64("transA", 0), ir.AttrInt64("transB", int(_attr(matmul, "transB", 0))),
-                 ir.AttrFloat32("alpha", float(_attr(matmul, "alpha", 1.0)))]
+        attrs = [ir.AttrInt64("transA", 0), ir.AttrInt64("transB", matmul.attributes.get_int("transB", 0)),
+                 ir.AttrFloat32("alpha", matmul.attributes.get_float("alpha", 1.0))]
         node = ir.Node(DOMAIN, "GemmBias", [matmul.inputs[0], matmul.inputs[1], bias], attrs,
                        name=f"{matmul.name}/GemmBias", metadata_props=dict(matmul.metadata_props))
         replace(graph, [add, matmul], node, (add.outputs[0],), before=add)

@@ -54,11 +54,6 @@ _TYPES = {
 _ATTRS = ("interleaved", "rotary_embedding_dim", "num_heads")
 
 
-def _int(node: ir.Node, name: str) -> int:
-    attr = node.attributes.get(name)
-    return attr.as_int() if attr is not None else 0
-
-
 def _takes(node: ir.Node, types: tuple[ir.DataType, ...]) -> bool:
     """Whether the library's kernel computes ``node`` as ONNX defines it."""
     inputs = list(node.inputs) + [None] * (4 - len(node.inputs))
@@ -68,7 +63,7 @@ def _takes(node: ir.Node, types: tuple[ir.DataType, ...]) -> bool:
     if cos.dtype != x.dtype or sin.dtype != x.dtype or (pos is not None and pos.dtype != ir.DataType.INT64):
         return False
     rank = len(x.shape) if x.shape is not None else None
-    heads, rdim = _int(node, "num_heads"), _int(node, "rotary_embedding_dim")
+    heads, rdim = node.attributes.get_int("num_heads", 0), node.attributes.get_int("rotary_embedding_dim", 0)
     if rank not in (3, 4) or (rank == 3 and heads <= 0) or rdim < 0 or rdim % 2:
         return False
     head = x.shape[3] if rank == 4 else (x.shape[2] // heads if isinstance(x.shape[2], int) else None)  # type: ignore[index]
@@ -132,7 +127,7 @@ def fuse_rotary(model: ir.Model, provider: str) -> int:
         inputs, negated = _sources(node)
         while inputs and inputs[-1] is None:
             inputs.pop()
-        attrs = [ir.AttrInt64(name, _int(node, name)) for name in _ATTRS if name in node.attributes]
+        attrs = [ir.AttrInt64(name, node.attributes.get_int(name, 0)) for name in _ATTRS if name in node.attributes]
         if negated:
             attrs.append(ir.AttrInt64("negate_sin", 1))
         feeders = _feeders(node)
