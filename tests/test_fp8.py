@@ -225,6 +225,28 @@ def test_delayed_state_matches_the_reference_step_for_step(scaling: str) -> None
     assert len(set(scales)) > 3  # the scales moved, differently per tensor
 
 
+def test_more_than_32_amaxes_are_pushed_through_concats_of_at_most_32_inputs() -> None:
+    """ORT's CUDA Concat takes at most 32 inputs while a CUDA graph is captured: the zoo GPT's
+    tensors (every product quantised: over 32) go into the history through a tree of Concats
+    of at most 32, in tensor order, each this step's amax (one CPU step checks the row)."""
+    step = build_training_graph(ROOT / "models" / "onnx" / "gpt.loss.onnx", optimizer="adamw", lr=3e-3)
+    model = mpgraph.convert(step, "fp8", emulate=True, validate=False, calibrate=None)
+    tensors = json.loads(model.metadata_props[md.MODEL_FP8])["tensors"]
+    concats = [n for n in model.graph if n.op_type == "Concat"]
+    assert len(tensors) > 32 and max(len(n.inputs) for n in concats) <= 32
+    assert sum(n.name.startswith("fp8/amaxes") for n in concats) == 1 + -(-len(tensors) // 32)  # the groups and the root
+    sess = session(model, [t["amax"] for t in tensors])
+    names = [o.name for o in sess.get_outputs()]
+    rng = np.random.default_rng(0)
+    shapes = {i.name: [d if isinstance(d, int) else 2 for d in i.shape] for i in model.graph.inputs if i.name in ("tokens", "label")}
+    feeds = {n: rng.integers(0, 64, s).astype(np.int64) for n, s in shapes.items()}
+    state = {v.name: v.const_value.numpy() for v in model.graph.inputs if v.const_value is not None}
+    out = dict(zip(names, sess.run(names, {**state, **feeds})))
+    newest = out["fp8/amax_history/updated"][0]
+    amaxes = np.array([out[t["amax"]] for t in tensors], F32)
+    assert (amaxes > 0).all() and same_bits(newest, amaxes).all()
+
+
 def test_fp8_state_is_checkpointed_and_resumes_bit_for_bit(tmp_path: Path) -> None:
     from mpgraph.runtime.trainer import Trainer
 

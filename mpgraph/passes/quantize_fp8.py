@@ -39,6 +39,9 @@ _SCOPE = "fp8"
 _SCALES = "fp8/scales"
 _HISTORY = "fp8/amax_history"
 #: Ops that only move or re-type data: an operand read through them is the same tensor.
+#: The most inputs one Concat gets: ORT 1.31's CUDA Concat takes at most 32 while a CUDA graph
+#: is captured ("CUDA Concat supports at most 32 inputs during CUDA Graph capture").
+MAX_CONCAT_INPUTS = 32
 _MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
 _NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
 
@@ -286,8 +289,8 @@ class _Quantizer:
         history = ir.Value(name=_HISTORY, type=ir.TensorType(ir.DataType.FLOAT), shape=ir.Shape([h, count]))
         self._register(self.scales, np.ones((count,), np.float32))
         self._register(history, np.zeros((h, count), np.float32))
-        raw = opt.op("Concat", *(opt.op("Unsqueeze", a, opt.ints([0, 1]), name=f"{t.key}/amax_2d")
-                                 for t, a in zip(self.tensors.values(), self.amaxes)), axis=1, name="amaxes")
+        raw = _concat_columns(opt, [opt.op("Unsqueeze", a, opt.ints([0, 1]), name=f"{t.key}/amax_2d")
+                                    for t, a in zip(self.tensors.values(), self.amaxes)])
         bad = opt.op("Or", opt.op("IsNaN", raw, name="amaxes_nan"), opt.op("IsInf", raw, name="amaxes_inf"), name="amaxes_bad")
         newest = opt.op("Where", bad, opt.scalar32(0.0), raw, name="amaxes_finite")
         pushed = newest if h == 1 else opt.op(
@@ -317,6 +320,20 @@ class _Quantizer:
         return {"tensor": t.key, "format": t.fmt.name.lower(), "kind": t.kind,
                 "scale": _SCALES if self.delayed else None, "history": _HISTORY if self.delayed else None,
                 "index": t.index, "amax": t.amax.name if t.amax is not None else None, "gemms": t.gemms}
+
+
+def _concat_columns(b: _Fp8Builder, columns: list[ir.Value]) -> ir.Value:
+    """``Concat(columns, axis=1)`` named ``amaxes``, as Concats of at most ``MAX_CONCAT_INPUTS``
+    inputs: a group of consecutive columns each, then the groups (a tree where one level is not
+    enough), so the columns keep their order and values. ORT's CUDA Concat refuses more inputs
+    during a CUDA-graph capture (the zoo GPT's 39 tensors failed there on the H200)."""
+    level = 0
+    while len(columns) > MAX_CONCAT_INPUTS:
+        columns = [columns[i] if i + 1 == len(columns) else
+                   b.op("Concat", *columns[i:i + MAX_CONCAT_INPUTS], axis=1, name=f"amaxes_{level}_{i // MAX_CONCAT_INPUTS}")
+                   for i in range(0, len(columns), MAX_CONCAT_INPUTS)]
+        level += 1
+    return b.op("Concat", *columns, axis=1, name="amaxes")
 
 
 class _Fp8Builder(Builder):
