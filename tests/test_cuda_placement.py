@@ -24,6 +24,7 @@ tests of a run; about 1 CPU-s for the 64-token BERT.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -36,6 +37,7 @@ from onnx import numpy_helper as nh
 import mpgraph
 from mpgraph.io import as_model
 from mpgraph.lowering.match import constant
+from mpgraph.lowering.narrow_pad import narrow_before_pad
 from mpgraph.lowering.pad_concat import CUDA_PAD_TYPES, pads_as_concat
 from mpgraph.lowering.registry import RULES, Target
 from mpgraph.lowering.specialize import shape_ops, specialize_shapes
@@ -202,6 +204,59 @@ def test_pad_as_concat_leaves_cuda_pads_and_unknown_shapes():
     crop = _pad_model(TP.INT64, [3, 4], [0, 0, 0, -1], None)
     assert [pads_as_concat(m) for m in (floats, bools, symbolic, crop)] == [0, 0, 0, 0]
     assert off_cuda(floats) == off_cuda(bools) == [] and off_cuda(symbolic) != []
+
+
+def _pad_cast_model(to: int, value: np.ndarray | None, mode: str = "constant", readers: int = 1) -> ir.Model:
+    """``Cast(Pad(x, [0, 0, 0, 3]), to)``: the padded GEMM columns' gradient, rounded for the
+    backward GEMMs (``readers`` > 1: the padded float32 copy has another reader too), widened
+    back to float32 for the graph's outputs (ORT's Python side returns no bfloat16)."""
+    model = _pad_model(TP.FLOAT, [3, 5], [0, 0, 0, 3], value)
+    graph = model.graph
+    pad = next(iter(graph))
+    pad.attributes["mode"] = ir.AttrString("mode", mode)
+    graph.outputs.clear()
+    for i in range(readers):
+        cast = ir.node("Cast", [pad.outputs[0]], attributes={"to": to}, name=f"cast{i}")
+        cast.outputs[0].name, cast.outputs[0].dtype = f"y{i}", ir.DataType(to)
+        wide = ir.node("Cast", [cast.outputs[0]], attributes={"to": TP.FLOAT}, name=f"wide{i}")
+        wide.outputs[0].name, wide.outputs[0].dtype = f"w{i}", ir.DataType.FLOAT
+        graph.extend([cast, wide])
+        graph.outputs.append(wide.outputs[0])
+    return model
+
+
+@pytest.mark.parametrize(("to", "value"), [(TP.BFLOAT16, None), (TP.BFLOAT16, np.array(0.0, np.float32)),
+                                           (TP.FLOAT16, np.array(0.0, np.float32))])
+def test_narrowing_cast_runs_before_a_zero_pad(to, value):
+    """The float32 padded copy is gone: the Cast reads x and the Pad pads the 2-byte result, and
+    every element has the bits the Cast of the padded copy had (after pad_concat too, which
+    writes the narrow Pad as ORT CUDA's Concat)."""
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((3, 5)) * np.float32(3.0)).astype(np.float32)
+    x[0, 0], x[1, 1] = np.float32(1 + 2.0 ** -9), np.float32(-(1 + 3 * 2.0 ** -12))  # rounding ties and near-ties
+    model = _pad_cast_model(to, value)
+    (expected,) = _run(model, {"x": x})
+    assert narrow_before_pad(model) == 1
+    assert [n.op_type for n in model.graph] == ["Cast", "Pad", "Cast"]
+    cast, pad, _ = model.graph
+    assert cast.inputs[0].name == "x" and pad.outputs[0].name == "y0" and pad.outputs[0].dtype == ir.DataType(to)
+    assert pads_as_concat(model) == (1 if to == TP.BFLOAT16 else 0)
+    assert off_cuda(model) == []
+    if to == TP.FLOAT16:
+        return  # ORT CPU runs float16 as float32 behind casts it then drops: no rounding to compare
+    (got,) = _run(model, {"x": x})
+    assert got.shape == (3, 8) and got.tobytes() == expected.tobytes()
+    assert expected.tobytes() == np.pad(x.astype(ml_dtypes.bfloat16), [(0, 0), (0, 3)]).astype(np.float32).tobytes()
+
+
+def test_narrow_pad_leaves_pads_that_do_not_commute_with_the_cast():
+    """A nonzero fill (it would be rounded), a fill of -0.0 (the moved Pad fills +0.0), another
+    reader of the float32 copy, a widening Cast and a non-constant mode all keep their order."""
+    cases = [_pad_cast_model(TP.BFLOAT16, np.array(0.5, np.float32)), _pad_cast_model(TP.FLOAT16, np.array(-0.0, np.float32)),
+             _pad_cast_model(TP.BFLOAT16, None, readers=2),
+             _pad_cast_model(TP.DOUBLE, None), _pad_cast_model(TP.FLOAT16, None, mode="edge")]
+    assert [narrow_before_pad(m) for m in cases] == [0, 0, 0, 0, 0]
+    assert all([n.op_type for n in m.graph][0] == "Pad" for m in cases)
 
 
 def test_specialising_folds_the_shape_read_behind_a_folded_split():
