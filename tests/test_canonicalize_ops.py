@@ -29,8 +29,9 @@ import onnxruntime as ort
 import pytest
 from onnx import helper as h
 
-from mpgraph.training import build_training_graph
+from mpgraph.training import build_training_graph, fold_constant_subgraphs
 from mpgraph.training.attach_loss import find_logits
+from mpgraph.training.canonical_attention import static_dims
 from mpgraph.training.canonicalize_ops import CanonicalizeOpsPass
 from mpgraph.training.normalize_forward import NormalizeForwardPass, load_forward
 from tests.helpers import init, make_model, mpgraph_cli, vi
@@ -315,6 +316,58 @@ def test_padding_fill_mask_is_negated(how: str) -> None:
     feeds = {"q": q.numpy(), "k": k.numpy(), "v": v.numpy(), "pad": pad.numpy()}
     (before,), (after,) = _run(proto, feeds), _run(ir.to_proto(model), feeds)
     assert abs(float(after) - float(before)) <= FORWARD_TOL * abs(float(before))
+
+
+class ComputedMask(torch.nn.Module):
+    """transformers 5.17's eager BERT mask with no ``attention_mask`` (and a causal and a
+    windowed kin): a boolean from aranges, expanded to ``[B, 1, S, S]`` by a size the graph
+    computes (so shape inference leaves its dims symbolic), then ``where(mask, 0, min)`` added
+    to the scores."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.qkv = torch.nn.Linear(16, 48)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (t.reshape(b, s, 2, 8).transpose(1, 2) for t in self.qkv(x).split(16, dim=-1))
+        rows, cols = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        allowed = {"none": cols >= 0, "causal": cols <= rows, "window": (cols <= rows) & (cols >= rows - 1)}[self.kind]
+        bias = torch.where(allowed[None, None].expand(b, 1, s, s), 0.0, torch.finfo(x.dtype).min)
+        scores = q @ k.transpose(-1, -2) / 8 ** 0.5 + bias
+        return (torch.softmax(scores, -1) @ v).square().mean()
+
+
+@pytest.mark.parametrize(("kind", "inputs", "causal"), [("none", 3, 0), ("causal", 3, 1), ("window", 4, 0)])
+def test_computed_mask_with_symbolic_dims(kind: str, inputs: int, causal: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mask computed from shapes that stays computed (at BERT-base's batch 8, sequence 512 it
+    is 2M elements, over the folding limit; here the limit is lowered to keep the tiny one) is
+    read by its value, not its symbolic dims: all zeros goes, the causal triangle becomes
+    is_causal, any other mask stays Attention's input. Here only the leading dims are symbolic;
+    in BERT-base's TorchScript export (batch 8, T 512) the last one was too, which failed the
+    shape check and left its 12 layers written out: that form is not reproduced at this size."""
+    monkeypatch.setattr(fold_constant_subgraphs, "_FOLD_LIMIT", 16)
+    module = ComputedMask(kind)
+    x = torch.randn(2, 5, 16, generator=torch.Generator().manual_seed(3))
+    proto = _export(module, (x,), ["x"], "torchscript")
+    forward = load_forward(proto)
+    NormalizeForwardPass(forward.inputs_mark_params)(forward.model)
+    masked = next(n.outputs[0] for n in forward.model.graph if n.op_type == "Where" and n.outputs[0].dtype == ir.DataType.FLOAT)
+    assert None in static_dims(masked)  # the form this test is for: computed, symbolic dims
+    model, canonicalize = _canonical_forward(proto)
+    (attention,) = [n for n in model.graph if n.op_type == "Attention"]
+    assert canonicalize.counts["Attention"] == 1 and not [n for n in model.graph if n.op_type == "Softmax"]
+    assert len(attention.inputs) == inputs and attention.attributes.get_int("is_causal", 0) == causal
+    (before,), (after,) = _run(proto, {"x": x.numpy()}), _run(ir.to_proto(model), {"x": x.numpy()})
+    assert abs(float(after) - float(before)) <= FORWARD_TOL * abs(float(before))
+    outs = test_dynamo_params.run_named(build_training_graph(proto, optimizer=None, canonicalize=True,
+                                                             params=["*weight", "*bias"]), {"x": x.numpy()})
+    module(x).backward()
+    for name, p in module.named_parameters():
+        got = outs[f"grad/{name}"]
+        assert np.linalg.norm(got - p.grad.numpy()) <= GRAD_TOL * np.linalg.norm(p.grad.numpy()), name
 
 
 # -- what is left alone -----------------------------------------------------------------------

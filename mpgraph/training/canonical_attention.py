@@ -186,11 +186,11 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
     def _check_float_masks(self, result, masks, query, q, k):
         """Additive masks (T5 adds its position bias, then the causal or padding mask): one
         known to hide nothing goes, one known to be the causal triangle becomes is_causal."""
-        for mask in masks:
-            if mask.dtype != query.dtype or not self._fits(static_dims(mask), [q[0], q[1], q[2], k[2]]):
+        arrays = [_known(mask) for mask in masks]
+        for mask, array in zip(masks, arrays, strict=True):
+            if mask.dtype != query.dtype or not self._fits(_mask_dims(mask, array), [q[0], q[1], q[2], k[2]]):
                 return result.fail("the additive mask's type or shape does not fit the scores", mask)
-        for mask in masks:
-            array = _known(mask)
+        for mask, array in zip(masks, arrays, strict=True):
             if array is not None and not array.any():
                 continue  # all zeros: no mask
             if array is not None and not self._causal and _is_causal(array <= _MASKED, array > _MASKED, array, q[2], k[2]):
@@ -203,9 +203,9 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         level = const_scalar(fill)
         if cond.dtype != ir.DataType.BOOL or level is None or level > _MASKED:
             return result.fail("Where(mask, scores, fill) needs a boolean mask and a fill of -inf", cond)
-        if not self._fits(static_dims(cond), [q[0], q[1], q[2], k[2]]):
-            return result.fail("the boolean mask's shape does not fit the scores", cond)
         known = _known(cond)
+        if not self._fits(_mask_dims(cond, known), [q[0], q[1], q[2], k[2]]):
+            return result.fail("the boolean mask's shape does not fit the scores", cond)
         kept = None if known is None else ~known if inverted else known
         if kept is not None and _is_causal(~kept, kept, None, q[2], k[2]):
             self._causal = 1
@@ -234,6 +234,15 @@ class _EagerAttention(pattern.RewriteRuleClassBase):
         mask = None if not masks else masks[0] if len(masks) == 1 else op.Add(*masks)
         inputs = [query, key, value] + ([mask] if mask is not None else [])
         return op.Attention(*inputs, scale=float(np.float32(self._scale)), is_causal=self._causal)
+
+
+def _mask_dims(mask: ir.Value, known: np.ndarray | None) -> list[int | None] | None:
+    """The mask's dims: those of its value where it is known before the graph runs. A mask
+    computed from shapes and expanded by a computed size has symbolic dims after shape
+    inference, and stays computed where it is too large to fold (``FoldConstantSubgraphsPass``'s
+    limit): transformers 5.17's BERT mask with no ``attention_mask``, ``Where(Expand(arange >=
+    0, [B, 1, S, S]), 0, min)``, is ``[?, ?, 512, ?]`` at batch 8, sequence 512."""
+    return list(known.shape) if known is not None else static_dims(mask)
 
 
 def _full_query_rows(op, mask, rows: int | None):
