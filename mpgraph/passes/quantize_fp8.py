@@ -38,10 +38,10 @@ _SCOPE = "fp8"
 #: (newest first), as Transformer Engine keeps them; tensor ``i`` is column ``i``.
 _SCALES = "fp8/scales"
 _HISTORY = "fp8/amax_history"
-#: Ops that only move or re-type data: an operand read through them is the same tensor.
 #: The most inputs one Concat gets: ORT 1.31's CUDA Concat takes at most 32 while a CUDA graph
 #: is captured ("CUDA Concat supports at most 32 inputs during CUDA Graph capture").
 MAX_CONCAT_INPUTS = 32
+#: Ops that only move or re-type data: an operand read through them is the same tensor.
 _MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
 _NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
 
