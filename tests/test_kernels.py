@@ -266,6 +266,27 @@ def test_the_cuda_build_compiles_and_carries_the_cpu_kernels_too():
     ort.InferenceSession(ir.to_proto(step).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
+def test_a_prebuilt_library_named_by_its_variable_is_used_as_it_is(tmp_path, monkeypatch):
+    """$MPGRAPH_CPU_LIBRARY / $MPGRAPH_CUDA_LIBRARY: the named file, nothing compiled (a machine
+    without nvcc or cudnn-frontend runs a library built elsewhere); a name of no file is an error
+    that says which variable, not a silent build."""
+    from mpgraph.lowering import build
+
+    built = build.build_library(cuda=False)
+    copy = tmp_path / "prebuilt.so"
+    copy.write_bytes(built.read_bytes())
+    monkeypatch.setenv("MPGRAPH_CPU_LIBRARY", str(copy))
+    monkeypatch.setattr(build.subprocess, "run", lambda *a, **k: pytest.fail("compiled or probed a compiler"))
+    assert build.build_library(cuda=False) == copy
+    assert ctypes.CDLL(str(copy)).MpgraphKernelsHaveCuda() == 0
+    monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(tmp_path / "missing.so"))
+    with pytest.raises(build.KernelBuildError, match=r"\$MPGRAPH_CUDA_LIBRARY names .*missing.so, which is not a file"):
+        build.build_library(cuda=True)
+    monkeypatch.delenv("MPGRAPH_CPU_LIBRARY")
+    with pytest.raises(pytest.fail.Exception, match="compiled or probed"):
+        build.build_library(cuda=False)  # unset: the cache lookup runs again (it probes the compiler)
+
+
 def test_lowered_graph_stays_topologically_sorted():
     step = build_training_graph(GPT, optimizer="adamw", optimizer_options={"pack": False})
     assert kernels.lower(step) > 5

@@ -3,7 +3,8 @@
 The CPU kernels need a C++ compiler (``$CXX`` or ``g++``/``c++``); the CUDA kernels need ``nvcc``
 (on ``PATH`` or in ``$CUDA_HOME/bin``). The result is cached under ``$MPGRAPH_CACHE`` (default
 ``~/.cache/mpgraph``) by a hash of the sources, the command and the compiler's version, so a
-second session loads it at once.
+second session loads it at once. ``$MPGRAPH_CUDA_LIBRARY`` / ``$MPGRAPH_CPU_LIBRARY`` name a
+library built elsewhere instead (``prebuilt_library``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from mpgraph.errors import MpgraphError
 
-__all__ = ["KernelBuildError", "build_library", "cache_dir", "cublaslt_flags", "cudnn_flags"]
+__all__ = ["PREBUILT", "KernelBuildError", "build_library", "cache_dir", "cublaslt_flags", "cudnn_flags", "prebuilt_library"]
 
 logger = logging.getLogger(__name__)
 
@@ -156,15 +157,46 @@ def cublaslt_flags() -> tuple[tuple[str, ...], str]:
     return ("-DMPG_WITH_CUBLASLT", f"-I{headers}", f"-L{lib}", f"-l:{name}", "-Xlinker", f"-rpath={lib}"), ""
 
 
+#: The variables that name a library built elsewhere, used as it is (no compiler needed here).
+PREBUILT = {False: "MPGRAPH_CPU_LIBRARY", True: "MPGRAPH_CUDA_LIBRARY"}
+
+
+def prebuilt_library(cuda: bool) -> Path | None:
+    """The library ``$MPGRAPH_CUDA_LIBRARY`` (or ``$MPGRAPH_CPU_LIBRARY``) names, or ``None``.
+
+    A machine with no ``nvcc``, no cudnn-frontend headers or no time to compile runs a library
+    built on another machine of the same architecture from the same sources. It is not checked
+    against the sources: the variable says which file, the caller answers for it.
+
+    Raises:
+        KernelBuildError: The variable names no file.
+    """
+    name = PREBUILT[cuda]
+    value = os.environ.get(name, "")
+    if not value:
+        return None
+    path = Path(value).expanduser()
+    if not path.is_file():
+        raise KernelBuildError(f"${name} names {path}, which is not a file")
+    logger.info("mpgraph kernels: the prebuilt %s from $%s", path, name)
+    return path
+
+
 def build_library(cuda: bool) -> Path:
-    """The path of the built library, building it first if the cache lacks it.
+    """The path of the built library, building it first if the cache lacks it; the library
+    ``$MPGRAPH_CUDA_LIBRARY`` / ``$MPGRAPH_CPU_LIBRARY`` names instead, where set
+    (``prebuilt_library``).
 
     Args:
         cuda: Include the CUDA kernels (needs ``nvcc``); the CPU kernels are always in.
 
     Raises:
-        KernelBuildError: No compiler, or it failed (its last lines are in the message).
+        KernelBuildError: No compiler, or it failed (its last lines are in the message); or
+            the variable names no file.
     """
+    prebuilt = prebuilt_library(cuda)
+    if prebuilt is not None:
+        return prebuilt
     probe = _command(cuda, Path("OUT"))
     digest = hashlib.sha256()
     for path in sorted(SOURCES.iterdir()):
