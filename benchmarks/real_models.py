@@ -357,6 +357,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tee.close()
 
 
+def kernel_library_facts() -> dict[str, Any]:
+    """What the CUDA Trainer's kernel library has (built or found now, as the Trainer would): its
+    path, whether it has the fused attention and GemmBias (and why not), whether GemmBias runs."""
+    from mpgraph.lowering.build import KernelBuildError, cublaslt_flags, cudnn_flags
+    from mpgraph.lowering.gemm_bias import gemm_bias_on_cuda
+    from mpgraph.lowering.plan import has_gemm_bias, has_sdpa, library
+
+    try:
+        path = str(library("cuda"))
+    except KernelBuildError as e:
+        return {"path": None, "why": str(e).splitlines()[0]}
+    facts: dict[str, Any] = {"path": path, "fused_attention": has_sdpa(path), "gemm_bias": has_gemm_bias(path),
+                             "gemm_bias_on": gemm_bias_on_cuda()}
+    if not facts["fused_attention"]:
+        facts["fused_attention_why_not"] = cudnn_flags()[1] or "a prebuilt library without it"
+    if not facts["gemm_bias"]:
+        facts["gemm_bias_why_not"] = cublaslt_flags()[1] or "a prebuilt library without it"
+    return facts
+
+
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     reset_clock()  # the time budget counts from here
     cuda = not args.cpu_only and torch.cuda.is_available()
@@ -367,6 +387,12 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"# {key}: {header[key]}")
     print(f"# versions: {json.dumps(header['versions'])}; ORT providers: {header['ort_providers']}")
     print(f"# build_training_graph canonicalize: {'True (exporter attention -> ONNX Attention)' if args.canonicalize else 'default'}")
+    if cuda:
+        header["kernel_library"] = kernel_library_facts()
+        print(f"# kernel library: {json.dumps(header['kernel_library'])}")
+        if not header["kernel_library"].get("fused_attention"):
+            print("# WARNING: no fused attention in the CUDA kernel library: mpgraph's attention runs unfused "
+                  "(materialised scores); its rows are not the configuration the issue judges")
     print("# mpgraph tf32: ORT's CUDA provider runs float32 MatMul/Gemm as TF32 (its default, which the tf32 "
           "preset keeps); the bf16 and fp16 rows run their float32 ops strict. fp16: dynamic loss scaling.")
     if (args.rounds + 1) * args.steps_per_round < args.check_step:
