@@ -354,3 +354,26 @@ def test_ctrl_c_while_the_command_line_starts_is_one_line_exit_130(when: str):
                          timeout=60, cwd=root)
     assert ran.returncode == 130 and "Traceback" not in ran.stderr, ran.stderr
     assert ran.stderr.strip().splitlines() == ["interrupted"]
+
+
+def test_kernels_builds_copies_and_reports_a_prebuilt_library(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`mpgraph kernels --cpu --copy-to`: the cached library's path and size, and a copy; that copy
+    named by $MPGRAPH_CUDA_LIBRARY is reported as prebuilt, with what it lacks (a CPU build: no
+    CUDA kernels, no fused attention, no GemmBias, each "built without it"); a name of no file is
+    one error line, exit 2."""
+    copy = tmp_path / "lib" / "kernels.so"
+    ran = mpgraph_cli("kernels", "--cpu", "--copy-to", str(copy), "--json")
+    assert ran.returncode == 0, ran.stderr
+    facts = json.loads(ran.stdout)
+    assert Path(facts["path"]).is_file() and facts["prebuilt"] is None and facts["cuda_kernels"] is False
+    assert copy.read_bytes() == Path(facts["path"]).read_bytes() and facts["copied_to"] == str(copy)
+    monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(copy))
+    facts = json.loads(mpgraph_cli("kernels", "--json").stdout)
+    assert facts["path"] == str(copy) and facts["prebuilt"] == "$MPGRAPH_CUDA_LIBRARY" and facts["cuda_kernels"] is False
+    assert (facts["fused_attention"], facts["gemm_bias"], facts["gemm_bias_runs"]) == (False, False, False)
+    assert facts["fused_attention_why_not"] == facts["gemm_bias_why_not"] == "built without it"
+    text = mpgraph_cli("kernels").stdout
+    assert "(prebuilt, from $MPGRAPH_CUDA_LIBRARY)" in text and "fused attention (cuDNN SDPA): not in: built without it" in text
+    monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(tmp_path / "none.so"))
+    ran = mpgraph_cli("kernels")
+    assert ran.returncode == 2 and "$MPGRAPH_CUDA_LIBRARY names" in ran.stderr and "which is not a file" in ran.stderr

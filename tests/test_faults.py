@@ -421,6 +421,7 @@ TABLE: dict[str, tuple[Case, str]] = {
     "check-grad/step_graph": (lambda f, t: ["check-grad", str(f["step"])], "is already a training step graph"),
     "targets/opset_0": (lambda f, t: ["targets", "--opset", "0"], "--opset must be an ONNX opset, 1 to"),
     "targets/opset_99": (lambda f, t: ["targets", "--opset", "99"], "got 99"),
+    "kernels/copy_to_folder": (lambda f, t: ["kernels", "--cpu", "--copy-to", str(t)], "is a folder; name the file to write"),
     "check-grad/missing": (lambda f, t: ["check-grad", str(t / "nope.onnx")], "no such file"),
     # export (no torch import needed before these refusals)
     "export/missing_file": (lambda f, t: ["export", str(t / "nope.py") + ":Net", "-i", "2x4", "-o", str(t / "e.onnx")], "no such file"),
@@ -443,7 +444,7 @@ def test_bad_input_is_one_error_line_and_exit_2(case: str, files: dict[str, Path
 def test_every_command_has_cases():
     covered = {case.split("/")[0] for case in TABLE}
     assert covered == {"convert", "audit", "compare", "train-graph", "train", "policy", "check-grad", "export", "tune",
-                       "advise-scale", "targets"}
+                       "advise-scale", "targets", "kernels"}
     assert len(TABLE) >= 80
 
 

@@ -23,6 +23,7 @@ from mpgraph.cli.compare_cmd import compare_command
 from mpgraph.cli.console import console, err_console
 from mpgraph.cli.convert_cmd import convert
 from mpgraph.cli.export_cmd import export_command
+from mpgraph.cli.kernels_cmd import kernels_command
 from mpgraph.cli.policy_cmd import policy_check, policy_init, policy_list, policy_show
 from mpgraph.cli.targets_cmd import targets_command
 from mpgraph.cli.train_cmd import train
@@ -110,6 +111,7 @@ COMMANDS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
     ("", "tune", tune_command),
     ("", "advise-scale", advise_scale_command),
     ("", "targets", targets_command),
+    ("", "kernels", kernels_command),
     ("policy", "show", policy_show),
     ("policy", "list", policy_list),
     ("policy", "check", policy_check),
