@@ -358,23 +358,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 def kernel_library_facts() -> dict[str, Any]:
-    """What the CUDA Trainer's kernel library has (built or found now, as the Trainer would): its
-    path, whether it has the fused attention and GemmBias (and why not), whether GemmBias runs."""
-    from mpgraph.lowering.build import KernelBuildError, cublaslt_flags, cudnn_flags
-    from mpgraph.lowering.gemm_bias import gemm_bias_on_cuda
-    from mpgraph.lowering.plan import has_gemm_bias, has_sdpa, library
+    """What the CUDA Trainer's kernel library has (``mpgraph kernels``' facts), or why none."""
+    from mpgraph.lowering.build import KernelBuildError
+    from mpgraph.lowering.plan import library_facts
 
     try:
-        path = str(library("cuda"))
+        return library_facts(cuda=True)
     except KernelBuildError as e:
         return {"path": None, "why": str(e).splitlines()[0]}
-    facts: dict[str, Any] = {"path": path, "fused_attention": has_sdpa(path), "gemm_bias": has_gemm_bias(path),
-                             "gemm_bias_on": gemm_bias_on_cuda()}
-    if not facts["fused_attention"]:
-        facts["fused_attention_why_not"] = cudnn_flags()[1] or "a prebuilt library without it"
-    if not facts["gemm_bias"]:
-        facts["gemm_bias_why_not"] = cublaslt_flags()[1] or "a prebuilt library without it"
-    return facts
 
 
 def _run(args: argparse.Namespace) -> dict[str, Any]:

@@ -6,45 +6,14 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
 
 from mpgraph.cli.console import console
 
-__all__ = ["kernels_command", "library_facts"]
-
-
-def library_facts(cuda: bool) -> dict[str, Any]:
-    """What ``plan_session`` would load for ``cuda`` (building it first where the cache lacks it):
-    the path, whether it is prebuilt (``$MPGRAPH_CUDA_LIBRARY``), its CUDA kernels, the fused
-    attention and GemmBias (each with why not), and whether GemmBias runs on CUDA.
-
-    Raises:
-        KernelBuildError: No compiler here, or it failed, or the variable names no file.
-    """
-    import ctypes
-
-    from mpgraph.lowering.build import PREBUILT, build_library, cublaslt_flags, cudnn_flags, prebuilt_library
-    from mpgraph.lowering.gemm_bias import gemm_bias_on_cuda
-    from mpgraph.lowering.plan import has_gemm_bias, has_sdpa
-
-    prebuilt = prebuilt_library(cuda)
-    path = build_library(cuda)
-    facts: dict[str, Any] = {"path": str(path), "bytes": path.stat().st_size,
-                             "prebuilt": f"${PREBUILT[cuda]}" if prebuilt is not None else None,
-                             "cuda_kernels": bool(ctypes.CDLL(str(path)).MpgraphKernelsHaveCuda())}
-    if cuda:
-        facts["fused_attention"] = has_sdpa(str(path))
-        facts["gemm_bias"] = has_gemm_bias(str(path))
-        facts["gemm_bias_runs"] = facts["gemm_bias"] and gemm_bias_on_cuda()
-        built_here = prebuilt is None
-        if not facts["fused_attention"]:
-            facts["fused_attention_why_not"] = (cudnn_flags()[1] if built_here else "") or "built without it"
-        if not facts["gemm_bias"]:
-            facts["gemm_bias_why_not"] = (cublaslt_flags()[1] if built_here else "") or "built without it"
-    return facts
+__all__ = ["kernels_command"]
 
 
 def kernels_command(
@@ -60,12 +29,13 @@ def kernels_command(
     library copied with --copy-to runs on another machine of the same architecture, named by
     $MPGRAPH_CUDA_LIBRARY (or $MPGRAPH_CPU_LIBRARY) there.
     """
-    from mpgraph.lowering.build import PREBUILT
-
     from mpgraph.errors import UsageError
+    from mpgraph.lowering.build import PREBUILT
 
     if copy_to is not None and copy_to.is_dir():
         raise UsageError(f"--copy-to {copy_to} is a folder; name the file to write (e.g. {copy_to / 'libmpgraph_kernels.so'})")
+    from mpgraph.lowering.plan import library_facts
+
     cuda = not cpu
     facts = library_facts(cuda)
     if copy_to is not None:

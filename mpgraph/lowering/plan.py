@@ -35,6 +35,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import onnx_ir as ir
 
@@ -44,7 +45,7 @@ from mpgraph.lowering.forward import forward_part
 from mpgraph.lowering.registry import RULES, SCOPES, Target
 from mpgraph.lowering.specialize import specialize_shapes
 
-__all__ = ["PlanOptions", "SessionPlan", "has_sdpa", "library", "lower", "plan_session"]
+__all__ = ["PlanOptions", "SessionPlan", "has_sdpa", "library", "library_facts", "lower", "plan_session"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,34 @@ def has_gemm_bias(path: str | None) -> bool:
     if path is None:
         return False
     return bool(getattr(ctypes.CDLL(path), "MpgraphKernelsHaveGemmBias", lambda: 0)())
+
+
+def library_facts(cuda: bool) -> dict[str, Any]:
+    """What ``plan_session`` would load for ``cuda`` (building it first where the cache lacks it):
+    the path, whether it is prebuilt (``$MPGRAPH_CUDA_LIBRARY``), its CUDA kernels, the fused
+    attention and GemmBias (each with why not), and whether GemmBias runs on CUDA.
+
+    Raises:
+        KernelBuildError: No compiler here, or it failed, or the variable names no file.
+    """
+    from mpgraph.lowering.build import PREBUILT, cublaslt_flags, cudnn_flags, prebuilt_library
+    from mpgraph.lowering.gemm_bias import gemm_bias_on_cuda
+
+    prebuilt = prebuilt_library(cuda)
+    path = build_library(cuda)
+    facts: dict[str, Any] = {"path": str(path), "bytes": path.stat().st_size,
+                             "prebuilt": f"${PREBUILT[cuda]}" if prebuilt is not None else None,
+                             "cuda_kernels": bool(ctypes.CDLL(str(path)).MpgraphKernelsHaveCuda())}
+    if cuda:
+        facts["fused_attention"] = has_sdpa(str(path))
+        facts["gemm_bias"] = has_gemm_bias(str(path))
+        facts["gemm_bias_runs"] = facts["gemm_bias"] and gemm_bias_on_cuda()
+        built_here = prebuilt is None
+        if not facts["fused_attention"]:
+            facts["fused_attention_why_not"] = (cudnn_flags()[1] if built_here else "") or "built without it"
+        if not facts["gemm_bias"]:
+            facts["gemm_bias_why_not"] = (cublaslt_flags()[1] if built_here else "") or "built without it"
+    return facts
 
 
 @dataclass(frozen=True)
