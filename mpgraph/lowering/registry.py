@@ -49,8 +49,8 @@ from mpgraph.lowering.gemm_bias import (
 )
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
-from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.narrow_pad import narrow_before_pad
+from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.pointwise import fuse_pointwise
