@@ -1,0 +1,79 @@
+"""``recompute``: the backward recomputes a forward SwiGlu's outputs (y, s) from a and b.
+
+On the Llama MLP sub-layer of ``benchmarks/llama_ab.py`` (float32, ORT CPU with the library's
+loops): the step gives the same bits as without the rule, and y and s are no longer live from
+the forward to the backward in the memory estimate's order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from mpgraph._ir.meta import NODE_ROLE, Role
+from mpgraph.audit import memory
+from mpgraph.lowering.recompute import recompute_swiglu
+from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
+from mpgraph.lowering.swiglu import fuse_swiglu, fuse_swiglu_grad
+from tests.helpers import load_benchmark, run_named
+from tests.test_lowering_blocks import _copy
+
+SHAPE = (2, 8, 32, 48)  # batch, seq, hidden, intermediate
+ab = load_benchmark("llama_ab")
+
+
+@pytest.fixture(scope="module")
+def fused() -> ir.Model:
+    """The sub-layer's step with its SwiGLU forward and backward fused (what ``recompute`` sees)."""
+    step = ab.block_step(SHAPE, low=False)
+    assert fuse_rmsnorm_grad(step) == fuse_swiglu_grad(step) == fuse_swiglu(step) == 1
+    return step
+
+
+def _swiglus(model: ir.Model) -> list[ir.Node]:
+    return [n for n in model.graph if n.op_type == "SwiGlu"]
+
+
+def _outliving(model: ir.Model, names: set[str]) -> int:
+    """Bytes of the buffers ``names`` that the estimate's order keeps past the forward's last node."""
+    nodes = memory.ort_order(model)
+    buffers, *_ = memory._walk(nodes, memory._recorded(model), {v.name for v in model.graph.outputs})
+    last_forward = max(i for i, n in enumerate(nodes) if n.metadata_props.get(NODE_ROLE) == Role.FORWARD)
+    return sum(b.nbytes for b in buffers if b.name in names and b.end > last_forward)
+
+
+def test_backward_reads_its_own_swiglu_and_the_step_keeps_its_bits(fused):
+    """One backward SwiGlu reading the forward's a and b; the forward's outputs have no backward
+    reader left (s none at all); every output of the step is the same bits; again: nothing."""
+    lowered = _copy(fused)
+    assert recompute_swiglu(lowered) == 1
+    forward, backward = sorted(_swiglus(lowered), key=lambda n: n.name.endswith("/recompute"))
+    assert backward.metadata_props[NODE_ROLE] == Role.BACKWARD and list(backward.inputs) == list(forward.inputs)
+    assert not list(forward.outputs[1].uses())
+    assert {u.node.metadata_props.get(NODE_ROLE) for u in forward.outputs[0].uses()} == {Role.FORWARD}
+    assert {u.node.op_type for u in backward.outputs[1].uses()} == {"SwiGluGrad"}
+    feeds = ab.block_feeds(SHAPE)
+    want, got = run_named(fused, feeds, library=True), run_named(lowered, feeds, library=True)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert recompute_swiglu(lowered) == 0
+
+
+def test_swiglu_outputs_no_longer_outlive_the_forward(fused):
+    """Without the rule y and s (2 x 2*8*48 float32) are live into the backward; with it neither."""
+    lowered = _copy(fused)
+    recompute_swiglu(lowered)
+    (node,) = _swiglus(fused)
+    names = {v.name for v in node.outputs}
+    assert _outliving(fused, names) == 2 * int(np.prod(SHAPE[:2])) * SHAPE[3] * 4
+    assert _outliving(lowered, names) == 0
+
+
+def test_swiglu_read_as_a_graph_output_is_left_alone(fused):
+    """A SwiGlu whose y is a graph output keeps its buffer to the end anyway: left as it is."""
+    lowered = _copy(fused)
+    (node,) = _swiglus(lowered)
+    lowered.graph.outputs.append(node.outputs[0])
+    assert recompute_swiglu(lowered) == 0
