@@ -22,6 +22,7 @@ __all__ = [
     "OutputError",
     "ExportError",
     "first_line",
+    "head_and_tail",
 ]
 
 
@@ -88,3 +89,29 @@ def first_line(error: BaseException) -> str:
     """
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def head_and_tail(error: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line of at most ``limit`` characters, keeping its end.
+
+    What a one-line reason shows of a message whose first line is generic and whose end says
+    what went wrong: ORT's failed run starts "Non-zero status code returned while running
+    Concat node..." and ends with the kernel's own words ("... supports at most 32 inputs
+    during CUDA Graph capture"). The non-empty lines are joined with " / "; a longer text
+    keeps the start of its first line (a third of ``limit`` at most) and the rest of ``limit``
+    from its end, with " ... " between.
+
+    >>> head_and_tail(RuntimeError("run failed\\n\\n  node 'c'\\nConcat: at most 32 inputs\\n"))
+    "run failed / node 'c' / Concat: at most 32 inputs"
+    >>> head_and_tail(RuntimeError("generic " * 20 + "\\nthe cause"), limit=40)
+    'generic gener ... ic generic / the cause'
+    >>> head_and_tail(KeyError())
+    'KeyError'
+    """
+    text = " / ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    if not text:
+        return type(error).__name__
+    if len(text) <= limit:
+        return text
+    head = min(len(text.split(" / ", 1)[0]), limit // 3)
+    return f"{text[:head].rstrip()} ... {text[len(text) - (limit - head - 5):].lstrip()}"

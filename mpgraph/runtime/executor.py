@@ -32,7 +32,7 @@ import numpy as np
 import onnxruntime as ort
 
 from mpgraph._ir.inplace import inplace_pairs
-from mpgraph.errors import MpgraphError, UsageError
+from mpgraph.errors import MpgraphError, UsageError, head_and_tail
 from mpgraph.io import as_model
 from mpgraph.lowering import SessionPlan
 from mpgraph.runtime import providers
@@ -380,9 +380,10 @@ class Executor:
             if nosync:  # captured already: a real failure
                 raise
             # A kernel that refuses capture (e.g. Concat over 32 inputs) fails here, before
-            # any state input is touched: the step runs again without graphs.
+            # any state input is touched: the step runs again without graphs. ORT's message
+            # says why at its end (its first line only names the node).
             self.replay = None
-            self._graph_off(f"capture failed: {str(e).splitlines()[0][:300]}")
+            self._graph_off(f"capture failed: {head_and_tail(e)}")
             return None
         if saved is not None:
             for _ in range(SYNC_RUNS_PER_GRAPH - 1):
