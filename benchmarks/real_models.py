@@ -357,17 +357,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         tee.close()
 
 
-def kernel_library_facts() -> dict[str, Any]:
-    """What the CUDA Trainer's kernel library has (``mpgraph kernels``' facts), or why none."""
-    from mpgraph.lowering.build import KernelBuildError
-    from mpgraph.lowering.plan import library_facts
-
-    try:
-        return library_facts(cuda=True)
-    except KernelBuildError as e:
-        return {"path": None, "why": str(e).splitlines()[0]}
-
-
 def _run(args: argparse.Namespace) -> dict[str, Any]:
     reset_clock()  # the time budget counts from here
     cuda = not args.cpu_only and torch.cuda.is_available()
@@ -378,8 +367,7 @@ def _run(args: argparse.Namespace) -> dict[str, Any]:
         print(f"# {key}: {header[key]}")
     print(f"# versions: {json.dumps(header['versions'])}; ORT providers: {header['ort_providers']}")
     print(f"# build_training_graph canonicalize: {'True (exporter attention -> ONNX Attention)' if args.canonicalize else 'default'}")
-    if cuda:
-        header["kernel_library"] = kernel_library_facts()
+    if header["kernel_library"] is not None:
         print(f"# kernel library: {json.dumps(header['kernel_library'])}")
         if not header["kernel_library"].get("fused_attention"):
             print("# WARNING: no fused attention in the CUDA kernel library: mpgraph's attention runs unfused "

@@ -263,7 +263,23 @@ def run_header(packages: Sequence[str] = ("torch", "onnxruntime", "onnx", "onnx_
         "cuda": torch.version.cuda if cuda else None,
         "ort_providers": providers,
         "versions": versions,
+        "kernel_library": kernel_library() if cuda and "CUDAExecutionProvider" in providers else None,
     }
+
+
+def kernel_library() -> dict[str, Any]:
+    """What the CUDA kernel library mpgraph's sessions load has (``mpgraph kernels``' facts: path,
+    prebuilt or not, fused attention, GemmBias, why not), or why there is none: a GPU result
+    whose attention ran unfused says so in its header."""
+    try:
+        from mpgraph.lowering.build import KernelBuildError
+        from mpgraph.lowering.plan import library_facts
+    except ImportError as e:
+        return {"path": None, "why": f"mpgraph not importable: {e}"}
+    try:
+        return library_facts(cuda=True)
+    except KernelBuildError as e:
+        return {"path": None, "why": str(e).splitlines()[0]}
 
 
 class Tee:
