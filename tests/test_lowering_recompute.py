@@ -8,13 +8,15 @@ the forward to the backward in the memory estimate's order.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 
 from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.audit import memory
-from mpgraph.lowering.recompute import recompute_swiglu
+from mpgraph.lowering.recompute import recompute_gelu, recompute_swiglu
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
+from mpgraph.lowering.specialize import specialize_shapes
 from mpgraph.lowering.swiglu import fuse_swiglu, fuse_swiglu_grad
 from tests.helpers import load_benchmark, run_named
 from tests.test_lowering_blocks import _copy
@@ -77,3 +79,65 @@ def test_swiglu_read_as_a_graph_output_is_left_alone(fused):
     (node,) = _swiglus(lowered)
     lowered.graph.outputs.append(node.outputs[0])
     assert recompute_swiglu(lowered) == 0
+
+
+def _gelu_mlp() -> ir.Model:
+    """``loss = sum(Gelu(x W1) W2 * c)``, x of shape [2, 8, 16] (3-D: W2's gradient reads the
+    GELU's output through a Flatten, as BERT's does), float32, W1 and W2 trained."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph.training import build_training_graph
+
+    rng = np.random.default_rng(0)
+    nodes = [h.make_node("MatMul", ["x", "w1"], ["a"]), h.make_node("Gelu", ["a"], ["g"]),
+             h.make_node("MatMul", ["g", "w2"], ["o"]), h.make_node("Mul", ["o", "c"], ["oc"]),
+             h.make_node("ReduceSum", ["oc"], ["loss"], keepdims=0)]
+    inits = [h.make_tensor(k, T.FLOAT, list(v.shape), v.ravel().tolist()) for k, v in
+             (("w1", rng.standard_normal((16, 32)).astype(np.float32)), ("w2", rng.standard_normal((32, 16)).astype(np.float32)),
+              ("c", rng.standard_normal((2, 8, 16)).astype(np.float32)))]
+    graph = h.make_graph(nodes, "gelu_mlp", [h.make_tensor_value_info("x", T.FLOAT, [2, 8, 16])],
+                         [h.make_tensor_value_info("loss", T.FLOAT, [])], initializer=inits)
+    model = ir.from_proto(h.make_model(graph, opset_imports=[h.make_opsetid("", 23)], ir_version=10))
+    step = build_training_graph(model, optimizer=None, params=["w1", "w2"])
+    return specialize_shapes(step, {"x": [2, 8, 16]})  # as a session plan does: no Shape(g) left
+
+
+def test_gelu_is_recomputed_through_the_view_and_ort_keeps_both(tmp_path):
+    """W2's gradient reads ``Gelu(Flatten(a))`` made in the backward, not the forward's output;
+    the step's outputs are the same bits on ORT CPU; ORT's own optimizations (common
+    subexpression elimination among them) leave two Gelus, where a plain second ``Gelu(a)``
+    is merged back into the forward's."""
+    import onnxruntime as ort
+
+    step = _gelu_mlp()
+    lowered = _copy(step)
+    assert recompute_gelu(lowered) == 1
+    gelus = [n for n in lowered.graph if n.op_type == "Gelu"]
+    assert len(gelus) == 2
+    forward, backward = sorted(gelus, key=lambda n: n.name.endswith("/recompute"))
+    assert {u.node.metadata_props.get(NODE_ROLE) for u in forward.outputs[0].uses()} == {Role.FORWARD}
+    assert backward.inputs[0].producer().op_type == "Flatten"
+    assert backward.inputs[0].producer().inputs[0] is forward.inputs[0]
+    feeds = {"x": np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32)}
+    want, got = run_named(step, feeds), run_named(lowered, feeds)
+    assert set(got) == set(want)
+    for name, value in want.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    assert recompute_gelu(lowered) == 0
+
+    def gelus_after_ort(model: ir.Model) -> int:
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        options.log_severity_level = 3
+        ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+        return sum(1 for n in onnx.load(options.optimized_model_filepath).graph.node if n.op_type == "Gelu")
+
+    assert gelus_after_ort(lowered) == 2
+    naive = _copy(step)  # the same copy reading a itself: ORT merges it into the forward's
+    (gelu,) = [n for n in naive.graph if n.op_type == "Gelu"]
+    twin = ir.Node("", "Gelu", [gelu.inputs[0]], name="twin")
+    naive.graph.insert_after(gelu, twin)
+    view = next(u.node for u in gelu.outputs[0].uses() if u.node.op_type == "Flatten")
+    view.replace_input_with(0, twin.outputs[0])
+    assert gelus_after_ort(naive) == 1
