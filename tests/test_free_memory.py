@@ -103,12 +103,12 @@ def test_free_early_runs_the_weight_gradient_before_the_rest_of_the_chain():
     np.testing.assert_array_equal(run(ir.to_proto(model), {"x": x})[0], run(proto, {"x": x})[0])
 
 
-def _ort_ran(proto, tmp_path) -> list[str]:
+def _ort_ran(proto, tmp_path, name: str = "x", shape: tuple[int, ...] = (64, 64)) -> list[str]:
     """The op types in the order ORT CPU ran them (its profile), default graph optimizations."""
     options = ort.SessionOptions()
     options.enable_profiling, options.profile_file_prefix, options.log_severity_level = True, str(tmp_path / "p"), 3
     session = ort.InferenceSession(proto.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    session.run(None, {"x": np.ones((64, 64), np.float32)})
+    session.run(None, {name: np.ones(shape, np.float32)})
     with open(session.end_profiling()) as f:
         events = json.load(f)
     return [e["args"]["op_name"] for e in events if e.get("cat") == "Node" and e["name"].endswith("_kernel_time")]
@@ -149,3 +149,39 @@ def test_gradient_over_its_logits_gives_the_same_bits_on_cpu():
     fed = run_named(models[1], {"logits": -x, "y": y, "dloss": dloss}, library=True)
     np.testing.assert_array_equal(fused["d"], fed["d"])
     assert np.any(fused["d"] != 0) and np.all(fused["d"][:, 13:] == 0)
+
+
+def _late_reduction_graph():
+    """d = x * x, read by a small ReduceSum r (a bias gradient) and by a chain e = -d, f = |e|,
+    s = sin(f); small reductions of e and f go with r into one Concat (the optimizer's of the
+    small gradients), s's ReduceMax g beside it. ORT's walk reaches r through that Concat after
+    the chain's other reductions, so d stays live through the chain."""
+    n = 4096
+    nodes = [h.make_node("Mul", ["x", "x"], ["d"]), h.make_node("ReduceSum", ["d"], ["r"], keepdims=1),
+             h.make_node("Neg", ["d"], ["e"]), h.make_node("ReduceMin", ["e"], ["q1"], keepdims=1),
+             h.make_node("Abs", ["e"], ["f"]), h.make_node("ReduceL1", ["f"], ["q2"], keepdims=1),
+             h.make_node("Sin", ["f"], ["s"]), h.make_node("ReduceMax", ["s"], ["g"], keepdims=1),
+             h.make_node("Concat", ["r", "q1", "q2"], ["c"], axis=0), h.make_node("Concat", ["c", "g"], ["out"], axis=0)]
+    for k, node in enumerate(nodes):
+        node.name = f"n{k}"
+    proto = make_model(nodes, [vi("x", [n])], [vi("out", [4])])
+    proto.graph.value_info.extend([vi(v, [n]) for v in "defs"] + [vi(v, [1]) for v in ("r", "q1", "q2", "g")]
+                                  + [vi("c", [3])])
+    return proto
+
+
+def test_free_early_runs_a_small_last_reader_of_a_large_buffer_right_after_it(tmp_path):
+    """Case 5: without it r runs after the chain (the listing alone leaves it there); with it r
+    and its Concat are listed right before their readers, so ORT's walk (and ORT CPU itself, by
+    its profile) runs r right after d, which then dies at e: a lower peak, the same bits."""
+    proto = _late_reduction_graph()
+    model = ir.from_proto(proto)
+    assert [n.op_type for n in memory.ort_order(model)] == _ort_ran(proto, tmp_path, "x", (4096,))
+    assert [n.op_type for n in memory.ort_order(model)].index("ReduceSum") > 2
+    peak = _peak(model)
+    assert free_early(model) >= 1
+    ran = _ort_ran(ir.to_proto(model), tmp_path, "x", (4096,))
+    assert ran == [n.op_type for n in memory.ort_order(model)] and ran[:2] == ["Mul", "ReduceSum"]
+    assert _peak(model) < peak
+    x = np.random.default_rng(0).standard_normal(4096).astype(np.float32)
+    np.testing.assert_array_equal(run(ir.to_proto(model), {"x": x})[0], run(proto, {"x": x})[0])

@@ -224,6 +224,7 @@ RULES: tuple[LoweringRule, ...] = (
                  "keeps it: fewer bytes live through the backward (recompute.py; before free_early, which orders them)"),
     LoweringRule("free_early", "native", CUDA, BIT, lambda m, t: free_early(m),
                  "the nodes listed so that ORT's order runs each node that frees at least what it allocates "
-                 "(a weight gradient's GEMM) as soon as it can; the count is nodes moved; last, so it orders what "
+                 "(a weight gradient's GEMM) as soon as it can, and a small last reader of a large buffer (a bias "
+                 "gradient's ReduceSum) right after the buffer's other readers; the count is nodes moved; last, so it orders what "
                  "every other rule made (free_early.py)"),
 )
