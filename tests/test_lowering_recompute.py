@@ -7,6 +7,8 @@ the forward to the backward in the memory estimate's order.
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 import onnx
 import onnx_ir as ir
@@ -37,6 +39,21 @@ def _swiglus(model: ir.Model) -> list[ir.Node]:
     return [n for n in model.graph if n.op_type == "SwiGlu"]
 
 
+def _after_ort(model: ir.Model, tmp_path, library: bool = False) -> Counter:
+    """The op types of ``model`` after ORT CPU's own graph optimizations (all levels)."""
+    import onnxruntime as ort
+
+    from mpgraph import lowering
+
+    options = ort.SessionOptions()
+    options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+    options.log_severity_level = 3
+    if library:
+        options.register_custom_ops_library(str(lowering.library("cpu")))
+    ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return Counter(n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node)
+
+
 def _outliving(model: ir.Model, names: set[str]) -> int:
     """Bytes of the buffers ``names`` that the estimate's order keeps past the forward's last node."""
     nodes = memory.ort_order(model)
@@ -45,7 +62,7 @@ def _outliving(model: ir.Model, names: set[str]) -> int:
     return sum(b.nbytes for b in buffers if b.name in names and b.end > last_forward)
 
 
-def test_backward_reads_its_own_swiglu_and_the_step_keeps_its_bits(fused):
+def test_backward_reads_its_own_swiglu_and_the_step_keeps_its_bits(fused, tmp_path):
     """One backward SwiGlu reading the forward's a and b; the forward's outputs have no backward
     reader left (s none at all); every output of the step is the same bits; again: nothing."""
     lowered = _copy(fused)
@@ -61,6 +78,7 @@ def test_backward_reads_its_own_swiglu_and_the_step_keeps_its_bits(fused):
     for name, value in want.items():
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     assert recompute_swiglu(lowered) == 0
+    assert _after_ort(lowered, tmp_path, library=True)["SwiGlu"] == 2  # a custom op: ORT's CSE leaves it
 
 
 def test_swiglu_outputs_no_longer_outlive_the_forward(fused):
@@ -108,8 +126,6 @@ def test_gelu_is_recomputed_through_the_view_and_ort_keeps_both(tmp_path):
     the step's outputs are the same bits on ORT CPU; ORT's own optimizations (common
     subexpression elimination among them) leave two Gelus, where a plain second ``Gelu(a)``
     is merged back into the forward's."""
-    import onnxruntime as ort
-
     step = _gelu_mlp()
     lowered = _copy(step)
     assert recompute_gelu(lowered) == 1
@@ -126,18 +142,11 @@ def test_gelu_is_recomputed_through_the_view_and_ort_keeps_both(tmp_path):
         np.testing.assert_array_equal(got[name], value, err_msg=name)
     assert recompute_gelu(lowered) == 0
 
-    def gelus_after_ort(model: ir.Model) -> int:
-        options = ort.SessionOptions()
-        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
-        options.log_severity_level = 3
-        ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
-        return sum(1 for n in onnx.load(options.optimized_model_filepath).graph.node if n.op_type == "Gelu")
-
-    assert gelus_after_ort(lowered) == 2
+    assert _after_ort(lowered, tmp_path)["Gelu"] == 2
     naive = _copy(step)  # the same copy reading a itself: ORT merges it into the forward's
     (gelu,) = [n for n in naive.graph if n.op_type == "Gelu"]
     twin = ir.Node("", "Gelu", [gelu.inputs[0]], name="twin")
     naive.graph.insert_after(gelu, twin)
     view = next(u.node for u in gelu.outputs[0].uses() if u.node.op_type == "Flatten")
     view.replace_input_with(0, twin.outputs[0])
-    assert gelus_after_ort(naive) == 1
+    assert _after_ort(naive, tmp_path)["Gelu"] == 1
