@@ -325,13 +325,13 @@ def test_every_lowering_is_a_registered_documented_rule():
     order = {(p, s): [r.name for r in RULES if r.runs(p, s)] for p in ("cpu", "cuda") for s in kernels.SCOPES}
     library = ["sdpa", "sdpa_layout", "rotary", "adamw", "adam_scalars", "multi_adamw", "layernorm_grad", "gelu", "rmsnorm_grad", "swiglu_grad", "swiglu",
                "unscale", "multi_cast", "fold_transposes", "softmax_grad", "cross_entropy", "relu_grad"]
-    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "narrow_pad", "pad_concat", "sdpa", "sdpa_layout", "rotary",
-                                                                "attention_expand", *library[3:], "sce_grad", "fold_scales", "gemm_bias",
+    assert order["cuda", "all"] == order["cuda", "default"] == ["fp8_gemm", "pad_concat", "sdpa", "sdpa_layout", "rotary",
+                                                                "attention_expand", *library[3:], "sce_grad", "narrow_pad", "fold_scales", "gemm_bias",
                                                                 "matmul_bias", "gemm_bias_gelu", "pointwise", "recompute", "free_early"]
     assert order["cpu", "all"] == [*library, "nchwc", "permute", "fold_scales", "gemm_bias", "matmul_bias", "gemm_bias_gelu", "pointwise", "recompute"]
     assert order["cpu", "default"] == ["adamw", "adam_scalars", "multi_adamw", "relu_grad", "nchwc", "permute"]
     # fp8_gemm (ORT's own GemmFloat8), narrow_pad (a node order), pad_concat (ORT's Concat),
     # attention_expand (Attention's function body as standard ops) and free_early (a node order)
     # are the CUDA rules of scope native: no kernel library.
-    native = ["fp8_gemm", "narrow_pad", "pad_concat", "attention_expand", "free_early"]
+    native = ["fp8_gemm", "pad_concat", "attention_expand", "narrow_pad", "free_early"]
     assert order["cpu", "native"] == ["nchwc"] and order["cuda", "native"] == native

@@ -14,7 +14,7 @@ the same bits. The rule reorders the two nodes: the Cast reads x, the Pad reads 
 output and makes the value the Cast made. The float32 padded copy is gone; the Pad copies
 2-byte elements. Same two kernels, fewer bytes.
 
-ORT CUDA has no bfloat16 ``Pad``; ``pad_concat`` (after this rule) writes it as a ``Concat``
+ORT CUDA has no bfloat16 ``Pad``; ``pad_concat`` (run again by the CUDA rule) writes it as a ``Concat``
 with a zero block, which needs a static shape and constant pads, so this rule takes only Pads
 that satisfy both: a float32 input of static shape, constant ``pads`` (and ``axes``), mode
 ``constant`` with no pad value or a zero one, read by nothing but one Cast to float16 or
@@ -27,8 +27,9 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph.lowering.match import constant, hand_over
+from mpgraph.lowering.pad_concat import pads_as_concat
 
-__all__ = ["narrow_before_pad"]
+__all__ = ["narrow_before_pad", "narrow_pads_on_cuda"]
 
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
 
@@ -89,4 +90,15 @@ def narrow_before_pad(model: ir.Model) -> int:
         if cast is not None:
             _swap(graph, pad, cast)
             done += 1
+    return done
+
+
+def narrow_pads_on_cuda(model: ir.Model) -> int:
+    """The CUDA rule: ``narrow_before_pad``, then ``pads_as_concat`` for the narrow Pads it made
+    (ORT CUDA has no bfloat16 Pad; ``pad_concat`` ran before them). It runs after
+    ``cross_entropy``, which takes a causal LM's whole loss-head chain, this Pad and Cast included:
+    reordered first, the chain no longer matched and the float32 logits came back."""
+    done = narrow_before_pad(model)
+    if done:
+        pads_as_concat(model)
     return done

@@ -49,7 +49,7 @@ from mpgraph.lowering.gemm_bias import (
 )
 from mpgraph.lowering.grads import fuse_relu_grad, fuse_sce_grad
 from mpgraph.lowering.multi import batch_adamw, batch_casts, fuse_unscale
-from mpgraph.lowering.narrow_pad import narrow_before_pad
+from mpgraph.lowering.narrow_pad import narrow_pads_on_cuda
 from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
@@ -127,9 +127,6 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("fp8_gemm", "native", CUDA, Exactness.APPROXIMATE, lambda m, t: lower_fp8_gemms(m, library=t.gemm_bias),
                  "fp8 products (QuantizeFp8Pass) as cuBLASLt fp8 GEMMs, com.microsoft.GemmFloat8, or GemmFp8 where the "
                  "library has cuBLASLt (fp8_gemm.py)"),
-    LoweringRule("narrow_pad", "native", CUDA, BIT, lambda m, t: narrow_before_pad(m),
-                 "a narrowing Cast of a zero Pad (the padded GEMM columns' gradient) runs before the Pad, "
-                 "so the padded copy is 2-byte, not float32 (narrow_pad.py; before pad_concat)"),
     LoweringRule("pad_concat", "native", CUDA, BIT, lambda m, t: pads_as_concat(m),
                  "a constant Pad of a type ORT CUDA has no Pad kernel for (the int64 labels of a causal "
                  "LM's loss) as Concat with constant blocks, so no node is left on CPU (pad_concat.py)"),
@@ -187,6 +184,10 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("sce_grad", "default", CUDA, SAME, lambda m, t: fuse_sce_grad(m),
                  "the cross-entropy logits gradient as SoftmaxCrossEntropyGrad (grads.py; CUDA: "
                  "the kernel's expf is ORT's, ORT CPU's Exp is MLAS's own)"),
+    LoweringRule("narrow_pad", "native", CUDA, BIT, lambda m, t: narrow_pads_on_cuda(m),
+                 "a narrowing Cast of a zero Pad (a padded GEMM's columns' gradient that cross_entropy did not "
+                 "take) runs before the Pad, so the padded copy is 2-byte, not float32; the narrow Pad as "
+                 "pad_concat's Concat (narrow_pad.py; after cross_entropy, whose chain it would break)"),
     LoweringRule("nchwc", "native", CPU, SAME,
                  lambda m, t: to_nchwc(m, block=t.nchwc_block, phases=t.scope != "native"),
                  "trainable-weight convolutions on ORT CPU's NCHWc kernels; with the library, "
