@@ -44,7 +44,7 @@ from tests.corpus import models  # noqa: E402 - needs torch
 
 pytestmark = pytest.mark.slow
 
-CANONICAL = ("Attention", "Gelu", "LayerNormalization", "RMSNormalization")
+CANONICAL = ("Attention", "Gelu", "LayerNormalization", "RMSNormalization", "RotaryEmbedding")
 #: Ops that may not remain after the pass in these models (their sites are all recognised).
 WRITTEN_OUT = ("Softmax", "Erf", "Pow", "ReduceMean", "Sqrt")
 FORWARD_TOL = 1e-5
@@ -117,9 +117,9 @@ CASES = {
     ("gpt2", "torchscript", "eager"): {"Attention": 2, "Gelu": 2, "LayerNormalization": 5},
     ("gpt2", "dynamo18", "eager"): {"Attention": 2, "Gelu": 2, "LayerNormalization": 5},
     ("gpt2", "dynamo23", "sdpa"): {"Attention": 2, "Gelu": 2, "LayerNormalization": 5},
-    ("llama", "torchscript", "eager"): {"Attention": 1, "RMSNormalization": 3},
-    ("llama", "dynamo18", "eager"): {"Attention": 1, "RMSNormalization": 3},
-    ("llama", "dynamo23", "sdpa"): {"Attention": 1, "RMSNormalization": 3},
+    ("llama", "torchscript", "eager"): {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
+    ("llama", "dynamo18", "eager"): {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
+    ("llama", "dynamo23", "sdpa"): {"Attention": 1, "RMSNormalization": 3, "RotaryEmbedding": 2},
     ("bert", "torchscript", "eager"): {"Attention": 1, "Gelu": 1, "LayerNormalization": 3},
     # HF's default attention below opset 23: torch's SDPA decomposition (sqrt(scale) on Q and
     # K, Where(IsNaN(p), 0, p)) from the dynamo exporter, torch's symbolic from TorchScript.
@@ -276,7 +276,7 @@ def test_hand_written_forms(how: str) -> None:
     keep = torch.tensor([[True] * 5, [True, True, True, False, False]])
     proto = _export(module, (x, keep), ["x", "keep"], how)
     model, canonicalize = _canonical_forward(proto)
-    assert canonicalize.counts == {"Attention": 1, "Gelu": 1, "LayerNormalization": 1, "RMSNormalization": 0}
+    assert canonicalize.counts == {"Attention": 1, "Gelu": 1, "LayerNormalization": 1, "RMSNormalization": 0, "RotaryEmbedding": 0}
     attention = next(n for n in model.graph if n.op_type == "Attention")
     assert attention.inputs[3] is not None and _reads(attention.inputs[3], "keep")  # the boolean mask, no Where
     assert not [n for n in model.graph if n.op_type == "Where"]
@@ -370,6 +370,44 @@ def test_computed_mask_with_symbolic_dims(kind: str, inputs: int, causal: int, m
     for name, p in module.named_parameters():
         got = outs[f"grad/{name}"]
         assert np.linalg.norm(got - p.grad.numpy()) <= GRAD_TOL * np.linalg.norm(p.grad.numpy()), name
+
+
+class Rotary(torch.nn.Module):
+    """HF's ``apply_rotary_pos_emb`` on Q ``[B, H, S, D]`` with caches from the positions:
+    ``cat(freqs, freqs)`` (``hf``), halves that differ (``uneven``), or positions read from an
+    input (``input``: not known before the graph runs)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        s, d = q.shape[2], q.shape[3]
+        rows = positions if self.kind == "input" else torch.arange(s, dtype=torch.float32)
+        freqs = rows[:, None] * (10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d))[None, :]
+        emb = torch.cat((freqs, 2 * freqs if self.kind == "uneven" else freqs), dim=-1)[None, None]
+        half = d // 2
+        rotated = torch.cat((-q[..., half:], q[..., :half]), dim=-1)
+        return (q * emb.cos() + rotated * emb.sin()).square().mean()
+
+
+@pytest.mark.parametrize(("kind", "rotary"), [("hf", 1), ("uneven", 0), ("input", 0)])
+def test_rotary_embedding(kind: str, rotary: int, caplog: pytest.LogCaptureFixture) -> None:
+    """HF's form becomes ``RotaryEmbedding`` reading the caches' first halves, expanded to the
+    batch; a cache whose halves differ, or one computed while the graph runs, stays written out
+    (logged)."""
+    q = torch.randn(2, 2, 5, 8, generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(5, dtype=torch.float32)
+    proto = _export(Rotary(kind), (q, positions), ["q", "positions"], "torchscript")
+    with caplog.at_level(logging.WARNING, logger="mpgraph.training.canonicalize_ops"):
+        model, canonicalize = _canonical_forward(proto)
+    assert canonicalize.counts["RotaryEmbedding"] == rotary
+    assert [n.op_type for n in model.graph].count("Neg") == 1 - rotary
+    assert ("1 rotary embedding (Neg of a Slice, into a Concat) left as written" in caplog.text) == (not rotary)
+    names = {i.name for i in proto.graph.input}  # TorchScript drops an input nothing reads
+    feeds = {n: a.numpy() for n, a in (("q", q), ("positions", positions)) if n in names}
+    (before,), (after,) = _run(proto, feeds), _run(ir.to_proto(model), feeds)
+    assert abs(float(after) - float(before)) <= FORWARD_TOL * abs(float(before))
 
 
 # -- what is left alone -----------------------------------------------------------------------

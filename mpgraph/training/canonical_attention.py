@@ -1,7 +1,8 @@
-"""The attention rules of ``CanonicalizeOpsPass``, and the helpers its other rules share.
+"""The attention and rotary rules of ``CanonicalizeOpsPass``, and the helpers its other rules share.
 
 Written-out attention (eager, or torch's SDPA decomposition and symbolic) becomes the standard
-ONNX ``Attention`` (opset 23) with 4-D inputs; see ``CanonicalizeOpsPass`` rules 4 and 5.
+ONNX ``Attention`` (opset 23) with 4-D inputs, HF's written-out rotary embedding the standard
+``RotaryEmbedding`` (23); see ``CanonicalizeOpsPass`` rules 4 and 5.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from onnxscript.rewriter import pattern
 
 from mpgraph.io import min_ir_version
 
-__all__ = ["ATTENTION_RULES", "const_scalar", "drop_known_masks", "last_axis", "static_dims"]
+__all__ = ["ATTENTION_RULES", "ROTARY_RULES", "const_scalar", "drop_known_masks", "last_axis", "static_dims"]
 
 logger = logging.getLogger(__name__)
 
@@ -332,3 +333,74 @@ def drop_known_masks(graph: ir.Graph) -> int:
         node.attributes["is_causal"] = ir.AttrInt64("is_causal", causal)
         changed += 1
     return changed
+
+
+# -- rotary embedding -------------------------------------------------------------------------
+
+
+def _ints(value: ir.Value | None) -> list[int] | None:
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else [int(i) for i in tensor.numpy().reshape(-1)]
+
+
+class _RotaryEmbedding(pattern.RewriteRuleClassBase):
+    """HF's ``x * cos + rotate_half(x) * sin``, ``rotate_half(x) = cat(-x[..., D/2:], x[...,
+    :D/2])``, on a 4-D ``x`` ``[B, H, S, D]`` with caches known before the graph runs (the
+    TorchScript export folds them from ``inv_freq`` and the positions): ``cos`` and ``sin``
+    broadcast to ``[B, 1, S, D]``, each the same in both halves (HF's ``cat(freqs, freqs)``).
+    Becomes ``RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2])``, the caches ``[B, S, D/2]``
+    (a batch of 1 expanded to ``x``'s: ONNX Runtime wants the input's)."""
+
+    def pattern(self, op, x, cos, sin, start1, end1, axes1, steps1, start2, end2, axes2, steps2):
+        first, second = op.Slice(x, start1, end1, axes1, steps1), op.Slice(x, start2, end2, axes2, steps2)
+        rotated = op.Concat(op.Neg(second), first, axis=pattern.AttrVar("concat_axis"))
+        return op.Add(op.Mul(x, cos), op.Mul(rotated, sin))
+
+    def check(self, context, x, cos, sin, start1, end1, axes1, steps1, start2, end2, axes2, steps2, concat_axis,
+              **_):
+        result = pattern.MatchResult()
+        dims = static_dims(x)
+        if dims is None or len(dims) != 4 or dims[3] is None or dims[3] % 2 or dims[2] is None:
+            return result.fail("x is not 4-D [B, H, S, D] with S and an even D known", x)
+        half = dims[3] // 2
+        axis = getattr(concat_axis, "value", concat_axis)
+        slices = [_ints(v) for v in (start1, end1, axes1, steps1, start2, end2, axes2, steps2)]
+        if axis not in (3, -1) or any(v is None or len(v) != 1 for v in slices):
+            return result.fail("rotate_half's Slices or Concat are not over the last axis with constants", x)
+        (s1,), (e1,), (a1,), (t1,), (s2,), (e2,), (a2,), (t2,) = slices  # type: ignore[misc]
+        if not (s1 == 0 and e1 == half and s2 == half and e2 >= dims[3] and a1 in (3, -1) and a2 in (3, -1)
+                and t1 == t2 == 1):
+            return result.fail("rotate_half does not split the last axis in halves", x)
+        caches = []
+        for cache in (cos, sin):
+            array = _known(cache)
+            if array is None or cache.dtype != x.dtype:
+                return result.fail("the rotary cache is not known before the graph runs, or not x's type", cache)
+            rows = _cache_rows(array, dims)
+            if rows is None or not np.array_equal(rows[..., :half], rows[..., half:]):
+                return result.fail("the rotary cache is not [B or 1, 1, S, D] with equal halves", cache)
+            caches.append(rows[..., :half])
+        self._caches = caches
+        return result
+
+    def rewrite(self, op, x, **_):
+        cos, sin = (op.Constant(value=ir.tensor(np.ascontiguousarray(c))) for c in self._caches)
+        if self._caches[0].shape[0] != static_dims(x)[0]:
+            shape = op.Concat(op.Shape(x, start=0, end=1), op.Constant(value=ir.tensor(np.ones(2, np.int64))), axis=0)
+            cos, sin = op.Expand(cos, shape), op.Expand(sin, shape)
+        return op.RotaryEmbedding(x, cos, sin)
+
+
+def _cache_rows(array: np.ndarray, dims: list[int | None]) -> np.ndarray | None:
+    """A cache that broadcasts to ``[B, H, S, D]`` the same for every head, as ``[B or 1, S, D]``."""
+    if not 2 <= array.ndim <= 4 or array.shape[-2:] != (dims[2], dims[3]):
+        return None
+    if array.ndim == 2:
+        return array[None]
+    if array.ndim == 3:
+        return array if array.shape[0] == 1 else None
+    return array[:, 0] if array.shape[1] == 1 and array.shape[0] in (1, dims[0]) else None
+
+
+#: Rule 5's rotary (commute: the caches and the products in either operand).
+ROTARY_RULES = pattern.RewriteRuleSet([_RotaryEmbedding.rule()], commute=True)

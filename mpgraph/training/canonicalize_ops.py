@@ -1,13 +1,14 @@
-"""CanonicalizeOpsPass: every exporter's attention, GELU and norms as the standard ONNX op.
+"""CanonicalizeOpsPass: every exporter's attention, rotary, GELU and norms as the standard ONNX op.
 
 torch's exporters write one layer many ways: eager attention as MatMul-scale-mask-Softmax-MatMul
 (an additive float mask, a ``Where`` boolean mask, a folded causal triangle, GQA's ``repeat_kv``
 as Unsqueeze-Expand-Reshape, Identity and no-op Casts in between), the torch SDPA decomposition
 (``sqrt(scale)`` on Q and K, ``Where(IsNaN(p), 0, p)``), GELU as erf or tanh formulas, LayerNorm
-and RMSNorm written out. The gradient rules and the fused kernels are written once, for the
-standard ops ``Attention`` (opset 23), ``Gelu`` (20), ``LayerNormalization`` (17) and
-``RMSNormalization`` (23); this pass rewrites the other forms into them before differentiating,
-with onnxscript's pattern rewriter. What it does not recognise it leaves, and logs.
+and RMSNorm written out, HF's rotary embedding written out. The gradient rules and the fused
+kernels are written once, for the standard ops ``Attention`` (opset 23), ``RotaryEmbedding``
+(23), ``Gelu`` (20), ``LayerNormalization`` (17) and ``RMSNormalization`` (23); this pass
+rewrites the other forms into them before differentiating, with onnxscript's pattern rewriter.
+What it does not recognise it leaves, and logs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from mpgraph.io import min_ir_version
 from mpgraph.targets import lost_kernels, tables
 from mpgraph.training.canonical_attention import (
     ATTENTION_RULES,
+    ROTARY_RULES,
     const_scalar,
     drop_known_masks,
     last_axis,
@@ -36,11 +38,13 @@ logger = logging.getLogger(__name__)
 _RULE_NAME_KEY = "pkg.onnxscript.rewriter.rule_name"
 
 #: The standard op each rule family writes, and the opset that op needs.
-CANONICAL_OPS = {"Attention": 23, "RMSNormalization": 23, "Gelu": 20, "LayerNormalization": 17}
+CANONICAL_OPS = {"Attention": 23, "RotaryEmbedding": 23, "RMSNormalization": 23, "Gelu": 20, "LayerNormalization": 17}
 #: Ops whose meaning (not only their types) changed between opsets 18 and 23: a graph holding
 #: one is not re-declared at a higher opset (GroupNormalization-21 scales per channel,
 #: GridSample-20 renamed its modes, DFT-20 takes its axis as an input).
 _CHANGED_BY_23 = {"GroupNormalization": 21, "GridSample": 20, "DFT": 20}
+#: The standard ops of rules 4 and 5, written only with ``attention``.
+_ATTENTION_OPS = ("Attention", "RotaryEmbedding")
 _SQRT2 = math.sqrt(2.0)
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
@@ -170,17 +174,19 @@ _RULE_SETS: tuple[tuple[str, pattern.RewriteRuleSet, bool], ...] = (
     ("RMSNormalization", pattern.RewriteRuleSet([_RmsNorm.rule()], commute=True), True),
     ("Gelu", pattern.RewriteRuleSet([_ErfGelu.rule(form=f) for f in range(_GELU_FORMS)]
                                     + [_TanhGelu.rule(form=f) for f in range(_GELU_FORMS)]), True),
+    ("RotaryEmbedding", ROTARY_RULES, True),
     ("Attention", ATTENTION_RULES[0], True),
     ("Attention", ATTENTION_RULES[1], False),
 )
 
 
 class CanonicalizeOpsPass(ir.passes.InPlacePass):
-    """Rewrite attention, GELU, LayerNorm and RMSNorm written out into the standard ONNX ops.
+    """Rewrite attention, rotary embeddings, GELU and norms written out into the standard ONNX ops.
 
     With ``attention=False`` rules 4 and 5 do not run (and a Softmax left is not logged):
-    ``build_training_graph`` canonicalises activations and norms by default, attention only
-    when asked (its fused CUDA kernel is not measured yet).
+    ``build_training_graph`` canonicalises activations and norms by default, attention and
+    rotary embeddings only when asked or for CUDA (their fused CUDA kernels are the lowering's;
+    elsewhere ORT's own would run).
 
     Rules, in order:
 
@@ -205,16 +211,22 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
        live in ``canonical_attention``.
     5. ``Attention`` reading K and V through ``repeat_kv`` reads the shared heads (GQA); an
        ``Attention`` (the exporter's too) with a known mask that hides nothing drops it,
-       one with the causal triangle gets ``is_causal=1`` instead.
-    6. The opset is raised to what the new ops need (23 for Attention and RMSNormalization, 20
-       for Gelu) and the IR version with it, unless the graph holds an op whose meaning changed
-       on the way (``_CHANGED_BY_23``): then the rules whose op needs it are skipped, and logged.
+       one with the causal triangle gets ``is_causal=1`` instead. HF's rotary embedding
+       written out, ``x * cos + cat(-x2, x1) * sin`` on a 4-D ``x`` whose halves are ``x1``
+       and ``x2``, with caches known before the graph runs that are the same in both halves,
+       becomes ``RotaryEmbedding(x, cos[..., :D/2], sin[..., :D/2])`` (TorchScript writes it
+       so; the dynamo exporter writes ``RotaryEmbedding`` itself at opset 23).
+    6. The opset is raised to what the new ops need (23 for Attention, RotaryEmbedding and
+       RMSNormalization, 20 for Gelu) and the IR version with it, unless the graph holds an op
+       whose meaning changed on the way (``_CHANGED_BY_23``): then the rules whose op needs it
+       are skipped, and logged.
        With ``provider``, a rule whose op needs an opset at which an op of the graph has no
        kernel on that ORT provider that it has now (``targets.lost_kernels``: on ORT 1.31.1
        CUDA, Dropout, Elu, MaxPool and Selu at opset 22 and up) is skipped too: its forms stay
        written out, and one line says how many and why (they are then not logged as
        unrecognised).
-    7. Softmax, Erf, Tanh-of-cube and ReduceMean nodes left over are logged as not recognised.
+    7. Softmax, Erf, Tanh-of-cube, ReduceMean and rotate_half's Neg nodes left over are logged
+       as not recognised.
 
     ``counts`` holds, after a call, how many of each standard op the rules wrote.
 
@@ -253,12 +265,12 @@ class CanonicalizeOpsPass(ir.passes.InPlacePass):
         modified = _fold_cast_like(graph) > 0 or modified
         modified = _constants_second(graph) > 0 or modified
         lost = _lost_kernels(graph, opset, ceiling, self.provider)
-        wanted = [t for t, _, _ in _RULE_SETS if (self.attention or t != "Attention") and CANONICAL_OPS[t] <= ceiling
+        wanted = [t for t, _, _ in _RULE_SETS if (self.attention or t not in _ATTENTION_OPS) and CANONICAL_OPS[t] <= ceiling
                   and CANONICAL_OPS[t] not in lost]
         # the rewriter builds nodes against the graph's opset
         graph.opset_imports[""] = max([opset] + [CANONICAL_OPS[t] for t in wanted])
         for op_type, rules, adds in _RULE_SETS:
-            if op_type == "Attention" and not self.attention:
+            if op_type in _ATTENTION_OPS and not self.attention:
                 continue
             if CANONICAL_OPS[op_type] > ceiling:
                 logger.info("%s forms are left as they are: the graph cannot be raised to opset %d",
@@ -408,6 +420,8 @@ def _log_leftovers(graph: ir.Graph, attention: bool, kept: dict[str, int]) -> No
             continue
         if node.op_type == "Softmax" and attention:
             left.setdefault("attention (Softmax)", []).append(node.name or "?")
+        elif node.op_type == "Neg" and attention and _rotates_half(node):
+            left.setdefault("rotary embedding (Neg of a Slice, into a Concat)", []).append(node.name or "?")
         elif node.op_type == "Erf":
             left.setdefault("erf GELU (Erf)", []).append(node.name or "?")
         elif node.op_type == "Tanh" and _reads_cube(node):
@@ -422,6 +436,13 @@ def _log_leftovers(graph: ir.Graph, attention: bool, kept: dict[str, int]) -> No
         if not nodes:
             continue
         logger.warning("canonical ops: %d %s left as written, not recognised (first: node '%s')", len(nodes), form, nodes[0])
+
+
+def _rotates_half(node: ir.Node) -> bool:
+    """Whether a Neg reads a Slice and feeds a Concat (HF's ``rotate_half``)."""
+    source = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    return source is not None and source.op_type == "Slice" and any(
+        use.node.op_type == "Concat" for use in node.outputs[0].uses())
 
 
 def _reads_cube(node: ir.Node, depth: int = 0) -> bool:
