@@ -150,3 +150,16 @@ def test_gelu_is_recomputed_through_the_view_and_ort_keeps_both(tmp_path):
     view = next(u.node for u in gelu.outputs[0].uses() if u.node.op_type == "Flatten")
     view.replace_input_with(0, twin.outputs[0])
     assert _after_ort(naive, tmp_path)["Gelu"] == 1
+
+
+@pytest.mark.parametrize("env", ["", "1"])
+def test_the_rule_takes_gelus_only_when_asked(env, monkeypatch):
+    """The registered ``recompute`` rule recomputes GELUs only with MPGRAPH_RECOMPUTE_GELU=1
+    (untimed on a GPU: GPT-2's tanh GELU passes are 4% of its step); SwiGLUs always."""
+    from mpgraph.lowering.registry import RULES, Target
+
+    monkeypatch.setenv("MPGRAPH_RECOMPUTE_GELU", env)
+    (rule,) = [r for r in RULES if r.name == "recompute"]
+    lowered = _copy(_gelu_mlp())
+    assert rule.apply(lowered, Target("cpu", "all")) == (1 if env == "1" else 0)
+    assert sum(n.op_type == "Gelu" for n in lowered.graph) == (2 if env == "1" else 1)

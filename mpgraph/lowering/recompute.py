@@ -29,6 +29,12 @@ elements (the op is elementwise, the view moves no element), an input no other n
     forward:  g = Gelu(x);  z = up(g)
     backward: g2 = Gelu(Flatten(x));  dW = g2^T dz;  dx = ErfGeluGrad(dg, x)
 
+The GELU case is opt-in (``MPGRAPH_RECOMPUTE_GELU=1``, ``recompute_gelu_on``) until an H200 run
+has timed it: on GPT-2 (tanh GELU, which ORT runs as ``FastGelu``) the forward's 12 GELU passes
+take 1.11 ms of a 25.96 ms step that is 1.01x torch.compile's, while its peak memory is already
+0.87x; a second pass would cost about as much again where nothing needs the bytes. BERT's
+modelled peak is 2.45 GiB without it, 2.17 with it (``plan_memory_bert_dynamo_2026-12-03T08``).
+
 Left as they are: a node whose inputs the backward does not read (recomputing would keep them
 alive instead), one whose outputs no backward node reads, one that is a graph output, and a
 Gelu read by a backward node other than a ``Flatten`` or ``Reshape`` (or whose view of x some
@@ -37,12 +43,14 @@ node already computes: the two would merge).
 
 from __future__ import annotations
 
+import os
+
 import onnx_ir as ir
 
 from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.lowering.match import DOMAIN, hand_over
 
-__all__ = ["recompute_gelu", "recompute_swiglu"]
+__all__ = ["recompute_gelu", "recompute_gelu_on", "recompute_swiglu"]
 
 
 def _backward(node: ir.Node) -> bool:
@@ -125,6 +133,11 @@ def _recompute_through(graph: ir.Graph, gelu: ir.Node, view: ir.Node) -> None:
     graph.insert_before(view, [moved, copy])
     hand_over((view.outputs[0],), (copy.outputs[0],))
     graph.remove(view, safe=True)
+
+
+def recompute_gelu_on() -> bool:
+    """Whether the ``recompute`` rule takes GELUs too: ``MPGRAPH_RECOMPUTE_GELU=1``."""
+    return os.environ.get("MPGRAPH_RECOMPUTE_GELU", "") == "1"
 
 
 def recompute_gelu(model: ir.Model) -> int:

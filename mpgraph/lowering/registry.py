@@ -54,7 +54,7 @@ from mpgraph.lowering.nchwc import to_nchwc
 from mpgraph.lowering.pad_concat import pads_as_concat
 from mpgraph.lowering.permute import fast_transposes
 from mpgraph.lowering.pointwise import fuse_pointwise
-from mpgraph.lowering.recompute import recompute_gelu, recompute_swiglu
+from mpgraph.lowering.recompute import recompute_gelu, recompute_gelu_on, recompute_swiglu
 from mpgraph.lowering.rmsnorm import fuse_rmsnorm_grad
 from mpgraph.lowering.rotary import fuse_rotary
 from mpgraph.lowering.scalars import fuse_adam_scalars
@@ -219,9 +219,9 @@ RULES: tuple[LoweringRule, ...] = (
                  "the embedding gradient's scatter-add as a one-hot Gemm (deterministic.py)"),
     LoweringRule("ones_matmul_sums", "deterministic", CUDA, SAME, lambda m, t: ones_matmul_sums(m),
                  "bias-gradient sums over leading axes as MatMuls with ones (deterministic.py)"),
-    LoweringRule("recompute", "all", BOTH, BIT, lambda m, t: recompute_swiglu(m) + recompute_gelu(m),
+    LoweringRule("recompute", "all", BOTH, BIT, lambda m, t: recompute_swiglu(m) + (recompute_gelu(m) if recompute_gelu_on() else 0),
                  "a forward SwiGlu's or Gelu's outputs the backward reads (a weight gradient's input; SwiGluGrad's s) "
-                 "recomputed there from the inputs it keeps anyway, a Gelu through its Flatten view so that ORT's CSE "
+                 "recomputed there from the inputs it keeps anyway, a Gelu (opt-in: MPGRAPH_RECOMPUTE_GELU=1) through its Flatten view so that ORT's CSE "
                  "keeps it: fewer bytes live through the backward (recompute.py; before free_early, which orders them)"),
     LoweringRule("free_early", "native", CUDA, BIT, lambda m, t: free_early(m),
                  "the nodes listed so that ORT's order runs each node that frees at least what it allocates "
