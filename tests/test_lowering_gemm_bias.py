@@ -36,9 +36,11 @@ ULP_BITS = {T.FLOAT16: 10, T.BFLOAT16: 7}
 
 
 def _gemm(dtype: int, *, trans_a: int = 0, trans_b: int = 0, alpha: float = 1.0, beta: float = 1.0,
-          bias_shape: tuple[int, ...] = (N,)) -> ir.Model:
+          bias_shape: tuple[int, ...] | None = None, mkn: tuple[int, int, int] = (M, K, N)) -> ir.Model:
     """``y = float(Gemm(low(a), low(b), low(c)))`` with float32 inputs (ORT's Python API takes no
     bfloat16); ``dtype`` FLOAT: a plain float32 Gemm."""
+    M, K, N = mkn  # noqa: N806 - the module's names for the sizes
+    bias_shape = (N,) if bias_shape is None else bias_shape
     a_shape, b_shape = ((K, M) if trans_a else (M, K)), ((N, K) if trans_b else (K, N))
     nodes = [h.make_node("Cast", [x], [f"{x}_low"], to=dtype) for x in "abc"]
     nodes += [h.make_node("Gemm", ["a_low", "b_low", "c_low"], ["g"], name="linear", transA=trans_a, transB=trans_b,
@@ -119,9 +121,27 @@ def test_cuda_needs_a_library_with_cublaslt_and_the_opt_in(monkeypatch):
     unasked = _gemm(T.BFLOAT16)
     assert rule.apply(unasked, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(unasked)["Gemm"] == 1
     monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "cublaslt")
-    without, with_ = _gemm(T.BFLOAT16), _gemm(T.BFLOAT16)
+    aligned = (8, 24, 16)
+    without, with_ = _gemm(T.BFLOAT16, mkn=aligned), _gemm(T.BFLOAT16, mkn=aligned)
     assert rule.apply(without, Target("cuda", "default")) == 0 and _ops(without)["Gemm"] == 1
     assert rule.apply(with_, Target("cuda", "default", gemm_bias=True)) == 1
+
+
+@pytest.mark.parametrize(("mkn", "trans_a", "trans_b", "cuda"), [
+    ((8, 24, 16), 0, 0, 1), ((8, 24, 16), 1, 1, 1), ((M, K, N), 0, 0, 0),  # 37 and 10 columns
+    ((6, 24, 16), 0, 0, 1), ((6, 24, 16), 1, 0, 0),  # rows are A's leading dimension only when transposed
+    ((8, 24, 12), 0, 1, 0),  # B stored [12, 24]: aligned; Y's 12 columns are not
+])
+def test_cuda_takes_only_gemms_whose_leading_dimensions_are_multiples_of_8(monkeypatch, mkn, trans_a, trans_b, cuda):
+    """Elsewhere the CUDA op would fall back to ORT's own arithmetic (broadcast, then beta = 1):
+    no gain, and not the one rounding the rule promises. The CPU reference takes every shape."""
+    from mpgraph.lowering.registry import RULES, Target
+
+    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "cublaslt")
+    rule = next(r for r in RULES if r.name == "gemm_bias")
+    on_cuda, on_cpu = (_gemm(T.BFLOAT16, mkn=mkn, trans_a=trans_a, trans_b=trans_b) for _ in range(2))
+    assert rule.apply(on_cuda, Target("cuda", "default", gemm_bias=True)) == cuda
+    assert rule.apply(on_cpu, Target("cpu", "all")) == 1
 
 
 @pytest.mark.parametrize("dtype", [T.FLOAT16, T.BFLOAT16])
@@ -315,3 +335,15 @@ def test_bf16_step_gelu_reading_the_gemm_directly(monkeypatch):
     act, pre = node.outputs
     assert _ops(step)["Gelu"] == 0 and len(act.uses()) >= 1 and len(pre.uses()) >= 1
     assert {u.node.op_type for u in act.uses()}.isdisjoint({"Tanh", "TanhGeluGrad"})
+
+
+def test_cuda_matmul_bias_takes_only_aligned_linears(monkeypatch):
+    """matmul_bias on CUDA, as gemm_bias: the [2, 3, 37] x [37, 10] linear stays MatMul + Add
+    there (37 and 10 no multiple of 8); the CPU reference takes it."""
+    from mpgraph.lowering.registry import RULES, Target
+
+    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "cublaslt")
+    rule = next(r for r in RULES if r.name == "matmul_bias")
+    on_cuda, on_cpu = _matmul_add(T.BFLOAT16), _matmul_add(T.BFLOAT16)
+    assert rule.apply(on_cuda, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(on_cuda)["Add"] == 1
+    assert rule.apply(on_cpu, Target("cpu", "all")) == 1
