@@ -53,7 +53,9 @@ and the [1, 8] x [8, 16] one passed in both types and every transposition; the o
 [37, 21] x [21, 50] failed in bfloat16 for all four transpositions (float16 passed). That shape
 has unaligned leading dimensions, where the op falls back to ORT's own arithmetic (bias broadcast
 into Y, then beta = 1), which on the H200 lands up to 7 ulps from the once-rounded sum where
-product and bias cancel: the likely cause, not yet confirmed on a GPU.
+product and bias cancel: the likely cause, not yet confirmed on a GPU. So the CUDA rules take
+only linears whose leading dimensions are multiples of 8 (``aligned_only``), where cuBLASLt
+has the epilogue; real models' linears all are.
 
 Left alone: float32 Gemms (their TF32 or strict choice is ORT's), beta other than 1, a C that
 is a full [M, N] matrix or a column. The tanh GELU after GPT-2's fc GEMM (ORT's
