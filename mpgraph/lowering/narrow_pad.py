@@ -8,6 +8,9 @@ vocabulary 30522 -> 30528, writes a 466 MiB float32 copy and a 233 MiB bfloat16 
 live at the step's transient peak with the 466 MiB logits gradient
 (``benchmarks/plan_memory.py``).
 
+The same form pads a weight: a tied embedding read by the padded head (GPT-2's ``wte``, 50257 ->
+50304 rows) is padded in float32 every step and then cast for the GEMM; the rule casts first.
+
 ``Cast(Pad(x, pads), to=low)`` is ``Pad(Cast(x, to=low), pads)`` when the pad value is zero:
 the Cast rounds each element alone and zero rounds to zero, so every element of the result has
 the same bits. The rule reorders the two nodes: the Cast reads x, the Pad reads the Cast's
