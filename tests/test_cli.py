@@ -377,3 +377,25 @@ def test_kernels_builds_copies_and_reports_a_prebuilt_library(tmp_path: Path, mo
     monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(tmp_path / "none.so"))
     ran = mpgraph_cli("kernels")
     assert ran.returncode == 2 and "$MPGRAPH_CUDA_LIBRARY names" in ran.stderr and "which is not a file" in ran.stderr
+
+
+def test_train_summary_says_when_attention_runs_unfused_on_cuda() -> None:
+    """The closing line of `mpgraph train` on CUDA names the Attentions its plan wrote out and why
+    (a library without cuDNN's fused attention doubles GPT-2's step); nothing when none is."""
+    from types import SimpleNamespace
+
+    from mpgraph.cli.train_cmd import _summary
+    from mpgraph.lowering.plan import SessionPlan
+
+    def line(applied: tuple, reason: str) -> str:
+        plan = SessionPlan(b"", "cuda", "lib.so", "default", "", applied, reason)
+        trainer = SimpleNamespace(
+            metrics=SimpleNamespace(summary=lambda: {"last_loss": None, "first_loss": None, "nonfinite_losses": 0,
+                                                     "loss_scale": None, "skipped": 0}),
+            provider="cuda", cuda_graph=True, pipeline=True, inplace=(), kernels_fused=3, kernels_reason="",
+            executor=SimpleNamespace(plan=plan))
+        return _summary(trainer, SimpleNamespace(test=None), "sequence", 1, 1.0, evaluate=False)
+
+    why = "the kernel library has no fused attention (no cudnn-frontend headers)"
+    assert f"attention unfused (12: {why})" in line((("attention_expand", 12), ("adamw", 3)), why)
+    assert "unfused" not in line((("sdpa", 12),), "")

@@ -237,6 +237,30 @@ def test_a_cuda_plan_without_the_kernel_library_still_expands(monkeypatch: pytes
     assert (session.scope, session.custom_ops, session.kernels_reason) == ("native", None, "no nvcc here")
     assert dict(session.applied)["attention_expand"] == 1
     assert "Attention" not in _ops(ir.from_proto(onnx.load_from_string(session.graph)))
+    assert session.unfused_attention == 1 and session.attention_reason == "no kernel library (no nvcc here)"
+
+
+def test_a_cuda_plan_whose_library_lacks_the_fused_attention_says_so(monkeypatch: pytest.MonkeyPatch,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """A library built without cuDNN's headers (the CPU build stands in: no MpgraphKernelsHaveSdpa)
+    leaves the Attention written out; the plan says how many and why, and warns once, naming
+    `mpgraph kernels`. On CPU nothing is said: ORT's Attention is the plan there."""
+    from mpgraph.lowering import PlanOptions, plan, plan_session
+
+    cpu_library = plan.library("cpu")
+    monkeypatch.setattr(plan, "library", lambda provider: cpu_library)
+    monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(cpu_library))  # so the reason is the library's, not this machine's headers
+    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    plan._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="mpgraph.lowering.plan"):
+        session = plan_session(step, "cuda", PlanOptions())
+    assert session.custom_ops == str(cpu_library) and session.unfused_attention == 1
+    assert session.attention_reason == "the kernel library has no fused attention (built without it)"
+    assert [r.getMessage() for r in caplog.records].count(
+        "1 Attention(s) run unfused on CUDA, their scores written out (about 2x the step time and memory on GPT-2 "
+        "small): the kernel library has no fused attention (built without it); `mpgraph kernels` says what the "
+        "library has") == 1
+    assert plan_session(step, "cpu", PlanOptions(kernels=False)).unfused_attention == 0
 
 
 def test_cuda_evaluation_plan_writes_attention_out() -> None:

@@ -190,6 +190,9 @@ def _summary(trainer: Trainer, dataset: Dataset, data: str, run: int, elapsed: f
         parts.append(f"fused kernels ({trainer.kernels_fused} rewrites{why})")
     elif trainer.provider == "cuda":
         parts.append(f"no fused kernels ({trainer.kernels_reason or 'nothing matched'})")
+    plan = getattr(trainer.executor, "plan", None)
+    if trainer.provider == "cuda" and plan is not None and plan.unfused_attention:
+        parts.append(f"attention unfused ({plan.unfused_attention}: {plan.attention_reason})")
     if evaluate and dataset.test and dataset.task in ("classification", "sequence"):
         try:
             check_finite(dataset.test, f"dataset '{data}' (test split)")

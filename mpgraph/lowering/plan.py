@@ -139,6 +139,14 @@ class SessionPlan:
     scope: str | None  # the kernel scope that ran (None: no kernel rule)
     kernels_reason: str  # why less than the provider's default ran ("" when it all did)
     applied: tuple[tuple[str, int], ...] = field(default=())  # (rule, rewrites), in order
+    #: Why the training session's Attentions run unfused on CUDA ("" when none does).
+    attention_reason: str = ""
+
+    @property
+    def unfused_attention(self) -> int:
+        """The training session's Attentions written out as ORT's ops on CUDA (the scores
+        materialised): where the kernel library has no fused attention (``attention_reason``)."""
+        return dict(self.applied).get("attention_expand", 0) if self.attention_reason else 0
 
     @property
     def kernels_fused(self) -> int:
@@ -221,7 +229,27 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
         graph = step_graph
     else:
         graph = ir.to_proto(as_model(step_graph)).SerializeToString()
-    return SessionPlan(graph, provider, custom_ops, scope, reason, tuple(applied))
+    unfused = dict(applied).get("attention_expand", 0) if provider == "cuda" else 0
+    why = _no_fused_attention(custom_ops, reason) if unfused else ""
+    if unfused:
+        _warn_once(f"{unfused} Attention(s) run unfused on CUDA, their scores written out (about 2x the "
+                   f"step time and memory on GPT-2 small): {why}; `mpgraph kernels` says what the library has")
+    return SessionPlan(graph, provider, custom_ops, scope, reason, tuple(applied), why)
+
+
+def _no_fused_attention(custom_ops: str | None, reason: str) -> str:
+    """Why a CUDA plan has no fused attention: no library (``reason``), or one built without it."""
+    if custom_ops is None:
+        return f"no kernel library ({reason or 'kernels off'})"
+    from mpgraph.lowering.build import cudnn_flags, prebuilt_library
+
+    missing = cudnn_flags()[1] if prebuilt_library(True) is None else ""
+    return f"the kernel library has no fused attention ({missing or 'built without it'})"
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 
 def _forward_plan(step_graph: ModelLike, provider: str, target: str) -> SessionPlan:
