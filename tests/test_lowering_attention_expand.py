@@ -261,6 +261,14 @@ def test_a_cuda_plan_whose_library_lacks_the_fused_attention_says_so(monkeypatch
         "small): the kernel library has no fused attention (built without it); `mpgraph kernels` says what the "
         "library has") == 1
     assert plan_session(step, "cpu", PlanOptions(kernels=False)).unfused_attention == 0
+    # A library with the fused attention, whose rule does not take this Attention's form.
+    from mpgraph.lowering import registry
+
+    monkeypatch.setattr(plan, "has_sdpa", lambda path: True)
+    monkeypatch.setattr(registry, "fuse_attention", lambda model, provider: 0)
+    session = plan_session(step, "cuda", PlanOptions())
+    assert session.unfused_attention == 1
+    assert session.attention_reason == "the fused attention does not take their form (mask, layout or type)"
 
 
 def test_cuda_evaluation_plan_writes_attention_out() -> None:

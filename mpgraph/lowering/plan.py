@@ -230,7 +230,8 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     else:
         graph = ir.to_proto(as_model(step_graph)).SerializeToString()
     unfused = dict(applied).get("attention_expand", 0) if provider == "cuda" else 0
-    why = _no_fused_attention(custom_ops, reason) if unfused else ""
+    why = ("" if not unfused else "the fused attention does not take their form (mask, layout or type)"
+           if has_sdpa(custom_ops) else _no_fused_attention(custom_ops, reason))
     if unfused:
         _warn_once(f"{unfused} Attention(s) run unfused on CUDA, their scores written out (about 2x the "
                    f"step time and memory on GPT-2 small): {why}; `mpgraph kernels` says what the library has")
