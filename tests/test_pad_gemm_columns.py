@@ -95,3 +95,61 @@ def test_the_pass_is_idempotent():
     model = ir.from_proto(tied_lm())
     assert PadGemmColumnsPass()(model).modified
     assert not PadGemmColumnsPass()(model).modified
+
+
+def linear_head(vocab: int = VOCAB):
+    """BERT's masked-LM decoder as the dynamo exporter writes it: ``MatMul(h, Transpose(w)) + b``,
+    then the cross-entropy over the rows."""
+    rng = np.random.default_rng(2)
+    nodes = [
+        h.make_node("Gather", ["emb", "ids"], ["e"]),
+        h.make_node("Transpose", ["w"], ["w_t"], perm=[1, 0]),
+        h.make_node("MatMul", ["e", "w_t"], ["product"], name="decoder"),
+        h.make_node("Add", ["b", "product"], ["scores"], name="decoder_bias"),
+        h.make_node("Reshape", ["scores", "flat_shape"], ["flat"]),
+        h.make_node("SoftmaxCrossEntropyLoss", ["flat", "labels"], ["loss"], reduction="mean"),
+    ]
+    inits = [init("emb", rng.standard_normal((vocab, WIDTH)).astype(np.float32)),
+             init("w", rng.standard_normal((vocab, WIDTH)).astype(np.float32) * 0.3),
+             init("b", rng.standard_normal(vocab).astype(np.float32)),
+             init("flat_shape", np.array([-1, vocab], np.int64))]
+    inputs = [vi("ids", [BATCH, SEQ], T.INT64), vi("labels", [BATCH * SEQ], T.INT64)]
+    return make_model(nodes, inputs, [vi("loss", [])], inits)
+
+
+def test_a_matmul_bias_add_pads_the_bias_and_slices_after_the_add():
+    """Rule 3: the bias row gets the zero columns and one Slice follows the Add, under the
+    Add's output name (no sliced copy of the product); the step matches the unpadded one."""
+    padded, plain = (build_training_graph(linear_head(), optimizer="adamw", lr=1e-2, pad_gemms=pad) for pad in (True, False))
+    (add,) = [n for n in padded.graph if n.name == "decoder_bias"]
+    assert add.outputs[0].shape == ir.Shape([BATCH, SEQ, 1088]) and add.outputs[0].name != "scores"
+    bias = next(v for v in add.inputs if v.shape == ir.Shape([1088]))
+    assert bias.producer().op_type == "Pad" and bias.producer().inputs[0].name == "b"
+    product = next(v for v in add.inputs if v is not bias)
+    assert product.producer().name == "decoder" and product.shape == ir.Shape([BATCH, SEQ, 1088])
+    scores = next(v for n in padded.graph for v in n.outputs if v.name == "scores")
+    assert scores.producer().op_type == "Slice" and scores.producer().inputs[0] is add.outputs[0]
+    rng = np.random.default_rng(1)
+    feeds = {"ids": rng.integers(0, VOCAB, (BATCH, SEQ), dtype=np.int64),
+             "labels": rng.integers(0, VOCAB, BATCH * SEQ, dtype=np.int64)}
+    got, want = run_named(padded, feeds), run_named(plain, feeds)
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    from onnx import numpy_helper
+
+    start = next(numpy_helper.to_array(t) for t in linear_head().graph.initializer if t.name == "b")
+    assert np.abs(want[dict(state_pairs(plain))["b"]] - start).max() > 1e-3  # the step moved the bias
+
+
+def test_a_bias_add_the_product_shares_keeps_the_slice_after_the_gemm():
+    """The product read by a second node, or added to something that is no bias row, keeps rule 2."""
+    import onnx
+
+    model = ir.from_proto(onnx.shape_inference.infer_shapes(linear_head()))
+    (matmul,) = [n for n in model.graph if n.name == "decoder"]
+    twin = ir.node("Relu", [matmul.outputs[0]], name="second_reader")
+    model.graph.insert_after(matmul, twin)
+    assert PadGemmColumnsPass()(model).modified
+    (add,) = [n for n in model.graph if n.name == "decoder_bias"]
+    assert add.inputs[0].name == "b" and add.inputs[1].producer().op_type == "Slice"

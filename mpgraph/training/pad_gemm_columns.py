@@ -52,6 +52,24 @@ def _columns(node: ir.Node) -> tuple[int, int] | None:
     return (axis, n) if n >= MIN_COLUMNS and n % ALIGNED else None
 
 
+def _bias_add(node: ir.Node, n: int) -> tuple[ir.Node, int] | None:
+    """``(the Add, the slot of its bias)`` when ``node``'s output is read by that ``Add`` alone
+    and its other operand is a static bias row of ``n`` columns of the output's type."""
+    out = node.outputs[0]
+    uses = list(out.uses())
+    if len(uses) != 1 or out.is_graph_output() or out.shape is None:
+        return None
+    add, index = uses[0]
+    if add.op_type != "Add" or add.domain not in ("", "ai.onnx") or len(add.inputs) != 2 or index not in (0, 1):
+        return None
+    bias = add.inputs[1 - index]
+    dims = _static(bias)
+    if bias is None or dims is None or not 1 <= len(dims) <= len(out.shape) or dims[-1] != n \
+            or any(d != 1 for d in dims[:-1]) or bias.dtype != out.dtype:
+        return None
+    return add, 1 - index
+
+
 class PadGemmColumnsPass(ir.passes.InPlacePass):
     """Give a GEMM whose weight has an unaligned column count zero columns up to a multiple
     of 64, and slice them off its output: the loss and everything after it see the same tensor.
@@ -71,6 +89,11 @@ class PadGemmColumnsPass(ir.passes.InPlacePass):
        columns gets zero columns too.
     2. The GEMM's output, ``N'`` columns wide, is sliced back to its ``N`` columns under the
        output's own name.
+    3. Where a ``MatMul``'s one reader is an ``Add`` of a bias row ``[N]`` (a Linear with bias
+       as the dynamo exporter writes it: BERT's masked-LM decoder), the bias gets the zero
+       columns too and the Slice goes after the ``Add``, as for a ``Gemm``'s bias: the loss
+       head then reads the padded sum through one Slice (``lowering/cross_entropy.py`` reads
+       it in place), not a sliced copy of the product and a second, unpadded sum.
 
     The parameters keep their shapes: the zeros are made in the graph every step and are no
     trained state. Differentiated, the Slice becomes a zero Pad of the output's gradient, so
@@ -99,7 +122,21 @@ class PadGemmColumnsPass(ir.passes.InPlacePass):
             for made_node in made:
                 graph.remove(made_node)
             graph.insert_before(node, made)
-            self._slice_output(b, graph, node, n, wide)
+            found = _bias_add(node, n) if node.op_type == "MatMul" else None
+            if found is None:
+                self._slice_output(b, graph, node, n, wide)
+            else:  # the bias padded too, and the Slice after its Add (rule 3)
+                add, slot = found
+                bias = add.inputs[slot]
+                before = len(b.tape.nodes)
+                add.replace_input_with(slot, self._pad(b, bias, len(bias.shape) - 1, wide - n))  # type: ignore[arg-type]
+                made = b.tape.nodes[before:]
+                for made_node in made:
+                    graph.remove(made_node)
+                graph.insert_before(add, made)
+                out = node.outputs[0]
+                out.shape = ir.Shape([*list(out.shape)[:-1], wide]) if out.shape is not None else None
+                self._slice_output(b, graph, add, n, wide)
             padded += 1
             logger.debug("%s: %d output columns padded to %d", node.name, n, wide)
         return ir.passes.PassResult(model, modified=padded > 0)
