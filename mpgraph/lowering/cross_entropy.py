@@ -46,8 +46,10 @@ Left as they are: class weights (a third input), logits of rank > 2 (``[N, C, d.
 float16/bfloat16 loss (the kernels compute float32), an emulated low-precision chain
 (``match.emulated``), a loss whose log_prob is read or differentiated, any other node between
 the GEMM and the loss (a user's scale or softcap), and on CPU logits other than float32 (the
-CPU kernels are float32 reference loops, scope ``all``). BERT's masked-LM head has no padding
-(30522 columns are a multiple of 8) and the same Reshape/Cast chain; Llama's dynamo export
+CPU kernels are float32 reference loops, scope ``all``). BERT's masked-LM head adds its
+decoder's bias after the padded GEMM (30522 columns padded to 30528): ``PadGemmColumnsPass``
+pads the bias and slices after the ``Add``, so the chain is the float32 sum [..., 30528], the
+Slice and a Reshape, and the kernels read that sum in place (L float32). Llama's dynamo export
 writes ``Reshape`` then the policy's ``Cast``, without a Slice.
 """
 
