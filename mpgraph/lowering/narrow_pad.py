@@ -29,16 +29,12 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from mpgraph.lowering.match import constant, hand_over
+from mpgraph.lowering.match import constant, hand_over, is_op
 from mpgraph.lowering.pad_concat import pads_as_concat
 
 __all__ = ["narrow_before_pad", "narrow_pads_on_cuda"]
 
 _NARROW = (ir.DataType.FLOAT16, ir.DataType.BFLOAT16)
-
-
-def _standard(node: ir.Node, op_type: str) -> bool:
-    return node.op_type == op_type and node.domain in ("", "ai.onnx")
 
 
 def _cast_of(pad: ir.Node) -> ir.Node | None:
@@ -59,7 +55,7 @@ def _cast_of(pad: ir.Node) -> ir.Node | None:
     if len(readers) != 1:
         return None
     (cast,) = readers
-    if not _standard(cast, "Cast") or cast.attributes.get_int("to", 0) not in {t.value for t in _NARROW}:
+    if not is_op(cast, "Cast") or cast.attributes.get_int("to", 0) not in {t.value for t in _NARROW}:
         return None
     return cast
 
@@ -88,7 +84,7 @@ def narrow_before_pad(model: ir.Model) -> int:
     ``Pad(Cast(x))``, in place; how many."""
     graph = model.graph
     done = 0
-    for pad in [n for n in graph if _standard(n, "Pad")]:
+    for pad in [n for n in graph if is_op(n, "Pad")]:
         cast = _cast_of(pad)
         if cast is not None:
             _swap(graph, pad, cast)
