@@ -70,6 +70,14 @@ def _bias_add(node: ir.Node, n: int) -> tuple[ir.Node, int] | None:
     return add, 1 - index
 
 
+def _list_before(b: Builder, graph: ir.Graph, start: int, anchor: ir.Node) -> None:
+    """Move the nodes ``b`` made since its tape held ``start`` to just before ``anchor``."""
+    made = b.tape.nodes[start:]
+    for node in made:
+        graph.remove(node)
+    graph.insert_before(anchor, made)
+
+
 class PadGemmColumnsPass(ir.passes.InPlacePass):
     """Give a GEMM whose weight has an unaligned column count zero columns up to a multiple
     of 64, and slice them off its output: the loss and everything after it see the same tensor.
@@ -118,10 +126,7 @@ class PadGemmColumnsPass(ir.passes.InPlacePass):
             bias = node.inputs[2] if node.op_type == "Gemm" and len(node.inputs) > 2 else None
             if bias is not None and bias.shape is not None and bias.shape[-1] == n:
                 node.replace_input_with(2, self._pad(b, bias, len(bias.shape) - 1, wide - n))
-            made = b.tape.nodes[before:]
-            for made_node in made:
-                graph.remove(made_node)
-            graph.insert_before(node, made)
+            _list_before(b, graph, before, node)
             found = _bias_add(node, n) if node.op_type == "MatMul" else None
             if found is None:
                 self._slice_output(b, graph, node, n, wide)
@@ -130,10 +135,7 @@ class PadGemmColumnsPass(ir.passes.InPlacePass):
                 bias = add.inputs[slot]
                 before = len(b.tape.nodes)
                 add.replace_input_with(slot, self._pad(b, bias, len(bias.shape) - 1, wide - n))  # type: ignore[arg-type]
-                made = b.tape.nodes[before:]
-                for made_node in made:
-                    graph.remove(made_node)
-                graph.insert_before(add, made)
+                _list_before(b, graph, before, add)
                 out = node.outputs[0]
                 out.shape = ir.Shape([*list(out.shape)[:-1], wide]) if out.shape is not None else None
                 self._slice_output(b, graph, add, n, wide)
