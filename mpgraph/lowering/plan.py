@@ -101,12 +101,20 @@ def library_facts(cuda: bool) -> dict[str, Any]:
         facts["fused_attention"] = has_sdpa(str(path))
         facts["gemm_bias"] = has_gemm_bias(str(path))
         facts["gemm_bias_runs"] = facts["gemm_bias"] and gemm_bias_on_cuda()
-        built_here = prebuilt is None
         if not facts["fused_attention"]:
-            facts["fused_attention_why_not"] = (cudnn_flags()[1] if built_here else "") or "built without it"
+            facts["fused_attention_why_not"] = _why_not_built(cudnn_flags)
         if not facts["gemm_bias"]:
-            facts["gemm_bias_why_not"] = (cublaslt_flags()[1] if built_here else "") or "built without it"
+            facts["gemm_bias_why_not"] = _why_not_built(cublaslt_flags)
     return facts
+
+
+def _why_not_built(flags: Any) -> str:
+    """Why the CUDA library lacks what ``flags`` (``build.cudnn_flags`` or ``cublaslt_flags``)
+    compiles in: the headers or libraries this machine lacks, or, for a prebuilt library
+    (``$MPGRAPH_CUDA_LIBRARY``), that it was built without it."""
+    from mpgraph.lowering.build import prebuilt_library
+
+    return (flags()[1] if prebuilt_library(True) is None else "") or "built without it"
 
 
 @dataclass(frozen=True)
@@ -242,10 +250,9 @@ def _no_fused_attention(custom_ops: str | None, reason: str) -> str:
     """Why a CUDA plan has no fused attention: no library (``reason``), or one built without it."""
     if custom_ops is None:
         return f"no kernel library ({reason or 'kernels off'})"
-    from mpgraph.lowering.build import cudnn_flags, prebuilt_library
+    from mpgraph.lowering.build import cudnn_flags
 
-    missing = cudnn_flags()[1] if prebuilt_library(True) is None else ""
-    return f"the kernel library has no fused attention ({missing or 'built without it'})"
+    return f"the kernel library has no fused attention ({_why_not_built(cudnn_flags)})"
 
 
 @functools.cache
