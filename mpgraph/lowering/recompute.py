@@ -71,11 +71,14 @@ def _qualifies(node: ir.Node, domain: str, op_type: str) -> bool:
     return any(_read_by_backward(v) for v in node.outputs)
 
 
+def _backward_meta(node: ir.Node) -> dict[str, str]:
+    """``node``'s metadata, its role made the backward's (a copy the backward runs)."""
+    return {**node.metadata_props, NODE_ROLE: str(Role.BACKWARD)}
+
+
 def _recompute(graph: ir.Graph, node: ir.Node) -> None:
-    meta = dict(node.metadata_props)
-    meta[NODE_ROLE] = str(Role.BACKWARD)
     copy = ir.Node(node.domain, node.op_type, list(node.inputs), attributes=list(node.attributes.values()),
-                   num_outputs=len(node.outputs), name=f"{node.name}/recompute", metadata_props=meta)
+                   num_outputs=len(node.outputs), name=f"{node.name}/recompute", metadata_props=_backward_meta(node))
     readers = []
     for old, new in zip(node.outputs, copy.outputs, strict=True):
         new.name = f"{old.name}/recompute"
@@ -119,15 +122,13 @@ def _gelu_views(node: ir.Node) -> list[ir.Node] | None:
 
 
 def _recompute_through(graph: ir.Graph, gelu: ir.Node, view: ir.Node) -> None:
-    meta = dict(gelu.metadata_props)
-    meta[NODE_ROLE] = str(Role.BACKWARD)
     x = gelu.inputs[0]
     moved = ir.Node(view.domain, view.op_type, [x, *view.inputs[1:]], attributes=list(view.attributes.values()),
                     name=f"{view.name}/of_input", metadata_props=dict(view.metadata_props))
     moved.outputs[0].name = f"{view.outputs[0].name}/of_input"
     moved.outputs[0].dtype, moved.outputs[0].shape = x.dtype, view.outputs[0].shape
     copy = ir.Node(gelu.domain, gelu.op_type, [moved.outputs[0]], attributes=list(gelu.attributes.values()),
-                   name=f"{gelu.name}/recompute", metadata_props=meta)
+                   name=f"{gelu.name}/recompute", metadata_props=_backward_meta(gelu))
     copy.outputs[0].name = f"{gelu.outputs[0].name}/recompute"
     copy.outputs[0].dtype, copy.outputs[0].shape = view.outputs[0].dtype, view.outputs[0].shape
     graph.insert_before(view, [moved, copy])
