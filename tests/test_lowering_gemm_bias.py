@@ -110,21 +110,22 @@ def test_leaves_other_gemms(case, model):
     assert fuse_gemm_bias(graph) == 0 and _ops(graph)["Gemm"] == 1, case
 
 
-def test_cuda_needs_a_library_with_cublaslt_and_the_opt_in(monkeypatch):
-    """On CUDA the rule runs only where the library has the CUDA op (``Target.gemm_bias``;
-    otherwise the Gemm stays ORT's: a CPU-only GemmBias would pull the node off the GPU) and
-    ``MPGRAPH_GEMM_BIAS=cublaslt`` asks for it (not yet checked on a GPU)."""
+def test_cuda_needs_a_library_with_cublaslt_and_not_the_switch_off(monkeypatch):
+    """On CUDA the rule runs by default where the library has the CUDA op (``Target.gemm_bias``;
+    otherwise the Gemm stays ORT's: a CPU-only GemmBias would pull the node off the GPU);
+    ``MPGRAPH_GEMM_BIAS=ort`` turns it off, ``cublaslt`` (the old opt-in) still means on."""
     from mpgraph.lowering.registry import RULES, Target
 
     rule = next(r for r in RULES if r.name == "gemm_bias")
-    monkeypatch.delenv("MPGRAPH_GEMM_BIAS", raising=False)
-    unasked = _gemm(T.BFLOAT16)
-    assert rule.apply(unasked, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(unasked)["Gemm"] == 1
-    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "cublaslt")
     aligned = (8, 24, 16)
-    without, with_ = _gemm(T.BFLOAT16, mkn=aligned), _gemm(T.BFLOAT16, mkn=aligned)
-    assert rule.apply(without, Target("cuda", "default")) == 0 and _ops(without)["Gemm"] == 1
-    assert rule.apply(with_, Target("cuda", "default", gemm_bias=True)) == 1
+    monkeypatch.setenv("MPGRAPH_GEMM_BIAS", "ort")
+    off = _gemm(T.BFLOAT16, mkn=aligned)
+    assert rule.apply(off, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(off)["Gemm"] == 1
+    for asked in ("", "cublaslt"):
+        monkeypatch.setenv("MPGRAPH_GEMM_BIAS", asked)
+        without, with_ = _gemm(T.BFLOAT16, mkn=aligned), _gemm(T.BFLOAT16, mkn=aligned)
+        assert rule.apply(without, Target("cuda", "default")) == 0 and _ops(without)["Gemm"] == 1
+        assert rule.apply(with_, Target("cuda", "default", gemm_bias=True)) == 1, asked
 
 
 @pytest.mark.parametrize(("mkn", "trans_a", "trans_b", "cuda"), [
@@ -318,6 +319,20 @@ def test_gemm_bias_gelu_keeps_the_gelu_input_and_rounds_gelu_once(monkeypatch, d
     assert np.array_equal(got["x32"].reshape(M, N), _low(got["x32"], dtype).reshape(M, N))
     _assert_within_one_ulp(got["x32"].reshape(M, N), want_x, dtype, rounded, 0, 0, 1.0)
     _assert_within_one_ulp(got["g32"].reshape(M, N), want_g, dtype, rounded, 0, 0, 1.2)  # |GELU'| <= 1.13
+
+
+def test_cuda_gemm_bias_gelu_takes_only_aligned_linears(monkeypatch):
+    """gemm_bias_gelu on CUDA, as gemm_bias: a GemmBias at the unaligned [6, 37] x [37, 10]
+    (what the CPU rule makes) keeps its Gelu there (the CUDA op's unaligned path was off on the
+    H200); the CPU reference folds it."""
+    from mpgraph.lowering.registry import RULES, Target
+
+    monkeypatch.setenv("MPGRAPH_GEMM_GELU", "1")
+    rule = next(r for r in RULES if r.name == "gemm_bias_gelu")
+    unaligned, on_cpu = _fc_gelu(T.BFLOAT16), _fc_gelu(T.BFLOAT16)
+    assert fuse_gemm_bias(unaligned) == 1 and fuse_gemm_bias(on_cpu) == 1
+    assert rule.apply(unaligned, Target("cuda", "default", gemm_bias=True)) == 0 and _ops(unaligned)["Gelu"] == 1
+    assert rule.apply(on_cpu, Target("cpu", "all")) == 1
 
 
 def test_bf16_step_gelu_reading_the_gemm_directly(monkeypatch):

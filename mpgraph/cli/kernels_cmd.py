@@ -53,7 +53,7 @@ def kernels_command(
             state = "[green]in[/]" if facts[key] else f"[yellow]not in[/]: {escape(facts[key + '_why_not'])}"
             console.print(f"  {name}: {state}", highlight=False, soft_wrap=True)
         if facts["gemm_bias"] and not facts["gemm_bias_runs"]:
-            console.print("  GemmBias runs on CUDA only with MPGRAPH_GEMM_BIAS=cublaslt", highlight=False)
+            console.print("  GemmBias turned off on CUDA: MPGRAPH_GEMM_BIAS=ort", highlight=False)
     if copy_to is not None:
         console.print(f"copied to {escape(str(copy_to))}; where it runs: export {PREBUILT[cuda]}={escape(str(copy_to.resolve()))}",
                       highlight=False, soft_wrap=True)

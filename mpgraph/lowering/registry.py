@@ -200,14 +200,14 @@ RULES: tuple[LoweringRule, ...] = (
     LoweringRule("gemm_bias", "all", BOTH, SAME,
                  lambda m, t: fuse_gemm_bias(m, aligned_only=t.provider == "cuda") if t.provider == "cpu" or (t.gemm_bias and gemm_bias_on_cuda()) else 0,
                  "a float16/bfloat16 Gemm with a bias row as GemmBias: one cuBLASLt matmul with the bias epilogue (CUDA: "
-                 "opt-in, MPGRAPH_GEMM_BIAS=cublaslt; leading dimensions multiples of 8), "
+                 "leading dimensions multiples of 8; MPGRAPH_GEMM_BIAS=ort turns it off), "
                  "no BroadcastBiasKernel (gemm_bias.py, csrc/gemm_bias.cu; CPU: a float32-accumulating reference loop)"),
     LoweringRule("matmul_bias", "all", BOTH, Exactness.APPROXIMATE,
                  lambda m, t: fuse_matmul_bias(m, aligned_only=t.provider == "cuda") if t.provider == "cpu" or (t.gemm_bias and gemm_bias_on_cuda()) else 0,
                  "a float16/bfloat16 MatMul/FusedMatMul and the Add of a bias row read by nothing else as GemmBias "
                  "(BERT's and ViT's linear layers): one rounding instead of two (gemm_bias.py)"),
     LoweringRule("gemm_bias_gelu", "all", BOTH, Exactness.APPROXIMATE,
-                 lambda m, t: fuse_gemm_bias_gelu(m) if t.provider == "cpu" or t.gemm_bias else 0,
+                 lambda m, t: fuse_gemm_bias_gelu(m, aligned_only=t.provider == "cuda") if t.provider == "cpu" or t.gemm_bias else 0,
                  "opt-in (MPGRAPH_GEMM_GELU=1): a GemmBias read by a tanh Gelu (through one Reshape) as GemmBiasGelu, "
                  "cuBLASLt's GELU_AUX_BIAS epilogue, the GELU input kept for the backward (gemm_bias.py)"),
     LoweringRule("pointwise", "all", BOTH, BIT, lambda m, t: fuse_pointwise(m, low=t.provider == "cuda"),
