@@ -11,7 +11,8 @@ a fresh process (ORT keeps its arenas per process):
 - ``two-sets``: two sets, the Trainer's arena growth now (``kSameAsRequested``);
 - ``inplace-pow2``: in place, ``kNextPowerOfTwo``;
 - ``after``: the Trainer's defaults now (in place on CUDA for a state over 512 MiB,
-  ``kSameAsRequested``).
+  ``kSameAsRequested``);
+- ``no-graph``: the defaults without CUDA graphs (``cuda_graph=False``): what capture adds.
 
 It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
 before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
@@ -24,6 +25,7 @@ outputs + first-step arena (that session has no memory pattern).
 Run on the GPU machine from the repository root::
 
     python3 benchmarks/trainer_memory.py --model gpt2 --out results/trainer_memory_gpt2
+    python3 benchmarks/trainer_memory.py --model vit --exporter dynamo --configs after,no-graph
     python3 benchmarks/trainer_memory.py --graph STEP.onnx --configs before,after
 """
 
@@ -53,6 +55,7 @@ CONFIGS = {
     "two-sets": {"inplace_state": False},
     "inplace-pow2": {"inplace_state": True, "provider_options": POW2},
     "after": {},
+    "no-graph": {"cuda_graph": False},
 }
 GIB = 2**30
 
@@ -154,17 +157,19 @@ def run_child(cmd: list[str], log: Path, timeout: float) -> dict:
     arena = parse_arena_log(log.read_text(errors="replace"))
     result["arena_grew"] = {phase: sum(a["extended"] for name, a in arenas.items() if name.startswith("Cuda"))
                             for phase, arenas in arena.items()}
+    result["arena_log"] = arena
     return result
 
 
-def build_gpt2(workdir: str) -> str:
+def build_step(workdir: str, model: str = "gpt2", exporter: str = "torchscript") -> str:
+    """The bf16 step graph of one of ``real_models.py``'s models, built as it builds it."""
     import real_models as rm
 
-    job = rm.PrepJob(model="gpt2", exporter="torchscript", small=False, seed=0, policies=("bf16",), emulate=False,
+    job = rm.PrepJob(model=model, exporter=exporter, small=False, seed=0, policies=("bf16",), emulate=False,
                      target="cuda", workdir=workdir)
     built = rm.prepare(job)
     if "bf16" not in built["graphs"]:
-        raise SystemExit(f"could not build GPT-2's bf16 step graph: {built['errors']}")
+        raise SystemExit(f"could not build {model}'s bf16 step graph: {built['errors']}")
     return built["graphs"]["bf16"]
 
 
@@ -181,13 +186,22 @@ def report(config: str, r: dict) -> str:
             f"sets in onnxruntime's Python CUDA arena {g(est['cuda_state_arena'])} "
             f"(transient peak {g(est['transient'])});  in place {r['inplace_values']}/{r['pairs']} values "
             f"({g(est['inplace'])} GiB) {r['inplace_reason']};  cuda_graph {r['cuda_graph']};  "
-            f"loss {r.get('loss1', float('nan')):.4f}")
+            f"loss {r.get('loss1', float('nan')):.4f};  step 1's arena extensions: {_extensions(r, 'model:step1')}")
+
+
+def _extensions(r: dict, phase: str) -> str:
+    """How many times ORT's CUDA arenas grew in ``phase``, and the largest request that made one grow."""
+    arenas = {n: a for n, a in (r.get("arena_log") or {}).get(phase, {}).items() if n.startswith("Cuda")}
+    if not arenas:
+        return "none logged"
+    return ", ".join(f"{n} {a['count']}x (largest request {a['largest'] / 2**20:.0f} MiB)" for n, a in arenas.items())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--graph", help="A step graph (default: build GPT-2's with --model gpt2).")
-    parser.add_argument("--model", default="gpt2", choices=("gpt2",))
+    parser.add_argument("--graph", help="A step graph (default: build --model's, as real_models.py does).")
+    parser.add_argument("--model", default="gpt2", choices=("gpt2", "llama", "bert", "vit"))
+    parser.add_argument("--exporter", default="torchscript", choices=("torchscript", "dynamo"))
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--batch", type=int, default=8, help="For symbolic batch dims (GPT-2's are static: 8).")
     parser.add_argument("--steps", type=int, default=3)
@@ -204,7 +218,7 @@ def main() -> None:
         out = Path(args.out or tmp)
         (out / "logs").mkdir(parents=True, exist_ok=True)
         start = time.perf_counter()
-        graph = args.graph or build_gpt2(tmp)
+        graph = args.graph or build_step(tmp, args.model, args.exporter)
         print(f"# {graph}: device memory over the process's before ORT (GiB)", flush=True)
         rows = {}
         for config in args.configs.split(","):
