@@ -222,11 +222,17 @@ _RESERVING = re.compile(r"Reserving memory in BFCArena for (\w+) size: (\d+)")
 _CREATING = re.compile(r"Creating BFCArena for (\w+) with .*arena_extend_strategy: (-?\d+)")
 
 
+_ANOTHER_RUN = "Start another run for necessary memory allocation or graph capture"
+
+
 def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     """Per phase (``tiny:step1``...) and arena name: bytes ``extended``, their ``count``, the
-    ``largest`` single request, bytes ``reserved`` (initializers), arenas ``created``."""
+    ``largest`` single request, bytes ``reserved`` (initializers), arenas ``created``. Where the
+    session logs at INFO (``MPGRAPH_ORT_LOG_SEVERITY=1``), each further run ORT makes inside one
+    call while it captures a CUDA graph is a phase of its own: ``model:step1``, then
+    ``model:step1:run2``, ``model:step1:run3``."""
     phases: dict[str, dict[str, dict[str, int]]] = {}
-    phase, arena = "start", "?"
+    phase, base, runs, arena = "start", "start", 1, "?"
 
     def slot(name: str) -> dict[str, int]:
         return phases.setdefault(phase, {}).setdefault(
@@ -234,7 +240,12 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
 
     for line in text.splitlines():
         if line.startswith(MARK):
-            phase = line.split(maxsplit=1)[1].strip()
+            phase = base = line.split(maxsplit=1)[1].strip()
+            runs = 1
+        elif _ANOTHER_RUN in line:
+            runs += 1
+            phase = f"{base}:run{runs}"
+            phases.setdefault(phase, {})
         elif m := _EXTENDING.search(line):
             arena = m.group(1)
             slot(arena)["largest"] = max(slot(arena)["largest"], int(m.group(2)))

@@ -14,6 +14,10 @@ a fresh process (ORT keeps its arenas per process):
   ``kSameAsRequested``);
 - ``no-graph``: the defaults without CUDA graphs (``cuda_graph=False``): what capture adds.
 
+With ``MPGRAPH_ORT_LOG_SEVERITY=1`` in the environment the sessions log ORT's "Start another
+run" lines, and step 1's growth is split by the runs ORT makes inside that call while it
+captures (two uncaptured runs, then the captured one).
+
 It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
 before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
 arena grew in each phase (its INFO log, ``memory_check.parse_arena_log``), so arena and
@@ -186,8 +190,18 @@ def report(config: str, r: dict) -> str:
             f"sets in onnxruntime's Python CUDA arena {g(est['cuda_state_arena'])} "
             f"(transient peak {g(est['transient'])});  in place {r['inplace_values']}/{r['pairs']} values "
             f"({g(est['inplace'])} GiB) {r['inplace_reason']};  cuda_graph {r['cuda_graph']};  "
-            f"loss {r.get('loss1', float('nan')):.4f};  step 1's arena extensions: {_extensions(r, 'model:step1')}")
+            f"loss {r.get('loss1', float('nan')):.4f};  step 1's arena extensions: {_extensions(r, 'model:step1')}"
+            f"{_by_run(grew)}")
 
+
+def _by_run(grew: dict[str, int]) -> str:
+    """Step 1's growth by ORT's runs inside the call (the phases ``parse_arena_log`` splits off
+    where the session logs at INFO), or nothing where it was not split."""
+    runs = sorted((p for p in grew if p.startswith("model:step1:run")), key=lambda p: int(p.rsplit("run", 1)[1]))
+    if not runs:
+        return ""
+    parts = [f"run1 {grew.get('model:step1', 0) / GIB:.2f}"] + [f"{p.rsplit(':', 1)[1]} {grew[p] / GIB:.2f}" for p in runs]
+    return ";  step 1 by ORT run: " + ", ".join(parts) + " GiB"
 
 def _extensions(r: dict, phase: str) -> str:
     """How many times ORT's CUDA arenas grew in ``phase``, and the largest request that made one grow."""

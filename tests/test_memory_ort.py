@@ -126,3 +126,47 @@ def test_a_transpose_of_a_transpose_reads_the_original():
     # t2: 1024 bytes.
     assert [n.name for n in ort_order(model)] == ["t1", "mm", "relu", "t2", "relu2"]
     assert report.transient_peak_bytes == 4 * 8 * 16 + 4 * 16 * 4
+
+
+def test_arena_log_splits_a_capturing_call_by_the_runs_ort_makes_inside_it():
+    """``MPGRAPH_ORT_LOG_SEVERITY=1``: ORT's "Start another run" lines (it runs a step twice
+    uncaptured, then captures it, inside one call) start phases of their own, a run that grew
+    nothing included, so ``trainer_memory.py`` can say which run grew the arena."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from memory_check import MARK, parse_arena_log
+
+    another = "I [inference_session.cc:3560] Start another run for necessary memory allocation or graph capture."
+    log = "\n".join([
+        f"{MARK} model:step1",
+        "I Extending BFCArena for Cuda. bin_num:5 (requested) num_bytes: 9437184 (actual) rounded_bytes:9437184",
+        "I Extended allocation by 9437184 bytes.",
+        another,
+        "I Extending BFCArena for Cuda. bin_num:2 (requested) num_bytes: 4096 (actual) rounded_bytes:4096",
+        "I Extended allocation by 4096 bytes.",
+        another,
+        f"{MARK} model:step2",
+        "I Extending BFCArena for Cuda. bin_num:1 (requested) num_bytes: 512 (actual) rounded_bytes:512",
+        "I Extended allocation by 512 bytes.",
+    ])
+    phases = parse_arena_log(log)
+    assert list(phases) == ["model:step1", "model:step1:run2", "model:step1:run3", "model:step2"]
+    assert phases["model:step1"]["Cuda"]["extended"] == 9437184 and phases["model:step1:run2"]["Cuda"]["extended"] == 4096
+    assert phases["model:step1:run3"] == {} and phases["model:step2"]["Cuda"]["extended"] == 512
+
+
+def test_session_log_severity_comes_from_the_environment(monkeypatch):
+    import pytest
+
+    from mpgraph.errors import UsageError
+    from mpgraph.runtime.providers import session_log_severity
+
+    monkeypatch.delenv("MPGRAPH_ORT_LOG_SEVERITY", raising=False)
+    assert session_log_severity() == 4
+    monkeypatch.setenv("MPGRAPH_ORT_LOG_SEVERITY", "1")
+    assert session_log_severity() == 1
+    monkeypatch.setenv("MPGRAPH_ORT_LOG_SEVERITY", "info")
+    with pytest.raises(UsageError, match="0 \\(verbose\\) to 4"):
+        session_log_severity()

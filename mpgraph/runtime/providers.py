@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import os
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -34,7 +35,7 @@ import onnxruntime as ort
 from mpgraph import targets
 from mpgraph._ir import meta as md
 from mpgraph._ir.contract import StepContract
-from mpgraph.errors import MpgraphError
+from mpgraph.errors import MpgraphError, UsageError
 
 __all__ = [
     "PROVIDERS",
@@ -109,6 +110,20 @@ def provider_options(
     return use_tf32, options
 
 
+def session_log_severity() -> int:
+    """The sessions' ORT log severity: 4 (fatal only), or ``$MPGRAPH_ORT_LOG_SEVERITY`` (0-4).
+
+    Raises:
+        UsageError: ``$MPGRAPH_ORT_LOG_SEVERITY`` is not one of 0-4.
+    """
+    value = os.environ.get("MPGRAPH_ORT_LOG_SEVERITY", "").strip()
+    if not value:
+        return 4
+    if value not in {"0", "1", "2", "3", "4"}:
+        raise UsageError(f"MPGRAPH_ORT_LOG_SEVERITY must be one of 0 (verbose) to 4 (fatal), got {value!r}")
+    return int(value)
+
+
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
                 cuda_graph: bool = False, custom_ops: str | None = None,
                 mem_pattern: bool | None = None, deterministic: bool = False) -> ort.InferenceSession:
@@ -131,7 +146,9 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
     session_options = ort.SessionOptions()
     # Fatal only: warnings would be one "Initializer X appears in graph inputs" per state
     # tensor, and a failing node's error log repeats the exception the caller reports.
-    session_options.log_severity_level = 4
+    # $MPGRAPH_ORT_LOG_SEVERITY (0 verbose .. 4 fatal) says otherwise, to diagnose a session
+    # (1: the CUDA graph capture's "Start another run" lines, benchmarks/trainer_memory.py).
+    session_options.log_severity_level = session_log_severity()
     session_options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     if threads is not None:
         session_options.intra_op_num_threads = threads
