@@ -232,7 +232,8 @@ def test_a_cuda_plan_without_the_kernel_library_still_expands(monkeypatch: pytes
         raise KernelBuildError("no nvcc here")
 
     monkeypatch.setattr(plan, "library", no_library)
-    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    step = mpgraph.convert(build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True), "bf16",
+                           target="cuda")
     session = plan_session(step, "cuda", PlanOptions())
     assert (session.scope, session.custom_ops, session.kernels_reason) == ("native", None, "no nvcc here")
     assert dict(session.applied)["attention_expand"] == 1
@@ -250,7 +251,8 @@ def test_a_cuda_plan_whose_library_lacks_the_fused_attention_says_so(monkeypatch
     cpu_library = plan.library("cpu")
     monkeypatch.setattr(plan, "library", lambda provider: cpu_library)
     monkeypatch.setenv("MPGRAPH_CUDA_LIBRARY", str(cpu_library))  # so the reason is the library's, not this machine's headers
-    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    step = mpgraph.convert(build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True), "bf16",
+                           target="cuda")
     plan._warn_once.cache_clear()
     with caplog.at_level("WARNING", logger="mpgraph.lowering.plan"):
         session = plan_session(step, "cuda", PlanOptions())
@@ -269,6 +271,24 @@ def test_a_cuda_plan_whose_library_lacks_the_fused_attention_says_so(monkeypatch
     session = plan_session(step, "cuda", PlanOptions())
     assert session.unfused_attention == 1
     assert session.attention_reason == "the fused attention does not take their form (mask, layout or type)"
+
+
+def test_a_float32_step_says_its_attention_is_float32_and_does_not_warn(monkeypatch: pytest.MonkeyPatch,
+                                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """cuDNN's fused attention takes float16 and bfloat16 only, so a float32 (or TF32) step's
+    Attentions are written out on CUDA whatever the library holds: the plan says so, with no
+    warning (the bench GPT's fp32 and tf32 rows printed "about 2x the step time" before)."""
+    from mpgraph.lowering import PlanOptions, plan, plan_session
+
+    cpu_library = plan.library("cpu")
+    monkeypatch.setattr(plan, "library", lambda provider: cpu_library)
+    monkeypatch.setattr(plan, "has_sdpa", lambda path: True)
+    step = build_training_graph(_block((2, 1)), optimizer="adamw", canonicalize=True)
+    plan._warn_once.cache_clear()
+    with caplog.at_level("WARNING", logger="mpgraph.lowering.plan"):
+        session = plan_session(step, "cuda", PlanOptions())
+    assert session.unfused_attention == 1 and session.attention_reason.startswith("float32 attention")
+    assert not caplog.records
 
 
 def test_cuda_evaluation_plan_writes_attention_out() -> None:

@@ -226,10 +226,12 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     if options.shapes is not None:
         model = specialize_shapes(as_model(step_graph), options.shapes)
     applied: list[tuple[str, int]] = []
+    wide = 0
     if scope is not None or deterministic:
         model = model or as_model(step_graph, copy=True)
         target = Target(provider, scope or "", options.nchwc_block, sdpa=has_sdpa(custom_ops),
                         gemm_bias=has_gemm_bias(custom_ops))
+        wide = _float32_attentions(model) if provider == "cuda" else 0
         applied = _apply(model, target, deterministic)
     if model is not None:
         graph = ir.to_proto(model).SerializeToString()
@@ -238,12 +240,26 @@ def plan_session(step_graph: ModelLike, provider: str, options: PlanOptions = Pl
     else:
         graph = ir.to_proto(as_model(step_graph)).SerializeToString()
     unfused = dict(applied).get("attention_expand", 0) if provider == "cuda" else 0
-    why = ("" if not unfused else "the fused attention does not take their form (mask, layout or type)"
+    low = unfused - min(unfused, wide) if unfused else 0  # float16/bfloat16 ones: the fused kernel's types
+    why = ("" if not unfused else _FLOAT32_ATTENTION if not low
+           else "the fused attention does not take their form (mask, layout or type)"
            if has_sdpa(custom_ops) else _no_fused_attention(custom_ops, reason))
-    if unfused:
-        _warn_once(f"{unfused} Attention(s) run unfused on CUDA, their scores written out (about 2x the "
+    if low:
+        _warn_once(f"{low} Attention(s) run unfused on CUDA, their scores written out (about 2x the "
                    f"step time and memory on GPT-2 small): {why}; `mpgraph kernels` says what the library has")
+    elif unfused:
+        logger.info("%d float32 Attention(s) run unfused on CUDA: %s", unfused, why)
     return SessionPlan(graph, provider, custom_ops, scope, reason, tuple(applied), why)
+
+
+#: Why a float32 step's Attentions are written out on CUDA whatever the library holds.
+_FLOAT32_ATTENTION = "float32 attention (cuDNN's fused attention takes float16 and bfloat16)"
+
+
+def _float32_attentions(model: ir.Model) -> int:
+    """The standard ``Attention`` nodes whose Q is float32 (none of them the fused rule takes on CUDA)."""
+    return sum(1 for n in model.graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")
+               and n.inputs and n.inputs[0] is not None and n.inputs[0].dtype == ir.DataType.FLOAT)
 
 
 def _no_fused_attention(custom_ops: str | None, reason: str) -> str:
