@@ -2,8 +2,9 @@
 device memory goes, by part, with the state in two sets or in place, under both arena growths.
 
 The plan is made as ``plan_session`` makes the capturing session's on a GPU machine whose kernel
-library has the fused attention: the step graph specialised to the batch's shapes, then the
-``cuda`` rules of the ``default`` scope with ``sdpa`` (no library is built or loaded here). Sizes
+library has the fused attention and ``GemmBias``: the step graph specialised to the batch's shapes,
+then the ``cuda`` rules of the ``default`` scope with ``sdpa`` and ``gemm_bias`` (no library is
+built or loaded here; ``--no-sdpa``, ``--no-gemm-bias`` for a library without them). Sizes
 come from the shapes the plan records (``recorded_shapes=True``). A capturing session has no
 memory pattern, so the Trainer's part is persistent + outputs + first-step arena; the pattern
 block is printed for reference. On CUDA the state sets come from onnxruntime's Python CUDA
@@ -38,9 +39,12 @@ from mpgraph.lowering.specialize import specialize_shapes  # noqa: E402
 GIB = 2**30
 
 
-def capturing_plan(path: str, shapes: dict[str, list[int]], sdpa: bool) -> ir.Model:
+def capturing_plan(path: str, shapes: dict[str, list[int]], sdpa: bool, gemm_bias: bool = True) -> ir.Model:
+    """The capturing CUDA session's plan of the step graph at ``path``, as ``plan_session`` makes
+    it with a library that has the fused attention (``sdpa``) and cuBLASLt's ``GemmBias``
+    (``gemm_bias``; on by default on CUDA, ``MPGRAPH_GEMM_BIAS=ort`` turns its rules off)."""
     model = specialize_shapes(ir.load(path), shapes)
-    applied = _apply(model, Target("cuda", "default", sdpa=sdpa), False)
+    applied = _apply(model, Target("cuda", "default", sdpa=sdpa, gemm_bias=gemm_bias), False)
     print(f"# rules applied: {', '.join(f'{n} {k}' for n, k in applied if k)}")
     return model
 
@@ -70,9 +74,10 @@ def main() -> None:
     parser.add_argument("graph")
     parser.add_argument("--shapes", required=True, help="JSON: data input -> shape of the batch.")
     parser.add_argument("--no-sdpa", action="store_true", help="A library without the fused attention.")
+    parser.add_argument("--no-gemm-bias", action="store_true", help="A library without cuBLASLt's GemmBias.")
     args = parser.parse_args()
     start = time.perf_counter()
-    model = capturing_plan(args.graph, json.loads(args.shapes), not args.no_sdpa)
+    model = capturing_plan(args.graph, json.loads(args.shapes), not args.no_sdpa, not args.no_gemm_bias)
     g = lambda b: f"{b / GIB:6.2f}"  # noqa: E731
     print(f"{'state':9s} {'arena':16s} {'inputs':>6s} {'outputs':>7s} {'arena':>6s} {'trainer':>7s} "
           f"{'state on cuda':>13s} {'cuda':>6s} {'(pattern':>8s} {'live peak':>9s} {'kept fwd':>8s})  GiB; "
