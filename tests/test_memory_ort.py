@@ -170,3 +170,26 @@ def test_session_log_severity_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("MPGRAPH_ORT_LOG_SEVERITY", "info")
     with pytest.raises(UsageError, match="0 \\(verbose\\) to 4"):
         session_log_severity()
+
+
+def test_each_session_writes_the_graph_ort_optimized_where_asked(tmp_path, monkeypatch):
+    """``MPGRAPH_ORT_OPTIMIZED_MODELS``: every session mpgraph makes writes the graph ORT runs
+    after its own optimizations, a file each, so a GPU run can bring back what ORT allocated for."""
+    import onnx
+    from onnx import TensorProto
+
+    from mpgraph.runtime.providers import new_session
+
+    folder = tmp_path / "opt"
+    monkeypatch.setenv("MPGRAPH_ORT_OPTIMIZED_MODELS", str(folder))
+    graph = h.make_graph([h.make_node("Add", ["x", "x"], ["y"]), h.make_node("Relu", ["y"], ["z"])], "g",
+                         [h.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                         [h.make_tensor_value_info("z", TensorProto.FLOAT, [2])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 17)], ir_version=9).SerializeToString()
+    for _ in range(2):
+        new_session(model, "cpu", {}, threads=1)
+    assert sorted(p.name for p in folder.iterdir()) == ["cpu-0.onnx", "cpu-1.onnx"]
+    assert [n.op_type for n in onnx.load(str(folder / "cpu-1.onnx")).graph.node] == ["Add", "Relu"]
+    monkeypatch.delenv("MPGRAPH_ORT_OPTIMIZED_MODELS")
+    new_session(model, "cpu", {}, threads=1)
+    assert len(list(folder.iterdir())) == 2

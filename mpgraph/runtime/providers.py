@@ -26,6 +26,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,6 +125,16 @@ def session_log_severity() -> int:
     return int(value)
 
 
+def _optimized_model_path(folder: str, provider: str, cuda_graph: bool) -> str:
+    """A new file name in ``folder`` (made if missing) for the next session's optimized graph:
+    ``<provider>[-graph]-<n>.onnx``, n counting the files already there."""
+    path = Path(folder)
+    path.mkdir(parents=True, exist_ok=True)
+    stem = f"{provider}{'-graph' if cuda_graph else ''}"
+    n = len(list(path.glob(f"{stem}-*.onnx")))
+    return str(path / f"{stem}-{n}.onnx")
+
+
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
                 cuda_graph: bool = False, custom_ops: str | None = None,
                 mem_pattern: bool | None = None, deterministic: bool = False) -> ort.InferenceSession:
@@ -149,6 +160,10 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
     # $MPGRAPH_ORT_LOG_SEVERITY (0 verbose .. 4 fatal) says otherwise, to diagnose a session
     # (1: the CUDA graph capture's "Start another run" lines, benchmarks/trainer_memory.py).
     session_options.log_severity_level = session_log_severity()
+    # $MPGRAPH_ORT_OPTIMIZED_MODELS (a folder): each session writes the graph ORT runs after its
+    # own optimizations there, to compare with mpgraph's plan (``audit --memory`` on it).
+    if folder := os.environ.get("MPGRAPH_ORT_OPTIMIZED_MODELS", "").strip():
+        session_options.optimized_model_filepath = _optimized_model_path(folder, provider, cuda_graph)
     session_options.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
     if threads is not None:
         session_options.intra_op_num_threads = threads
