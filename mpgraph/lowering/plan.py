@@ -42,6 +42,7 @@ import onnx_ir as ir
 from mpgraph.io import ModelLike, as_model
 from mpgraph.lowering.build import KernelBuildError, build_library
 from mpgraph.lowering.forward import forward_part
+from mpgraph.lowering.match import is_op
 from mpgraph.lowering.registry import RULES, SCOPES, Target
 from mpgraph.lowering.specialize import specialize_shapes
 
@@ -93,7 +94,7 @@ def library_facts(cuda: bool) -> dict[str, Any]:
     from mpgraph.lowering.gemm_bias import gemm_bias_on_cuda
 
     prebuilt = prebuilt_library(cuda)
-    path = build_library(cuda)
+    path = prebuilt if prebuilt is not None else build_library(cuda)
     facts: dict[str, Any] = {"path": str(path), "bytes": path.stat().st_size,
                              "prebuilt": f"${PREBUILT[cuda]}" if prebuilt is not None else None,
                              "cuda_kernels": bool(ctypes.CDLL(str(path)).MpgraphKernelsHaveCuda())}
@@ -102,19 +103,17 @@ def library_facts(cuda: bool) -> dict[str, Any]:
         facts["gemm_bias"] = has_gemm_bias(str(path))
         facts["gemm_bias_runs"] = facts["gemm_bias"] and gemm_bias_on_cuda()
         if not facts["fused_attention"]:
-            facts["fused_attention_why_not"] = _why_not_built(cudnn_flags)
+            facts["fused_attention_why_not"] = _why_not_built(cudnn_flags, prebuilt is not None)
         if not facts["gemm_bias"]:
-            facts["gemm_bias_why_not"] = _why_not_built(cublaslt_flags)
+            facts["gemm_bias_why_not"] = _why_not_built(cublaslt_flags, prebuilt is not None)
     return facts
 
 
-def _why_not_built(flags: Any) -> str:
+def _why_not_built(flags: Any, prebuilt: bool) -> str:
     """Why the CUDA library lacks what ``flags`` (``build.cudnn_flags`` or ``cublaslt_flags``)
-    compiles in: the headers or libraries this machine lacks, or, for a prebuilt library
+    compiles in: the headers or libraries this machine lacks, or, for a ``prebuilt`` library
     (``$MPGRAPH_CUDA_LIBRARY``), that it was built without it."""
-    from mpgraph.lowering.build import prebuilt_library
-
-    return (flags()[1] if prebuilt_library(True) is None else "") or "built without it"
+    return (flags()[1] if not prebuilt else "") or "built without it"
 
 
 @dataclass(frozen=True)
@@ -258,7 +257,7 @@ _FLOAT32_ATTENTION = "float32 attention (cuDNN's fused attention takes float16 a
 
 def _float32_attentions(model: ir.Model) -> int:
     """The standard ``Attention`` nodes whose Q is float32 (none of them the fused rule takes on CUDA)."""
-    return sum(1 for n in model.graph if n.op_type == "Attention" and n.domain in ("", "ai.onnx")
+    return sum(1 for n in model.graph if is_op(n, "Attention")
                and n.inputs and n.inputs[0] is not None and n.inputs[0].dtype == ir.DataType.FLOAT)
 
 
@@ -266,9 +265,9 @@ def _no_fused_attention(custom_ops: str | None, reason: str) -> str:
     """Why a CUDA plan has no fused attention: no library (``reason``), or one built without it."""
     if custom_ops is None:
         return f"no kernel library ({reason or 'kernels off'})"
-    from mpgraph.lowering.build import cudnn_flags
+    from mpgraph.lowering.build import cudnn_flags, prebuilt_library
 
-    return f"the kernel library has no fused attention ({_why_not_built(cudnn_flags)})"
+    return f"the kernel library has no fused attention ({_why_not_built(cudnn_flags, prebuilt_library(True) is not None)})"
 
 
 @functools.cache

@@ -48,7 +48,7 @@ import os
 import onnx_ir as ir
 
 from mpgraph._ir.meta import NODE_ROLE, Role
-from mpgraph.lowering.match import DOMAIN, hand_over
+from mpgraph.lowering.match import DOMAIN, hand_over, is_op
 
 __all__ = ["recompute_gelu", "recompute_gelu_on", "recompute_swiglu"]
 
@@ -110,7 +110,7 @@ _VIEWS = ("Flatten", "Reshape")
 def _gelu_views(node: ir.Node) -> list[ir.Node] | None:
     """The backward views of a qualifying Gelu's output, or ``None``."""
     uses = [u for u in node.outputs[0].uses() if _backward(u.node)]
-    if any(u.node.op_type not in _VIEWS or u.node.domain not in ("", "ai.onnx") or u.idx != 0 for u in uses):
+    if any(not any(is_op(u.node, view) for view in _VIEWS) or u.idx != 0 for u in uses):
         return None
     views = [u.node for u in uses]
     x = node.inputs[0]
