@@ -6,7 +6,9 @@ it by 0.74. The two sessions differ in two ways at once: the capturing one runs 
 specialised to the batch's shapes, and it has ``enable_cuda_graph``. This script separates them.
 It loads graphs as ORT ran them (``MPGRAPH_ORT_OPTIMIZED_MODELS`` writes them, e.g.
 ``cuda-graph-0.onnx`` and ``cuda-0.onnx``), and runs each once with and without CUDA graph capture.
-Each configuration gets a fresh process, so every arena starts empty.
+A third mode, ``stream``, runs without capture on the single EP-level stream that capture forces
+(``use_ep_level_unified_stream``). Each configuration gets a fresh process, so every arena starts
+empty.
 
 Every input is a device buffer bound once, with random floats and zero integers. Each state output
 is bound to its input's buffer, as the Trainer binds in-place state. Other outputs are left to ORT.
@@ -51,6 +53,8 @@ def _child(args: argparse.Namespace) -> None:
     library = os.environ.get("MPGRAPH_CUDA_LIBRARY") or None
     cuda = args.provider == "cuda"
     options = {"device_id": "0", "arena_extend_strategy": args.arena} if cuda else {}
+    if cuda and args.capture == "stream":  # no capture, but the one EP-level stream capture runs on
+        options["use_ep_level_unified_stream"] = "1"
     session = providers.new_session(proto.SerializeToString(), args.provider, options, threads=None,
                                     cuda_graph=cuda and args.capture == "on", custom_ops=library if cuda else None,
                                     mem_pattern=False)
@@ -100,7 +104,8 @@ def _run(graph: str, capture: str, arena: str, timeout: int, provider: str = "cu
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--graphs", help="comma-separated ORT-optimized session graphs")
-    parser.add_argument("--captures", default="on,off")
+    parser.add_argument("--captures", default="on,off,stream",
+                        help="on: CUDA graph capture; off: none; stream: none, on the EP-level stream capture uses")
     parser.add_argument("--arena", default="kSameAsRequested",
                         help="ORT's arena_extend_strategy (comma-separated: each is a configuration)")
     parser.add_argument("--timeout", type=int, default=240)

@@ -236,7 +236,30 @@ def graph_note(trainer: object) -> str:
     return f"no CUDA graph ({trainer.cuda_graph_reason or 'no reason given'})"  # type: ignore[attr-defined]
 
 
-def run_model(name: str, steps: int, rounds: int, products: str = "linear", plain: bool = False) -> dict[str, object]:
+def kernel_table(trainer: object, batches: list, steps: int) -> list[dict[str, object]]:
+    """CUDA kernels of ``steps`` more steps of ``trainer`` by name (CUPTI through torch.profiler,
+    which sees the kernels inside captured graphs too): calls and GPU ms per step, largest first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            trainer.step(batches[i % len(batches)])  # type: ignore[attr-defined]
+        torch.cuda.synchronize()
+    table: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        row = table.setdefault(event.name[:110], [0, 0.0])
+        row[0] += 1
+        row[1] += event.device_time_total
+    rows = sorted(table.items(), key=lambda kv: -kv[1][1])
+    return [{"name": k, "calls": n / steps, "ms": us / steps / 1e3} for k, (n, us) in rows]
+
+
+def run_model(name: str, steps: int, rounds: int, products: str = "linear", plain: bool = False,
+              kernels: int = 0) -> dict[str, object]:
     from mpgraph.runtime.trainer import Trainer
 
     t0 = time.perf_counter()
@@ -266,6 +289,8 @@ def run_model(name: str, steps: int, rounds: int, products: str = "linear", plai
 
     def done(side: Side) -> None:
         side.graph = graph_note(side.trainer)
+        if kernels:
+            result[f"{side.label} kernels"] = kernel_table(side.trainer, data, kernels)
         if side.label == "fp8":
             result["fp8_gemms"] = plan_ops(side.trainer, "GemmFp8", "GemmFloat8")
         side.trainer = None
@@ -297,6 +322,8 @@ def main() -> None:
     p.add_argument("--products", choices=("linear", "all"), default="linear",
                    help="the fp8 section's products: linear (weight products and their backward) or all (the preset's)")
     p.add_argument("--bf16-plain", action="store_true", help="also run bf16 without CUDA graphs (a third side)")
+    p.add_argument("--kernels", type=int, default=0, metavar="N",
+                   help="after timing, profile N more steps of each side and print its top CUDA kernels")
     args = p.parse_args()
     if not cuda_available():
         print("fp8_step: this benchmark needs onnxruntime-gpu with the CUDA provider (on the GPU machine: "
@@ -315,13 +342,20 @@ def main() -> None:
         sys.exit(1)
     rows = []
     for name in models:
-        r = run_model(name, args.steps, args.rounds, args.products, args.bf16_plain)
+        r = run_model(name, args.steps, args.rounds, args.products, args.bf16_plain, args.kernels)
         rows.append(r)
         print(f"{name}: built in {r['build_s']:.0f} s; fp8 products ({args.products}) on {r['fp8_gemm_op']}; "
               f"fp8 plan: {r['fp8_gemms']}", flush=True)
         for label in SIDES:
             if label in r:
                 print(f"  {label:10s} {r[label]['graph']}", flush=True)
+        for label in SIDES:
+            table = r.get(f"{label} kernels")
+            if table:
+                total = sum(row["ms"] for row in table)
+                print(f"  {label} kernels: {sum(row['calls'] for row in table):.0f} a step, {total:.2f} GPU ms a step; top:")
+                for row in table[:25]:
+                    print(f"    {row['ms']:7.3f} ms {row['calls']:5.0f}x  {row['name']}")
     print(report(rows, args.steps, args.rounds))
 
 
