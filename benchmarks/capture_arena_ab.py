@@ -47,6 +47,7 @@ def _child(args: argparse.Namespace) -> None:
 
     from mpgraph.runtime import providers
 
+    providers.set_default_logger_severity(1)  # the arena logs its extensions through ORT's default logger
     proto = onnx.load(args.graph, load_external_data=False)
     meta = {p.key: p.value for p in proto.metadata_props}
     pairs = [tuple(p) for p in json.loads(meta.get("mpgraph.state_pairs", "[]"))]
@@ -67,7 +68,8 @@ def _child(args: argparse.Namespace) -> None:
         dtype = providers.ORT_TYPES.get(value.type, np.float32)
         array = (rng.standard_normal(shape).astype(dtype) * 0.02 if np.issubdtype(dtype, np.floating)
                  else np.zeros(shape, dtype))
-        buffers[value.name] = ort.OrtValue.ortvalue_from_numpy(array, device, 0)
+        # np.array: a 0-d product is a numpy scalar, which OrtValue refuses
+        buffers[value.name] = ort.OrtValue.ortvalue_from_numpy(np.array(array, dtype, ndmin=len(shape)), device, 0)
         binding.bind_ortvalue_input(value.name, buffers[value.name])
     aliased = {out: inp for inp, out in pairs if inp in buffers}
     for value in session.get_outputs():

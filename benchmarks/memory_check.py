@@ -193,7 +193,9 @@ def child(args: argparse.Namespace) -> None:
         os.dup2(log.fileno(), 2)
     import onnxruntime as ort
 
-    ort.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
+    from mpgraph.runtime import providers
+
+    providers.set_default_logger_severity(1)  # INFO: the BFC arenas log every extension
     if args.provider == "cpu":  # the CPU arena grows as the CUDA one is told to: by what is requested
         info = ort.OrtMemoryInfo("Cpu", ort.OrtAllocatorType.ORT_ARENA_ALLOCATOR, 0, ort.OrtMemType.DEFAULT)
         ort.create_and_register_allocator(info, ort.OrtArenaCfg(0, 1, -1, -1))  # max_mem, kSameAsRequested
@@ -227,7 +229,8 @@ _ANOTHER_RUN = "Start another run for necessary memory allocation or graph captu
 
 def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     """Per phase (``tiny:step1``...) and arena name: bytes ``extended``, their ``count``, the
-    ``largest`` single request, bytes ``reserved`` (initializers), arenas ``created``. Where the
+    ``largest`` single request and ``largest_extension`` (a power-of-two arena may add a 1 GiB
+    region for a 64-byte request), bytes ``reserved`` (initializers), arenas ``created``. Where the
     session logs at INFO (``MPGRAPH_ORT_LOG_SEVERITY=1``), each further run ORT makes inside one
     call while it captures a CUDA graph is a phase of its own: ``model:step1``, then
     ``model:step1:run2``, ``model:step1:run3``."""
@@ -236,7 +239,7 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
 
     def slot(name: str) -> dict[str, int]:
         return phases.setdefault(phase, {}).setdefault(
-            name, {"extended": 0, "count": 0, "largest": 0, "reserved": 0, "created": 0})
+            name, {"extended": 0, "count": 0, "largest": 0, "largest_extension": 0, "reserved": 0, "created": 0})
 
     for line in text.splitlines():
         if line.startswith(MARK):
@@ -252,6 +255,7 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
         elif m := _EXTENDED.search(line):
             slot(arena)["extended"] += int(m.group(1))
             slot(arena)["count"] += 1
+            slot(arena)["largest_extension"] = max(slot(arena)["largest_extension"], int(m.group(1)))
         elif m := _RESERVING.search(line):
             slot(m.group(1))["reserved"] += int(m.group(2))
         elif m := _CREATING.search(line):

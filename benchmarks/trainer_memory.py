@@ -94,9 +94,9 @@ def child_setup(log: str, cuda: bool = True) -> int:
     first, so every child counts it alike. Returns the device memory in use then (0 on CPU)."""
     with open(log, "w") as f:
         os.dup2(f.fileno(), 2)
-    import onnxruntime as ort
+    from mpgraph.runtime import providers
 
-    ort.set_default_logger_severity(1)
+    providers.set_default_logger_severity(1)
     if not cuda:
         return 0
     import torch
@@ -204,11 +204,13 @@ def _by_run(grew: dict[str, int]) -> str:
     return ";  step 1 by ORT run: " + ", ".join(parts) + " GiB"
 
 def _extensions(r: dict, phase: str) -> str:
-    """How many times ORT's CUDA arenas grew in ``phase``, and the largest request that made one grow."""
+    """How many times ORT's CUDA arenas grew in ``phase``, the largest request that made one grow and
+    the largest growth (not the same: a power-of-two arena grows by a region for a small request)."""
     arenas = {n: a for n, a in (r.get("arena_log") or {}).get(phase, {}).items() if n.startswith("Cuda")}
     if not arenas:
         return "none logged"
-    return ", ".join(f"{n} {a['count']}x (largest request {a['largest'] / 2**20:.0f} MiB)" for n, a in arenas.items())
+    return ", ".join(f"{n} {a['count']}x (largest request {a['largest'] / 2**20:.0f} MiB, largest extension "
+                     f"{a.get('largest_extension', 0) / 2**20:.0f} MiB)" for n, a in arenas.items())
 
 
 def main() -> None:

@@ -150,11 +150,14 @@ def test_arena_log_splits_a_capturing_call_by_the_runs_ort_makes_inside_it():
         f"{MARK} model:step2",
         "I Extending BFCArena for Cuda. bin_num:1 (requested) num_bytes: 512 (actual) rounded_bytes:512",
         "I Extended allocation by 512 bytes.",
+        "I Extending BFCArena for Cuda. bin_num:0 (requested) num_bytes: 64 (actual) rounded_bytes:256",
+        "I Extended allocation by 1073741824 bytes.",  # a power-of-two arena's next region
     ])
     phases = parse_arena_log(log)
     assert list(phases) == ["model:step1", "model:step1:run2", "model:step1:run3", "model:step2"]
     assert phases["model:step1"]["Cuda"]["extended"] == 9437184 and phases["model:step1:run2"]["Cuda"]["extended"] == 4096
-    assert phases["model:step1:run3"] == {} and phases["model:step2"]["Cuda"]["extended"] == 512
+    assert phases["model:step1:run3"] == {} and phases["model:step2"]["Cuda"]["extended"] == 512 + 2**30
+    assert phases["model:step2"]["Cuda"]["largest"] == 512 and phases["model:step2"]["Cuda"]["largest_extension"] == 2**30
 
 
 def test_session_log_severity_comes_from_the_environment(monkeypatch):
@@ -193,3 +196,38 @@ def test_each_session_writes_the_graph_ort_optimized_where_asked(tmp_path, monke
     monkeypatch.delenv("MPGRAPH_ORT_OPTIMIZED_MODELS")
     new_session(model, "cpu", {}, threads=1)
     assert len(list(folder.iterdir())) == 2
+
+
+def test_device_values_grow_their_arena_as_requested_once_per_process(monkeypatch):
+    """``exact_device_values`` sets onnxruntime-gpu's process-wide growth of the arena Python-made
+    device values live in to kSameAsRequested, once, with ORT's deprecation warning silenced and
+    the default logger put back where mpgraph last set it; without that setter (a CPU build) it
+    changes nothing. The CUDA half runs against a stand-in for the GPU build's two names."""
+    import enum
+    import types
+
+    import onnxruntime as ort
+    from onnxruntime.capi import _pybind_state as C
+
+    from mpgraph.runtime import providers
+
+    monkeypatch.setattr(providers, "_exact_device_values", None)
+    monkeypatch.setattr(providers, "_logger_severity", 2)
+    if not hasattr(C, "set_arena_extend_strategy"):  # this build: nothing to set
+        assert providers.exact_device_values() is False and providers.exact_device_values() is False
+        monkeypatch.setattr(providers, "_exact_device_values", None)
+
+    class Strategy(enum.Enum):
+        kNextPowerOfTwo = 0
+        kSameAsRequested = 1
+
+    calls, levels = [], []
+    fake = types.SimpleNamespace(set_arena_extend_strategy=lambda s: calls.append((s, levels[-1])),
+                                 ArenaExtendStrategy=Strategy)
+    monkeypatch.setattr(ort.capi, "_pybind_state", fake)
+    monkeypatch.setattr(ort, "set_default_logger_severity", levels.append)
+    providers.set_default_logger_severity(1)  # a script asking for the arenas' INFO log
+    assert providers.exact_device_values() is True
+    assert calls == [(Strategy.kSameAsRequested, 3)]  # set while warnings were silenced
+    assert levels == [1, 3, 1]  # ... and the script's level put back
+    assert providers.exact_device_values() is True and len(calls) == 1  # once per process

@@ -49,6 +49,8 @@ __all__ = [
     "logits_name",
     "eval_session",
     "ort_error",
+    "exact_device_values",
+    "set_default_logger_severity",
 ]
 
 logger = logging.getLogger(__name__)
@@ -135,6 +137,64 @@ def _optimized_model_path(folder: str, provider: str, cuda_graph: bool) -> str:
     return str(path / f"{stem}-{n}.onnx")
 
 
+#: ORT's default-logger severity as mpgraph last set it (``set_default_logger_severity``); ORT
+#: starts at 2 (warnings) and cannot be asked.
+_logger_severity = 2
+#: Whether ``exact_device_values`` ran in this process, and what it did.
+_exact_device_values: bool | None = None
+
+
+def set_default_logger_severity(level: int) -> None:
+    """``onnxruntime.set_default_logger_severity(level)``, remembered, so mpgraph can put it back
+    after silencing ORT for one call (``exact_device_values``). Scripts that want ORT's default
+    logger at another level (the arenas log their growth at 1) set it through here."""
+    global _logger_severity
+    ort.set_default_logger_severity(level)
+    _logger_severity = level
+
+
+def exact_device_values() -> bool:
+    """Make the CUDA device values made from Python (``OrtValue.ortvalue_from_numpy`` and
+    ``ortvalue_from_shape_and_type`` on ``cuda``: a Trainer's state sets, batch and loss buffers)
+    grow their arena by exactly what each needs (``kSameAsRequested``), as the Trainer's sessions
+    do, instead of ORT's default next power of two. Returns whether it could.
+
+    onnxruntime-gpu makes one BFC arena per device for those values, the first time one is made,
+    from a process-wide setting (``set_arena_extend_strategy``, deprecated since ORT has the
+    provider option; the value arena has no option). With the default, its regions double up to
+    1 GiB each: a 1 GiB state fills regions of 1, 4, 4, 8 ... 512 MiB to the last few bytes, and the
+    first small buffer after it (the captured step's loss, 64 bytes) adds a 1 GiB region, most of it
+    never used. That was ViT-B/16's step on the H200 (``benchmarks/results/
+    trainer_memory_vit_dynamo_arena_log_2026-12-03T12.txt``): 1.71 GiB of arena growth in step 1,
+    1 GiB of it this region, where its session's own arena grew 0.81 (``capture_arena_ab.py``).
+
+    It must run before the first device value of the process: later, the arena exists and keeps
+    its growth (nothing reports that; the setting then changes nothing). It sets the process-wide
+    value once and leaves it, so a CUDA session made elsewhere without an ``arena_extend_strategy``
+    option grows its arena exactly too. ORT logs a deprecation warning when the setting changes;
+    the default logger is raised above warnings for that one call and put back at the level set
+    through ``set_default_logger_severity`` (2, ORT's default, otherwise). A build without CUDA
+    (``set_arena_extend_strategy`` absent) returns False and changes nothing.
+    """
+    global _exact_device_values
+    if _exact_device_values is not None:
+        return _exact_device_values
+    from onnxruntime.capi import _pybind_state as C
+
+    setter, strategy = getattr(C, "set_arena_extend_strategy", None), getattr(C, "ArenaExtendStrategy", None)
+    if setter is None or strategy is None:
+        _exact_device_values = False
+        return False
+    ort.set_default_logger_severity(3)
+    try:
+        setter(strategy.kSameAsRequested)
+    finally:
+        ort.set_default_logger_severity(_logger_severity)
+    logger.debug("device values made from Python grow their arena as requested (kSameAsRequested)")
+    _exact_device_values = True
+    return True
+
+
 def new_session(model: bytes, provider: str, options: Mapping[str, str], *, threads: int | None,
                 cuda_graph: bool = False, custom_ops: str | None = None,
                 mem_pattern: bool | None = None, deterministic: bool = False) -> ort.InferenceSession:
@@ -173,6 +233,8 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         session_options.enable_mem_pattern = mem_pattern
     session_options.use_deterministic_compute = deterministic
     ep_options = dict(options)
+    if provider == "cuda":
+        exact_device_values()
     if cuda_graph and provider == "cuda":
         ep_options["enable_cuda_graph"] = "1"
     providers: list[Any] = [(PROVIDERS[provider], ep_options)] + (["CPUExecutionProvider"] if provider == "cuda" else [])
