@@ -229,10 +229,21 @@ def test_state_sets_on_cuda_grow_by_powers_of_two():
     1 GiB region holds two of them: 3 GiB for 1.76. One set of the second value (in place)
     is one region less."""
     from mpgraph.audit.memory import state_arena_bytes
+    from mpgraph.audit.ort_alloc import POWER_OF_TWO
 
     mib = 1 << 20
-    assert state_arena_bytes([600 * mib, 600 * mib], [2, 1]) == 3 * 1024 * mib
-    assert state_arena_bytes([600 * mib, 600 * mib], [1, 1]) == 2 * 1024 * mib
+    assert state_arena_bytes([600 * mib, 600 * mib], [2, 1], POWER_OF_TWO) == 3 * 1024 * mib
+    assert state_arena_bytes([600 * mib, 600 * mib], [1, 1], POWER_OF_TWO) == 2 * 1024 * mib
+
+
+def test_state_sets_on_cuda_take_what_they_need_as_the_trainer_sets_the_arena():
+    """The Trainer makes the device-value arena grow as requested (``exact_device_values``):
+    the same three 600 MiB buffers take 1800 MiB, one set of the second 1200."""
+    from mpgraph.audit.memory import state_arena_bytes
+
+    mib = 1 << 20
+    assert state_arena_bytes([600 * mib, 600 * mib], [2, 1]) == 1800 * mib
+    assert state_arena_bytes([600 * mib, 600 * mib], [1, 1]) == 1200 * mib
 
 
 def test_unsharing_mid_run_keeps_the_values_and_the_bits(step, batches):

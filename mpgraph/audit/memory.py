@@ -116,8 +116,9 @@ class MemoryReport:
         inplace_refused: State inputs that could not share (``inplace=True``), with the reason.
         arena_strategy: The arena growth modelled (``ort_alloc.ARENA_STRATEGIES``).
         cuda_state_arena_bytes: What the state sets take on CUDA: a Trainer allocates them as
-            ``OrtValue``s from onnxruntime's Python CUDA allocator, a BFC arena that always grows
-            by powers of two (its own setting, not the session's), one value at a time in the
+            ``OrtValue``s from onnxruntime's Python CUDA allocator, a BFC arena with its own
+            process-wide growth setting (not the session's), which the Trainer sets to
+            ``kSameAsRequested`` (``providers.exact_device_values``), one value at a time in the
             step contract's order, every set of a value together (``state_arena_bytes``).
     """
 
@@ -443,19 +444,23 @@ def estimate_memory(model: ir.Model, *, batch: int = 1, dims: Mapping[str, int] 
     )
 
 
-def state_arena_bytes(sizes: list[int], sets: list[int]) -> int:
-    """Bytes of the power-of-two arena that holds ``sets[i]`` buffers of ``sizes[i]`` bytes,
-    allocated in order and never freed (a CUDA Trainer's state sets).
+def state_arena_bytes(sizes: list[int], sets: list[int], strategy: str = SAME_AS_REQUESTED) -> int:
+    """Bytes of the arena that holds ``sets[i]`` buffers of ``sizes[i]`` bytes, allocated in order
+    and never freed (a CUDA Trainer's state sets), growing by ``strategy``: ``kSameAsRequested``,
+    as the Trainer sets it (``providers.exact_device_values``), or ``kNextPowerOfTwo``, ORT's
+    default for device values made from Python.
 
-    >>> state_arena_bytes([768 << 10], [2])  # two 768 KiB buffers: a 1 MiB region, then 2 MiB
+    >>> state_arena_bytes([768 << 10], [2], POWER_OF_TWO)  # a 1 MiB region, then 2 MiB
     3145728
+    >>> state_arena_bytes([768 << 10], [2])
+    1572864
     """
     buffers, k = [], 0
     for nbytes, count in zip(sizes, sets):
         for _ in range(count):
             buffers.append(_Buffer(str(k), k, len(sizes) * max(sets, default=1) + 1, nbytes))
             k += 1
-    return _arena_bytes(buffers, POWER_OF_TWO)
+    return _arena_bytes(buffers, strategy)
 
 
 def _low_copies(model: ir.Model, params: set[str], size: Callable[[str], int]) -> int:
