@@ -263,6 +263,52 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     return phases
 
 
+_TOTAL = re.compile(r"Total allocated bytes: (\d+)")
+
+
+def arena_instances(text: str) -> dict[str, dict[int, dict[str, int | str]]]:
+    """Per phase (as ``parse_arena_log`` names them), each arena instance that grew: its bytes
+    ``extended``, ``count`` and ``total`` after, keyed by its number in the log (1 = the first
+    created). ORT names arenas only by device (every session's CUDA arena and the one for
+    device values made from Python are all "Cuda"); an instance is told by its running total:
+    each extension's "Total allocated bytes" line continues the instance whose total was that
+    much less, and a first extension starts the newest created instance that has none yet."""
+    phases: dict[str, dict[int, dict[str, int | str]]] = {}
+    phase, base, runs = "start", "start", 1
+    created: list[str] = []  # arena names in creation order
+    totals: dict[int, int] = {}  # instance -> its total so far
+    pending, name = 0, "?"
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            phase = base = line.split(maxsplit=1)[1].strip()
+            runs = 1
+        elif _ANOTHER_RUN in line:
+            runs += 1
+            phase = f"{base}:run{runs}"
+        elif m := _CREATING.search(line):
+            created.append(m.group(1))
+        elif m := _EXTENDING.search(line):
+            name = m.group(1)
+        elif m := _EXTENDED.search(line):
+            pending = int(m.group(1))
+        elif (m := _TOTAL.search(line)) and pending:
+            total = int(m.group(1))
+            match = [i for i, t in totals.items() if t == total - pending and created[i - 1] == name]
+            if not match:
+                fresh = [i for i in range(len(created), 0, -1) if i not in totals and created[i - 1] == name]
+                match = fresh[:1] or [len(created) + 1]
+                if match[0] > len(created):
+                    created.append(name)
+            inst = match[-1]
+            totals[inst] = total
+            row = phases.setdefault(phase, {}).setdefault(inst, {"arena": name, "extended": 0, "count": 0, "total": 0})
+            row["extended"] = int(row["extended"]) + pending
+            row["count"] = int(row["count"]) + 1
+            row["total"] = total
+            pending = 0
+    return phases
+
+
 def run_child(files: dict[str, str], pattern: str, args: argparse.Namespace, log: Path) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--model-file", files["model"],
            "--feeds", files["feeds"], "--tiny", files["tiny"], "--tiny-feeds", files["tiny_feeds"],

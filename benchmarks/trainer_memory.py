@@ -16,7 +16,10 @@ a fresh process (ORT keeps its arenas per process):
 
 With ``MPGRAPH_ORT_LOG_SEVERITY=1`` in the environment the sessions log ORT's "Start another
 run" lines, and step 1's growth is split by the runs ORT makes inside that call while it
-captures (two uncaptured runs, then the captured one).
+captures (two uncaptured runs, then the captured one). Step 1's growth is also split by arena
+instance (``memory_check.arena_instances``): each session has its own CUDA arena, and device values
+made from Python (the state sets, the captured step's loss and batch buffers) have another; the
+log calls them all "Cuda". That split found ViT's extra 1 GiB (2026-12-03T12).
 
 It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
 before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
@@ -51,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from memory_check import MARK, parse_arena_log  # noqa: E402
+from memory_check import MARK, arena_instances, parse_arena_log  # noqa: E402
 
 POW2 = {"arena_extend_strategy": "kNextPowerOfTwo"}
 CONFIGS = {
@@ -158,7 +161,10 @@ def run_child(cmd: list[str], log: Path, timeout: float) -> dict:
         text = log.read_text(errors="replace") if log.exists() else done.stderr
         return {"error": f"exit {done.returncode}: {(text.strip().splitlines() or [''])[-1][:400]} (log: {log})"}
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    arena = parse_arena_log(log.read_text(errors="replace"))
+    text = log.read_text(errors="replace")
+    arena = parse_arena_log(text)
+    result["arena_instances"] = {phase: {str(i): row for i, row in rows.items()}
+                                 for phase, rows in arena_instances(text).items()}
     result["arena_grew"] = {phase: sum(a["extended"] for name, a in arenas.items() if name.startswith("Cuda"))
                             for phase, arenas in arena.items()}
     result["arena_log"] = arena
@@ -191,7 +197,20 @@ def report(config: str, r: dict) -> str:
             f"(transient peak {g(est['transient'])});  in place {r['inplace_values']}/{r['pairs']} values "
             f"({g(est['inplace'])} GiB) {r['inplace_reason']};  cuda_graph {r['cuda_graph']};  "
             f"loss {r.get('loss1', float('nan')):.4f};  step 1's arena extensions: {_extensions(r, 'model:step1')}"
-            f"{_by_run(grew)}")
+            f"{_by_run(grew)}{_by_instance(r, 'model:step1')}")
+
+
+def _by_instance(r: dict, phase: str) -> str:
+    """``phase``'s growth by CUDA arena instance (``memory_check.arena_instances``: numbered in the
+    order the log creates them; the sessions' arenas and the one of device values made from
+    Python all say "Cuda"), each with its total after."""
+    rows = {i: row for i, row in (r.get("arena_instances") or {}).get(phase, {}).items()
+            if row["arena"] == "Cuda" and row["extended"]}
+    if not rows:
+        return ""
+    return ";  step 1 by CUDA arena: " + ", ".join(
+        f"#{i} +{row['extended'] / GIB:.2f} GiB in {row['count']}x (total {row['total'] / GIB:.2f})"
+        for i, row in sorted(rows.items(), key=lambda kv: int(kv[0])))
 
 
 def _by_run(grew: dict[str, int]) -> str:

@@ -231,3 +231,32 @@ def test_device_values_grow_their_arena_as_requested_once_per_process(monkeypatc
     assert calls == [(Strategy.kSameAsRequested, 3)]  # set while warnings were silenced
     assert levels == [1, 3, 1]  # ... and the script's level put back
     assert providers.exact_device_values() is True and len(calls) == 1  # once per process
+
+
+def test_arena_instances_are_told_apart_by_their_running_totals():
+    """Every CUDA arena in ORT's log is called "Cuda"; ``arena_instances`` follows each by its
+    "Total allocated bytes": the 1 GiB region a power-of-two value arena adds for a 64-byte
+    request lands on that arena, not on the session's, which grew the same phase."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from memory_check import MARK, arena_instances
+
+    def grow(arena: str, request: int, by: int, total: int) -> list[str]:
+        return [f"I Extending BFCArena for {arena}. bin_num:0 (requested) num_bytes: {request} (actual)",
+                f"I Extended allocation by {by} bytes.", f"I Total allocated bytes: {total}"]
+
+    creating = "I Creating BFCArena for Cuda with following configs: initial_chunk_size_bytes: 1048576 arena_extend_strategy: 0"
+    log = "\n".join([
+        f"{MARK} model:init", creating,  # the value arena: the state, in doubling regions
+        *grow("Cuda", 1 << 20, 1 << 20, 1 << 20), *grow("Cuda", 3 << 20, 4 << 20, 5 << 20),
+        f"{MARK} model:step1", creating,  # the capturing session's arena
+        *grow("Cuda", 9 << 20, 9 << 20, 9 << 20),
+        *grow("Cuda", 64, 1 << 30, (5 << 20) + (1 << 30)),  # the value arena again
+        *grow("Cuda", 2 << 20, 2 << 20, 11 << 20),
+    ])
+    phases = arena_instances(log)
+    assert {i: (r["extended"], r["count"]) for i, r in phases["model:init"].items()} == {1: (5 << 20, 2)}
+    step1 = {i: (r["extended"], r["count"], r["total"]) for i, r in phases["model:step1"].items()}
+    assert step1 == {1: (1 << 30, 1, (5 << 20) + (1 << 30)), 2: (11 << 20, 2, 11 << 20)}
