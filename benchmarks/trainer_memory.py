@@ -19,7 +19,7 @@ run" lines, and step 1's growth is split by the runs ORT makes inside that call 
 captures (two uncaptured runs, then the captured one). Step 1's growth is also split by arena
 instance (``memory_check.arena_instances``): each session has its own CUDA arena, and device values
 made from Python (the state sets, the captured step's loss and batch buffers) have another; the
-log calls them all "Cuda". That split found ViT's extra 1 GiB (2026-12-03T12).
+log calls them all "Cuda". ViT's extra 1 GiB (2026-12-03T12) was found in that log by hand; the split shows such growth directly.
 
 It prints device memory in use (``cudaMemGetInfo`` through torch) over what the process held
 before anything of ORT existed: after the Trainer is made, after each step; how much ORT's device
