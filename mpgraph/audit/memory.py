@@ -63,8 +63,12 @@ from mpgraph._ir.contract import StepContract
 from mpgraph._ir.inplace import inplace_pairs
 from mpgraph._ir.ort_order import VIEW_OPS, ort_order
 from mpgraph.audit.buffer_reuse import share_input_buffers
-from mpgraph.audit.ort_alloc import ARENA_UNIT, PATTERN_ALIGNMENT, SAME_AS_REQUESTED
-from mpgraph.audit.ort_alloc import POWER_OF_TWO  # noqa: F401 - state_arena_bytes' doctest and callers
+from mpgraph.audit.ort_alloc import (
+    ARENA_UNIT,
+    PATTERN_ALIGNMENT,
+    POWER_OF_TWO,  # noqa: F401 - state_arena_bytes' doctest and callers
+    SAME_AS_REQUESTED,
+)
 from mpgraph.audit.ort_alloc import Buffer as _Buffer
 from mpgraph.audit.ort_alloc import arena_bytes as _arena_bytes
 from mpgraph.audit.ort_alloc import pattern_block as _pattern_block
