@@ -177,7 +177,7 @@ def export_module(
     model = _torch_export(torch, wrapper, args, arg_names, output_names, dynamic, opset, batch_norm)
     finish_export(model, params, buffers, dynamic_batch)
     proto = ir.serde.serialize_model(model)
-    validate_export(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names))
+    validate_export(proto, [*data_names, *params], output_names, dynamic_batch, len(data_names), model)
     logger.debug("exported %s: %d nodes", type(module).__name__, len(proto.graph.node))
     if path is not None:
         save_model(model, path, external_data=False)

@@ -14,6 +14,7 @@ import onnx
 import onnx_ir as ir
 
 from mpgraph.errors import ExportError, first_line
+from mpgraph.io import check_model_any_size
 
 __all__ = ["BATCH_DIM", "IR_VERSION", "LABEL_NAME", "LOGITS_NAME", "LOSS_NAME", "finish_export", "validate_export"]
 
@@ -98,9 +99,12 @@ def validate_export(
     output_names: list[str],
     dynamic_batch: bool,
     num_batched_inputs: int,
+    model: ir.Model | None = None,
 ) -> None:
     """The exported proto has the expected inputs and outputs, only the default domain, the
-    batch dimension where it belongs, and passes the ONNX checker (full check)."""
+    batch dimension where it belongs, and passes the ONNX checker (full check). With ``model``
+    (what ``proto`` serialises) a model over 2 GiB is checked too, without its weights
+    (``mpgraph.io.check_model_any_size``)."""
     graph = proto.graph
     actual_inputs = [value.name for value in graph.input]
     if actual_inputs != arg_names:
@@ -121,6 +125,9 @@ def validate_export(
                     " the module's forward depends on the batch size"
                 )
     try:
-        onnx.checker.check_model(proto, full_check=True)
-    except onnx.checker.ValidationError as e:
+        if model is not None:
+            check_model_any_size(model, proto)
+        else:
+            onnx.checker.check_model(proto, full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ExportError(f"exported model fails the ONNX checker: {first_line(e)}") from e

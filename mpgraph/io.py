@@ -54,11 +54,18 @@ __all__ = [
     "check_node_order",
     "check_opsets",
     "shape_only_initializers",
+    "check_model_any_size",
     "EXTERNAL_DATA_THRESHOLD",
+    "CHECK_WITHOUT_WEIGHTS_BYTES",
 ]
 
 #: Models whose tensors exceed this many bytes are saved with external data (protobuf's 2 GB cap).
 EXTERNAL_DATA_THRESHOLD = 1_800_000_000
+#: Models whose tensors exceed this many bytes are checked without their float weights
+#: (``check_model_any_size``): the ONNX checker serialises the model first, and protobuf refuses 2 GiB.
+CHECK_WITHOUT_WEIGHTS_BYTES = 1_500_000_000
+#: The file a shape-only initializer's external-data reference names (``shape_only_initializers``).
+SHAPE_ONLY_LOCATION = "mpgraph-shape-only"
 
 
 #: What the API accepts as a model: onnx-ir, a protobuf, serialized bytes, or a path.
@@ -384,7 +391,7 @@ def shape_only_initializers(model: ir.Model, keep_bytes: int = 4096) -> Iterator
         if tensor is None or value.dtype not in FLOAT_TYPES or tensor.nbytes <= keep_bytes:
             continue
         swapped[value] = tensor
-        value.const_value = ir.ExternalTensor("mpgraph-shape-only", 0, tensor.nbytes, tensor.dtype,
+        value.const_value = ir.ExternalTensor(SHAPE_ONLY_LOCATION, 0, tensor.nbytes, tensor.dtype,
                                               shape=tensor.shape, name=value.name or "")
     try:
         yield
@@ -392,3 +399,28 @@ def shape_only_initializers(model: ir.Model, keep_bytes: int = 4096) -> Iterator
         for value, tensor in swapped.items():
             value.const_value = tensor
 
+
+
+def check_model_any_size(model: ir.Model, proto: onnx.ModelProto | None = None, large: int | None = None) -> None:
+    """``onnx.checker.check_model(full_check=True)`` of ``model`` at any size.
+
+    Under ``large`` bytes of tensors (``CHECK_WITHOUT_WEIGHTS_BYTES`` by default) it checks ``proto`` (the caller's serialisation of
+    ``model``, made here if ``None``). Over it, protobuf cannot serialise the model for the
+    checker (a 540M-parameter float32 export is 2.15 GB), so the checker reads a copy without
+    the float weights instead (``shape_only_initializers``), saved to a temporary folder beside
+    an empty file its references name. Names, types, shapes, every node and the strict shape
+    inference are still checked, just not the weight bytes, which the checker only counts.
+
+    Raises:
+        onnx.checker.ValidationError, onnx.shape_inference.InferenceError: What the checker finds.
+    """
+    if _tensor_bytes(model) < (CHECK_WITHOUT_WEIGHTS_BYTES if large is None else large):
+        onnx.checker.check_model(proto if proto is not None else ir.to_proto(model), full_check=True)
+        return
+    with shape_only_initializers(model):
+        light = ir.to_proto(model)
+    with tempfile.TemporaryDirectory(prefix="mpgraph-check-") as tmp:
+        (Path(tmp) / SHAPE_ONLY_LOCATION).touch()
+        path = Path(tmp) / "model.onnx"
+        onnx.save(light, str(path))
+        onnx.checker.check_model(str(path), full_check=True)
