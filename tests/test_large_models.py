@@ -59,3 +59,35 @@ def test_export_checks_a_large_module_without_serialising_its_weights(monkeypatc
     assert checked == [str]
     weights = {t.name: nh.to_array(t) for t in proto.graph.initializer}
     np.testing.assert_array_equal(weights["0.weight"], module[0].weight.detach().numpy())
+
+
+def test_the_forward_is_shape_inferred_without_its_weights_when_large(monkeypatch):
+    """``load_forward`` over the threshold infers shapes with the float weights' bytes out of the
+    proto and back after: the same value types as the ordinary path, every weight intact."""
+    import torch
+
+    from mpgraph.export import export_module
+    from mpgraph.training.normalize_forward import load_forward
+
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 4))
+    proto = export_module(module, torch.zeros((2, 64)), loss="cross_entropy")
+    seen: list[int] = []  # bytes of the weights inference was given
+    real = onnx.shape_inference.infer_shapes
+
+    def spy(model, *args, **kwargs):
+        seen.append(sum(len(t.raw_data) for t in model.graph.initializer))
+        return real(model, *args, **kwargs)
+
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", spy)
+
+    def typed(forward) -> dict[str, str]:
+        return {v.name: str(v.type) for node in forward.model.graph for v in node.outputs if v.type is not None}
+
+    ordinary = load_forward(proto)
+    monkeypatch.setattr(mio, "CHECK_WITHOUT_WEIGHTS_BYTES", 0)
+    light = load_forward(proto)
+    assert seen[0] > 64 * 128 * 4 > seen[-1]  # the ordinary path read the weights, the light one not
+    assert typed(light) == typed(ordinary) and len(typed(light)) >= len(list(ordinary.model.graph))
+    weight = light.model.graph.initializers["0.weight"].const_value.numpy()
+    np.testing.assert_array_equal(weight, module[0].weight.detach().numpy())

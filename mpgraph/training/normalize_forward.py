@@ -68,10 +68,33 @@ def load_forward(model: ModelLike) -> ForwardModel:
         # made every constant initializer (a 0.5, a LayerNorm epsilon) a trained parameter.
         _drop_inputs(proto, added)
     try:
-        proto = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+        proto = _infer_shapes(proto)
     except Exception as e:  # noqa: BLE001
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
     return ForwardModel(ir.from_proto(proto), inputs_mark_params, opset)
+
+
+def _infer_shapes(proto: onnx.ModelProto, keep: int = 4096) -> onnx.ModelProto:
+    """``onnx.shape_inference.infer_shapes(proto, data_prop=True)``, at any size: over
+    ``CHECK_WITHOUT_WEIGHTS_BYTES`` of float initializers (protobuf cannot serialise 2 GiB for it:
+    a 540M-parameter export) it infers without their bytes, which inference does not read, and
+    puts them back after; ``proto`` then gets the inferred value types."""
+    from mpgraph.io import CHECK_WITHOUT_WEIGHTS_BYTES
+
+    big = [t for t in proto.graph.initializer if t.data_type in FLOAT_TYPES and len(t.raw_data) > keep]
+    if sum(len(t.raw_data) for t in big) < CHECK_WITHOUT_WEIGHTS_BYTES:
+        return onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    saved = [t.raw_data for t in big]
+    for tensor in big:
+        tensor.ClearField("raw_data")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(proto, data_prop=True)
+    finally:
+        for tensor, data in zip(big, saved, strict=True):
+            tensor.raw_data = data
+    del proto.graph.value_info[:]
+    proto.graph.value_info.extend(inferred.graph.value_info)
+    return proto
 
 
 def refuse_step_graph(model: ir.Model, source: object) -> None:
