@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -227,6 +228,30 @@ _CREATING = re.compile(r"Creating BFCArena for (\w+) with .*arena_extend_strateg
 _ANOTHER_RUN = "Start another run for necessary memory allocation or graph capture"
 
 
+def _phased(text: str) -> Iterator[tuple[str, str | None]]:
+    """Each line of ORT's log with the phase it falls in: the child's ``MARK`` lines name phases,
+    and each "Start another run" line inside one starts ``<phase>:run2``, ``:run3``... A phase's
+    first line comes as ``None``."""
+    phase, base, runs = "start", "start", 1
+    for line in text.splitlines():
+        if line.startswith(MARK):
+            phase = base = line.split(maxsplit=1)[1].strip()
+            runs = 1
+            yield phase, None
+        elif _ANOTHER_RUN in line:
+            runs += 1
+            phase = f"{base}:run{runs}"
+            yield phase, None
+        else:
+            yield phase, line
+
+
+def _is_run(phase: str) -> bool:
+    """Whether ``phase`` is one of ORT's further runs inside a call (``<phase>:run2``...)."""
+    last = phase.rsplit(":", 1)[-1]
+    return last.startswith("run") and last[3:].isdigit()
+
+
 def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     """Per phase (``tiny:step1``...) and arena name: bytes ``extended``, their ``count``, the
     ``largest`` single request and ``largest_extension`` (a power-of-two arena may add a 1 GiB
@@ -235,20 +260,16 @@ def parse_arena_log(text: str) -> dict[str, dict[str, dict[str, int]]]:
     call while it captures a CUDA graph is a phase of its own: ``model:step1``, then
     ``model:step1:run2``, ``model:step1:run3``."""
     phases: dict[str, dict[str, dict[str, int]]] = {}
-    phase, base, runs, arena = "start", "start", 1, "?"
+    phase, arena = "start", "?"
 
     def slot(name: str) -> dict[str, int]:
         return phases.setdefault(phase, {}).setdefault(
             name, {"extended": 0, "count": 0, "largest": 0, "largest_extension": 0, "reserved": 0, "created": 0})
 
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            phase = base = line.split(maxsplit=1)[1].strip()
-            runs = 1
-        elif _ANOTHER_RUN in line:
-            runs += 1
-            phase = f"{base}:run{runs}"
-            phases.setdefault(phase, {})
+    for phase, line in _phased(text):
+        if line is None:
+            if _is_run(phase):  # a run that grows nothing is reported too
+                phases.setdefault(phase, {})
         elif m := _EXTENDING.search(line):
             arena = m.group(1)
             slot(arena)["largest"] = max(slot(arena)["largest"], int(m.group(2)))
@@ -274,18 +295,13 @@ def arena_instances(text: str) -> dict[str, dict[int, dict[str, int | str]]]:
     each extension's "Total allocated bytes" line continues the instance whose total was that
     much less, and a first extension starts the newest created instance that has none yet."""
     phases: dict[str, dict[int, dict[str, int | str]]] = {}
-    phase, base, runs = "start", "start", 1
     created: list[str] = []  # arena names in creation order
     totals: dict[int, int] = {}  # instance -> its total so far
     pending, name = 0, "?"
-    for line in text.splitlines():
-        if line.startswith(MARK):
-            phase = base = line.split(maxsplit=1)[1].strip()
-            runs = 1
-        elif _ANOTHER_RUN in line:
-            runs += 1
-            phase = f"{base}:run{runs}"
-        elif m := _CREATING.search(line):
+    for phase, line in _phased(text):
+        if line is None:
+            continue
+        if m := _CREATING.search(line):
             created.append(m.group(1))
         elif m := _EXTENDING.search(line):
             name = m.group(1)
