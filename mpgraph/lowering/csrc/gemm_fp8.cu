@@ -6,8 +6,8 @@
 // Row-major Y [M, N] = A [M, K] B [N, K]^T is column-major Y^T [N, M] = B A^T: cuBLASLt's "A" is
 // our B, stored K x N column-major (ld K) and transposed (CUBLAS_OP_T), its "B" our A, stored
 // K x M (ld K) as it is; D is N x M with leading dimension N. That is the TN layout fp8 needs.
-// Compute type float32 with fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1, what ORT's
-// GemmFloat8 sets); the scales are device pointers (A_SCALE/B_SCALE_POINTER). Where cuBLASLt
+// Compute type float32, with fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1, what ORT's
+// GemmFloat8 sets) for E4M3 x E4M3 products only (see describe); the scales are device pointers (A_SCALE/B_SCALE_POINTER). Where cuBLASLt
 // has no algorithm writing bfloat16 for a pair of formats, the product goes to a float32 scratch
 // buffer (allocated the first time that shape runs) and is rounded to bfloat16 after.
 #ifdef MPG_WITH_CUBLASLT
@@ -69,7 +69,11 @@ void destroy(Plan* plan) {
 // (``*found``: whether there is one).
 int describe(cublasLtHandle_t handle, const GemmFp8Shape& s, cudaDataType_t d_type, Plan* plan, bool* found) {
   const cublasOperation_t op_a = CUBLAS_OP_T, op_b = CUBLAS_OP_N;
-  const int8_t fast = 1;
+  // Fast accumulation (Hopper's fp8 tensor cores keep the running sum in fewer bits) only where
+  // both operands are E4M3, the forward products; a gradient product (an E5M2 operand) promotes
+  // its sums to float32 as it goes, as Transformer Engine's recipe does for dgrad and wgrad,
+  // whose K (the tokens, for wgrad) is the longest sum of the step.
+  const int8_t fast = s.type_a != 19 && s.type_b != 19;
   MPG_LT(cublasLtMatmulDescCreate(&plan->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
@@ -113,6 +117,36 @@ __global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restri
   for (int i = threadIdx.y; i < 32; i += 8) {
     const int64_t c = c0 + i, r = r0 + threadIdx.x;
     if (c < cols && r < rows) y[c * rows + r] = tile[threadIdx.x][i];
+  }
+}
+
+// The same transpose four bytes at a time, for rows and columns that are multiples of 4 and
+// 4-byte aligned buffers (every fp8 GEMM operand: its dims are multiples of 16): 64 x 64 tiles,
+// blocks of 16 x 16 threads, each thread loading one 32-bit word of four tile rows and storing
+// one word of four output rows. The byte kernel above moves one byte a thread and load; this
+// one a word, with 64-byte rows per half-warp on both sides.
+__global__ void transpose_words(const uint32_t* __restrict__ x, uint32_t* __restrict__ y, int64_t rows, int64_t cols) {
+  __shared__ uint8_t tile[64][68];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 64, c0 = static_cast<int64_t>(blockIdx.y) * 64;
+  const int64_t rows4 = rows / 4, cols4 = cols / 4;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  for (int i = ty; i < 64; i += 16) {  // tile row i: x row r0 + i, bytes c0 + 4 tx .. + 3
+    const int64_t r = r0 + i, c4 = c0 / 4 + tx;
+    if (r < rows && c4 < cols4) {
+      const uint32_t w = x[r * cols4 + c4];
+      tile[i][4 * tx] = static_cast<uint8_t>(w);
+      tile[i][4 * tx + 1] = static_cast<uint8_t>(w >> 8);
+      tile[i][4 * tx + 2] = static_cast<uint8_t>(w >> 16);
+      tile[i][4 * tx + 3] = static_cast<uint8_t>(w >> 24);
+    }
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 16) {  // y row c0 + i (x column), bytes r0 + 4 tx .. + 3 (x rows)
+    const int64_t yr = c0 + i, yc4 = r0 / 4 + tx;
+    if (yr < cols && yc4 < rows4)
+      y[yr * rows4 + yc4] = static_cast<uint32_t>(tile[4 * tx][i]) | static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
+                            static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
+                            static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
   }
 }
 
@@ -181,6 +215,15 @@ extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, v
 
 extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, int64_t cols, void* stream_ptr) {
   if (rows <= 0 || cols <= 0) return 0;
+  const bool words = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 4 == 0 &&
+                     reinterpret_cast<uintptr_t>(y) % 4 == 0 && (cols + 63) / 64 <= 65535;
+  if (words) {
+    const dim3 grid(static_cast<unsigned>((rows + 63) / 64), static_cast<unsigned>((cols + 63) / 64)), block(16, 16);
+    transpose_words<<<grid, block, 0, static_cast<cudaStream_t>(stream_ptr)>>>(static_cast<const uint32_t*>(x),
+                                                                              static_cast<uint32_t*>(y), rows, cols);
+    if (cudaError_t err = cudaGetLastError()) return fail("transpose_words launch", static_cast<int>(err));
+    return 0;
+  }
   const int64_t grid_y = (cols + 31) / 32;  // rows along x (2^31 - 1 tiles), columns along y
   if (grid_y > 65535) return fail("transpose_bytes: more than 65535 x 32 columns", -1);
   const dim3 grid(static_cast<unsigned>((rows + 31) / 32), static_cast<unsigned>(grid_y)), block(32, 8);
