@@ -163,7 +163,7 @@ def exact_device_values() -> bool:
     from a process-wide setting (``set_arena_extend_strategy``, deprecated since ORT has the
     provider option; the value arena has no option). With the default, its regions double up to
     1 GiB each: a 1 GiB state fills regions of 1, 4, 4, 8 ... 512 MiB to the last few bytes, and the
-    first small buffer after it (the captured step's loss, 64 bytes) adds a 1 GiB region, most of it
+    first small buffer after it (a 64-byte request as the captured step was set up) adds a 1 GiB region, most of it
     never used. That was ViT-B/16's step on the H200 (``benchmarks/results/
     trainer_memory_vit_dynamo_arena_log_2026-12-03T12.txt``): 1.71 GiB of arena growth in step 1,
     1 GiB of it this region, where its session's own arena grew 0.81 (``capture_arena_ab.py``).
