@@ -362,7 +362,8 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
 
 def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
     """What a product's fp8 operand is, whichever ops made it: (the value quantised, read
-    through a widening of a bf16 value; its scale; transposed or not). A scale input is itself."""
+    through a widening of a bf16 value and through a 2-D Transpose, since quantising commutes
+    with it; its scale; transposed or not). A scale input is itself."""
     transposed, node = False, value.producer()
     while node is not None:
         if node.op_type == "Mul" or node.op_type.startswith("CastToFloat8"):
@@ -370,6 +371,9 @@ def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
             widen = x.producer()
             if widen is not None and widen.op_type == "Cast" and widen.inputs[0].dtype == BF16:
                 x = widen.inputs[0]
+            flip = x.producer()
+            if flip is not None and flip.op_type == "Transpose" and x.shape is not None and x.shape.rank() == 2:
+                x, transposed = flip.inputs[0], not transposed
             return x.name, scale.name, transposed
         if node.op_type not in ("Fp8Transpose", "Transpose", "Reshape", "Cast"):
             break
@@ -389,13 +393,20 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     ort_gemms = {n.name.rsplit("/", 1)[0]: n for n in _gemms(lowered)}
     assert len(fp8) == 27 and fp8.keys() == ort_gemms.keys() and not _gemms(with_library)
     assert with_library.opset_imports.get("ai.mpgraph") == 1 and "com.microsoft" not in with_library.opset_imports
+    swapped = set()
     for name, node in fp8.items():
         theirs = ort_gemms[name]
         assert node.domain == "ai.mpgraph" and len(node.inputs) == 4
-        assert [_quantised(v) for v in node.inputs] == [_quantised(v) for v in theirs.inputs if v is not None], name
+        mine, want = [_quantised(v) for v in node.inputs], [_quantised(v) for v in theirs.inputs if v is not None]
+        if node.metadata_props.get("mpgraph.fp8_swapped") == "1":  # (A' B'^T)^T = B' A'^T: a Transpose absorbed
+            want = [want[1], want[0], want[3], want[2]]
+            swapped.add(name)
+        assert mine == want, name
         assert node.attributes["alpha"].as_float() == theirs.attributes["alpha"].as_float()
         assert node.outputs[0].dtype == BF16, name
-    # What each product's result feeds: GemmFloat8's through the Cast of rule 5, GemmFp8's directly.
+    assert swapped, "no weight gradient's Transpose was absorbed"
+    # What each product's result feeds: GemmFloat8's through the Cast of rule 5 (and the Transpose
+    # a swapped GemmFp8 absorbed), GemmFp8's directly.
     def fed(model: ir.Model, op: str) -> dict[str, list[str]]:
         out = {}
         for n in model.graph:
@@ -403,6 +414,10 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
                 (y,) = n.outputs
                 (cast, _), = y.uses() if y.dtype == FLOAT else ((None, None),)
                 y = cast.outputs[0] if cast is not None else y
+                if op == "GemmFloat8" and n.name.rsplit("/", 1)[0] in swapped:
+                    (flip, _), = y.uses()
+                    assert flip.op_type == "Transpose"
+                    y = flip.outputs[0]
                 out[n.name.rsplit("/", 1)[0]] = sorted(re.sub(r"/fp8_gemm/(\w+)_\d+$", r"/fp8_gemm/\1", u.node.name)
                                                        for u in y.uses())  # the lowering's own: by kind
         return out
@@ -463,3 +478,80 @@ def test_cast_to_float8_is_onnx_cast_with_saturation_on_every_bf16_value(to) -> 
         got, want = session.run(None, {"X": x, "s": np.array(scale, np.float32)})
         assert np.array_equal(np.isnan(got), np.isnan(want)), scale
         np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)], err_msg=str(scale))
+
+
+def test_quantising_before_a_weight_transpose_keeps_every_bit() -> None:
+    """Rule 6's ``quantise_before_transposes``: an exported weight's ``Transpose(W)`` read by its
+    amax and its quantisation goes; the amax reads ``W``, the cast quantises ``W`` and an
+    ``Fp8Transpose`` gives the old layout, which ``cancel_fp8_transposes`` removes where a
+    product wanted ``W``'s own (here ``Y1``). The library's CPU kernels give the same bits."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph.lowering.fp8_layout import cancel_fp8_transposes, quantise_before_transposes
+
+    nodes = [h.make_node("Transpose", ["W"], ["wt"], perm=[1, 0]),
+             h.make_node("AbsMax", ["wt"], ["amax"], domain="ai.mpgraph"),
+             h.make_node("CastToFloat8E4M3FN", ["wt", "s"], ["q"], domain="ai.mpgraph"),
+             h.make_node("Fp8Transpose", ["q"], ["qq"], domain="ai.mpgraph"),  # what the forward product reads
+             h.make_node("Cast", ["qq"], ["Y1"], to=T.FLOAT), h.make_node("Cast", ["q"], ["Y2"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "t", [h.make_tensor_value_info("W", T.FLOAT, [24, 40]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info("amax", T.FLOAT, []), h.make_tensor_value_info("Y1", T.FLOAT, [24, 40]),
+                          h.make_tensor_value_info("Y2", T.FLOAT, [40, 24])])
+    proto = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    proto.ir_version = 10
+    model = ir.from_proto(proto)
+    model.graph.node(2).outputs[0].dtype = ir.DataType.FLOAT8E4M3FN  # the custom op's, which ONNX cannot infer
+    model.graph.node(2).outputs[0].shape = ir.Shape([40, 24])
+    assert quantise_before_transposes(model.graph) == 1 and cancel_fp8_transposes(model.graph) == 1
+    ops = Counter(n.op_type for n in model.graph)
+    assert ops["Transpose"] == 0 and ops["Fp8Transpose"] == 1, ops  # Y2's, of the bytes
+    w = np.random.default_rng(0).standard_normal((24, 40)).astype(np.float32) * 300
+    feeds = {"W": w, "s": np.array(0.75, np.float32)}
+    want = cpu_session(proto.SerializeToString(), library=True).run(None, feeds)
+    got = cpu_session(ir.to_proto(model).SerializeToString(), library=True).run(None, feeds)
+    for g, x in zip(got, want, strict=True):
+        np.testing.assert_array_equal(g, x)
+    assert float(got[0]) == float(np.abs(w).max()) and np.array_equal(got[2], got[1].T)
+
+
+def test_a_transposed_gemm_fp8_is_the_product_with_its_operands_swapped() -> None:
+    """Rule 6's ``absorb_output_transposes``: ``Transpose(GemmFp8(A', B', sa, sb))`` becomes
+    ``GemmFp8(B', A', sb, sa)``; the library's CPU reference gives the same bits (the same
+    terms summed in the same order, ``alpha * sb * sa`` the same float). Rows that are not a
+    multiple of 16 (the new product's N) keep the Transpose."""
+    import onnx
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    from mpgraph.lowering.fp8_layout import absorb_output_transposes
+
+    def graph(m: int) -> onnx.ModelProto:
+        n, k = 48, 64
+        nodes = [h.make_node("Cast", ["A"], ["qa"], to=E4M3.value, saturate=1),
+                 h.make_node("Cast", ["B"], ["qb"], to=E5M2.value, saturate=1),
+                 h.make_node("GemmFp8", ["qa", "qb", "sa", "sb"], ["Yb"], domain="ai.mpgraph", alpha=0.5),
+                 h.make_node("Transpose", ["Yb"], ["Ybt"], perm=[1, 0]), h.make_node("Cast", ["Ybt"], ["Y"], to=T.FLOAT)]
+        inputs = [h.make_tensor_value_info("A", T.FLOAT, [m, k]), h.make_tensor_value_info("B", T.FLOAT, [n, k]),
+                  h.make_tensor_value_info("sa", T.FLOAT, []), h.make_tensor_value_info("sb", T.FLOAT, [])]
+        model = h.make_model(h.make_graph(nodes, "g", inputs, [h.make_tensor_value_info("Y", T.FLOAT, [n, m])]),
+                             opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+        model.ir_version = 10
+        return model
+
+    rng = np.random.default_rng(0)
+    proto = graph(32)
+    model = ir.from_proto(proto)
+    model.graph.node(2).outputs[0].dtype, model.graph.node(2).outputs[0].shape = BF16, ir.Shape([32, 48])
+    assert absorb_output_transposes(model.graph) == 1
+    (gemm,) = [n for n in model.graph if n.op_type == "GemmFp8"]
+    assert not any(n.op_type == "Transpose" for n in model.graph) and gemm.metadata_props["mpgraph.fp8_swapped"] == "1"
+    assert [v.name for v in gemm.inputs] == ["qb", "qa", "sb", "sa"]
+    feeds = {"A": rng.standard_normal((32, 64)).astype(np.float32), "B": rng.standard_normal((48, 64)).astype(np.float32) * 4,
+             "sa": np.array(2.0, np.float32), "sb": np.array(0.25, np.float32)}
+    want = cpu_session(proto.SerializeToString(), library=True).run(None, feeds)[0]
+    got = cpu_session(ir.to_proto(model).SerializeToString(), library=True).run(None, feeds)[0]
+    np.testing.assert_array_equal(got, want)
+    odd = ir.from_proto(graph(24))
+    odd.graph.node(2).outputs[0].dtype, odd.graph.node(2).outputs[0].shape = BF16, ir.Shape([24, 48])
+    assert absorb_output_transposes(odd.graph) == 0

@@ -262,4 +262,8 @@ NODE_FP8 = "mpgraph.fp8"
 #: ``gradient``; ``scale``/``history`` the state inputs, ``null`` with the current recipe).
 #: Its presence says the model is quantised already.
 MODEL_FP8 = "mpgraph.fp8"
-__all__ += ["NODE_FP8", "MODEL_FP8"]
+#: On a GemmFp8 that computes its product transposed, with its operands in the other slots
+#: (``fp8_gemm``'s rule 6 absorbing a Transpose of its output): ``"1"``. Its ``mpgraph.fp8``
+#: slots are swapped to match.
+NODE_FP8_SWAPPED = "mpgraph.fp8_swapped"
+__all__ += ["NODE_FP8", "MODEL_FP8", "NODE_FP8_SWAPPED"]

@@ -101,6 +101,11 @@ import numpy as np
 import onnx_ir as ir
 
 from mpgraph._ir import meta as md
+from mpgraph.lowering.fp8_layout import (
+    absorb_output_transposes,
+    cancel_fp8_transposes,
+    quantise_before_transposes,
+)
 from mpgraph.lowering.match import DOMAIN, hand_over, is_op
 
 __all__ = ["gemm_dtype", "lower_fp8_gemms"]
@@ -492,11 +497,16 @@ def lower_fp8_gemms(model: ir.Model, library: bool = False) -> int:
     lowerer.sweep()
     amaxes = _fuse_amaxes(graph) if lowerer.library else 0
     casts = _fuse_scale_casts(graph) if lowerer.library else 0
+    moved = quantise_before_transposes(graph) if lowerer.library else 0
+    cancelled = cancel_fp8_transposes(graph) if lowerer.library else 0
+    absorbed = absorb_output_transposes(graph) if lowerer.library else 0
     if lowerer.count > lowerer.library_count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
     if lowerer.library_count or amaxes:
         model.opset_imports.setdefault(DOMAIN, 1)
     logger.info("fp8_gemm: %d of %d fp8 products native (%d on the library's GemmFp8, the others on GemmFloat8); "
-                "left emulated: %s; %d amaxes as AbsMax, %d quantisations as CastToFloat8*", lowerer.count,
-                len(products), lowerer.library_count, dict(sorted(lowerer.skipped.items())) or "none", amaxes, casts)
+                "left emulated: %s; %d amaxes as AbsMax, %d quantisations as CastToFloat8*; %d float transposes "
+                "quantised before (%d fp8 transpose pairs cancelled); %d output transposes absorbed", lowerer.count,
+                len(products), lowerer.library_count, dict(sorted(lowerer.skipped.items())) or "none", amaxes, casts,
+                moved, cancelled, absorbed)
     return lowerer.count
