@@ -55,6 +55,7 @@ __all__ = [
     "check_opsets",
     "shape_only_initializers",
     "check_model_any_size",
+    "tensor_bytes",
     "EXTERNAL_DATA_THRESHOLD",
     "CHECK_WITHOUT_WEIGHTS_BYTES",
 ]
@@ -182,7 +183,8 @@ def load_proto(path: str | os.PathLike[str]) -> onnx.ModelProto:
     return proto
 
 
-def _tensor_bytes(model: ir.Model) -> int:
+def tensor_bytes(model: ir.Model) -> int:
+    """Bytes of ``model``'s initializers (from the IR: a proto's ``ByteSize`` serialises, and fails over 2 GiB)."""
     return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
@@ -210,7 +212,7 @@ def save_model(model: ir.Model, path: str | os.PathLike[str], *, external_data: 
         raise ModelSaveError(f"{dst}: cannot write (is a directory)")
     check_replaceable(dst, error=ModelSaveError)
     clean_stale_temporaries(dst)
-    use_external = _tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
+    use_external = tensor_bytes(model) > EXTERNAL_DATA_THRESHOLD if external_data is None else external_data
     try:
         tmpdir = tempfile.mkdtemp(prefix=f".{dst.name}.{os.getpid()}.", dir=parent)
     except OSError as e:
@@ -414,7 +416,7 @@ def check_model_any_size(model: ir.Model, proto: onnx.ModelProto | None = None, 
     Raises:
         onnx.checker.ValidationError, onnx.shape_inference.InferenceError: What the checker finds.
     """
-    if _tensor_bytes(model) < (CHECK_WITHOUT_WEIGHTS_BYTES if large is None else large):
+    if tensor_bytes(model) < (CHECK_WITHOUT_WEIGHTS_BYTES if large is None else large):
         onnx.checker.check_model(proto if proto is not None else ir.to_proto(model), full_check=True)
         return
     with shape_only_initializers(model):

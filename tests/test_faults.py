@@ -945,7 +945,7 @@ def test_model_over_2gb_converts_with_validation(tmp_path: Path):
 
 
 def test_step_graph_validation_over_the_protobuf_cap_reads_types_and_shapes_only():
-    """Above ``LARGE_PROTO_BYTES`` (here forced to 0) the step graph is validated without its
+    """Above ``io.CHECK_WITHOUT_WEIGHTS_BYTES`` (here forced to 0) the step graph is validated without its
     large tensors' bytes: a diffusers UNet2D at its default config made a step graph over 2 GiB
     and ``train-graph`` ended with "internal error: ... Failed to serialize proto". Small
     tensors keep theirs (shape inference reads a Reshape's shape), and the stripped check

@@ -102,6 +102,7 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.lowering.fp8_layout import (
+    CAST_OPS,
     absorb_output_transposes,
     cancel_fp8_transposes,
     quantise_before_transposes,
@@ -441,9 +442,6 @@ def _fuse_amaxes(graph: ir.Graph) -> int:
     return count
 
 
-_CAST_OPS = {ir.DataType.FLOAT8E4M3FN: "CastToFloat8E4M3FN", ir.DataType.FLOAT8E5M2: "CastToFloat8E5M2"}
-
-
 def _fuse_scale_casts(graph: ir.Graph) -> int:
     """Rule 6: each quantisation ``Cast(Mul(x, s), fp8, saturate=1)`` whose product nothing
     else reads, as the library's ``CastToFloat8E4M3FN/E5M2(x, s)`` (one read of ``x``, a byte
@@ -452,7 +450,7 @@ def _fuse_scale_casts(graph: ir.Graph) -> int:
     count = 0
     for node in list(graph):
         to = _cast_to(node)
-        if to not in _CAST_OPS or node.attributes.get_int("saturate", 1) != 1 or node.inputs[0] is None:
+        if to not in CAST_OPS or node.attributes.get_int("saturate", 1) != 1 or node.inputs[0] is None:
             continue
         scaled = node.inputs[0]
         mul = scaled.producer()
@@ -466,7 +464,7 @@ def _fuse_scale_casts(graph: ir.Graph) -> int:
         if _cast_to(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
                 and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
             x = widen.inputs[0]  # type: ignore[union-attr]
-        fused = ir.node(_CAST_OPS[to], [x, scale], domain=DOMAIN, name=f"{node.name}/{_CAST_OPS[to]}",
+        fused = ir.node(CAST_OPS[to], [x, scale], domain=DOMAIN, name=f"{node.name}/{CAST_OPS[to]}",
                         metadata_props=dict(node.metadata_props))
         graph.insert_before(node, fused)
         hand_over(node.outputs, fused.outputs)

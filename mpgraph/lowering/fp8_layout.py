@@ -20,10 +20,10 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph.lowering.match import DOMAIN, hand_over, is_op
 
-__all__ = ["absorb_output_transposes", "cancel_fp8_transposes", "quantise_before_transposes"]
+__all__ = ["CAST_OPS", "absorb_output_transposes", "cancel_fp8_transposes", "quantise_before_transposes"]
 
-#: The library's fp8 quantisations (``fp8_gemm._fuse_scale_casts`` writes them).
-CAST_OPS = ("CastToFloat8E4M3FN", "CastToFloat8E5M2")
+#: The library's fp8 quantisation of each format (``fp8_gemm._fuse_scale_casts`` writes them).
+CAST_OPS = {ir.DataType.FLOAT8E4M3FN: "CastToFloat8E4M3FN", ir.DataType.FLOAT8E5M2: "CastToFloat8E5M2"}
 
 
 def quantise_before_transposes(graph: ir.Graph) -> int:
@@ -35,7 +35,7 @@ def quantise_before_transposes(graph: ir.Graph) -> int:
     own layout (the forward, whose ``B'`` is ``[N, K]``) ``cancel_fp8_transposes`` removes the
     pair. How many transposes went."""
     count = 0
-    readers = ("AbsMax", *CAST_OPS)
+    readers = ("AbsMax", *CAST_OPS.values())
     for node in list(graph):
         if not is_op(node, "Transpose") or node.inputs[0] is None:
             continue

@@ -14,6 +14,7 @@ from mpgraph._ir import meta as md
 from mpgraph._ir.meta import Phase, Precision
 from mpgraph.dtypes import float_weight_bytes, is_float
 from mpgraph.errors import ValidationError
+from mpgraph.io import tensor_bytes
 from mpgraph.optypes import node_typing
 from mpgraph.passes.infer_types import INPUT_INVALID_META
 
@@ -85,7 +86,7 @@ class ValidateModelPass(ir.passes.InPlacePass):
             logger.info("model too large for one protobuf: checked from the saved file")
             return ir.passes.PassResult(model, False)
         problem = model.meta.get(INPUT_INVALID_META)
-        if _tensor_bytes(model) > FILE_CHECK_BYTES:
+        if tensor_bytes(model) > FILE_CHECK_BYTES:
             check_saved(model, problem)
             return ir.passes.PassResult(model, False)
         proto = ir.to_proto(model)
@@ -99,10 +100,6 @@ class ValidateModelPass(ir.passes.InPlacePass):
             del proto
             check_saved(model, problem)
         return ir.passes.PassResult(model, False)
-
-
-def _tensor_bytes(model: ir.Model) -> int:
-    return sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
 
 
 def check_saved(model: ir.Model, input_problem: str | None = None) -> None:

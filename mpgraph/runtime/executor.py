@@ -106,8 +106,6 @@ class Executor:
         provider = self.provider = options.provider
         self.device = "cuda" if provider == "cuda" else "cpu"
         self.device_id = options.device_id if provider == "cuda" else 0
-        if provider == "cuda":  # before the first device value: the state sets are the largest
-            providers.exact_device_values()
         state_mib = sum(a.nbytes for a in program.initial.values()) / 2**20
         want_inplace, self.inplace_reason = _inplace_default(provider, options.inplace_state, options.pipeline, state_mib)
         pipeline, size_reason = _pipeline_default(provider, options.pipeline, state_mib)

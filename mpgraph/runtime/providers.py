@@ -233,7 +233,7 @@ def new_session(model: bytes, provider: str, options: Mapping[str, str], *, thre
         session_options.enable_mem_pattern = mem_pattern
     session_options.use_deterministic_compute = deterministic
     ep_options = dict(options)
-    if provider == "cuda":
+    if provider == "cuda":  # every CUDA session, so before an Executor uploads its state
         exact_device_values()
     if cuda_graph and provider == "cuda":
         ep_options["enable_cuda_graph"] = "1"

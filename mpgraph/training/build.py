@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -18,7 +19,12 @@ from mpgraph._ir.meta import NODE_ROLE, Role
 from mpgraph.autodiff import differentiate
 from mpgraph.autodiff.rules.groupnorm import infer_group_norm_types
 from mpgraph.errors import GradientError, UnsupportedModelError, ValidationError, first_line
-from mpgraph.io import min_ir_version
+from mpgraph.io import (
+    CHECK_WITHOUT_WEIGHTS_BYTES,
+    min_ir_version,
+    shape_only_initializers,
+    tensor_bytes,
+)
 from mpgraph.optim import make_optimizer
 from mpgraph.optim.base import Optimizer
 from mpgraph.training._common import name_of
@@ -314,33 +320,20 @@ def _infer_shapes(model: ir.Model, data_prop: bool = True) -> None:
         logger.warning("shape inference failed (%s); continuing with partial shapes", e)
 
 
-#: Protobuf refuses to serialize a message of 2 GiB or more, and both the checker and shape
-#: inference serialize the model first; above this size the checker is skipped and shape
-#: inference reads the graph without its tensors' bytes (it needs their types and shapes only).
-LARGE_PROTO_BYTES = 1_500_000_000
-
-
-def _validate(model: ir.Model, large: int = LARGE_PROTO_BYTES) -> None:
-    proto = ir.to_proto(model)  # a copy of its own: stripping its bytes changes nothing else
-    # From the IR, not proto.ByteSize(): that serializes too, and fails over the cap.
-    weights = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+def _validate(model: ir.Model, large: int | None = None) -> None:
+    """The checker (full check) and strict, type-checked shape inference on the step graph. Over
+    ``large`` bytes of tensors (``io.CHECK_WITHOUT_WEIGHTS_BYTES``: protobuf refuses to serialise
+    2 GiB, and both serialise the model first; a diffusers UNet2D at its default config made a
+    step graph over it) the checker is skipped and shape inference reads a copy without the float
+    weights' bytes (``io.shape_only_initializers``: it needs their types and shapes only; small
+    tensors keep theirs, for Reshape's shape and the like)."""
+    small = tensor_bytes(model) < (CHECK_WITHOUT_WEIGHTS_BYTES if large is None else large)
+    with shape_only_initializers(model) if not small else contextlib.nullcontext():
+        proto = ir.to_proto(model)
     try:
-        if weights < large:
+        if small:
             onnx.checker.check_model(proto, full_check=True)
-        else:
-            _strip_tensor_bytes(proto)
         onnx.shape_inference.infer_shapes(proto, check_type=True, strict_mode=True)
     except Exception as e:  # noqa: BLE001 - checker errors are many types
         raise ValidationError(f"internal error: the training graph is invalid: {first_line(e)}") from e
 
-
-def _strip_tensor_bytes(proto: onnx.ModelProto, keep: int = 4096) -> None:
-    """Drop the stored values of initializers over ``keep`` bytes, keeping names, types and
-    shapes: a diffusers UNet2D with its default config makes a step graph over 2 GiB, which
-    shape inference cannot serialize ("Failed to serialize proto"). Small ones stay: shape
-    inference reads the values of Reshape's shape and the like."""
-    for tensor in proto.graph.initializer:
-        if len(tensor.raw_data) + 4 * len(tensor.float_data) <= keep:
-            continue
-        for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            tensor.ClearField(field)
