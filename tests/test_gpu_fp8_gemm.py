@@ -6,10 +6,14 @@ a quantised tensor in one read) and ``CastToFloat8*`` (scale and quantise in one
 numpy or the CPU kernels.
 
 The three format pairs the lowering writes, into bf16, on GPT-2 small's linear shapes at 1024
-rows and the bench GPT's at 8192. cuBLASLt's fp8 kernels run with fast accumulation (as ORT's
-GemmFloat8 does), so the sums are not float32's: the bound is 1% of max |Y| against float64
+rows and the bench GPT's at 8192. E4M3 x E4M3 runs with fast accumulation (as ORT's GemmFloat8
+does for every pair), so the sums are not float32's: the bound is 1% of max |Y| against float64
 numpy on the same fp8 values (``benchmarks/fp8_step.py``'s probe of GemmFloat8 measured at most
-0.19%), and at most one bf16 rounding step apart from GemmFloat8's float32 result.
+0.19%). E4M3 x E4M3 (fast accumulation on both sides) is at most one bf16 rounding step apart
+from GemmFloat8's float32 result; a mixed pair, whose sums GemmFp8 promotes to float32 and
+GemmFloat8 does not, is on average at least as close to numpy as GemmFloat8 rounded to bf16
+(with the same fast accumulation, 1-3% of the elements differed by more than a bf16 step, H200,
+2026-12-03).
 Marked ``gpu``: skipped without CUDA or onnxruntime-gpu, or with a library built without
 cuBLASLt (``build.cublaslt_flags`` says why).
 """
@@ -82,8 +86,11 @@ def test_cuda_gemm_fp8_matches_numpy_and_gemm_float8(library, fa, fb, m, n, k) -
     assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
     theirs = _session(_gemm_float8_graph(fa, fb, m, n, k), None).run(None, feeds)[0]
     theirs_bf16 = theirs.astype(ml_dtypes.bfloat16).astype(np.float32)
-    step = np.abs(theirs_bf16) * 2.0**-7 + 1e-30  # one bf16 rounding step at that magnitude
-    assert (np.abs(got - theirs_bf16) <= step * 1.01).mean() > 0.99
+    if fa == fb:  # both with fast accumulation: the same sums, up to one bf16 rounding
+        step = np.abs(theirs_bf16) * 2.0**-7 + 1e-30  # one bf16 rounding step at that magnitude
+        assert (np.abs(got - theirs_bf16) <= step * 1.01).mean() > 0.99
+    else:  # GemmFp8 promotes a gradient product's sums to float32, GemmFloat8 accumulates fast
+        assert np.abs(got - want).mean() <= np.abs(theirs_bf16 - want).mean()
 
 
 def test_gemm_fp8_runs_inside_a_captured_cuda_graph(library) -> None:
