@@ -313,7 +313,7 @@ def run_model(name: str, steps: int, rounds: int, products: str = "linear", plai
         timed = side.round_ms[1:] or side.round_ms
         result[side.label] = {"ms": statistics.median(timed), "loss_last10": float(np.mean(side.losses[-10:])),
                               "loss_first": side.losses[0], "finite": bool(np.isfinite(side.losses).all()),
-                              "graph": side.graph}
+                              "graph": side.graph, "curve": loss_curve(side.losses)}
     return result
 
 
@@ -362,6 +362,15 @@ def main() -> None:
     print(report(rows, args.steps, args.rounds))
 
 
+#: The loss curve under the table: the mean loss of each window of this many steps.
+CURVE_WINDOW = 20
+
+
+def loss_curve(losses: list[float], window: int = CURVE_WINDOW) -> list[float]:
+    """The mean of each ``window`` consecutive losses (a last, shorter window included)."""
+    return [float(np.mean(losses[i:i + window])) for i in range(0, len(losses), window)]
+
+
 def report(rows: list[dict[str, object]], steps: int, rounds: int) -> str:
     """The table: ms/step and loss of each side, fp8's speedup and loss ratio against bf16 (and
     against bf16 without CUDA graphs where that side ran)."""
@@ -378,6 +387,11 @@ def report(rows: list[dict[str, object]], steps: int, rounds: int) -> str:
         finite = all(side["finite"] for side in (b, f, q) if side)  # type: ignore[index]
         lines.append(line + ("" if r["interleaved"] else "  (sides one after the other)")
                      + ("" if finite else "  NON-FINITE LOSS"))
+    lines.append(f"\nloss curves: the mean loss of each {CURVE_WINDOW} steps")
+    for r in rows:
+        for label in ("bf16", "fp8", "bf16 plain"):
+            if r.get(label):
+                lines.append(f"{r['model']:7s} {label:10s} " + " ".join(f"{v:.4f}" for v in r[label]["curve"]))  # type: ignore[index]
     return "\n".join(lines)
 
 

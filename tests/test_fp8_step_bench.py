@@ -84,6 +84,9 @@ def test_each_side_says_whether_it_ran_as_a_cuda_graph(stand_ins, capturable, mo
     table = bench.report([r], steps=6, rounds=3)
     assert "bf16 plain ms" in table and "fp8/plain" in table and "NON-FINITE" not in table
     assert ("one after the other" in table) is sequential
+    # The loss curve: one mean a window of steps (here one window, all six).
+    assert r["fp8"]["curve"] == pytest.approx([2.2 * np.mean(0.99 ** np.arange(1, 7))])
+    assert f"tiny    fp8        {r['fp8']['curve'][0]:.4f}" in table
 
 
 def test_graph_note_names_the_reason_and_an_unpipelined_graph() -> None:

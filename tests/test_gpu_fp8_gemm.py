@@ -124,7 +124,7 @@ def test_an_fp8_training_step_is_captured_whole(library, monkeypatch) -> None:
     losses = [[t.step(b).loss for b in batches] for t in (graphed, plain)]
     assert graphed.cuda_graph and dict(graphed.executor.plan.applied)["fp8_gemm"] == 27
     assert b"GemmFp8" in graphed.executor.plan.graph and b"GemmFloat8" not in graphed.executor.plan.graph
-    for op in (b"Fp8Transpose", b"AbsMax", b"CastToFloat8E4M3FN", b"CastToFloat8E5M2"):
+    for op in (b"Fp8Transpose", b"CastToFloat8E4M3FNAmax", b"CastToFloat8E5M2Amax"):
         assert op in graphed.executor.plan.graph, op
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
@@ -136,29 +136,46 @@ def test_an_fp8_training_step_is_captured_whole(library, monkeypatch) -> None:
     np.testing.assert_allclose(losses[0], [ort_side.step(b).loss for b in batches], rtol=1e-2)
 
 
+@pytest.mark.parametrize("amax", [False, True], ids=["cast", "cast+amax"])
+@pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16, T.FLOAT])
 @pytest.mark.parametrize("to", [T.FLOAT8E4M3FN, T.FLOAT8E5M2])
-def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to) -> None:
-    """CastToFloat8* on CUDA (cuda_fp8.h, __NV_SATFINITE) against the CPU kernel, which
-    tests/test_lowering_fp8.py checks against ORT's Cast(saturate=1): every bf16 bit pattern as
-    input, at a scale that sends some past the largest finite value."""
+def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to, dtype, amax) -> None:
+    """CastToFloat8* and CastToFloat8*Amax on CUDA (cuda_fp8.h, __NV_SATFINITE; 16 bytes of X a
+    thread, the last elements one a thread) against the CPU kernel, which tests/test_lowering_fp8.py
+    checks against ORT's Cast(saturate=1) and AbsMax: every bf16 bit pattern and 5 more (a tail
+    past the vectors), at a scale that sends some past the largest finite value, read as bf16,
+    float16 or float32; then normal values without a NaN, whose amax is a number."""
     from onnx import helper as h
 
     from mpgraph import lowering as kernels
 
-    name = "CastToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastToFloat8E5M2"
-    nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16), h.make_node(name, ["x", "s"], ["q"], domain="ai.mpgraph"),
+    name = ("CastToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastToFloat8E5M2") + ("Amax" if amax else "")
+    n = 2**16 + 5
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=dtype),
+             h.make_node(name, ["x", "s"], ["q", "A"] if amax else ["q"], domain="ai.mpgraph"),
              h.make_node("Cast", ["q"], ["Y"], to=T.FLOAT)]
-    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [2**16]), h.make_tensor_value_info("s", T.FLOAT, [])],
-                         [h.make_tensor_value_info("Y", T.FLOAT, [2**16])])
+    outputs = [h.make_tensor_value_info("Y", T.FLOAT, [n])] + ([h.make_tensor_value_info("A", T.FLOAT, [])] if amax else [])
+    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [n]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         outputs)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
-    feeds = {"X": (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32), "s": np.array(4.0, np.float32)}
-    got = _session(model.SerializeToString(), library).run(None, feeds)[0]
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(kernels.library("cpu")))
-    want = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]).run(None, feeds)[0]
-    assert np.array_equal(np.isnan(got), np.isnan(want))
-    np.testing.assert_array_equal(got[~np.isnan(got)], want[~np.isnan(want)])
+    cpu = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    cuda = _session(model.SerializeToString(), library)
+    rng = np.random.default_rng(0)
+    every = np.concatenate([(np.arange(2**16, dtype=np.uint32) << 16).view(np.float32), rng.standard_normal(5).astype(np.float32)])
+    normal = rng.standard_normal(n).astype(np.float32)
+    normal[rng.integers(n)] = -300.5
+    for x in (every, normal):
+        feeds = {"X": x, "s": np.array(4.0, np.float32)}
+        got, want = cuda.run(None, feeds), cpu.run(None, feeds)
+        for g, w in zip(got, want):
+            assert np.array_equal(np.isnan(g), np.isnan(w))
+            np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
+    if amax:
+        assert got[1] == np.abs(normal.astype({T.FLOAT: np.float32, T.BFLOAT16: ml_dtypes.bfloat16,
+                                               T.FLOAT16: np.float16}[dtype]).astype(np.float32)).max()
 
 
 @pytest.mark.parametrize("shape", [(2048, 768), (4, 1024, 768), (100, 72), (68, 132), (37, 50), (1, 16)])

@@ -247,8 +247,8 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     step rewritten onto GemmFloat8, GemmFloat8 evaluated as its documented math: every output
     (loss, parameters, moments, fp8 scales and amax history) agrees to float32 rounding. With
     the library (rule 6; its products are float32, so GemmFloat8 stays), the transposed operands
-    are Fp8Transpose's, the amaxes AbsMax's and most quantisations CastToFloat8*'s, run by the
-    library's CPU kernels."""
+    are Fp8Transpose's, the amaxes AbsMax's and most quantisations CastToFloat8*'s (most of
+    those with their tensor's amax, CastToFloat8*Amax), run by the library's CPU kernels."""
     step = _gpt_step(emulate=True)
     lowered = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(lowered, library=library) == 24
@@ -256,10 +256,13 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     ops = Counter(n.op_type for n in lowered.graph)
     own = sum(n.op_type == "Transpose" for n in step.graph)
     assert (ops["Fp8Transpose"], ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
-    # Each quantised tensor's amax: ReduceMax(Abs(x)), or one AbsMax.
-    assert (ops["AbsMax"], ops["Abs"]) == ((39, 0) if library else (0, 39)), ops
+    # Each quantised tensor's amax: ReduceMax(Abs(x)), or one AbsMax, or (rule 7, the delayed
+    # recipe's scale is from earlier steps) the second output of that tensor's CastToFloat8*Amax.
+    read_with_cast = ops["CastToFloat8E4M3FNAmax"] + ops["CastToFloat8E5M2Amax"]
+    assert (ops["AbsMax"] + read_with_cast, ops["Abs"]) == ((39, 0) if library else (0, 39)), ops
+    assert read_with_cast == (30 if library else 0), ops
     # Quantisations whose float32 product nothing else reads: one CastToFloat8* each.
-    assert ops["CastToFloat8E4M3FN"] + ops["CastToFloat8E5M2"] == (47 if library else 0), ops
+    assert ops["CastToFloat8E4M3FN"] + ops["CastToFloat8E5M2"] + read_with_cast == (47 if library else 0), ops
     assert _reference_expansion(lowered) == 24
     rng = np.random.default_rng(0)
     feeds = {"tokens": rng.integers(0, 64, (4, 16)), "label": rng.integers(0, 64, (4, 16))}
@@ -423,9 +426,11 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
         return out
 
     assert fed(with_library, "GemmFp8") == fed(lowered, "GemmFloat8")
-    # Every amax is an AbsMax, of the bf16 value itself where the pass widened one to float32.
-    amaxes = [n for n in with_library.graph if n.op_type == "AbsMax"]
+    # Every amax is an AbsMax or a CastToFloat8*Amax's second output (rule 7), of the bf16 value
+    # itself where the pass widened one to float32.
+    amaxes = [n for n in with_library.graph if n.op_type in ("AbsMax", "CastToFloat8E4M3FNAmax", "CastToFloat8E5M2Amax")]
     assert len(amaxes) == 39 and not any(n.op_type == "Abs" for n in with_library.graph)
+    assert sum(n.op_type != "AbsMax" for n in amaxes) > 20
     read = Counter(n.inputs[0].dtype.name for n in amaxes)
     assert read["BFLOAT16"] > 0 and read["BFLOAT16"] + read["FLOAT"] == 39, read
     assert not any(n.inputs[0].producer() is not None and n.inputs[0].producer().op_type == "Cast"
@@ -433,6 +438,49 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     monkeypatch.setenv("MPGRAPH_FP8_GEMM", "ort")
     again = ir.from_proto(ir.to_proto(step))
     assert lower_fp8_gemms(again, library=True) == 27 and len(_gemms(again)) == 27
+
+
+def test_rule_7_reads_each_delayed_amax_with_its_cast_and_leaves_the_current_recipe_alone() -> None:
+    """With the delayed recipe a scale comes from earlier steps, so each quantised tensor's
+    AbsMax and its CastToFloat8* become one CastToFloat8*Amax (the zoo GPT's native step: all 39
+    amaxes). With the current recipe the scale is this step's amax: the two stay apart."""
+    def lowered(policy: str) -> Counter:
+        model = ir.from_proto(ir.to_proto(_gpt_step(emulate=False, policy=policy)))
+        lower_fp8_gemms(model, library=True)
+        return Counter(n.op_type for n in model.graph)
+
+    delayed = lowered("fp8")
+    assert (delayed["CastToFloat8E4M3FNAmax"] + delayed["CastToFloat8E5M2Amax"], delayed["AbsMax"]) == (39, 0), delayed
+    current = lowered("extends: bf16\nfp8: {scaling: {recipe: current}}\n")
+    assert (current["CastToFloat8E4M3FNAmax"] + current["CastToFloat8E5M2Amax"], current["AbsMax"]) == (0, 39), current
+
+
+@pytest.mark.parametrize("to", [E4M3, E5M2])
+def test_cast_to_float8_amax_is_the_cast_and_the_absmax_in_one(to) -> None:
+    """CastToFloat8*Amax's CPU kernel: its Q is CastToFloat8*'s bit for bit and its Amax is
+    AbsMax's, on every bf16 bit pattern (NaN wins), on values without a NaN and on none."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    name = "CastToFloat8E4M3FN" if to == E4M3 else "CastToFloat8E5M2"
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16),
+             h.make_node(name + "Amax", ["x", "s"], ["q1", "A1"], domain="ai.mpgraph"),
+             h.make_node(name, ["x", "s"], ["q2"], domain="ai.mpgraph"), h.make_node("AbsMax", ["x"], ["A2"], domain="ai.mpgraph"),
+             h.make_node("Cast", ["q1"], ["Y1"], to=T.FLOAT), h.make_node("Cast", ["q2"], ["Y2"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [None]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info(v, T.FLOAT, [None] if v[0] == "Y" else []) for v in ("Y1", "A1", "Y2", "A2")])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    session = cpu_session(model.SerializeToString(), library=True)
+    rng = np.random.default_rng(0)
+    every = (np.arange(2**16, dtype=np.uint32) << 16).view(np.float32)
+    normal = rng.standard_normal(1000).astype(np.float32)
+    normal[17] = -300.7
+    for x in (every, normal, np.zeros(0, np.float32)):
+        y1, a1, y2, a2 = session.run(None, {"X": x, "s": np.array(4.0, np.float32)})
+        assert y1.tobytes() == y2.tobytes() and a1.tobytes() == a2.tobytes()
+    assert np.isnan(session.run(None, {"X": every, "s": np.array(4.0, np.float32)})[1])
+    assert a1 == 0.0 and session.run(None, {"X": normal, "s": np.array(4.0, np.float32)})[1] == 300.0  # bf16 of 300.7
 
 
 def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:

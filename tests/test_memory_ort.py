@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import onnx_ir as ir
 from onnx import helper as h
 
@@ -231,6 +232,26 @@ def test_device_values_grow_their_arena_as_requested_once_per_process(monkeypatc
     assert calls == [(Strategy.kSameAsRequested, 3)]  # set while warnings were silenced
     assert levels == [1, 3, 1]  # ... and the script's level put back
     assert providers.exact_device_values() is True and len(calls) == 1  # once per process
+
+
+def test_state_values_are_reserved_as_one_region_where_the_arena_is_exact(monkeypatch):
+    """``reserve_device_values`` makes and frees one CUDA buffer of the values' sizes as the arena
+    rounds them (256 bytes) plus the slack, only where ``exact_device_values`` holds (a CPU build:
+    nothing). The CUDA half runs against a stand-in for the GPU build's OrtValue."""
+    import onnxruntime as ort
+
+    from mpgraph.runtime import providers
+
+    monkeypatch.setattr(providers, "exact_device_values", lambda: False)
+    assert providers.reserve_device_values([1000, 4]) == 0
+    made = []
+    monkeypatch.setattr(providers, "exact_device_values", lambda: True)
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_shape_and_type",
+                        staticmethod(lambda shape, dtype, device, index: made.append((shape, dtype, device, index))))
+    total = 1024 + 256 + 256 + providers.RESERVE_SLACK
+    assert providers.reserve_device_values([1000, 4, 0], device_id=1) == total
+    assert made == [([total], np.uint8, "cuda", 1)]
+    assert providers.reserve_device_values([]) == 0 and len(made) == 1
 
 
 def test_arena_instances_are_told_apart_by_their_running_totals():

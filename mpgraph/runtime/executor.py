@@ -238,6 +238,10 @@ class Executor:
             for name, array in arrays.items():
                 current[name].update_inplace(np.array(array, copy=True, order="C"))
             return
+        if self.device == "cuda" and current is None:  # the first upload: one arena region for every set
+            sizes = [a.nbytes for a in arrays.values()]
+            sizes += [a.nbytes for name, a in arrays.items() if name not in self.inplace] * (self.ring - 1)
+            providers.reserve_device_values(sizes, self.device_id)
         self.sets: list[dict[str, ort.OrtValue]] = [{} for _ in range(self.ring)]
         for name, array in arrays.items():
             self.sets[0][name] = self._device_value(array)

@@ -175,32 +175,88 @@ __global__ void absmax(const void* __restrict__ x, int type, int64_t n, unsigned
   }
 }
 
-__device__ __forceinline__ float load(const void* x, int type, int64_t i) {
-  if (type == 16) return __uint_as_float(static_cast<unsigned>(static_cast<const uint16_t*>(x)[i]) << 16);
-  if (type == 10) return __half2float(static_cast<const __half*>(x)[i]);
-  return static_cast<const float*>(x)[i];
+__device__ __forceinline__ float widen(float v) { return v; }
+__device__ __forceinline__ float widen(__half v) { return __half2float(v); }
+__device__ __forceinline__ float widen(__nv_bfloat16 v) { return __bfloat162float(v); }
+
+// |v| of a float32 as its bits (larger values larger bits, a NaN above infinity), as abs_bits.
+__device__ __forceinline__ unsigned magnitude(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// q[i] = fp8(x[i] * s) and, with ``amax``, max |x[i]| into *amax (atomicMax on its bits, which
+// the launch zeroes first). The first ``vecs`` * V elements go 16 bytes of x a thread and load
+// (V = 8 two-byte or 4 float32 elements; x 16-byte and q V-byte aligned, which the launch checks,
+// else vecs = 0), the rest one element a thread. One read of x for both results: the amax the
+// delayed recipe records of an fp8 tensor and its quantisation with last steps' scale.
+template <typename T, bool kAmax>
+__global__ void cast_fp8(const T* __restrict__ x, int64_t n, int64_t vecs, const float* __restrict__ scale,
+                         __nv_fp8_storage_t* __restrict__ q, __nv_fp8_interpretation_t kind, unsigned* __restrict__ amax) {
+  constexpr int V = 16 / sizeof(T);
+  const float s = *scale;
+  unsigned m = 0;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  for (int64_t v = first; v < vecs; v += stride) {
+    const uint4 raw = reinterpret_cast<const uint4*>(x)[v];
+    const T* e = reinterpret_cast<const T*>(&raw);
+    union { __nv_fp8_storage_t b[V]; uint32_t w[V / 4]; } out;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const float f = widen(e[j]);
+      if (kAmax) m = max(m, magnitude(f));
+      out.b[j] = __nv_cvt_float_to_fp8(__fmul_rn(f, s), __NV_SATFINITE, kind);
+    }
+    if constexpr (V == 8) reinterpret_cast<uint2*>(q)[v] = make_uint2(out.w[0], out.w[1]);
+    else reinterpret_cast<uint32_t*>(q)[v] = out.w[0];
+  }
+  for (int64_t i = vecs * V + first; i < n; i += stride) {
+    const float f = widen(x[i]);
+    if (kAmax) m = max(m, magnitude(f));
+    q[i] = __nv_cvt_float_to_fp8(__fmul_rn(f, s), __NV_SATFINITE, kind);
+  }
+  if constexpr (kAmax) {
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+    __shared__ unsigned warps[32];
+    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      m = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0;
+      for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+      if (threadIdx.x == 0) atomicMax(amax, m);
+    }
+  }
 }
 
-__global__ void cast_fp8(const void* __restrict__ x, int type, int64_t n, const float* __restrict__ scale,
-                         __nv_fp8_storage_t* __restrict__ q, int to) {
-  const float s = *scale;
+template <typename T>
+int launch_cast_fp8(const void* x, int64_t n, const float* scale, void* q, int to, float* amax, cudaStream_t stream) {
+  constexpr int V = 16 / sizeof(T);
+  const bool aligned = reinterpret_cast<uintptr_t>(x) % 16 == 0 && reinterpret_cast<uintptr_t>(q) % V == 0;
+  const int64_t vecs = aligned ? n / V : 0;
+  const int64_t work = vecs + (n - vecs * V);  // threads' worth: one a vector, one a leftover element
+  const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, 4096));
   const __nv_fp8_interpretation_t kind = to == 19 ? __NV_E5M2 : __NV_E4M3;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    q[i] = __nv_cvt_float_to_fp8(__fmul_rn(load(x, type, i), s), __NV_SATFINITE, kind);
+  const T* xt = static_cast<const T*>(x);
+  __nv_fp8_storage_t* qt = static_cast<__nv_fp8_storage_t*>(q);
+  if (amax)
+    cast_fp8<T, true><<<blocks, 256, 0, stream>>>(xt, n, vecs, scale, qt, kind, reinterpret_cast<unsigned*>(amax));
+  else
+    cast_fp8<T, false><<<blocks, 256, 0, stream>>>(xt, n, vecs, scale, qt, kind, nullptr);
+  if (cudaError_t err = cudaGetLastError()) return fail("cast_fp8 launch", static_cast<int>(err));
+  return 0;
 }
 
 }  // namespace
 
 extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
 
-extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, void* stream_ptr) {
+extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, float* amax,
+                                 void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (amax)
+    if (cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return fail("cast_fp8 amax memset", static_cast<int>(err));
   if (n <= 0) return 0;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 65535));
-  cast_fp8<<<blocks, 256, 0, static_cast<cudaStream_t>(stream_ptr)>>>(x, type, n, scale,
-                                                                       static_cast<__nv_fp8_storage_t*>(q), to);
-  if (cudaError_t err = cudaGetLastError()) return fail("cast_fp8 launch", static_cast<int>(err));
-  return 0;
+  if (type == 16) return launch_cast_fp8<__nv_bfloat16>(x, n, scale, q, to, amax, stream);
+  if (type == 10) return launch_cast_fp8<__half>(x, n, scale, q, to, amax, stream);
+  return launch_cast_fp8<float>(x, n, scale, q, to, amax, stream);
 }
 
 extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream_ptr) {

@@ -35,5 +35,7 @@ extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, v
 
 // q[i] = fp8(x[i] * *scale) for n elements: x of ONNX type ``type`` (1 float32, 10 float16, 16
 // bfloat16), the product rounded to float32, then to fp8 type ``to`` (17 e4m3fn, 19 e5m2) nearest
-// even with saturation (cuda_fp8.h's __NV_SATFINITE, ONNX's Cast saturate=1).
-extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, void* stream);
+// even with saturation (cuda_fp8.h's __NV_SATFINITE, ONNX's Cast saturate=1). With ``amax`` (device
+// memory, else nullptr), also *amax = max |x[i]| as mpg_absmax_cuda computes it, in the same read.
+extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, float* amax,
+                                 void* stream);

@@ -182,6 +182,8 @@ struct Kernel {
   float gemm_alpha = 1.0f;
   // RotaryEmbedding's attributes.
   int64_t rot_interleaved = 0, rot_dim = 0, rot_heads = 0, rot_neg_sin = 0;
+  // CastToFloat8*Amax: the cast writes the amax too.
+  bool cast_amax = false;
 };
 
 MPG_CPU_CLONES void adamw_cpu(const float* __restrict p, const float* __restrict g, const float* __restrict m,
@@ -1808,27 +1810,40 @@ uint8_t float_to_fp8(float f, int type) {
 // saturate=1) with X float32, float16 or bfloat16 (widened exactly) and scale a float32 scalar;
 // the product rounds to float32 first, as the Mul it replaces did. One read of X and one byte
 // written an element, where the quantisation chain wrote a float32 X * scale and read it again
-// (fp8_gemm.py rule 6). CUDA with cuBLASLt builds only, as GemmFp8.
+// (fp8_gemm.py rule 6). CastToFloat8E4M3FNAmax and CastToFloat8E5M2Amax also write Amax, X's
+// AbsMax, in the same read (a delayed-scaling amax whose scale comes from earlier steps; rule 7).
+// CUDA with cuBLASLt builds only, as GemmFp8.
 OrtStatus* cast_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
-  Tensor x, scale, y;
+  const bool with_amax = kernel.cast_amax;
+  Tensor x, scale, y, amax;
   if (OrtStatus* st = input(ctx, 0, &x)) return st;
   if (OrtStatus* st = input(ctx, 1, &scale)) return st;
   if (x.type != MPG_FLOAT && x.type != MPG_FLOAT16 && x.type != MPG_BFLOAT16)
     return status("CastToFloat8: X must be float32, float16 or bfloat16");
   if (scale.type != MPG_FLOAT || scale.count != 1) return status("CastToFloat8: scale must be one float32");
   if (OrtStatus* st = output(ctx, 0, x.dims, &y)) return st;
-  if (y.count == 0) return nullptr;
+  if (with_amax)
+    if (OrtStatus* st = output(ctx, 1, {}, &amax)) return st;
   const int to = y.type;  // the op's fp8 type
   if (!kernel.cuda) {
     const float s = scale.data[0];
     uint8_t* out = reinterpret_cast<uint8_t*>(y.data);
-    for (size_t i = 0; i < x.count; ++i) out[i] = float_to_fp8(load_cpu(x.data, x.type, i) * s, to);
+    uint32_t m = 0;
+    for (size_t i = 0; i < x.count; ++i) {
+      const float v = load_cpu(x.data, x.type, i);
+      uint32_t bits;
+      std::memcpy(&bits, &v, sizeof(bits));
+      m = std::max(m, bits & 0x7fffffffu);
+      out[i] = float_to_fp8(v * s, to);
+    }
+    if (with_amax) std::memcpy(amax.data, &m, sizeof(m));
     return nullptr;
   }
   std::string why;
   OrtStatus* st = on_gpu(ctx, "CastToFloat8", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_fp8_cuda(x.data, x.type, static_cast<int64_t>(x.count), scale.data, y.data, to, stream));
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_fp8_cuda(x.data, x.type, static_cast<int64_t>(x.count), scale.data, y.data, to,
+                                                       with_amax ? amax.data : nullptr, stream));
     if (rc) why = MPG_GEMM_FP8_ERROR();
     return rc;
   });
@@ -2042,6 +2057,9 @@ const OpSpec kSpecs[] = {
     // X float32/float16/bfloat16, scale float32 (input_type); Q the op's fp8 type (elem).
     {"CastToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCpuOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    // The same and Amax, float32 (output_type).
+    {"CastToFloat8E4M3FNAmax", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastToFloat8E5M2Amax", MPG_FLOAT8E5M2, kCpuOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
@@ -2053,6 +2071,8 @@ const OpSpec kSpecs[] = {
     {"AbsMax", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
     {"CastToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastToFloat8E4M3FNAmax", MPG_FLOAT8E4M3FN, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastToFloat8E5M2Amax", MPG_FLOAT8E5M2, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
 #endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -2089,6 +2109,7 @@ int input_type(const MpgCustomOp* op, size_t index) {
 int output_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == sdpa_forward_compute && index == 1) return MPG_FLOAT;  // Stats
   if (spec_of(op).compute == ce_rows_compute) return MPG_FLOAT;  // loss, stats, count
+  if (spec_of(op).compute == cast_fp8_compute && index == 1) return MPG_FLOAT;  // Amax
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).outputs, spec_of(op).out_types);
 }
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
@@ -2156,6 +2177,7 @@ OrtStatus* create_kernel(const MpgCustomOp* op, const OrtApi* api, const OrtKern
   }
   if (made->spec->compute == gemm_fp8_compute)
     attribute<float>(api, info, kKernelInfoGetAttribute_float, "alpha", 1.0f, &made->gemm_alpha);
+  made->cast_amax = made->spec->compute == cast_fp8_compute && made->spec->outputs == 2;
   if (made->spec->compute == rotary_compute) {
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "interleaved", 0, &made->rot_interleaved);
     attribute<int64_t>(api, info, kKernelInfoGetAttribute_int64, "rotary_embedding_dim", 0, &made->rot_dim);
