@@ -93,6 +93,22 @@ def test_cuda_gemm_fp8_matches_numpy_and_gemm_float8(library, fa, fb, m, n, k) -
         assert np.abs(got - want).mean() <= np.abs(theirs_bf16 - want).mean()
 
 
+@pytest.mark.parametrize(("fa", "fb"), PAIRS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1024, 2304, 768), (48, 32, 16)])
+def test_cuda_gemm_fp8_adds_its_bias_before_the_rounding(library, fa, fb, m, n, k) -> None:
+    """GemmFp8 with its optional bias (rule 8; cuBLASLt's bias epilogue, or the rounding pass of a
+    float32 plan): numpy's product plus the bf16 bias, within the bound of the product alone, and
+    the same as the product without the bias plus the bias to within a bf16 rounding step."""
+    feeds = _feeds(m, n, k)
+    feeds["C"] = (np.random.default_rng(n).standard_normal(n) * 8).astype(np.float32)
+    got = _session(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5, bias=True), library).run(None, feeds)[0]
+    want = gemm_fp8_reference(feeds["A"], feeds["B"], fa, fb, 0.25, 2.0, 0.5, bias=feeds["C"])
+    assert np.abs(got - want).max() <= 1e-2 * np.abs(want).max()
+    plain = _session(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5), library).run(None, {k_: v for k_, v in feeds.items() if k_ != "C"})[0]
+    added = plain + feeds["C"].astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.all(np.abs(got - added) <= np.maximum(np.abs(plain), np.abs(added)) * 2.0**-7 * 1.01 + 1e-30)
+
+
 def test_gemm_fp8_runs_inside_a_captured_cuda_graph(library) -> None:
     """ORT captures the session's run and replays it (enable_cuda_graph, inputs and output
     bound on the device): the replays give the plain session's result, bit for bit."""

@@ -314,17 +314,21 @@ def test_every_declared_dim_of_the_gemm_operands_is_the_size_that_runs() -> None
 # --- rule 6: the kernel library's GemmFp8 (capturable; CPU reference here) --------------------
 
 
-def _gemm_fp8_graph(fa: ir.DataType, fb: ir.DataType, m: int, n: int, k: int, alpha: float) -> bytes:
-    """``Y = float(GemmFp8(Cast(A, fa), Cast(B, fb), sa, sb; alpha))`` with ``Yb`` its bf16 output."""
+def _gemm_fp8_graph(fa: ir.DataType, fb: ir.DataType, m: int, n: int, k: int, alpha: float, bias: bool = False) -> bytes:
+    """``Y = float(GemmFp8(Cast(A, fa), Cast(B, fb), sa, sb[, Cast(C, bf16)]; alpha))`` with ``Yb``
+    its bf16 output."""
     import onnx
     from onnx import TensorProto as T
     from onnx import helper as h
 
     nodes = [h.make_node("Cast", ["A"], ["qa"], to=fa.value, saturate=1), h.make_node("Cast", ["B"], ["qb"], to=fb.value, saturate=1),
-             h.make_node("GemmFp8", ["qa", "qb", "sa", "sb"], ["Yb"], domain="ai.mpgraph", alpha=alpha),
+             h.make_node("GemmFp8", ["qa", "qb", "sa", "sb", *(["cb"] if bias else [])], ["Yb"], domain="ai.mpgraph", alpha=alpha),
              h.make_node("Cast", ["Yb"], ["Y"], to=T.FLOAT)]
     inputs = [h.make_tensor_value_info("A", T.FLOAT, [m, k]), h.make_tensor_value_info("B", T.FLOAT, [n, k]),
               h.make_tensor_value_info("sa", T.FLOAT, []), h.make_tensor_value_info("sb", T.FLOAT, [])]
+    if bias:
+        nodes.insert(0, h.make_node("Cast", ["C"], ["cb"], to=T.BFLOAT16))
+        inputs.append(h.make_tensor_value_info("C", T.FLOAT, [n]))
     graph = h.make_graph(nodes, "gemm_fp8", inputs, [h.make_tensor_value_info("Y", T.FLOAT, [m, n])])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
@@ -332,9 +336,10 @@ def _gemm_fp8_graph(fa: ir.DataType, fb: ir.DataType, m: int, n: int, k: int, al
 
 
 def gemm_fp8_reference(a: np.ndarray, b: np.ndarray, fa: ir.DataType, fb: ir.DataType, sa: float, sb: float,
-                       alpha: float) -> np.ndarray:
+                       alpha: float, bias: np.ndarray | None = None) -> np.ndarray:
     """GemmFp8 in numpy: the operands rounded to their formats with saturation (ml_dtypes),
-    ``A B^T`` in float64, times ``alpha * sa * sb``, rounded once to bf16 (as float32)."""
+    ``A B^T`` in float64, times ``alpha * sa * sb`` (in float32), plus ``bias`` rounded to bf16
+    where given, rounded once to bf16 (as float32)."""
     import ml_dtypes
 
     def quantise(x: np.ndarray, fmt: ir.DataType) -> np.ndarray:
@@ -342,8 +347,10 @@ def gemm_fp8_reference(a: np.ndarray, b: np.ndarray, fa: ir.DataType, fb: ir.Dat
         top = float(ml_dtypes.finfo(t).max)
         return np.clip(x, -top, top).astype(t).astype(np.float64)
 
-    y = (quantise(a, fa) @ quantise(b, fb).T) * (np.float32(alpha) * np.float32(sa) * np.float32(sb))
-    return y.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    y = ((quantise(a, fa) @ quantise(b, fb).T) * (np.float32(alpha) * np.float32(sa) * np.float32(sb))).astype(np.float32)
+    if bias is not None:
+        y = y + bias.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return y.astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
 @pytest.mark.parametrize(("fa", "fb"), [(E4M3, E4M3), (E5M2, E4M3), (E4M3, E5M2)])
@@ -361,6 +368,11 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
     feeds = {"A": a, "B": b, "sa": np.array(0.25, np.float32), "sb": np.array(2.0, np.float32)}
     got = session.run(None, feeds)[0]
     np.testing.assert_array_equal(got, gemm_fp8_reference(a, b, fa, fb, 0.25, 2.0, 0.5))
+    # With a bias (rule 8): added to the float32 product, then the one rounding.
+    c = (rng.standard_normal(n) * 3).astype(np.float32)
+    with_bias = cpu_session(_gemm_fp8_graph(fa, fb, m, n, k, alpha=0.5, bias=True), library=True).run(None, {**feeds, "C": c})[0]
+    np.testing.assert_array_equal(with_bias, gemm_fp8_reference(a, b, fa, fb, 0.25, 2.0, 0.5, bias=c))
+    assert not np.array_equal(with_bias, got)
 
 
 def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
@@ -396,11 +408,16 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     ort_gemms = {n.name.rsplit("/", 1)[0]: n for n in _gemms(lowered)}
     assert len(fp8) == 27 and fp8.keys() == ort_gemms.keys() and not _gemms(with_library)
     assert with_library.opset_imports.get("ai.mpgraph") == 1 and "com.microsoft" not in with_library.opset_imports
-    swapped = set()
+    swapped, biased = set(), set()
     for name, node in fp8.items():
         theirs = ort_gemms[name]
-        assert node.domain == "ai.mpgraph" and len(node.inputs) == 4
-        mine, want = [_quantised(v) for v in node.inputs], [_quantised(v) for v in theirs.inputs if v is not None]
+        assert node.domain == "ai.mpgraph" and len(node.inputs) in (4, 5)
+        if len(node.inputs) == 5:  # rule 8: the bias the product's Add read, through its Reshape or not
+            (read, _), = theirs.outputs[0].uses()
+            add = read if read.op_type == "Add" else next(iter(read.outputs[0].uses()))[0]
+            assert add.op_type == "Add" and node.inputs[4].name in [v.name for v in add.inputs], name
+            biased.add(name)
+        mine, want = [_quantised(v) for v in node.inputs[:4]], [_quantised(v) for v in theirs.inputs if v is not None]
         if node.metadata_props.get("mpgraph.fp8_swapped") == "1":  # (A' B'^T)^T = B' A'^T: a Transpose absorbed
             want = [want[1], want[0], want[3], want[2]]
             swapped.add(name)
@@ -408,6 +425,8 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
         assert node.attributes["alpha"].as_float() == theirs.attributes["alpha"].as_float()
         assert node.outputs[0].dtype == BF16, name
     assert swapped, "no weight gradient's Transpose was absorbed"
+    # Each layer's bf16 bias Adds (qkv, fc1); the out-projection's and fc2's are float32 Adds after a Cast.
+    assert len(biased) == 4, biased
     # What each product's result feeds: GemmFloat8's through the Cast of rule 5 (and the Transpose
     # a swapped GemmFp8 absorbed), GemmFp8's directly.
     def fed(model: ir.Model, op: str) -> dict[str, list[str]]:

@@ -9,7 +9,8 @@
 // Compute type float32, with fast accumulation (CUBLASLT_MATMUL_DESC_FAST_ACCUM = 1, what ORT's
 // GemmFloat8 sets) for E4M3 x E4M3 products only (see describe); the scales are device pointers (A_SCALE/B_SCALE_POINTER). Where cuBLASLt
 // has no algorithm writing bfloat16 for a pair of formats, the product goes to a float32 scratch
-// buffer (allocated the first time that shape runs) and is rounded to bfloat16 after.
+// buffer (allocated the first time that shape runs) and is rounded to bfloat16 after. A bias
+// (bfloat16 [N]) is cuBLASLt's bias epilogue, or added in that rounding pass.
 #ifdef MPG_WITH_CUBLASLT
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -33,11 +34,12 @@ struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo;
-  bool via_float = false;  // D is float32 scratch, rounded to bfloat16 after
+  bool via_float = false;  // D is float32 scratch, rounded to bfloat16 after (the bias added there)
+  bool epilogue_bias = false;  // cuBLASLt adds the bias (CUBLASLT_EPILOGUE_BIAS)
 };
 
-// (device, type_a, type_b, m, n, k)
-using PlanKey = std::tuple<int, int, int, int64_t, int64_t, int64_t>;
+// (device, type_a, type_b, m, n, k, bias)
+using PlanKey = std::tuple<int, int, int, int64_t, int64_t, int64_t, bool>;
 
 std::mutex g_mutex;  // guards everything below; a launch is queued with it held
 std::map<std::pair<int, void*>, std::pair<void*, size_t>> g_scratch;  // float32 D buffers
@@ -78,6 +80,13 @@ int describe(cublasLtHandle_t handle, const GemmFp8Shape& s, cudaDataType_t d_ty
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast)));
+  if (s.bias && d_type == CUDA_R_16BF) {  // D's rows (column-major: our Y's columns, N) get Bias[row]
+    const cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_BIAS;
+    const cudaDataType_t bias_type = CUDA_R_16BF;
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue)));
+    MPG_LT(cublasLtMatmulDescSetAttribute(plan->desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type)));
+    plan->epilogue_bias = true;
+  }
   const uint64_t n = static_cast<uint64_t>(s.n), m = static_cast<uint64_t>(s.m), k = static_cast<uint64_t>(s.k);
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->a, fp8_type(s.type_b), k, n, static_cast<int64_t>(k)));
   MPG_LT(cublasLtMatrixLayoutCreate(&plan->b, fp8_type(s.type_a), k, m, static_cast<int64_t>(k)));
@@ -98,10 +107,12 @@ int make_plan(cublasLtHandle_t handle, const GemmFp8Shape& s, Plan* plan) {
   return found ? 0 : fail("cuBLASLt has no fp8 algorithm for this GEMM", static_cast<int>(CUBLAS_STATUS_NOT_SUPPORTED));
 }
 
-__global__ void round_to_bf16(const float* __restrict__ x, __nv_bfloat16* __restrict__ y, int64_t total) {
+// y = bf16(x (+ bias[column])), one rounding; ``bias`` bfloat16 [cols] or nullptr.
+__global__ void round_to_bf16(const float* __restrict__ x, const __nv_bfloat16* __restrict__ bias, int64_t cols,
+                              __nv_bfloat16* __restrict__ y, int64_t total) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    y[i] = __float2bfloat16_rn(x[i]);
+    y[i] = __float2bfloat16_rn(bias ? x[i] + __bfloat162float(bias[i % cols]) : x[i]);
 }
 
 // 32 x 32 tiles through shared memory (a padded row against bank conflicts); blocks of 32 x 8
@@ -290,7 +301,7 @@ extern "C" int mpg_transpose_bytes_cuda(const void* x, void* y, int64_t rows, in
 }
 
 extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
-                                 const float* scale_b, void* y, void* stream_ptr) {
+                                 const float* scale_b, const void* bias, void* y, void* stream_ptr) {
   const GemmFp8Shape& s = *shape;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   std::lock_guard<std::mutex> lock(g_mutex);
@@ -299,7 +310,7 @@ extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const
   void* workspace = nullptr;
   std::string what;
   if (int err = mpg_lt_context(stream_ptr, &device, &handle, &workspace, &what)) return fail(what, err);
-  const PlanKey key{device, s.type_a, s.type_b, s.m, s.n, s.k};
+  const PlanKey key{device, s.type_a, s.type_b, s.m, s.n, s.k, s.bias};
   auto it = g_plans.find(key);
   if (it == g_plans.end()) {
     Plan plan;
@@ -326,12 +337,14 @@ extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const
   // cuBLASLt's A is our B (its scale scale_b), its B our A.
   MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &scale_b, sizeof(scale_b)));
   MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &scale_a, sizeof(scale_a)));
+  if (plan.epilogue_bias) MPG_LT(cublasLtMatmulDescSetAttribute(plan.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias)));
   const float alpha = s.alpha, beta = 0.0f;
   MPG_LT(cublasLtMatmul(handle, plan.desc, &alpha, b, plan.a, a, plan.b, &beta, d, plan.d, d, plan.d, &plan.algo,
                         workspace, kLtWorkspaceBytes, stream));
   if (plan.via_float) {
     const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 65535));
-    round_to_bf16<<<blocks, 256, 0, stream>>>(static_cast<const float*>(d), static_cast<__nv_bfloat16*>(y), total);
+    round_to_bf16<<<blocks, 256, 0, stream>>>(static_cast<const float*>(d), plan.epilogue_bias ? nullptr :
+                                              static_cast<const __nv_bfloat16*>(bias), s.n, static_cast<__nv_bfloat16*>(y), total);
     if (cudaError_t err = cudaGetLastError()) return fail("round_to_bf16 launch", static_cast<int>(err));
   }
   return 0;

@@ -16,11 +16,13 @@ struct GemmFp8Shape {
   int64_t m, n, k;
   float alpha;
   int type_a, type_b;  // ONNX element types: 17 float8e4m3fn, 19 float8e5m2
+  bool bias;           // a bfloat16 [N] bias is added before the rounding
 };
 
-// 0 on success; otherwise nonzero, with a message from mpg_gemm_fp8_last_error().
+// 0 on success; otherwise nonzero, with a message from mpg_gemm_fp8_last_error(). ``bias``
+// (bfloat16 [N], device memory) is nullptr unless shape->bias.
 extern "C" int mpg_gemm_fp8_cuda(const GemmFp8Shape* shape, const void* a, const void* b, const float* scale_a,
-                                 const float* scale_b, void* y, void* stream);
+                                 const float* scale_b, const void* bias, void* y, void* stream);
 extern "C" const char* mpg_gemm_fp8_last_error();
 
 // Y [cols, rows] = X [rows, cols]^T for one-byte elements (fp8 values moved as they are): the

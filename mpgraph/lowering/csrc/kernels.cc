@@ -1672,11 +1672,13 @@ OrtStatus* gemm_bias_gelu_compute(void* k, OrtKernelContext* c) { return gemm_bi
 
 // -- GemmFp8 (gemm_fp8.h; CUDA in gemm_fp8.cu through cuBLASLt) -----------------------------
 //
-// GemmFp8(A, B, scaleA, scaleB) -> Y: Y [M, N] = alpha * scaleA * scaleB * A B^T, A [M, K] and
-// B [N, K] float8e4m3fn or float8e5m2 (not both e5m2), the scales float32 scalars, Y bfloat16
-// (fp8_gemm.py writes it for ORT's GemmFloat8 where the library has cuBLASLt). Attribute alpha
+// GemmFp8(A, B, scaleA, scaleB[, Bias]) -> Y: Y [M, N] = alpha * scaleA * scaleB * A B^T (+ Bias),
+// A [M, K] and B [N, K] float8e4m3fn or float8e5m2 (not both e5m2), the scales float32 scalars,
+// Bias bfloat16 [N] added to every row before the one rounding, Y bfloat16 (fp8_gemm.py writes it
+// for ORT's GemmFloat8 where the library has cuBLASLt; rule 8 gives it a bias). Attribute alpha
 // (absent: 1). CPU: a reference loop (the fp8 values decoded exactly, float32 sums, one
-// rounding); CUDA: one cuBLASLt fp8 matmul, only in a build with cuBLASLt (MPG_WITH_CUBLASLT).
+// rounding); CUDA: one cuBLASLt fp8 matmul (its bias epilogue), only in a build with cuBLASLt
+// (MPG_WITH_CUBLASLT).
 
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
 #define MPG_GEMM_FP8_CUDA(...) __VA_ARGS__
@@ -1715,7 +1717,18 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   if (t[2].type != MPG_FLOAT || t[3].type != MPG_FLOAT || t[2].count != 1 || t[3].count != 1)
     return status("GemmFp8: scaleA and scaleB must be one float32 each");
   const int64_t k = t[1].dims[1], m = k ? static_cast<int64_t>(t[0].count) / k : 0;
-  GemmFp8Shape s{m, t[1].dims[0], k, kernel.gemm_alpha, t[0].type, t[1].type};
+  // Bias (optional): bfloat16 [N], added to the float32 result before its one rounding.
+  size_t count = 0;
+  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count);
+  const OrtValue* bv = nullptr;
+  if (count > 4)
+    if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContext_GetInput)(ctx, 4, &bv)) return st;
+  Tensor bias;
+  if (bv)
+    if (OrtStatus* st = describe(bv, &bias)) return st;
+  if (bv && (bias.type != MPG_BFLOAT16 || bias.dims.size() != 1 || bias.dims[0] != t[1].dims[0]))
+    return status("GemmFp8: Bias must be bfloat16 [N]");
+  GemmFp8Shape s{m, t[1].dims[0], k, kernel.gemm_alpha, t[0].type, t[1].type, bv != nullptr};
   if (OrtStatus* st = output(ctx, 0, {s.m, s.n}, &y)) return st;
   if (y.count == 0) return nullptr;
   if (!kernel.cuda) {
@@ -1733,14 +1746,15 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
         for (int64_t j = 0; j < s.n; ++j) {
           float acc = 0.0f;
           for (int64_t kk = 0; kk < s.k; ++kk) acc += row[kk] * bf[j * s.k + kk];
-          out[i * s.n + j] = float_to_bfloat16(acc * scale);
+          const float v = acc * scale;
+          out[i * s.n + j] = float_to_bfloat16(bv ? v + load_cpu(bias.data, MPG_BFLOAT16, static_cast<size_t>(j)) : v);
         }
       }
     });
   }
   std::string why;
   OrtStatus* st = on_gpu(ctx, "GemmFp8", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, y.data, stream));
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, bv ? bias.data : nullptr, y.data, stream));
     if (rc) why = MPG_GEMM_FP8_ERROR();
     return rc;
   });
@@ -2046,7 +2060,7 @@ const OpSpec kSpecs[] = {
     {"GemmBiasGelu", MPG_FLOAT16, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
     {"GemmBiasGelu", MPG_BFLOAT16, kCpuOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
     // A, B any fp8 type; scaleA, scaleB float32; Y bfloat16 (input_type).
-    {"GemmFp8", MPG_BFLOAT16, kCpuOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
+    {"GemmFp8", MPG_BFLOAT16, kCpuOnly, 5, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
     {"AbsMax", 0, kCpuOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
@@ -2065,7 +2079,7 @@ const OpSpec kSpecs[] = {
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBiasGelu", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
     {"GemmBiasGelu", MPG_BFLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, gemm_bias_gelu_compute},
-    {"GemmFp8", MPG_BFLOAT16, kCudaOnly, 4, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
+    {"GemmFp8", MPG_BFLOAT16, kCudaOnly, 5, 1, {}, {}, false, 1, 0, 1, gemm_fp8_compute},
     {"Fp8Transpose", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_ANY_TYPE, MPG_ANY_TYPE}, false, 1, 0, 1,
      fp8_transpose_compute},
     {"AbsMax", 0, kCudaOnly, 1, 1, {MPG_ANY_TYPE, MPG_ANY_TYPE}, {MPG_FLOAT, MPG_FLOAT}, false, 1, 0, 1, absmax_compute},
@@ -2100,7 +2114,8 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == adam_scalars_compute && index >= 2) return MPG_DOUBLE;  // beta1, beta2, one
   if (spec_of(op).compute == sdpa_backward_compute && index == 5) return MPG_FLOAT;  // Stats
   if (spec_of(op).compute == rotary_compute && index == 3) return MPG_INT64;  // position_ids
-  if (spec_of(op).compute == gemm_fp8_compute) return index < 2 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // A, B fp8; scales
+  if (spec_of(op).compute == gemm_fp8_compute)  // A, B fp8; scales; Bias (the op's type, elem)
+    return index < 2 ? int{MPG_ANY_TYPE} : index < 4 ? int{MPG_FLOAT} : spec_of(op).elem;
   if (spec_of(op).compute == cast_fp8_compute) return index == 0 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // X; scale
   if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
     return index == 0 ? spec_of(op).elem : index == 1 ? MPG_INT64 : MPG_FLOAT;  // logits, labels, stats/count/dloss
@@ -2116,6 +2131,7 @@ size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
 size_t op_outputs(const MpgCustomOp* op) { return spec_of(op).outputs; }
 int input_kind(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == rotary_compute && index == 3) return MPG_OPTIONAL;  // position_ids
+  if (spec_of(op).compute == gemm_fp8_compute && index == 4) return MPG_OPTIONAL;  // Bias
   return spec_of(op).variadic && index + 1 == spec_of(op).inputs ? MPG_VARIADIC : MPG_REQUIRED;
 }
 int output_kind(const MpgCustomOp* op, size_t index) {
