@@ -140,7 +140,7 @@ def test_an_fp8_training_step_is_captured_whole(library, monkeypatch) -> None:
     losses = [[t.step(b).loss for b in batches] for t in (graphed, plain)]
     assert graphed.cuda_graph and dict(graphed.executor.plan.applied)["fp8_gemm"] == 27
     assert b"GemmFp8" in graphed.executor.plan.graph and b"GemmFloat8" not in graphed.executor.plan.graph
-    for op in (b"Fp8Transpose", b"CastToFloat8E4M3FNAmax", b"CastToFloat8E5M2Amax"):
+    for op in (b"Fp8Transpose", b"CastToFloat8E4M3FNAmax", b"CastToFloat8E5M2Amax", b"CastTransposeToFloat8E5M2"):
         assert op in graphed.executor.plan.graph, op
     assert np.isfinite(losses).all()
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
@@ -192,6 +192,41 @@ def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to, dtype, amax) 
     if amax:
         assert got[1] == np.abs(normal.astype({T.FLOAT: np.float32, T.BFLOAT16: ml_dtypes.bfloat16,
                                                T.FLOAT16: np.float16}[dtype]).astype(np.float32)).max()
+
+
+@pytest.mark.parametrize("dtype", [T.BFLOAT16, T.FLOAT16, T.FLOAT])
+@pytest.mark.parametrize("to", [T.FLOAT8E4M3FN, T.FLOAT8E5M2])
+@pytest.mark.parametrize("shape", [(4, 1024, 768), (100, 72), (68, 132), (37, 50)])
+def test_cuda_cast_transpose_equals_the_cpu_reference(library, shape, to, dtype) -> None:
+    """CastTransposeToFloat8* on CUDA (64 x 64 tiles of four-element loads where both dims are
+    multiples of 4, partial tiles at 100 x 72 and 68 x 132; the cast and the byte transpose one
+    after the other at 37 x 50) against the CPU kernel: Q, QT and Amax, every byte, with a NaN
+    and without."""
+    from onnx import helper as h
+
+    from mpgraph import lowering as kernels
+
+    name = "CastTransposeToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastTransposeToFloat8E5M2"
+    rows = int(np.prod(shape[:-1]))
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=dtype), h.make_node(name, ["x", "s"], ["q", "t", "A"], domain="ai.mpgraph"),
+             h.make_node("Cast", ["q"], ["Q"], to=T.FLOAT), h.make_node("Cast", ["t"], ["QT"], to=T.FLOAT)]
+    graph = h.make_graph(nodes, "ct", [h.make_tensor_value_info("X", T.FLOAT, list(shape)), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info("Q", T.FLOAT, list(shape)), h.make_tensor_value_info("QT", T.FLOAT, [shape[-1], rows]),
+                          h.make_tensor_value_info("A", T.FLOAT, [])])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    cpu = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    cuda = _session(model.SerializeToString(), library)
+    x = (np.random.default_rng(rows).standard_normal(shape) * 60).astype(np.float32)
+    for nan in (False, True):
+        if nan:
+            x.reshape(-1)[rows // 2] = np.nan
+        feeds = {"X": x, "s": np.array(4.0, np.float32)}
+        for g, w in zip(cuda.run(None, feeds), cpu.run(None, feeds)):
+            assert g.shape == w.shape and np.array_equal(np.isnan(g), np.isnan(w))
+            np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
 
 
 @pytest.mark.parametrize("shape", [(2048, 768), (4, 1024, 768), (100, 72), (68, 132), (37, 50), (1, 16)])

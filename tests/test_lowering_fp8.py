@@ -255,10 +255,14 @@ def test_the_rewritten_step_computes_what_the_emulated_step_computes(library: bo
     # Each transposed cut: a float32 Transpose and a Cast, or one Fp8Transpose.
     ops = Counter(n.op_type for n in lowered.graph)
     own = sum(n.op_type == "Transpose" for n in step.graph)
-    assert (ops["Fp8Transpose"], ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
+    # (Rule 9: most of them made by their cast, CastTransposeToFloat8*.)
+    made_with_cast = ops["CastTransposeToFloat8E4M3FN"] + ops["CastTransposeToFloat8E5M2"]
+    assert (ops["Fp8Transpose"] + made_with_cast, ops["Transpose"] - own) == ((21, 0) if library else (0, 21)), ops
+    assert made_with_cast == (15 if library else 0), ops
     # Each quantised tensor's amax: ReduceMax(Abs(x)), or one AbsMax, or (rule 7, the delayed
-    # recipe's scale is from earlier steps) the second output of that tensor's CastToFloat8*Amax.
-    read_with_cast = ops["CastToFloat8E4M3FNAmax"] + ops["CastToFloat8E5M2Amax"]
+    # recipe's scale is from earlier steps) an output of that tensor's CastToFloat8*Amax or
+    # CastTransposeToFloat8*.
+    read_with_cast = ops["CastToFloat8E4M3FNAmax"] + ops["CastToFloat8E5M2Amax"] + made_with_cast
     assert (ops["AbsMax"] + read_with_cast, ops["Abs"]) == ((39, 0) if library else (0, 39)), ops
     assert read_with_cast == (30 if library else 0), ops
     # Quantisations whose float32 product nothing else reads: one CastToFloat8* each.
@@ -377,11 +381,13 @@ def test_gemm_fp8_cpu_reference_is_the_fp8_product_rounded_once(fa, fb) -> None:
 
 def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
     """What a product's fp8 operand is, whichever ops made it: (the value quantised, read
-    through a widening of a bf16 value and through a 2-D Transpose, since quantising commutes
-    with it; its scale; transposed or not). A scale input is itself."""
-    transposed, node = False, value.producer()
+    through a widening of a bf16 value, a 2-D Transpose and any Flatten or Reshape, since
+    quantising commutes with them; its scale; transposed or not). A scale input is itself."""
+    transposed, node, read = False, value.producer(), value
     while node is not None:
-        if node.op_type == "Mul" or node.op_type.startswith("CastToFloat8"):
+        if node.op_type.startswith("CastTransposeToFloat8"):  # its second output is Fp8Transpose(q)
+            transposed ^= read is node.outputs[1]
+        if node.op_type == "Mul" or node.op_type.startswith(("CastToFloat8", "CastTransposeToFloat8")):
             x, scale = node.inputs
             widen = x.producer()
             if widen is not None and widen.op_type == "Cast" and widen.inputs[0].dtype == BF16:
@@ -389,11 +395,14 @@ def _quantised(value: ir.Value) -> tuple[str | None, str | None, bool]:
             flip = x.producer()
             if flip is not None and flip.op_type == "Transpose" and x.shape is not None and x.shape.rank() == 2:
                 x, transposed = flip.inputs[0], not transposed
+            while x.producer() is not None and x.producer().op_type in ("Flatten", "Reshape"):  # the same bytes
+                x = x.producer().inputs[0]
             return x.name, scale.name, transposed
         if node.op_type not in ("Fp8Transpose", "Transpose", "Reshape", "Cast"):
             break
         transposed ^= node.op_type in ("Fp8Transpose", "Transpose")
-        node = node.inputs[0].producer()
+        read = node.inputs[0]
+        node = read.producer()
     return value.name, None, transposed
 
 
@@ -447,7 +456,8 @@ def test_with_the_library_bf16_products_read_what_gemm_float8_would_on_gemm_fp8(
     assert fed(with_library, "GemmFp8") == fed(lowered, "GemmFloat8")
     # Every amax is an AbsMax or a CastToFloat8*Amax's second output (rule 7), of the bf16 value
     # itself where the pass widened one to float32.
-    amaxes = [n for n in with_library.graph if n.op_type in ("AbsMax", "CastToFloat8E4M3FNAmax", "CastToFloat8E5M2Amax")]
+    amaxes = [n for n in with_library.graph if n.op_type in ("AbsMax", "CastToFloat8E4M3FNAmax", "CastToFloat8E5M2Amax",
+                                                               "CastTransposeToFloat8E4M3FN", "CastTransposeToFloat8E5M2")]
     assert len(amaxes) == 39 and not any(n.op_type == "Abs" for n in with_library.graph)
     assert sum(n.op_type != "AbsMax" for n in amaxes) > 20
     read = Counter(n.inputs[0].dtype.name for n in amaxes)
@@ -468,10 +478,15 @@ def test_rule_7_reads_each_delayed_amax_with_its_cast_and_leaves_the_current_rec
         lower_fp8_gemms(model, library=True)
         return Counter(n.op_type for n in model.graph)
 
+    def with_cast(ops: Counter) -> int:  # amaxes read by a cast (rule 9 adds the transpose to 22 of them)
+        return sum(ops[f"Cast{how}ToFloat8{fmt}"] for how, fmt in (("", "E4M3FNAmax"), ("", "E5M2Amax"),
+                                                                  ("Transpose", "E4M3FN"), ("Transpose", "E5M2")))
+
     delayed = lowered("fp8")
-    assert (delayed["CastToFloat8E4M3FNAmax"] + delayed["CastToFloat8E5M2Amax"], delayed["AbsMax"]) == (39, 0), delayed
+    assert (with_cast(delayed), delayed["AbsMax"]) == (39, 0), delayed
+    assert delayed["CastTransposeToFloat8E4M3FN"] + delayed["CastTransposeToFloat8E5M2"] == 22, delayed
     current = lowered("extends: bf16\nfp8: {scaling: {recipe: current}}\n")
-    assert (current["CastToFloat8E4M3FNAmax"] + current["CastToFloat8E5M2Amax"], current["AbsMax"]) == (0, 39), current
+    assert (with_cast(current), current["AbsMax"]) == (0, 39), current
 
 
 @pytest.mark.parametrize("to", [E4M3, E5M2])
@@ -500,6 +515,37 @@ def test_cast_to_float8_amax_is_the_cast_and_the_absmax_in_one(to) -> None:
         assert y1.tobytes() == y2.tobytes() and a1.tobytes() == a2.tobytes()
     assert np.isnan(session.run(None, {"X": every, "s": np.array(4.0, np.float32)})[1])
     assert a1 == 0.0 and session.run(None, {"X": normal, "s": np.array(4.0, np.float32)})[1] == 300.0  # bf16 of 300.7
+
+
+@pytest.mark.parametrize("to", [E4M3, E5M2])
+def test_cast_transpose_to_float8_is_the_cast_and_its_transpose_in_one(to) -> None:
+    """CastTransposeToFloat8*'s CPU kernel: Q and Amax are CastToFloat8*Amax's, QT is
+    Fp8Transpose(Q) (leading dims flattened), bit for bit, on a 3-D bf16 input with a NaN, an
+    infinity and values past the format's range."""
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    name = "CastToFloat8E4M3FN" if to == E4M3 else "CastToFloat8E5M2"
+    nodes = [h.make_node("Cast", ["X"], ["x"], to=T.BFLOAT16),
+             h.make_node(name.replace("CastTo", "CastTransposeTo"), ["x", "s"], ["q1", "t1", "A1"], domain="ai.mpgraph"),
+             h.make_node(name + "Amax", ["x", "s"], ["q2", "A2"], domain="ai.mpgraph"),
+             h.make_node("Fp8Transpose", ["q2"], ["t2"], domain="ai.mpgraph")]
+    nodes += [h.make_node("Cast", [v], [v.upper()], to=T.FLOAT) for v in ("q1", "t1", "q2", "t2")]
+    outs = ["Q1", "T1", "A1", "Q2", "T2", "A2"]
+    graph = h.make_graph(nodes, "c", [h.make_tensor_value_info("X", T.FLOAT, [3, 5, 8]), h.make_tensor_value_info("s", T.FLOAT, [])],
+                         [h.make_tensor_value_info(v, T.FLOAT, None) for v in outs])
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
+    model.ir_version = 10
+    session = cpu_session(model.SerializeToString(), library=True)
+    x = (np.random.default_rng(0).standard_normal((3, 5, 8)) * 100).astype(np.float32)
+    x[0, 0, :3] = [np.inf, -1e6, 3e-4]
+    for nan in (False, True):
+        x[2, 4, 7] = np.nan if nan else 1.0
+        got = dict(zip(outs, session.run(None, {"X": x, "s": np.array(4.0, np.float32)})))
+        assert got["T1"].shape == (8, 15) and got["Q1"].shape == (3, 5, 8)
+        for a, b in (("Q1", "Q2"), ("T1", "T2"), ("A1", "A2")):
+            assert got[a].tobytes() == got[b].tobytes(), a
+        assert np.isnan(got["A1"]) == nan
 
 
 def test_absmax_cpu_reference_is_the_largest_magnitude_and_nan_wins() -> None:

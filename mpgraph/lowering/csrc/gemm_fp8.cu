@@ -255,6 +255,86 @@ int launch_cast_fp8(const void* x, int64_t n, const float* scale, void* q, int t
   return 0;
 }
 
+// Four consecutive elements of x (16-byte aligned for float32, 8-byte for the two-byte types) as float32.
+__device__ __forceinline__ void load4(const float* x, float v[4]) {
+  const float4 w = *reinterpret_cast<const float4*>(x);
+  v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+}
+__device__ __forceinline__ void load4(const __nv_bfloat16* x, float v[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(x);
+  v[0] = __uint_as_float(w.x << 16), v[1] = __uint_as_float(w.x & 0xffff0000u);
+  v[2] = __uint_as_float(w.y << 16), v[3] = __uint_as_float(w.y & 0xffff0000u);
+}
+__device__ __forceinline__ void load4(const __half* x, float v[4]) {
+  const uint2 w = *reinterpret_cast<const uint2*>(x);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&w.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&w.y));
+  v[0] = a.x, v[1] = a.y, v[2] = b.x, v[3] = b.y;
+}
+
+// q = fp8(x * s) [rows, cols], qt = q^T [cols, rows] and *amax = max |x| (atomicMax on its bits;
+// the launch zeroes it) in one read of x: the fp8 operand a GemmFp8 reads as it is and the one
+// another reads transposed (rule 9). 64 x 64 tiles, blocks of 16 x 16 threads: each thread
+// converts four elements of four tile rows (one 8- or 16-byte load of x each), writes their four
+// bytes to q as one word and to the tile; after the barrier, one word of four qt rows, as
+// transpose_words. Rows and cols multiples of 4 and aligned buffers (the launch checks).
+template <typename T>
+__global__ void cast_transpose_fp8(const T* __restrict__ x, int64_t rows, int64_t cols, const float* __restrict__ scale,
+                                   __nv_fp8_interpretation_t kind, uint32_t* __restrict__ q, uint32_t* __restrict__ qt,
+                                   unsigned* __restrict__ amax) {
+  __shared__ uint8_t tile[64][68];
+  __shared__ unsigned warps[8];
+  const float s = *scale;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 64, c0 = static_cast<int64_t>(blockIdx.y) * 64;
+  const int64_t rows4 = rows / 4, cols4 = cols / 4;
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  unsigned m = 0;
+  for (int i = ty; i < 64; i += 16) {  // tile row i: x row r0 + i, elements c0 + 4 tx .. + 3
+    const int64_t r = r0 + i, c4 = c0 / 4 + tx;
+    if (r < rows && c4 < cols4) {
+      float v[4];
+      load4(x + r * cols + 4 * c4, v);
+      uint32_t w = 0;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        m = max(m, magnitude(v[j]));
+        const uint8_t b = __nv_cvt_float_to_fp8(__fmul_rn(v[j], s), __NV_SATFINITE, kind);
+        tile[i][4 * tx + j] = b;
+        w |= static_cast<uint32_t>(b) << (8 * j);
+      }
+      q[r * cols4 + c4] = w;
+    }
+  }
+  __syncthreads();
+  for (int i = ty; i < 64; i += 16) {  // qt row c0 + i (x column), bytes r0 + 4 tx .. + 3 (x rows)
+    const int64_t yr = c0 + i, yc4 = r0 / 4 + tx;
+    if (yr < cols && yc4 < rows4)
+      qt[yr * rows4 + yc4] = static_cast<uint32_t>(tile[4 * tx][i]) | static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
+                             static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
+                             static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
+  }
+  const int lane = (ty * 16 + tx) % 32, warp = (ty * 16 + tx) / 32;
+  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+  if (lane == 0) warps[warp] = m;
+  __syncthreads();
+  if (warp == 0) {
+    m = lane < 8 ? warps[lane] : 0;
+    for (int offset = 4; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+    if (lane == 0) atomicMax(amax, m);
+  }
+}
+
+template <typename T>
+int launch_cast_transpose_fp8(const void* x, int64_t rows, int64_t cols, const float* scale, void* q, void* qt, int to,
+                              float* amax, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((rows + 63) / 64), static_cast<unsigned>((cols + 63) / 64)), block(16, 16);
+  cast_transpose_fp8<T><<<grid, block, 0, stream>>>(static_cast<const T*>(x), rows, cols, scale,
+                                                    to == 19 ? __NV_E5M2 : __NV_E4M3, static_cast<uint32_t*>(q),
+                                                    static_cast<uint32_t*>(qt), reinterpret_cast<unsigned*>(amax));
+  if (cudaError_t err = cudaGetLastError()) return fail("cast_transpose_fp8 launch", static_cast<int>(err));
+  return 0;
+}
+
 }  // namespace
 
 extern "C" const char* mpg_gemm_fp8_last_error() { return g_error.c_str(); }
@@ -268,6 +348,24 @@ extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float
   if (type == 16) return launch_cast_fp8<__nv_bfloat16>(x, n, scale, q, to, amax, stream);
   if (type == 10) return launch_cast_fp8<__half>(x, n, scale, q, to, amax, stream);
   return launch_cast_fp8<float>(x, n, scale, q, to, amax, stream);
+}
+
+extern "C" int mpg_cast_transpose_fp8_cuda(const void* x, int type, int64_t rows, int64_t cols, const float* scale,
+                                           void* q, void* qt, int to, float* amax, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const size_t size = type == 1 ? 4 : 2;
+  const bool tiles = rows % 4 == 0 && cols % 4 == 0 && reinterpret_cast<uintptr_t>(x) % (4 * size) == 0 &&
+                     reinterpret_cast<uintptr_t>(q) % 4 == 0 && reinterpret_cast<uintptr_t>(qt) % 4 == 0 &&
+                     (cols + 63) / 64 <= 65535;
+  if (!tiles) {  // the cast (with its amax), then the transpose
+    if (int rc = mpg_cast_fp8_cuda(x, type, rows * cols, scale, q, to, amax, stream_ptr)) return rc;
+    return mpg_transpose_bytes_cuda(q, qt, rows, cols, stream_ptr);
+  }
+  if (cudaError_t err = cudaMemsetAsync(amax, 0, sizeof(float), stream)) return fail("cast_transpose_fp8 amax memset", static_cast<int>(err));
+  if (rows <= 0 || cols <= 0) return 0;
+  if (type == 16) return launch_cast_transpose_fp8<__nv_bfloat16>(x, rows, cols, scale, q, qt, to, amax, stream);
+  if (type == 10) return launch_cast_transpose_fp8<__half>(x, rows, cols, scale, q, qt, to, amax, stream);
+  return launch_cast_transpose_fp8<float>(x, rows, cols, scale, q, qt, to, amax, stream);
 }
 
 extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, void* stream_ptr) {

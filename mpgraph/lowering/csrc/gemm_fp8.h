@@ -41,3 +41,10 @@ extern "C" int mpg_absmax_cuda(const void* x, int type, int64_t n, float* out, v
 // memory, else nullptr), also *amax = max |x[i]| as mpg_absmax_cuda computes it, in the same read.
 extern "C" int mpg_cast_fp8_cuda(const void* x, int type, int64_t n, const float* scale, void* q, int to, float* amax,
                                  void* stream);
+
+// mpg_cast_fp8_cuda with ``amax`` of x [rows, cols] (its leading dims flattened) and, in the same
+// pass, qt [cols, rows] = q^T: the quantised operand one GemmFp8 reads as it is and another
+// transposed (rule 9), where the cast and Fp8Transpose read x and q apart. Tiles of 64 x 64 where
+// rows and cols are multiples of 4, else the cast and the byte transpose one after the other.
+extern "C" int mpg_cast_transpose_fp8_cuda(const void* x, int type, int64_t rows, int64_t cols, const float* scale,
+                                           void* q, void* qt, int to, float* amax, void* stream);

@@ -1868,6 +1868,55 @@ OrtStatus* cast_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   return st;
 }
 
+// CastTransposeToFloat8E4M3FN(X, scale) -> (Q, QT, Amax), CastTransposeToFloat8E5M2: Q and Amax as
+// CastToFloat8*Amax, and QT [cols, rows] = Q^T with X's leading dims flattened into rows (as
+// Fp8Transpose(Q)), from one read of X: an fp8 operand one GemmFp8 reads as it is and another
+// transposed (fp8_gemm.py rule 9). CUDA with cuBLASLt builds only, as GemmFp8.
+OrtStatus* cast_transpose_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
+  const Kernel& kernel = *static_cast<Kernel*>(kernel_ptr);
+  Tensor x, scale, q, qt, amax;
+  if (OrtStatus* st = input(ctx, 0, &x)) return st;
+  if (OrtStatus* st = input(ctx, 1, &scale)) return st;
+  if (x.type != MPG_FLOAT && x.type != MPG_FLOAT16 && x.type != MPG_BFLOAT16)
+    return status("CastTransposeToFloat8: X must be float32, float16 or bfloat16");
+  if (x.dims.size() < 2) return status("CastTransposeToFloat8: X must have two dims or more");
+  if (scale.type != MPG_FLOAT || scale.count != 1) return status("CastTransposeToFloat8: scale must be one float32");
+  const int64_t cols = x.dims.back(), rows = cols ? static_cast<int64_t>(x.count) / cols : 0;
+  if (OrtStatus* st = output(ctx, 0, x.dims, &q)) return st;
+  if (OrtStatus* st = output(ctx, 1, {cols, rows}, &qt)) return st;
+  if (OrtStatus* st = output(ctx, 2, {}, &amax)) return st;
+  const int to = q.type;
+  if (!kernel.cuda) {
+    const float s = scale.data[0];
+    uint8_t* out = reinterpret_cast<uint8_t*>(q.data);
+    uint8_t* flipped = reinterpret_cast<uint8_t*>(qt.data);
+    uint32_t m = 0;
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) {
+        const size_t i = static_cast<size_t>(r * cols + c);
+        const float v = load_cpu(x.data, x.type, i);
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof(bits));
+        m = std::max(m, bits & 0x7fffffffu);
+        out[i] = flipped[c * rows + r] = float_to_fp8(v * s, to);
+      }
+    std::memcpy(amax.data, &m, sizeof(m));
+    return nullptr;
+  }
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, "CastTransposeToFloat8", [&](void* stream) {
+    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_transpose_fp8_cuda(x.data, x.type, rows, cols, scale.data, q.data, qt.data, to,
+                                                                 amax.data, stream));
+    if (rc) why = MPG_GEMM_FP8_ERROR();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status("CastTransposeToFloat8: " + why);
+  }
+  return st;
+}
+
 // AbsMax(X) -> amax: max |x| over every element of X (float32, float16 or bfloat16) as a float32
 // scalar, a NaN winning (compared as the bits of |x|), 0 for an empty X: ReduceMax(Abs(X)) in one
 // read of X, the amax of an fp8 tensor (fp8_gemm.py rule 6). CUDA with cuBLASLt builds only, as
@@ -2074,6 +2123,9 @@ const OpSpec kSpecs[] = {
     // The same and Amax, float32 (output_type).
     {"CastToFloat8E4M3FNAmax", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E5M2Amax", MPG_FLOAT8E5M2, kCpuOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    // The same, QT and Amax float32 (output_type).
+    {"CastTransposeToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCpuOnly, 2, 3, {}, {}, false, 1, 0, 1, cast_transpose_fp8_compute},
+    {"CastTransposeToFloat8E5M2", MPG_FLOAT8E5M2, kCpuOnly, 2, 3, {}, {}, false, 1, 0, 1, cast_transpose_fp8_compute},
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUBLASLT)
     {"GemmBias", MPG_FLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
     {"GemmBias", MPG_BFLOAT16, kCudaOnly, 3, 1, {}, {}, false, 1, 0, 1, gemm_bias_compute},
@@ -2087,6 +2139,8 @@ const OpSpec kSpecs[] = {
     {"CastToFloat8E5M2", MPG_FLOAT8E5M2, kCudaOnly, 2, 1, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E4M3FNAmax", MPG_FLOAT8E4M3FN, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
     {"CastToFloat8E5M2Amax", MPG_FLOAT8E5M2, kCudaOnly, 2, 2, {}, {}, false, 1, 0, 1, cast_fp8_compute},
+    {"CastTransposeToFloat8E4M3FN", MPG_FLOAT8E4M3FN, kCudaOnly, 2, 3, {}, {}, false, 1, 0, 1, cast_transpose_fp8_compute},
+    {"CastTransposeToFloat8E5M2", MPG_FLOAT8E5M2, kCudaOnly, 2, 3, {}, {}, false, 1, 0, 1, cast_transpose_fp8_compute},
 #endif
 #if defined(MPG_WITH_CUDA) && defined(MPG_WITH_CUDNN)
     {"SdpaForward", MPG_FLOAT16, kCudaOnly, 3, 2, {}, {}, false, 1, 0, 1, sdpa_forward_compute},
@@ -2116,7 +2170,8 @@ int input_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == rotary_compute && index == 3) return MPG_INT64;  // position_ids
   if (spec_of(op).compute == gemm_fp8_compute)  // A, B fp8; scales; Bias (the op's type, elem)
     return index < 2 ? int{MPG_ANY_TYPE} : index < 4 ? int{MPG_FLOAT} : spec_of(op).elem;
-  if (spec_of(op).compute == cast_fp8_compute) return index == 0 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // X; scale
+  if (spec_of(op).compute == cast_fp8_compute || spec_of(op).compute == cast_transpose_fp8_compute)
+    return index == 0 ? int{MPG_ANY_TYPE} : int{MPG_FLOAT};  // X; scale
   if (spec_of(op).compute == ce_rows_compute || spec_of(op).compute == ce_rows_grad_compute)
     return index == 0 ? spec_of(op).elem : index == 1 ? MPG_INT64 : MPG_FLOAT;  // logits, labels, stats/count/dloss
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).inputs, spec_of(op).in_types);
@@ -2125,6 +2180,7 @@ int output_type(const MpgCustomOp* op, size_t index) {
   if (spec_of(op).compute == sdpa_forward_compute && index == 1) return MPG_FLOAT;  // Stats
   if (spec_of(op).compute == ce_rows_compute) return MPG_FLOAT;  // loss, stats, count
   if (spec_of(op).compute == cast_fp8_compute && index == 1) return MPG_FLOAT;  // Amax
+  if (spec_of(op).compute == cast_transpose_fp8_compute && index == 2) return MPG_FLOAT;  // Amax
   return spec_of(op).elem ? spec_of(op).elem : typed(index, spec_of(op).outputs, spec_of(op).out_types);
 }
 size_t op_inputs(const MpgCustomOp* op) { return spec_of(op).inputs; }
