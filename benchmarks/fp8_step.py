@@ -362,6 +362,9 @@ def main() -> None:
     print(report(rows, args.steps, args.rounds))
 
 
+#: Issue 29's lines: fp8 at least this much faster than bf16 (on a GEMM-heavy model), and its loss
+#: after the steps within this fraction of bf16's.
+SPEEDUP_LIMIT, LOSS_LIMIT = 1.3, 0.02
 #: The loss curve under the table: the mean loss of each window of this many steps.
 CURVE_WINDOW = 20
 
@@ -380,13 +383,20 @@ def report(rows: list[dict[str, object]], steps: int, rounds: int) -> str:
              + f"  (loss: mean of the last 10 of {steps} steps; ms: median of rounds 2..{rounds})"]
     for r in rows:
         b, f, q = r["bf16"], r["fp8"], r.get("bf16 plain")  # type: ignore[union-attr]
-        line = (f"{r['model']:7s} {b['ms']:9.2f} {f['ms']:9.2f} {b['ms'] / f['ms']:7.2f}x {b['loss_last10']:10.4f} "  # type: ignore[index]
+        line = (f"{r['model']:7s} {b['ms']:9.2f} {f['ms']:9.2f} {b['ms'] / f['ms']:7.3f}x {b['loss_last10']:10.4f} "  # type: ignore[index]
                 f"{f['loss_last10']:10.4f} {f['loss_last10'] / b['loss_last10']:10.4f}")  # type: ignore[index]
         if plain:
             line += f" {q['ms']:14.2f} {q['ms'] / f['ms']:8.2f}x" if q else f" {'-':>14s} {'-':>9s}"  # type: ignore[index]
         finite = all(side["finite"] for side in (b, f, q) if side)  # type: ignore[index]
         lines.append(line + ("" if r["interleaved"] else "  (sides one after the other)")
                      + ("" if finite else "  NON-FINITE LOSS"))
+    lines.append("\nissue 29's lines (speedup on a GEMM-heavy model; loss within 2% of bf16's after the steps):")
+    for r in rows:
+        b, f = r["bf16"], r["fp8"]  # type: ignore[index]
+        speedup, ratio = b["ms"] / f["ms"], f["loss_last10"] / b["loss_last10"]  # type: ignore[index]
+        lines.append(f"{r['model']:7s} speedup {speedup:.3f}x (>= {SPEEDUP_LIMIT}: "
+                     f"{'held' if speedup >= SPEEDUP_LIMIT else 'MISSED'}{'' if r['interleaved'] else ', sides apart'}); "
+                     f"loss ratio {ratio:.4f} (within {LOSS_LIMIT:.0%}: {'held' if abs(ratio - 1) <= LOSS_LIMIT else 'MISSED'})")
     lines.append(f"\nloss curves: the mean loss of each {CURVE_WINDOW} steps")
     for r in rows:
         for label in ("bf16", "fp8", "bf16 plain"):
