@@ -22,7 +22,7 @@ from mpgraph.lowering.match import DOMAIN, hand_over, is_op
 
 __all__ = ["CAST_OPS", "absorb_output_transposes", "cancel_fp8_transposes", "quantise_before_transposes"]
 
-#: The library's fp8 quantisation of each format (``fp8_gemm._fuse_scale_casts`` writes them).
+#: The library's fp8 quantisation of each format (``fp8_fuse.fuse_scale_casts`` writes them).
 CAST_OPS = {ir.DataType.FLOAT8E4M3FN: "CastToFloat8E4M3FN", ir.DataType.FLOAT8E5M2: "CastToFloat8E5M2"}
 
 
