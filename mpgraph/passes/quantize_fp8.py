@@ -43,6 +43,8 @@ _HISTORY = "fp8/amax_history"
 MAX_CONCAT_INPUTS = 32
 #: Ops that only move or re-type data: an operand read through them is the same tensor.
 _MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
+#: Data movement a backward product reads a saved activation through (its data is input 0).
+_VIEWS = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze"})
 _NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
 
 
@@ -214,7 +216,14 @@ class _Quantizer:
         """Rule 2 (and rule 3 at the tensor's first operand): the fp8 bits and the dequantised operand."""
         key = tensor.key
         wide = _lowered_float32(value)
-        if wide is None:
+        viewed = _viewed_float32(value) if wide is None and tensor.kind == "forward" else None
+        if viewed is not None:  # a saved activation: the float32 value the forward quantised, moved as read here
+            wide, moves = viewed
+            for move in moves:
+                attrs = {a.name: a.value for a in move.attributes.values()}
+                wide = b.op(move.op_type, wide, *move.inputs[1:], name=f"{key}/float32_{move.op_type.lower()}", **attrs)
+                wide.dtype, wide.shape = ir.DataType.FLOAT, move.outputs[0].shape
+        elif wide is None:
             wide = value if value.dtype == ir.DataType.FLOAT else b.cast_float(value, f"{key}/float32")
         if tensor.scale is None:
             self._scale(b, wide, tensor)
@@ -372,6 +381,25 @@ def _lowered_float32(value: ir.Value) -> ir.Value | None:
         return None
     source = producer.inputs[0]
     return source if source is not None and source.dtype == ir.DataType.FLOAT else None
+
+
+def _viewed_float32(value: ir.Value) -> tuple[ir.Value, list[ir.Node]] | None:
+    """The float32 value behind a policy-boundary cast that ``value`` reaches through data
+    movement (``_VIEWS``), and those moves, innermost first; else ``None``. The backward reads a
+    saved activation as the forward's product read it, flattened or transposed: quantised from
+    the same float32 value, it is the forward's fp8 tensor moved, not a second rounding of its
+    bf16 copy (which can differ where the bf16 rounding lands on an fp8 tie)."""
+    moves: list[ir.Node] = []
+    while True:
+        producer = value.producer()
+        if producer is None or producer.domain not in ("", "ai.onnx") or producer.op_type not in _VIEWS \
+                or not producer.inputs or producer.inputs[0] is None:
+            return None
+        moves.append(producer)
+        value = producer.inputs[0]
+        wide = _lowered_float32(value)
+        if wide is not None:
+            return wide, moves[::-1]
 
 
 def _is_cast(node: ir.Node | None, to: ir.DataType, inserted: str) -> bool:
