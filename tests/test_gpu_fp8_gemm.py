@@ -51,6 +51,25 @@ def _session(model: bytes, custom_ops: str | None, graph: bool = False) -> ort.I
     return ort.InferenceSession(model, options, providers=[provider])
 
 
+def _cuda_equals_cpu(model: bytes, library: str, feeds: list[dict[str, np.ndarray]]) -> list[np.ndarray]:
+    """``model`` on CUDA with ``library`` and on the CPU with the library's CPU kernels, for each of
+    ``feeds``: every output the same shape and values, NaN where NaN. Returns the CUDA outputs of
+    the last feeds."""
+    from mpgraph import lowering as kernels
+
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(kernels.library("cpu")))
+    cpu = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    cuda = _session(model, library)
+    got: list[np.ndarray] = []
+    for f in feeds:
+        got, want = cuda.run(None, f), cpu.run(None, f)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.array_equal(np.isnan(g), np.isnan(w))
+            np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
+    return got
+
+
 def _feeds(m: int, n: int, k: int) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(m + n + k)
     return {"A": rng.standard_normal((m, k)).astype(np.float32) * 4, "B": rng.standard_normal((n, k)).astype(np.float32),
@@ -163,8 +182,6 @@ def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to, dtype, amax) 
     float16 or float32; then normal values without a NaN, whose amax is a number."""
     from onnx import helper as h
 
-    from mpgraph import lowering as kernels
-
     name = ("CastToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastToFloat8E5M2") + ("Amax" if amax else "")
     n = 2**16 + 5
     nodes = [h.make_node("Cast", ["X"], ["x"], to=dtype),
@@ -175,20 +192,11 @@ def test_cuda_cast_to_float8_equals_the_cpu_reference(library, to, dtype, amax) 
                          outputs)
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    cpu = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    cuda = _session(model.SerializeToString(), library)
     rng = np.random.default_rng(0)
     every = np.concatenate([(np.arange(2**16, dtype=np.uint32) << 16).view(np.float32), rng.standard_normal(5).astype(np.float32)])
     normal = rng.standard_normal(n).astype(np.float32)
     normal[rng.integers(n)] = -300.5
-    for x in (every, normal):
-        feeds = {"X": x, "s": np.array(4.0, np.float32)}
-        got, want = cuda.run(None, feeds), cpu.run(None, feeds)
-        for g, w in zip(got, want):
-            assert np.array_equal(np.isnan(g), np.isnan(w))
-            np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
+    got = _cuda_equals_cpu(model.SerializeToString(), library, [{"X": x, "s": np.array(4.0, np.float32)} for x in (every, normal)])
     if amax:
         assert got[1] == np.abs(normal.astype({T.FLOAT: np.float32, T.BFLOAT16: ml_dtypes.bfloat16,
                                                T.FLOAT16: np.float16}[dtype]).astype(np.float32)).max()
@@ -204,8 +212,6 @@ def test_cuda_cast_transpose_equals_the_cpu_reference(library, shape, to, dtype)
     and without."""
     from onnx import helper as h
 
-    from mpgraph import lowering as kernels
-
     name = "CastTransposeToFloat8E4M3FN" if to == T.FLOAT8E4M3FN else "CastTransposeToFloat8E5M2"
     rows = int(np.prod(shape[:-1]))
     nodes = [h.make_node("Cast", ["X"], ["x"], to=dtype), h.make_node(name, ["x", "s"], ["q", "t", "A"], domain="ai.mpgraph"),
@@ -215,18 +221,10 @@ def test_cuda_cast_transpose_equals_the_cpu_reference(library, shape, to, dtype)
                           h.make_tensor_value_info("A", T.FLOAT, [])])
     model = h.make_model(graph, opset_imports=[h.make_opsetid("", 21), h.make_opsetid("ai.mpgraph", 1)])
     model.ir_version = 10
-    options = ort.SessionOptions()
-    options.register_custom_ops_library(str(kernels.library("cpu")))
-    cpu = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
-    cuda = _session(model.SerializeToString(), library)
     x = (np.random.default_rng(rows).standard_normal(shape) * 60).astype(np.float32)
-    for nan in (False, True):
-        if nan:
-            x.reshape(-1)[rows // 2] = np.nan
-        feeds = {"X": x, "s": np.array(4.0, np.float32)}
-        for g, w in zip(cuda.run(None, feeds), cpu.run(None, feeds)):
-            assert g.shape == w.shape and np.array_equal(np.isnan(g), np.isnan(w))
-            np.testing.assert_array_equal(g[~np.isnan(g)], w[~np.isnan(w)])
+    with_nan = x.copy()
+    with_nan.reshape(-1)[rows // 2] = np.nan
+    _cuda_equals_cpu(model.SerializeToString(), library, [{"X": v, "s": np.array(4.0, np.float32)} for v in (x, with_nan)])
 
 
 @pytest.mark.parametrize("shape", [(2048, 768), (4, 1024, 768), (100, 72), (68, 132), (37, 50), (1, 16)])

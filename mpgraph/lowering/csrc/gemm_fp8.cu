@@ -131,6 +131,22 @@ __global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restri
   }
 }
 
+// The 64 x 64 byte tile of x rows r0.. and columns c0.. (tile[i][j]: row r0 + i, column c0 + j),
+// stored transposed into y [cols, rows] by a block of 16 x 16 threads: each thread one 32-bit word
+// (four x rows) of four y rows. Rows and cols multiples of 4; the caller synchronised the block.
+__device__ __forceinline__ void store_tile_transposed(const uint8_t (*tile)[68], uint32_t* __restrict__ y, int64_t r0,
+                                                      int64_t c0, int64_t rows, int64_t cols) {
+  const int tx = threadIdx.x, ty = threadIdx.y;
+  const int64_t rows4 = rows / 4;
+  for (int i = ty; i < 64; i += 16) {  // y row c0 + i (x column), bytes r0 + 4 tx .. + 3 (x rows)
+    const int64_t yr = c0 + i, yc4 = r0 / 4 + tx;
+    if (yr < cols && yc4 < rows4)
+      y[yr * rows4 + yc4] = static_cast<uint32_t>(tile[4 * tx][i]) | static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
+                            static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
+                            static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
+  }
+}
+
 // The same transpose four bytes at a time, for rows and columns that are multiples of 4 and
 // 4-byte aligned buffers (every fp8 GEMM operand: its dims are multiples of 16): 64 x 64 tiles,
 // blocks of 16 x 16 threads, each thread loading one 32-bit word of four tile rows and storing
@@ -139,7 +155,7 @@ __global__ void transpose_bytes(const uint8_t* __restrict__ x, uint8_t* __restri
 __global__ void transpose_words(const uint32_t* __restrict__ x, uint32_t* __restrict__ y, int64_t rows, int64_t cols) {
   __shared__ uint8_t tile[64][68];
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 64, c0 = static_cast<int64_t>(blockIdx.y) * 64;
-  const int64_t rows4 = rows / 4, cols4 = cols / 4;
+  const int64_t cols4 = cols / 4;
   const int tx = threadIdx.x, ty = threadIdx.y;
   for (int i = ty; i < 64; i += 16) {  // tile row i: x row r0 + i, bytes c0 + 4 tx .. + 3
     const int64_t r = r0 + i, c4 = c0 / 4 + tx;
@@ -152,13 +168,7 @@ __global__ void transpose_words(const uint32_t* __restrict__ x, uint32_t* __rest
     }
   }
   __syncthreads();
-  for (int i = ty; i < 64; i += 16) {  // y row c0 + i (x column), bytes r0 + 4 tx .. + 3 (x rows)
-    const int64_t yr = c0 + i, yc4 = r0 / 4 + tx;
-    if (yr < cols && yc4 < rows4)
-      y[yr * rows4 + yc4] = static_cast<uint32_t>(tile[4 * tx][i]) | static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
-                            static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
-                            static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
-  }
+  store_tile_transposed(tile, y, r0, c0, rows, cols);
 }
 
 // |x| as the bits of a non-negative float32: larger values have larger bits, NaN above inf.
@@ -170,20 +180,27 @@ __device__ __forceinline__ unsigned abs_bits(const void* x, int type, int64_t i)
   return bits & 0x7fffffffu;
 }
 
+// *out = max(*out, the largest m of the block's threads): a warp shuffle, the warps' maxima
+// through shared memory, one atomicMax a block. ``tid`` is the thread's index in the block,
+// ``threads`` the block's size (a multiple of 32, at most 1024); every thread calls it.
+__device__ __forceinline__ void block_max_into(unsigned m, unsigned* out, int tid, int threads) {
+  __shared__ unsigned warps[32];
+  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+  if (tid % 32 == 0) warps[tid / 32] = m;
+  __syncthreads();
+  if (tid < 32) {
+    m = tid < threads / 32 ? warps[tid] : 0;
+    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
+    if (tid == 0) atomicMax(out, m);
+  }
+}
+
 __global__ void absmax(const void* __restrict__ x, int type, int64_t n, unsigned* __restrict__ out) {
   unsigned m = 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
     m = max(m, abs_bits(x, type, i));
-  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-  __shared__ unsigned warps[32];
-  if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    m = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0;
-    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-    if (threadIdx.x == 0) atomicMax(out, m);
-  }
+  block_max_into(m, out, threadIdx.x, blockDim.x);
 }
 
 __device__ __forceinline__ float widen(float v) { return v; }
@@ -224,17 +241,7 @@ __global__ void cast_fp8(const T* __restrict__ x, int64_t n, int64_t vecs, const
     if (kAmax) m = max(m, magnitude(f));
     q[i] = __nv_cvt_float_to_fp8(__fmul_rn(f, s), __NV_SATFINITE, kind);
   }
-  if constexpr (kAmax) {
-    for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-    __shared__ unsigned warps[32];
-    if (threadIdx.x % 32 == 0) warps[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-      m = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0;
-      for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-      if (threadIdx.x == 0) atomicMax(amax, m);
-    }
-  }
+  if constexpr (kAmax) block_max_into(m, amax, threadIdx.x, blockDim.x);
 }
 
 template <typename T>
@@ -283,10 +290,9 @@ __global__ void cast_transpose_fp8(const T* __restrict__ x, int64_t rows, int64_
                                    __nv_fp8_interpretation_t kind, uint32_t* __restrict__ q, uint32_t* __restrict__ qt,
                                    unsigned* __restrict__ amax) {
   __shared__ uint8_t tile[64][68];
-  __shared__ unsigned warps[8];
   const float s = *scale;
   const int64_t r0 = static_cast<int64_t>(blockIdx.x) * 64, c0 = static_cast<int64_t>(blockIdx.y) * 64;
-  const int64_t rows4 = rows / 4, cols4 = cols / 4;
+  const int64_t cols4 = cols / 4;
   const int tx = threadIdx.x, ty = threadIdx.y;
   unsigned m = 0;
   for (int i = ty; i < 64; i += 16) {  // tile row i: x row r0 + i, elements c0 + 4 tx .. + 3
@@ -306,22 +312,8 @@ __global__ void cast_transpose_fp8(const T* __restrict__ x, int64_t rows, int64_
     }
   }
   __syncthreads();
-  for (int i = ty; i < 64; i += 16) {  // qt row c0 + i (x column), bytes r0 + 4 tx .. + 3 (x rows)
-    const int64_t yr = c0 + i, yc4 = r0 / 4 + tx;
-    if (yr < cols && yc4 < rows4)
-      qt[yr * rows4 + yc4] = static_cast<uint32_t>(tile[4 * tx][i]) | static_cast<uint32_t>(tile[4 * tx + 1][i]) << 8 |
-                             static_cast<uint32_t>(tile[4 * tx + 2][i]) << 16 |
-                             static_cast<uint32_t>(tile[4 * tx + 3][i]) << 24;
-  }
-  const int lane = (ty * 16 + tx) % 32, warp = (ty * 16 + tx) / 32;
-  for (int offset = 16; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-  if (lane == 0) warps[warp] = m;
-  __syncthreads();
-  if (warp == 0) {
-    m = lane < 8 ? warps[lane] : 0;
-    for (int offset = 4; offset > 0; offset /= 2) m = max(m, __shfl_down_sync(0xffffffffu, m, offset));
-    if (lane == 0) atomicMax(amax, m);
-  }
+  store_tile_transposed(tile, qt, r0, c0, rows, cols);
+  block_max_into(m, amax, ty * 16 + tx, 256);
 }
 
 template <typename T>

@@ -141,6 +141,23 @@ OrtStatus* on_gpu(OrtKernelContext* ctx, const std::string& name, Launch launch)
 #endif
 }
 
+// on_gpu, where a nonzero return of ``launch`` comes with a message from its CUDA file (``error()``,
+// that file's last error): the status names the op and gives that message.
+template <typename Launch, typename Error>
+OrtStatus* on_gpu_or(OrtKernelContext* ctx, const std::string& name, Launch launch, Error error) {
+  std::string why;
+  OrtStatus* st = on_gpu(ctx, name, [&](void* stream) {
+    const int rc = launch(stream);
+    if (rc) why = error();
+    return rc;
+  });
+  if (st && !why.empty()) {
+    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
+    return status(name + ": " + why);
+  }
+  return st;
+}
+
 }  // namespace
 
 #ifdef MPG_WITH_CUDA
@@ -1357,17 +1374,7 @@ void sdpa_backward_group(const SdpaShape& s, const float* const* t, float* const
 // sdpa.cu's message.
 template <typename Launch>
 OrtStatus* sdpa_on_gpu(OrtKernelContext* ctx, const std::string& name, Launch launch) {
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, name, [&](void* stream) {
-    const int rc = launch(stream);
-    if (rc) why = MPG_SDPA_ERROR();
-    return rc;
-  });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status(name + ": " + why);
-  }
-  return st;
+  return on_gpu_or(ctx, name, launch, [] { return MPG_SDPA_ERROR(); });
 }
 
 // Q, K, V (and, for the backward, Y and dY) read and checked; Stats' dims.
@@ -1652,19 +1659,9 @@ OrtStatus* gemm_bias_run(void* kernel_ptr, OrtKernelContext* ctx, bool gelu) {
       gemm_bias_rows(s, t[0], b, t[2], y.data, gelu ? pre.data : nullptr, r0, std::min(s.m, r0 + per));
     });
   }
-  std::string why;
-  const std::string name = gelu ? "GemmBiasGelu" : "GemmBias";
-  OrtStatus* st = on_gpu(ctx, name, [&](void* stream) {
-    const int rc = MPG_GEMM_BIAS_CUDA(mpg_gemm_bias_cuda(&s, t[0].data, t[1].data, t[2].data, y.data,
-                                                         gelu ? pre.data : nullptr, stream));
-    if (rc) why = MPG_GEMM_BIAS_ERROR();
-    return rc;
-  });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status(name + ": " + why);
-  }
-  return st;
+  return on_gpu_or(ctx, gelu ? "GemmBiasGelu" : "GemmBias", [&](void* stream) {
+    return MPG_GEMM_BIAS_CUDA(mpg_gemm_bias_cuda(&s, t[0].data, t[1].data, t[2].data, y.data, gelu ? pre.data : nullptr, stream));
+  }, [] { return MPG_GEMM_BIAS_ERROR(); });
 }
 
 OrtStatus* gemm_bias_compute(void* k, OrtKernelContext* c) { return gemm_bias_run(k, c, false); }
@@ -1689,6 +1686,12 @@ OrtStatus* gemm_bias_gelu_compute(void* k, OrtKernelContext* c) { return gemm_bi
 #endif
 
 enum { MPG_FLOAT8E4M3FN = 17, MPG_FLOAT8E5M2 = 19 };
+
+// on_gpu for the fp8 ops, with gemm_fp8.cu's message.
+template <typename Launch>
+OrtStatus* fp8_on_gpu(OrtKernelContext* ctx, const std::string& name, Launch launch) {
+  return on_gpu_or(ctx, name, launch, [] { return MPG_GEMM_FP8_ERROR(); });
+}
 
 // One fp8 byte as float32 (exact): e4m3fn (bias 7, no infinities, S.1111.111 NaN) or e5m2 (bias
 // 15, the top byte of a float16).
@@ -1752,17 +1755,9 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
       }
     });
   }
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, "GemmFp8", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, bv ? bias.data : nullptr, y.data, stream));
-    if (rc) why = MPG_GEMM_FP8_ERROR();
-    return rc;
+  return fp8_on_gpu(ctx, "GemmFp8", [&](void* stream) {
+    return MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, bv ? bias.data : nullptr, y.data, stream));
   });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("GemmFp8: " + why);
-  }
-  return st;
 }
 
 // Fp8Transpose(X) -> Y: X's leading dims flattened into rows, Y [cols, rows] = X [rows, cols]^T,
@@ -1785,17 +1780,17 @@ OrtStatus* fp8_transpose_compute(void* kernel_ptr, OrtKernelContext* ctx) {
       for (int64_t c = 0; c < cols; ++c) out[c * rows + r] = in[r * cols + c];
     return nullptr;
   }
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, "Fp8Transpose", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_transpose_bytes_cuda(in, out, rows, cols, stream));
-    if (rc) why = MPG_GEMM_FP8_ERROR();
-    return rc;
+  return fp8_on_gpu(ctx, "Fp8Transpose", [&](void* stream) {
+    return MPG_GEMM_FP8_CUDA(mpg_transpose_bytes_cuda(in, out, rows, cols, stream));
   });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("Fp8Transpose: " + why);
-  }
-  return st;
+}
+
+// |v| as the bits of a non-negative float32: larger values have larger bits, a NaN above infinity
+// (the order AbsMax's maximum is taken in).
+uint32_t magnitude_bits(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits & 0x7fffffffu;
 }
 
 // float32 -> fp8 (e4m3fn: 3 mantissa bits, bias 7, max 448; e5m2: 2, 15, 57344) rounded to nearest
@@ -1846,26 +1841,16 @@ OrtStatus* cast_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     uint32_t m = 0;
     for (size_t i = 0; i < x.count; ++i) {
       const float v = load_cpu(x.data, x.type, i);
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      m = std::max(m, bits & 0x7fffffffu);
+      m = std::max(m, magnitude_bits(v));
       out[i] = float_to_fp8(v * s, to);
     }
     if (with_amax) std::memcpy(amax.data, &m, sizeof(m));
     return nullptr;
   }
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, "CastToFloat8", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_fp8_cuda(x.data, x.type, static_cast<int64_t>(x.count), scale.data, y.data, to,
+  return fp8_on_gpu(ctx, "CastToFloat8", [&](void* stream) {
+    return MPG_GEMM_FP8_CUDA(mpg_cast_fp8_cuda(x.data, x.type, static_cast<int64_t>(x.count), scale.data, y.data, to,
                                                        with_amax ? amax.data : nullptr, stream));
-    if (rc) why = MPG_GEMM_FP8_ERROR();
-    return rc;
   });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("CastToFloat8: " + why);
-  }
-  return st;
 }
 
 // CastTransposeToFloat8E4M3FN(X, scale) -> (Q, QT, Amax), CastTransposeToFloat8E5M2: Q and Amax as
@@ -1895,26 +1880,16 @@ OrtStatus* cast_transpose_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
       for (int64_t c = 0; c < cols; ++c) {
         const size_t i = static_cast<size_t>(r * cols + c);
         const float v = load_cpu(x.data, x.type, i);
-        uint32_t bits;
-        std::memcpy(&bits, &v, sizeof(bits));
-        m = std::max(m, bits & 0x7fffffffu);
+        m = std::max(m, magnitude_bits(v));
         out[i] = flipped[c * rows + r] = float_to_fp8(v * s, to);
       }
     std::memcpy(amax.data, &m, sizeof(m));
     return nullptr;
   }
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, "CastTransposeToFloat8", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_cast_transpose_fp8_cuda(x.data, x.type, rows, cols, scale.data, q.data, qt.data, to,
+  return fp8_on_gpu(ctx, "CastTransposeToFloat8", [&](void* stream) {
+    return MPG_GEMM_FP8_CUDA(mpg_cast_transpose_fp8_cuda(x.data, x.type, rows, cols, scale.data, q.data, qt.data, to,
                                                                  amax.data, stream));
-    if (rc) why = MPG_GEMM_FP8_ERROR();
-    return rc;
   });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("CastTransposeToFloat8: " + why);
-  }
-  return st;
 }
 
 // AbsMax(X) -> amax: max |x| over every element of X (float32, float16 or bfloat16) as a float32
@@ -1930,26 +1905,13 @@ OrtStatus* absmax_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   if (OrtStatus* st = output(ctx, 0, {}, &y)) return st;
   if (!kernel.cuda) {
     uint32_t m = 0;
-    for (size_t i = 0; i < x.count; ++i) {
-      const float v = load_cpu(x.data, x.type, i);
-      uint32_t bits;
-      std::memcpy(&bits, &v, sizeof(bits));
-      m = std::max(m, bits & 0x7fffffffu);
-    }
+    for (size_t i = 0; i < x.count; ++i) m = std::max(m, magnitude_bits(load_cpu(x.data, x.type, i)));
     std::memcpy(y.data, &m, sizeof(m));
     return nullptr;
   }
-  std::string why;
-  OrtStatus* st = on_gpu(ctx, "AbsMax", [&](void* stream) {
-    const int rc = MPG_GEMM_FP8_CUDA(mpg_absmax_cuda(x.data, x.type, static_cast<int64_t>(x.count), y.data, stream));
-    if (rc) why = MPG_GEMM_FP8_ERROR();
-    return rc;
+  return fp8_on_gpu(ctx, "AbsMax", [&](void* stream) {
+    return MPG_GEMM_FP8_CUDA(mpg_absmax_cuda(x.data, x.type, static_cast<int64_t>(x.count), y.data, stream));
   });
-  if (st && !why.empty()) {
-    mpg_slot<void (*)(OrtStatus*)>(g_api, kReleaseStatus)(st);
-    return status("AbsMax: " + why);
-  }
-  return st;
 }
 
 // RotaryEmbedding(X, cos_cache, sin_cache[, position_ids]) -> Y: ONNX's RotaryEmbedding (opset 23,
