@@ -13,20 +13,31 @@ import onnx_ir as ir
 
 from mpgraph._ir import meta as md
 from mpgraph.lowering.fp8_layout import CAST_OPS
-from mpgraph.lowering.match import DOMAIN, hand_over, is_op
+from mpgraph.lowering.match import DOMAIN, hand_over, is_op, same_dim
 
-__all__ = ["LOW_OR_FLOAT", "cast_to", "fuse_amaxes", "fuse_biases", "fuse_cast_amaxes", "fuse_cast_transposes",
+__all__ = ["LOW_OR_FLOAT", "cast_target", "fuse_amaxes", "fuse_biases", "fuse_cast_amaxes", "fuse_cast_transposes",
            "fuse_scale_casts", "share_saved_casts"]
 
 #: The dtypes an fp8 product's operands and output come in.
 LOW_OR_FLOAT = (ir.DataType.BFLOAT16, ir.DataType.FLOAT16, ir.DataType.FLOAT)
 
 
-def cast_to(node: ir.Node | None) -> ir.DataType | None:
+def cast_target(node: ir.Node | None) -> ir.DataType | None:
+    """The type a ``Cast`` node casts to (``None`` for any other node)."""
     if not is_op(node, "Cast"):
         return None
     attr = node.attributes.get("to")  # type: ignore[union-attr]
     return ir.DataType(attr.as_int()) if attr is not None else None
+
+
+def _unwidened(x: ir.Value) -> tuple[ir.Value, ir.Node | None]:
+    """``(v, widening)`` where ``x`` is ``Cast(v, float)`` of a bf16/fp16 ``v`` (the same numbers,
+    half the bytes to read), else ``(x, None)``."""
+    widen = x.producer()
+    if cast_target(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
+            and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
+        return widen.inputs[0], widen  # type: ignore[union-attr,return-value]
+    return x, None
 
 
 def fuse_amaxes(graph: ir.Graph) -> int:
@@ -47,10 +58,7 @@ def fuse_amaxes(graph: ir.Graph) -> int:
         x = absolute.inputs[0]  # type: ignore[union-attr]
         if x is None or x.dtype not in LOW_OR_FLOAT:
             continue
-        widen = x.producer()  # |float32(v)| of a bf16/fp16 v is |v|: read v, half the bytes
-        if cast_to(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
-                and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
-            x = widen.inputs[0]  # type: ignore[union-attr]
+        x, _ = _unwidened(x)  # |float32(v)| of a bf16/fp16 v is |v|: read v, half the bytes
         fused = ir.node("AbsMax", [x], domain=DOMAIN, name=f"{node.name}/AbsMax", metadata_props=dict(node.metadata_props))
         graph.insert_before(node, fused)
         hand_over(node.outputs, fused.outputs)
@@ -66,7 +74,7 @@ def fuse_scale_casts(graph: ir.Graph) -> int:
     is ``Cast(v, float)`` of a bf16/fp16 ``v``; how many."""
     count = 0
     for node in list(graph):
-        to = cast_to(node)
+        to = cast_target(node)
         if to not in CAST_OPS or node.attributes.get_int("saturate", 1) != 1 or node.inputs[0] is None:
             continue
         scaled = node.inputs[0]
@@ -77,10 +85,7 @@ def fuse_scale_casts(graph: ir.Graph) -> int:
         if x is None or scale is None or x.dtype != ir.DataType.FLOAT or scale.dtype != ir.DataType.FLOAT \
                 or scale.shape is None or scale.shape.rank() != 0:
             continue
-        widen = x.producer()
-        if cast_to(widen) == ir.DataType.FLOAT and widen.inputs[0] is not None \
-                and widen.inputs[0].dtype in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):  # type: ignore[union-attr]
-            x = widen.inputs[0]  # type: ignore[union-attr]
+        x, widen = _unwidened(x)
         fused = ir.node(CAST_OPS[to], [x, scale], domain=DOMAIN, name=f"{node.name}/{CAST_OPS[to]}",
                         metadata_props=dict(node.metadata_props))
         graph.insert_before(node, fused)
@@ -150,10 +155,6 @@ def fuse_cast_amaxes(graph: ir.Graph) -> int:
     return count
 
 
-def _same_dim(a: object, b: object) -> bool:
-    return a == b if isinstance(a, int) or isinstance(b, int) else a is not None and str(a) == str(b)
-
-
 def share_saved_casts(graph: ir.Graph) -> int:
     """Rule 9, first half: the backward's quantisation of a saved activation,
     ``CastToFloat8*(Flatten/Reshape(x), s)`` with the forward's scale ``s``, is the forward's own
@@ -170,7 +171,7 @@ def share_saved_casts(graph: ir.Graph) -> int:
         if view is None or view.op_type not in ("Flatten", "Reshape") or view.domain not in ("", "ai.onnx"):
             continue
         x = view.inputs[0]
-        if x is None or x.shape is None or v.shape is None or not _same_dim(x.shape[-1], v.shape[-1]):
+        if x is None or x.shape is None or v.shape is None or not same_dim(x.shape[-1], v.shape[-1]):
             continue
         q = cast.outputs[0]
         readers = list(q.uses())

@@ -112,7 +112,7 @@ import onnx_ir as ir
 from mpgraph._ir import meta as md
 from mpgraph.lowering.fp8_fuse import (
     LOW_OR_FLOAT,
-    cast_to,
+    cast_target,
     fuse_amaxes,
     fuse_biases,
     fuse_cast_amaxes,
@@ -172,7 +172,7 @@ def _operand(value: ir.Value | None, entries: list[dict[str, str]]) -> _Operand 
         return None
     chain: list[ir.Node] = []
     node = value.producer()
-    if cast_to(node) in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):
+    if cast_target(node) in (ir.DataType.BFLOAT16, ir.DataType.FLOAT16):
         chain.append(node)  # type: ignore[arg-type]
         node = node.inputs[0].producer() if node.inputs[0] is not None else None  # type: ignore[union-attr]
     if not is_op(node, "Mul"):
@@ -181,11 +181,11 @@ def _operand(value: ir.Value | None, entries: list[dict[str, str]]) -> _Operand 
     chain.append(mul)  # type: ignore[arg-type]
     for back, inv in (mul.inputs, mul.inputs[::-1]):  # type: ignore[union-attr]
         widen = back.producer() if back is not None else None
-        if inv is None or cast_to(widen) != ir.DataType.FLOAT:
+        if inv is None or cast_target(widen) != ir.DataType.FLOAT:
             continue
         bits = widen.inputs[0]  # type: ignore[union-attr]
         quantise = bits.producer() if bits is not None else None
-        if bits is None or bits.dtype not in _FP8 or cast_to(quantise) != bits.dtype:
+        if bits is None or bits.dtype not in _FP8 or cast_target(quantise) != bits.dtype:
             continue
         if not any(e.get("fp8") == bits.name and e.get("scale_inv") == inv.name for e in entries):
             continue
@@ -439,24 +439,17 @@ def lower_fp8_gemms(model: ir.Model, library: bool = False) -> int:
     for node in products:
         lowerer.lower(node)
     lowerer.sweep()
-    amaxes = fuse_amaxes(graph) if lowerer.library else 0
-    casts = fuse_scale_casts(graph) if lowerer.library else 0
-    moved = quantise_before_transposes(graph) if lowerer.library else 0
-    cancelled = cancel_fp8_transposes(graph) if lowerer.library else 0
-    absorbed = absorb_output_transposes(graph) if lowerer.library else 0
-    one_pass = fuse_cast_amaxes(graph) if lowerer.library else 0
-    biases = fuse_biases(graph) if lowerer.library else 0
-    shared = share_saved_casts(graph) if lowerer.library else 0
-    cut_with_cast = fuse_cast_transposes(graph) if lowerer.library else 0
+    rules = (fuse_amaxes, fuse_scale_casts, quantise_before_transposes, cancel_fp8_transposes, absorb_output_transposes,
+             fuse_cast_amaxes, fuse_biases, share_saved_casts, fuse_cast_transposes)  # rules 6-9, in this order
+    counts = [rule(graph) for rule in rules] if lowerer.library else [0] * len(rules)
     if lowerer.count > lowerer.library_count:
         model.opset_imports.setdefault(MS_DOMAIN, 1)
-    if lowerer.library_count or amaxes:
+    if lowerer.library_count or counts[0]:  # the library's AbsMax, even where no product is on GemmFp8
         model.opset_imports.setdefault(DOMAIN, 1)
     logger.info("fp8_gemm: %d of %d fp8 products native (%d on the library's GemmFp8, the others on GemmFloat8); "
                 "left emulated: %s; %d amaxes as AbsMax, %d quantisations as CastToFloat8*; %d float transposes "
                 "quantised before (%d fp8 transpose pairs cancelled); %d output transposes absorbed; %d amaxes read with "
                 "their cast; %d biases in GemmFp8's epilogue; %d saved activations' casts shared with the forward's, "
                 "%d fp8 transposes made with their cast", lowerer.count, len(products), lowerer.library_count,
-                dict(sorted(lowerer.skipped.items())) or "none", amaxes, casts, moved, cancelled, absorbed, one_pass,
-                biases, shared, cut_with_cast)
+                dict(sorted(lowerer.skipped.items())) or "none", *counts)
     return lowerer.count

@@ -32,7 +32,7 @@ from mpgraph._ir.names import NameScope
 __all__ = [
     "DOMAIN", "cast_to", "constant", "consts", "emulated", "fuse_muls", "hand_over", "initializer", "interior", "is_scalar",
     "link",
-    "one_reader", "only_reader", "perm", "producer", "readers", "remove_dead", "replace", "same_shape",
+    "one_reader", "only_reader", "perm", "producer", "readers", "remove_dead", "replace", "same_dim", "same_shape",
     "scalar_constant", "single_reader", "swap_backward", "uses",
 ]
 
@@ -92,6 +92,13 @@ def same_shape(*values: ir.Value) -> bool:
         len(v.shape) == len(first) and all(not isinstance(d, int) or d == f for d, f in zip(v.shape, first))  # type: ignore[arg-type]
         for v in values[1:]
     )
+
+
+def same_dim(a: object, b: object) -> bool:
+    """Two dims known to be equal: the same size, or the same named symbolic dim."""
+    if isinstance(a, int):
+        return a == b
+    return isinstance(a, ir.SymbolicDim) and a.value is not None and a == b
 
 
 def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:

@@ -27,7 +27,7 @@ import onnx_ir as ir
 
 from mpgraph._ir.links import GradientBlock, gradient_blocks
 from mpgraph._ir.meta import NODE_ROLE, Role
-from mpgraph.lowering.match import DOMAIN, emulated, swap_backward
+from mpgraph.lowering.match import DOMAIN, emulated, same_dim, swap_backward
 
 __all__ = ["fuse_softmax_grad"]
 
@@ -55,15 +55,9 @@ def _pv_node(softmax: ir.Node) -> ir.Node | None:
         return None
     v = node.inputs[1]
     if v is None or v.shape is None or len(v.shape) != rank or not all(
-            _same_dim(a, b) for a, b in zip(list(p.shape)[:-2], list(v.shape)[:-2])):  # type: ignore[arg-type]
+            same_dim(a, b) for a, b in zip(list(p.shape)[:-2], list(v.shape)[:-2])):  # type: ignore[arg-type]
         return None
     return node
-
-
-def _same_dim(a: object, b: object) -> bool:
-    if isinstance(a, int):
-        return a == b
-    return isinstance(a, ir.SymbolicDim) and a.value is not None and a == b
 
 
 def _operands(block: GradientBlock, blocks: dict[ir.Node, GradientBlock]) -> tuple | None:

@@ -44,7 +44,7 @@ MAX_CONCAT_INPUTS = 32
 #: Ops that only move or re-type data: an operand read through them is the same tensor.
 _MOVES = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze", "Cast"})
 #: Data movement a backward product reads a saved activation through (its data is input 0).
-_VIEWS = frozenset({"Transpose", "Reshape", "Flatten", "Identity", "Squeeze", "Unsqueeze"})
+_VIEWS = _MOVES - {"Cast"}
 _NUMPY = {ir.DataType.FLOAT8E4M3FN: ml_dtypes.float8_e4m3fn, ir.DataType.FLOAT8E5M2: ml_dtypes.float8_e5m2}
 
 

@@ -73,6 +73,17 @@ OrtStatus* input(OrtKernelContext* ctx, size_t index, Tensor* out) {
   return describe(value, out);
 }
 
+// An optional input: ``*present`` says whether the node has it (``out`` described only then).
+OrtStatus* optional_input(OrtKernelContext* ctx, size_t index, Tensor* out, bool* present) {
+  size_t count = 0;
+  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count);
+  const OrtValue* value = nullptr;
+  if (count > index)
+    if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContext_GetInput)(ctx, index, &value)) return st;
+  *present = value != nullptr;
+  return value ? describe(value, out) : nullptr;
+}
+
 OrtStatus* output(OrtKernelContext* ctx, size_t index, const std::vector<int64_t>& dims, Tensor* out) {
   OrtValue* value = nullptr;
   OrtStatus* st = mpg_slot<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(g_api, kKernelContext_GetOutput)(
@@ -1721,17 +1732,12 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
     return status("GemmFp8: scaleA and scaleB must be one float32 each");
   const int64_t k = t[1].dims[1], m = k ? static_cast<int64_t>(t[0].count) / k : 0;
   // Bias (optional): bfloat16 [N], added to the float32 result before its one rounding.
-  size_t count = 0;
-  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count);
-  const OrtValue* bv = nullptr;
-  if (count > 4)
-    if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContext_GetInput)(ctx, 4, &bv)) return st;
   Tensor bias;
-  if (bv)
-    if (OrtStatus* st = describe(bv, &bias)) return st;
-  if (bv && (bias.type != MPG_BFLOAT16 || bias.dims.size() != 1 || bias.dims[0] != t[1].dims[0]))
+  bool has_bias = false;
+  if (OrtStatus* st = optional_input(ctx, 4, &bias, &has_bias)) return st;
+  if (has_bias && (bias.type != MPG_BFLOAT16 || bias.dims.size() != 1 || bias.dims[0] != t[1].dims[0]))
     return status("GemmFp8: Bias must be bfloat16 [N]");
-  GemmFp8Shape s{m, t[1].dims[0], k, kernel.gemm_alpha, t[0].type, t[1].type, bv != nullptr};
+  GemmFp8Shape s{m, t[1].dims[0], k, kernel.gemm_alpha, t[0].type, t[1].type, has_bias};
   if (OrtStatus* st = output(ctx, 0, {s.m, s.n}, &y)) return st;
   if (y.count == 0) return nullptr;
   if (!kernel.cuda) {
@@ -1750,13 +1756,13 @@ OrtStatus* gemm_fp8_compute(void* kernel_ptr, OrtKernelContext* ctx) {
           float acc = 0.0f;
           for (int64_t kk = 0; kk < s.k; ++kk) acc += row[kk] * bf[j * s.k + kk];
           const float v = acc * scale;
-          out[i * s.n + j] = float_to_bfloat16(bv ? v + load_cpu(bias.data, MPG_BFLOAT16, static_cast<size_t>(j)) : v);
+          out[i * s.n + j] = float_to_bfloat16(has_bias ? v + load_cpu(bias.data, MPG_BFLOAT16, static_cast<size_t>(j)) : v);
         }
       }
     });
   }
   return fp8_on_gpu(ctx, "GemmFp8", [&](void* stream) {
-    return MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, bv ? bias.data : nullptr, y.data, stream));
+    return MPG_GEMM_FP8_CUDA(mpg_gemm_fp8_cuda(&s, t[0].data, t[1].data, t[2].data, t[3].data, has_bias ? bias.data : nullptr, y.data, stream));
   });
 }
 
@@ -1965,14 +1971,9 @@ OrtStatus* rotary_compute(void* kernel_ptr, OrtKernelContext* ctx) {
   Tensor x, c, s, pos, y;
   for (auto [i, t] : {std::pair<size_t, Tensor*>{0, &x}, {1, &c}, {2, &s}})
     if (OrtStatus* st = input(ctx, i, t)) return st;
-  size_t count = 0;
-  mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t*)>(g_api, kKernelContext_GetInputCount)(ctx, &count);
-  const OrtValue* pv = nullptr;
-  if (count > 3)
-    if (OrtStatus* st = mpg_slot<OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**)>(g_api, kKernelContext_GetInput)(ctx, 3, &pv)) return st;
-  if (pv)
-    if (OrtStatus* st = describe(pv, &pos)) return st;
-  const Tensor* pp = pv ? &pos : nullptr;
+  bool has_pos = false;
+  if (OrtStatus* st = optional_input(ctx, 3, &pos, &has_pos)) return st;
+  const Tensor* pp = has_pos ? &pos : nullptr;
   if (c.type != x.type || s.type != x.type || s.dims != c.dims) return status("RotaryEmbedding: cos/sin caches must match X's type and each other");
   RotaryShape p{};
   int64_t rows = 0;
